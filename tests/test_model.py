@@ -227,3 +227,21 @@ def test_tiny_model_learns_a_fixed_batch(injection):
         optimizer.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0] / 2, (losses[0], losses[-1])
+
+
+def test_checkpoint_round_trip_and_clear_errors(tmp_path):
+    from model import find_checkpoint, load_checkpoint, save_checkpoint
+    model = randomized(Parcae(tiny_config(injection="concat", mu_rec=3))).eval()
+    save_checkpoint(tmp_path / "runs" / "a" / "ckpt_000010.pt", model, step=10)
+    path = find_checkpoint(tmp_path / "runs")
+    assert path.name == "ckpt_000010.pt" and not list(tmp_path.rglob("*.tmp"))
+    loaded, ckpt = load_checkpoint(path)
+    assert ckpt["step"] == 10 and loaded.config == model.config
+    idx = torch.randint(0, 97, (1, 8))
+    h0 = torch.randn(1, 8, 64)
+    torch.testing.assert_close(loaded(idx, h0=h0), model(idx, h0=h0))
+    with pytest.raises(FileNotFoundError, match="train one first"):
+        find_checkpoint(tmp_path / "runs", run="missing")
+    (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="corrupt"):
+        load_checkpoint(tmp_path / "bad.pt")
