@@ -1,0 +1,581 @@
+"""
+Everything between raw text and the (x, y) batches that train.py consumes (SPEC 2).
+
+The steps, each one command:
+
+    python data.py download -n 8                        # FineWeb-Edu: 7 train shards + the last shard (validation)
+    python data.py tokenizer --data=fineweb-edu         # train the 32,768-token BPE on ~2B characters, cache it
+    python data.py loader --data=stdlib --vocab-size=4096 --seq-len=2048   # loader throughput and cropped share
+
+A data source (`--data`) is one of
+    fineweb-edu   the 100b-shuffle parquet shards nanochat uses, under $NANOPARCAE_BASE_DIR/fineweb-edu;
+                  the highest-numbered shard on disk is the validation split
+    stdlib        this interpreter's standard-library .py files, one document per file: no download needed
+    PATH or GLOB  your own .txt (one document per blank-line-separated paragraph), .jsonl (field "text")
+                  or .parquet (column "text") files, or a folder holding them
+For stdlib and your own files, a fixed ~5% of documents (chosen by a hash of their text) is validation.
+
+Everything is cached under $NANOPARCAE_BASE_DIR (default ~/.cache/nanoparcae).
+"""
+
+import argparse
+import base64
+import bisect
+import collections
+import glob
+import hashlib
+import itertools
+import json
+import math
+import os
+import queue
+import random
+import re
+import sys
+import sysconfig
+import threading
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import NamedTuple
+
+import pyarrow.parquet as pq
+import requests
+import rustbpe
+import tiktoken
+import torch
+
+FINEWEB_URL = "https://huggingface.co/datasets/karpathy/fineweb-edu-100b-shuffle/resolve/main"
+FINEWEB_LAST_SHARD = 1822  # SPEC 5: shards 0..1822
+SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>"]
+# SPEC 2: a GPT-4 style split pattern; like nanochat we group digits by 1-2 (GPT-4: 1-3), which wastes
+# fewer tokens on numbers at small vocab sizes
+SPLIT_PATTERN = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
+VAL_EVERY = 20  # stdlib and user files: a document is validation iff crc32(text) % 20 == 0 (~5%)
+FILES_PER_CHUNK = 64  # text files are read (and shared across ranks) in groups of this many
+
+
+def get_base_dir():
+    base_dir = Path(os.environ.get("NANOPARCAE_BASE_DIR", Path.home() / ".cache" / "nanoparcae")).expanduser()
+    base_dir.mkdir(parents=True, exist_ok=True)
+    return base_dir
+
+
+def fineweb_dir():
+    path = get_base_dir() / "fineweb-edu"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+# -----------------------------------------------------------------------------
+# Tokenizer: trained with rustbpe, run with tiktoken (SPEC 2: byte-level BPE, GPT-4 split, <|bos|> etc.)
+
+class Tokenizer:
+    """A tiktoken.Encoding plus the byte length of every token (bits per byte needs it)."""
+
+    def __init__(self, enc, token_bytes):
+        self.enc = enc
+        self.token_bytes = token_bytes  # int32 (vocab_size,): UTF-8 bytes each id decodes to, 0 for specials
+        self.bos_id = enc.encode_single_token("<|bos|>")
+        self.vocab_size = enc.n_vocab
+
+    @classmethod
+    def from_ranks(cls, mergeable_ranks, pattern):
+        # specials take the ids right after the learned tokens, in SPECIAL_TOKENS order
+        specials = {name: len(mergeable_ranks) + i for i, name in enumerate(SPECIAL_TOKENS)}
+        enc = tiktoken.Encoding("nanoparcae", pat_str=pattern, mergeable_ranks=mergeable_ranks, special_tokens=specials)
+        token_bytes = torch.zeros(enc.n_vocab, dtype=torch.int32)
+        for token, rank in mergeable_ranks.items():
+            token_bytes[rank] = len(token)
+        return cls(enc, token_bytes)
+
+    @classmethod
+    def train(cls, text_iterator, vocab_size, max_chars=2_000_000_000, doc_cap=10_000):
+        """Train on at most max_chars characters, each document cut to doc_cap (SPEC 2: ~2B chars, 10k cap).
+        vocab_size counts the special tokens."""
+        num_merged = vocab_size - len(SPECIAL_TOKENS)
+        if num_merged < 256:
+            raise ValueError(f"vocab_size {vocab_size} is too small: it needs 256 byte tokens + {len(SPECIAL_TOKENS)} specials")
+
+        def capped():
+            seen = 0
+            for text in text_iterator:
+                text = text[:doc_cap]
+                yield text
+                seen += len(text)
+                if seen >= max_chars:
+                    return
+
+        bpe = rustbpe.Tokenizer()
+        bpe.train_from_iterator(capped(), num_merged, pattern=SPLIT_PATTERN)
+        return cls.from_ranks({bytes(token): rank for token, rank in bpe.get_mergeable_ranks()}, bpe.get_pattern())
+
+    def save(self, directory):
+        """tiktoken's own text format ("base64(token) rank" per line), no pickle."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        ranks = self.enc._mergeable_ranks
+        lines = (f"{base64.b64encode(token).decode()} {rank}\n" for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]))
+        (directory / "tokenizer.tiktoken").write_text("".join(lines))
+        config = {"pattern": self.enc._pat_str, "special_tokens": self.enc._special_tokens}
+        (directory / "tokenizer.json").write_text(json.dumps(config, indent=1))
+        (directory / "token_bytes.txt").write_text("".join(f"{n}\n" for n in self.token_bytes.tolist()))
+
+    @classmethod
+    def load(cls, directory):
+        directory = Path(directory)
+        ranks = {}
+        for line in (directory / "tokenizer.tiktoken").read_text().splitlines():
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+        config = json.loads((directory / "tokenizer.json").read_text())
+        enc = tiktoken.Encoding("nanoparcae", pat_str=config["pattern"], mergeable_ranks=ranks,
+                                special_tokens=config["special_tokens"])
+        token_bytes = torch.tensor([int(n) for n in (directory / "token_bytes.txt").read_text().split()], dtype=torch.int32)
+        assert len(token_bytes) == enc.n_vocab, f"{directory}/token_bytes.txt does not match the vocabulary"
+        return cls(enc, token_bytes)
+
+    def encode(self, text, prepend_bos=False, num_threads=8):
+        """A string gives a list of ids, a list of strings a list of lists (encoded on num_threads threads).
+        Special tokens never come out of text: "<|bos|>" written in a document is ordinary characters."""
+        prefix = [self.bos_id] if prepend_bos else []
+        if isinstance(text, str):
+            return prefix + self.enc.encode_ordinary(text)
+        return [prefix + ids for ids in self.enc.encode_ordinary_batch(text, num_threads=num_threads)]
+
+    def decode(self, ids):
+        return self.enc.decode(ids)
+
+
+def tokenizer_dir(source, vocab_size):
+    if source in ("fineweb-edu", "stdlib"):
+        # a different interpreter has a different standard library, hence a different corpus
+        name = source if source == "fineweb-edu" else f"stdlib-py{sys.version_info.major}{sys.version_info.minor}"
+    else:
+        name = "files-" + hashlib.sha1(str(Path(source).expanduser().resolve()).encode()).hexdigest()[:10]
+    return get_base_dir() / "tokenizers" / f"{name}-{vocab_size}"
+
+
+def get_tokenizer(source, vocab_size, max_chars=2_000_000_000, doc_cap=10_000):
+    """The cached tokenizer for this source and vocab size, trained on the source's train split on first use."""
+    directory = tokenizer_dir(source, vocab_size)
+    if not (directory / "token_bytes.txt").exists():
+        print(f"Training a {vocab_size}-token tokenizer on {source} (train split, <= {max_chars:,} chars) ...")
+        t0 = time.time()
+        tokenizer = Tokenizer.train(iter_documents(source, "train"), vocab_size, max_chars, doc_cap)
+        # save under a private name and rename, so a crash or a concurrent rank never sees half a tokenizer
+        scratch = directory.with_name(f"{directory.name}.{os.getpid()}.tmp")
+        tokenizer.save(scratch)
+        try:
+            scratch.rename(directory)
+        except OSError:  # another process finished first: keep its copy
+            for path in scratch.iterdir():
+                path.unlink()
+            scratch.rmdir()
+        print(f"Trained in {time.time() - t0:.1f}s, saved to {directory}")
+    return Tokenizer.load(directory)
+
+# -----------------------------------------------------------------------------
+# FineWeb-Edu shards: download with retries, a temporary name and a parquet check
+
+def shard_name(index):
+    return f"shard_{index:05d}.parquet"
+
+
+def download_shard(index, base_url=FINEWEB_URL, max_attempts=5, retry_delay=1.0):
+    path = fineweb_dir() / shard_name(index)
+    if path.exists():  # only complete, checked shards ever get the final name
+        print(f"Skipping {path.name} (already there)")
+        return path
+    url = f"{base_url.rstrip('/')}/{path.name}"
+    partial = path.with_name(path.name + ".tmp")
+    for attempt in range(1, max_attempts + 1):
+        try:
+            with requests.get(url, stream=True, timeout=30) as response:
+                if 400 <= response.status_code < 500:  # permanent: retrying will not help
+                    raise SystemExit(f"{url} answered HTTP {response.status_code}: check --base-url and that "
+                                     f"the shard index is in 0..{FINEWEB_LAST_SHARD}")
+                response.raise_for_status()
+                with open(partial, "wb") as f:
+                    for block in response.iter_content(chunk_size=1 << 20):
+                        f.write(block)
+            break
+        except requests.RequestException as e:
+            partial.unlink(missing_ok=True)
+            if attempt == max_attempts:
+                raise SystemExit(f"could not download {url} after {max_attempts} attempts ({e}); check the network or --base-url")
+            delay = retry_delay * 2 ** (attempt - 1)
+            print(f"{path.name}: attempt {attempt}/{max_attempts} failed ({e}), retrying in {delay:.1f}s")
+            time.sleep(delay)
+    try:
+        columns = pq.read_metadata(partial).schema.names
+    except Exception as e:
+        partial.unlink()
+        raise SystemExit(f"{url} is not a valid parquet file ({e}); deleted it, check --base-url and download again")
+    if "text" not in columns:
+        partial.unlink()
+        raise SystemExit(f"{url} has no 'text' column (columns: {columns}); deleted it, check --base-url")
+    partial.rename(path)
+    print(f"Downloaded {path.name}")
+    return path
+
+
+def download_shards(indices, base_url=FINEWEB_URL, num_workers=4, max_attempts=5, retry_delay=1.0):
+    print(f"Downloading {len(indices)} shards from {base_url} to {fineweb_dir()} with {num_workers} workers")
+    with ThreadPoolExecutor(num_workers) as pool:
+        return list(pool.map(lambda i: download_shard(i, base_url, max_attempts, retry_delay), indices))
+
+# -----------------------------------------------------------------------------
+# Data sources: a split is a list of chunks (a parquet row group, or a group of text files), each a list of documents
+
+class Chunk(NamedTuple):
+    paths: tuple  # the files read together
+    row_group: int  # parquet row group, -1 for text files
+    keep: str | None  # keep only documents of this split by the hash rule ("train"/"val"), None: keep all
+
+
+def is_val_document(text):
+    return zlib.crc32(text.encode("utf-8", "ignore")) % VAL_EVERY == 0
+
+
+def stdlib_files():
+    root = sysconfig.get_paths()["stdlib"]
+    return sorted(path for path in glob.glob(os.path.join(root, "**", "*.py"), recursive=True)
+                  if "site-packages" not in path and "dist-packages" not in path)
+
+
+def user_files(pattern):
+    path = Path(pattern).expanduser()
+    found = glob.glob(str(path / "**" / "*"), recursive=True) if path.is_dir() else glob.glob(str(path), recursive=True)
+    files = sorted(f for f in found if Path(f).suffix in (".txt", ".jsonl", ".parquet", ".py") and Path(f).is_file())
+    if not files:
+        raise SystemExit(f"no .txt, .jsonl or .parquet files match '{pattern}': pass --data=stdlib, --data=fineweb-edu, "
+                         f"or a path, folder or glob of your own files")
+    return files
+
+
+def parquet_chunks(path, keep):
+    metadata = pq.read_metadata(path)
+    if "text" not in metadata.schema.names:
+        raise SystemExit(f"{path} has no 'text' column (columns: {metadata.schema.names}); rename the column to 'text'")
+    return [Chunk((path,), rg, keep) for rg in range(metadata.num_row_groups)]
+
+
+def files_chunks(paths, keep):
+    chunks = [Chunk(tuple(p for p in paths[i:i + FILES_PER_CHUNK] if not p.endswith(".parquet")), -1, keep)
+              for i in range(0, len(paths), FILES_PER_CHUNK)]
+    chunks = [chunk for chunk in chunks if chunk.paths]
+    return chunks + [c for p in paths if p.endswith(".parquet") for c in parquet_chunks(p, keep)]
+
+
+def list_chunks(source, split):
+    if split not in ("train", "val"):
+        raise ValueError(f"split must be 'train' or 'val', got '{split}'")
+    if source == "fineweb-edu":
+        shards = sorted(str(p) for p in fineweb_dir().glob("shard_*.parquet"))
+        if len(shards) < 2:
+            raise SystemExit(f"found {len(shards)} FineWeb-Edu shards in {fineweb_dir()}, need at least 2 (the last is "
+                             f"validation): run `python data.py download -n 8`")
+        # SPEC 5: the last shard is validation
+        return [c for p in (shards[:-1] if split == "train" else shards[-1:]) for c in parquet_chunks(p, None)]
+    return files_chunks(stdlib_files() if source == "stdlib" else user_files(source), split)
+
+
+def read_text_file(path):
+    with open(path, encoding="utf-8", errors="ignore") as f:
+        text = f.read()
+    if path.endswith(".txt"):
+        return re.split(r"\n\s*\n", text)
+    if path.endswith(".jsonl"):
+        try:
+            return [json.loads(line)["text"] for line in text.splitlines() if line.strip()]
+        except (ValueError, KeyError, TypeError) as e:
+            raise SystemExit(f"{path}: every line must be a JSON object with a 'text' field ({e!r})")
+    return [text]  # .py: the whole file is one document
+
+
+def read_chunk(chunk):
+    if chunk.row_group >= 0:
+        docs = pq.ParquetFile(chunk.paths[0]).read_row_group(chunk.row_group, columns=["text"]).column("text").to_pylist()
+    else:
+        docs = [doc for path in chunk.paths for doc in read_text_file(path)]
+    docs = [doc for doc in docs if doc and not doc.isspace()]
+    if chunk.keep is not None:
+        docs = [doc for doc in docs if is_val_document(doc) == (chunk.keep == "val")]
+    return docs
+
+
+def iter_documents(source, split):
+    """Every document of a split, in a fixed order (what the tokenizer trains on)."""
+    for chunk in list_chunks(source, split):
+        yield from read_chunk(chunk)
+
+
+class DocumentStream:
+    """One rank's documents of a split. Epoch e visits the chunks in an order drawn from (seed, e), and each
+    chunk's documents in an order drawn from (seed, e, position); rank r takes every world_size-th of them,
+    so the ranks' shares are disjoint and together are the whole split. A document's id is
+    (epoch, chunk position, index in this rank's share of that chunk)."""
+
+    def __init__(self, source, split, seed=0, rank=0, world_size=1):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
+        self.chunks = list_chunks(source, split)
+        self.source, self.split, self.seed, self.rank, self.world_size = source, split, seed, rank, world_size
+        self._order = (None, None)
+
+    def order(self, epoch):
+        if self._order[0] != epoch:  # one permutation per epoch, cached: it is asked for once per chunk
+            order = list(range(len(self.chunks)))
+            random.Random(f"{self.seed}:{epoch}").shuffle(order)
+            self._order = (epoch, order)
+        return self._order[1]
+
+    def share(self, epoch, position):
+        docs = read_chunk(self.chunks[self.order(epoch)[position]])
+        random.Random(f"{self.seed}:{epoch}:{position}").shuffle(docs)
+        return docs[self.rank::self.world_size]
+
+    def iterate(self, epoch=0, position=0, index=0, loop=True):
+        """Yield (doc_id, text) from document id (epoch, position, index) on; epoch after epoch if loop."""
+        while True:
+            whole_epoch, found = position == 0 and index == 0, False
+            for pos in range(position, len(self.chunks)):
+                docs = self.share(epoch, pos)
+                found = found or bool(docs)
+                for i in range(index, len(docs)):
+                    yield (epoch, pos, i), docs[i]
+                index = 0
+            if not loop:
+                return
+            if whole_epoch and not found:  # looping over nothing would hang the trainer
+                raise SystemExit(f"rank {self.rank} of {self.world_size} has no documents in the {self.split} split "
+                                 f"of {self.source}: use more data or fewer ranks")
+            epoch, position, index = epoch + 1, 0, 0
+
+# -----------------------------------------------------------------------------
+# Loader: BOS-aligned best-fit packing (SPEC 2), tokenizing ahead in a thread, exactly resumable
+
+def tokenize_ahead(tokenizer, stream, start, loop, batch_docs, num_threads):
+    """Lists of (doc_id, tokens), every document BOS first, tokenized batch_docs at a time."""
+    documents = stream.iterate(*start, loop=loop)
+    while batch := list(itertools.islice(documents, batch_docs)):
+        doc_ids, texts = zip(*batch)
+        yield list(zip(doc_ids, tokenizer.encode(list(texts), prepend_bos=True, num_threads=num_threads)))
+
+
+class Prefetcher:
+    """Runs a generator in a daemon thread, at most `depth` items ahead of get() (tiktoken releases the GIL)."""
+
+    def __init__(self, generator, depth=8):
+        self.queue, self.stop = queue.Queue(depth), threading.Event()
+        threading.Thread(target=self._run, args=(generator,), daemon=True).start()
+
+    def _run(self, generator):
+        try:
+            for item in generator:
+                if not self._put(("item", item)):
+                    return
+            self._put(("end", None))
+        except BaseException as e:  # handed over, so the consumer raises it
+            self._put(("error", e))
+
+    def _put(self, message):
+        while not self.stop.is_set():
+            try:
+                self.queue.put(message, timeout=0.1)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def get(self):
+        """The next item, None once the generator is done."""
+        kind, item = self.queue.get()
+        if kind == "error":
+            raise item
+        return item
+
+
+class DataLoader:
+    """Yields (x, y), LongTensors of shape (batch_size, seq_len) on `device`: rows of seq_len + 1 tokens that each
+    start with BOS, packed best-fit from a buffer of about buffer_docs documents, overflow cropped, no padding
+    (SPEC 2). The train split cycles over epochs forever; the val split is read once, then StopIteration.
+    state_dict() is small (the ids of the buffered documents and of the next one to read), and a loader given it
+    yields exactly the batches the saved one would have yielded next."""
+
+    def __init__(self, tokenizer, source, split, batch_size, seq_len, rank=0, world_size=1, seed=0, device="cpu",
+                 buffer_docs=1000, num_threads=4, tokenize_batch=128):
+        self.tokenizer, self.batch_size, self.seq_len, self.device = tokenizer, batch_size, seq_len, torch.device(device)
+        self.buffer_docs, self.num_threads, self.tokenize_batch = buffer_docs, num_threads, tokenize_batch
+        self.stream = DocumentStream(source, split, seed, rank, world_size)
+        self.loop = split == "train"
+        self.next_doc = (0, 0, 0)  # id of the next document to take into the buffer
+        self.buffer = []  # (length, arrival, doc_id, tokens), sorted by length then arrival
+        self.arrivals = self.batches = self.tokens_used = self.tokens_cropped = 0
+        self.exhausted = False
+        self.prefetcher, self.pending = None, collections.deque()
+
+    def _next_document(self):
+        if not self.pending:
+            if self.prefetcher is None:
+                self.prefetcher = Prefetcher(tokenize_ahead(self.tokenizer, self.stream, self.next_doc, self.loop,
+                                                            self.tokenize_batch, self.num_threads))
+            batch = self.prefetcher.get()
+            if batch is None:
+                return None
+            self.pending.extend(batch)
+        doc_id, tokens = self.pending.popleft()
+        self.next_doc = (doc_id[0], doc_id[1], doc_id[2] + 1)
+        return doc_id, tokens
+
+    def _fill_buffer(self):
+        while len(self.buffer) < self.buffer_docs and not self.exhausted:
+            document = self._next_document()
+            if document is None:
+                self.exhausted = True
+            else:
+                bisect.insort(self.buffer, (len(document[1]), self.arrivals, *document))
+                self.arrivals += 1
+
+    def _pack_row(self):
+        """SPEC 2: take the longest buffered document that fits whole; when none fits, crop the shortest
+        (the least waste) to fill the row exactly. The row starts with BOS because every document does."""
+        row, capacity = [], self.seq_len + 1
+        while len(row) < capacity:
+            self._fill_buffer()
+            if not self.buffer:
+                return None
+            room = capacity - len(row)
+            longest_fitting = bisect.bisect_right(self.buffer, (room, math.inf)) - 1
+            tokens = self.buffer.pop(max(longest_fitting, 0))[3]
+            row.extend(tokens[:room])
+            self.tokens_used += min(len(tokens), room)
+            self.tokens_cropped += max(len(tokens) - room, 0)
+        return row
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        rows = []
+        for _ in range(self.batch_size):
+            row = self._pack_row()
+            if row is None:
+                if self.batches == 0:
+                    raise SystemExit(f"the {self.stream.split} split of {self.stream.source} holds less than one batch "
+                                     f"({self.batch_size} x {self.seq_len + 1} tokens) for rank {self.stream.rank}: "
+                                     f"use a smaller batch size or sequence length, or more data")
+                raise StopIteration
+            rows.append(row)
+        self.batches += 1
+        batch = torch.tensor(rows, dtype=torch.long)
+        x, y = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+        if self.device.type == "cuda":  # pinned, so the copy runs alongside the GPU's work
+            return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
+        return x.to(self.device), y.to(self.device)
+
+    @property
+    def cropped_fraction(self):
+        """Share of the documents' tokens that packing has thrown away so far."""
+        return self.tokens_cropped / max(self.tokens_used + self.tokens_cropped, 1)
+
+    def state_dict(self):
+        s = self.stream
+        return {"source": s.source, "split": s.split, "seed": s.seed, "rank": s.rank, "world_size": s.world_size,
+                "next_doc": list(self.next_doc), "buffer": [[arrival, *doc_id] for _, arrival, doc_id, _ in self.buffer],
+                "arrivals": self.arrivals, "batches": self.batches, "exhausted": self.exhausted,
+                "tokens_used": self.tokens_used, "tokens_cropped": self.tokens_cropped}
+
+    def load_state_dict(self, state):
+        s = self.stream
+        mine, theirs = (s.split, s.seed, s.rank, s.world_size), (state["split"], state["seed"], state["rank"], state["world_size"])
+        if mine != theirs:
+            raise ValueError(f"loader state is for (split, seed, rank, world_size) = {theirs}, this loader is {mine}: "
+                             f"each rank must save and restore its own loader state")
+        self.close()
+        self.pending.clear()
+        self.next_doc, self.exhausted = tuple(state["next_doc"]), state["exhausted"]
+        self.arrivals, self.batches = state["arrivals"], state["batches"]
+        self.tokens_used, self.tokens_cropped = state["tokens_used"], state["tokens_cropped"]
+        # re-read and re-tokenize the documents that were waiting in the buffer, a chunk at a time
+        by_chunk = collections.defaultdict(list)
+        for arrival, epoch, position, index in state["buffer"]:
+            by_chunk[epoch, position].append((arrival, index))
+        self.buffer = []
+        for (epoch, position), entries in by_chunk.items():
+            docs = s.share(epoch, position)
+            token_lists = self.tokenizer.encode([docs[i] for _, i in entries], prepend_bos=True, num_threads=self.num_threads)
+            for (arrival, index), tokens in zip(entries, token_lists):
+                bisect.insort(self.buffer, (len(tokens), arrival, (epoch, position, index), tokens))
+
+    def close(self):
+        """Stop tokenizing ahead (the thread would otherwise wait on a full queue)."""
+        if self.prefetcher is not None:
+            self.prefetcher.stop.set()
+            self.prefetcher = None
+
+    def __del__(self):
+        self.close()
+
+
+def val_batches(tokenizer, source, batch_size, seq_len, num_tokens, rank=0, world_size=1, device="cpu"):
+    """The same held-out batches every call: the val split in the order of seed 0, num_tokens in all across the
+    ranks (at least one batch each). Fewer come if the split runs out first, so size num_tokens to the split."""
+    loader = DataLoader(tokenizer, source, "val", batch_size, seq_len, rank, world_size, seed=0, device=device)
+    yield from itertools.islice(loader, max(1, num_tokens // (batch_size * seq_len * world_size)))
+    loader.close()
+
+# -----------------------------------------------------------------------------
+# Command line
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    p = commands.add_parser("download", help="fetch FineWeb-Edu shards: the first N-1 for training, the last one "
+                                             f"({FINEWEB_LAST_SHARD}) for validation")
+    p.add_argument("-n", "--num-shards", type=int, default=8, help="shards in all, validation included (default 8)")
+    p.add_argument("-w", "--workers", type=int, default=4, help="parallel downloads (default 4)")
+    p.add_argument("--base-url", default=FINEWEB_URL, help="where the shard_XXXXX.parquet files live")
+    p = commands.add_parser("tokenizer", help="train (once) and cache the tokenizer of a data source")
+    p.add_argument("--data", default="fineweb-edu", help="fineweb-edu, stdlib, or a path/folder/glob of your files")
+    p.add_argument("--vocab-size", type=int, default=32768, help="special tokens included (default 32768)")
+    p.add_argument("--max-chars", type=int, default=2_000_000_000, help="characters to train on (default 2B)")
+    p.add_argument("--doc-cap", type=int, default=10_000, help="characters kept per document (default 10k)")
+    p = commands.add_parser("loader", help="measure the loader: tokens per second and the share cropped by packing")
+    p.add_argument("--data", default="stdlib", help="fineweb-edu, stdlib, or a path/folder/glob of your files")
+    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--tokens", type=int, default=4_000_000, help="tokens to time after the first batch")
+    args = parser.parse_args()
+    print(f"Base directory: {get_base_dir()}")
+
+    if args.command == "download":
+        if not 2 <= args.num_shards <= FINEWEB_LAST_SHARD + 1:
+            parser.error(f"-n must be in 2..{FINEWEB_LAST_SHARD + 1} (at least one train shard and the validation shard)")
+        download_shards(list(range(args.num_shards - 1)) + [FINEWEB_LAST_SHARD], args.base_url, args.workers)
+    elif args.command == "tokenizer":
+        tokenizer = get_tokenizer(args.data, args.vocab_size, args.max_chars, args.doc_cap)
+        texts = list(itertools.islice(iter_documents(args.data, "val"), 1000))
+        num_tokens = sum(map(len, tokenizer.encode(texts)))
+        num_bytes = sum(len(text.encode("utf-8")) for text in texts)
+        print(f"Validation: {num_bytes / num_tokens:.2f} bytes per token over {len(texts)} documents")
+    else:
+        tokenizer = get_tokenizer(args.data, args.vocab_size)
+        loader = DataLoader(tokenizer, args.data, "train", args.batch_size, args.seq_len)
+        t0 = time.time()
+        next(loader)
+        t1 = time.time()
+        steps = max(1, args.tokens // (args.batch_size * args.seq_len))
+        for _ in range(steps):
+            next(loader)
+        t2 = time.time()
+        print(f"First batch after {t1 - t0:.1f}s (tokenizing the first {loader.buffer_docs} documents), then "
+              f"{steps * args.batch_size * args.seq_len / (t2 - t1):,.0f} tokens/s over {steps} batches of "
+              f"{args.batch_size} x {args.seq_len}; {100 * loader.cropped_fraction:.1f}% of document tokens cropped")
+        loader.close()
+
+
+if __name__ == "__main__":
+    main()

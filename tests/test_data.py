@@ -1,0 +1,353 @@
+"""Tests for data.py: the tokenizer, shard downloads against a local server, the data sources and the loader (SPEC 2).
+
+Run: python -m pytest -q tests/test_data.py   (no network beyond 127.0.0.1, nothing written outside tmp_path)
+"""
+
+import http.server
+import json
+import random
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import tiktoken.load
+import torch
+
+import data
+
+REPO = Path(__file__).resolve().parent.parent
+WORDS = ["the", "loop", "stable", "model", "données", "naïve", "日本", "語", "🎉", "def", "return", "x = 1;",
+         "1234", "  ", "\t", "Ünïcödé", "Привет", "مرحبا", "\n", "spectral radius", "(a, b)"]
+
+
+def make_documents(n, seed=0, max_words=120):
+    rng = random.Random(seed)
+    return [f"doc {i}: " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, max_words))) for i in range(n)]
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path, monkeypatch):
+    """Every test gets its own base dir, and local requests never go through a proxy."""
+    monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(tmp_path / "base"))
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return data.Tokenizer.train(iter(make_documents(400)), vocab_size=400)
+
+
+def write_jsonl(path, texts):
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return path
+
+
+def write_parquet(path, texts, row_group_size=None):
+    pq.write_table(pa.table({"text": texts}), path, row_group_size=row_group_size)
+    return path
+
+# -----------------------------------------------------------------------------
+# Tokenizer
+
+WEIRD_STRINGS = [
+    "", "hello world", "naïve café", "日本語のテキストです。", "emoji 🎉👩‍👩‍👧 and flags 🇫🇷🇯🇵", "\x00\x01\x7f\t\r\n\x0b\x0c",
+    "".join(chr(i) for i in range(256)), "  leading and trailing  ", "ab" * 500, "1234567890" * 7, "\u200b\ufeff\ufffd",
+    "<|bos|> written in text <|eos|><|pad|>", "Привет, мир! مرحبا بالعالم", "\U0010ffff\U0001f600",
+]
+
+
+def random_unicode(rng, length):
+    # any code point but the surrogates, which a valid str cannot encode to UTF-8
+    points = [rng.randrange(0x110000 - 0x800) for _ in range(length)]
+    return "".join(chr(p + 0x800 if p >= 0xD800 else p) for p in points)
+
+
+def test_round_trip_unicode_and_bytes(tokenizer):
+    rng = random.Random(0)
+    texts = WEIRD_STRINGS + [random_unicode(rng, 60) for _ in range(30)]
+    for text in texts:
+        ids = tokenizer.encode(text)
+        assert tokenizer.decode(ids) == text
+        assert tokenizer.enc.decode_bytes(ids) == text.encode("utf-8")
+    assert tokenizer.encode(texts) == [tokenizer.encode(t) for t in texts]  # the threaded batch path agrees
+    # byte-level: every byte value is a token of its own, so no input can fall outside the vocabulary
+    single_bytes = {tokenizer.enc.decode_single_token_bytes(i) for i in range(tokenizer.vocab_size - 3)
+                    if tokenizer.token_bytes[i] == 1}
+    assert single_bytes == {bytes([b]) for b in range(256)}
+
+
+def test_special_tokens(tokenizer):
+    first_special = tokenizer.vocab_size - len(data.SPECIAL_TOKENS)
+    assert tokenizer.vocab_size == 400
+    for i, name in enumerate(data.SPECIAL_TOKENS):
+        assert tokenizer.enc.encode_single_token(name) == first_special + i
+        assert tokenizer.decode([first_special + i]) == name
+    assert tokenizer.bos_id == first_special
+    assert tokenizer.encode("hi", prepend_bos=True) == [tokenizer.bos_id] + tokenizer.encode("hi")
+    # ordinary text, even the specials' own spelling, never produces a special id
+    texts = WEIRD_STRINGS + make_documents(50, seed=1) + ["".join(data.SPECIAL_TOKENS) * 3]
+    assert max(max(ids, default=0) for ids in tokenizer.encode(texts)) < first_special
+
+
+def test_save_load_identical(tokenizer, tmp_path, monkeypatch):
+    tokenizer.save(tmp_path / "tok")
+    loaded = data.Tokenizer.load(tmp_path / "tok")
+    texts = WEIRD_STRINGS + make_documents(30, seed=2)
+    assert loaded.encode(texts) == tokenizer.encode(texts)
+    assert (loaded.vocab_size, loaded.bos_id) == (tokenizer.vocab_size, tokenizer.bos_id)
+    assert torch.equal(loaded.token_bytes, tokenizer.token_bytes)
+    # plain tiktoken text, which tiktoken's own reader loads (no pickle anywhere)
+    lines = (tmp_path / "tok" / "tokenizer.tiktoken").read_text().splitlines()
+    assert all(re.fullmatch(r"[A-Za-z0-9+/=]+ \d+", line) for line in lines)
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "")  # "" turns tiktoken's cache off
+    assert tiktoken.load.load_tiktoken_bpe(str(tmp_path / "tok" / "tokenizer.tiktoken")) == tokenizer.enc._mergeable_ranks
+
+
+def test_token_bytes_sum_to_utf8_length(tokenizer):
+    assert tokenizer.token_bytes.shape == (tokenizer.vocab_size,)
+    assert tokenizer.token_bytes[-len(data.SPECIAL_TOKENS):].tolist() == [0, 0, 0]
+    for text in WEIRD_STRINGS + make_documents(20, seed=3):
+        ids = torch.tensor(tokenizer.encode(text), dtype=torch.long)
+        assert tokenizer.token_bytes[ids].sum().item() == len(text.encode("utf-8"))
+
+
+def test_train_rejects_tiny_vocab():
+    with pytest.raises(ValueError, match="too small"):
+        data.Tokenizer.train(iter(["abc"]), vocab_size=100)
+
+
+def test_get_tokenizer_trains_once_then_loads(tmp_path, capsys):
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", make_documents(200))
+    first = data.get_tokenizer(str(corpus), 300)
+    assert "Training" in capsys.readouterr().out
+    second = data.get_tokenizer(str(corpus), 300)
+    assert "Training" not in capsys.readouterr().out
+    assert second.encode(WEIRD_STRINGS) == first.encode(WEIRD_STRINGS)
+    assert data.tokenizer_dir(str(corpus), 300).is_relative_to(tmp_path / "base")
+
+# -----------------------------------------------------------------------------
+# Downloads, against a server on 127.0.0.1 that this test starts
+
+@pytest.fixture
+def server(tmp_path):
+    """Serves files from `root`; fails the first `fail_first` requests with 500; `truncate` cuts bodies in half."""
+    state = SimpleNamespace(root=tmp_path / "remote", fail_first=0, truncate=False, requests=0)
+    state.root.mkdir()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            state.requests += 1
+            path = state.root / self.path.lstrip("/")
+            if state.requests <= state.fail_first or not path.is_file():
+                self.send_error(500 if state.requests <= state.fail_first else 404)
+                return
+            body = path.read_bytes()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body[:len(body) // 2] if state.truncate else body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    state.url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    yield state
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def shard_texts(index):
+    return make_documents(40, seed=100 + index)
+
+
+def serve_shards(server, indices):
+    for i in indices:
+        write_parquet(server.root / data.shard_name(i), shard_texts(i), row_group_size=16)
+
+
+def local_files():
+    return sorted(p.name for p in data.fineweb_dir().iterdir())
+
+
+def test_download_and_read_shards(server):
+    serve_shards(server, [0, 1, 2])
+    paths = data.download_shards([0, 1, 2], base_url=server.url, num_workers=2)
+    assert local_files() == [data.shard_name(i) for i in range(3)]
+    for i, path in enumerate(paths):
+        assert path.read_bytes() == (server.root / data.shard_name(i)).read_bytes()
+    seen = server.requests
+    data.download_shards([0, 1, 2], base_url=server.url)  # complete shards are skipped
+    assert server.requests == seen
+    # the last shard is validation, the others train
+    assert list(data.iter_documents("fineweb-edu", "val")) == shard_texts(2)
+    assert list(data.iter_documents("fineweb-edu", "train")) == shard_texts(0) + shard_texts(1)
+
+
+def test_download_retries_server_errors(server):
+    serve_shards(server, [0])
+    server.fail_first = 2
+    data.download_shards([0], base_url=server.url, retry_delay=0.01)
+    assert server.requests == 3
+    assert local_files() == [data.shard_name(0)]
+
+
+def test_failed_download_leaves_no_partial_file(server):
+    serve_shards(server, [0])
+    server.truncate = True
+    with pytest.raises(SystemExit, match="after 2 attempts"):
+        data.download_shards([0], base_url=server.url, max_attempts=2, retry_delay=0.01)
+    assert local_files() == []
+
+
+def test_corrupt_shard_is_deleted_and_named(server):
+    (server.root / data.shard_name(0)).write_bytes(b"<html>not parquet</html>" * 10)
+    with pytest.raises(SystemExit, match=r"shard_00000\.parquet is not a valid parquet file"):
+        data.download_shards([0], base_url=server.url, retry_delay=0.01)
+    assert local_files() == []
+
+
+def test_missing_shard_fails_fast(server):
+    with pytest.raises(SystemExit, match="HTTP 404"):
+        data.download_shards([7], base_url=server.url)
+    assert server.requests == 1
+
+
+def test_missing_shards_say_how_to_download():
+    with pytest.raises(SystemExit, match=re.escape("python data.py download -n 8")):
+        data.DocumentStream("fineweb-edu", "train")
+
+# -----------------------------------------------------------------------------
+# Data sources
+
+def test_user_files_txt_jsonl_parquet(tmp_path):
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "a.txt").write_text("first paragraph\nstill first\n\n\nsecond paragraph\n  \nthird")
+    write_jsonl(folder / "b.jsonl", ["json one", "json two"])
+    write_parquet(folder / "c.parquet", ["parquet one", "parquet two", "parquet three"], row_group_size=2)
+    docs = list(data.iter_documents(str(folder), "train")) + list(data.iter_documents(str(folder), "val"))
+    assert sorted(docs) == sorted(["first paragraph\nstill first", "second paragraph", "third", "json one",
+                                   "json two", "parquet one", "parquet two", "parquet three"])
+    assert list(data.iter_documents(str(folder / "*.jsonl"), "train")) + list(
+        data.iter_documents(str(folder / "*.jsonl"), "val")) == ["json one", "json two"]
+
+
+def test_bad_user_sources_say_what_to_do(tmp_path):
+    with pytest.raises(SystemExit, match="no .txt, .jsonl or .parquet files match"):
+        data.list_chunks(str(tmp_path / "nothing*.txt"), "train")
+    (tmp_path / "bad.jsonl").write_text('{"content": "no text field"}\n')
+    with pytest.raises(SystemExit, match="'text' field"):
+        list(data.iter_documents(str(tmp_path / "bad.jsonl"), "train"))
+    with pytest.raises(ValueError, match="split must be"):
+        data.list_chunks("stdlib", "test")
+
+
+def test_stdlib_source():
+    files = data.stdlib_files()
+    assert len(files) > 100 and not any("site-packages" in f for f in files)
+    train = list(data.iter_documents("stdlib", "train"))
+    val = list(data.iter_documents("stdlib", "val"))
+    assert 0.02 < len(val) / (len(train) + len(val)) < 0.10  # SPEC: a fixed ~5% held out
+    assert not set(train) & set(val)
+    assert val == list(data.iter_documents("stdlib", "val"))  # the same every time
+
+# -----------------------------------------------------------------------------
+# Loader
+
+@pytest.fixture
+def corpus(tmp_path):
+    return str(write_jsonl(tmp_path / "corpus.jsonl", make_documents(300, seed=7, max_words=60)))
+
+
+def test_rows_start_with_bos_and_ids_in_vocab(tokenizer, corpus):
+    loader = data.DataLoader(tokenizer, corpus, "train", batch_size=4, seq_len=64, buffer_docs=50)
+    for _, (x, y) in zip(range(20), loader):
+        assert x.shape == y.shape == (4, 64) and x.dtype == y.dtype == torch.long
+        assert (x[:, 0] == tokenizer.bos_id).all()
+        assert torch.equal(x[:, 1:], y[:, :-1])
+        assert 0 <= x.min() and max(x.max(), y.max()) < tokenizer.vocab_size
+        assert not (x == tokenizer.bos_id + 2).any()  # <|pad|>: rows are filled, never padded
+    # every placed token came from a document, and some of the documents' tokens were cropped
+    assert loader.tokens_used == 20 * 4 * 65
+    assert 0 < loader.cropped_fraction < 1
+    loader.close()
+
+
+def test_rows_hold_whole_documents_when_they_fit(tokenizer, corpus):
+    texts = list(data.iter_documents(corpus, "train"))
+    loader = data.DataLoader(tokenizer, corpus, "train", batch_size=1, seq_len=1024)
+    x, y = next(loader)
+    row = torch.cat([x[0], y[0, -1:]]).tolist()
+    starts = [i for i, t in enumerate(row) if t == tokenizer.bos_id] + [len(row)]
+    pieces = [tokenizer.decode(row[a + 1:b]) for a, b in zip(starts, starts[1:])]
+    assert all(piece in texts for piece in pieces[:-1])  # best fit places whole documents, only the last is cut
+    assert any(text.startswith(pieces[-1]) for text in texts)
+
+
+def test_ranks_share_documents_disjointly(corpus):
+    everything = sorted(data.iter_documents(corpus, "train"))
+    shares = [[text for _, text in data.DocumentStream(corpus, "train", seed=3, rank=r, world_size=2).iterate(loop=False)]
+              for r in range(2)]
+    assert not set(shares[0]) & set(shares[1])
+    assert sorted(shares[0] + shares[1]) == everything
+    assert abs(len(shares[0]) - len(shares[1])) <= len(data.list_chunks(corpus, "train"))
+    # the order is a function of (seed, epoch) only
+    def order(seed, epoch):
+        return [t for _, t in data.DocumentStream(corpus, "train", seed=seed).iterate(epoch=epoch, loop=False)]
+    assert order(1, 0) == order(1, 0)
+    assert order(1, 0) != order(2, 0) and order(1, 0) != order(1, 1)
+    assert sorted(order(1, 1)) == everything
+
+
+def test_resumed_loader_yields_the_same_batches(tokenizer, tmp_path):
+    # small documents in several files, a small buffer, so the saved state spans chunks and epochs
+    for i in range(3):
+        write_jsonl(tmp_path / f"part{i}.jsonl", make_documents(40, seed=20 + i, max_words=40))
+    source = str(tmp_path / "part*.jsonl")
+    kwargs = dict(batch_size=3, seq_len=48, rank=1, world_size=2, seed=5, buffer_docs=20, tokenize_batch=7)
+    running = data.DataLoader(tokenizer, source, "train", **kwargs)
+    for _ in range(6):
+        next(running)
+    state = json.loads(json.dumps(running.state_dict()))  # it must survive a checkpoint file
+    expected = [next(running) for _ in range(15)]
+    assert running.next_doc[0] >= 1, "the test should cross an epoch boundary"
+
+    resumed = data.DataLoader(tokenizer, source, "train", **kwargs)
+    resumed.load_state_dict(state)
+    reused = data.DataLoader(tokenizer, source, "train", **kwargs)
+    next(reused)  # a loader already running ahead, then rewound
+    reused.load_state_dict(state)
+    for loader in (resumed, reused):
+        for (x, y), (ex, ey) in zip((next(loader) for _ in range(15)), expected):
+            assert torch.equal(x, ex) and torch.equal(y, ey)
+        assert loader.state_dict() == running.state_dict()
+        loader.close()
+    other_rank = data.DataLoader(tokenizer, source, "train", **{**kwargs, "rank": 0})
+    with pytest.raises(ValueError, match="its own loader state"):
+        other_rank.load_state_dict(state)
+    running.close()
+
+
+def test_val_batches_are_bounded_and_repeatable(tokenizer, corpus):
+    first = list(data.val_batches(tokenizer, corpus, batch_size=2, seq_len=16, num_tokens=2 * 16 * 3))
+    second = list(data.val_batches(tokenizer, corpus, batch_size=2, seq_len=16, num_tokens=2 * 16 * 3))
+    assert len(first) == 3
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(first, second))
+    # the val split is read once: the loader ends, and a split too small for one batch says so
+    assert len(list(data.DataLoader(tokenizer, corpus, "val", batch_size=2, seq_len=16))) > 3
+    with pytest.raises(SystemExit, match="less than one batch"):
+        next(data.DataLoader(tokenizer, corpus, "val", batch_size=64, seq_len=4096))
+
+
+def test_cli_help_explains_the_steps():
+    result = subprocess.run([sys.executable, str(REPO / "data.py"), "--help"], capture_output=True, text=True, cwd=REPO)
+    assert result.returncode == 0
+    assert "python data.py download -n 8" in result.stdout and "stdlib" in result.stdout
