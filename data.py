@@ -262,9 +262,9 @@ def parquet_chunks(path, keep):
 
 
 def files_chunks(paths, keep):
-    chunks = [Chunk(tuple(p for p in paths[i:i + FILES_PER_CHUNK] if not p.endswith(".parquet")), -1, keep)
-              for i in range(0, len(paths), FILES_PER_CHUNK)]
-    chunks = [chunk for chunk in chunks if chunk.paths]
+    """Parquet files by row group, other files FILES_PER_CHUNK at a time."""
+    texts = [p for p in paths if not p.endswith(".parquet")]
+    chunks = [Chunk(tuple(texts[i:i + FILES_PER_CHUNK]), -1, keep) for i in range(0, len(texts), FILES_PER_CHUNK)]
     return chunks + [c for p in paths if p.endswith(".parquet") for c in parquet_chunks(p, keep)]
 
 
@@ -325,11 +325,12 @@ class DocumentStream:
         self._order = (None, None)
 
     def order(self, epoch):
-        if self._order[0] != epoch:  # one permutation per epoch, cached: it is asked for once per chunk
+        cached_epoch, order = self._order  # one permutation per epoch, cached: it is asked for once per chunk
+        if cached_epoch != epoch:
             order = list(range(len(self.chunks)))
             random.Random(f"{self.seed}:{epoch}").shuffle(order)
             self._order = (epoch, order)
-        return self._order[1]
+        return order
 
     def share(self, epoch, position):
         docs = read_chunk(self.chunks[self.order(epoch)[position]])
@@ -392,6 +393,8 @@ class Prefetcher:
     def get(self):
         """The next item, None once the generator is done."""
         kind, item = self.queue.get()
+        if kind != "item":  # stay finished: every later call sees the same end or error
+            self.queue.put((kind, item))
         if kind == "error":
             raise item
         return item
@@ -413,7 +416,6 @@ class DataLoader:
         self.next_doc = (0, 0, 0)  # id of the next document to take into the buffer
         self.buffer = []  # (length, arrival, doc_id, tokens), sorted by length then arrival
         self.arrivals = self.batches = self.tokens_used = self.tokens_cropped = 0
-        self.exhausted = False
         self.prefetcher, self.pending = None, collections.deque()
 
     def _next_document(self):
@@ -430,13 +432,12 @@ class DataLoader:
         return doc_id, tokens
 
     def _fill_buffer(self):
-        while len(self.buffer) < self.buffer_docs and not self.exhausted:
+        while len(self.buffer) < self.buffer_docs:
             document = self._next_document()
-            if document is None:
-                self.exhausted = True
-            else:
-                bisect.insort(self.buffer, (len(document[1]), self.arrivals, *document))
-                self.arrivals += 1
+            if document is None:  # the val split is read once
+                return
+            bisect.insort(self.buffer, (len(document[1]), self.arrivals, *document))
+            self.arrivals += 1
 
     def _pack_row(self):
         """SPEC 2: take the longest buffered document that fits whole; when none fits, crop the shortest
@@ -484,7 +485,7 @@ class DataLoader:
         s = self.stream
         return {"source": s.source, "split": s.split, "seed": s.seed, "rank": s.rank, "world_size": s.world_size,
                 "next_doc": list(self.next_doc), "buffer": [[arrival, *doc_id] for _, arrival, doc_id, _ in self.buffer],
-                "arrivals": self.arrivals, "batches": self.batches, "exhausted": self.exhausted,
+                "arrivals": self.arrivals, "batches": self.batches,
                 "tokens_used": self.tokens_used, "tokens_cropped": self.tokens_cropped}
 
     def load_state_dict(self, state):
@@ -495,7 +496,7 @@ class DataLoader:
                              f"each rank must save and restore its own loader state")
         self.close()
         self.pending.clear()
-        self.next_doc, self.exhausted = tuple(state["next_doc"]), state["exhausted"]
+        self.next_doc = tuple(state["next_doc"])
         self.arrivals, self.batches = state["arrivals"], state["batches"]
         self.tokens_used, self.tokens_cropped = state["tokens_used"], state["tokens_cropped"]
         # re-read and re-tokenize the documents that were waiting in the buffer, a chunk at a time

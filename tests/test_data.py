@@ -246,6 +246,10 @@ def test_bad_user_sources_say_what_to_do(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"content": "no text field"}\n')
     with pytest.raises(SystemExit, match="'text' field"):
         list(data.iter_documents(str(tmp_path / "bad.jsonl"), "train"))
+    loader = data.DataLoader(None, str(tmp_path / "bad.jsonl"), "train", batch_size=1, seq_len=8)
+    for _ in range(2):  # raised from the tokenizing thread, and again on every later call rather than hanging
+        with pytest.raises(SystemExit, match="'text' field"):
+            next(loader)
     with pytest.raises(ValueError, match="split must be"):
         data.list_chunks("stdlib", "test")
 
