@@ -1,0 +1,597 @@
+"""
+eval_core.py: evaluate a checkpoint (SPEC 3): CORE and Core-Extended, bits per byte, and the test-time scaling law.
+
+    python eval_core.py                                       # CORE of the latest checkpoint, at T = mu_rec
+    python eval_core.py --T 8 --max_per_task 50               # quicker: 50 examples per task
+    python eval_core.py --tasks extended --seeds 1234,2345,3456   # Core-Extended, mean and std over 3 few-shot seeds
+    python eval_core.py --max_per_task 50 --compare_batching  # batched scoring against one example per forward
+    python eval_core.py --eval bpb --T 1,2,4,8,16,32          # val loss and bits per byte at each T, fit L(T)
+    torchrun --nproc_per_node 8 eval_core.py --T 8            # examples striped across ranks (nccl; gloo on CPU)
+
+CORE is DCLM's 22-task ensemble scored the way nanochat scores it; the eval bundle (nanochat's copy of DCLM's task
+files) is downloaded on first use to $NANOPARCAE_BASE_DIR/eval_bundle. Results print as a table and are written as
+JSON next to the checkpoint. train.py calls evaluate_core / evaluate_bpb directly.
+"""
+
+import argparse
+import csv
+import json
+import math
+import os
+import random
+import shutil
+import statistics
+import time
+import zipfile
+from collections import defaultdict
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import requests
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from data import Tokenizer, get_base_dir, val_batches
+from model import find_checkpoint, load_checkpoint
+
+EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"  # SPEC 5
+
+# -----------------------------------------------------------------------------
+# The task table (SPEC 3; files, shots and delimiters as in DCLM's heavy.yaml and nanochat's core.yaml)
+
+MC, SCHEMA, LM = "multiple_choice", "schema", "language_modeling"
+ANSWER = "\nAnswer: "
+
+
+class Task(NamedTuple):
+    label: str
+    path: str  # inside the bundle's eval_data/
+    kind: str  # MC, SCHEMA or LM
+    shots: int
+    delimiter: str
+
+
+CORE_TASKS = [
+    Task("hellaswag_zeroshot", "language_understanding/hellaswag.jsonl", MC, 0, " "),
+    Task("jeopardy", "world_knowledge/jeopardy_all.jsonl", LM, 10, ANSWER),
+    Task("bigbench_qa_wikidata", "world_knowledge/bigbench_qa_wikidata.jsonl", LM, 10, " "),
+    Task("arc_easy", "world_knowledge/arc_easy.jsonl", MC, 10, ANSWER),
+    Task("arc_challenge", "world_knowledge/arc_challenge.jsonl", MC, 10, ANSWER),
+    Task("copa", "commonsense_reasoning/copa.jsonl", MC, 0, " "),
+    Task("commonsense_qa", "commonsense_reasoning/commonsense_qa.jsonl", MC, 10, " "),
+    Task("piqa", "commonsense_reasoning/piqa.jsonl", MC, 10, ANSWER),
+    Task("openbook_qa", "commonsense_reasoning/openbook_qa.jsonl", MC, 0, " "),
+    Task("lambada_openai", "language_understanding/lambada_openai.jsonl", LM, 0, " "),
+    Task("hellaswag", "language_understanding/hellaswag.jsonl", MC, 10, " "),
+    Task("winograd", "language_understanding/winograd_wsc.jsonl", SCHEMA, 0, " "),
+    Task("winogrande", "language_understanding/winogrande.jsonl", SCHEMA, 0, " "),
+    Task("bigbench_dyck_languages", "symbolic_problem_solving/bigbench_dyck_languages.jsonl", LM, 10, " "),
+    Task("agi_eval_lsat_ar", "symbolic_problem_solving/agi_eval_lsat_ar.jsonl", MC, 3, " "),
+    Task("bigbench_cs_algorithms", "symbolic_problem_solving/bigbench_cs_algorithms.jsonl", LM, 10, " "),
+    Task("bigbench_operators", "symbolic_problem_solving/bigbench_operators.jsonl", LM, 10, " "),
+    Task("bigbench_repeat_copy_logic", "symbolic_problem_solving/bigbench_repeat_copy_logic.jsonl", LM, 10, " "),
+    Task("squad", "reading_comprehension/squad.jsonl", LM, 10, " "),
+    Task("coqa", "reading_comprehension/coqa.jsonl", LM, 0, " "),
+    Task("boolq", "reading_comprehension/boolq.jsonl", MC, 10, ANSWER),
+    Task("bigbench_language_identification", "language_understanding/bigbench_language_identification.jsonl", MC, 10, " "),
+]
+
+# Core-Extended adds the other 24 scoreable tasks of DCLM's extended set (heavy.yaml without its generative
+# question_answering tasks and GPQA). DCLM reports mmlu and bbq averaged over categories (has_categories);
+# like nanochat with jeopardy, we score each file as one pool.
+EXTENDED_EXTRA_TASKS = [
+    Task("mmlu_zeroshot", "world_knowledge/mmlu.jsonl", MC, 0, "Answer: "),  # sic: DCLM's delimiter, no newline
+    Task("mmlu_fewshot", "world_knowledge/mmlu.jsonl", MC, 5, ANSWER),
+    Task("bigbench_misconceptions", "world_knowledge/bigbench_misconceptions.jsonl", MC, 10, " "),
+    Task("siqa", "commonsense_reasoning/siqa.jsonl", MC, 10, " "),
+    Task("bigbench_novel_concepts", "commonsense_reasoning/bigbench_novel_concepts.jsonl", MC, 10, " "),
+    Task("bigbench_strange_stories", "commonsense_reasoning/bigbench_strange_stories.jsonl", MC, 10, " "),
+    Task("bigbench_strategy_qa", "commonsense_reasoning/bigbench_strategy_qa.jsonl", MC, 10, " "),
+    Task("bigbench_conlang_translation", "language_understanding/bigbench_conlang_translation.jsonl", LM, 0, " "),
+    Task("bigbench_conceptual_combinations", "language_understanding/bigbench_conceptual_combinations.jsonl", MC, 10, " "),
+    Task("bigbench_elementary_math_qa", "symbolic_problem_solving/bigbench_elementary_math_qa.jsonl", MC, 10, " "),
+    Task("bigbench_logical_deduction", "symbolic_problem_solving/bigbench_logical_deduction.jsonl", MC, 10, " "),
+    Task("simple_arithmetic_nospaces", "symbolic_problem_solving/simple_arithmetic_nospaces.jsonl", LM, 10, " "),
+    Task("simple_arithmetic_withspaces", "symbolic_problem_solving/simple_arithmetic_withspaces.jsonl", LM, 10, " "),
+    Task("math_qa", "symbolic_problem_solving/math_qa.jsonl", MC, 10, " "),
+    Task("logi_qa", "symbolic_problem_solving/logi_qa.jsonl", MC, 10, ANSWER),
+    Task("pubmed_qa_labeled", "reading_comprehension/pubmed_qa_labeled.jsonl", LM, 10, " "),
+    Task("agi_eval_lsat_rc", "reading_comprehension/agi_eval_lsat_rc.jsonl", MC, 3, " "),
+    Task("agi_eval_lsat_lr", "reading_comprehension/agi_eval_lsat_lr.jsonl", MC, 3, " "),
+    Task("agi_eval_sat_en", "reading_comprehension/agi_eval_sat_en.jsonl", MC, 3, " "),
+    Task("bigbench_understanding_fables", "reading_comprehension/bigbench_understanding_fables.jsonl", MC, 10, " "),
+    Task("winogender_mc_female", "safety/winogender_mc_female.jsonl", MC, 10, " "),
+    Task("winogender_mc_male", "safety/winogender_mc_male.jsonl", MC, 10, " "),
+    Task("enterprise_pii_classification", "safety/enterprise_pii_classification.jsonl", MC, 10, " "),
+    Task("bbq", "safety/bbq.jsonl", MC, 3, " "),
+]
+EXTENDED_TASKS = CORE_TASKS + EXTENDED_EXTRA_TASKS
+CORE_LABELS = {task.label for task in CORE_TASKS}
+
+
+def select_tasks(tasks):
+    """"core" (22), "extended" (46), or labels separated by commas."""
+    if tasks == "core":
+        return CORE_TASKS
+    if tasks == "extended":
+        return EXTENDED_TASKS
+    by_label = {task.label: task for task in EXTENDED_TASKS}
+    labels = [label.strip() for label in tasks.split(",") if label.strip()]
+    unknown = [label for label in labels if label not in by_label]
+    if unknown or not labels:
+        raise ValueError(f"unknown task(s) {unknown or tasks!r}: use --tasks core, extended, or labels from "
+                         f"{', '.join(by_label)}")
+    return [by_label[label] for label in labels]
+
+# -----------------------------------------------------------------------------
+# The eval bundle: downloaded once, extracted only where it belongs
+
+def download_file(url, path):
+    """Stream url to path through a temporary name, so a broken download never has the final name."""
+    partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        with requests.get(url, stream=True, timeout=60) as response:
+            response.raise_for_status()
+            with open(partial, "wb") as f:
+                for block in response.iter_content(chunk_size=1 << 20):
+                    f.write(block)
+    except requests.RequestException as err:
+        partial.unlink(missing_ok=True)
+        raise ValueError(f"could not download {url} ({err}); check the network or --bundle_url") from None
+    os.replace(partial, path)
+
+
+def extract_zip_safely(zip_path, target):
+    """Extract every member under target, after checking that none lands outside it ("../x", "/etc/x"): an
+    archive with such a member is refused whole, before anything is written."""
+    target = Path(target).resolve()
+    with zipfile.ZipFile(zip_path) as archive:
+        for name in archive.namelist():
+            if not (target / name).resolve().is_relative_to(target):
+                raise ValueError(f"{zip_path} holds a member {name!r} that would land outside {target}; "
+                                 f"refusing to extract it (delete the file and check --bundle_url)")
+        archive.extractall(target)
+
+
+def download_eval_bundle(url=EVAL_BUNDLE_URL, base_dir=None):
+    """-> base_dir/eval_bundle (default base dir: get_base_dir()), downloaded and extracted on first use."""
+    base_dir = Path(base_dir) if base_dir is not None else get_base_dir()
+    base_dir.mkdir(parents=True, exist_ok=True)
+    bundle_dir = base_dir / "eval_bundle"
+    if (bundle_dir / "eval_meta_data.csv").is_file():
+        return bundle_dir
+    zip_path = base_dir / "eval_bundle.zip"
+    if not zip_path.is_file():
+        print(f"Downloading the eval bundle from {url} ...")
+        download_file(url, zip_path)
+    scratch = base_dir / f"eval_bundle.{os.getpid()}.tmp"
+    try:
+        extract_zip_safely(zip_path, scratch)
+        extracted = scratch / "eval_bundle"  # SPEC 5: one top-level folder eval_bundle/
+        if not (extracted / "eval_meta_data.csv").is_file():
+            raise ValueError(f"{url} is not an eval bundle (no eval_bundle/eval_meta_data.csv inside); check --bundle_url")
+        extracted.rename(bundle_dir)
+    except (ValueError, zipfile.BadZipFile) as err:
+        zip_path.unlink(missing_ok=True)  # a bad archive would otherwise be reused on every later run
+        raise ValueError(str(err) if isinstance(err, ValueError) else f"{url} is not a zip file ({err})") from None
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    zip_path.unlink()
+    return bundle_dir
+
+
+def read_random_baselines(bundle_dir):
+    """{task label: random baseline in percent} from the bundle's eval_meta_data.csv (SPEC 3: DCLM's v1 values)."""
+    with open(Path(bundle_dir) / "eval_meta_data.csv", newline="", encoding="utf-8") as f:
+        return {row["Eval Task"]: float(row["Random baseline"]) for row in csv.DictReader(f)}
+
+
+def load_task_data(bundle_dir, task, max_per_task):
+    """The task's records shuffled with Random(1337) (many files are ordered, so a max_per_task cut stays
+    representative), then cut to max_per_task when it is > 0 (SPEC 3, as nanochat)."""
+    with open(Path(bundle_dir) / "eval_data" / task.path, encoding="utf-8") as f:
+        data = [json.loads(line) for line in f if line.strip()]
+    random.Random(1337).shuffle(data)
+    return data[:max_per_task] if max_per_task > 0 else data
+
+# -----------------------------------------------------------------------------
+# Prompts: nanochat's templates, tokens with BOS, the scored span, left cropping
+
+def render_prompts(task, item, fewshot):
+    """Prompt texts for one item: one per choice (MC), one per context option (schema), or the prompt without
+    and with the continuation (LM). Each few-shot block is its solved example followed by a blank line."""
+    d = task.delimiter
+    if task.kind == MC:
+        shots = "".join(f"{ex['query']}{d}{ex['choices'][ex['gold']]}\n\n" for ex in fewshot)
+        return [f"{shots}{item['query']}{d}{choice}" for choice in item["choices"]]
+    if task.kind == SCHEMA:
+        shots = "".join(f"{ex['context_options'][ex['gold']]}{d}{ex['continuation']}\n\n" for ex in fewshot)
+        return [f"{shots}{option}{d}{item['continuation']}" for option in item["context_options"]]
+    shots = "".join(f"{ex['context'].strip()}{d}{ex['continuation']}\n\n" for ex in fewshot)
+    prompt = f"{shots}{item['context'].strip()}{d}"
+    # the prompt alone is stripped: a trailing space (" " or "\nAnswer: ") would be absorbed into the continuation's
+    # first token, and the prompt's tokens would no longer be a prefix of the full text's
+    return [prompt.strip(), prompt + item["continuation"]]
+
+
+def common_length(sequences, from_end=False):
+    """Length of the longest prefix (or suffix) that all the sequences share."""
+    shortest = min(len(s) for s in sequences)
+    for i in range(shortest):
+        at = -1 - i if from_end else i
+        if any(s[at] != sequences[0][at] for s in sequences):
+            return i
+    return shortest
+
+
+def scored_spans(task, tokens):
+    """-> (sequences, [(start, end)]): the tokens whose loss decides the item, per sequence."""
+    if task.kind == MC:  # the choices follow a shared context: score what comes after the common prefix
+        start = common_length(tokens)
+        return tokens, [(start, len(t)) for t in tokens]
+    if task.kind == SCHEMA:  # the contexts differ and share the continuation: score the common suffix
+        n = common_length(tokens, from_end=True)
+        return tokens, [(len(t) - n, len(t)) for t in tokens]
+    # LM: only the full text goes forward; the continuation is what follows the prompt's tokens (their common
+    # prefix, which is the whole prompt whenever the tokenizer keeps the prompt a prefix, as nanochat asserts)
+    without, full = tokens
+    return [full], [(common_length(tokens), len(full))]
+
+
+def crop_left(tokens, start, end, max_len):
+    """Keep the last max_len tokens (SPEC 3 crops long prompts from the left) and shift the span with them.
+    The span keeps at least one token and never starts at position 0, which nothing predicts."""
+    cut = max(0, len(tokens) - max_len)
+    start, end = start - cut, end - cut
+    return tokens[cut:], max(1, min(start, end - 1)), end
+
+
+class Row(NamedTuple):
+    tokens: list
+    start: int  # scored tokens are tokens[start:end]
+    end: int
+    example: int  # index of the item in the task's data
+
+
+def build_rows(task, data, indices, tokenizer, seed, max_len):
+    """Every sequence to score for the items at `indices`, few-shot examples drawn as nanochat draws them:
+    Random(seed + idx).sample(every other index, shots). A task with fewer items than shots uses all the others."""
+    shots = min(task.shots, len(data) - 1)
+    prompts, owners = [], []  # owners: (item index, how many prompts it has)
+    for idx in indices:
+        others = [i for i in range(len(data)) if i != idx]
+        fewshot = [data[i] for i in random.Random(seed + idx).sample(others, shots)]
+        texts = render_prompts(task, data[idx], fewshot)
+        prompts += texts
+        owners.append((idx, len(texts)))
+    tokens = tokenizer.encode(prompts, prepend_bos=True) if prompts else []  # SPEC 3: BOS starts every prompt
+    rows, offset = [], 0
+    for idx, n in owners:
+        sequences, spans = scored_spans(task, tokens[offset:offset + n])
+        rows += [Row(*crop_left(seq, start, end, max_len), idx) for seq, (start, end) in zip(sequences, spans)]
+        offset += n
+    return rows
+
+# -----------------------------------------------------------------------------
+# Batched scoring: many sequences per forward, padded on the right, grouped by length
+
+def initial_state_table(model, length, seed, device):
+    """One draw of the Parcae initial state h0 for positions 0..length-1, shared by every sequence of an evaluation.
+    SPEC 1 draws h0 afresh per forward; drawing it once per evaluation (seeded) keeps the distribution and makes
+    every sequence's score independent of what else is in its batch and of the number of ranks."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        h0 = model.initial_state((1, length, model.config.d_model), "cpu", torch.float32)
+    return h0.to(device)
+
+
+def forward_batches(rows, batch_tokens, one_per_forward):
+    """Lists of row indices, one list per forward. Batched: longest first, as many rows as fit batch_tokens
+    (rows x width). one_per_forward: one item's sequences per forward, the way nanochat runs."""
+    if one_per_forward:
+        by_example = defaultdict(list)
+        for i, row in enumerate(rows):
+            by_example[row.example].append(i)
+        return list(by_example.values())
+    batches, batch = [], []
+    for i in sorted(range(len(rows)), key=lambda i: -len(rows[i].tokens)):
+        if batch and (len(batch) + 1) * len(rows[batch[0]].tokens) > batch_tokens:  # batch[0] sets the width
+            batches.append(batch)
+            batch = []
+        batch.append(i)
+    return batches + [batch] if batch else batches
+
+
+@torch.no_grad()
+def score_rows(model, rows, T, h0_table, batch_tokens=8192, one_per_forward=False):
+    """-> (mean cross-entropy over each row's span, whether greedy argmax reproduces the span), per row."""
+    device = h0_table.device
+    losses, exact = [0.0] * len(rows), [False] * len(rows)
+    for batch in forward_batches(rows, batch_tokens, one_per_forward):
+        width = max(len(rows[i].tokens) for i in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)  # pad id 0: causal attention never looks right
+        for j, i in enumerate(batch):
+            ids[j, :len(rows[i].tokens)] = torch.tensor(rows[i].tokens)
+        ids = ids.to(device)
+        with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
+            logits = model(ids, T=T, h0=h0_table[:, :width].expand(len(batch), -1, -1))
+        batch_losses, batch_exact = [], []
+        for j, i in enumerate(batch):
+            row = rows[i]
+            predicted, targets = logits[j, row.start - 1:row.end - 1], ids[j, row.start:row.end]
+            batch_losses.append(F.cross_entropy(predicted, targets))
+            batch_exact.append((predicted.argmax(-1) == targets).all())
+        for i, loss, hit in zip(batch, torch.stack(batch_losses).tolist(), torch.stack(batch_exact).tolist()):
+            losses[i], exact[i] = loss, hit
+    return losses, exact
+
+# -----------------------------------------------------------------------------
+# CORE: accuracy per task, centered by the random baseline, averaged
+
+def rank_and_world():
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def print0(*args, **kwargs):
+    if rank_and_world()[0] == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def centered_accuracy(accuracy, random_baseline):
+    """SPEC 3: (acc - 0.01 rb) / (1 - 0.01 rb), rb in percent: 0 at chance, 1 for a perfect score."""
+    return (accuracy - 0.01 * random_baseline) / (1.0 - 0.01 * random_baseline)
+
+
+def evaluate_task(model, tokenizer, task, data, T, seed, h0_table, batch_tokens=8192, one_per_forward=False):
+    """Accuracy on data. This rank scores items rank, rank + world, ...; the per-item results are summed across
+    ranks, so the accuracy does not depend on the number of ranks."""
+    rank, world = rank_and_world()
+    rows = build_rows(task, data, range(rank, len(data), world), tokenizer, seed, model.config.seq_len)
+    losses, exact = score_rows(model, rows, T, h0_table, batch_tokens, one_per_forward)
+    per_item = defaultdict(list)
+    for row, loss, hit in zip(rows, losses, exact):
+        per_item[row.example].append((loss, hit))
+    correct = torch.zeros(len(data), dtype=torch.float64, device=h0_table.device)
+    for idx, scores in per_item.items():
+        if task.kind == LM:  # right iff greedy decoding reproduces every continuation token
+            correct[idx] = float(scores[0][1])
+        else:  # the option with the lowest mean loss wins (the first one on a tie)
+            option_losses = [loss for loss, _ in scores]
+            correct[idx] = float(option_losses.index(min(option_losses)) == data[idx]["gold"])
+    if world > 1:
+        dist.all_reduce(correct)
+    return correct.mean().item()
+
+
+def evaluate_core(model, tokenizer, bundle_dir, T=None, max_per_task=-1, tasks="core", seed=1234, device=None,
+                  batch_tokens=8192, one_per_forward=False, verbose=True):
+    """CORE / Core-Extended of model at recurrence T (None: mu_rec), few-shot seed `seed`.
+
+    -> {"T", "seed", "max_per_task", "accuracy": {label: acc}, "centered": {label: centered}, "core": mean centered
+    over the CORE tasks evaluated, "core_extended": mean over every task evaluated (None unless an extended task
+    ran), "skipped": {label: why}, "seconds"}. Tasks whose file or baseline the bundle lacks are skipped and named.
+    """
+    t_start = time.time()
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    baselines = read_random_baselines(bundle_dir)
+    h0_table = initial_state_table(model, model.config.seq_len, seed, device)
+    accuracy, centered, skipped = {}, {}, {}
+    for task in select_tasks(tasks) if isinstance(tasks, str) else tasks:
+        if not (Path(bundle_dir) / "eval_data" / task.path).is_file():
+            skipped[task.label] = f"eval_data/{task.path} is not in the bundle"
+        elif task.label not in baselines:
+            skipped[task.label] = "no random baseline in eval_meta_data.csv"
+        if task.label in skipped:
+            if verbose:
+                print0(f"{task.label:<34} skipped: {skipped[task.label]}")
+            continue
+        t0 = time.time()
+        data = load_task_data(bundle_dir, task, max_per_task)
+        accuracy[task.label] = evaluate_task(model, tokenizer, task, data, T, seed, h0_table, batch_tokens,
+                                             one_per_forward)
+        centered[task.label] = centered_accuracy(accuracy[task.label], baselines[task.label])
+        if verbose:
+            print0(f"{task.label:<34} {task.shots:>2}-shot {task.kind:<17} {len(data):>6} items  "
+                   f"accuracy {accuracy[task.label]:.4f}  centered {centered[task.label]:+.4f}  {time.time() - t0:6.1f}s")
+    model.train(was_training)
+    core = [c for label, c in centered.items() if label in CORE_LABELS]
+    extended_ran = any(label not in CORE_LABELS for label in centered)
+    return {"T": T if T is not None else model.config.mu_rec, "seed": seed, "max_per_task": max_per_task,
+            "accuracy": accuracy, "centered": centered, "core": sum(core) / len(core) if core else None,
+            "core_extended": sum(centered.values()) / len(centered) if extended_ran else None,
+            "skipped": skipped, "seconds": time.time() - t_start}
+
+# -----------------------------------------------------------------------------
+# Bits per byte and the test-time scaling law L(T) = L_inf + Z exp(-z T)
+
+@torch.no_grad()
+def evaluate_bpb(model, tokenizer, batches, T=None, seed=1234):
+    """-> (loss, bpb) over (x, y) batches, summed across ranks. loss: mean nats per target token (y = -1 ignored);
+    bpb = sum of nats / (ln 2 * sum of UTF-8 bytes) over targets with bytes (specials have 0 and are left out)."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    token_bytes = tokenizer.token_bytes.to(device)
+    sums = torch.zeros(4, dtype=torch.float64, device=device)  # nats, targets, nats of byte tokens, bytes
+    h0_table = None
+    for x, y in batches:
+        x, y = x.to(device), y.to(device)
+        if h0_table is None or h0_table.size(1) < x.size(1):
+            h0_table = initial_state_table(model, x.size(1), seed, device)
+        with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
+            nats = model(x, targets=y, T=T, h0=h0_table[:, :x.size(1)].expand(x.size(0), -1, -1), reduction="none")
+        nats = nats.double()
+        valid = y >= 0
+        num_bytes = torch.where(valid, token_bytes[y.clamp(min=0)], 0)
+        sums += torch.stack([nats[valid].sum(), valid.sum().double(), nats[num_bytes > 0].sum(), num_bytes.sum().double()])
+    model.train(was_training)
+    if dist.is_initialized():
+        dist.all_reduce(sums)
+    nats, targets, byte_nats, num_bytes = sums.tolist()
+    if targets == 0 or num_bytes == 0:
+        raise ValueError("no validation tokens to evaluate: pass more --val_tokens or check the data source")
+    return nats / targets, byte_nats / (math.log(2) * num_bytes)
+
+
+def fit_test_time_scaling(Ts, losses):
+    """Least-squares fit of L(T) = L_inf + Z exp(-z T) (SPEC 3) -> {"L_inf", "Z", "z", "rms"}. For a fixed z the law
+    is linear in (L_inf, Z), solved exactly; z is searched on a log grid, then refined by golden-section search
+    (on log z) between the best grid point's neighbours."""
+    T, L = np.asarray(Ts, dtype=np.float64), np.asarray(losses, dtype=np.float64)
+    if len(T) < 3 or len(set(T.tolist())) < 3:
+        raise ValueError(f"fitting L(T) = L_inf + Z exp(-z T) needs at least 3 distinct T, got {Ts}; pass e.g. --T 1,2,4,8,16")
+
+    def solve(log_z):
+        design = np.stack([np.ones_like(T), np.exp(-math.exp(log_z) * T)], axis=1)
+        coef = np.linalg.lstsq(design, L, rcond=None)[0]
+        return math.sqrt(np.mean((design @ coef - L) ** 2)), coef
+
+    grid = np.linspace(math.log(1e-3), math.log(10.0), 241)
+    best = int(np.argmin([solve(log_z)[0] for log_z in grid]))
+    lo, hi = grid[max(best - 1, 0)], grid[min(best + 1, len(grid) - 1)]
+    ratio = (math.sqrt(5) - 1) / 2
+    for _ in range(80):
+        a, b = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
+        if solve(a)[0] < solve(b)[0]:
+            hi = b
+        else:
+            lo = a
+    rms, (L_inf, Z) = solve((lo + hi) / 2)
+    return {"L_inf": float(L_inf), "Z": float(Z), "z": math.exp((lo + hi) / 2), "rms": rms}
+
+# -----------------------------------------------------------------------------
+# Command line
+
+def parse_ints(text, flag):
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values:
+        raise ValueError(f"{flag} {text!r} must be integers separated by commas, e.g. {flag} 1,2,4")
+    return values
+
+
+def init_distributed(device):
+    """torchrun sets RANK: nccl on CUDA (one GPU per local rank), gloo on CPU."""
+    if "RANK" not in os.environ:
+        return device
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return device
+
+
+def write_json(path, obj):
+    partial = path.with_name(path.name + ".tmp")
+    partial.write_text(json.dumps(obj, indent=1))
+    os.replace(partial, path)
+
+
+def run_core(args, model, tokenizer, Ts, seeds):
+    bundle_dir = download_eval_bundle(args.bundle_url) if rank_and_world()[0] == 0 else get_base_dir() / "eval_bundle"
+    if dist.is_initialized():
+        dist.barrier()  # the other ranks wait for rank 0's download
+    kw = dict(max_per_task=args.max_per_task, tasks=args.tasks, batch_tokens=args.batch_tokens)
+    runs, summary = [], {}
+    for T in Ts:
+        for seed in seeds:
+            print0(f"--- T = {T}, few-shot seed {seed}")
+            result = evaluate_core(model, tokenizer, bundle_dir, T, seed=seed, one_per_forward=args.one_per_forward, **kw)
+            print0(f"CORE {result['core']}" if result["core"] is None else f"CORE {result['core']:.4f} "
+                   f"(x100: {100 * result['core']:.2f}) over {sum(l in CORE_LABELS for l in result['centered'])} tasks"
+                   + ("" if result["core_extended"] is None else f" | Core-Extended {result['core_extended']:.4f} "
+                      f"over {len(result['centered'])} tasks") + f" | {result['seconds']:.1f}s")
+            if args.compare_batching:
+                single = evaluate_core(model, tokenizer, bundle_dir, T, seed=seed, one_per_forward=True,
+                                       verbose=False, **kw)
+                result["one_per_forward_seconds"] = single["seconds"]
+                print0(f"one example per forward: {single['seconds']:.1f}s; batched: {result['seconds']:.1f}s; "
+                       f"batched is {single['seconds'] / result['seconds']:.2f}x faster; same accuracies: "
+                       f"{single['accuracy'] == result['accuracy']}")
+            runs.append(result)
+        for key in ("core", "core_extended"):
+            values = [r[key] for r in runs if r["T"] == T and r[key] is not None]
+            if len(values) > 1:
+                mean, std = statistics.mean(values), statistics.stdev(values)
+                summary[f"T{T}_{key}"] = {"mean": mean, "std": std, "seeds": seeds}
+                print0(f"T = {T}: {key} over seeds {seeds}: mean {mean:.4f} std {std:.4f} "
+                       f"(x100: {100 * mean:.2f} +- {100 * std:.2f})")
+    return {"runs": runs, "summary": summary}
+
+
+def run_bpb(args, model, tokenizer, ckpt, Ts, device):
+    mu_rec = model.config.mu_rec
+    Ts = sorted(set(Ts) | {mu_rec})  # SPEC 3 compares L_inf with the loss at T = mu_rec
+    source = args.data or ckpt.get("args", {}).get("data", "fineweb-edu")
+    rank, world = rank_and_world()
+    batches = list(val_batches(tokenizer, source, args.batch_size, model.config.seq_len, args.val_tokens, rank, world,
+                               device))
+    print0(f"Validation: {source}, {len(batches)} batches of {args.batch_size} x {model.config.seq_len} per rank")
+    losses, bpbs = [], []
+    for T in Ts:
+        t0 = time.time()
+        loss, bpb = evaluate_bpb(model, tokenizer, batches, T)
+        losses.append(loss)
+        bpbs.append(bpb)
+        print0(f"T = {T:>3}: val loss {loss:.4f}  bpb {bpb:.4f}  ppl {math.exp(loss):.2f}  {time.time() - t0:.1f}s")
+    out = {"T": Ts, "loss": losses, "bpb": bpbs, "data": source}
+    if len(Ts) >= 3:
+        fit = fit_test_time_scaling(Ts, losses)
+        at_mu = losses[Ts.index(mu_rec)]
+        out["fit"] = {**fit, "loss_at_mu_rec": at_mu, "mu_rec": mu_rec}
+        print0(f"L(T) = L_inf + Z exp(-z T): L_inf {fit['L_inf']:.4f}  Z {fit['Z']:.4f}  z {fit['z']:.4f}  "
+               f"RMS error {fit['rms']:.2e}; L_inf vs loss at T = mu_rec = {mu_rec} ({at_mu:.4f}): "
+               f"{100 * (fit['L_inf'] - at_mu) / at_mu:+.2f}%")
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ckpt", default=None, help="checkpoint file (default: the latest under <base dir>/runs)")
+    parser.add_argument("--run", default=None, help="run name under <base dir>/runs whose latest checkpoint to use")
+    parser.add_argument("--eval", default="core", choices=["core", "bpb"])
+    parser.add_argument("--T", default=None, help="test-time recurrence(s), e.g. 8 or 1,2,4,8 (default: mu_rec)")
+    parser.add_argument("--seeds", default="1234", help="few-shot seeds; several print mean and std (SPEC 3)")
+    parser.add_argument("--max_per_task", type=int, default=-1, help="items per task after shuffling (-1: all)")
+    parser.add_argument("--tasks", default="core", help="core (22), extended (46), or task labels separated by commas")
+    parser.add_argument("--batch_tokens", type=int, default=8192, help="sequences x padded length per forward")
+    parser.add_argument("--one_per_forward", action="store_true", help="one item per forward (nanochat's way)")
+    parser.add_argument("--compare_batching", action="store_true", help="also run one item per forward, print the speed ratio")
+    parser.add_argument("--bundle_url", default=EVAL_BUNDLE_URL, help="where eval_bundle.zip is downloaded from")
+    parser.add_argument("--data", default=None, help="bpb: validation source (default: the checkpoint's training data)")
+    parser.add_argument("--val_tokens", type=int, default=1 << 20, help="bpb: validation tokens over all ranks")
+    parser.add_argument("--batch_size", type=int, default=8, help="bpb: sequences per forward")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    args = parser.parse_args()
+    try:
+        device = init_distributed(torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")))
+        ckpt_path = Path(args.ckpt) if args.ckpt else find_checkpoint(get_base_dir() / "runs", args.run)
+        model, ckpt = load_checkpoint(ckpt_path, device)
+        if "tokenizer_dir" not in ckpt:
+            raise ValueError(f"checkpoint {ckpt_path} names no tokenizer_dir; it was not written by train.py")
+        tokenizer = Tokenizer.load(ckpt["tokenizer_dir"])
+        Ts = parse_ints(args.T, "--T") if args.T else [model.config.mu_rec]
+        print0(f"Checkpoint {ckpt_path} (step {ckpt.get('step')}), {model.num_params():,} parameters, "
+               f"mu_rec {model.config.mu_rec}, on {device} x {rank_and_world()[1]}")
+        if args.eval == "core":
+            out = run_core(args, model, tokenizer, Ts, parse_ints(args.seeds, "--seeds"))
+        else:
+            out = run_bpb(args, model, tokenizer, ckpt, Ts, device)
+    except (FileNotFoundError, ValueError) as err:
+        raise SystemExit(f"eval_core.py: {err}")
+    if rank_and_world()[0] == 0:
+        path = ckpt_path.with_name(f"{ckpt_path.stem}_{args.eval}_T{'-'.join(map(str, Ts))}.json")
+        write_json(path, {"ckpt": str(ckpt_path), "step": ckpt.get("step"), "args": vars(args), **out})
+        print0(f"Wrote {path}")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

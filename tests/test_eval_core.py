@@ -1,0 +1,364 @@
+"""Tests of eval_core.py: the eval bundle download and safe extraction, CORE scoring with a model whose preferences
+are known (all three task types), centered accuracy, the LM prompt strip, left cropping, batched = one item per
+forward, one rank = two ranks, bits per byte, and the test-time scaling fit."""
+
+import csv
+import functools
+import http.server
+import io
+import json
+import math
+import os
+import socket
+import sys
+import threading
+import zipfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import eval_core  # noqa: E402
+from eval_core import (CORE_TASKS, EXTENDED_TASKS, LM, Task, centered_accuracy, crop_left,  # noqa: E402
+                       download_eval_bundle, evaluate_bpb, evaluate_core, extract_zip_safely, fit_test_time_scaling,
+                       render_prompts, scored_spans)
+from model import Parcae, ParcaeConfig  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny matmuls: on a shared 2-core machine, intra-op threads only wait on each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+# -----------------------------------------------------------------------------
+# A byte tokenizer and a bigram model whose preferences are set by hand
+
+BOS = 256
+
+
+class ByteTokenizer:
+    bos_id = BOS
+    vocab_size = 257
+    token_bytes = torch.tensor([1] * 256 + [0], dtype=torch.int32)
+
+    def encode(self, text, prepend_bos=False):
+        if not isinstance(text, str):
+            return [self.encode(t, prepend_bos) for t in text]
+        return [BOS] * prepend_bos + list(text.encode("utf-8"))
+
+
+class BigramModel(nn.Module):
+    """logits[b, s] = table[idx[b, s]]: what comes next depends only on the current byte. Preferences:
+    ':' -> ' ', ' ' -> 'b' (then 'a'), 'b' -> 'c', 'g' -> ' '; every other next byte scores 0 (argmax: byte 0)."""
+
+    def __init__(self, seq_len=4096):
+        super().__init__()
+        self.config = SimpleNamespace(seq_len=seq_len, d_model=8, mu_rec=3)
+        table = torch.zeros(257, 257)
+        for prev, nxt, logit in [(":", " ", 3.0), (" ", "b", 4.0), (" ", "a", 2.0), ("b", "c", 4.0), ("g", " ", 3.0)]:
+            table[ord(prev), ord(nxt)] = logit
+        self.table = nn.Parameter(table)
+        self.widths = []  # the padded width of every forward
+
+    def initial_state(self, shape, device, dtype):
+        return torch.zeros(shape, device=device, dtype=dtype)
+
+    def forward(self, idx, targets=None, T=None, h0=None, reduction="mean"):
+        assert h0 is not None and h0.shape[:2] == idx.shape
+        self.widths.append(idx.size(1))
+        logits = self.table[idx]
+        if targets is None:
+            return logits
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1, reduction=reduction)
+        return loss.view(targets.shape) if reduction == "none" else loss
+
+# -----------------------------------------------------------------------------
+# A bundle in the real layout: eval_bundle/{core.yaml, eval_meta_data.csv, eval_data/<category>/<task>.jsonl}
+
+
+def mc(query, choices, gold):
+    return {"query": query, "choices": choices, "gold": gold}
+
+
+# the bigram model picks the choice "b" (lowest loss after " "), the context option ending in "g" (" " follows it),
+# and reproduces a continuation iff it is "bc" (" " -> b -> c), after a context ending in ":"
+FIXTURE = {
+    "copa": [mc("Q1:", ["a", "b"], 1), mc("Q2:", ["b", "a"], 0), mc("Q3:", ["c", "b"], 1),
+             mc("Q4:", ["a", "b"], 0), mc("Q5:", ["b", "c"], 1)],  # 3/5 right
+    "arc_easy": [mc("Which? :", ["a", "b", "c", "d"], 1), mc("Why? :", ["b", "a", "c", "d"], 2),
+                 mc("How? :", ["a", "c", "b", "d"], 0), mc("Who? :", ["d", "c", "a", "b"], 0)],  # 1/4, 10 shots > 3 others
+    "winograd": [{"context_options": ["the cat", "the dog"], "continuation": "ran:", "gold": 1},
+                 {"context_options": ["a big dog", "a big cow"], "continuation": "sat.", "gold": 0},
+                 {"context_options": ["my hat", "my bag"], "continuation": "fell", "gold": 0}],  # 2/3
+    "lambada_openai": [{"context": "  The end is:  ", "continuation": "bc"}, {"context": "Next:", "continuation": "bc"},
+                       {"context": "Then:", "continuation": "bd"}, {"context": "Last:", "continuation": "a"}],  # 2/4
+    "jeopardy": [{"context": "HISTORY: who was first", "continuation": "bc"},
+                 {"context": "SCIENCE: what is it", "continuation": "bc"},
+                 {"context": "WORDS: which word", "continuation": "bc"},
+                 {"context": "ART: who painted it", "continuation": "cb"}],  # 3/4
+}
+EXPECTED_ACCURACY = {"copa": 3 / 5, "arc_easy": 1 / 4, "winograd": 2 / 3, "lambada_openai": 2 / 4, "jeopardy": 3 / 4}
+BASELINES = {"copa": 50, "arc_easy": 25, "winograd": 50, "lambada_openai": 0, "jeopardy": 0}
+FIXTURE_TASKS = [task for task in CORE_TASKS if task.label in FIXTURE]
+
+
+def bundle_zip_bytes(extra_members=()):
+    by_label = {task.label: task for task in CORE_TASKS}
+    meta = io.StringIO()
+    writer = csv.writer(meta)
+    writer.writerow(["Eval Task", "Task Category", "Task Type", "#shots", "#datapoints", "Random baseline",
+                     "Centered Metric?", "Description"])
+    for label, baseline in BASELINES.items():
+        writer.writerow([label, "x", "y", by_label[label].shots, len(FIXTURE[label]), baseline, "", f"About {label}, quoted"])
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        archive.writestr("eval_bundle/core.yaml", "icl_tasks:\n- label: copa\n")
+        archive.writestr("eval_bundle/eval_meta_data.csv", meta.getvalue())
+        for label, records in FIXTURE.items():
+            archive.writestr(f"eval_bundle/eval_data/{by_label[label].path}",
+                             "".join(json.dumps(r) + "\n" for r in records))
+        for name, text in extra_members:
+            archive.writestr(name, text)
+    return buffer.getvalue()
+
+
+@pytest.fixture
+def server(tmp_path):
+    """A local HTTP server over tmp_path/www, counting the requests it answers."""
+    root = tmp_path / "www"
+    root.mkdir()
+    requests_seen = []
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            requests_seen.append(self.path)
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Handler, directory=str(root)))
+    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    yield SimpleNamespace(root=root, url=f"http://127.0.0.1:{httpd.server_address[1]}", requests=requests_seen)
+    httpd.shutdown()
+    httpd.server_close()
+
+
+@pytest.fixture
+def bundle(tmp_path, server):
+    (server.root / "eval_bundle.zip").write_bytes(bundle_zip_bytes())
+    return download_eval_bundle(f"{server.url}/eval_bundle.zip", base_dir=tmp_path / "base")
+
+# -----------------------------------------------------------------------------
+# The bundle
+
+
+def test_download_and_extract(tmp_path, server):
+    (server.root / "eval_bundle.zip").write_bytes(bundle_zip_bytes())
+    base = tmp_path / "base"
+    base.mkdir()
+    bundle_dir = download_eval_bundle(f"{server.url}/eval_bundle.zip", base_dir=base)
+    assert bundle_dir == base / "eval_bundle"
+    assert (bundle_dir / "core.yaml").is_file()
+    lines = (bundle_dir / "eval_data" / "language_understanding" / "winograd_wsc.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == FIXTURE["winograd"]
+    assert eval_core.read_random_baselines(bundle_dir) == {k: float(v) for k, v in BASELINES.items()}
+    assert sorted(p.name for p in base.iterdir()) == ["eval_bundle"]  # no zip, no temporary left behind
+    assert len(server.requests) == 1
+    download_eval_bundle(f"{server.url}/eval_bundle.zip", base_dir=base)  # cached: no second download
+    assert len(server.requests) == 1
+
+
+def test_member_escaping_the_folder_is_refused(tmp_path, server):
+    (server.root / "eval_bundle.zip").write_bytes(bundle_zip_bytes(extra_members=[("../x", "pwned")]))
+    base = tmp_path / "base"
+    base.mkdir()
+    with pytest.raises(ValueError, match="outside"):
+        download_eval_bundle(f"{server.url}/eval_bundle.zip", base_dir=base)
+    assert not (tmp_path / "x").exists()
+    assert list(base.iterdir()) == []  # nothing extracted, the bad zip deleted
+    for name in ["/tmp/abs_member_x", "eval_bundle/../../y"]:
+        archive = tmp_path / "bad.zip"
+        with zipfile.ZipFile(archive, "w") as z:
+            z.writestr("eval_bundle/ok.txt", "fine")
+            z.writestr(zipfile.ZipInfo(name), "pwned")
+        with pytest.raises(ValueError, match="outside"):
+            extract_zip_safely(archive, tmp_path / "target")
+        assert not (tmp_path / "target").exists() and not (tmp_path / "y").exists()
+
+
+def test_task_table():
+    assert len(CORE_TASKS) == 22 and len(EXTENDED_TASKS) == 46
+    assert len({t.label for t in EXTENDED_TASKS}) == 46
+    assert all(t.kind in ("multiple_choice", "schema", "language_modeling") for t in EXTENDED_TASKS)
+    with pytest.raises(ValueError, match="unknown task"):
+        eval_core.select_tasks("copa,not_a_task")
+
+# -----------------------------------------------------------------------------
+# Scoring
+
+
+def test_centered_accuracy():
+    assert centered_accuracy(0.75, 25) == pytest.approx(2 / 3)
+    assert centered_accuracy(0.25, 25) == pytest.approx(0.0)
+    assert centered_accuracy(1.0, 62) == pytest.approx(1.0)
+    assert centered_accuracy(0.0, 50) == pytest.approx(-1.0)
+
+
+def test_scores_match_hand_computed_accuracy(bundle):
+    model = BigramModel()
+    result = evaluate_core(model, ByteTokenizer(), bundle, verbose=False)
+    assert result["accuracy"] == pytest.approx(EXPECTED_ACCURACY)
+    expected_centered = {k: centered_accuracy(EXPECTED_ACCURACY[k], BASELINES[k]) for k in FIXTURE}
+    assert result["centered"] == pytest.approx(expected_centered)
+    assert result["core"] == pytest.approx(sum(expected_centered.values()) / len(FIXTURE))
+    assert result["core_extended"] is None
+    assert len(result["skipped"]) == 22 - len(FIXTURE) and "hellaswag" in result["skipped"]  # absent: named, skipped
+    assert result["T"] == 3  # mu_rec when T is None
+    # extended: the 24 extra tasks are all absent, so Core-Extended averages what ran
+    result = evaluate_core(model, ByteTokenizer(), bundle, tasks="extended", verbose=False)
+    assert len(result["skipped"]) == 46 - len(FIXTURE)
+
+
+def test_language_modelling_prompt_strip():
+    task = Task("lm", "x.jsonl", LM, 1, "\nAnswer: ")
+    shot = {"context": " Q0 ", "continuation": "zero"}
+    without, full = render_prompts(task, {"context": "  The capital is  ", "continuation": "Paris"}, [shot])
+    assert without == "Q0\nAnswer: zero\n\nThe capital is\nAnswer:"
+    assert full == "Q0\nAnswer: zero\n\nThe capital is\nAnswer: Paris"
+    tokens = ByteTokenizer().encode([without, full], prepend_bos=True)
+    (sequence,), ((start, end),) = scored_spans(task, tokens)
+    assert bytes(sequence[start:end]).decode() == " Paris" and sequence[0] == BOS
+
+
+def test_left_cropping_keeps_the_continuation(bundle):
+    tokens = [BOS] + list(range(20))
+    cropped, start, end = crop_left(tokens, 15, 21, max_len=8)
+    assert cropped == tokens[-8:] and cropped[start:end] == tokens[15:21]
+    cropped, start, end = crop_left(tokens, 3, 21, max_len=8)  # a span longer than the window keeps what fits
+    assert (start, end) == (1, 8)
+    # end to end: 30 tokens of context are far shorter than the prompts, the accuracies do not change
+    model = BigramModel(seq_len=30)
+    result = evaluate_core(model, ByteTokenizer(), bundle, tasks="jeopardy,lambada_openai,copa,winograd", verbose=False)
+    assert max(model.widths) == 30
+    assert result["accuracy"] == pytest.approx({k: EXPECTED_ACCURACY[k] for k in result["accuracy"]})
+
+
+def tiny_parcae(vocab_size=257):
+    torch.manual_seed(0)
+    model = Parcae(ParcaeConfig(vocab_size=vocab_size, seq_len=128, n_prelude=1, n_recur=1, n_coda=1, d_model=64,
+                                head_dim=32, mu_rec=2))
+    with torch.no_grad():  # the zero-init output projections would make every position alike
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.5 / math.sqrt(p.size(1)))
+    return model.eval()
+
+
+def test_batched_equals_one_item_per_forward(bundle):
+    model = BigramModel()
+    batched = evaluate_core(model, ByteTokenizer(), bundle, verbose=False)
+    n_batched, model.widths = len(model.widths), []
+    single = evaluate_core(model, ByteTokenizer(), bundle, one_per_forward=True, verbose=False)
+    assert single["accuracy"] == batched["accuracy"]
+    assert n_batched < len(model.widths)
+    # a real looped model: the same per-sequence losses batched or one item per forward, and a repeatable score
+    model = tiny_parcae()
+    tokenizer = ByteTokenizer()
+    rows = [row for task in FIXTURE_TASKS for row in eval_core.build_rows(
+        task, eval_core.load_task_data(bundle, task, -1), range(len(FIXTURE[task.label])), tokenizer, 1234, 128)]
+    h0 = eval_core.initial_state_table(model, 128, 1234, "cpu")
+    batched = eval_core.score_rows(model, rows, 2, h0, batch_tokens=512)
+    single = eval_core.score_rows(model, rows, 2, h0, one_per_forward=True)
+    assert batched[0] == pytest.approx(single[0], abs=1e-5) and batched[1] == single[1]
+    first = evaluate_core(model, tokenizer, bundle, T=2, verbose=False)
+    assert evaluate_core(model, tokenizer, bundle, T=2, verbose=False)["accuracy"] == first["accuracy"]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def two_rank_worker(rank, port, bundle_dir, out_dir):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = tiny_parcae()
+    core = evaluate_core(model, ByteTokenizer(), bundle_dir, T=2, verbose=False)
+    batches = val_batches_for_test()
+    loss, bpb = evaluate_bpb(model, ByteTokenizer(), batches[rank::2], T=2)
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"core": core["accuracy"], "loss": loss, "bpb": bpb}))
+    dist.destroy_process_group()
+
+
+def val_batches_for_test():
+    gen = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(4):
+        x = torch.randint(0, 257, (2, 16), generator=gen)
+        y = torch.roll(x, -1, dims=1)
+        y[:, -1] = -1
+        batches.append((x, y))
+    return batches
+
+
+def test_one_rank_equals_two_ranks(bundle, tmp_path):
+    model = tiny_parcae()
+    core = evaluate_core(model, ByteTokenizer(), bundle, T=2, verbose=False)
+    loss, bpb = evaluate_bpb(model, ByteTokenizer(), val_batches_for_test(), T=2)
+    mp.spawn(two_rank_worker, args=(free_port(), str(bundle), str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got["core"] == core["accuracy"]
+        assert got["loss"] == pytest.approx(loss, rel=1e-6) and got["bpb"] == pytest.approx(bpb, rel=1e-6)
+
+# -----------------------------------------------------------------------------
+# Bits per byte and the test-time scaling law
+
+
+def test_bits_per_byte_by_hand():
+    from data import Tokenizer
+    text = "the quick brown fox jumps over the lazy dog. " * 40 + "héllo wörld ünïcode — ✓ " * 20
+    tokenizer = Tokenizer.train(iter([text]), 300)
+    ids = tokenizer.encode(["the lazy fox héllo ✓", "over the dog — wörld"], prepend_bos=True)
+    width = min(map(len, ids))
+    x = torch.tensor([row[:width] for row in ids])
+    y = torch.roll(x, -1, dims=1)
+    y[0, -1] = -1
+    y[1, -1] = tokenizer.bos_id  # a special target: it counts in the loss, not in bits per byte
+    model = tiny_parcae(tokenizer.vocab_size)
+    loss, bpb = evaluate_bpb(model, tokenizer, [(x, y)], T=2)
+    h0 = eval_core.initial_state_table(model, width, 1234, "cpu").expand(2, -1, -1)
+    nats = model(x, targets=y, T=2, h0=h0, reduction="none")
+    total_nats, total_bytes, byte_nats = 0.0, 0, 0.0
+    for b in range(2):
+        for s in range(width):
+            target = y[b, s].item()
+            if target < 0:
+                continue
+            total_nats += nats[b, s].item()
+            if target != tokenizer.bos_id:
+                byte_nats += nats[b, s].item()
+                total_bytes += len(tokenizer.enc.decode_single_token_bytes(target))
+    assert loss == pytest.approx(total_nats / (2 * width - 1), rel=1e-5)
+    assert bpb == pytest.approx(byte_nats / (math.log(2) * total_bytes), rel=1e-5)
+
+
+def test_fit_recovers_the_law():
+    gen = torch.Generator().manual_seed(0)
+    Ts = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]
+    L_inf, Z, z = 2.95, 1.8, 0.35
+    losses = [L_inf + Z * math.exp(-z * T) + 1e-4 * torch.randn((), generator=gen).item() for T in Ts]
+    fit = fit_test_time_scaling(Ts, losses)
+    assert fit["L_inf"] == pytest.approx(L_inf, abs=2e-3)
+    assert fit["Z"] == pytest.approx(Z, rel=2e-2)
+    assert fit["z"] == pytest.approx(z, rel=2e-2)
+    assert fit["rms"] < 3e-4
+    with pytest.raises(ValueError, match="at least 3"):
+        fit_test_time_scaling([1, 2], [3.0, 2.9])
