@@ -73,10 +73,10 @@ def fineweb_dir():
 class Tokenizer:
     """A tiktoken.Encoding plus the byte length of every token (bits per byte needs it)."""
 
-    def __init__(self, enc, token_bytes):
+    def __init__(self, enc, token_bytes, bos_token="<|bos|>"):
         self.enc = enc
         self.token_bytes = token_bytes  # int32 (vocab_size,): UTF-8 bytes each id decodes to, 0 for specials
-        self.bos_id = enc.encode_single_token("<|bos|>")
+        self.bos_id = enc.encode_single_token(bos_token)  # hub.py: an imported tokenizer names it its own way
         self.vocab_size = enc.n_vocab
 
     @classmethod
@@ -108,7 +108,7 @@ class Tokenizer:
 
         bpe = rustbpe.Tokenizer()
         bpe.train_from_iterator(capped(), num_merged, pattern=SPLIT_PATTERN)
-        return cls.from_ranks({bytes(token): rank for token, rank in bpe.get_mergeable_ranks()}, bpe.get_pattern())
+        return cls.from_ranks({bytes(token): rank for token, rank in bpe.get_mergeable_ranks()}, SPLIT_PATTERN)
 
     def save(self, directory):
         """tiktoken's own text format ("base64(token) rank" per line), no pickle."""
@@ -132,7 +132,8 @@ class Tokenizer:
         enc = tiktoken.Encoding("nanoparcae", pat_str=config["pattern"], mergeable_ranks=ranks,
                                 special_tokens=config["special_tokens"])
         token_bytes = torch.tensor([int(n) for n in (directory / "token_bytes.txt").read_text().split()], dtype=torch.int32)
-        assert len(token_bytes) == enc.n_vocab, f"{directory}/token_bytes.txt does not match the vocabulary"
+        if len(token_bytes) != enc.n_vocab:
+            raise ValueError(f"{directory}/token_bytes.txt does not match the vocabulary: delete {directory} to retrain")
         return cls(enc, token_bytes)
 
     def encode(self, text, prepend_bos=False, num_threads=8):
@@ -477,8 +478,15 @@ class DataLoader:
         return x.to(self.device), y.to(self.device)
 
     @property
+    def tokens_read(self):
+        """Tokens of every document taken into the buffer so far, placed, cropped or still waiting."""
+        return self.tokens_used + self.tokens_cropped + sum(entry[0] for entry in self.buffer)
+
+    @property
     def cropped_fraction(self):
-        """Share of the documents' tokens that packing has thrown away so far."""
+        """Share of the tokens of the documents packed so far that were cropped. The buffer keeps the longest
+        documents waiting, so on a corpus not much larger than the buffer this reads low until many epochs
+        have passed (data.py loader measures the settled share instead)."""
         return self.tokens_cropped / max(self.tokens_used + self.tokens_cropped, 1)
 
     def state_dict(self):
@@ -568,13 +576,17 @@ def main():
         t0 = time.time()
         next(loader)
         t1 = time.time()
-        steps = max(1, args.tokens // (args.batch_size * args.seq_len))
-        for _ in range(steps):
+        steps = max(2, args.tokens // (args.batch_size * args.seq_len))
+        for step in range(steps):
+            if step == steps // 2:  # the crop share is measured over the second half, once the buffer has settled
+                used, read = loader.tokens_used, loader.tokens_read
             next(loader)
         t2 = time.time()
+        cropped = 1 - (loader.tokens_used - used) / (loader.tokens_read - read)
         print(f"First batch after {t1 - t0:.1f}s (tokenizing the first {loader.buffer_docs} documents), then "
               f"{steps * args.batch_size * args.seq_len / (t2 - t1):,.0f} tokens/s over {steps} batches of "
-              f"{args.batch_size} x {args.seq_len}; {100 * loader.cropped_fraction:.1f}% of document tokens cropped")
+              f"{args.batch_size} x {args.seq_len}; packing cropped {100 * cropped:.1f}% of the tokens read over "
+              f"the last {steps - steps // 2} batches")
         loader.close()
 
 

@@ -282,6 +282,7 @@ def test_rows_start_with_bos_and_ids_in_vocab(tokenizer, corpus):
     # every placed token came from a document, and some of the documents' tokens were cropped
     assert loader.tokens_used == 20 * 4 * 65
     assert 0 < loader.cropped_fraction < 1
+    assert loader.tokens_read == loader.tokens_used + loader.tokens_cropped + sum(len(e[3]) for e in loader.buffer)
     loader.close()
 
 
