@@ -1,0 +1,332 @@
+"""
+train.py: train Parcae (or a baseline) with the paper's recipe (SPEC 2), from a laptop CPU to 8 GPUs.
+
+    python train.py                                            # no GPU: a small looped model on the
+                                                               # stdlib corpus, no download, minutes
+    torchrun --nproc_per_node=8 train.py --depth=24 --mu_rec=8 # the paper's 1.3B on FineWeb-Edu
+    python train.py --depth=24 --mu_rec=8 --dry_run            # print sizes, tokens and FLOPs only
+
+Every optimiser step sees the same rows, depths and h0 whatever the number of processes: its
+micro-batches are "virtual ranks" v = rank * grad_accum + micro, each with its own share of the data
+and its own seed. So two processes reproduce one, and --resume continues a run exactly.
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from data import DataLoader, get_base_dir, get_tokenizer, tokenizer_dir, val_batches
+from eval_core import download_eval_bundle, evaluate_bpb, evaluate_core
+from model import Parcae, ParcaeConfig, find_checkpoint, save_checkpoint
+from optim import build_optimizer, learning_rate_for_depth, lr_multiplier, muon_momentum, weight_decay_at
+
+# -----------------------------------------------------------------------------
+# Flags. Two presets fill the ones left unset: the paper's setup (SPEC 2), and, on a machine with no
+# GPU when no --depth is given, a small model on the stdlib corpus that trains in minutes.
+
+CUDA = torch.cuda.is_available()
+PAPER_TOKENS = {6: 11.2e9, 12: 29.6e9, 18: 61.6e9, 24: 104e9}  # SPEC 1: tokens trained per size
+PAPER = dict(depth=6, head_dim=128, mu_rec=8, vocab_size=32768, seq_len=2048, device_batch_size=32,
+             total_batch_size=524_288, eval_every=250, eval_tokens=10 * 524_288, core_every=2000,
+             save_every=1000, log_every=1, compile=int(CUDA), data="fineweb-edu")
+SMALL = dict(depth=3, d_model=128, head_dim=64, mu_rec=4, vocab_size=4096, seq_len=256, device_batch_size=16,
+             total_batch_size=8192, max_tokens=1.6e6, eval_every=100, eval_tokens=65_536, core_every=-1,
+             save_every=100, log_every=20, compile=0, data="stdlib")
+
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=f"paper preset: {PAPER}\nsmall CPU preset: {SMALL}")
+parser.add_argument("--depth", type=int, help="layers, L_P = L_R = L_C = depth/3; 6/12/18/24 = 140M..1.3B")
+parser.add_argument("--d_model", type=int, help="width (default 128 * (depth/3 + 4))")
+parser.add_argument("--head_dim", type=int)
+parser.add_argument("--mu_rec", type=int, help="mean recurrence depth")
+parser.add_argument("--mu_bwd", type=int, help="backpropagated depth (default ceil(mu_rec/2))")
+parser.add_argument("--injection", default="diagonal", choices=["diagonal", "concat", "add", "none"],
+                    help="diagonal = Parcae, concat = RDM, add, none = fixed-depth Transformer")
+parser.add_argument("--sampling", default="per_sequence", choices=["per_sequence", "per_batch", "fixed"])
+parser.add_argument("--prelude_norm", type=int, default=1, choices=[0, 1])
+parser.add_argument("--vocab_size", type=int)
+parser.add_argument("--seq_len", type=int)
+parser.add_argument("--device_batch_size", type=int, help="sequences per micro-batch per process")
+parser.add_argument("--total_batch_size", type=int, help="tokens per optimiser step")
+parser.add_argument("--max_tokens", type=float, help="training horizon in tokens")
+parser.add_argument("--param_data_ratio", type=float, help="horizon as tokens per parameter")
+parser.add_argument("--target_flops", type=float, help="horizon as total training FLOPs")
+parser.add_argument("--adamw_lr", type=float, help="default 8e-3 (140M, 370M) or 6e-3 (770M, 1.3B)")
+parser.add_argument("--muon_lr", type=float, default=8e-3)
+parser.add_argument("--weight_decay", type=float, default=0.2, help="Muon's cautious weight decay")
+parser.add_argument("--grad_clip", type=float, default=1.0)
+parser.add_argument("--warmdown_frac", type=float, default=0.5)
+parser.add_argument("--eval_every", type=int, help="steps between validation evals")
+parser.add_argument("--eval_tokens", type=int, help="validation tokens per eval")
+parser.add_argument("--core_every", type=int, help="steps between CORE evals (-1: never; also at the end)")
+parser.add_argument("--core_max_per_task", type=int, default=500, help="CORE examples per task during training")
+parser.add_argument("--save_every", type=int, help="steps between checkpoints")
+parser.add_argument("--log_every", type=int)
+parser.add_argument("--resume", action="store_true", help="continue this run from its last checkpoint")
+parser.add_argument("--compile", type=int, choices=[0, 1], help="torch.compile the blocks (default on CUDA)")
+parser.add_argument("--data", help="fineweb-edu, stdlib, or a path / glob of .txt, .jsonl, .parquet files")
+parser.add_argument("--run", help="run name (default d<depth>_<injection>)")
+parser.add_argument("--seed", type=int, default=0)
+parser.add_argument("--dry_run", action="store_true", help="print the resolved configuration and exit")
+parser.add_argument("--stop_at", type=int, help="end this invocation after that step (continue with --resume)")
+parser.add_argument("--fault_nan_step", type=int, help="testing: poison the gradients at this step")
+args = parser.parse_args()
+preset = SMALL if not CUDA and args.depth is None else PAPER
+for name, value in preset.items():
+    if getattr(args, name) is None:
+        setattr(args, name, value)
+
+
+def fail(message):
+    """One clear line instead of a traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+# -----------------------------------------------------------------------------
+# Model configuration and the training horizon
+
+try:
+    config = ParcaeConfig.from_depth(
+        args.depth, vocab_size=args.vocab_size, seq_len=args.seq_len, head_dim=args.head_dim, mu_rec=args.mu_rec,
+        mu_bwd=args.mu_bwd, injection=args.injection, sampling=args.sampling, prelude_norm=bool(args.prelude_norm),
+        **({"d_model": args.d_model} if args.d_model else {}))
+except ValueError as err:
+    fail(err)
+with torch.device("meta"):  # sizes and FLOPs without allocating anything
+    meta_model = Parcae(config)
+num_params, flops_per_token = meta_model.num_params(), meta_model.flops_per_token()
+if args.max_tokens:
+    max_tokens = args.max_tokens
+elif args.target_flops:
+    max_tokens = args.target_flops / flops_per_token
+elif args.param_data_ratio:
+    max_tokens = args.param_data_ratio * num_params
+elif args.depth in PAPER_TOKENS:
+    max_tokens = PAPER_TOKENS[args.depth]
+else:
+    fail(f"no default horizon for --depth={args.depth}; give --max_tokens, --target_flops or --param_data_ratio")
+
+# -----------------------------------------------------------------------------
+# Processes: torchrun sets RANK; NCCL on CUDA, gloo on CPU. Plain `python train.py` is one process.
+
+ddp = "RANK" in os.environ and not args.dry_run
+rank, local_rank, world = 0, 0, 1
+if ddp:
+    dist.init_process_group("nccl" if CUDA else "gloo")
+    rank, world, local_rank = dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0))
+master = rank == 0
+device = torch.device(f"cuda:{local_rank}" if CUDA else "cpu")
+if CUDA:
+    torch.cuda.set_device(device)
+    torch.backends.cuda.matmul.allow_tf32 = True
+log = (lambda *a: print(*a, flush=True)) if master else (lambda *a: None)
+
+rows_per_step = args.device_batch_size * args.seq_len * world
+if args.total_batch_size % rows_per_step != 0:
+    fail(f"--total_batch_size={args.total_batch_size} is not divisible by device_batch_size x seq_len x world = "
+         f"{args.device_batch_size} x {args.seq_len} x {world} = {rows_per_step}; change one of them")
+grad_accum = args.total_batch_size // rows_per_step
+num_steps = max(1, int(max_tokens // args.total_batch_size))
+run_name = args.run or f"d{args.depth}_{args.injection}"
+run_dir = get_base_dir() / "runs" / run_name
+log(f"model: depth {args.depth} ({config.n_prelude}/{config.n_recur}/{config.n_coda}), d_model {config.d_model}, "
+    f"{config.n_head} heads, injection {config.injection}, mu_rec {config.mu_rec}, mu_bwd {config.mu_bwd}, "
+    f"sampling {config.sampling}, prelude_norm {config.prelude_norm}")
+log(f"parameters: {num_params:,} | FLOPs/token: {flops_per_token:.4e} | tokens: {num_steps * args.total_batch_size:,} "
+    f"| total FLOPs: {flops_per_token * num_steps * args.total_batch_size:.4e}")
+log(f"steps: {num_steps} x {args.total_batch_size:,} tokens = {world} process(es) x {grad_accum} micro-batch(es) x "
+    f"{args.device_batch_size} x {args.seq_len} | data: {args.data} | output: {run_dir}")
+if args.dry_run:
+    sys.exit(0)
+
+# -----------------------------------------------------------------------------
+# Tokenizer, data (one loader per virtual rank) and the model
+
+try:
+    if master:
+        get_tokenizer(args.data, args.vocab_size)  # trains and caches it on first use, once
+    if ddp:
+        dist.barrier()
+    tokenizer = get_tokenizer(args.data, args.vocab_size)
+    virtual_world = world * grad_accum
+    loaders = [DataLoader(tokenizer, args.data, "train", args.device_batch_size, args.seq_len,
+                          rank=rank * grad_accum + micro, world_size=virtual_world, seed=args.seed, device=device)
+               for micro in range(grad_accum)]
+except (FileNotFoundError, ValueError) as err:
+    fail(err)
+batches = [iter(loader) for loader in loaders]
+
+torch.manual_seed(args.seed)  # the same initial weights on every rank
+model = Parcae(config).to(device)
+raw_model = model
+if args.compile:
+    model.compile_blocks(dynamic=False)
+if ddp:
+    model = DDP(model, device_ids=[local_rank] if CUDA else None)
+adamw_lr = args.adamw_lr or learning_rate_for_depth(args.depth)
+optimizer = build_optimizer(raw_model, adamw_lr=adamw_lr, muon_lr=args.muon_lr, weight_decay=args.weight_decay)
+autocast = torch.autocast("cuda", dtype=torch.bfloat16) if CUDA else nullcontext()
+
+start_step, skipped_steps = 0, 0
+if args.resume:
+    try:
+        ckpt = torch.load(find_checkpoint(get_base_dir() / "runs", run_name), map_location=device, weights_only=True)
+    except FileNotFoundError as err:
+        fail(err)
+    raw_model.load_state_dict(ckpt["model"])
+    optimizer.load_state_dict(ckpt["optimizer"])
+    for micro, loader in enumerate(loaders):
+        loader.load_state_dict(ckpt["loader"][rank * grad_accum + micro])
+    batches = [iter(loader) for loader in loaders]
+    start_step, skipped_steps = ckpt["step"], ckpt["skipped_steps"]
+    log(f"resumed {run_name} at step {start_step}")
+
+# -----------------------------------------------------------------------------
+# Evaluation and checkpoints
+
+def evaluate(step):
+    """SPEC 2: validation loss (and bits per byte) at T in {1, 2, 4, mu_rec}."""
+    depths = [1] if config.injection == "none" else sorted({1, 2, 4, config.mu_rec})
+    result = {"step": step}
+    for T in depths:
+        batches_val = val_batches(tokenizer, args.data, args.device_batch_size, args.seq_len, args.eval_tokens,
+                                  rank, world, device)
+        result[f"val_loss_T{T}"], result[f"val_bpb_T{T}"] = evaluate_bpb(raw_model, tokenizer, batches_val, T)
+    log("eval | " + " | ".join(f"T={T}: loss {result[f'val_loss_T{T}']:.4f} bpb {result[f'val_bpb_T{T}']:.4f}"
+                              for T in depths))
+    return result
+
+
+def evaluate_core_subset(step):
+    """SPEC 3 CORE on the first --core_max_per_task examples of each task, at T = mu_rec."""
+    bundle_dir = [None]
+    if master:
+        try:
+            bundle_dir[0] = str(download_eval_bundle())
+        except (OSError, ValueError, SystemExit) as err:
+            log(f"CORE skipped: the eval bundle is not available ({err})")
+    if ddp:
+        dist.broadcast_object_list(bundle_dir)
+    if bundle_dir[0] is None:
+        return None
+    with autocast:
+        result = evaluate_core(raw_model, tokenizer, bundle_dir[0], max_per_task=args.core_max_per_task, verbose=False)
+    log(f"CORE {result['core']:.4f} at T={result['T']} ({result['seconds']:.0f}s)")
+    return {"step": step, "core": result["core"], "core_T": result["T"]}
+
+
+def save(step):
+    """Model, optimiser, every virtual rank's loader position, config and args; the RNG state is a
+    function of (seed, step, virtual rank), reseeded every micro-step, so nothing else is needed."""
+    loader_states = [loader.state_dict() for loader in loaders]
+    if ddp:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, loader_states)
+        loader_states = [state for states in gathered for state in states]
+    if master:
+        old = sorted(run_dir.glob("ckpt_*.pt"))
+        save_checkpoint(run_dir / f"ckpt_{step:06d}.pt", raw_model, step=step, skipped_steps=skipped_steps,
+                        optimizer=optimizer.state_dict(), loader=loader_states, args=vars(args),
+                        tokenizer_dir=str(tokenizer_dir(args.data, args.vocab_size)), seed=args.seed)
+        for path in old:  # keep the newest only: a 1.3B checkpoint with optimiser state is ~16 GB
+            if path.name != f"ckpt_{step:06d}.pt":
+                path.unlink()
+        log(f"saved {run_dir / f'ckpt_{step:06d}.pt'}")
+
+
+def micro_seed(step, virtual_rank):
+    return (args.seed * 1_000_003 + step) * 65_537 + virtual_rank
+
+
+# -----------------------------------------------------------------------------
+# Training loop
+
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # bf16 dense
+device_name = torch.cuda.get_device_name(device) if CUDA else ""
+peak_flops = next((v for k, v in PEAK_FLOPS.items() if k in device_name), None)
+if master:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    metrics_file = open(run_dir / "metrics.jsonl", "a")
+tokens_per_second, t_run = None, time.time()
+step = start_step
+while step < num_steps and (args.stop_at is None or step < args.stop_at):
+    t0 = time.time()
+    loss_sum = torch.zeros((), device=device)
+    for micro in range(grad_accum):
+        seed = micro_seed(step, rank * grad_accum + micro)
+        torch.manual_seed(seed)  # h0, drawn inside the forward
+        raw_model.depth_generator.manual_seed(seed)  # SPEC 2: each rank samples depths with its own generator
+        x, y = next(batches[micro])
+        sync = ddp and micro == grad_accum - 1
+        with (model.no_sync() if ddp and not sync else nullcontext()), autocast:
+            loss = model(x, y)
+        (loss / grad_accum).backward()
+        loss_sum += loss.detach()
+    if args.fault_nan_step == step:
+        next(raw_model.parameters()).grad.fill_(float("nan"))
+    grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), args.grad_clip)
+    finite = torch.isfinite(grad_norm).float()
+    if ddp:
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # skip on every rank or on none
+        dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
+    lrm = lr_multiplier(step, num_steps, args.warmdown_frac)
+    for group in optimizer.param_groups:
+        group["lr"] = group["initial_lr"] * lrm
+        if group["kind"] == "muon":
+            group["momentum"] = muon_momentum(step)
+            group["weight_decay"] = weight_decay_at(step, num_steps, args.weight_decay)
+    if finite.item():
+        optimizer.step()
+    else:
+        skipped_steps += 1
+        log(f"step {step + 1}: non-finite gradients, update skipped ({skipped_steps} so far)")
+    optimizer.zero_grad(set_to_none=True)
+    step += 1
+
+    dt = time.time() - t0
+    if step > start_step + 1:  # the first step pays for compilation and warm-up
+        tokens_per_second = args.total_batch_size / dt if tokens_per_second is None \
+            else 0.9 * tokens_per_second + 0.1 * args.total_batch_size / dt
+    if master and (step % args.log_every == 0 or step == num_steps):
+        rho = raw_model.spectral_radius()
+        record = {"step": step, "loss": loss_sum.item() / grad_accum, "lr_mult": lrm, "grad_norm": grad_norm.item(),
+                  "tokens_per_s": tokens_per_second, "rho": rho, "skipped_steps": skipped_steps,
+                  "h_norm": raw_model.last_h_norm.item() if raw_model.last_h_norm is not None else None,
+                  "update_ratio": raw_model.last_update_ratio.item() if raw_model.last_update_ratio is not None
+                  else None}
+        if peak_flops and tokens_per_second:
+            record["mfu"] = flops_per_token * tokens_per_second / (peak_flops * world)
+        eta = (num_steps - step) * args.total_batch_size / tokens_per_second if tokens_per_second else float("nan")
+        log(f"step {step}/{num_steps} | loss {record['loss']:.4f} | lrm {lrm:.2f} | "
+            f"{tokens_per_second or 0:,.0f} tok/s" + (f" | mfu {record['mfu']:.1%}" if "mfu" in record else "")
+            + (f" | rho {rho:.4f} | |h_T| {record['h_norm']:.2f} | dh/h {record['update_ratio']:.4f}"
+               if rho is not None else "") + f" | eta {eta / 60:.1f} min")
+        metrics_file.write(json.dumps(record) + "\n")
+        metrics_file.flush()
+    results = []
+    if step % args.eval_every == 0 or step == num_steps:
+        results.append(evaluate(step))
+    if args.core_every > 0 and (step % args.core_every == 0 or step == num_steps):
+        results.append(evaluate_core_subset(step))
+    if master:
+        for result in filter(None, results):
+            metrics_file.write(json.dumps(result) + "\n")
+        metrics_file.flush()
+    if step % args.save_every == 0 or step == num_steps or step == args.stop_at:
+        save(step)
+
+log(f"done: {step} steps in {(time.time() - t_run) / 60:.1f} min, {skipped_steps} skipped")
+for loader in loaders:
+    loader.close()
+if ddp:
+    dist.destroy_process_group()
