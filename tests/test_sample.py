@@ -1,0 +1,209 @@
+"""Tests for sample.py: cached decoding equals recomputation, sampling, adaptive depth, the command line."""
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import data
+import sample
+from model import KVCache, Parcae, ParcaeConfig, save_checkpoint
+from sample import adaptive_forward, generate
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def tiny_model(seed=0, **overrides):
+    """A small Parcae with every weight non-trivial (the zero-init projections would hide cache bugs)."""
+    kw = dict(vocab_size=97, seq_len=32, n_prelude=1, n_recur=2, n_coda=1, d_model=64, head_dim=32, mu_rec=3)
+    torch.manual_seed(seed)
+    model = Parcae(ParcaeConfig(**{**kw, **overrides}))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            scale = 0.5 if name in ("A_log", "dt_bias") else 1 / math.sqrt(p.shape[-1])
+            p.copy_(torch.randn(p.shape, generator=gen) * scale)
+    return model.eval()
+
+
+def run(model, prompt, n, seed=0, **kw):
+    """-> (tokens (B, n), steps (B, n)) of generate with a generator seeded `seed` (or a list of seeds)."""
+    gens = [torch.Generator().manual_seed(s) for s in seed] if isinstance(seed, list) else torch.Generator().manual_seed(seed)
+    out = list(generate(model, prompt, n, generator=gens, **kw))
+    return torch.stack([ids for ids, _ in out], dim=1), torch.stack([steps for _, steps in out], dim=1)
+
+
+PROMPT = [[5, 17, 42, 8, 91, 3, 60]]
+
+# -----------------------------------------------------------------------------
+# Fixed depth
+
+@pytest.mark.parametrize("T", [1, 3, 8])
+def test_cached_greedy_equals_full_recompute(T):
+    model = tiny_model()
+    n = 12
+    tokens, steps = run(model, PROMPT, n, T=T, temperature=0)
+    # the reference: the whole sequence through the model for every token, the same h0 for every position
+    seq = torch.tensor(PROMPT)
+    h0 = model.initial_state((1, seq.size(1) + n, 64), "cpu", torch.float32, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(seq, T=T, h0=h0[:, :seq.size(1)])
+            seq = torch.cat([seq, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert tokens.tolist() == seq[:, len(PROMPT[0]):].tolist()
+    assert (steps == T).all()
+    uncached, _ = run(model, PROMPT, n, T=T, temperature=0, use_cache=False)
+    assert torch.equal(uncached, tokens)
+    assert len(set(tokens[0].tolist())) > 1  # not a degenerate repeat that any bug would reproduce
+
+
+def test_depth_changes_the_output():
+    model = tiny_model()
+    assert not torch.equal(run(model, PROMPT, 12, T=1, temperature=0)[0], run(model, PROMPT, 12, T=8, temperature=0)[0])
+
+
+def test_top_k_1_equals_greedy_and_sampling_is_seeded():
+    model = tiny_model()
+    greedy, _ = run(model, PROMPT, 12, temperature=0)
+    assert torch.equal(run(model, PROMPT, 12, temperature=1.5, top_k=1)[0], greedy)
+    sampled, _ = run(model, PROMPT, 12, seed=1, temperature=1.5)
+    assert torch.equal(run(model, PROMPT, 12, seed=1, temperature=1.5)[0], sampled)
+    assert not torch.equal(run(model, PROMPT, 12, seed=2, temperature=1.5)[0], sampled)
+
+
+@pytest.mark.parametrize("T", [3, "auto"])
+def test_batched_samples_equal_each_sample_alone(T):
+    model = tiny_model()
+    seeds = [10, 11, 12]
+    kw = dict(T=T, temperature=1.0, top_k=20, exit_threshold=1e-4, T_max=6)
+    batched, batched_steps = run(model, PROMPT * 3, 10, seed=seeds, **kw)
+    for i, seed in enumerate(seeds):
+        alone, alone_steps = run(model, PROMPT, 10, seed=[seed], **kw)
+        assert torch.equal(batched[i:i + 1], alone) and torch.equal(batched_steps[i:i + 1], alone_steps)
+    assert len({tuple(row) for row in batched.tolist()}) == 3
+    if T == "auto":  # rows stopped at different steps, so the per-row masking was exercised
+        assert len(batched_steps.unique()) > 1
+
+
+def test_long_prompt_is_cropped_from_the_left_with_a_warning():
+    model = tiny_model()
+    prompt = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(0))
+    with pytest.warns(UserWarning, match="cropped from the left to the last 32"):
+        cropped, _ = run(model, prompt, 6, temperature=0)
+    assert torch.equal(run(model, prompt[:, -32:], 6, temperature=0)[0], cropped)
+
+
+def test_too_many_positions_is_a_clear_error():
+    model = tiny_model()
+    with pytest.raises(ValueError, match="exceed the model's RoPE table of 320; lower max_new_tokens"):
+        next(generate(model, PROMPT, 320))
+
+# -----------------------------------------------------------------------------
+# Adaptive depth
+
+def test_auto_with_threshold_zero_equals_fixed_T_max():
+    model = tiny_model()
+    fixed, _ = run(model, PROMPT, 12, T=5, temperature=0)
+    auto, steps = run(model, PROMPT, 12, T="auto", T_max=5, exit_threshold=0.0, temperature=0)
+    assert torch.equal(auto, fixed) and (steps == 5).all()
+    one_token, _ = run(model, [PROMPT[0][:1]], 12, T="auto", T_max=5, exit_threshold=0.0, temperature=0)
+    assert torch.equal(one_token, run(model, [PROMPT[0][:1]], 12, T=5, temperature=0)[0])
+
+
+def test_auto_exit_predicts_like_the_shallower_depth_and_fills_skipped_slots():
+    model = tiny_model()
+    prompt = torch.tensor(PROMPT)
+    cache = KVCache()
+    h0 = model.initial_state((1, 8, 64), "cpu", torch.float32, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(prompt, T=4, h0=h0[:, :7], cache=cache)
+        shallow = KVCache()
+        shallow.slots, shallow.pos = dict(cache.slots), cache.pos
+        expected = model(torch.tensor([[11]]), T=2, h0=h0[:, 7:], cache=shallow)
+        logits, steps = adaptive_forward(model, torch.tensor([[11]]), cache, h0[:, 7:], 4, exit_threshold=math.inf)
+    assert steps.tolist() == [2]  # the first step that has a previous one to compare with
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+    assert cache.pos == 8
+    for slot, (k, v) in cache.slots.items():
+        assert k.size(2) == v.size(2) == 8, slot  # one entry per position in every slot, the coda's included
+    for i in range(2):
+        k1, v1 = cache.slots[("recur", 1, i)]
+        for s in (2, 3):
+            k, v = cache.slots[("recur", s, i)]
+            assert torch.equal(k[:, :, -1], k1[:, :, -1]) and torch.equal(v[:, :, -1], v1[:, :, -1])
+            assert not torch.equal(k[:, :, -2], k1[:, :, -2])  # the prompt's entries ran all 4 steps
+
+
+def test_auto_steps_follow_the_threshold():
+    model = tiny_model()
+    _, always_two = run(model, PROMPT, 6, T="auto", T_max=6, exit_threshold=math.inf, temperature=0)
+    assert (always_two == 2).all()
+    _, at_most_one = run(model, PROMPT, 6, T="auto", T_max=1, temperature=0)
+    assert (at_most_one == 1).all()
+    with pytest.raises(ValueError, match="needs a fixed T"):
+        next(generate(model, PROMPT, 4, T="auto", use_cache=False))
+
+# -----------------------------------------------------------------------------
+# The command line
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny checkpoint and its tokenizer under a base dir of their own: base/runs/tiny/ckpt_000005.pt."""
+    base = tmp_path_factory.mktemp("base")
+    text = [f"The {w} of the {v} is a {u} thing, said the {w}.\n" for w in ("cat", "dog", "sun", "tree")
+            for v in ("house", "river", "garden") for u in ("small", "bright", "quiet")]
+    tokenizer = data.Tokenizer.train(iter(text * 5), vocab_size=300)
+    tokenizer.save(base / "tokenizer")
+    model = tiny_model(vocab_size=tokenizer.vocab_size)
+    save_checkpoint(base / "runs" / "tiny" / "ckpt_000005.pt", model, step=5, tokenizer_dir=str(base / "tokenizer"))
+    return base
+
+
+def test_cli_streams_each_sample(checkpoint, monkeypatch, capsys):
+    monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(checkpoint))
+    sample.main(["--T=auto", "--T_max=4", "--prompt=The cat", "--num_samples=2", "--max_new_tokens=8"])
+    out, err = capsys.readouterr()
+    assert out.count("The cat") == 2 and "--- sample 2/2" in out
+    assert "ckpt_000005.pt" in err and err.count("recurrent steps per token") == 2
+    sample.main(["--T=3", "--prompt=The cat", "--num_samples=2", "--max_new_tokens=8"])
+    second = capsys.readouterr().out
+    assert out != second  # the depth changed the text
+    sample.main(["--T=3", "--prompt=The cat", "--max_new_tokens=8"])
+    first_of_two = second.split("--- sample 2/2")[0].replace("--- sample 1/2", "")
+    assert first_of_two.strip() == capsys.readouterr().out.strip()  # sample 1 does not depend on num_samples
+
+
+def test_cli_benchmark(checkpoint, monkeypatch, capsys):
+    monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(checkpoint))
+    sample.main(["--benchmark", "--T=2", "--max_new_tokens=6", "--temperature=0"])
+    out = capsys.readouterr().out
+    assert "ratio" in out and "same tokens: True" in out
+
+
+def test_parse_depth():
+    assert sample.parse_depth("auto") == "auto" and sample.parse_depth("12") == 12
+    for bad in ("0", "-3", "2.5", "deep"):
+        with pytest.raises(Exception, match="positive integer or 'auto'"):
+            sample.parse_depth(bad)
+
+
+def one_line_error(base, *args):
+    env = {**os.environ, "NANOPARCAE_BASE_DIR": str(base)}
+    result = subprocess.run([sys.executable, str(ROOT / "sample.py"), "--prompt=hi", *args], env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    return result.stderr
+
+
+def test_missing_or_corrupt_checkpoint_gives_one_clear_line(tmp_path, checkpoint):
+    assert "no checkpoint under" in one_line_error(tmp_path)
+    (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
+    assert "corrupt" in one_line_error(tmp_path, f"--ckpt={tmp_path / 'bad.pt'}")
+    no_tokenizer = tmp_path / "no_tokenizer.pt"
+    save_checkpoint(no_tokenizer, tiny_model(), tokenizer_dir=str(tmp_path / "gone"))
+    assert "python data.py tokenizer" in one_line_error(tmp_path, f"--ckpt={no_tokenizer}")
