@@ -1,5 +1,6 @@
 """Tests for sample.py: cached decoding equals recomputation, sampling, adaptive depth, the command line."""
 
+import io
 import math
 import os
 import subprocess
@@ -175,6 +176,27 @@ def test_cli_streams_each_sample(checkpoint, monkeypatch, capsys):
     sample.main(["--T=3", "--prompt=The cat", "--max_new_tokens=8"])
     first_of_two = second.split("--- sample 2/2")[0].replace("--- sample 1/2", "")
     assert first_of_two.strip() == capsys.readouterr().out.strip()  # sample 1 does not depend on num_samples
+
+
+def test_cli_interactive_loop_when_stdin_is_a_terminal(checkpoint, monkeypatch, capsys):
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    prompts = iter(["The dog", "The sun"])
+
+    def fake_input(_):
+        try:
+            return next(prompts)
+        except StopIteration:
+            raise EOFError from None
+
+    monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(checkpoint))
+    monkeypatch.setattr(sys, "stdin", Terminal())
+    monkeypatch.setattr("builtins.input", fake_input)
+    sample.main(["--max_new_tokens=4"])
+    out, err = capsys.readouterr()
+    assert "The dog" in out and "The sun" in out and err.count("tokens/s") == 2
 
 
 def test_cli_benchmark(checkpoint, monkeypatch, capsys):
