@@ -1,0 +1,416 @@
+"""
+hub.py: run the authors' released Parcae checkpoints (SandyResearch/parcae-140m and the other sizes, and
+their GPT baselines) with nanoparcae's model and a tiktoken tokenizer.
+
+Their package parcae_lm writes a folder with config.json (its config dataclass as JSON plus
+`_class_name`), a state dict (model.pt or pytorch_model.bin) and a byte-level BPE tokenizer.json
+(SPEC 5). This file downloads such a folder (or reads a local one), builds our ParcaeConfig from
+theirs, renames their parameters onto ours with one explicit table, and turns tokenizer.json into a
+tiktoken Encoding wrapped in data.Tokenizer.
+
+    python hub.py SandyResearch/parcae-140m        # download, load, print a summary
+    model, tokenizer = hub.load_pretrained("SandyResearch/parcae-140m")   # or a local folder
+"""
+
+import argparse
+import json
+import os
+import re
+from pathlib import Path
+
+import requests
+import tiktoken
+import torch
+
+from data import Tokenizer, get_base_dir
+from model import Parcae, ParcaeConfig
+
+HUB_URL = os.environ.get("NANOPARCAE_HUB_URL", "https://huggingface.co")  # tests point it at 127.0.0.1
+WEIGHT_FILES = ("pytorch_model.bin", "model.pt")  # the order their from_pretrained tries
+
+# -----------------------------------------------------------------------------
+# Download: {HUB_URL}/{repo_id}/resolve/main/{file} -> get_base_dir()/hub/<repo_id>/<file>
+
+
+def cache_dir(repo_id):
+    return get_base_dir() / "hub" / repo_id
+
+
+def download(repo_id, filename, base_url=None):
+    """Fetch one file into the cache (kept across calls); resume a partial one with a Range header;
+    write to <file>.part and rename when complete. Returns the path, or None when the server has no such file."""
+    path = cache_dir(repo_id) / filename
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    part = path.with_name(path.name + ".part")
+    have = part.stat().st_size if part.exists() else 0
+    url = f"{base_url or HUB_URL}/{repo_id}/resolve/main/{filename}"
+    headers = {"Range": f"bytes={have}-"} if have else {}
+    try:
+        with requests.get(url, headers=headers, stream=True, timeout=60) as response:
+            if response.status_code == 404:
+                return None
+            if response.status_code == 416:  # the part file already holds every byte
+                os.replace(part, path)
+                return path
+            response.raise_for_status()
+            mode = "ab" if response.status_code == 206 else "wb"  # 200: the server ignored Range, start over
+            with open(part, mode) as f:
+                for chunk in response.iter_content(chunk_size=1 << 20):
+                    f.write(chunk)
+    except requests.RequestException as err:
+        raise ConnectionError(f"could not download {url} ({type(err).__name__}); check the repo id and the "
+                              f"network, or pass a local folder") from None
+    os.replace(part, path)
+    return path
+
+
+def fetch_files(source):
+    """-> (config.json, weights, tokenizer.json) paths, from a local folder or a Hub repo id."""
+    folder = Path(source)
+    local = folder.is_dir()
+
+    def get(name):
+        if local:
+            return folder / name if (folder / name).is_file() else None
+        return download(source, name)
+
+    where = str(folder) if local else f"{HUB_URL}/{source}"
+    config_path, tokenizer_path = get("config.json"), get("tokenizer.json")
+    # a weights file already in the cache first, so a cached repo never touches the network
+    names = sorted(WEIGHT_FILES, key=lambda name: local or not (cache_dir(source) / name).is_file())
+    weights_path = next((p for p in map(get, names) if p is not None), None)
+    for name, found in (("config.json", config_path), (" or ".join(WEIGHT_FILES), weights_path),
+                        ("tokenizer.json", tokenizer_path)):
+        if found is None:
+            raise FileNotFoundError(f"{where} has no {name}; --from takes a Hub repo id such as "
+                                    f"SandyResearch/parcae-140m or a folder holding config.json, model.pt, tokenizer.json")
+    return config_path, weights_path, tokenizer_path
+
+
+# -----------------------------------------------------------------------------
+# Config: their ParcaeConfig / GPTConfig (parcae_lm/models/*/config.py) -> our ParcaeConfig
+
+INJECTION_OF_CLASS = {"ParcaeConfig": None, "GPTConfig": "none"}  # Parcae: from injection_type below
+INJECTION_OF_TYPE = {"diagonal": "diagonal", "linear": "concat", "add": "add"}  # their LinearInjection = our concat
+# every field whose other values change the forward, with the one value our model computes
+REQUIRED = {
+    "bias": False, "qk_bias": False, "qk_norm": True, "clip_qkv": None, "logit_softcap": None,
+    "tie_embeddings": True, "norm_class_name": "RMSNorm", "block_class_name": "TransformerPreNormBlock",
+    "mlp_class_name": "BaseMLP", "nonlin_name": "ReLU2", "mup_model_scaling_factor": 1,
+    "randomize_positions_from": None,
+}
+REQUIRED_PARCAE = {"state_init": "like-init"}  # h0 ~ TruncNormal(0, embedding std, +-3 std), as ours
+REQUIRED_GPT = {"use_abacus": False}
+# init strategies (their utils/init.py) with embedding std sqrt(2/(5d)), no embed_scale, no logit_scale:
+# the only places where the init table reaches the forward (h0's std, x * emb_scale, logits * logit_scale)
+PLAIN_INITS = ("scaled-zero", "scaled", "scaled-geiping", "scaled-stuck", "small")
+
+
+def field(cfg, name):
+    if name not in cfg:
+        raise ValueError(f"config.json has no field {name!r}; it is not a parcae_lm save_pretrained config")
+    return cfg[name]
+
+
+def require(cfg, name, expected):
+    value = field(cfg, name)
+    if value != expected:
+        raise ValueError(f"config.json has {name}={value!r}, nanoparcae's model computes only {name}={expected!r}")
+
+
+def config_from_authors(cfg):
+    """Their config.json dict -> our ParcaeConfig. Unknown classes and settings our forward does not
+    compute are refused with one line, never approximated."""
+    class_name = cfg.get("_class_name", "GPTConfig")  # their from_pretrained's default too
+    if class_name not in INJECTION_OF_CLASS:
+        raise ValueError(f"config.json has _class_name={class_name!r}; nanoparcae loads only "
+                         f"{' and '.join(INJECTION_OF_CLASS)} (Parcae and its GPT baseline)")
+    parcae = class_name == "ParcaeConfig"
+    for name, expected in {**REQUIRED, **(REQUIRED_PARCAE if parcae else REQUIRED_GPT)}.items():
+        require(cfg, name, expected)
+    d, n_head = field(cfg, "n_embd"), field(cfg, "num_attention_heads")
+    require(cfg, "num_key_value_heads", n_head)
+    require(cfg, "intermediate_size", 4 * d)
+    if field(cfg, "init_strategy") not in PLAIN_INITS:
+        raise ValueError(f"config.json has init_strategy={cfg['init_strategy']!r}, whose embedding or logit scale "
+                         f"nanoparcae does not compute; supported: {PLAIN_INITS}")
+    rope = field(cfg, "rope_settings")
+    if not rope.get("use_rope", True) or rope.get("rope_condense_ratio", 1) != 1:
+        raise ValueError(f"config.json has rope_settings={rope}; nanoparcae computes plain RoPE only")
+    common = dict(vocab_size=field(cfg, "vocab_size"), seq_len=field(cfg, "block_size"), d_model=d,
+                  head_dim=d // n_head, n_head=n_head, norm_eps=field(cfg, "norm_eps"),
+                  rope_base=float(rope.get("rope_base", 50_000)))
+    if not parcae:
+        n_layer = field(cfg, "n_layer")  # the blocks run once, in order: any split into three parts is the same
+        third = n_layer // 3
+        config = ParcaeConfig(**common, n_prelude=third, n_recur=n_layer - 2 * third, n_coda=third, injection="none")
+    else:
+        require(cfg, "recurrent_embedding_dimension", d)
+        require(cfg, "recurrent_intermediation_embedding_dimension", 4 * d)
+        if cfg.get("recurrent_num_attention_heads") not in (None, n_head):
+            raise ValueError(f"config.json has recurrent_num_attention_heads={cfg['recurrent_num_attention_heads']}, "
+                             f"nanoparcae's recurrent block has the same {n_head} heads as the rest")
+        injection = field(cfg, "injection_type")
+        if injection not in INJECTION_OF_TYPE:
+            raise ValueError(f"config.json has injection_type={injection!r}; supported: {tuple(INJECTION_OF_TYPE)}")
+        sampling = "per_batch" if cfg.get("recurrent_iteration_method") == "per-batch" else "per_sequence"
+        config = ParcaeConfig(**common, n_prelude=field(cfg, "n_layers_in_prelude"),
+                              n_recur=field(cfg, "n_layers_in_recurrent_block"), n_coda=field(cfg, "n_layers_in_coda"),
+                              mu_rec=field(cfg, "mean_recurrence"), mu_bwd=field(cfg, "mean_backprop_depth"),
+                              injection=INJECTION_OF_TYPE[injection], prelude_norm=field(cfg, "prelude_norm"),
+                              sampling=sampling)
+        check_value_embedding_layers(config, field(cfg, "mean_backprop_depth"))
+    if config.padded_vocab_size != field(cfg, "padded_vocab_size"):
+        raise ValueError(f"config.json pads the vocabulary to {cfg['padded_vocab_size']} rows, nanoparcae pads "
+                         f"{config.vocab_size} to {config.padded_vocab_size} (a multiple of 64)")
+    return config
+
+
+def check_value_embedding_layers(config, mean_backprop_depth):
+    """Their Parcae gives layer i a value embedding when i % 2 == (n - 1) % 2 over n = P + R + C
+    (parcae.py), but decides its ve_gate with layer ids P + i (recurrent) and P + R * mean_recurrence + i
+    (coda) against n_layer = R * mean_backprop_depth (mixer.py, parcae/config.py). A value embedding
+    without a gate is ignored by their forward. The released sizes agree; refuse any that does not."""
+    n = config.n_layer
+    ids = [*range(config.n_prelude + config.n_recur),
+           *(config.n_prelude + config.n_recur * config.mu_rec + i for i in range(config.n_coda))]
+    gated = [i for i, layer_id in enumerate(ids) if layer_id % 2 == (config.n_recur * mean_backprop_depth - 1) % 2]
+    embedded = [i for i in range(n) if i % 2 == (n - 1) % 2]
+    if gated != embedded:
+        raise ValueError(f"this config gives value embeddings to layers {embedded} but gates to layers {gated} "
+                         f"in the authors' code; nanoparcae pairs them and cannot run it")
+
+
+# -----------------------------------------------------------------------------
+# Parameter names: theirs -> ours, one explicit table
+#
+# Where the authors' forward could differ from ours, and how we match it (read from parcae_lm):
+# - h0: their state_init "like-init" draws TruncNormal(0, std, +-3 std) with std the embedding std of
+#   their init table, sqrt(2/(5d)) for scaled-zero, times emb_scale = 1: our initial_state. Ours uses
+#   another random stream, so pass h0 to compare the two on one draw.
+# - value embeddings: ResFormer v += 2 sigmoid(ve_gate(x[..., :32])) * ve, x the block's normed input,
+#   in both; which layers carry them: check_value_embedding_layers. The recurrent layers reuse their
+#   value embedding at every step in both.
+# - norms: norm_1, norm_2, ln_prelude, ln_f are RMSNorm(eps=norm_eps) with a weight and no unit offset
+#   (their Config.Norm adds one only for "Gemma" names): our nn.RMSNorm(eps=norm_eps). The prelude norm
+#   sits after the prelude blocks and feeds the injection only, as ours.
+# - RoPE: theirs rotates interleaved pairs (2i, 2i+1) by +angle (modules/utils.py
+#   apply_rotary_emb_complex_like); ours rotates halves (i, D/2 + i) by -angle. Rotating (b, a) by
+#   -angle is rotating (a, b) by +angle, so our dims (i, D/2 + i) = their dims (2i + 1, 2i): we permute
+#   the rows of c_q and c_k in each head (ROPE_ORDER). q and k are then the same vectors in another
+#   order, and RMS norm and q.k do not see the order. Same frequencies base^(-2i/D); the base is checked
+#   against their freqs_cis buffer.
+# - qk norm: parameter-free RMS norm after RoPE in both; theirs is F.rms_norm with eps=None (the dtype's
+#   machine epsilon, 1.2e-7 in float32), see model.py's Attention.
+# - attention: SDPA / flash with the default scale 1/sqrt(head_dim), causal, n_kv_head = n_head.
+# - MLP: fc -> 0.5 * relu(x)^2 (their Relu2's mul(0.5)) -> proj, no biases: ours.
+# - head: lm_head.weight is wte.weight (tie_embeddings), logits * logit_scale = 1 (PLAIN_INITS), no
+#   softcap; their logits have padded_vocab_size columns, ours are cut to vocab_size.
+# - injection: theirs x * exp(-dt * exp(A_log)) + dt * (e @ B^T), dt = softplus(dt_bias); ours the same
+#   with the rate formed as exp(A_log + ln dt) and floored at 1e-6 (model.py discretized_A): equal
+#   except for a rate below 1e-6, where the two decays differ by less than 1e-6.
+# - C_proj: their transformer.C, a bias-free Linear after the loop with no norm before it: ours.
+# - vocabulary: both pad to a multiple of 64 (config_from_authors checks padded_vocab_size).
+# - depth: without num_steps_pair their per-sequence forward samples a depth even in eval mode; ours
+#   runs mu_rec. Give T explicitly (theirs: num_steps_pair=[T]) to compare.
+
+BLOCK_NAMES = {  # their TransformerPreNormBlock (blocks.py, mixer.py, mlp.py) -> our Block
+    "norm_1.weight": "attn_norm.weight",
+    "attn.c_q.weight": "attn.c_q.weight",
+    "attn.c_k.weight": "attn.c_k.weight",
+    "attn.c_v.weight": "attn.c_v.weight",
+    "attn.c_proj.weight": "attn.c_proj.weight",
+    "attn.ve_gate.weight": "attn.ve_gate.weight",
+    "norm_2.weight": "mlp_norm.weight",
+    "mlp.fc.weight": "mlp.c_fc.weight",
+    "mlp.proj.weight": "mlp.c_proj.weight",
+}
+TOP_NAMES = {
+    "transformer.wte.weight": "wte.weight",
+    "transformer.ln_f.weight": "norm_f.weight",
+    "transformer.ln_prelude.weight": "prelude_norm.weight",
+    "transformer.adapter.A_log": "A_log",  # DiagonalInjection (modules/injection.py)
+    "transformer.adapter.dt_bias": "dt_bias",
+    "transformer.adapter.B": "B.weight",  # a bare (d, d) Parameter used as e @ B^T, i.e. Linear's weight
+    "transformer.adapter.adapter.weight": "adapter.weight",  # LinearInjection: Linear(2d -> d) on [h, e]
+    "transformer.C.weight": "C_proj.weight",
+}
+BLOCK_PARTS = {"prelude": "prelude", "core_block": "recur", "coda": "coda"}  # their Parcae's ModuleLists
+CHECKED_NAMES = ("lm_head.weight", "freqs_cis")  # the tied head and their persistent RoPE buffer: checked, not loaded
+BLOCK_NAME = re.compile(r"transformer\.(prelude|core_block|coda|h)\.(\d+)\.(.+)")
+VALUE_EMBED_NAME = re.compile(r"value_embeds\.(\d+)\.weight")
+
+
+def our_name(name, config):
+    """Their state-dict name -> ours, or None when the table has no entry for it."""
+    if name in TOP_NAMES:
+        return TOP_NAMES[name]
+    if VALUE_EMBED_NAME.fullmatch(name):
+        return name  # same global layer index in both
+    match = BLOCK_NAME.fullmatch(name)
+    if not match or match[3] not in BLOCK_NAMES:
+        return None
+    part, index = match[1], int(match[2])
+    if part == "h":  # their GPT's single list of blocks, cut into our three parts
+        for part, start in (("coda", config.n_prelude + config.n_recur), ("recur", config.n_prelude), ("prelude", 0)):
+            if index >= start:
+                break
+        index -= start
+    else:
+        part = BLOCK_PARTS[part]
+    return f"{part}.{index}.{BLOCK_NAMES[match[3]]}"
+
+
+def map_names(their_shapes, our_shapes, config):
+    """{their name: shape} -> {their name: our name}: every name of theirs (but CHECKED_NAMES) lands on
+    exactly one of ours with the same shape, and every one of ours is covered."""
+    mapping = {}
+    for name, shape in their_shapes.items():
+        if name in CHECKED_NAMES:
+            continue
+        ours = our_name(name, config)
+        if ours is None or ours not in our_shapes:
+            raise ValueError(f"the checkpoint's parameter {name} has no place in nanoparcae's model "
+                             f"({'no entry in hub.py table' if ours is None else f'no {ours} in our model'})")
+        if ours in mapping.values():
+            raise ValueError(f"the checkpoint's parameter {name} maps onto {ours}, which another name already filled")
+        if tuple(shape) != tuple(our_shapes[ours]):
+            raise ValueError(f"the checkpoint's {name} has shape {tuple(shape)}, our {ours} has {tuple(our_shapes[ours])}")
+        mapping[name] = ours
+    left = sorted(set(our_shapes) - set(mapping.values()))
+    if left:
+        raise ValueError(f"the checkpoint has no weights for {len(left)} of our parameters, e.g. {left[0]}")
+    return mapping
+
+
+def rope_order(head_dim):
+    """Our dim j of a head holds their dim rope_order[j]: (i, D/2 + i) <- (2i + 1, 2i)."""
+    half = head_dim // 2
+    return torch.tensor([2 * i + 1 for i in range(half)] + [2 * i for i in range(half)])
+
+
+def convert_state_dict(state_dict, model):
+    """Their state dict -> ours (a new dict), after checking the tied head and the RoPE table."""
+    c = model.config
+    mapping = map_names({k: v.shape for k, v in state_dict.items()}, {k: v.shape for k, v in model.state_dict().items()}, c)
+    if "lm_head.weight" in state_dict and not torch.equal(state_dict["lm_head.weight"], state_dict["transformer.wte.weight"]):
+        raise ValueError("the checkpoint's lm_head.weight differs from transformer.wte.weight; nanoparcae ties them")
+    if "freqs_cis" in state_dict:
+        theirs = state_dict["freqs_cis"].float()[0, :, 0]  # (S, D/2, [cos, sin])
+        ours = torch.stack([model.rope_cos[0, :theirs.size(0), 0], model.rope_sin[0, :theirs.size(0), 0]], dim=-1)
+        if theirs.shape != ours.shape or not torch.allclose(theirs.to(ours.device), ours, atol=1e-4):
+            raise ValueError(f"the checkpoint's RoPE table (freqs_cis) is not ours with base {c.rope_base:g} "
+                             f"and head_dim {c.head_dim}; check rope_settings in config.json")
+    order = rope_order(c.head_dim)
+    converted = {}
+    for name, ours in mapping.items():
+        tensor = state_dict[name]
+        if ours.endswith(("attn.c_q.weight", "attn.c_k.weight")):
+            tensor = tensor.view(c.n_head, c.head_dim, -1)[:, order].reshape(tensor.shape)
+        converted[ours] = tensor
+    return converted
+
+
+# -----------------------------------------------------------------------------
+# Tokenizer: byte-level BPE tokenizer.json (HF tokenizers) -> tiktoken Encoding
+
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+BOS_NAMES = ("<|bos|>", "<|endoftext|>", "<s>")  # the first one the tokenizer has marks a document start
+
+
+def byte_level_alphabet():
+    """GPT-2's byte-level alphabet: printable bytes stand for themselves, the other 68 for chr(256 + k)."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + k): b for k, b in enumerate(others)}}
+
+
+def split_pattern(pre_tokenizer):
+    """The regex that cuts text into pieces: a Split before a regex-free ByteLevel, or ByteLevel's own (GPT-2's)."""
+    kind = (pre_tokenizer or {}).get("type")
+    steps = pre_tokenizer.get("pretokenizers", []) if kind == "Sequence" else [pre_tokenizer or {}]
+    kinds = [s.get("type") for s in steps]
+    if kinds == ["Split", "ByteLevel"] and not steps[1].get("use_regex", True) and "Regex" in steps[0].get("pattern", {}) \
+            and steps[0].get("behavior") == "Isolated" and not steps[0].get("invert"):
+        pattern = steps[0]["pattern"]["Regex"]
+    elif kinds == ["ByteLevel"] and steps[0].get("use_regex", True):
+        pattern = GPT2_PATTERN
+    else:
+        raise ValueError(f"tokenizer.json pre-tokenizer {kinds} is not byte-level BPE (Split + ByteLevel, or ByteLevel)")
+    if steps[-1].get("add_prefix_space"):
+        raise ValueError("tokenizer.json adds a prefix space, which tiktoken does not; nanoparcae cannot reproduce it")
+    return pattern
+
+
+def tokenizer_from_json(path, bos_token=None):
+    """tokenizer.json -> data.Tokenizer: the vocabulary mapped back to bytes, ranks = ids (BPE merges
+    in id order, as a trainer mints them), added tokens kept as special tokens."""
+    spec = json.loads(Path(path).read_text(encoding="utf-8"))
+    bpe = spec.get("model", {})
+    if bpe.get("type") != "BPE" or spec.get("normalizer"):
+        raise ValueError(f"{path} is not a plain BPE tokenizer (model {bpe.get('type')}, normalizer "
+                         f"{(spec.get('normalizer') or {}).get('type')})")
+    pattern = split_pattern(spec.get("pre_tokenizer"))
+    specials = {t["content"]: t["id"] for t in spec.get("added_tokens", [])}
+    alphabet = byte_level_alphabet()
+    ranks = {}
+    for token, rank in bpe["vocab"].items():
+        if token in specials:
+            continue
+        if any(ch not in alphabet for ch in token):
+            raise ValueError(f"{path} has token {token!r} outside the byte-level alphabet")
+        ranks[bytes(alphabet[ch] for ch in token)] = rank
+    missing = [b for b in range(256) if bytes([b]) not in ranks]
+    if missing:
+        raise ValueError(f"{path} lacks {len(missing)} of the 256 single-byte tokens (e.g. byte {missing[0]})")
+    bos = bos_token or next((name for name in BOS_NAMES if name in specials), None)
+    if bos not in specials:
+        raise ValueError(f"{path} has no BOS among its special tokens {sorted(specials)[:8]}; looked for {BOS_NAMES}")
+    enc = tiktoken.Encoding(Path(path).parent.name or "authors", pat_str=pattern, mergeable_ranks=ranks,
+                            special_tokens=specials)
+    token_bytes = torch.zeros(enc.n_vocab, dtype=torch.int32)
+    for token, rank in ranks.items():
+        token_bytes[rank] = len(token)
+    return Tokenizer(enc, token_bytes, bos_token=bos)
+
+
+# -----------------------------------------------------------------------------
+# Everything together
+
+
+def load_pretrained(source, device="cpu"):
+    """A Hub repo id (e.g. SandyResearch/parcae-140m) or a local folder -> (model in eval mode, tokenizer)."""
+    config_path, weights_path, tokenizer_path = fetch_files(source)
+    try:
+        authors_config = json.loads(Path(config_path).read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{config_path} is not valid JSON ({err})") from None
+    config = config_from_authors(authors_config)
+    try:
+        state_dict = torch.load(weights_path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise ValueError(f"{weights_path} is not a loadable state dict ({type(err).__name__}: "
+                         f"{str(err).splitlines()[0][:200]}); delete it to download it again") from None
+    model = Parcae(config)
+    model.load_state_dict(convert_state_dict(state_dict, model))
+    tokenizer = tokenizer_from_json(tokenizer_path)
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ValueError(f"{tokenizer_path} has {tokenizer.vocab_size} tokens, the model only {config.vocab_size}")
+    return model.to(device).eval(), tokenizer
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="Download and load an authors' Parcae checkpoint")
+    parser.add_argument("source", help="Hub repo id (SandyResearch/parcae-140m) or a local folder")
+    args = parser.parse_args()
+    model, tokenizer = load_pretrained(args.source)
+    c = model.config
+    print(f"{args.source}: injection={c.injection} layers={c.n_prelude}/{c.n_recur}/{c.n_coda} d={c.d_model} "
+          f"mu_rec={c.mu_rec} params={model.num_params():,} vocab={tokenizer.vocab_size} "
+          f"rho(Abar)={model.spectral_radius()}")
+    ids = tokenizer.encode("The capital of France is", prepend_bos=True)
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]))
+    print("next token after 'The capital of France is':", repr(tokenizer.decode([int(logits[0, -1].argmax())])))

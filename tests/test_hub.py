@@ -1,0 +1,319 @@
+"""
+Tests for hub.py: the authors' parameter names (a fixture written from their source) map one to one onto
+ours; a folder in their format loads, locally and from a 127.0.0.1 server, and gives the logits of the
+model it was written from; tokenizer.json converts to a tiktoken Encoding that agrees with a direct
+reading of its merges; and each bad input fails with one clear line.
+
+    python -m pytest tests/test_hub.py -q
+"""
+
+import http.server
+import json
+import math
+import threading
+from pathlib import Path
+
+import pytest
+import regex
+import torch
+
+import hub
+from data import SPLIT_PATTERN
+from model import Parcae, ParcaeConfig, apply_rotary
+
+FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "authors_params.json").read_text())
+SPEC_PARAMS = {"parcae-small-140m": 144_323_136, "gpt-small-140m": 143_141_184}  # SPEC 1's table
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(tmp_path / "base"))
+
+
+# -----------------------------------------------------------------------------
+# The authors' names and shapes (tests/fixtures/authors_params.json) against ours
+
+
+@pytest.mark.parametrize("name", ["parcae-small-140m", "gpt-small-140m"])
+def test_authors_parameters_map_one_to_one(name):
+    authors = FIXTURE[name]
+    config = hub.config_from_authors(authors["config"])
+    with torch.device("meta"):
+        model = Parcae(config)
+    ours = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    mapping = hub.map_names(authors["state_dict"], ours, config)
+    assert sorted(mapping.values()) == sorted(ours)  # none of ours left over, none hit twice
+    assert set(authors["state_dict"]) - set(mapping) == set(hub.CHECKED_NAMES)  # only the tied head and RoPE buffer
+    assert all(tuple(authors["state_dict"][k]) == ours[v] for k, v in mapping.items())
+    assert model.num_params() == SPEC_PARAMS[name]
+    assert config.injection == ("diagonal" if name.startswith("parcae") else "none")
+
+
+def test_rope_row_order_turns_interleaved_rope_into_ours():
+    """Their RoPE (modules/utils.py) rotates pairs (2i, 2i+1) by +angle; with q's dims reordered by
+    rope_order, ours (halves, -angle) gives the same vectors in that order."""
+    B, S, H, D, base = 2, 7, 3, 16, 50_000.0
+    q = torch.randn(B, S, H, D)
+    angles = torch.outer(torch.arange(S, dtype=torch.float32), base ** (-torch.arange(0, D, 2).float() / D))
+    cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
+    pairs = q.unflatten(-1, (-1, 2))
+    theirs = torch.stack([pairs[..., 0] * cos - pairs[..., 1] * sin,
+                          pairs[..., 1] * cos + pairs[..., 0] * sin], dim=-1).flatten(3)
+    order = hub.rope_order(D)
+    ours = apply_rotary(q[..., order], cos, sin)
+    torch.testing.assert_close(ours, theirs[..., order])
+
+
+# -----------------------------------------------------------------------------
+# A folder in the authors' format, written from a small random model of ours
+
+
+def authors_config(c):
+    """What their save_pretrained writes (the fields hub.py reads), for our config c."""
+    cfg = dict(block_size=c.seq_len, vocab_size=c.vocab_size, padding_multiple=64, padded_vocab_size=c.padded_vocab_size,
+               n_embd=c.d_model, num_attention_heads=c.n_head, num_key_value_heads=c.n_head,
+               intermediate_size=4 * c.d_model, bias=False, qk_bias=False, tie_embeddings=True,
+               block_class_name="TransformerPreNormBlock", norm_class_name="RMSNorm", norm_eps=c.norm_eps,
+               mlp_class_name="BaseMLP", nonlin_name="ReLU2", qk_norm=True, clip_qkv=None, logit_softcap=None,
+               init_strategy="scaled-zero", mup_model_scaling_factor=1, randomize_positions_from=None,
+               rope_settings=dict(use_rope=True, rope_condense_ratio=1, rope_base=int(c.rope_base)))
+    if c.injection == "none":
+        return dict(cfg, n_layer=c.n_layer, use_abacus=False, _class_name="GPTConfig")
+    return dict(cfg, injection_type="diagonal", state_init="like-init", recurrent_embedding_dimension=c.d_model,
+                recurrent_intermediation_embedding_dimension=4 * c.d_model, recurrent_num_attention_heads=None,
+                n_layers_in_prelude=c.n_prelude, n_layers_in_recurrent_block=c.n_recur, n_layers_in_coda=c.n_coda,
+                mean_recurrence=c.mu_rec, mean_backprop_depth=c.mu_bwd, prelude_norm=c.prelude_norm,
+                recurrent_iteration_method="per-sequence", _class_name="ParcaeConfig")
+
+
+def authors_state_dict(model):
+    """Our state dict under their names (written here from their source, not from hub.py's table), with
+    q and k rows in their interleaved RoPE layout, the tied head and their freqs_cis buffer."""
+    c = model.config
+    top = {"wte.weight": "transformer.wte.weight", "norm_f.weight": "transformer.ln_f.weight",
+           "prelude_norm.weight": "transformer.ln_prelude.weight", "A_log": "transformer.adapter.A_log",
+           "dt_bias": "transformer.adapter.dt_bias", "B.weight": "transformer.adapter.B",
+           "C_proj.weight": "transformer.C.weight"}
+    block = {"attn_norm.weight": "norm_1.weight", "mlp_norm.weight": "norm_2.weight",
+             "mlp.c_fc.weight": "mlp.fc.weight", "mlp.c_proj.weight": "mlp.proj.weight"}
+    offsets = {"prelude": 0, "recur": c.n_prelude, "coda": c.n_prelude + c.n_recur}
+    their_rows = torch.argsort(torch.cat([torch.arange(1, c.head_dim, 2), torch.arange(0, c.head_dim, 2)]))
+    out = {}
+    for name, tensor in model.state_dict().items():
+        if name in top or name.startswith("value_embeds."):
+            out[top.get(name, name)] = tensor.clone()
+            continue
+        part, i, rest = name.split(".", 2)
+        if rest in ("attn.c_q.weight", "attn.c_k.weight"):  # our dim j holds their dim (2j+1 | 2(j-D/2))
+            tensor = tensor.view(c.n_head, c.head_dim, -1)[:, their_rows].reshape(tensor.shape)
+        where = (f"h.{offsets[part] + int(i)}" if c.injection == "none"
+                 else f"{dict(prelude='prelude', recur='core_block', coda='coda')[part]}.{i}")
+        out[f"transformer.{where}.{block.get(rest, rest)}"] = tensor.clone()
+    out["lm_head.weight"] = out["transformer.wte.weight"]
+    inv_freq = 1.0 / (c.rope_base ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim))
+    angles = torch.outer(torch.arange(c.seq_len, dtype=torch.float32), inv_freq)
+    out["freqs_cis"] = torch.stack([angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]], dim=4)
+    return out
+
+
+def byte_level_chars():
+    """GPT-2's bytes_to_unicode, written out: byte -> the character that stands for it in tokenizer.json."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("Ġ", "a"), ("Ġa", "n"), ("Ġan", "d"), ("Ã", "©"),
+          ("e", "r"), ("Ġ", "w"), ("o", "r"), ("Ġw", "or"), ("1", "2")]
+
+
+def tokenizer_json(bos="<|bos|>"):
+    """A byte-level BPE tokenizer.json as HF tokenizers writes it: specials first, then the 256 bytes, then merges."""
+    chars = byte_level_chars()
+    vocab = {bos: 0, "<|eos|>": 1}
+    for b in range(256):
+        vocab[chars[b]] = len(vocab)
+    for a, b in MERGES:
+        vocab[a + b] = len(vocab)
+    return {"version": "1.0", "normalizer": None,
+            "added_tokens": [{"id": 0, "content": bos, "special": True}, {"id": 1, "content": "<|eos|>", "special": True}],
+            "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": SPLIT_PATTERN}, "behavior": "Isolated", "invert": False},
+                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]},
+            "decoder": {"type": "ByteLevel"},
+            "model": {"type": "BPE", "vocab": vocab, "merges": [f"{a} {b}" for a, b in MERGES]}}
+
+
+def tiny_model(injection, seed=0):
+    torch.manual_seed(seed)
+    config = ParcaeConfig(vocab_size=300, seq_len=32, n_prelude=1, n_recur=2, n_coda=1, d_model=64, head_dim=32,
+                          mu_rec=3, injection=injection)
+    model = Parcae(config).eval()
+    with torch.no_grad():  # every weight random, so a swapped or dropped one shows in the logits
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+def write_authors_folder(folder, model, weights_name="model.pt"):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(authors_config(model.config)))
+    torch.save(authors_state_dict(model), folder / weights_name)
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer_json()))
+    return folder
+
+
+def assert_same_logits(original, loaded):
+    idx = torch.randint(0, 300, (2, 12))
+    with torch.no_grad():
+        if original.config.injection == "none":
+            torch.testing.assert_close(loaded(idx), original(idx), rtol=0, atol=1e-5)
+            return
+        h0 = original.initial_state((2, 12, original.config.d_model), "cpu", torch.float32)
+        for T in (1, 4):
+            torch.testing.assert_close(loaded(idx, T=T, h0=h0), original(idx, T=T, h0=h0), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("injection", ["diagonal", "none"])
+def test_local_authors_folder_gives_the_same_logits(tmp_path, injection):
+    original = tiny_model(injection)
+    model, tokenizer = hub.load_pretrained(str(write_authors_folder(tmp_path / "ckpt", original)))
+    assert model.config.injection == injection and not model.training
+    assert_same_logits(original, model)
+    assert tokenizer.bos_id == 0 and tokenizer.vocab_size == 2 + 256 + len(MERGES)
+
+
+class HubHandler(http.server.BaseHTTPRequestHandler):
+    """Serves <root>/<repo>/<file> at /<repo>/resolve/main/<file>, honouring Range like the Hub."""
+    root, ranges = None, []
+
+    def do_GET(self):
+        repo_file = self.path.replace("/resolve/main/", "/", 1).lstrip("/")
+        path = self.root / repo_file
+        if not path.is_file():
+            self.send_error(404)
+            return
+        body = path.read_bytes()
+        start = 0
+        if "Range" in self.headers:
+            self.ranges.append((path.name, self.headers["Range"]))
+            start = int(self.headers["Range"].removeprefix("bytes=").rstrip("-"))
+        self.send_response(206 if start else 200)
+        self.send_header("Content-Length", str(len(body) - start))
+        self.end_headers()
+        self.wfile.write(body[start:])
+
+    def log_message(self, *args):
+        pass
+
+
+def test_repo_id_downloads_resumes_and_caches(tmp_path, monkeypatch):
+    original = tiny_model("diagonal", seed=1)
+    served = tmp_path / "served"
+    write_authors_folder(served / "SandyResearch" / "tiny", original)
+    HubHandler.root, HubHandler.ranges = served, []
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), HubHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setattr(hub, "HUB_URL", f"http://127.0.0.1:{server.server_address[1]}")
+    try:
+        # a download cut off half way: the next call asks only for the rest
+        weights = (served / "SandyResearch" / "tiny" / "model.pt").read_bytes()
+        cache = Path(tmp_path / "base" / "hub" / "SandyResearch" / "tiny")
+        cache.mkdir(parents=True)
+        (cache / "model.pt.part").write_bytes(weights[:1000])
+        model, _ = hub.load_pretrained("SandyResearch/tiny")
+        assert HubHandler.ranges == [("model.pt", "bytes=1000-")]
+        assert (cache / "model.pt").read_bytes() == weights and not (cache / "model.pt.part").exists()
+        assert_same_logits(original, model)
+    finally:
+        server.shutdown()
+        server.server_close()
+    hub.load_pretrained("SandyResearch/tiny")  # the server is gone: the cache alone serves a second load
+
+
+# -----------------------------------------------------------------------------
+# tokenizer.json -> tiktoken
+
+
+def reference_bpe(text, spec):
+    """A direct reading of tokenizer.json: split with its regex, spell each piece in the byte-level
+    alphabet, apply the lowest-ranked merge until none applies, look the pieces up in the vocabulary."""
+    chars = byte_level_chars()
+    ranks = {tuple(m.split(" ")): r for r, m in enumerate(spec["model"]["merges"])}
+    pattern = spec["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"]
+    ids = []
+    for piece in regex.findall(pattern, text):
+        word = [chars[b] for b in piece.encode("utf-8")]
+        while len(word) > 1:
+            pairs = [(ranks.get(pair, math.inf), i) for i, pair in enumerate(zip(word, word[1:]))]
+            rank, i = min(pairs)
+            if rank == math.inf:
+                break
+            word[i:i + 2] = [word[i] + word[i + 1]]
+        ids += [spec["model"]["vocab"][w] for w in word]
+    return ids
+
+
+def test_tokenizer_json_converts_to_the_same_ids(tmp_path):
+    spec = tokenizer_json()
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    tokenizer = hub.tokenizer_from_json(tmp_path / "tokenizer.json")
+    text = "the theatre and the world, 12 123 café 🎉\n\n  in and\tor <|bos|> ÿ\x00 there"
+    ids = tokenizer.encode(text)
+    assert ids == reference_bpe(text, spec)
+    assert len(set(ids) & {spec["model"]["vocab"]["Ġthe"], spec["model"]["vocab"]["Ġand"]}) == 2  # merges did apply
+    assert tokenizer.decode(ids) == text
+    assert tokenizer.encode("and", prepend_bos=True)[0] == tokenizer.bos_id == 0
+    assert tokenizer.enc.encode_single_token("<|eos|>") == 1
+    assert tokenizer.token_bytes[0] == 0 and tokenizer.token_bytes[spec["model"]["vocab"]["Ġand"]] == 4
+
+
+def test_tokenizer_bos_under_another_name(tmp_path):
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tokenizer_json(bos="<|endoftext|>")))
+    assert hub.tokenizer_from_json(tmp_path / "tokenizer.json").bos_id == 0
+
+
+# -----------------------------------------------------------------------------
+# One clear line for each bad input
+
+
+def test_unknown_class_and_unsupported_settings():
+    cfg = FIXTURE["parcae-small-140m"]["config"]
+    with pytest.raises(ValueError, match="_class_name='EQLMConfig'"):
+        hub.config_from_authors(dict(cfg, _class_name="EQLMConfig"))
+    with pytest.raises(ValueError, match="logit_softcap=15"):
+        hub.config_from_authors(dict(cfg, logit_softcap=15.0))
+    with pytest.raises(ValueError, match="gates to layers"):  # their ve_gate rule disagrees with value_embeds here
+        hub.config_from_authors(dict(cfg, n_layers_in_recurrent_block=3, mean_backprop_depth=3))
+
+
+def test_missing_file(tmp_path):
+    folder = write_authors_folder(tmp_path / "ckpt", tiny_model("diagonal"))
+    (folder / "model.pt").unlink()
+    with pytest.raises(FileNotFoundError, match="has no pytorch_model.bin or model.pt"):
+        hub.load_pretrained(str(folder))
+
+
+def test_unmapped_name_shape_mismatch_and_missing_weight(tmp_path):
+    model = tiny_model("diagonal")
+    state = authors_state_dict(model)
+    ours = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    shapes = {k: tuple(v.shape) for k, v in state.items()}
+    with pytest.raises(ValueError, match="transformer.core_block.0.attn.rotary.weight has no place"):
+        hub.map_names({**shapes, "transformer.core_block.0.attn.rotary.weight": (4,)}, ours, model.config)
+    with pytest.raises(ValueError, match=r"transformer.C.weight has shape \(64, 32\), our C_proj.weight has \(64, 64\)"):
+        hub.map_names({**shapes, "transformer.C.weight": (64, 32)}, ours, model.config)
+    del shapes["transformer.adapter.dt_bias"]
+    with pytest.raises(ValueError, match="no weights for 1 of our parameters, e.g. dt_bias"):
+        hub.map_names(shapes, ours, model.config)
+    state["transformer.coda.0.mlp.fc.weight"] = state["transformer.coda.0.mlp.fc.weight"][:, :10]  # via the loader too
+    folder = write_authors_folder(tmp_path / "ckpt", model)
+    torch.save(state, folder / "model.pt")
+    with pytest.raises(ValueError, match="coda.0.mlp.fc.weight has shape"):
+        hub.load_pretrained(str(folder))
