@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from data import Tokenizer, get_base_dir, val_batches
+from hub import load_pretrained, local_dir
 from model import find_checkpoint, load_checkpoint
 
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"  # SPEC 5
@@ -555,6 +556,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ckpt", default=None, help="checkpoint file (default: the latest under <base dir>/runs)")
     parser.add_argument("--run", default=None, help="run name under <base dir>/runs whose latest checkpoint to use")
+    parser.add_argument("--from", dest="from_", default=None, help="the authors' release instead: a Hub repo id "
+                        "(SandyResearch/parcae-140m) or a folder with config.json, model.pt, tokenizer.json")
     parser.add_argument("--eval", default="core", choices=["core", "bpb"])
     parser.add_argument("--T", default=None, help="test-time recurrence(s), e.g. 8 or 1,2,4,8 (default: mu_rec)")
     parser.add_argument("--seeds", default="1234", help="few-shot seeds; several print mean and std (SPEC 3)")
@@ -571,11 +574,15 @@ def main():
     args = parser.parse_args()
     try:
         device = init_distributed(torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")))
-        ckpt_path = Path(args.ckpt) if args.ckpt else find_checkpoint(get_base_dir() / "runs", args.run)
-        model, ckpt = load_checkpoint(ckpt_path, device)
-        if "tokenizer_dir" not in ckpt:
-            raise ValueError(f"checkpoint {ckpt_path} names no tokenizer_dir; it was not written by train.py")
-        tokenizer = Tokenizer.load(ckpt["tokenizer_dir"])
+        if args.from_:  # the authors' release (hub.py); results go beside its files
+            model, tokenizer = load_pretrained(args.from_, device)
+            ckpt, ckpt_path = {}, local_dir(args.from_) / "authors"
+        else:
+            ckpt_path = Path(args.ckpt) if args.ckpt else find_checkpoint(get_base_dir() / "runs", args.run)
+            model, ckpt = load_checkpoint(ckpt_path, device)
+            if "tokenizer_dir" not in ckpt:
+                raise ValueError(f"checkpoint {ckpt_path} names no tokenizer_dir; it was not written by train.py")
+            tokenizer = Tokenizer.load(ckpt["tokenizer_dir"])
         Ts = parse_ints(args.T, "--T") if args.T else [model.config.mu_rec]
         print0(f"Checkpoint {ckpt_path} (step {ckpt.get('step')}), {model.num_params():,} parameters, "
                f"mu_rec {model.config.mu_rec}, on {device} x {rank_and_world()[1]}")

@@ -36,6 +36,11 @@ def cache_dir(repo_id):
     return get_base_dir() / "hub" / repo_id
 
 
+def local_dir(source):
+    """Where a source's files sit on this machine: the folder itself, or a repo's cache."""
+    return Path(source) if Path(source).is_dir() else cache_dir(source)
+
+
 def download(repo_id, filename, base_url=None):
     """Fetch one file into the cache (kept across calls); resume a partial one with a Range header;
     write to <file>.part and rename when complete. Returns the path, or None when the server has no such file."""
@@ -60,16 +65,16 @@ def download(repo_id, filename, base_url=None):
                 for chunk in response.iter_content(chunk_size=1 << 20):
                     f.write(chunk)
     except requests.RequestException as err:
-        raise ConnectionError(f"could not download {url} ({type(err).__name__}); check the repo id and the "
-                              f"network, or pass a local folder") from None
+        raise FileNotFoundError(f"could not download {url} ({type(err).__name__}); check the repo id and the "
+                                f"network, or pass a local folder") from None
     os.replace(part, path)
     return path
 
 
 def fetch_files(source):
     """-> (config.json, weights, tokenizer.json) paths, from a local folder or a Hub repo id."""
-    folder = Path(source)
-    local = folder.is_dir()
+    folder = local_dir(source)
+    local = Path(source).is_dir()
 
     def get(name):
         if local:
@@ -79,7 +84,7 @@ def fetch_files(source):
     where = str(folder) if local else f"{HUB_URL}/{source}"
     config_path, tokenizer_path = get("config.json"), get("tokenizer.json")
     # a weights file already in the cache first, so a cached repo never touches the network
-    names = sorted(WEIGHT_FILES, key=lambda name: local or not (cache_dir(source) / name).is_file())
+    names = sorted(WEIGHT_FILES, key=lambda name: not (folder / name).is_file())
     weights_path = next((p for p in map(get, names) if p is not None), None)
     for name, found in (("config.json", config_path), (" or ".join(WEIGHT_FILES), weights_path),
                         ("tokenizer.json", tokenizer_path)):

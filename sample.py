@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from data import Tokenizer, get_base_dir
+from hub import load_pretrained
 from model import KVCache, find_checkpoint, load_checkpoint
 
 # -----------------------------------------------------------------------------
@@ -164,6 +165,9 @@ def parse_depth(value):
 
 def load(args, device):
     """-> (model, tokenizer, checkpoint path); FileNotFoundError / ValueError carry a one-line message."""
+    if args.from_:  # the authors' release (hub.py)
+        model, tokenizer = load_pretrained(args.from_, device)
+        return model, tokenizer, args.from_
     path = Path(args.ckpt) if args.ckpt else find_checkpoint(get_base_dir() / "runs", args.run)
     model, ckpt = load_checkpoint(path, device)
     tokenizer_dir = Path(ckpt.get("tokenizer_dir", ""))
@@ -220,6 +224,8 @@ def main(argv=None):
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--ckpt", help="a checkpoint file (default: the latest of --run)")
     which.add_argument("--run", help="a run under <base dir>/runs (default: the most recently written)")
+    which.add_argument("--from", dest="from_", help="the authors' release: a Hub repo id (SandyResearch/parcae-140m) "
+                                                    "or a folder with config.json, model.pt, tokenizer.json")
     parser.add_argument("--prompt", help="default: a loop when stdin is a terminal, else stdin")
     parser.add_argument("--num_samples", type=int, default=1)
     parser.add_argument("--max_new_tokens", type=int, default=256)

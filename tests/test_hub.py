@@ -317,3 +317,19 @@ def test_unmapped_name_shape_mismatch_and_missing_weight(tmp_path):
     torch.save(state, folder / "model.pt")
     with pytest.raises(ValueError, match="coda.0.mlp.fc.weight has shape"):
         hub.load_pretrained(str(folder))
+
+
+def test_sample_from_gives_what_the_same_model_gives_from_a_checkpoint(tmp_path, capsys):
+    """sample.py --from=<authors' folder> and sample.py --ckpt=<our checkpoint of the same model> print the same text."""
+    import sample
+    from model import save_checkpoint
+    original = tiny_model("diagonal", seed=2)
+    folder = write_authors_folder(tmp_path / "ckpt", original)
+    hub.tokenizer_from_json(folder / "tokenizer.json").save(tmp_path / "tok")
+    save_checkpoint(tmp_path / "ours.pt", original, tokenizer_dir=str(tmp_path / "tok"))
+    flags = ["--prompt", "the world and", "--max_new_tokens", "6", "--temperature", "0", "--T", "3", "--device", "cpu"]
+    outputs = []
+    for which in (["--from", str(folder)], ["--ckpt", str(tmp_path / "ours.pt")]):
+        sample.main(which + flags)
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1] and outputs[0].startswith("the world and") and len(outputs[0]) > len("the world and\n")
