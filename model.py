@@ -32,7 +32,7 @@ import torch.nn.functional as F
 # Configuration
 
 INJECTIONS = ("diagonal", "concat", "add", "none")
-SAMPLINGS = ("per_sequence", "per_batch")
+SAMPLINGS = ("per_sequence", "per_batch", "fixed")
 
 
 @dataclass
@@ -95,7 +95,10 @@ class ParcaeConfig:
 # Depth sampling (SPEC 2)
 
 def sample_depths(config, batch_size, generator=None):
-    """T_i = max(1, Poisson(mu_rec)): one draw per sequence (Parcae) or one per micro-batch (ablation)."""
+    """T_i = max(1, Poisson(mu_rec)): one draw per sequence (Parcae) or one per micro-batch (ablation);
+    "fixed" trains at T = mu_rec always (the paper's mu_rec = 1 fixed-depth Parcae, and tests)."""
+    if config.sampling == "fixed":
+        return torch.full((batch_size,), config.mu_rec, dtype=torch.long)
     n_draws = batch_size if config.sampling == "per_sequence" else 1
     rate = torch.full((n_draws,), float(config.mu_rec))
     depths = torch.poisson(rate, generator=generator).long().clamp_(min=1)
@@ -141,7 +144,8 @@ class KVCache:
 class Attention(nn.Module):
     def __init__(self, config, has_value_embed):
         super().__init__()
-        d, self.n_head, self.head_dim, self.eps = config.d_model, config.n_head, config.head_dim, config.norm_eps
+        # qk norm eps None = the dtype's epsilon, as the authors' F.rms_norm(q) (parcae_lm/modules/mixer.py)
+        d, self.n_head, self.head_dim, self.eps = config.d_model, config.n_head, config.head_dim, None
         self.c_q = nn.Linear(d, d, bias=False)
         self.c_k = nn.Linear(d, d, bias=False)
         self.c_v = nn.Linear(d, d, bias=False)
@@ -316,7 +320,28 @@ class Parcae(nn.Module):
         """
         c = self.config
         B, S = idx.shape
+        x, ctx = self.run_prelude(idx, cache)
+        if c.injection == "none":
+            ves, cos, sin = ctx
+            for i, block in enumerate(self.recur):
+                x = block(x, ves.get(c.n_prelude + i), cos, sin, cache, ("recur", 0, i))
+        else:
+            x = self.recurrence(x, self._depths(T, B), h0, *ctx, cache)
+        logits = self.run_coda(x, *ctx, cache)
+        if targets is None:
+            return logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1,
+                               reduction=reduction)
+        return loss.view(B, S) if reduction == "none" else loss
+
+    # The three pieces of a forward, apart so that sample.py can read the coda's prediction after any
+    # recurrent step (adaptive depth) and loop the steps itself.
+
+    def run_prelude(self, idx, cache=None):
+        """ids (B, S) -> (e, ctx): e the recurrence's input (prelude output, prelude-normed when looped),
+        ctx = (value embeddings, cos, sin) for the later pieces. Claims the S positions in the cache."""
         pos = cache.pos if cache is not None else 0
+        S = idx.size(1)
         if pos + S > self.rope_cos.size(1):
             raise ValueError(f"sequence of {pos + S} positions exceeds the RoPE table of {self.rope_cos.size(1)}")
         cos, sin = self.rope_cos[:, pos:pos + S], self.rope_sin[:, pos:pos + S]
@@ -324,22 +349,24 @@ class Parcae(nn.Module):
         x = self.wte(idx)
         for i, block in enumerate(self.prelude):
             x = block(x, ves.get(i), cos, sin, cache, ("prelude", i))
-        if c.injection == "none":
-            for i, block in enumerate(self.recur):
-                x = block(x, ves.get(c.n_prelude + i), cos, sin, cache, ("recur", 0, i))
-        else:
-            e = self.prelude_norm(x) if self.prelude_norm is not None else x
-            x = self.C_proj(self.recurrence(e, self._depths(T, B), h0, ves, cos, sin, cache))
-        for i, block in enumerate(self.coda):
-            x = block(x, ves.get(c.n_prelude + c.n_recur + i), cos, sin, cache, ("coda", i))
         if cache is not None:
             cache.pos += S
-        logits = (self.norm_f(x) @ self.wte.weight.t().to(x.dtype))[..., :c.vocab_size].float()
-        if targets is None:
-            return logits
-        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1,
-                               reduction=reduction)
-        return loss.view(B, S) if reduction == "none" else loss
+        return (self.prelude_norm(x) if self.prelude_norm is not None else x), (ves, cos, sin)
+
+    def recur_step(self, h, e, step, ves, cos, sin, cache=None):
+        """One recurrent step h -> R(inject(h, e)) for the whole batch; `step` names its cache slots."""
+        u = self.inject(h, e)
+        for i, block in enumerate(self.recur):
+            u = block(u, ves.get(self.config.n_prelude + i), cos, sin, cache, ("recur", step, i))
+        return u
+
+    def run_coda(self, h, ves, cos, sin, cache=None):
+        """The recurrence's output (B, S, d) -> logits (B, S, vocab) float32: C_proj, coda, norm, tied head."""
+        c = self.config
+        x = self.C_proj(h) if self.C_proj is not None else h
+        for i, block in enumerate(self.coda):
+            x = block(x, ves.get(c.n_prelude + c.n_recur + i), cos, sin, cache, ("coda", i))
+        return (self.norm_f(x) @ self.wte.weight.t().to(x.dtype))[..., :c.vocab_size].float()
 
     def _depths(self, T, batch_size):
         """Per-sequence depths as a (B,) CPU tensor."""
@@ -352,11 +379,12 @@ class Parcae(nn.Module):
             raise ValueError(f"recurrence depth T must be >= 1, got {T}")
         return depths
 
-    def initial_state(self, shape, device, dtype):
-        """SPEC 1: h0 ~ TruncNormal(0, sigma, +-3 sigma), sigma = sqrt(2 / (5 d)), drawn every forward."""
+    def initial_state(self, shape, device, dtype, generator=None):
+        """SPEC 1: h0 ~ TruncNormal(0, sigma, +-3 sigma), sigma = sqrt(2 / (5 d)), drawn every forward
+        (from `generator`, which lives on `device`, when given: sample.py's reproducible decoding)."""
         sigma = math.sqrt(2 / (5 * self.config.d_model))
         h0 = torch.empty(shape, device=device, dtype=torch.float32)
-        return nn.init.trunc_normal_(h0, std=sigma, a=-3 * sigma, b=3 * sigma).to(dtype)
+        return nn.init.trunc_normal_(h0, std=sigma, a=-3 * sigma, b=3 * sigma, generator=generator).to(dtype)
 
     def recurrence(self, e, depths, h0, ves, cos, sin, cache):
         """Run each sequence i for depths[i] steps: n_i without grad, then k_i with grad (SPEC 2).
@@ -381,9 +409,7 @@ class Parcae(nn.Module):
 
     def _masked_step(self, h, prev, e, active, step, ves, cos, sin, cache):
         """One recurrent step h -> R(inject(h, e)) for the sequences in `active` (a (B,) CPU bool mask)."""
-        u = self.inject(h, e)
-        for i, block in enumerate(self.recur):
-            u = block(u, ves.get(self.config.n_prelude + i), cos, sin, cache, ("recur", step, i))
+        u = self.recur_step(h, e, step, ves, cos, sin, cache)
         if bool(active.all()):
             return u, h.detach()
         keep = active.to(h.device, non_blocking=True)[:, None, None]
