@@ -14,7 +14,7 @@ Training samples a recurrence depth per sequence, T_i = max(1, Poisson(mu_rec)),
 n_i = T_i - k_i steps without gradient and the last k_i = min(T_i, mu_bwd) with it (SPEC 2).
 
 torch.compile: `model.compile_blocks()` compiles each transformer block on its own; the loop over a
-depth that changes every batch stays in Python, so the blocks compile once and never recompile.
+depth that changes every batch stays in Python, so changing depths cause no recompilation.
 
 Use: model = Parcae(ParcaeConfig.from_depth(6)); loss = model(idx, targets); logits = model(idx, T=16)
 """
@@ -270,10 +270,15 @@ class Parcae(nn.Module):
         if self.C_proj is not None:
             nn.init.orthogonal_(self.C_proj.weight, gain=math.sqrt(2 / 5))
 
-    def compile_blocks(self, **compile_kwargs):
-        """Compile each block alone: fixed shapes, so a depth that changes every step never recompiles."""
-        for block in [*self.prelude, *self.recur, *self.coda]:
-            block.compile(**compile_kwargs)
+    def compile_blocks(self):
+        """Compile each block alone and keep the loop in Python, so a depth that changes every step never
+        recompiles. The recurrent blocks see a shrinking prefix of the batch (see recurrence), so their
+        batch dimension is left to dynamo's automatic dynamic shapes: at most a static, a dynamic and a
+        size-1 graph."""
+        for block in [*self.prelude, *self.coda]:
+            block.compile(dynamic=False)
+        for block in self.recur:
+            block.compile(dynamic=None)
 
     # --- the Parcae injection and its spectral radius
 
@@ -387,33 +392,45 @@ class Parcae(nn.Module):
         return nn.init.trunc_normal_(h0, std=sigma, a=-3 * sigma, b=3 * sigma, generator=generator).to(dtype)
 
     def recurrence(self, e, depths, h0, ves, cos, sin, cache):
-        """Run each sequence i for depths[i] steps: n_i without grad, then k_i with grad (SPEC 2).
+        """Run sequence i for depths[i] steps: n_i without grad, then k_i with grad (SPEC 2).
 
-        The batch runs max(n) + max(k) steps; a sequence whose count is used up keeps its state
-        (torch.where on a per-sequence mask), so its gradient flows through its own last k_i steps.
+        The paper masks finished sequences with torch.where, so every sequence runs max(n) + max(k)
+        steps. Here the batch is sorted by depth, longest first: n_i and k_i both grow with T_i, so the
+        sequences still running at any step are a prefix of the sorted batch, and each step runs the
+        block on that prefix alone. Each sequence gets exactly its own steps, loss and gradients, and
+        the block runs sum(T_i) sequence-passes instead of B * (max n + max k).
         """
         n, k = split_depths(depths, self.config.mu_bwd, self.training)
         h = self.initial_state(e.shape, e.device, e.dtype) if h0 is None else h0.to(e.dtype)
-        prev = h
-        n_max = int(n.max())
+        order = torch.argsort(depths, descending=True, stable=True)
+        permuted = bool((order != torch.arange(len(order))).any())
+        if permuted:
+            if cache is not None:
+                raise ValueError("decoding with a KV cache needs one depth T for the whole batch")
+            order_dev = order.to(e.device, non_blocking=True)
+            e, h = e[order_dev], h[order_dev]
+            ves = {i: ve[order_dev] for i, ve in ves.items()}
+            n, k = n[order], k[order]
+        prev, n_max = h, int(n[0])
         with torch.no_grad():
             for step in range(n_max):
-                h, prev = self._masked_step(h, prev, e, n > step, step, ves, cos, sin, cache)
-        for step in range(int(k.max())):
-            h, prev = self._masked_step(h, prev, e, k > step, n_max + step, ves, cos, sin, cache)
+                h, prev = self._prefix_step(h, prev, e, int((n > step).sum()), step, ves, cos, sin, cache)
+        for step in range(int(k[0])):
+            h, prev = self._prefix_step(h, prev, e, int((k > step).sum()), n_max + step, ves, cos, sin, cache)
         with torch.no_grad():
             h_norm = h.float().norm(dim=-1).mean()
             self.last_h_norm = h_norm
             self.last_update_ratio = (h - prev).float().norm(dim=-1).mean() / h_norm
-        return h
+        return h[torch.argsort(order_dev)] if permuted else h
 
-    def _masked_step(self, h, prev, e, active, step, ves, cos, sin, cache):
-        """One recurrent step h -> R(inject(h, e)) for the sequences in `active` (a (B,) CPU bool mask)."""
-        u = self.recur_step(h, e, step, ves, cos, sin, cache)
-        if bool(active.all()):
-            return u, h.detach()
-        keep = active.to(h.device, non_blocking=True)[:, None, None]
-        return torch.where(keep, u, h), torch.where(keep, h, prev).detach()
+    def _prefix_step(self, h, prev, e, active, step, ves, cos, sin, cache):
+        """One recurrent step for the first `active` sequences; the others keep their state.
+        -> (new h, each sequence's state before its latest step, for the diagnostics)."""
+        if active == h.size(0):
+            return self.recur_step(h, e, step, ves, cos, sin, cache), h.detach()
+        ves = {i: ve[:active] for i, ve in ves.items()}
+        u = self.recur_step(h[:active], e[:active], step, ves, cos, sin, cache)
+        return torch.cat([u, h[active:]]), torch.cat([h[:active].detach(), prev[active:]])
 
     # --- accounting
 

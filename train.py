@@ -170,7 +170,7 @@ torch.manual_seed(args.seed)  # the same initial weights on every rank
 model = Parcae(config).to(device)
 raw_model = model
 if args.compile:
-    model.compile_blocks(dynamic=False)
+    model.compile_blocks()
 if ddp:
     model = DDP(model, device_ids=[local_rank] if CUDA else None)
 adamw_lr = args.adamw_lr or learning_rate_for_depth(args.depth)

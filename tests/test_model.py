@@ -245,3 +245,47 @@ def test_checkpoint_round_trip_and_clear_errors(tmp_path):
     (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match="corrupt"):
         load_checkpoint(tmp_path / "bad.pt")
+
+
+def masked_reference_loss(model, idx, targets, depths, h0):
+    """SPEC 2 as the paper runs it: max(n) + max(k) steps over the whole batch, a sequence whose count
+    is used up masked with torch.where. model.recurrence must match it while computing less."""
+    from model import split_depths
+    e, (ves, cos, sin) = model.run_prelude(idx)
+    n, k = split_depths(depths, model.config.mu_bwd, model.training)
+    h = h0
+    with torch.no_grad():
+        for step in range(int(n.max())):
+            h = torch.where((n > step)[:, None, None], model.recur_step(h, e, step, ves, cos, sin), h)
+    for step in range(int(k.max())):
+        h = torch.where((k > step)[:, None, None], model.recur_step(h, e, step, ves, cos, sin), h)
+    logits = model.run_coda(h, ves, cos, sin)
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def count_recurrent_passes(model):
+    """Sequence-passes through the recurrent block: the batch sizes its first layer sees, summed."""
+    seen = []
+    model.recur[0].register_forward_hook(lambda module, args, out: seen.append(args[0].size(0)))
+    return seen
+
+
+@pytest.mark.parametrize("depths", [[1, 9, 3, 5, 2, 9, 4, 7], [5, 5, 5, 5, 5, 5, 5, 5]])  # per sequence, per batch
+@pytest.mark.parametrize("injection", ["diagonal", "concat"])
+def test_prefix_recurrence_equals_masked_reference(depths, injection):
+    torch.manual_seed(0)
+    model = randomized(Parcae(tiny_config(injection=injection, mu_rec=4, mu_bwd=3))).train()
+    idx, targets = torch.randint(0, 97, (8, 16)), torch.randint(0, 97, (8, 16))
+    h0 = torch.randn(8, 16, 64) * 0.1
+    depths = torch.tensor(depths)
+    reference = masked_reference_loss(model, idx, targets, depths, h0)
+    reference_grads = torch.autograd.grad(reference, list(model.parameters()), allow_unused=True)
+    passes = count_recurrent_passes(model)
+    loss = model(idx, targets, T=depths, h0=h0)
+    grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
+    torch.testing.assert_close(loss, reference, rtol=1e-6, atol=1e-6)
+    for (name, _), g, g_ref in zip(model.named_parameters(), grads, reference_grads):
+        assert (g is None) == (g_ref is None), name
+        if g is not None:
+            torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-6, msg=name)
+    assert sum(passes) == int(depths.sum())  # compute only where it is used: sum(T_i) sequence-passes
