@@ -5,7 +5,7 @@ The steps, each one command:
 
     python data.py download -n 8                        # FineWeb-Edu: 7 train shards + the last shard (validation)
     python data.py tokenizer --data=fineweb-edu         # train the 32,768-token BPE on ~2B characters, cache it
-    python data.py loader --data=stdlib --vocab-size=4096 --seq-len=2048   # loader throughput and cropped share
+    python data.py loader --data=stdlib --vocab_size=4096 --seq_len=2048   # loader throughput and cropped share
 
 A data source (`--data`) is one of
     fineweb-edu   the 100b-shuffle parquet shards nanochat uses, under $NANOPARCAE_BASE_DIR/fineweb-edu;
@@ -194,7 +194,7 @@ def download_shard(index, base_url=FINEWEB_URL, max_attempts=5, retry_delay=1.0)
         try:
             with requests.get(url, stream=True, timeout=30) as response:
                 if 400 <= response.status_code < 500:  # permanent: retrying will not help
-                    raise SystemExit(f"{url} answered HTTP {response.status_code}: check --base-url and that "
+                    raise SystemExit(f"{url} answered HTTP {response.status_code}: check --base_url and that "
                                      f"the shard index is in 0..{FINEWEB_LAST_SHARD}")
                 response.raise_for_status()
                 with open(partial, "wb") as f:
@@ -204,7 +204,7 @@ def download_shard(index, base_url=FINEWEB_URL, max_attempts=5, retry_delay=1.0)
         except requests.RequestException as e:
             partial.unlink(missing_ok=True)
             if attempt == max_attempts:
-                raise SystemExit(f"could not download {url} after {max_attempts} attempts ({e}); check the network or --base-url")
+                raise SystemExit(f"could not download {url} after {max_attempts} attempts ({e}); check the network or --base_url")
             delay = retry_delay * 2 ** (attempt - 1)
             print(f"{path.name}: attempt {attempt}/{max_attempts} failed ({e}), retrying in {delay:.1f}s")
             time.sleep(delay)
@@ -212,10 +212,10 @@ def download_shard(index, base_url=FINEWEB_URL, max_attempts=5, retry_delay=1.0)
         columns = pq.read_metadata(partial).schema.names
     except Exception as e:
         partial.unlink()
-        raise SystemExit(f"{url} is not a valid parquet file ({e}); deleted it, check --base-url and download again")
+        raise SystemExit(f"{url} is not a valid parquet file ({e}); deleted it, check --base_url and download again")
     if "text" not in columns:
         partial.unlink()
-        raise SystemExit(f"{url} has no 'text' column (columns: {columns}); deleted it, check --base-url")
+        raise SystemExit(f"{url} has no 'text' column (columns: {columns}); deleted it, check --base_url")
     partial.rename(path)
     print(f"Downloaded {path.name}")
     return path
@@ -543,19 +543,19 @@ def main():
     commands = parser.add_subparsers(dest="command", required=True)
     p = commands.add_parser("download", help="fetch FineWeb-Edu shards: the first N-1 for training, the last one "
                                              f"({FINEWEB_LAST_SHARD}) for validation")
-    p.add_argument("-n", "--num-shards", type=int, default=8, help="shards in all, validation included (default 8)")
+    p.add_argument("-n", "--num_shards", type=int, default=8, help="shards in all, validation included (default 8)")
     p.add_argument("-w", "--workers", type=int, default=4, help="parallel downloads (default 4)")
-    p.add_argument("--base-url", default=FINEWEB_URL, help="where the shard_XXXXX.parquet files live")
+    p.add_argument("--base_url", default=FINEWEB_URL, help="where the shard_XXXXX.parquet files live")
     p = commands.add_parser("tokenizer", help="train (once) and cache the tokenizer of a data source")
     p.add_argument("--data", default="fineweb-edu", help="fineweb-edu, stdlib, or a path/folder/glob of your files")
-    p.add_argument("--vocab-size", type=int, default=32768, help="special tokens included (default 32768)")
-    p.add_argument("--max-chars", type=int, default=2_000_000_000, help="characters to train on (default 2B)")
-    p.add_argument("--doc-cap", type=int, default=10_000, help="characters kept per document (default 10k)")
+    p.add_argument("--vocab_size", type=int, default=32768, help="special tokens included (default 32768)")
+    p.add_argument("--max_chars", type=int, default=2_000_000_000, help="characters to train on (default 2B)")
+    p.add_argument("--doc_cap", type=int, default=10_000, help="characters kept per document (default 10k)")
     p = commands.add_parser("loader", help="measure the loader: tokens per second and the share cropped by packing")
     p.add_argument("--data", default="stdlib", help="fineweb-edu, stdlib, or a path/folder/glob of your files")
-    p.add_argument("--vocab-size", type=int, default=4096)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--vocab_size", type=int, default=4096)
+    p.add_argument("--batch_size", type=int, default=8)
+    p.add_argument("--seq_len", type=int, default=2048)
     p.add_argument("--tokens", type=int, default=4_000_000, help="tokens to time after the first batch")
     args = parser.parse_args()
     print(f"Base directory: {get_base_dir()}")

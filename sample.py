@@ -173,7 +173,7 @@ def load(args, device):
     tokenizer_dir = Path(ckpt.get("tokenizer_dir", ""))
     if not (tokenizer_dir / "tokenizer.tiktoken").is_file():
         raise FileNotFoundError(f"the tokenizer of checkpoint {path} is not at {tokenizer_dir}; recreate it with "
-                                f"`python data.py tokenizer` and the run's --data and --vocab-size")
+                                f"`python data.py tokenizer` and the run's --data and --vocab_size")
     tokenizer = Tokenizer.load(tokenizer_dir)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(f"the tokenizer at {tokenizer_dir} has {tokenizer.vocab_size} tokens, the model "
