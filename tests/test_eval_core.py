@@ -235,6 +235,18 @@ def test_language_modelling_prompt_strip():
     assert bytes(sequence[start:end]).decode() == " Paris" and sequence[0] == BOS
 
 
+def test_scored_spans_cover_exactly_the_answer():
+    tokenizer = ByteTokenizer()
+    choice = Task("mc", "x.jsonl", "multiple_choice", 0, " ")
+    prompts = render_prompts(choice, {"query": "Q:", "choices": ["a", "bb"], "gold": 0}, [])
+    sequences, spans = scored_spans(choice, tokenizer.encode(prompts, prepend_bos=True))
+    assert [bytes(seq[s:e]).decode() for seq, (s, e) in zip(sequences, spans)] == ["a", "bb"]
+    schema = Task("schema", "x.jsonl", "schema", 0, " ")
+    prompts = render_prompts(schema, {"context_options": ["the cat", "a dog"], "continuation": "ran", "gold": 0}, [])
+    sequences, spans = scored_spans(schema, tokenizer.encode(prompts, prepend_bos=True))
+    assert [bytes(seq[s:e]).decode() for seq, (s, e) in zip(sequences, spans)] == [" ran", " ran"]
+
+
 def test_left_cropping_keeps_the_continuation(bundle):
     tokens = [BOS] + list(range(20))
     cropped, start, end = crop_left(tokens, 15, 21, max_len=8)
