@@ -177,7 +177,54 @@ def get_tokenizer(source, vocab_size, max_chars=2_000_000_000, doc_cap=10_000):
     return Tokenizer.load(directory)
 
 # -----------------------------------------------------------------------------
-# FineWeb-Edu shards: download with retries, a temporary name and a parquet check
+# Downloads: one streamed, resumable, retried HTTP download (used by the shards, eval_core.py and hub.py)
+
+def download_file(url, path, max_attempts=5, retry_delay=1.0, timeout=60):
+    """Stream url into <path>.part and rename it to path only when complete, so a broken download never has
+    the final name. A .part left by an earlier try is resumed with a Range header (206: append, 200: the server
+    ignored Range, start over, 416: it already holds every byte). Connection errors and 5xx are retried with
+    exponential backoff; 4xx are final. Raises FileNotFoundError for a 404, OSError for any other failure,
+    each with a one-line message naming the url; callers add the fix."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    part = path.with_name(path.name + ".part")
+    resumable = False  # does the server honour Range? Only then is a partial file worth keeping
+    for attempt in range(1, max_attempts + 1):
+        have = part.stat().st_size if part.exists() else 0
+        try:
+            with requests.get(url, headers={"Range": f"bytes={have}-"} if have else {}, stream=True,
+                              timeout=timeout) as response:
+                status = response.status_code
+                if status == 416:
+                    total = response.headers.get("Content-Range", f"bytes */{have}").rpartition("/")[2]
+                    if total == str(have):  # the part file already holds every byte
+                        break
+                    part.unlink()
+                    raise requests.HTTPError(f"HTTP 416: the partial file is no prefix of the {total} bytes served")
+                if status == 404:
+                    raise FileNotFoundError(f"{url} answered HTTP 404 (no such file)")
+                if 400 <= status < 500:  # permanent: retrying will not help
+                    raise OSError(f"{url} answered HTTP {status}")
+                response.raise_for_status()
+                resumable = status == 206 or response.headers.get("Accept-Ranges") == "bytes"
+                with open(part, "ab" if status == 206 else "wb") as f:
+                    for block in response.iter_content(chunk_size=1 << 20):
+                        f.write(block)
+            break
+        except requests.RequestException as e:
+            reason = str(e).split(" for url:")[0] if isinstance(e, requests.HTTPError) else type(e).__name__
+            if attempt == max_attempts:
+                if not resumable:
+                    part.unlink(missing_ok=True)
+                raise OSError(f"could not download {url} after {max_attempts} attempts ({reason})") from None
+            delay = retry_delay * 2 ** (attempt - 1)
+            print(f"{path.name}: attempt {attempt}/{max_attempts} failed ({reason}), retrying in {delay:.1f}s")
+            time.sleep(delay)
+    os.replace(part, path)
+    return path
+
+# -----------------------------------------------------------------------------
+# FineWeb-Edu shards: a download, a parquet check, then the final name
 
 def shard_name(index):
     return f"shard_{index:05d}.parquet"
@@ -189,34 +236,22 @@ def download_shard(index, base_url=FINEWEB_URL, max_attempts=5, retry_delay=1.0)
         print(f"Skipping {path.name} (already there)")
         return path
     url = f"{base_url.rstrip('/')}/{path.name}"
-    partial = path.with_name(path.name + ".tmp")
-    for attempt in range(1, max_attempts + 1):
-        try:
-            with requests.get(url, stream=True, timeout=30) as response:
-                if 400 <= response.status_code < 500:  # permanent: retrying will not help
-                    raise SystemExit(f"{url} answered HTTP {response.status_code}: check --base_url and that "
-                                     f"the shard index is in 0..{FINEWEB_LAST_SHARD}")
-                response.raise_for_status()
-                with open(partial, "wb") as f:
-                    for block in response.iter_content(chunk_size=1 << 20):
-                        f.write(block)
-            break
-        except requests.RequestException as e:
-            partial.unlink(missing_ok=True)
-            if attempt == max_attempts:
-                raise SystemExit(f"could not download {url} after {max_attempts} attempts ({e}); check the network or --base_url")
-            delay = retry_delay * 2 ** (attempt - 1)
-            print(f"{path.name}: attempt {attempt}/{max_attempts} failed ({e}), retrying in {delay:.1f}s")
-            time.sleep(delay)
+    unchecked = path.with_name(path.name + ".tmp")  # the parquet check comes before the final name
     try:
-        columns = pq.read_metadata(partial).schema.names
+        download_file(url, unchecked, max_attempts, retry_delay)
+    except FileNotFoundError as e:
+        raise SystemExit(f"{e}: check --base_url and that the shard index is in 0..{FINEWEB_LAST_SHARD}") from None
+    except OSError as e:
+        raise SystemExit(f"{e}; check the network or --base_url") from None
+    try:
+        columns = pq.read_metadata(unchecked).schema.names
     except Exception as e:
-        partial.unlink()
+        unchecked.unlink()
         raise SystemExit(f"{url} is not a valid parquet file ({e}); deleted it, check --base_url and download again")
     if "text" not in columns:
-        partial.unlink()
+        unchecked.unlink()
         raise SystemExit(f"{url} has no 'text' column (columns: {columns}); deleted it, check --base_url")
-    partial.rename(path)
+    unchecked.rename(path)
     print(f"Downloaded {path.name}")
     return path
 

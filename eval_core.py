@@ -28,12 +28,11 @@ from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
-import requests
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from data import Tokenizer, get_base_dir, val_batches
+from data import Tokenizer, download_file, get_base_dir, val_batches
 from hub import load_pretrained, local_dir
 from model import find_checkpoint, load_checkpoint
 
@@ -129,21 +128,6 @@ def select_tasks(tasks):
 # -----------------------------------------------------------------------------
 # The eval bundle: downloaded once, extracted only where it belongs
 
-def download_file(url, path):
-    """Stream url to path through a temporary name, so a broken download never has the final name."""
-    partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    try:
-        with requests.get(url, stream=True, timeout=60) as response:
-            response.raise_for_status()
-            with open(partial, "wb") as f:
-                for block in response.iter_content(chunk_size=1 << 20):
-                    f.write(block)
-    except requests.RequestException as err:
-        partial.unlink(missing_ok=True)
-        raise ValueError(f"could not download {url} ({err}); check the network or --bundle_url") from None
-    os.replace(partial, path)
-
-
 def extract_zip_safely(zip_path, target):
     """Extract every member under target, after checking that none lands outside it ("../x", "/etc/x"): an
     archive with such a member is refused whole, before anything is written."""
@@ -166,7 +150,10 @@ def download_eval_bundle(url=EVAL_BUNDLE_URL, base_dir=None):
     zip_path = base_dir / "eval_bundle.zip"
     if not zip_path.is_file():
         print(f"Downloading the eval bundle from {url} ...")
-        download_file(url, zip_path)
+        try:
+            download_file(url, zip_path)
+        except OSError as err:
+            raise ValueError(f"{err}; check the network or --bundle_url") from None
     scratch = base_dir / f"eval_bundle.{os.getpid()}.tmp"
     try:
         extract_zip_safely(zip_path, scratch)

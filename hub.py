@@ -18,11 +18,10 @@ import os
 import re
 from pathlib import Path
 
-import requests
 import tiktoken
 import torch
 
-from data import Tokenizer, get_base_dir
+from data import Tokenizer, download_file, get_base_dir
 from model import Parcae, ParcaeConfig
 
 HUB_URL = os.environ.get("NANOPARCAE_HUB_URL", "https://huggingface.co")  # tests point it at 127.0.0.1
@@ -42,33 +41,18 @@ def local_dir(source):
 
 
 def download(repo_id, filename, base_url=None):
-    """Fetch one file into the cache (kept across calls); resume a partial one with a Range header;
-    write to <file>.part and rename when complete. Returns the path, or None when the server has no such file."""
+    """Fetch one file into the cache (kept across calls; a partial one is resumed, see data.download_file).
+    Returns the path, or None when the server has no such file."""
     path = cache_dir(repo_id) / filename
     if path.is_file():
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    part = path.with_name(path.name + ".part")
-    have = part.stat().st_size if part.exists() else 0
     url = f"{base_url or HUB_URL}/{repo_id}/resolve/main/{filename}"
-    headers = {"Range": f"bytes={have}-"} if have else {}
     try:
-        with requests.get(url, headers=headers, stream=True, timeout=60) as response:
-            if response.status_code == 404:
-                return None
-            if response.status_code == 416:  # the part file already holds every byte
-                os.replace(part, path)
-                return path
-            response.raise_for_status()
-            mode = "ab" if response.status_code == 206 else "wb"  # 200: the server ignored Range, start over
-            with open(part, mode) as f:
-                for chunk in response.iter_content(chunk_size=1 << 20):
-                    f.write(chunk)
-    except requests.RequestException as err:
-        raise FileNotFoundError(f"could not download {url} ({type(err).__name__}); check the repo id and the "
-                                f"network, or pass a local folder") from None
-    os.replace(part, path)
-    return path
+        return download_file(url, path)
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        raise FileNotFoundError(f"{err}; check the repo id and the network, or pass a local folder") from None
 
 
 def fetch_files(source):

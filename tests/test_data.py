@@ -220,6 +220,49 @@ def test_missing_shard_fails_fast(server):
     assert server.requests == 1
 
 
+def test_download_file_resumes_with_range(tmp_path):
+    """A .part left by an earlier run is resumed, and so is a response cut off mid-way: each try asks only
+    for the missing bytes, and the final name appears only once every byte is there."""
+    body = random.Random(0).randbytes(3 << 20)  # a few of download_file's 1 MiB blocks
+    ranges = []
+
+    class RangeHandler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            start = int(self.headers.get("Range", "bytes=0-").removeprefix("bytes=").rstrip("-"))
+            ranges.append(start)
+            if start == len(body):
+                self.send_response(416)
+                self.send_header("Content-Range", f"bytes */{len(body)}")
+                self.end_headers()
+                return
+            self.send_response(206 if start else 200)
+            self.send_header("Accept-Ranges", "bytes")
+            self.send_header("Content-Length", str(len(body) - start))
+            self.end_headers()
+            self.wfile.write(body[start:start + (3 << 19)] if len(ranges) == 1 else body[start:])  # first: cut off
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), RangeHandler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}/file.bin"
+    try:
+        path = tmp_path / "file.bin"
+        (tmp_path / "file.bin.part").write_bytes(body[:1000])
+        assert data.download_file(url, path, retry_delay=0.01) == path
+        assert ranges[0] == 1000 and 1000 < ranges[1] < len(body) and len(ranges) == 2  # what the cut-off try kept
+        assert path.read_bytes() == body and not (tmp_path / "file.bin.part").exists()
+        # a .part already holding every byte: the server answers 416 and the file is complete as it is
+        other = tmp_path / "other.bin"
+        (tmp_path / "other.bin.part").write_bytes(body)
+        data.download_file(url, other)
+        assert ranges[-1] == len(body) and other.read_bytes() == body
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
 def test_missing_shards_say_how_to_download():
     with pytest.raises(SystemExit, match=re.escape("python data.py download -n 8")):
         data.DocumentStream("fineweb-edu", "train")
