@@ -207,6 +207,7 @@ def stream_samples(model, tokenizer, prompt, args, device):
 def benchmark(model, tokenizer, args, device):
     """Decoding speed of one sample with the KV cache and with full recomputation, same seed."""
     ids = tokenizer.encode(args.prompt or "", prepend_bos=True)
+    list(generate(model, ids, 8, args.T))  # warm up: the first calls of every kernel are slow
     tokens, rates = {}, {}
     for use_cache in (True, False):
         generator = torch.Generator(device).manual_seed(args.seed)
