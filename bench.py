@@ -1,0 +1,480 @@
+"""
+bench.py: nanoparcae's performance figures, measured side by side on whatever machine runs it.
+
+    python bench.py                       # every row; a small model on CPU, the 140M model on CUDA
+    python bench.py --rows 1,8 --steps 1  # a quick look at two rows
+    python bench.py --depth 6 --d_model 384 --seq_len 512
+
+It prints ONE markdown table (progress goes to stderr), the one README's performance section quotes.
+Each speed figure is a ratio of two things timed in the same run, interleaved repeat by repeat so that
+the noise of a shared machine falls on both; each is the median of --repeats repeats after a warm-up.
+Training steps run forward + backward + gradient clip + optimiser step (optim.build_optimizer), on
+fixed batches of random tokens, with the depths of every step drawn up front (model.sample_depths) and
+passed as T, so both sides of a comparison run exactly the same depths.
+"""
+
+import argparse
+import platform
+import random
+import statistics
+import string
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+
+from data import DataLoader, Tokenizer, iter_documents
+from eval_core import MC, Task, evaluate_task, initial_state_table
+from model import Parcae, ParcaeConfig, sample_depths, split_depths
+from optim import build_optimizer
+from sample import generate
+
+CUDA = torch.cuda.is_available()
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16, as train.py's MFU
+# Defaults: a small model on CPU (minutes on two cores), the 140M model (SPEC 1, depth 6) on CUDA
+CPU_SIZES = dict(depth=3, d_model=128, head_dim=64, vocab_size=4096, seq_len=128, batch_size=8, steps=2)
+CUDA_SIZES = dict(depth=6, d_model=None, head_dim=128, vocab_size=32768, seq_len=2048, batch_size=16, steps=3)
+# Row 7 compiles on CPU at a tiny size: inductor's C++ compile of bigger blocks costs minutes there
+CPU_COMPILE_SIZES, CPU_COMPILE_BATCH = dict(depth=3, d_model=64, head_dim=32, vocab_size=512, seq_len=64), 4
+COMPILE_STEPS, COMPILE_CHUNK = 50, 10
+MICRO_BATCHES = (4, 8, 16, 32)
+
+
+def log(message):
+    print(message, file=sys.stderr, flush=True)
+
+# -----------------------------------------------------------------------------
+# Timing: interleaved repeats, medians
+
+def synchronize():
+    if CUDA:
+        torch.cuda.synchronize()
+
+
+def timed(fn):
+    synchronize()
+    t0 = time.perf_counter()
+    fn()
+    synchronize()
+    return time.perf_counter() - t0
+
+
+def median_seconds(fns, repeats, warmup=1):
+    """{name: fn} -> {name: median seconds of fn()}; warm-up calls first, then the fns take turns each repeat."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    seconds = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            seconds[name].append(timed(fn))
+    return {name: statistics.median(s) for name, s in seconds.items()}
+
+
+def si(value, unit=""):
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g} {prefix}{unit}"
+    return f"{value:.3g} {unit}".rstrip()
+
+# -----------------------------------------------------------------------------
+# Models, training steps, and what a step costs
+
+def model_config(args, **overrides):
+    sizes = {"d_model": args.d_model} if args.d_model else {}
+    return ParcaeConfig.from_depth(args.depth, vocab_size=args.vocab_size, seq_len=args.seq_len,
+                                   head_dim=args.head_dim, mu_rec=args.mu_rec, **{**sizes, **overrides})
+
+
+def autocast():
+    return torch.autocast("cuda", dtype=torch.bfloat16) if CUDA else nullcontext()  # as train.py
+
+
+def model_loss(model, x, y, depths):
+    return model(x, y, T=depths)
+
+
+def masked_reference_loss(model, x, y, depths):
+    """Per-sequence depths the way the paper runs them (SPEC 2): the whole batch steps max(n) times without
+    grad and max(k) times with it, and torch.where keeps the state of a sequence whose count is used up.
+    Built from the model's pieces; row 8 measures model.py against it, tests/test_bench.py checks it."""
+    e, (ves, cos, sin) = model.run_prelude(x)
+    n, k = split_depths(depths, model.config.mu_bwd, training=True)
+    h = model.initial_state(e.shape, e.device, e.dtype)
+    n_max = int(n.max())
+    for step in range(n_max + int(k.max())):
+        active = n > step if step < n_max else k > step - n_max
+        with torch.set_grad_enabled(step >= n_max):
+            u = model.recur_step(h, e, step, ves, cos, sin)
+            h = torch.where(active.to(h.device)[:, None, None], u, h)
+    logits = model.run_coda(h, ves, cos, sin)
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-1)
+
+
+class Trainer:
+    """A model, its optimiser as train.py builds it, and one fixed batch of random tokens."""
+
+    def __init__(self, config, batch_size, device, seed=0):
+        torch.manual_seed(seed)
+        self.model = Parcae(config).to(device).train()
+        self.optimizer = build_optimizer(self.model, adamw_lr=8e-3)
+        tokens = torch.randint(0, config.vocab_size, (batch_size, config.seq_len + 1),
+                               generator=torch.Generator().manual_seed(seed))
+        self.x, self.y = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+
+    def run(self, schedule, loss_fn=model_loss):
+        """One training step per entry of schedule, a (B,) tensor of depths each."""
+        for depths in schedule:
+            with autocast():
+                loss = loss_fn(self.model, self.x, self.y, depths)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+
+def depth_schedule(config, batch_size, num_steps, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [sample_depths(config, batch_size, generator) for _ in range(num_steps)]
+
+
+def sampled_flops_per_token(config, schedule):
+    """Model FLOPs per token of the depths the schedule sampled. flops_per_token() counts mu_rec passes and
+    mu_bwd backpropagated ones (the expected depth); it is linear in both, so evaluated at the mean sampled
+    T_i and k_i = min(T_i, mu_bwd) it counts exactly the passes sampled (not those a masked batch wastes).
+    The Transformer's count does not depend on depth."""
+    depths = torch.cat(schedule).double()
+    mean_T, mean_k = depths.mean().item(), depths.clamp(max=config.mu_bwd).mean().item()
+    with torch.device("meta"):
+        return Parcae(replace(config, mu_rec=mean_T, mu_bwd=mean_k)).flops_per_token()
+
+
+class PassCounter:
+    """Executed recurrent passes, one per sequence per run of the recurrent block: the tokens its first layer
+    sees over seq_len, so a step run on a subset of the batch counts that subset only."""
+
+    def __init__(self, model):
+        self.model, self.tokens = model, 0
+
+    def __enter__(self):
+        self.handle = self.model.recur[0].register_forward_pre_hook(self._count)
+        return self
+
+    def __exit__(self, *exc):
+        self.handle.remove()
+
+    def _count(self, module, args):
+        self.tokens += args[0].numel() // args[0].size(-1)
+
+    @property
+    def passes(self):
+        return self.tokens / self.model.config.seq_len
+
+# -----------------------------------------------------------------------------
+# Shared measurement (rows 1, 2, 3, 6): Parcae per-sequence and per-batch against the Transformer
+
+def measure_training(args, device):
+    """{name: (tokens/s, model FLOP/s, mean sampled T)} for Parcae per-sequence, per-batch, and the Transformer."""
+    results = {}
+    configs = {"per-sequence": model_config(args), "per-batch": model_config(args, sampling="per_batch"),
+               "Transformer": model_config(args, injection="none")}
+    trainers = {name: Trainer(config, args.batch_size, device) for name, config in configs.items()}
+    schedules = {name: depth_schedule(config, args.batch_size, args.steps) for name, config in configs.items()}
+    log(f"training throughput: {args.repeats} repeats of {args.steps} steps x {args.batch_size} x {args.seq_len}")
+    seconds = median_seconds({name: (lambda t=t, s=schedules[name]: t.run(s)) for name, t in trainers.items()},
+                             args.repeats)
+    tokens = args.steps * args.batch_size * args.seq_len
+    for name, config in configs.items():
+        flops = sampled_flops_per_token(config, schedules[name]) * tokens
+        mean_T = torch.cat(schedules[name]).float().mean().item()
+        results[name] = (tokens / seconds[name], flops / seconds[name], mean_T)
+    return results
+
+
+def matmul_rate(args, device):
+    """FLOP/s of the model's own matmuls (q/k/v/out, MLP up and down, the head) at batch x seq_len rows."""
+    d, rows, vocab = args.d_model, args.batch_size * args.seq_len, args.vocab_size
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    pairs = [(torch.randn(rows, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype))
+             for k, n in ((d, d), (d, 4 * d), (4 * d, d), (d, vocab))]
+    flops = sum(2 * a.size(0) * a.size(1) * b.size(1) for a, b in pairs)
+    seconds = median_seconds({"mm": lambda: [a @ b for a, b in pairs]}, args.repeats)["mm"]
+    return flops / seconds
+
+# -----------------------------------------------------------------------------
+# The rows: each returns table rows (number, what, figures, ratio, target)
+
+def row_throughput(args, device, training):
+    parcae, gpt = training["per-sequence"], training["Transformer"]
+    ratio = parcae[1] / gpt[1]
+    return [("1", f"training throughput: Parcae (mu_rec {args.mu_rec}, per-sequence) vs the Transformer of the "
+             "same depth; model FLOPs of the depths sampled",
+             f"Parcae {si(parcae[0], 'tok/s')}, {si(parcae[1], 'FLOP/s')} (mean T {parcae[2]:.2f}); "
+             f"Transformer {si(gpt[0], 'tok/s')}, {si(gpt[1], 'FLOP/s')}",
+             f"FLOP/s {ratio:.2f}x (tok/s {parcae[0] / gpt[0]:.2f}x)",
+             f">= 0.90: {'met' if ratio >= 0.9 else 'missed'}")]
+
+
+def row_mfu(args, device, training):
+    gpu_name = torch.cuda.get_device_name(device) if CUDA else ""
+    peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in gpu_name), None)
+    if peak is None:
+        peak, what = matmul_rate(args, device), f"{'bf16' if CUDA else 'float32'} matmul rate measured at the model's shapes"
+    else:
+        what = "bf16 peak (MFU)"
+    parcae, gpt = training["per-sequence"][1], training["Transformer"][1]
+    return [("2", f"achieved model FLOP/s against the {what}", f"{si(peak, 'FLOP/s')}",
+             f"Parcae {parcae / peak:.1%}, Transformer {gpt / peak:.1%}", "")]
+
+
+def row_sampling(args, device, training):
+    per_seq, per_batch = training["per-sequence"], training["per-batch"]
+    overhead = per_batch[1] / per_seq[1] - 1
+    return [("3", f"per-sequence vs per-batch depth sampling, mu_rec {args.mu_rec}, {args.batch_size} sequences "
+             "per micro-batch: time per model FLOP",
+             f"per-sequence {si(per_seq[1], 'FLOP/s')} ({si(per_seq[0], 'tok/s')}, mean T {per_seq[2]:.2f}); "
+             f"per-batch {si(per_batch[1], 'FLOP/s')} ({si(per_batch[0], 'tok/s')}, mean T {per_batch[2]:.2f})",
+             f"overhead {overhead:+.1%}", "paper: +1.8%")]
+
+
+def row_memory(args, device, training):
+    """Bytes saved for backward (parameters excluded), counted at every save; peak CUDA memory where present."""
+    config = model_config(args, mu_bwd=4)
+    torch.manual_seed(0)
+    model = Parcae(config).to(device).train()
+    param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    x = torch.randint(0, config.vocab_size, (args.batch_size, config.seq_len), device=device)
+    saved, peaks = {}, {}
+    for T in (8, 16, 32):
+        storages = {}
+
+        def pack(t):
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in param_storages:
+                storages[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        if CUDA:
+            torch.cuda.reset_peak_memory_stats(device)
+            baseline = torch.cuda.memory_allocated(device)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast():
+            loss = model(x, x, T=T)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        saved[T] = sum(storages.values())
+        if CUDA:
+            peaks[T] = torch.cuda.max_memory_allocated(device) - baseline
+    spread = max(saved.values()) / min(saved.values())
+    figures = ", ".join(f"T={T}: {si(b, 'B')}" for T, b in saved.items())
+    if peaks:
+        figures += "; peak CUDA " + ", ".join(f"T={T}: {si(b, 'B')}" for T, b in peaks.items())
+        spread = max(spread, max(peaks.values()) / min(peaks.values()))
+    return [("4", f"memory saved for backward, mu_bwd 4 (saved-tensor hooks, exact{', and peak CUDA' if CUDA else ''})",
+             figures, f"max/min {spread:.2f}x", f"flat within 10%: {'met' if spread <= 1.10 else 'missed'}")]
+
+
+def row_decode(args, device, training):
+    config = model_config(args)
+    torch.manual_seed(0)
+    model = Parcae(config).to(device).eval()
+    prompt_len, new_tokens, T = 32, 32, 8
+    prompt = torch.randint(0, config.vocab_size, (1, prompt_len), device=device)
+
+    def decode(use_cache):
+        with autocast():
+            for _ in generate(model, prompt, new_tokens, T=T, temperature=0, use_cache=use_cache):
+                pass
+
+    log(f"decoding: {new_tokens} tokens after a {prompt_len}-token prompt, T={T}")
+    seconds = median_seconds({"cache": lambda: decode(True), "recompute": lambda: decode(False)}, args.repeats)
+    cached, full = new_tokens / seconds["cache"], new_tokens / seconds["recompute"]
+    return [("5", f"decoding at T={T} (sample.generate, greedy, {prompt_len}-token prompt, {new_tokens} new): "
+             "KV cache vs full recomputation", f"cache {cached:.1f} tok/s; recompute {full:.1f} tok/s",
+             f"{cached / full:.2f}x", "")]
+
+
+def synthetic_task(num_items, seed=0):
+    """A multiple-choice task in memory: random words, 4 choices, 2 shots (CORE's prompts are few-shot)."""
+    rng = random.Random(seed)
+
+    def words(n):
+        return " ".join("".join(rng.choices(string.ascii_lowercase, k=rng.randint(2, 8))) for _ in range(n))
+
+    data = [{"query": words(25), "choices": [words(rng.randint(2, 6)) for _ in range(4)], "gold": 0}
+            for _ in range(num_items)]
+    return Task("synthetic", "", MC, 2, " "), data
+
+
+def row_core_and_loader(args, device, training):
+    log("CORE scoring and the loader: training a 1024-token tokenizer on 1M characters of the stdlib")
+    tokenizer = Tokenizer.train(iter_documents("stdlib", "train"), 1024, max_chars=1_000_000)
+    config = model_config(args)
+    torch.manual_seed(0)
+    model = Parcae(config).to(device).eval()
+    task, data = synthetic_task(256 if CUDA else 32)
+    h0_table = initial_state_table(model, config.seq_len, 0, device)
+    seconds = median_seconds({
+        name: lambda one=one: evaluate_task(model, tokenizer, task, data, config.mu_rec, 1234, h0_table,
+                                            one_per_forward=one)
+        for name, one in (("batched", False), ("one", True))}, args.repeats)
+    batched, one = len(data) / seconds["batched"], len(data) / seconds["one"]
+
+    loader = DataLoader(tokenizer, "stdlib", "train", args.batch_size, args.seq_len)
+    next(loader)  # the first batch waits for the first ~1000 documents to be tokenized
+    batches = 20
+    loader_rate = batches * args.batch_size * args.seq_len / median_seconds(
+        {"loader": lambda: [next(loader) for _ in range(batches)]}, args.repeats)["loader"]
+    loader.close()
+    train_rate = training["per-sequence"][0]
+    return [("6a", f"CORE scoring, T={config.mu_rec} ({len(data)} 4-choice 2-shot items, eval_core.evaluate_task): "
+             "batched vs one example per forward", f"batched {batched:.1f} ex/s; one per forward {one:.1f} ex/s",
+             f"{batched / one:.2f}x", ""),
+            ("6b", f"loader (data.DataLoader, stdlib, {args.batch_size} x {args.seq_len}) vs Parcae training",
+             f"loader {si(loader_rate, 'tok/s')}; training {si(train_rate, 'tok/s')}",
+             f"{loader_rate / train_rate:.1f}x headroom", "> 1")]
+
+
+def row_compile(args, device, training):
+    """model.compile_blocks() (as train.py calls it) against eager, over 50 steps of per-sequence depths; the
+    graphs dynamo compiles are counted after every 10 steps (model.py lets the recurrent blocks' batch
+    dimension go dynamic once, so a few early recompilations are by design; later ones are not)."""
+    if CUDA:
+        config, batch_size = model_config(args), args.batch_size
+    else:
+        config, batch_size = ParcaeConfig.from_depth(**CPU_COMPILE_SIZES, mu_rec=args.mu_rec), CPU_COMPILE_BATCH
+    from torch._dynamo.utils import counters as dynamo_counters  # only this row needs dynamo (seconds to import)
+    schedule = depth_schedule(config, batch_size, COMPILE_STEPS + 1)
+    eager, compiled = Trainer(config, batch_size, device), Trainer(config, batch_size, device)
+    compiled.model.compile_blocks()
+    log(f"torch.compile: compiling the blocks (d_model {config.d_model}, {batch_size} x {config.seq_len})")
+    compile_seconds = timed(lambda: compiled.run(schedule[:1]))
+    eager.run(schedule[:1])
+    graphs = [dynamo_counters["stats"]["unique_graphs"]]
+    chunks = [schedule[1 + i:1 + i + COMPILE_CHUNK] for i in range(0, COMPILE_STEPS, COMPILE_CHUNK)]
+    pending = {"compiled": iter(chunks), "eager": iter(chunks)}
+
+    def run_compiled():
+        compiled.run(next(pending["compiled"]))
+        graphs.append(dynamo_counters["stats"]["unique_graphs"])
+
+    seconds = median_seconds({"compiled": run_compiled, "eager": lambda: eager.run(next(pending["eager"]))},
+                             repeats=len(chunks), warmup=0)
+    per_chunk = [after - before for before, after in zip(graphs, graphs[1:])]
+    rates = {name: COMPILE_CHUNK / s for name, s in seconds.items()}
+    settled = sum(per_chunk[1:]) == 0
+    return [("7", f"torch.compile (compile_blocks, d_model {config.d_model}, {batch_size} x {config.seq_len}): "
+             f"steps/s compiled vs eager; recompilations over {COMPILE_STEPS} steps of changing depths",
+             f"compiled {rates['compiled']:.2f} steps/s, eager {rates['eager']:.2f} steps/s; first step "
+             f"{compile_seconds:.0f} s, {graphs[0]} graphs for {config.n_layer} blocks; then {sum(per_chunk)} recompilations "
+             f"(per {COMPILE_CHUNK} steps: {', '.join(map(str, per_chunk))})",
+             f"{rates['compiled'] / rates['eager']:.2f}x",
+             f"none after step {COMPILE_CHUNK + 1}: {'met' if settled else 'missed'}")]
+
+
+def row_active_only(args, device, training):
+    """Issue 10: executed recurrent passes per sampled pass, and tokens/s, of model.py's recurrence against
+    the masked reference, at the same sampled depths; each size runs about steps x batch_size sequences."""
+    config = model_config(args)
+    rows = []
+    for batch_size in MICRO_BATCHES:
+        num_steps = max(1, args.steps * args.batch_size // batch_size)
+        trainer = Trainer(config, batch_size, device)
+        schedule = depth_schedule(config, batch_size, num_steps)
+        sampled = sum(int(depths.sum()) for depths in schedule)
+        log(f"active-only recurrence: {num_steps} steps x {batch_size} sequences")
+        with PassCounter(trainer.model) as ours:
+            trainer.run(schedule)
+        with PassCounter(trainer.model) as masked:
+            trainer.run(schedule, masked_reference_loss)
+        seconds = median_seconds({"ours": lambda: trainer.run(schedule),
+                                  "masked": lambda: trainer.run(schedule, masked_reference_loss)},
+                                 args.repeats, warmup=0)
+        tokens = num_steps * batch_size * config.seq_len
+        ours_rate, masked_rate = tokens / seconds["ours"], tokens / seconds["masked"]
+        executed = ours.passes / sampled
+        rows.append((f"8{'abcd'[len(rows)]}", f"recurrence of model.py vs the masked reference, {batch_size} "
+                     f"sequences per micro-batch ({num_steps} steps, {sampled} sampled passes): executed per "
+                     "sampled pass; training tok/s",
+                     f"model.py {executed:.2f} ({si(ours_rate, 'tok/s')}); masked {masked.passes / sampled:.2f} "
+                     f"({si(masked_rate, 'tok/s')})", f"tok/s {ours_rate / masked_rate:.2f}x",
+                     f"executed <= 1.05: {'met' if executed <= 1.05 else 'missed'}"))
+        del trainer
+    return rows
+
+
+ROWS = {1: row_throughput, 2: row_mfu, 3: row_sampling, 4: row_memory, 5: row_decode, 6: row_core_and_loader,
+        7: row_compile, 8: row_active_only}
+NEEDS_TRAINING = {1, 2, 3, 6}
+
+# -----------------------------------------------------------------------------
+# Command line
+
+def device_name(device):
+    if CUDA:
+        return torch.cuda.get_device_name(device)
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu}, {torch.get_num_threads()} threads"
+
+
+def parse_rows(text):
+    rows = text.split(",")
+    if not all(r.strip().isdigit() and int(r) in ROWS for r in rows):
+        raise argparse.ArgumentTypeError(f"--rows takes numbers from 1 to {len(ROWS)} separated by commas, got {text!r}")
+    return sorted({int(r) for r in rows})
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=parse_rows, default=sorted(ROWS), help="e.g. 1,3,8 (default: all)")
+    parser.add_argument("--depth", type=int, help="layers, a multiple of 3")
+    parser.add_argument("--d_model", type=int, help="width (default: 128 on CPU, 128 * (depth/3 + 4) on CUDA)")
+    parser.add_argument("--head_dim", type=int)
+    parser.add_argument("--vocab_size", type=int)
+    parser.add_argument("--seq_len", type=int)
+    parser.add_argument("--batch_size", type=int, help="sequences per micro-batch")
+    parser.add_argument("--steps", type=int, help="training steps per timed repeat")
+    parser.add_argument("--repeats", type=int, default=5, help="timed repeats; each figure is their median")
+    parser.add_argument("--mu_rec", type=int, default=8)
+    args = parser.parse_args(argv)
+    width_from_depth = args.depth is not None  # --depth alone takes SPEC 1's width for that depth
+    for name, value in (CUDA_SIZES if CUDA else CPU_SIZES).items():
+        if getattr(args, name) is None and not (name == "d_model" and width_from_depth):
+            setattr(args, name, value)
+    try:
+        config = model_config(args)
+    except ValueError as err:
+        parser.error(str(err))
+    if min(args.steps, args.repeats, args.batch_size, args.seq_len) < 1:
+        parser.error("--steps, --repeats, --batch_size and --seq_len must be at least 1")
+    args.d_model = config.d_model
+    device = torch.device("cuda" if CUDA else "cpu")
+    if CUDA:
+        torch.backends.cuda.matmul.allow_tf32 = True
+
+    t0 = time.perf_counter()
+    training = measure_training(args, device) if NEEDS_TRAINING & set(args.rows) else None
+    log(f"training measurement for rows 1, 2, 3, 6 took {time.perf_counter() - t0:.0f} s")
+    table = []
+    for row in args.rows:
+        t0 = time.perf_counter()
+        table += ROWS[row](args, device, training)
+        log(f"row {row} ({ROWS[row].__name__}) took {time.perf_counter() - t0:.0f} s")
+    print(f"nanoparcae bench, torch {torch.__version__}: depth {args.depth} ({config.n_prelude}/{config.n_recur}/"
+          f"{config.n_coda}), d_model {config.d_model}, vocab {config.vocab_size}, {args.batch_size} x {args.seq_len} "
+          f"tokens per step, mu_rec {config.mu_rec}, mu_bwd {config.mu_bwd}; medians of {args.repeats} repeats "
+          f"after a warm-up\n")
+    print(f"| # | measured on {device_name(device)} | result | ratio | target |")
+    print("|---|---|---|---|---|")
+    for cells in table:
+        print("| " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()

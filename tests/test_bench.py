@@ -1,0 +1,53 @@
+"""Tests for bench.py's helpers: the masked reference recurrence and the executed-pass counter."""
+
+import torch
+
+from bench import PassCounter, masked_reference_loss, model_loss
+from model import Parcae, ParcaeConfig
+
+DEPTHS = torch.tensor([1, 5, 2, 8])  # mu_bwd 3: n = [0, 2, 0, 5], k = [1, 3, 2, 3]
+
+
+def tiny_model():
+    torch.manual_seed(0)
+    config = ParcaeConfig(vocab_size=97, seq_len=16, n_prelude=1, n_recur=1, n_coda=1, d_model=64, head_dim=32,
+                          mu_rec=4, mu_bwd=3)
+    model = Parcae(config).train()
+    with torch.no_grad():  # non-zero output projections, or the recurrence would not reach the loss
+        for block in [*model.prelude, *model.recur, *model.coda]:
+            block.attn.c_proj.weight.normal_(std=0.05)
+            block.mlp.c_proj.weight.normal_(std=0.05)
+    x, y = torch.randint(0, 97, (4, 16)), torch.randint(0, 97, (4, 16))
+    return model, x, y
+
+
+def loss_and_grads(loss_fn, model, x, y, depths):
+    torch.manual_seed(1)  # the same h0 draw for both
+    loss = loss_fn(model, x, y, depths)
+    return loss, torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
+
+
+def test_masked_reference_equals_the_model():
+    model, x, y = tiny_model()
+    loss, grads = loss_and_grads(model_loss, model, x, y, DEPTHS)
+    ref_loss, ref_grads = loss_and_grads(masked_reference_loss, model, x, y, DEPTHS)
+    torch.testing.assert_close(ref_loss, loss, rtol=1e-6, atol=1e-6)
+    for (name, _), g, g_ref in zip(model.named_parameters(), grads, ref_grads):
+        assert (g is None) == (g_ref is None), name
+        if g is not None:
+            torch.testing.assert_close(g_ref, g, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_pass_counter_counts_sequences_through_the_recurrent_block():
+    model, x, y = tiny_model()
+    with PassCounter(model) as masked:
+        masked_reference_loss(model, x, y, DEPTHS).backward()
+    assert masked.passes == 4 * (5 + 3)  # every sequence runs max(n) + max(k) steps
+    with PassCounter(model) as ours:
+        model_loss(model, x, y, DEPTHS).backward()
+    assert ours.passes == int(DEPTHS.sum())  # model.py runs each sequence its own T_i steps
+    with PassCounter(model) as uniform:
+        model_loss(model, x, y, torch.tensor([3, 3, 3, 3]))
+    assert uniform.passes == 12
+    model(x, T=2)  # outside the context the hook is gone
+    assert uniform.passes == 12
