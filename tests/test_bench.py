@@ -1,5 +1,7 @@
-"""Tests for bench.py's helpers: the masked reference recurrence and the executed-pass counter."""
+"""Tests for bench.py's helpers, the masked reference recurrence and the executed-pass counter, and through
+them issue 10's claim: model.py's prefix recurrence gives the masked loop's loss and gradients."""
 
+import pytest
 import torch
 
 from bench import PassCounter, masked_reference_loss, model_loss
@@ -8,10 +10,10 @@ from model import Parcae, ParcaeConfig
 DEPTHS = torch.tensor([1, 5, 2, 8])  # mu_bwd 3: n = [0, 2, 0, 5], k = [1, 3, 2, 3]
 
 
-def tiny_model():
+def tiny_model(injection="diagonal"):
     torch.manual_seed(0)
     config = ParcaeConfig(vocab_size=97, seq_len=16, n_prelude=1, n_recur=1, n_coda=1, d_model=64, head_dim=32,
-                          mu_rec=4, mu_bwd=3)
+                          mu_rec=4, mu_bwd=3, injection=injection)
     model = Parcae(config).train()
     with torch.no_grad():  # non-zero output projections, or the recurrence would not reach the loss
         for block in [*model.prelude, *model.recur, *model.coda]:
@@ -27,10 +29,12 @@ def loss_and_grads(loss_fn, model, x, y, depths):
     return loss, torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
 
 
-def test_masked_reference_equals_the_model():
-    model, x, y = tiny_model()
-    loss, grads = loss_and_grads(model_loss, model, x, y, DEPTHS)
-    ref_loss, ref_grads = loss_and_grads(masked_reference_loss, model, x, y, DEPTHS)
+@pytest.mark.parametrize("depths", [DEPTHS, torch.tensor([4, 4, 4, 4])])  # per sequence, per batch
+@pytest.mark.parametrize("injection", ["diagonal", "concat"])
+def test_masked_reference_equals_the_model(injection, depths):
+    model, x, y = tiny_model(injection)
+    loss, grads = loss_and_grads(model_loss, model, x, y, depths)
+    ref_loss, ref_grads = loss_and_grads(masked_reference_loss, model, x, y, depths)
     torch.testing.assert_close(ref_loss, loss, rtol=1e-6, atol=1e-6)
     for (name, _), g, g_ref in zip(model.named_parameters(), grads, ref_grads):
         assert (g is None) == (g_ref is None), name
