@@ -293,12 +293,18 @@ class Parcae(nn.Module):
         rate = torch.exp(self.A_log + torch.log(delta)).clamp(min=1e-6)
         return torch.exp(-rate), delta
 
+    def injected_input(self, e):
+        """What the loop adds of e at every step: Bbar e = Delta (e @ B^T) for Parcae (Euler: Bbar = Delta B),
+        computed once per forward since e does not change over the loop; e itself for the baselines."""
+        if self.config.injection == "diagonal":
+            return self.discretized_A()[1] * self.B(e)  # float32, like Abar
+        return e
+
     def inject(self, h, e):
-        """u = Abar h + Bbar e (SPEC 1), or the baselines' concat / add."""
+        """u = Abar h + Bbar e (SPEC 1), or the baselines' concat / add; e from injected_input."""
         inj = self.config.injection
         if inj == "diagonal":
-            A_bar, delta = self.discretized_A()
-            return A_bar * h + delta * self.B(e)  # Euler: Bbar = Delta B; float32 like A_bar
+            return self.discretized_A()[0] * h + e
         if inj == "concat":
             return self.adapter(torch.cat([h, e], dim=-1))
         return h + e
@@ -343,8 +349,9 @@ class Parcae(nn.Module):
     # recurrent step (adaptive depth) and loop the steps itself.
 
     def run_prelude(self, idx, cache=None):
-        """ids (B, S) -> (e, ctx): e the recurrence's input (prelude output, prelude-normed when looped),
-        ctx = (value embeddings, cos, sin) for the later pieces. Claims the S positions in the cache."""
+        """ids (B, S) -> (e, ctx): e the recurrence's input (the prelude output, prelude-normed, through
+        injected_input when looped), ctx = (value embeddings, cos, sin) for the later pieces. Claims the S
+        positions in the cache."""
         pos = cache.pos if cache is not None else 0
         S = idx.size(1)
         if pos + S > self.rope_cos.size(1):
@@ -356,7 +363,10 @@ class Parcae(nn.Module):
             x = block(x, ves.get(i), cos, sin, cache, ("prelude", i))
         if cache is not None:
             cache.pos += S
-        return (self.prelude_norm(x) if self.prelude_norm is not None else x), (ves, cos, sin)
+        if self.config.injection == "none":
+            return x, (ves, cos, sin)
+        e = self.prelude_norm(x) if self.prelude_norm is not None else x
+        return self.injected_input(e), (ves, cos, sin)
 
     def recur_step(self, h, e, step, ves, cos, sin, cache=None):
         """One recurrent step h -> R(inject(h, e)) for the whole batch; `step` names its cache slots."""

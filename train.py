@@ -39,8 +39,8 @@ PAPER = dict(depth=6, head_dim=128, mu_rec=8, vocab_size=32768, seq_len=2048, de
              total_batch_size=524_288, eval_every=250, eval_tokens=10 * 524_288, core_every=2000,
              save_every=1000, log_every=1, compile=int(CUDA), data="fineweb-edu")
 SMALL = dict(depth=3, d_model=128, head_dim=64, mu_rec=4, vocab_size=4096, seq_len=256, device_batch_size=16,
-             total_batch_size=8192, max_tokens=1.6e6, eval_every=100, eval_tokens=65_536, core_every=-1,
-             save_every=100, log_every=20, compile=0, data="stdlib")
+             total_batch_size=8192, max_tokens=3.2e6, eval_every=130, eval_tokens=65_536, core_every=-1,
+             save_every=130, log_every=20, compile=0, data="stdlib")
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=f"paper preset: {PAPER}\nsmall CPU preset: {SMALL}")

@@ -303,7 +303,11 @@ def test_stdlib_source():
     train = list(data.iter_documents("stdlib", "train"))
     val = list(data.iter_documents("stdlib", "val"))
     assert 0.02 < len(val) / (len(train) + len(val)) < 0.10  # SPEC: a fixed ~5% held out
-    assert not set(train) & set(val)
+    assert len(train) > 5 * len(files)  # a document per top-level block, not per file
+    train_set, val_set = set(train), set(val)
+    for path in files[::10]:  # a file goes to one split whole: its blocks share names and imports
+        blocks = [b for b in data.read_text_file(path) if b and not b.isspace()]
+        assert set(blocks) <= (val_set if data.is_val_document("".join(blocks)) else train_set), path
     assert val == list(data.iter_documents("stdlib", "val"))  # the same every time
 
 # -----------------------------------------------------------------------------
