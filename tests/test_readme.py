@@ -1,0 +1,63 @@
+"""README's commands name files that exist and flags that the scripts accept (each script's --help),
+and its test command is the one .ci/run runs."""
+
+import re
+import shlex
+import subprocess
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+
+
+def readme_commands():
+    """Every shell command in README's bash blocks, split at &&, | and ;, comments dropped."""
+    blocks = re.findall(r"```bash\n(.*?)```", README, flags=re.S)
+    for line in "\n".join(blocks).splitlines():
+        line = line.split(" #")[0].strip()
+        for part in re.split(r"&&|\||;", line):
+            if part.strip():
+                yield shlex.split(part)
+
+
+def script_invocation(words):
+    """-> (script, subcommand or None, flags) for a command that runs one of the project's .py files."""
+    scripts = [i for i, w in enumerate(words) if w.endswith(".py") and not w.startswith("-")]
+    if not scripts:
+        return None
+    i = scripts[0]
+    rest = [w for w in words[i + 1:] if w != "--"]
+    sub = rest[0] if rest and not rest[0].startswith("-") and not rest[0].startswith("<") else None
+    flags = [w.split("=")[0] for w in rest if w.startswith("--")]
+    return words[i], sub, flags
+
+
+@lru_cache(maxsize=None)
+def help_text(script, sub):
+    result = subprocess.run([sys.executable, str(ROOT / script), *([sub] if sub else []), "--help"],
+                            capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, f"{script} {sub or ''} --help failed: {result.stderr[-500:]}"
+    return result.stdout
+
+
+def test_readme_commands_name_existing_files_and_accepted_flags():
+    checked = 0
+    for words in readme_commands():
+        invocation = script_invocation(words)
+        if invocation is None:
+            continue
+        script, sub, flags = invocation
+        assert (ROOT / script).is_file(), f"README runs {script}, which does not exist"
+        text = help_text(script, sub if sub and script == "data.py" else None)
+        for flag in flags:
+            assert re.search(re.escape(flag) + r"(?![\w-])", text), f"{script} does not accept {flag}"
+        checked += 1
+    assert checked >= 10  # the README really does show the commands
+
+
+def test_readme_test_command_is_what_ci_runs():
+    command = re.search(r"## Tests\n.*?```bash\n(.*?)\n```", README, flags=re.S).group(1).strip()
+    ci_lines = (ROOT / ".ci" / "run").read_text().strip().splitlines()
+    assert ci_lines[-1].strip() == command
