@@ -419,7 +419,8 @@ class Prefetcher:
 
     def __init__(self, generator, depth=8):
         self.queue, self.stop = queue.Queue(depth), threading.Event()
-        threading.Thread(target=self._run, args=(generator,), daemon=True).start()
+        self.thread = threading.Thread(target=self._run, args=(generator,), daemon=True)
+        self.thread.start()
 
     def _run(self, generator):
         try:
@@ -438,6 +439,12 @@ class Prefetcher:
             except queue.Full:
                 pass
         return False
+
+    def close(self):
+        """Stop and wait for the thread: one still inside tiktoken or torch when the interpreter exits can
+        abort the process ("terminate called without an active exception")."""
+        self.stop.set()
+        self.thread.join(timeout=60)
 
     def get(self):
         """The next item, None once the generator is done."""
@@ -569,7 +576,7 @@ class DataLoader:
     def close(self):
         """Stop tokenizing ahead (the thread would otherwise wait on a full queue)."""
         if self.prefetcher is not None:
-            self.prefetcher.stop.set()
+            self.prefetcher.close()
             self.prefetcher = None
 
     def __del__(self):
