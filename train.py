@@ -164,7 +164,6 @@ try:
                for micro in range(grad_accum)]
 except (FileNotFoundError, ValueError) as err:
     fail(err)
-batches = [iter(loader) for loader in loaders]
 
 torch.manual_seed(args.seed)  # the same initial weights on every rank
 model = Parcae(config).to(device)
@@ -187,9 +186,9 @@ if args.resume:
     optimizer.load_state_dict(ckpt["optimizer"])
     for micro, loader in enumerate(loaders):
         loader.load_state_dict(ckpt["loader"][rank * grad_accum + micro])
-    batches = [iter(loader) for loader in loaders]
     start_step, skipped_steps = ckpt["step"], ckpt["skipped_steps"]
     log(f"resumed {run_name} at step {start_step}")
+batches = [iter(loader) for loader in loaders]
 
 # -----------------------------------------------------------------------------
 # Evaluation and checkpoints
