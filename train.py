@@ -182,10 +182,14 @@ if args.resume:
         ckpt = torch.load(find_checkpoint(get_base_dir() / "runs", run_name), map_location=device, weights_only=True)
     except FileNotFoundError as err:
         fail(err)
-    raw_model.load_state_dict(ckpt["model"])
-    optimizer.load_state_dict(ckpt["optimizer"])
-    for micro, loader in enumerate(loaders):
-        loader.load_state_dict(ckpt["loader"][rank * grad_accum + micro])
+    try:
+        raw_model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        for micro, loader in enumerate(loaders):
+            loader.load_state_dict(ckpt["loader"][rank * grad_accum + micro])
+    except (RuntimeError, ValueError, KeyError, IndexError) as err:
+        fail(f"cannot resume {run_name} with these flags ({' '.join(str(err).split())[:200]}); "
+             f"pass the flags and process count it was started with")
     start_step, skipped_steps = ckpt["step"], ckpt["skipped_steps"]
     log(f"resumed {run_name} at step {start_step}")
 batches = [iter(loader) for loader in loaders]

@@ -53,6 +53,9 @@ def test_resumed_run_gives_exactly_the_losses_of_an_uninterrupted_run(corpus):
     assert list(whole) == list(range(1, 9))
     assert halves == whole  # bit for bit
     assert whole[8] < whole[1]
+    changed = train(corpus, "--run=halves", "--resume", "--d_model=96", expect_ok=False)
+    assert changed.returncode != 0 and len(changed.stderr.strip().splitlines()) == 1
+    assert "cannot resume halves with these flags" in changed.stderr and "size mismatch" in changed.stderr
 
 
 def test_two_processes_give_the_losses_of_one(corpus):
