@@ -91,8 +91,9 @@ def test_bad_input_ends_with_one_clear_line(corpus, flags, message):
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
-def test_dry_run_prints_the_paper_size():
+def test_dry_run_prints_the_paper_size(tmp_path):
+    env = {**os.environ, "NANOPARCAE_BASE_DIR": str(tmp_path)}
     result = subprocess.run([sys.executable, str(ROOT / "train.py"), "--depth=24", "--mu_rec=8", "--dry_run"],
-                            capture_output=True, text=True, timeout=120)
+                            capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 0, result.stderr
     assert "parameters: 1,338,591,744" in result.stdout and "tokens: 103,999," in result.stdout
