@@ -646,4 +646,7 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ValueError as err:  # e.g. a vocab_size too small for the byte tokens and the specials
+        sys.exit(f"data.py: {err}")

@@ -249,8 +249,9 @@ def build_rows(task, data, indices, tokenizer, seed, max_len):
     shots = min(task.shots, len(data) - 1)
     prompts, owners = [], []  # owners: (item index, how many prompts it has)
     for idx in indices:
-        others = [i for i in range(len(data)) if i != idx]
-        fewshot = [data[i] for i in random.Random(seed + idx).sample(others, shots)]
+        # Random(seed + idx).sample(every index but idx, shots), without building that list for each item
+        picks = random.Random(seed + idx).sample(range(len(data) - 1), shots)
+        fewshot = [data[j + (j >= idx)] for j in picks]
         texts = render_prompts(task, data[idx], fewshot)
         prompts += texts
         owners.append((idx, len(texts)))

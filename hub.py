@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import re
+import sys
 from pathlib import Path
 
 import tiktoken
@@ -394,7 +395,10 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="Download and load an authors' Parcae checkpoint")
     parser.add_argument("source", help="Hub repo id (SandyResearch/parcae-140m) or a local folder")
     args = parser.parse_args()
-    model, tokenizer = load_pretrained(args.source)
+    try:
+        model, tokenizer = load_pretrained(args.source)
+    except (FileNotFoundError, ValueError) as err:
+        sys.exit(f"hub.py: {err}")
     c = model.config
     print(f"{args.source}: injection={c.injection} layers={c.n_prelude}/{c.n_recur}/{c.n_coda} d={c.d_model} "
           f"mu_rec={c.mu_rec} params={model.num_params():,} vocab={tokenizer.vocab_size} "

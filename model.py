@@ -122,6 +122,7 @@ def apply_rotary(x, cos, sin):
     """RoPE on (B, S, H, D), rotating the two halves of each head (nanochat's layout)."""
     half = x.size(-1) // 2
     x1, x2 = x[..., :half], x[..., half:]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # float32 tables would lift bf16 q, k to float32
     return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
 
 
@@ -236,7 +237,7 @@ class Parcae(nn.Module):
         cos, sin = self._rope_tables(10 * c.seq_len)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.last_h_norm = None  # stability diagnostics of the last forward (SPEC 3 of the paper: ||h_T||)
+        self.last_h_norm = None  # stability diagnostics of the last training forward: ||h_T||
         self.last_update_ratio = None  # ||h_T - h_{T-1}|| / ||h_T||
         self.depth_generator = torch.Generator().manual_seed(0)  # train.py reseeds it per rank
         self.init_weights()
@@ -381,7 +382,7 @@ class Parcae(nn.Module):
         x = self.C_proj(h) if self.C_proj is not None else h
         for i, block in enumerate(self.coda):
             x = block(x, ves.get(c.n_prelude + c.n_recur + i), cos, sin, cache, ("coda", i))
-        return (self.norm_f(x) @ self.wte.weight.t().to(x.dtype))[..., :c.vocab_size].float()
+        return (self.norm_f(x) @ self.wte.weight.t())[..., :c.vocab_size].float()
 
     def _depths(self, T, batch_size):
         """Per-sequence depths as a (B,) CPU tensor."""
@@ -421,26 +422,30 @@ class Parcae(nn.Module):
             e, h = e[order_dev], h[order_dev]
             ves = {i: ve[order_dev] for i, ve in ves.items()}
             n, k = n[order], k[order]
-        prev, n_max = h, int(n[0])
+        prev = h if self.training else None  # diagnostics for the training log only
+        n_max = int(n[0])
         with torch.no_grad():
             for step in range(n_max):
                 h, prev = self._prefix_step(h, prev, e, int((n > step).sum()), step, ves, cos, sin, cache)
         for step in range(int(k[0])):
             h, prev = self._prefix_step(h, prev, e, int((k > step).sum()), n_max + step, ves, cos, sin, cache)
-        with torch.no_grad():
-            h_norm = h.float().norm(dim=-1).mean()
-            self.last_h_norm = h_norm
-            self.last_update_ratio = (h - prev).float().norm(dim=-1).mean() / h_norm
+        if prev is not None:
+            with torch.no_grad():
+                h_norm = h.float().norm(dim=-1).mean()
+                self.last_h_norm = h_norm
+                self.last_update_ratio = (h - prev).float().norm(dim=-1).mean() / h_norm
         return h[torch.argsort(order_dev)] if permuted else h
 
     def _prefix_step(self, h, prev, e, active, step, ves, cos, sin, cache):
         """One recurrent step for the first `active` sequences; the others keep their state.
-        -> (new h, each sequence's state before its latest step, for the diagnostics)."""
+        -> (new h, each sequence's state before its latest step for the diagnostics, or None)."""
         if active == h.size(0):
-            return self.recur_step(h, e, step, ves, cos, sin, cache), h.detach()
+            return self.recur_step(h, e, step, ves, cos, sin, cache), None if prev is None else h.detach()
         ves = {i: ve[:active] for i, ve in ves.items()}
         u = self.recur_step(h[:active], e[:active], step, ves, cos, sin, cache)
-        return torch.cat([u, h[active:]]), torch.cat([h[:active].detach(), prev[active:]])
+        if prev is not None:
+            prev = torch.cat([h[:active].detach(), prev[active:]])
+        return torch.cat([u, h[active:]]), prev
 
     # --- accounting
 

@@ -129,6 +129,8 @@ def generate(model, tokens, max_new_tokens, T=None, temperature=1.0, top_k=None,
     T_max = T_max or 2 * c.mu_rec
     if adaptive and not use_cache:
         raise ValueError("T='auto' decodes through the KV cache; use_cache=False needs a fixed T")
+    if adaptive and c.injection == "none":
+        raise ValueError("T='auto' needs a looped model; this is the fixed-depth Transformer baseline")
     num_positions = idx.size(1) + max_new_tokens
     if num_positions > model.rope_cos.size(1):
         raise ValueError(f"prompt + max_new_tokens = {num_positions} positions exceed the model's RoPE table of "
@@ -146,7 +148,7 @@ def generate(model, tokens, max_new_tokens, T=None, temperature=1.0, top_k=None,
             logits, steps = adaptive_forward(model, idx[:, start:], cache, h0[:, start:end], T_max, exit_threshold)
         else:
             logits = model(idx[:, start:], T=T, h0=h0[:, start:end], cache=cache)
-            steps = torch.full((idx.size(0),), T, device=device)
+            steps = torch.full((idx.size(0),), T if c.injection != "none" else 1, device=device)
         next_ids = sample_next(logits[:, -1], temperature, top_k, generators)
         yield next_ids, steps
         idx = torch.cat([idx, next_ids[:, None]], dim=1)
@@ -254,17 +256,21 @@ def main(argv=None):
     print(f"{path}: {model.num_params():,} parameters, mu_rec={c.mu_rec}, injection={c.injection}; "
           f"T={args.T or c.mu_rec}", file=sys.stderr)
     with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
-        if args.benchmark:
-            benchmark(model, tokenizer, args, device)
-        elif args.prompt is not None or not sys.stdin.isatty():
-            stream_samples(model, tokenizer, sys.stdin.read() if args.prompt is None else args.prompt, args, device)
-        else:
-            while True:
-                try:
-                    prompt = input("\n> ")
-                except (EOFError, KeyboardInterrupt):
-                    break
-                stream_samples(model, tokenizer, prompt, args, device)
+        try:
+            if args.benchmark:
+                benchmark(model, tokenizer, args, device)
+            elif args.prompt is not None or not sys.stdin.isatty():
+                text = sys.stdin.read() if args.prompt is None else args.prompt
+                stream_samples(model, tokenizer, text, args, device)
+            else:
+                while True:
+                    try:
+                        prompt = input("\n> ")
+                    except (EOFError, KeyboardInterrupt):
+                        break
+                    stream_samples(model, tokenizer, prompt, args, device)
+        except ValueError as err:  # generate's checks: too many positions, T=auto on the Transformer
+            sys.exit(f"\nsample.py: {err}")
 
 
 if __name__ == "__main__":

@@ -13,8 +13,8 @@ and its own seed. So two processes reproduce one, and --resume continues a run e
 
 import argparse
 import json
-import math
 import os
+import pickle
 import sys
 import time
 from contextlib import nullcontext
@@ -171,17 +171,21 @@ raw_model = model
 if args.compile:
     model.compile_blocks()
 if ddp:
-    model = DDP(model, device_ids=[local_rank] if CUDA else None)
+    model = DDP(model, device_ids=[local_rank] if CUDA else None, broadcast_buffers=False)  # RoPE tables: constant
 adamw_lr = args.adamw_lr or learning_rate_for_depth(args.depth)
 optimizer = build_optimizer(raw_model, adamw_lr=adamw_lr, muon_lr=args.muon_lr, weight_decay=args.weight_decay)
 autocast = torch.autocast("cuda", dtype=torch.bfloat16) if CUDA else nullcontext()
 
 start_step, skipped_steps = 0, 0
 if args.resume:
+    path = None
     try:
-        ckpt = torch.load(find_checkpoint(get_base_dir() / "runs", run_name), map_location=device, weights_only=True)
+        path = find_checkpoint(get_base_dir() / "runs", run_name)
+        ckpt = torch.load(path, map_location=device, weights_only=True)
     except FileNotFoundError as err:
         fail(err)
+    except (RuntimeError, EOFError, pickle.UnpicklingError) as err:
+        fail(f"checkpoint {path} is corrupt ({type(err).__name__}); start the run again without --resume")
     try:
         raw_model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
@@ -197,14 +201,16 @@ batches = [iter(loader) for loader in loaders]
 # -----------------------------------------------------------------------------
 # Evaluation and checkpoints
 
+val_data = list(val_batches(tokenizer, args.data, args.device_batch_size, args.seq_len, args.eval_tokens, rank, world,
+                            device))  # read and tokenized once, the same batches at every eval and every T
+
+
 def evaluate(step):
     """SPEC 2: validation loss (and bits per byte) at T in {1, 2, 4, mu_rec}."""
     depths = [1] if config.injection == "none" else sorted({1, 2, 4, config.mu_rec})
     result = {"step": step}
     for T in depths:
-        batches_val = val_batches(tokenizer, args.data, args.device_batch_size, args.seq_len, args.eval_tokens,
-                                  rank, world, device)
-        result[f"val_loss_T{T}"], result[f"val_bpb_T{T}"] = evaluate_bpb(raw_model, tokenizer, batches_val, T)
+        result[f"val_loss_T{T}"], result[f"val_bpb_T{T}"] = evaluate_bpb(raw_model, tokenizer, val_data, T)
     log("eval | " + " | ".join(f"T={T}: loss {result[f'val_loss_T{T}']:.4f} bpb {result[f'val_bpb_T{T}']:.4f}"
                               for T in depths))
     return result
@@ -222,8 +228,7 @@ def evaluate_core_subset(step):
         dist.broadcast_object_list(bundle_dir)
     if bundle_dir[0] is None:
         return None
-    with autocast:
-        result = evaluate_core(raw_model, tokenizer, bundle_dir[0], max_per_task=args.core_max_per_task, verbose=False)
+    result = evaluate_core(raw_model, tokenizer, bundle_dir[0], max_per_task=args.core_max_per_task, verbose=False)
     log(f"CORE {result['core']:.4f} at T={result['T']} ({result['seconds']:.0f}s)")
     return {"step": step, "core": result["core"], "core_T": result["T"]}
 

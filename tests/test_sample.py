@@ -229,3 +229,13 @@ def test_missing_or_corrupt_checkpoint_gives_one_clear_line(tmp_path, checkpoint
     no_tokenizer = tmp_path / "no_tokenizer.pt"
     save_checkpoint(no_tokenizer, tiny_model(), tokenizer_dir=str(tmp_path / "gone"))
     assert "python data.py tokenizer" in one_line_error(tmp_path, f"--ckpt={no_tokenizer}")
+
+
+def test_transformer_baseline_decodes_once_per_token_and_refuses_auto():
+    model = tiny_model(injection="none")
+    prompt = [1, 5, 9, 2]
+    tokens, steps = run(model, prompt, 6, temperature=0)
+    reference, _ = run(model, prompt, 6, temperature=0, use_cache=False)
+    assert torch.equal(tokens, reference) and (steps == 1).all()
+    with pytest.raises(ValueError, match="needs a looped model"):
+        run(model, prompt, 2, T="auto")
