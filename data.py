@@ -80,14 +80,15 @@ class Tokenizer:
         self.vocab_size = enc.n_vocab
 
     @classmethod
-    def from_ranks(cls, mergeable_ranks, pattern):
-        # specials take the ids right after the learned tokens, in SPECIAL_TOKENS order
-        specials = {name: len(mergeable_ranks) + i for i, name in enumerate(SPECIAL_TOKENS)}
-        enc = tiktoken.Encoding("nanoparcae", pat_str=pattern, mergeable_ranks=mergeable_ranks, special_tokens=specials)
+    def from_ranks(cls, mergeable_ranks, pattern, specials=None, bos_token="<|bos|>", name="nanoparcae"):
+        """specials: {name: id}; ours by default, taking the ids right after the learned tokens."""
+        if specials is None:
+            specials = {token: len(mergeable_ranks) + i for i, token in enumerate(SPECIAL_TOKENS)}
+        enc = tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=mergeable_ranks, special_tokens=specials)
         token_bytes = torch.zeros(enc.n_vocab, dtype=torch.int32)
         for token, rank in mergeable_ranks.items():
             token_bytes[rank] = len(token)
-        return cls(enc, token_bytes)
+        return cls(enc, token_bytes, bos_token)
 
     @classmethod
     def train(cls, text_iterator, vocab_size, max_chars=2_000_000_000, doc_cap=10_000):

@@ -270,10 +270,8 @@ def initial_state_table(model, length, seed, device):
     """One draw of the Parcae initial state h0 for positions 0..length-1, shared by every sequence of an evaluation.
     SPEC 1 draws h0 afresh per forward; drawing it once per evaluation (seeded) keeps the distribution and makes
     every sequence's score independent of what else is in its batch and of the number of ranks."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        h0 = model.initial_state((1, length, model.config.d_model), "cpu", torch.float32)
-    return h0.to(device)
+    generator = torch.Generator().manual_seed(seed)
+    return model.initial_state((1, length, model.config.d_model), "cpu", torch.float32, generator).to(device)
 
 
 def forward_batches(rows, batch_tokens, one_per_forward):

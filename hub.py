@@ -19,7 +19,6 @@ import re
 import sys
 from pathlib import Path
 
-import tiktoken
 import torch
 
 from data import Tokenizer, download_file, get_base_dir
@@ -358,12 +357,7 @@ def tokenizer_from_json(path, bos_token=None):
     bos = bos_token or next((name for name in BOS_NAMES if name in specials), None)
     if bos not in specials:
         raise ValueError(f"{path} has no BOS among its special tokens {sorted(specials)[:8]}; looked for {BOS_NAMES}")
-    enc = tiktoken.Encoding(Path(path).parent.name or "authors", pat_str=pattern, mergeable_ranks=ranks,
-                            special_tokens=specials)
-    token_bytes = torch.zeros(enc.n_vocab, dtype=torch.int32)
-    for token, rank in ranks.items():
-        token_bytes[rank] = len(token)
-    return Tokenizer(enc, token_bytes, bos_token=bos)
+    return Tokenizer.from_ranks(ranks, pattern, specials, bos, name=Path(path).parent.name or "authors")
 
 
 # -----------------------------------------------------------------------------

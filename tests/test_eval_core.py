@@ -68,7 +68,7 @@ class BigramModel(nn.Module):
         self.table = nn.Parameter(table)
         self.widths = []  # the padded width of every forward
 
-    def initial_state(self, shape, device, dtype):
+    def initial_state(self, shape, device, dtype, generator=None):
         return torch.zeros(shape, device=device, dtype=dtype)
 
     def forward(self, idx, targets=None, T=None, h0=None, reduction="mean"):
