@@ -28,12 +28,11 @@ import torch.nn.functional as F
 
 from data import DataLoader, Tokenizer, iter_documents
 from eval_core import MC, Task, evaluate_task, initial_state_table
-from model import Parcae, ParcaeConfig, sample_depths, split_depths
+from model import Parcae, ParcaeConfig, peak_bf16_flops, sample_depths, split_depths
 from optim import build_optimizer
 from sample import generate
 
 CUDA = torch.cuda.is_available()
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16, as train.py's MFU
 # Defaults: a small model on CPU (minutes on two cores), the 140M model (SPEC 1, depth 6) on CUDA
 CPU_SIZES = dict(depth=3, d_model=128, head_dim=64, vocab_size=4096, seq_len=128, batch_size=8, steps=2)
 CUDA_SIZES = dict(depth=6, d_model=None, head_dim=128, vocab_size=32768, seq_len=2048, batch_size=16, steps=3)
@@ -219,8 +218,7 @@ def row_throughput(args, device, training):
 
 
 def row_mfu(args, device, training):
-    gpu_name = torch.cuda.get_device_name(device) if CUDA else ""
-    peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in gpu_name), None)
+    peak = peak_bf16_flops(device)
     if peak is None:
         peak, what = matmul_rate(args, device), f"{'bf16' if CUDA else 'float32'} matmul rate measured at the model's shapes"
     else:

@@ -469,6 +469,18 @@ class Parcae(nn.Module):
 
 
 # -----------------------------------------------------------------------------
+# MFU: model FLOPs from flops_per_token() against the GPU's peak
+
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense, per GPU
+
+
+def peak_bf16_flops(device):
+    """The GPU's dense bf16 peak, the denominator of MFU; None on a CPU or an unlisted GPU."""
+    name = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else ""
+    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
+
+
+# -----------------------------------------------------------------------------
 # Checkpoints: <runs_dir>/<run>/ckpt_<step>.pt, a plain dict loadable with weights_only=True
 
 def save_checkpoint(path, model, **extra):

@@ -25,8 +25,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from data import DataLoader, get_base_dir, get_tokenizer, tokenizer_dir, val_batches
-from eval_core import download_eval_bundle, evaluate_bpb, evaluate_core
-from model import Parcae, ParcaeConfig, find_checkpoint, save_checkpoint
+from eval_core import download_eval_bundle, evaluate_bpb, evaluate_core, init_distributed, rank_and_world
+from model import Parcae, ParcaeConfig, find_checkpoint, peak_bf16_flops, save_checkpoint
 from optim import build_optimizer, learning_rate_for_depth, lr_multiplier, muon_momentum, weight_decay_at
 
 # -----------------------------------------------------------------------------
@@ -120,14 +120,12 @@ else:
 # Processes: torchrun sets RANK; NCCL on CUDA, gloo on CPU. Plain `python train.py` is one process.
 
 ddp = "RANK" in os.environ and not args.dry_run
-rank, local_rank, world = 0, 0, 1
+device = torch.device("cuda" if CUDA else "cpu")
 if ddp:
-    dist.init_process_group("nccl" if CUDA else "gloo")
-    rank, world, local_rank = dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0))
+    device = init_distributed(device)  # the GPU of this local rank
+rank, world = rank_and_world()
 master = rank == 0
-device = torch.device(f"cuda:{local_rank}" if CUDA else "cpu")
 if CUDA:
-    torch.cuda.set_device(device)
     torch.backends.cuda.matmul.allow_tf32 = True
 log = (lambda *a: print(*a, flush=True)) if master else (lambda *a: None)
 
@@ -171,7 +169,7 @@ raw_model = model
 if args.compile:
     model.compile_blocks()
 if ddp:
-    model = DDP(model, device_ids=[local_rank] if CUDA else None, broadcast_buffers=False)  # RoPE tables: constant
+    model = DDP(model, device_ids=[device.index] if CUDA else None, broadcast_buffers=False)  # RoPE tables: constant
 adamw_lr = args.adamw_lr or learning_rate_for_depth(args.depth)
 optimizer = build_optimizer(raw_model, adamw_lr=adamw_lr, muon_lr=args.muon_lr, weight_decay=args.weight_decay)
 autocast = torch.autocast("cuda", dtype=torch.bfloat16) if CUDA else nullcontext()
@@ -259,9 +257,7 @@ def micro_seed(step, virtual_rank):
 # -----------------------------------------------------------------------------
 # Training loop
 
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # bf16 dense
-device_name = torch.cuda.get_device_name(device) if CUDA else ""
-peak_flops = next((v for k, v in PEAK_FLOPS.items() if k in device_name), None)
+peak_flops = peak_bf16_flops(device)
 if master:
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics_file = open(run_dir / "metrics.jsonl", "a")
