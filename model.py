@@ -237,8 +237,9 @@ class Parcae(nn.Module):
         cos, sin = self._rope_tables(10 * c.seq_len)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.last_h_norm = None  # stability diagnostics of the last training forward: ||h_T||
-        self.last_update_ratio = None  # ||h_T - h_{T-1}|| / ||h_T||
+        self.log_stats = False  # train.py sets it on the steps it logs: then a forward records
+        self.last_h_norm = None  # ||h_T|| (the paper's stability diagnostic)
+        self.last_update_ratio = None  # and ||h_T - h_{T-1}|| / ||h_T||
         self.depth_generator = torch.Generator().manual_seed(0)  # train.py reseeds it per rank
         self.init_weights()
 
@@ -301,11 +302,12 @@ class Parcae(nn.Module):
             return self.discretized_A()[1] * self.B(e)  # float32, like Abar
         return e
 
-    def inject(self, h, e):
-        """u = Abar h + Bbar e (SPEC 1), or the baselines' concat / add; e from injected_input."""
+    def inject(self, h, e, A_bar=None):
+        """u = Abar h + Bbar e (SPEC 1), or the baselines' concat / add; e from injected_input, A_bar
+        from discretized_A (computed here when not given)."""
         inj = self.config.injection
         if inj == "diagonal":
-            return self.discretized_A()[0] * h + e
+            return (self.discretized_A()[0] if A_bar is None else A_bar) * h + e
         if inj == "concat":
             return self.adapter(torch.cat([h, e], dim=-1))
         return h + e
@@ -369,9 +371,9 @@ class Parcae(nn.Module):
         e = self.prelude_norm(x) if self.prelude_norm is not None else x
         return self.injected_input(e), (ves, cos, sin)
 
-    def recur_step(self, h, e, step, ves, cos, sin, cache=None):
+    def recur_step(self, h, e, step, ves, cos, sin, cache=None, A_bar=None):
         """One recurrent step h -> R(inject(h, e)) for the whole batch; `step` names its cache slots."""
-        u = self.inject(h, e)
+        u = self.inject(h, e, A_bar)
         for i, block in enumerate(self.recur):
             u = block(u, ves.get(self.config.n_prelude + i), cos, sin, cache, ("recur", step, i))
         return u
@@ -422,13 +424,15 @@ class Parcae(nn.Module):
             e, h = e[order_dev], h[order_dev]
             ves = {i: ve[order_dev] for i, ve in ves.items()}
             n, k = n[order], k[order]
-        prev = h if self.training else None  # diagnostics for the training log only
+        prev = h if self.log_stats else None  # the training log's diagnostics, on the steps it logs
+        A_bar = self.discretized_A()[0] if self.config.injection == "diagonal" else None  # once, not per step
         n_max = int(n[0])
         with torch.no_grad():
             for step in range(n_max):
-                h, prev = self._prefix_step(h, prev, e, int((n > step).sum()), step, ves, cos, sin, cache)
+                h, prev = self._prefix_step(h, prev, e, int((n > step).sum()), step, ves, cos, sin, cache, A_bar)
         for step in range(int(k[0])):
-            h, prev = self._prefix_step(h, prev, e, int((k > step).sum()), n_max + step, ves, cos, sin, cache)
+            h, prev = self._prefix_step(h, prev, e, int((k > step).sum()), n_max + step, ves, cos, sin, cache,
+                                        A_bar)
         if prev is not None:
             with torch.no_grad():
                 h_norm = h.float().norm(dim=-1).mean()
@@ -436,13 +440,13 @@ class Parcae(nn.Module):
                 self.last_update_ratio = (h - prev).float().norm(dim=-1).mean() / h_norm
         return h[torch.argsort(order_dev)] if permuted else h
 
-    def _prefix_step(self, h, prev, e, active, step, ves, cos, sin, cache):
+    def _prefix_step(self, h, prev, e, active, step, ves, cos, sin, cache, A_bar):
         """One recurrent step for the first `active` sequences; the others keep their state.
         -> (new h, each sequence's state before its latest step for the diagnostics, or None)."""
         if active == h.size(0):
-            return self.recur_step(h, e, step, ves, cos, sin, cache), None if prev is None else h.detach()
+            return self.recur_step(h, e, step, ves, cos, sin, cache, A_bar), None if prev is None else h.detach()
         ves = {i: ve[:active] for i, ve in ves.items()}
-        u = self.recur_step(h[:active], e[:active], step, ves, cos, sin, cache)
+        u = self.recur_step(h[:active], e[:active], step, ves, cos, sin, cache, A_bar)
         if prev is not None:
             prev = torch.cat([h[:active].detach(), prev[active:]])
         return torch.cat([u, h[active:]]), prev

@@ -266,6 +266,7 @@ step = start_step
 while step < num_steps and (args.stop_at is None or step < args.stop_at):
     t0 = time.time()
     loss_sum = torch.zeros((), device=device)
+    raw_model.log_stats = (step + 1) % args.log_every == 0 or step + 1 == num_steps  # ||h_T||, for the log
     for micro in range(grad_accum):
         seed = micro_seed(step, rank * grad_accum + micro)
         torch.manual_seed(seed)  # h0, drawn inside the forward
