@@ -352,7 +352,7 @@ def evaluate_task(model, tokenizer, task, data, T, seed, h0_table, batch_tokens=
     return correct.mean().item()
 
 
-def evaluate_core(model, tokenizer, bundle_dir, T=None, max_per_task=-1, tasks="core", seed=1234, device=None,
+def evaluate_core(model, tokenizer, bundle_dir, T=None, max_per_task=-1, tasks="core", seed=1234,
                   batch_tokens=None, one_per_forward=False, verbose=True):
     """CORE / Core-Extended of model at recurrence T (None: mu_rec), few-shot seed `seed`.
 
@@ -362,7 +362,7 @@ def evaluate_core(model, tokenizer, bundle_dir, T=None, max_per_task=-1, tasks="
     tasks: "core", "extended", labels separated by commas, or a list of Task.
     """
     t_start = time.time()
-    device = torch.device(device) if device is not None else next(model.parameters()).device
+    device = next(model.parameters()).device
     # (sequences x width) per forward. A GPU wants big batches; on a CPU the elementwise ops of a big batch spill
     # out of cache, and small batches measured faster (1024: 12.0s, 8192: 20.2s on the same items)
     batch_tokens = batch_tokens or (16384 if device.type == "cuda" else 1024)

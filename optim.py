@@ -209,20 +209,19 @@ def is_muon_param(name: str, p: Tensor) -> bool:
             and 'value_embeds' not in parts)
 
 
-def build_optimizer(model: torch.nn.Module, adamw_lr: float, muon_lr: float = 8e-3, weight_decay: float = 0.2,
-                    betas: tuple = (0.8, 0.95), eps: float = 1e-10) -> MuonAdamW:
-    """One AdamW group (no weight decay) and one Muon group per matrix shape, in a fixed order
-    (the model's parameter order), so checkpoints load back into the same groups. Each group also
-    carries 'names', the parameter names it holds, for logging."""
-    adamw, muon, seen = {'params': [], 'names': []}, {}, set()
+def build_optimizer(model: torch.nn.Module, adamw_lr: float, muon_lr: float = 8e-3,
+                    weight_decay: float = 0.2) -> MuonAdamW:
+    """One AdamW group (SPEC 2's ADAMW_DEFAULTS, no weight decay) and one Muon group per matrix shape, in
+    a fixed order (the model's parameter order), so checkpoints load back into the same groups. Each
+    group also carries 'names', the parameter names it holds, for logging."""
+    adamw, muon = {'params': [], 'names': []}, {}
     for name, p in model.named_parameters():  # named_parameters() already yields a tied tensor once
-        if not p.requires_grad or id(p) in seen:
+        if not p.requires_grad:
             continue
-        seen.add(id(p))
         group = muon.setdefault(tuple(p.shape), {'params': [], 'names': []}) if is_muon_param(name, p) else adamw
         group['params'].append(p)
         group['names'].append(name)
-    groups = [dict(adamw, kind='adamw', lr=adamw_lr, betas=betas, eps=eps, weight_decay=0.0)]
+    groups = [dict(adamw, kind='adamw', lr=adamw_lr, **ADAMW_DEFAULTS)]
     groups += [dict(g, kind='muon', lr=muon_lr, weight_decay=weight_decay) for g in muon.values()]
     return MuonAdamW(groups)
 
