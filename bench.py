@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from data import DataLoader, Tokenizer, iter_documents
 from eval_core import MC, Task, evaluate_task, initial_state_table
-from model import Parcae, ParcaeConfig, peak_bf16_flops, sample_depths, split_depths
+from model import Parcae, ParcaeConfig, peak_bf16_flops, sample_depths
 from optim import build_optimizer
 from sample import generate
 
@@ -101,7 +101,7 @@ def masked_reference_loss(model, x, y, depths):
     grad and max(k) times with it, and torch.where keeps the state of a sequence whose count is used up.
     Built from the model's pieces; row 8 measures model.py against it, tests/test_bench.py checks it."""
     e, (ves, cos, sin) = model.run_prelude(x)
-    n, k = split_depths(depths, model.config.mu_bwd, training=True)
+    n, k = model.steps(depths, x.size(0))
     h = model.initial_state(e.shape, e.device, e.dtype)
     n_max = int(n.max())
     for step in range(n_max + int(k.max())):
@@ -125,7 +125,7 @@ class Trainer:
         self.x, self.y = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
 
     def run(self, schedule, loss_fn=model_loss):
-        """One training step per entry of schedule, a (B,) tensor of depths each."""
+        """One training step per entry of schedule: a (B,) tensor of depths or an (n, k) draw each."""
         for depths in schedule:
             with autocast():
                 loss = loss_fn(self.model, self.x, self.y, depths)
@@ -143,10 +143,10 @@ def depth_schedule(config, batch_size, num_steps, seed=0):
 def sampled_flops_per_token(config, schedule):
     """Model FLOPs per token of the depths the schedule sampled. flops_per_token() counts mu_rec passes and
     mu_bwd backpropagated ones (the expected depth); it is linear in both, so evaluated at the mean sampled
-    T_i and k_i = min(T_i, mu_bwd) it counts exactly the passes sampled (not those a masked batch wastes).
+    n_i + k_i and k_i it counts exactly the passes sampled (not those a masked batch wastes).
     The Transformer's count does not depend on depth."""
-    depths = torch.cat(schedule).double()
-    mean_T, mean_k = depths.mean().item(), depths.clamp(max=config.mu_bwd).mean().item()
+    n, k = (torch.cat(steps).double() for steps in zip(*schedule))
+    mean_T, mean_k = (n + k).mean().item(), k.mean().item()
     with torch.device("meta"):
         return Parcae(replace(config, mu_rec=mean_T, mu_bwd=mean_k)).flops_per_token()
 
@@ -178,7 +178,7 @@ class PassCounter:
 def measure_training(args, device):
     """{name: (tokens/s, model FLOP/s, mean sampled T)} for Parcae per-sequence, per-batch, and the Transformer."""
     results = {}
-    configs = {"per-sequence": model_config(args), "per-batch": model_config(args, sampling="per_batch"),
+    configs = {"per-sequence": model_config(args), "per-batch": model_config(args, sampling="per_batch_split"),
                "Transformer": model_config(args, injection="none")}
     trainers = {name: Trainer(config, args.batch_size, device) for name, config in configs.items()}
     schedules = {name: depth_schedule(config, args.batch_size, args.steps) for name, config in configs.items()}
@@ -188,7 +188,7 @@ def measure_training(args, device):
     tokens = args.steps * args.batch_size * args.seq_len
     for name, config in configs.items():
         flops = sampled_flops_per_token(config, schedules[name]) * tokens
-        mean_T = torch.cat(schedules[name]).float().mean().item()
+        mean_T = sum(int(n.sum() + k.sum()) for n, k in schedules[name]) / (args.steps * args.batch_size)
         results[name] = (tokens / seconds[name], flops / seconds[name], mean_T)
     return results
 
@@ -231,8 +231,8 @@ def row_mfu(args, device, training):
 def row_sampling(args, device, training):
     per_seq, per_batch = training["per-sequence"], training["per-batch"]
     overhead = per_batch[1] / per_seq[1] - 1
-    return [("3", f"per-sequence vs per-batch depth sampling, mu_rec {args.mu_rec}, {args.batch_size} sequences "
-             "per micro-batch: time per model FLOP",
+    return [("3", f"per-sequence vs per-batch depth sampling (per_batch_split: the same depths, one per micro-batch), "
+             f"mu_rec {args.mu_rec}, {args.batch_size} sequences per micro-batch: time per model FLOP",
              f"per-sequence {si(per_seq[1], 'FLOP/s')} ({si(per_seq[0], 'tok/s')}, mean T {per_seq[2]:.2f}); "
              f"per-batch {si(per_batch[1], 'FLOP/s')} ({si(per_batch[0], 'tok/s')}, mean T {per_batch[2]:.2f})",
              f"overhead {overhead:+.1%}", "paper: +1.8%")]
@@ -381,7 +381,7 @@ def row_active_only(args, device, training):
         num_steps = max(1, args.steps * args.batch_size // batch_size)
         trainer = Trainer(config, batch_size, device)
         schedule = depth_schedule(config, batch_size, num_steps)
-        sampled = sum(int(depths.sum()) for depths in schedule)
+        sampled = sum(int(n.sum() + k.sum()) for n, k in schedule)
         log(f"active-only recurrence: {num_steps} steps x {batch_size} sequences")
         with PassCounter(trainer.model) as ours:
             trainer.run(schedule)

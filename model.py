@@ -12,6 +12,7 @@ fixed-depth Transformer baseline: the same blocks run once, in order).
 
 Training samples a recurrence depth per sequence, T_i = max(1, Poisson(mu_rec)), runs the first
 n_i = T_i - k_i steps without gradient and the last k_i = min(T_i, mu_bwd) with it (SPEC 2).
+Other samplers (the per-batch ablation, the authors' other schemes): SAMPLINGS, sample_depths.
 
 torch.compile: `model.compile_blocks()` compiles each transformer block on its own; the loop over a
 depth that changes every batch stays in Python, so changing depths cause no recompilation.
@@ -32,7 +33,28 @@ import torch.nn.functional as F
 # Configuration
 
 INJECTIONS = ("diagonal", "concat", "add", "none")
-SAMPLINGS = ("per_sequence", "per_batch", "fixed")
+# Depth samplers: each training forward runs n_i recurrent steps without gradient, then k_i with it. Every
+# entry says what it draws and its mean executed (n + k) and backpropagated (k) steps, also at mu_rec 8,
+# mu_bwd 4; "mu_rec - mu_bwd" means max(0, mu_rec - mu_bwd). The Poisson ones after per_batch_split are the
+# other schemes of the authors' per-batch sampler (their sampling_scheme names with "-" for "_").
+SAMPLINGS = {
+    "per_sequence": "Parcae: T_i = max(1, Poisson(mu_rec)) per sequence, n_i = T_i - k_i, "
+                    "k_i = min(T_i, mu_bwd); executes mu_rec + exp(-mu_rec) (8.00), backprops E[min(T, mu_bwd)] "
+                    "(3.94)",
+    "per_batch": "the authors' per-batch ablation (their poisson-truncated-full, per-batch): one T = max(1, "
+                 "Poisson(mu_rec)) per micro-batch, n = T, then k = min(T, mu_bwd) more; executes E[T] + "
+                 "E[min(T, mu_bwd)] (11.94), backprops E[min(T, mu_bwd)] (3.94)",
+    "per_batch_split": "per_sequence's depths drawn once per micro-batch: one T, n = T - k, k = min(T, mu_bwd); "
+                       "executes 8.00, backprops 3.94 (equal compute to per_sequence)",
+    "poisson_unbounded": "per micro-batch n ~ Poisson(mu_rec - mu_bwd), k ~ U{1..2 mu_bwd}; executes "
+                         "mu_rec + 1/2 (8.5), backprops mu_bwd + 1/2 (4.5)",
+    "poisson_fill": "per micro-batch n ~ Poisson(mu_rec - mu_bwd), k = mu_bwd; executes mu_rec (8), "
+                    "backprops mu_bwd (4)",
+    "poisson_full": "per micro-batch n = 0, k = max(1, Poisson(mu_rec)): full backprop, memory grows with T; "
+                    "executes and backprops mu_rec + exp(-mu_rec) (8.00)",
+    "fixed": "T = mu_rec always, n = T - k, k = min(T, mu_bwd) (the paper's mu_rec = 1 fixed-depth Parcae, "
+             "and tests); executes mu_rec (8), backprops min(mu_rec, mu_bwd) (4)",
+}
 
 
 @dataclass
@@ -66,7 +88,7 @@ class ParcaeConfig:
         if self.injection not in INJECTIONS:
             raise ValueError(f"injection={self.injection!r} is not one of {INJECTIONS}")
         if self.sampling not in SAMPLINGS:
-            raise ValueError(f"sampling={self.sampling!r} is not one of {SAMPLINGS}")
+            raise ValueError(f"sampling={self.sampling!r} is not one of {', '.join(SAMPLINGS)}")
         if self.mu_rec < 1 or self.mu_bwd < 1:
             raise ValueError(f"mu_rec={self.mu_rec} and mu_bwd={self.mu_bwd} must be at least 1")
         if min(self.n_prelude, self.n_recur, self.n_coda) < 0 or self.n_recur < 1:
@@ -95,14 +117,29 @@ class ParcaeConfig:
 # Depth sampling (SPEC 2)
 
 def sample_depths(config, batch_size, generator=None):
-    """T_i = max(1, Poisson(mu_rec)): one draw per sequence (Parcae) or one per micro-batch (ablation);
-    "fixed" trains at T = mu_rec always (the paper's mu_rec = 1 fixed-depth Parcae, and tests)."""
-    if config.sampling == "fixed":
-        return torch.full((batch_size,), config.mu_rec, dtype=torch.long)
-    n_draws = batch_size if config.sampling == "per_sequence" else 1
-    rate = torch.full((n_draws,), float(config.mu_rec))
-    depths = torch.poisson(rate, generator=generator).long().clamp_(min=1)
-    return depths.expand(batch_size).clone()
+    """One training draw of config.sampling (SAMPLINGS) -> (n, k), (B,) long tensors: sequence i runs n_i
+    steps without gradient, then k_i with it. Only per_sequence draws per sequence; the others once per
+    micro-batch, as the authors' per-batch sampler."""
+    scheme, mu_bwd = config.sampling, config.mu_bwd
+    draws = batch_size if scheme == "per_sequence" else 1
+
+    def poisson(rate):
+        return torch.poisson(torch.full((draws,), float(rate)), generator=generator).long()
+
+    rest = max(config.mu_rec - mu_bwd, 0)  # the authors' mean no-grad depth
+    if scheme == "poisson_unbounded":
+        n, k = poisson(rest), torch.randint(1, 2 * mu_bwd + 1, (draws,), generator=generator)
+    elif scheme == "poisson_fill":
+        n, k = poisson(rest), torch.full((draws,), mu_bwd)
+    elif scheme == "poisson_full":
+        k = poisson(rest + mu_bwd).clamp_(min=1)
+        n = torch.zeros_like(k)
+    else:
+        T = torch.full((draws,), config.mu_rec) if scheme == "fixed" else poisson(config.mu_rec).clamp_(min=1)
+        n, k = split_depths(T, mu_bwd, training=True)
+        if scheme == "per_batch":
+            n = T  # the authors' per-batch path runs all T steps without grad, then k more with it
+    return n.expand(batch_size).clone(), k.expand(batch_size).clone()
 
 
 def split_depths(depths, mu_bwd, training):
@@ -348,7 +385,8 @@ class Parcae(nn.Module):
         token as (B, S) with reduction="none").
 
         T: None samples depths (training) or uses mu_rec (eval); an int runs T steps for every
-        sequence; a (B,) tensor runs T_i steps for sequence i. h0 (B, S, d) fixes the initial state.
+        sequence; a (B,) tensor runs T_i steps for sequence i; a pair (n, k) runs exactly n_i steps without
+        grad then k_i with it (a sample_depths draw, replayed). h0 (B, S, d) fixes the initial state.
         """
         c = self.config
         B, S = idx.shape
@@ -358,7 +396,7 @@ class Parcae(nn.Module):
             for i, block in enumerate(self.recur):
                 x = block(x, ves.get(c.n_prelude + i), cos, sin, cache, ("recur", 0, i))
         else:
-            x = self.recurrence(x, self._depths(T, B), h0, *ctx, cache)
+            x = self.recurrence(x, T, h0, *ctx, cache)
         logits = self.run_coda(x, *ctx, cache)
         if targets is None:
             return logits
@@ -404,16 +442,19 @@ class Parcae(nn.Module):
             x = block(x, ves.get(c.n_prelude + c.n_recur + i), cos, sin, cache, ("coda", i))
         return (self.norm_f(x) @ self.wte.weight.t())[..., :c.vocab_size].float()
 
-    def _depths(self, T, batch_size):
-        """Per-sequence depths as a (B,) CPU tensor."""
-        if T is None:
-            if self.training:
-                return sample_depths(self.config, batch_size, self.depth_generator)
-            T = self.config.mu_rec
-        depths = torch.as_tensor(T).long().cpu().expand(batch_size).clone()
+    def steps(self, T, batch_size):
+        """T as forward takes it -> (n, k), (B,) CPU long tensors: steps without grad, then with grad."""
+        if T is None and self.training:
+            return sample_depths(self.config, batch_size, self.depth_generator)
+        if isinstance(T, tuple):
+            n, k = (torch.as_tensor(x).long().cpu().expand(batch_size).clone() for x in T)
+            if (n < 0).any() or (k < 0).any() or (n + k < 1).any():
+                raise ValueError(f"steps (n, k) = {T} must be >= 0 with n + k >= 1 for every sequence")
+            return n, k
+        depths = torch.as_tensor(self.config.mu_rec if T is None else T).long().cpu().expand(batch_size).clone()
         if (depths < 1).any():
             raise ValueError(f"recurrence depth T must be >= 1, got {T}")
-        return depths
+        return split_depths(depths, self.config.mu_bwd, self.training)
 
     def initial_state(self, shape, device, dtype, generator=None):
         """SPEC 1: h0 ~ TruncNormal(0, sigma, +-3 sigma), sigma = sqrt(2 / (5 d)), drawn every forward
@@ -422,18 +463,21 @@ class Parcae(nn.Module):
         h0 = torch.empty(shape, device=device, dtype=torch.float32)
         return nn.init.trunc_normal_(h0, std=sigma, a=-3 * sigma, b=3 * sigma, generator=generator).to(dtype)
 
-    def recurrence(self, e, depths, h0, ves, cos, sin, cache):
-        """Run sequence i for depths[i] steps: n_i without grad, then k_i with grad (SPEC 2).
+    def recurrence(self, e, T, h0, ves, cos, sin, cache):
+        """Run sequence i for its depth (T as in forward): n_i steps without grad, then k_i with grad (SPEC 2).
 
         The paper masks finished sequences with torch.where, so every sequence runs max(n) + max(k)
         steps. Here the batch is sorted by depth, longest first: n_i and k_i both grow with T_i, so the
         sequences still running at any step are a prefix of the sorted batch, and each step runs the
-        block on that prefix alone. Each sequence gets exactly its own steps, loss and gradients, and
-        the block runs sum(T_i) sequence-passes instead of B * (max n + max k).
+        block on that prefix alone (a per-batch draw gives every sequence the same n and k). Each sequence
+        gets exactly its own steps, loss and gradients, and the block runs sum(n_i + k_i) sequence-passes
+        instead of B * (max n + max k).
         """
-        n, k = split_depths(depths, self.config.mu_bwd, self.training)
+        n, k = self.steps(T, e.size(0))
         h = self.initial_state(e.shape, e.device, e.dtype) if h0 is None else h0.to(e.dtype)
-        order = torch.argsort(depths, descending=True, stable=True)
+        order = torch.argsort(n + k, descending=True, stable=True)
+        if (n[order].diff() > 0).any() or (k[order].diff() > 0).any():
+            raise ValueError("per-sequence steps (n, k) must grow together (longer T: no fewer n and k steps)")
         permuted = bool((order != torch.arange(len(order))).any())
         if permuted:
             if cache is not None:

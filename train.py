@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from data import DataLoader, get_base_dir, get_tokenizer, tokenizer_dir, val_batches
 from eval_core import download_eval_bundle, evaluate_bpb, evaluate_core, init_distributed, rank_and_world
-from model import Parcae, ParcaeConfig, find_checkpoint, peak_bf16_flops, save_checkpoint
+from model import SAMPLINGS, Parcae, ParcaeConfig, find_checkpoint, peak_bf16_flops, save_checkpoint
 from optim import build_optimizer, learning_rate_for_depth, lr_multiplier, muon_momentum, weight_decay_at
 
 # -----------------------------------------------------------------------------
@@ -51,7 +51,9 @@ parser.add_argument("--mu_rec", type=int, help="mean recurrence depth")
 parser.add_argument("--mu_bwd", type=int, help="backpropagated depth (default ceil(mu_rec/2))")
 parser.add_argument("--injection", default="diagonal", choices=["diagonal", "concat", "add", "none"],
                     help="diagonal = Parcae, concat = RDM, add, none = fixed-depth Transformer")
-parser.add_argument("--sampling", default="per_sequence", choices=["per_sequence", "per_batch", "fixed"])
+parser.add_argument("--sampling", default="per_sequence", choices=list(SAMPLINGS), metavar="SCHEME",
+                    help="recurrence-depth sampler; mean executed / backpropagated steps at mu_rec 8, mu_bwd 4 in "
+                    "parentheses. " + "; ".join(f"{name}: {what}" for name, what in SAMPLINGS.items()))
 parser.add_argument("--prelude_norm", type=int, default=1, choices=[0, 1])
 parser.add_argument("--vocab_size", type=int)
 parser.add_argument("--seq_len", type=int)

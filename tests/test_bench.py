@@ -29,7 +29,10 @@ def loss_and_grads(loss_fn, model, x, y, depths):
     return loss, torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
 
 
-@pytest.mark.parametrize("depths", [DEPTHS, torch.tensor([4, 4, 4, 4])])  # per sequence, per batch
+PER_BATCH = (torch.tensor([4, 4, 4, 4]), torch.tensor([3, 3, 3, 3]))  # an (n, k) draw of --sampling=per_batch
+
+
+@pytest.mark.parametrize("depths", [DEPTHS, torch.tensor([4, 4, 4, 4]), PER_BATCH])
 @pytest.mark.parametrize("injection", ["diagonal", "concat"])
 def test_masked_reference_equals_the_model(injection, depths):
     model, x, y = tiny_model(injection)

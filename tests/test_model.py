@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from model import KVCache, Parcae, ParcaeConfig, sample_depths, trunc_orthogonal_
+from model import SAMPLINGS, KVCache, Parcae, ParcaeConfig, sample_depths, trunc_orthogonal_
 
 # SPEC 1: (depth, Transformer params, Parcae params), vocab 32,768
 PAPER_SIZES = [
@@ -121,11 +121,60 @@ def test_add_and_concat_spectral_radius():
 def test_depth_sampling():
     gen = torch.Generator().manual_seed(0)
     config = tiny_config(mu_rec=8)
-    depths = torch.cat([sample_depths(config, 64, gen) for _ in range(50)])
+    n, k = (torch.cat(x) for x in zip(*[sample_depths(config, 64, gen) for _ in range(50)]))
+    depths = n + k
     assert depths.min() >= 1 and abs(depths.float().mean().item() - 8) < 0.2
-    assert len(sample_depths(config, 32, gen).unique()) > 1  # per sequence: they differ
-    per_batch = sample_depths(tiny_config(mu_rec=8, sampling="per_batch"), 32, gen)
-    assert len(per_batch.unique()) == 1
+    assert torch.equal(k, depths.clamp(max=4))  # the last min(T, mu_bwd) steps carry the gradient
+    assert len(sum(sample_depths(config, 32, gen)).unique()) > 1  # per sequence: they differ
+    for scheme in SAMPLINGS:
+        if scheme != "per_sequence":  # every other scheme draws once per micro-batch
+            n, k = sample_depths(tiny_config(mu_rec=8, sampling=scheme), 32, gen)
+            assert len(n.unique()) == 1 and len(k.unique()) == 1, scheme
+    n, k = sample_depths(tiny_config(mu_rec=8, sampling="per_batch"), 32, gen)
+    assert torch.equal(k, n.clamp(max=4))  # the authors' per-batch: T without grad, then min(T, mu_bwd) with
+
+
+def poisson_mean(rate, f):
+    """E[f(X)], X ~ Poisson(rate), summed exactly over the pmf."""
+    return sum(f(j) * math.exp(-rate + j * math.log(rate) - math.lgamma(j + 1)) for j in range(200))
+
+
+@pytest.mark.parametrize("mu_rec,mu_bwd", [(8, 4), (3, 2)])
+def test_each_sampler_has_the_mean_depths_its_help_states(mu_rec, mu_bwd):
+    T = poisson_mean(mu_rec, lambda j: max(1, j))  # E[max(1, Poisson(mu_rec))] = mu_rec + exp(-mu_rec)
+    assert T == pytest.approx(mu_rec + math.exp(-mu_rec))
+    k_trunc = poisson_mean(mu_rec, lambda j: min(max(1, j), mu_bwd))
+    rest = mu_rec - mu_bwd
+    expected = {  # scheme: (mean executed n + k, mean backpropagated k), the formulas in SAMPLINGS
+        "per_sequence": (T, k_trunc), "per_batch": (T + k_trunc, k_trunc), "per_batch_split": (T, k_trunc),
+        "poisson_unbounded": (mu_rec + 0.5, mu_bwd + 0.5), "poisson_fill": (mu_rec, mu_bwd),
+        "poisson_full": (T, T), "fixed": (mu_rec, min(mu_rec, mu_bwd)),
+    }
+    assert set(expected) == set(SAMPLINGS)
+    for scheme, (executed, backprop) in expected.items():
+        gen = torch.Generator().manual_seed(0)
+        config = tiny_config(mu_rec=mu_rec, mu_bwd=mu_bwd, sampling=scheme)
+        draws = [sample_depths(config, 8, gen) for _ in range(4000)]
+        n, k = (torch.cat(x).double() for x in zip(*draws))
+        assert (n >= 0).all() and (k >= 1).all(), scheme
+        if scheme == "poisson_full":
+            assert (n == 0).all()
+        if scheme in ("poisson_unbounded", "poisson_fill"):
+            assert n.mean().item() == pytest.approx(rest, abs=0.1), scheme
+        assert (n + k).mean().item() == pytest.approx(executed, abs=0.1), scheme
+        assert k.mean().item() == pytest.approx(backprop, abs=0.06), scheme
+
+
+def test_an_n_k_draw_runs_n_then_k_steps():
+    torch.manual_seed(0)
+    model = randomized(Parcae(tiny_config(mu_rec=4))).eval()
+    idx, h0 = torch.randint(0, 97, (3, 8)), torch.randn(3, 8, 64) * 0.1
+    pair = (torch.tensor([5, 2, 0]), torch.tensor([2, 2, 1]))
+    torch.testing.assert_close(model(idx, T=pair, h0=h0), model(idx, T=torch.tensor([7, 4, 1]), h0=h0))
+    with pytest.raises(ValueError, match="grow together"):
+        model(idx, T=(torch.tensor([5, 0, 0]), torch.tensor([1, 3, 3])), h0=h0)
+    with pytest.raises(ValueError, match="n \\+ k >= 1"):
+        model(idx, T=(0, 0))
 
 
 @pytest.mark.parametrize("training", [False, True])
