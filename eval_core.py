@@ -6,15 +6,19 @@ eval_core.py: evaluate a checkpoint (SPEC 3): CORE and Core-Extended, bits per b
     python eval_core.py --tasks extended --seeds 1234,2345,3456   # Core-Extended, mean and std over 3 few-shot seeds
     python eval_core.py --max_per_task 50 --compare_batching  # batched scoring against one example per forward
     python eval_core.py --eval bpb --T 1,2,4,8,16,32          # val loss and bits per byte at each T, fit L(T)
+    python eval_core.py --eval ppl --T 1,4                    # the paper's val PPL: one document per forward
     torchrun --nproc_per_node 8 eval_core.py --T 8            # examples striped across ranks (nccl; gloo on CPU)
 
 CORE is DCLM's 22-task ensemble scored the way nanochat scores it; the eval bundle (nanochat's copy of DCLM's task
 files) is downloaded on first use to $NANOPARCAE_BASE_DIR/eval_bundle. Results print as a table and are written as
-JSON next to the checkpoint. train.py calls evaluate_core / evaluate_bpb directly.
+JSON next to the checkpoint. train.py calls evaluate_core / evaluate_bpb directly. Two validation losses: --eval bpb
+scores packed BOS-aligned rows (what train.py logs); --eval ppl is the authors' final protocol, the one behind the
+paper's val PPL (19.06 at 140M ...).
 """
 
 import argparse
 import csv
+import itertools
 import json
 import math
 import os
@@ -32,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from data import Tokenizer, download_file, get_base_dir, val_batches
+from data import Tokenizer, download_file, get_base_dir, iter_documents, val_batches
 from hub import load_pretrained, local_dir
 from model import find_checkpoint, load_checkpoint
 
@@ -428,6 +432,41 @@ def evaluate_bpb(model, tokenizer, batches, T=None, seed=1234):
     return nats / targets, byte_nats / (math.log(2) * num_bytes)
 
 
+@torch.no_grad()
+def evaluate_ppl(model, tokenizer, docs, T=None, seed=1234):
+    """The authors' final validation loss (their receval val_loss task), behind the paper's val PPL: every
+    document alone in one forward, its first seq_len + 1 tokens with no BOS (inputs tokens[:-1], targets
+    tokens[1:]); documents of fewer than 2 tokens are skipped. Documents are striped across ranks and summed.
+    -> (loss, bpb, documents, tokens): loss = mean nats over the targets that carry bytes (PPL = exp(loss)),
+    bpb = those nats / (ln 2 * their bytes). h0: one seeded draw, as evaluate_bpb (the authors draw it per
+    forward; the distribution is the same)."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    rank, world = rank_and_world()
+    seq_len = model.config.seq_len
+    token_bytes = tokenizer.token_bytes.to(device)
+    h0_table = initial_state_table(model, seq_len, seed, device)
+    sums = torch.zeros(4, dtype=torch.float64, device=device)  # nats of byte tokens, their count, bytes, documents
+    for ids in tokenizer.encode(docs[rank::world]):
+        ids = ids[:seq_len + 1]
+        if len(ids) < 2:
+            continue
+        x, y = torch.tensor([ids[:-1]], device=device), torch.tensor([ids[1:]], device=device)
+        with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
+            nats = model(x, targets=y, T=T, h0=h0_table[:, :x.size(1)], reduction="none").double()
+        num_bytes = token_bytes[y]
+        sums += torch.stack([nats[num_bytes > 0].sum(), (num_bytes > 0).sum().double(), num_bytes.sum().double(),
+                             torch.ones((), dtype=torch.float64, device=device)])
+    model.train(was_training)
+    if dist.is_initialized():
+        dist.all_reduce(sums)
+    nats, tokens, num_bytes, num_docs = sums.tolist()
+    if tokens == 0:
+        raise ValueError("no validation document of 2 or more tokens: check the data source or raise --max_docs")
+    return nats / tokens, nats / (math.log(2) * num_bytes), int(num_docs), int(tokens)
+
+
 def fit_test_time_scaling(Ts, losses):
     """Least-squares fit of L(T) = L_inf + Z exp(-z T) (SPEC 3) -> {"L_inf", "Z", "z", "rms"}. For a fixed z the law
     is linear in (L_inf, Z), solved exactly; z is searched on a log grid, then refined by golden-section search
@@ -551,13 +590,32 @@ def run_bpb(args, model, tokenizer, ckpt, Ts, device):
     return out
 
 
+def run_ppl(args, model, tokenizer, ckpt, Ts):
+    source = args.data or ckpt.get("args", {}).get("data", "fineweb-edu")
+    docs = list(itertools.islice(iter_documents(source, "val"), args.max_docs))
+    print0(f"Validation: the first {len(docs)} documents of {source}'s val split, one per forward, up to "
+           f"{model.config.seq_len} tokens each, no BOS")
+    out = {"T": Ts, "loss": [], "ppl": [], "bpb": [], "data": source}
+    for T in Ts:
+        t0 = time.time()
+        loss, bpb, num_docs, tokens = evaluate_ppl(model, tokenizer, docs, T)
+        out["loss"].append(loss)
+        out["ppl"].append(math.exp(loss))
+        out["bpb"].append(bpb)
+        print0(f"T = {T:>3}: val loss {loss:.4f}  ppl {math.exp(loss):.2f}  bpb {bpb:.4f}  ({num_docs} documents, "
+               f"{tokens:,} tokens)  {time.time() - t0:.1f}s")
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ckpt", default=None, help="checkpoint file (default: the latest under <base dir>/runs)")
     parser.add_argument("--run", default=None, help="run name under <base dir>/runs whose latest checkpoint to use")
     parser.add_argument("--from", dest="from_", default=None, help="the authors' release instead: a Hub repo id "
                         "(SandyResearch/parcae-140m) or a folder with config.json, model.pt, tokenizer.json")
-    parser.add_argument("--eval", default="core", choices=["core", "bpb"])
+    parser.add_argument("--eval", default="core", choices=["core", "bpb", "ppl"],
+                        help="core: CORE / Core-Extended; bpb: val loss on packed rows (train.py's); ppl: the "
+                        "paper's val PPL, one document per forward (the authors' protocol)")
     parser.add_argument("--T", default=None, help="test-time recurrence(s), e.g. 8 or 1,2,4,8 (default: mu_rec)")
     parser.add_argument("--seeds", default="1234", help="few-shot seeds; several print mean and std (SPEC 3)")
     parser.add_argument("--max_per_task", type=int, default=-1, help="items per task after shuffling (-1: all)")
@@ -567,9 +625,11 @@ def main():
     parser.add_argument("--one_per_forward", action="store_true", help="one item per forward (nanochat's way)")
     parser.add_argument("--compare_batching", action="store_true", help="also run one item per forward, print the speed ratio")
     parser.add_argument("--bundle_url", default=EVAL_BUNDLE_URL, help="where eval_bundle.zip is downloaded from")
-    parser.add_argument("--data", default=None, help="bpb: validation source (default: the checkpoint's training data)")
+    parser.add_argument("--data", default=None,
+                        help="bpb, ppl: validation source (default: the checkpoint's training data)")
     parser.add_argument("--val_tokens", type=int, default=1 << 20, help="bpb: validation tokens over all ranks")
     parser.add_argument("--batch_size", type=int, default=8, help="bpb: sequences per forward")
+    parser.add_argument("--max_docs", type=int, default=1000, help="ppl: the first N validation documents")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     args = parser.parse_args()
     try:
@@ -588,8 +648,10 @@ def main():
                f"mu_rec {model.config.mu_rec}, on {device} x {rank_and_world()[1]}")
         if args.eval == "core":
             out = run_core(args, model, tokenizer, Ts, parse_ints(args.seeds, "--seeds"))
-        else:
+        elif args.eval == "bpb":
             out = run_bpb(args, model, tokenizer, ckpt, Ts, device)
+        else:
+            out = run_ppl(args, model, tokenizer, ckpt, Ts)
     except (FileNotFoundError, ValueError) as err:
         raise SystemExit(f"eval_core.py: {err}")
     if rank_and_world()[0] == 0:

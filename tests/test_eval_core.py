@@ -25,8 +25,8 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import eval_core  # noqa: E402
 from eval_core import (CORE_TASKS, EXTENDED_TASKS, LM, Task, centered_accuracy, crop_left,  # noqa: E402
-                       download_eval_bundle, evaluate_bpb, evaluate_core, extract_zip_safely, fit_test_time_scaling,
-                       render_prompts, scored_spans)
+                       download_eval_bundle, evaluate_bpb, evaluate_core, evaluate_ppl, extract_zip_safely,
+                       fit_test_time_scaling, render_prompts, scored_spans)
 from model import Parcae, ParcaeConfig  # noqa: E402
 
 
@@ -360,6 +360,41 @@ def test_bits_per_byte_by_hand():
                 total_bytes += len(tokenizer.enc.decode_single_token_bytes(target))
     assert loss == pytest.approx(total_nats / (2 * width - 1), rel=1e-5)
     assert bpb == pytest.approx(byte_nats / (math.log(2) * total_bytes), rel=1e-5)
+
+
+def test_per_document_perplexity_by_hand():
+    """The authors' protocol: each document alone in one forward, no BOS, cropped to seq_len + 1 tokens,
+    nats averaged over the targets that carry bytes, bits per byte over their bytes."""
+    from data import Tokenizer
+    text = "the quick brown fox jumps over the lazy dog. " * 40 + "héllo wörld ünïcode — ✓ " * 20
+    tokenizer = Tokenizer.train(iter([text]), 300)
+    model = tiny_parcae(tokenizer.vocab_size)
+    model.config.seq_len = 12  # the document cap: the long document below is cropped
+    docs = ["the lazy fox héllo ✓ over the dog — wörld and the quick brown fox jumps over it again",
+            "a", "wörld ✓ dog", "the fox"]
+    shapes = []
+    hook = model.register_forward_pre_hook(lambda module, args: shapes.append(tuple(args[0].shape)))
+    loss, bpb, num_docs, tokens = evaluate_ppl(model, tokenizer, docs, T=2)
+    hook.remove()
+    h0 = eval_core.initial_state_table(model, 12, 1234, "cpu")
+    nats, count, num_bytes, expected_shapes = 0.0, 0, 0, []
+    for doc in docs:
+        ids = tokenizer.encode(doc)[:13]  # no BOS
+        if len(ids) < 2:
+            continue
+        x, y = torch.tensor([ids[:-1]]), torch.tensor([ids[1:]])
+        expected_shapes.append(tuple(x.shape))
+        doc_nats = model(x, targets=y, T=2, h0=h0[:, :x.size(1)], reduction="none")[0]
+        for target, n in zip(ids[1:], doc_nats.tolist()):
+            nats, count = nats + n, count + 1
+            num_bytes += len(tokenizer.enc.decode_single_token_bytes(target))
+    assert len(tokenizer.encode(docs[0])) > 13 and len(tokenizer.encode(docs[1])) < 2  # cropped; skipped
+    assert shapes == expected_shapes  # one document per forward, as long as its own tokens (no BOS, no padding)
+    assert (num_docs, tokens) == (3, count)
+    assert num_bytes > count  # multi-byte tokens, so the byte weighting matters
+    assert loss == pytest.approx(nats / count, rel=1e-6)
+    assert bpb == pytest.approx(nats / (math.log(2) * num_bytes), rel=1e-6)
+    assert evaluate_ppl(model, tokenizer, docs, T=1)[0] != pytest.approx(loss, rel=1e-4)  # T reaches the model
 
 
 def test_fit_recovers_the_law():

@@ -97,3 +97,14 @@ def test_dry_run_prints_the_paper_size(tmp_path):
                             capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 0, result.stderr
     assert "parameters: 1,338,591,744" in result.stdout and "tokens: 103,999," in result.stdout
+
+
+def test_authors_per_batch_sampling_trains_and_per_document_ppl_runs(corpus):
+    train(corpus, "--run=per_batch", "--sampling=per_batch", "--max_tokens=512")
+    env = {**os.environ, "NANOPARCAE_BASE_DIR": str(corpus / "base"), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, str(ROOT / "eval_core.py"), "--eval=ppl", "--T=1,3", "--max_docs=20",
+                             "--run=per_batch"], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(next((corpus / "base" / "runs" / "per_batch").glob("*_ppl_T1-3.json")).read_text())
+    assert out["T"] == [1, 3] and all(1 < ppl < 320 for ppl in out["ppl"])  # better than uniform over the vocab
+    assert "one per forward" in result.stdout and "ppl" in result.stdout
