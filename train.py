@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import pickle
+import signal
 import sys
 import time
 from contextlib import nullcontext
@@ -79,6 +80,8 @@ parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--dry_run", action="store_true", help="print the resolved configuration and exit")
 parser.add_argument("--stop_at", type=int, help="end this invocation after that step (continue with --resume)")
 parser.add_argument("--fault_nan_step", type=int, help="testing: poison the gradients at this step")
+parser.add_argument("--fault_kill_step", type=int, help="testing: the last rank SIGKILLs itself after this step "
+                    "(first attempt only), for the elastic-restart test")
 args = parser.parse_args()
 preset = SMALL if not CUDA and args.depth is None else PAPER
 for name, value in preset.items():
@@ -121,6 +124,10 @@ else:
 
 ddp = "RANK" in os.environ and not args.dry_run
 device = torch.device("cuda" if CUDA else "cpu")
+restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))  # > 0: torchrun restarted the workers
+if restart_count and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+    fail("torchrun restarted the workers but its shared rendezvous store still holds the failed attempt's "
+         "addresses (pytorch issue 167288); launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
 if ddp:
     device = init_distributed(device)  # the GPU of this local rank
 rank, world = rank_and_world()
@@ -175,7 +182,8 @@ optimizer = build_optimizer(raw_model, adamw_lr=adamw_lr, muon_lr=args.muon_lr, 
 autocast = torch.autocast("cuda", dtype=torch.bfloat16) if CUDA else nullcontext()
 
 start_step, skipped_steps = 0, 0
-if args.resume:
+# torchrun --max_restarts restarts every worker after one fails: continue from the last checkpoint by itself
+if args.resume or (restart_count > 0 and any(run_dir.glob("ckpt_*.pt"))):
     path = None
     try:
         path = find_checkpoint(get_base_dir() / "runs", run_name)
@@ -193,7 +201,7 @@ if args.resume:
         fail(f"cannot resume {run_name} with these flags ({' '.join(str(err).split())[:200]}); "
              f"pass the flags and process count it was started with")
     start_step, skipped_steps = ckpt["step"], ckpt["skipped_steps"]
-    log(f"resumed {run_name} at step {start_step}")
+    log(f"resumed {run_name} at step {start_step}" + (f", elastic restart {restart_count}" if restart_count else ""))
 batches = [iter(loader) for loader in loaders]
 
 # -----------------------------------------------------------------------------
@@ -329,6 +337,8 @@ while step < num_steps and (args.stop_at is None or step < args.stop_at):
         metrics_file.flush()
     if step % args.save_every == 0 or step == num_steps or step == args.stop_at:
         save(step)
+    if args.fault_kill_step == step and rank == world - 1 and restart_count == 0:
+        os.kill(os.getpid(), signal.SIGKILL)  # as a node fault or the OOM killer would
 
 log(f"done: {step} steps in {(time.time() - t_run) / 60:.1f} min, {skipped_steps} skipped")
 for loader in loaders:
