@@ -38,10 +38,11 @@ CUDA = torch.cuda.is_available()
 PAPER_TOKENS = {6: 11.2e9, 12: 29.6e9, 18: 61.6e9, 24: 104e9}  # SPEC 1: tokens trained per size
 PAPER = dict(depth=6, head_dim=128, mu_rec=8, vocab_size=32768, seq_len=2048, device_batch_size=32,
              total_batch_size=524_288, eval_every=250, eval_tokens=10 * 524_288, core_every=2000,
-             save_every=1000, log_every=1, compile=int(CUDA), data="fineweb-edu")
+             save_every=1000, log_every=1, compile=int(CUDA), dtype="bfloat16" if CUDA else "float32",
+             data="fineweb-edu")
 SMALL = dict(depth=3, d_model=128, head_dim=64, mu_rec=4, vocab_size=4096, seq_len=256, device_batch_size=16,
              total_batch_size=8192, max_tokens=3.2e6, eval_every=130, eval_tokens=65_536, core_every=-1,
-             save_every=130, log_every=20, compile=0, data="stdlib")
+             save_every=130, log_every=20, compile=0, dtype="float32", data="stdlib")
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=f"paper preset: {PAPER}\nsmall CPU preset: {SMALL}")
@@ -74,6 +75,8 @@ parser.add_argument("--save_every", type=int, help="steps between checkpoints")
 parser.add_argument("--log_every", type=int)
 parser.add_argument("--resume", action="store_true", help="continue this run from its last checkpoint")
 parser.add_argument("--compile", type=int, choices=[0, 1], help="torch.compile the blocks (default on CUDA)")
+parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="autocast dtype of the matmuls (default bfloat16 "
+                    "on CUDA, float32 on CPU; bfloat16 on a CPU runs the GPU's numerics)")
 parser.add_argument("--data", help="fineweb-edu, stdlib, or a path / glob of .txt, .jsonl, .parquet files")
 parser.add_argument("--run", help="run name (default d<depth>_<injection>)")
 parser.add_argument("--seed", type=int, default=0)
@@ -179,7 +182,7 @@ if ddp:
     model = DDP(model, device_ids=[device.index] if CUDA else None, broadcast_buffers=False)  # RoPE tables: constant
 adamw_lr = args.adamw_lr or learning_rate_for_depth(args.depth)
 optimizer = build_optimizer(raw_model, adamw_lr=adamw_lr, muon_lr=args.muon_lr, weight_decay=args.weight_decay)
-autocast = torch.autocast("cuda", dtype=torch.bfloat16) if CUDA else nullcontext()
+autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bfloat16" else nullcontext()
 
 start_step, skipped_steps = 0, 0
 # torchrun --max_restarts restarts every worker after one fails: continue from the last checkpoint by itself
@@ -327,10 +330,11 @@ while step < num_steps and (args.stop_at is None or step < args.stop_at):
         metrics_file.write(json.dumps(record) + "\n")
         metrics_file.flush()
     results = []
-    if step % args.eval_every == 0 or step == num_steps:
-        results.append(evaluate(step))
-    if args.core_every > 0 and (step % args.core_every == 0 or step == num_steps):
-        results.append(evaluate_core_subset(step))
+    with autocast:  # evals run the training's numerics (eval_core keeps a caller's CPU autocast)
+        if step % args.eval_every == 0 or step == num_steps:
+            results.append(evaluate(step))
+        if args.core_every > 0 and (step % args.core_every == 0 or step == num_steps):
+            results.append(evaluate_core_subset(step))
     if master:
         for result in filter(None, results):
             metrics_file.write(json.dumps(result) + "\n")
