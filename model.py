@@ -481,6 +481,29 @@ class Parcae(nn.Module):
                 + c.mu_bwd * (4 * N_core + 2 * c.n_recur * 4 * d * S))
 
 
+    def activation_bytes(self, batch_size, bf16=True):
+        """Bytes saved for backward by a training forward of batch_size sequences that all backpropagate
+        through mu_bwd loop steps (the most any can: memory follows mu_bwd, not the sampled depth). Per
+        token, counted from eager saved tensors (tests/test_memory.py measures them again): each block run
+        with grad saves 80 d bytes in float32, 56 d under bf16 autocast (20 d-sized tensors, 8 of them
+        float32: see forward); a value embedding 4 d; the loop 4 (4 + mu_bwd) d (prelude norm, B, Abar h
+        per step, C_proj); the head 12 d and the float32 log-softmax 4 vocab. bf16 also keeps one bf16 copy
+        of every matrix (autocast's weight cache)."""
+        c = self.config
+        d = c.d_model
+        looped = c.injection != "none"
+
+        def runs(i):  # how many times layer i runs with grad in one forward
+            return c.mu_bwd if looped and c.n_prelude <= i < c.n_prelude + c.n_recur else 1
+
+        block_runs = sum(runs(i) for i in range(c.n_layer))
+        per_token = (block_runs * (56 if bf16 else 80) * d + sum(runs(i) for i in self.ve_layers) * 4 * d
+                     + (4 * (4 + c.mu_bwd) * d if looped else 0) + 12 * d + 4 * c.vocab_size)
+        matrices = sum(p.numel() for name, p in self.named_parameters()
+                       if p.ndim == 2 and not name.startswith("value_embeds"))  # embeddings are read, not cast
+        return batch_size * c.seq_len * per_token + (2 * matrices if bf16 else 0)
+
+
 # -----------------------------------------------------------------------------
 # MFU: model FLOPs from flops_per_token() against the GPU's peak
 

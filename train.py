@@ -154,7 +154,34 @@ log(f"parameters: {num_params:,} | FLOPs/token: {flops_per_token:.4e} | tokens: 
     f"| total FLOPs: {flops_per_token * num_steps * args.total_batch_size:.4e}")
 log(f"steps: {num_steps} x {args.total_batch_size:,} tokens = {world} process(es) x {grad_accum} micro-batch(es) x "
     f"{args.device_batch_size} x {args.seq_len} | data: {args.data} | output: {run_dir}")
+
+
+def memory_plan():
+    """Estimated memory per GPU: float32 weights and gradients, DDP's gradient buckets (another copy),
+    optimiser state (AdamW: two moments; Muon: momentum and a factored second moment), and activations
+    at --device_batch_size and mu_bwd (model.activation_bytes). A batch 'fits' in 90% of the memory: the
+    rest is for the backward's transient buffers, the CUDA context and fragmentation."""
+    optimizer_bytes = 0
+    for group in build_optimizer(meta_model, adamw_lr=1.0).param_groups:
+        numel = sum(p.numel() for p in group["params"])
+        if group["kind"] == "adamw":
+            optimizer_bytes += 8 * numel
+        else:
+            optimizer_bytes += 4 * numel + 4 * len(group["params"]) * max(group["params"][0].shape)
+    bf16 = args.dtype == "bfloat16"
+    static = 3 * 4 * num_params + optimizer_bytes
+    per_sequence = meta_model.activation_bytes(2, bf16) - meta_model.activation_bytes(1, bf16)
+    activations = meta_model.activation_bytes(args.device_batch_size, bf16)
+    fixed = activations - args.device_batch_size * per_sequence  # bf16's weight copies
+    fits = {gb: int((0.9 * gb * 1e9 - static - fixed) // per_sequence) for gb in (80, 141)}
+    log(f"memory per GPU (GB): weights {4 * num_params / 1e9:.1f} + grads {4 * num_params / 1e9:.1f} "
+        f"+ DDP buckets {4 * num_params / 1e9:.1f} + optimizer {optimizer_bytes / 1e9:.1f} + activations "
+        f"{activations / 1e9:.1f} ({args.device_batch_size} x {args.seq_len} at mu_bwd {config.mu_bwd}, {args.dtype}) "
+        f"= {(static + activations) / 1e9:.1f} | largest device batch: {fits[80]} in 80 GB, {fits[141]} in 141 GB")
+
+
 if args.dry_run:
+    memory_plan()
     sys.exit(0)
 
 # -----------------------------------------------------------------------------

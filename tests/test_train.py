@@ -5,6 +5,7 @@ for bad input."""
 import json
 import os
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -170,3 +171,6 @@ def test_dry_run_prints_the_paper_size(tmp_path):
                             capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 0, result.stderr
     assert "parameters: 1,338,591,744" in result.stdout and "tokens: 103,999," in result.stdout
+    assert "memory per GPU (GB): weights 5.4 + grads 5.4 + DDP buckets 5.4 + optimizer 8.0" in result.stdout
+    fits = re.search(r"largest device batch: (\d+) in 80 GB, (\d+) in 141 GB", result.stdout)
+    assert fits and 0 < int(fits[1]) < int(fits[2])
