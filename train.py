@@ -195,7 +195,8 @@ try:
     tokenizer = get_tokenizer(args.data, args.vocab_size)
     virtual_world = world * grad_accum
     loaders = [DataLoader(tokenizer, args.data, "train", args.device_batch_size, args.seq_len,
-                          rank=rank * grad_accum + micro, world_size=virtual_world, seed=args.seed, device=device)
+                          rank=rank * grad_accum + micro, world_size=virtual_world, seed=args.seed, device=device,
+                          sharers=grad_accum)  # one read of each chunk for this process's loaders
                for micro in range(grad_accum)]
 except (FileNotFoundError, ValueError) as err:
     fail(err)
