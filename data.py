@@ -359,10 +359,13 @@ class ChunkReader:
     """Reads each chunk once for all the loaders of this process. train.py gives each micro-batch of a step
     its own loader (a virtual rank), and every one of them takes its own share of every chunk, so without
     this a process would read and decode each chunk once per micro-batch. A chunk is kept until all of its
-    `sharers` loaders have taken it, then dropped; what a loader yields does not change."""
+    `sharers` loaders have taken it, then dropped; what a loader yields does not change. At most max_kept
+    chunks are kept (the oldest go first, to be read again if asked for): loaders drift apart a little, and
+    after a resume a loader already past a chunk never takes it."""
 
-    def __init__(self):
+    def __init__(self, max_kept=64):
         self.kept, self.lock = {}, threading.Lock()  # (chunk, epoch) -> [documents, loaders still to take it]
+        self.max_kept = max_kept
         self.reads = self.chars_read = 0  # chunks read from disk and their characters, for the tests
 
     def documents(self, chunk, epoch, sharers):
@@ -372,6 +375,8 @@ class ChunkReader:
             if key not in self.kept:
                 docs = read_chunk(chunk)
                 self.kept[key] = [docs, sharers]
+                if len(self.kept) > self.max_kept:
+                    del self.kept[next(iter(self.kept))]
                 self.reads += 1
                 self.chars_read += sum(map(len, docs))
             entry = self.kept[key]

@@ -485,10 +485,9 @@ class Parcae(nn.Module):
         """Bytes saved for backward by a training forward of batch_size sequences that all backpropagate
         through mu_bwd loop steps (the most any can: memory follows mu_bwd, not the sampled depth). Per
         token, counted from eager saved tensors (tests/test_memory.py measures them again): each block run
-        with grad saves 80 d bytes in float32, 56 d under bf16 autocast (20 d-sized tensors, 8 of them
-        float32: see forward); a value embedding 4 d; the loop 4 (4 + mu_bwd) d (prelude norm, B, Abar h
-        per step, C_proj); the head 12 d and the float32 log-softmax 4 vocab. bf16 also keeps one bf16 copy
-        of every matrix (autocast's weight cache)."""
+        with grad saves 80 d bytes in float32 and 56 d under bf16 autocast; a value embedding 4 d; the loop
+        4 (4 + mu_bwd) d (prelude norm, B, Abar h per step, C_proj); the head 12 d and the float32
+        log-softmax 4 vocab. bf16 also keeps one bf16 copy of every matrix (autocast's weight cache)."""
         c = self.config
         d = c.d_model
         looped = c.injection != "none"

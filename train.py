@@ -8,7 +8,8 @@ train.py: train Parcae (or a baseline) with the paper's recipe (SPEC 2), from a 
 
 Every optimiser step sees the same rows, depths and h0 whatever the number of processes: its
 micro-batches are "virtual ranks" v = rank * grad_accum + micro, each with its own share of the data
-and its own seed. So two processes reproduce one, and --resume continues a run exactly.
+and its own seed. So two processes reproduce one, and --resume continues a run exactly; workers that
+torchrun --max_restarts restarts after a failure resume from the last checkpoint by themselves.
 """
 
 import argparse
