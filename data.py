@@ -355,6 +355,40 @@ def read_chunk(chunk):
     return docs
 
 
+class ChunkReader:
+    """Reads each chunk once for all the loaders of this process. train.py gives each micro-batch of a step
+    its own loader (a virtual rank), and every one of them takes its own share of every chunk, so without
+    this a process would read and decode each chunk once per micro-batch. A chunk is kept until all of its
+    `sharers` loaders have taken it, then dropped; what a loader yields does not change. At most max_kept
+    chunks are kept (the oldest go first, to be read again if asked for): loaders drift apart a little, and
+    after a resume a loader already past a chunk never takes it."""
+
+    def __init__(self, max_kept=64):
+        self.kept, self.lock = {}, threading.Lock()  # (chunk, epoch) -> [documents, loaders still to take it]
+        self.max_kept = max_kept
+        self.reads = self.chars_read = 0  # chunks read from disk and their characters, for the tests
+
+    def documents(self, chunk, epoch, sharers):
+        """The chunk's documents (a shared list: copy before changing it)."""
+        with self.lock:  # the loaders' prefetch threads ask at once; the first one reads
+            key = (chunk, epoch)
+            if key not in self.kept:
+                docs = read_chunk(chunk)
+                self.kept[key] = [docs, sharers]
+                if len(self.kept) > self.max_kept:
+                    del self.kept[next(iter(self.kept))]
+                self.reads += 1
+                self.chars_read += sum(map(len, docs))
+            entry = self.kept[key]
+            entry[1] -= 1
+            if entry[1] <= 0:
+                del self.kept[key]
+            return entry[0]
+
+
+CHUNKS = ChunkReader()
+
+
 def iter_documents(source, split):
     """Every document of a split, in a fixed order (what the tokenizer trains on)."""
     for chunk in list_chunks(source, split):
@@ -367,11 +401,12 @@ class DocumentStream:
     so the ranks' shares are disjoint and together are the whole split. A document's id is
     (epoch, chunk position, index in this rank's share of that chunk)."""
 
-    def __init__(self, source, split, seed=0, rank=0, world_size=1):
+    def __init__(self, source, split, seed=0, rank=0, world_size=1, sharers=1):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
         self.chunks = list_chunks(source, split)
         self.source, self.split, self.seed, self.rank, self.world_size = source, split, seed, rank, world_size
+        self.sharers = sharers  # this process's streams of the same split that read every chunk (ChunkReader)
         self._order = (None, None)
 
     def order(self, epoch):
@@ -382,8 +417,9 @@ class DocumentStream:
             self._order = (epoch, order)
         return order
 
-    def share(self, epoch, position):
-        docs = read_chunk(self.chunks[self.order(epoch)[position]])
+    def share(self, epoch, position, shared=True):
+        chunk = self.chunks[self.order(epoch)[position]]
+        docs = list(CHUNKS.documents(chunk, epoch, self.sharers)) if shared else read_chunk(chunk)
         random.Random(f"{self.seed}:{epoch}:{position}").shuffle(docs)
         return docs[self.rank::self.world_size]
 
@@ -465,10 +501,10 @@ class DataLoader:
     yields exactly the batches the saved one would have yielded next."""
 
     def __init__(self, tokenizer, source, split, batch_size, seq_len, rank=0, world_size=1, seed=0, device="cpu",
-                 buffer_docs=1000, num_threads=4, tokenize_batch=128):
+                 buffer_docs=1000, num_threads=4, tokenize_batch=128, sharers=1):
         self.tokenizer, self.batch_size, self.seq_len, self.device = tokenizer, batch_size, seq_len, torch.device(device)
         self.buffer_docs, self.num_threads, self.tokenize_batch = buffer_docs, num_threads, tokenize_batch
-        self.stream = DocumentStream(source, split, seed, rank, world_size)
+        self.stream = DocumentStream(source, split, seed, rank, world_size, sharers)
         self.loop = split == "train"
         self.next_doc = (0, 0, 0)  # id of the next document to take into the buffer
         self.buffer = []  # (length, arrival, doc_id, tokens), sorted by length then arrival
@@ -569,7 +605,7 @@ class DataLoader:
             by_chunk[epoch, position].append((arrival, index))
         self.buffer = []
         for (epoch, position), entries in by_chunk.items():
-            docs = s.share(epoch, position)
+            docs = s.share(epoch, position, shared=False)  # the other loaders are not resuming this chunk
             token_lists = self.tokenizer.encode([docs[i] for _, i in entries], prepend_bos=True, num_threads=self.num_threads)
             for (arrival, index), tokens in zip(entries, token_lists):
                 bisect.insort(self.buffer, (len(tokens), arrival, (epoch, position, index), tokens))

@@ -270,6 +270,13 @@ def build_rows(task, data, indices, tokenizer, seed, max_len):
 # -----------------------------------------------------------------------------
 # Batched scoring: many sequences per forward, padded on the right, grouped by length
 
+def bf16_autocast(device):
+    """bf16 autocast on CUDA, as in training; on a CPU only inside a caller's own CPU autocast (train.py
+    --dtype=bfloat16), which an inner disabled autocast would otherwise switch off."""
+    return torch.autocast(device.type, torch.bfloat16,
+                          enabled=device.type == "cuda" or torch.is_autocast_enabled(device.type))
+
+
 def initial_state_table(model, length, seed, device):
     """One draw of the Parcae initial state h0 for positions 0..length-1, shared by every sequence of an evaluation.
     SPEC 1 draws h0 afresh per forward; drawing it once per evaluation (seeded) keeps the distribution and makes
@@ -306,7 +313,7 @@ def score_rows(model, rows, T, h0_table, batch_tokens=1024, one_per_forward=Fals
         for j, i in enumerate(batch):
             ids[j, :len(rows[i].tokens)] = torch.tensor(rows[i].tokens)
         ids = ids.to(device)
-        with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
+        with bf16_autocast(device):
             logits = model(ids, T=T, h0=h0_table[:, :width].expand(len(batch), -1, -1))
         batch_losses, batch_exact = [], []
         for j, i in enumerate(batch):
@@ -417,7 +424,7 @@ def evaluate_bpb(model, tokenizer, batches, T=None, seed=1234):
         x, y = x.to(device), y.to(device)
         if h0_table is None or h0_table.size(1) < x.size(1):
             h0_table = initial_state_table(model, x.size(1), seed, device)
-        with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
+        with bf16_autocast(device):
             nats = model(x, targets=y, T=T, h0=h0_table[:, :x.size(1)].expand(x.size(0), -1, -1), reduction="none")
         nats = nats.double()
         valid = y >= 0

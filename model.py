@@ -327,15 +327,15 @@ class Parcae(nn.Module):
         if self.C_proj is not None:
             trunc_orthogonal_(self.C_proj.weight, std)  # square: every singular value sqrt(2/5)
 
-    def compile_blocks(self):
+    def compile_blocks(self, backend="inductor"):
         """Compile each block alone and keep the loop in Python, so a depth that changes every step never
         recompiles. The recurrent blocks see a shrinking prefix of the batch (see recurrence), so their
         batch dimension is left to dynamo's automatic dynamic shapes: at most a static, a dynamic and a
-        size-1 graph."""
+        size-1 graph. backend="eager" traces and guards the same without generating code (tests)."""
         for block in [*self.prelude, *self.coda]:
-            block.compile(dynamic=False)
+            block.compile(dynamic=False, backend=backend)
         for block in self.recur:
-            block.compile(dynamic=None)
+            block.compile(dynamic=None, backend=backend)
 
     # --- the Parcae injection and its spectral radius
 
@@ -364,7 +364,7 @@ class Parcae(nn.Module):
         if inj == "diagonal":
             return (self.discretized_A()[0] if A_bar is None else A_bar) * h + e
         if inj == "concat":
-            return self.adapter(torch.cat([h, e], dim=-1))
+            return self.adapter(torch.cat([h, e], dim=-1)).to(h.dtype)  # the state stays float32 under autocast
         return h + e
 
     @torch.no_grad()
@@ -379,6 +379,15 @@ class Parcae(nn.Module):
         return 1.0 if inj == "add" else None
 
     # --- forward
+    # Precision under bf16 autocast (every CUDA run; train.py --dtype=bfloat16 runs the same on a CPU):
+    # - weights and the residual stream stay float32 at every stage: prelude, loop state h (and h0), coda.
+    #   The matmuls (Linear, attention, the head) take bf16 copies and return bf16, which is added into
+    #   the float32 stream, so rounding does not accumulate over the T loop steps and every RMSNorm sees a
+    #   float32 input with its float32 weight: the fused kernel, no dtype-mismatch fallback.
+    # - Abar and Bbar e: float32 (discretized_A, injected_input); C_proj's and the concat adapter's bf16
+    #   outputs are cast back to the state's float32 (inject, run_coda).
+    # - RoPE: float32 angle tables applied in q and k's bf16 (apply_rotary); q, k, v enter attention in bf16.
+    # - the head: bf16 logits, cast to float32 before the float32 cross-entropy.
 
     def forward(self, idx, targets=None, T=None, h0=None, cache=None, reduction="mean"):
         """idx (B, S) -> logits (B, S, vocab), or the cross-entropy with targets (-1 = ignore; per
@@ -437,7 +446,7 @@ class Parcae(nn.Module):
     def run_coda(self, h, ves, cos, sin, cache=None):
         """The recurrence's output (B, S, d) -> logits (B, S, vocab) float32: C_proj, coda, norm, tied head."""
         c = self.config
-        x = self.C_proj(h) if self.C_proj is not None else h
+        x = self.C_proj(h).to(h.dtype) if self.C_proj is not None else h  # float32 stream (see forward)
         for i, block in enumerate(self.coda):
             x = block(x, ves.get(c.n_prelude + c.n_recur + i), cos, sin, cache, ("coda", i))
         return (self.norm_f(x) @ self.wte.weight.t())[..., :c.vocab_size].float()
@@ -532,6 +541,28 @@ class Parcae(nn.Module):
         return (6 * N_nc + 3 * (c.n_prelude + c.n_coda) * 4 * d * S
                 + c.mu_rec * (2 * N_core + c.n_recur * 4 * d * S)
                 + c.mu_bwd * (4 * N_core + 2 * c.n_recur * 4 * d * S))
+
+
+    def activation_bytes(self, batch_size, bf16=True):
+        """Bytes saved for backward by a training forward of batch_size sequences that all backpropagate
+        through mu_bwd loop steps (the most any can: memory follows mu_bwd, not the sampled depth). Per
+        token, counted from eager saved tensors (tests/test_memory.py measures them again): each block run
+        with grad saves 80 d bytes in float32 and 56 d under bf16 autocast; a value embedding 4 d; the loop
+        4 (4 + mu_bwd) d (prelude norm, B, Abar h per step, C_proj); the head 12 d and the float32
+        log-softmax 4 vocab. bf16 also keeps one bf16 copy of every matrix (autocast's weight cache)."""
+        c = self.config
+        d = c.d_model
+        looped = c.injection != "none"
+
+        def runs(i):  # how many times layer i runs with grad in one forward
+            return c.mu_bwd if looped and c.n_prelude <= i < c.n_prelude + c.n_recur else 1
+
+        block_runs = sum(runs(i) for i in range(c.n_layer))
+        per_token = (block_runs * (56 if bf16 else 80) * d + sum(runs(i) for i in self.ve_layers) * 4 * d
+                     + (4 * (4 + c.mu_bwd) * d if looped else 0) + 12 * d + 4 * c.vocab_size)
+        matrices = sum(p.numel() for name, p in self.named_parameters()
+                       if p.ndim == 2 and not name.startswith("value_embeds"))  # embeddings are read, not cast
+        return batch_size * c.seq_len * per_token + (2 * matrices if bf16 else 0)
 
 
 # -----------------------------------------------------------------------------

@@ -8,13 +8,15 @@ train.py: train Parcae (or a baseline) with the paper's recipe (SPEC 2), from a 
 
 Every optimiser step sees the same rows, depths and h0 whatever the number of processes: its
 micro-batches are "virtual ranks" v = rank * grad_accum + micro, each with its own share of the data
-and its own seed. So two processes reproduce one, and --resume continues a run exactly.
+and its own seed. So two processes reproduce one, and --resume continues a run exactly; workers that
+torchrun --max_restarts restarts after a failure resume from the last checkpoint by themselves.
 """
 
 import argparse
 import json
 import os
 import pickle
+import signal
 import sys
 import time
 from contextlib import nullcontext
@@ -37,10 +39,11 @@ CUDA = torch.cuda.is_available()
 PAPER_TOKENS = {6: 11.2e9, 12: 29.6e9, 18: 61.6e9, 24: 104e9}  # SPEC 1: tokens trained per size
 PAPER = dict(depth=6, head_dim=128, mu_rec=8, vocab_size=32768, seq_len=2048, device_batch_size=32,
              total_batch_size=524_288, eval_every=250, eval_tokens=10 * 524_288, core_every=2000,
-             save_every=1000, log_every=1, compile=int(CUDA), data="fineweb-edu")
+             save_every=1000, log_every=1, compile=int(CUDA), dtype="bfloat16" if CUDA else "float32",
+             data="fineweb-edu")
 SMALL = dict(depth=3, d_model=128, head_dim=64, mu_rec=4, vocab_size=4096, seq_len=256, device_batch_size=16,
              total_batch_size=8192, max_tokens=3.2e6, eval_every=130, eval_tokens=65_536, core_every=-1,
-             save_every=130, log_every=20, compile=0, data="stdlib")
+             save_every=130, log_every=20, compile=0, dtype="float32", data="stdlib")
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=f"paper preset: {PAPER}\nsmall CPU preset: {SMALL}")
@@ -75,12 +78,16 @@ parser.add_argument("--save_every", type=int, help="steps between checkpoints")
 parser.add_argument("--log_every", type=int)
 parser.add_argument("--resume", action="store_true", help="continue this run from its last checkpoint")
 parser.add_argument("--compile", type=int, choices=[0, 1], help="torch.compile the blocks (default on CUDA)")
+parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="autocast dtype of the matmuls (default bfloat16 "
+                    "on CUDA, float32 on CPU; bfloat16 on a CPU runs the GPU's numerics)")
 parser.add_argument("--data", help="fineweb-edu, stdlib, or a path / glob of .txt, .jsonl, .parquet files")
 parser.add_argument("--run", help="run name (default d<depth>_<injection>)")
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--dry_run", action="store_true", help="print the resolved configuration and exit")
 parser.add_argument("--stop_at", type=int, help="end this invocation after that step (continue with --resume)")
 parser.add_argument("--fault_nan_step", type=int, help="testing: poison the gradients at this step")
+parser.add_argument("--fault_kill_step", type=int, help="testing: the last rank SIGKILLs itself after this step "
+                    "(first attempt only), for the elastic-restart test")
 args = parser.parse_args()
 preset = SMALL if not CUDA and args.depth is None else PAPER
 for name, value in preset.items():
@@ -123,6 +130,10 @@ else:
 
 ddp = "RANK" in os.environ and not args.dry_run
 device = torch.device("cuda" if CUDA else "cpu")
+restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))  # > 0: torchrun restarted the workers
+if restart_count and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+    fail("torchrun restarted the workers but its shared rendezvous store still holds the failed attempt's "
+         "addresses (pytorch issue 167288); launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
 if ddp:
     device = init_distributed(device)  # the GPU of this local rank
 rank, world = rank_and_world()
@@ -146,7 +157,34 @@ log(f"parameters: {num_params:,} | FLOPs/token: {flops_per_token:.4e} | tokens: 
     f"| total FLOPs: {flops_per_token * num_steps * args.total_batch_size:.4e}")
 log(f"steps: {num_steps} x {args.total_batch_size:,} tokens = {world} process(es) x {grad_accum} micro-batch(es) x "
     f"{args.device_batch_size} x {args.seq_len} | data: {args.data} | output: {run_dir}")
+
+
+def memory_plan():
+    """Estimated memory per GPU: float32 weights and gradients, DDP's gradient buckets (another copy),
+    optimiser state (AdamW: two moments; Muon: momentum and a factored second moment), and activations
+    at --device_batch_size and mu_bwd (model.activation_bytes). A batch 'fits' in 90% of the memory: the
+    rest is for the backward's transient buffers, the CUDA context and fragmentation."""
+    optimizer_bytes = 0
+    for group in build_optimizer(meta_model, adamw_lr=1.0).param_groups:
+        numel = sum(p.numel() for p in group["params"])
+        if group["kind"] == "adamw":
+            optimizer_bytes += 8 * numel
+        else:
+            optimizer_bytes += 4 * numel + 4 * len(group["params"]) * max(group["params"][0].shape)
+    bf16 = args.dtype == "bfloat16"
+    static = 3 * 4 * num_params + optimizer_bytes
+    per_sequence = meta_model.activation_bytes(2, bf16) - meta_model.activation_bytes(1, bf16)
+    activations = meta_model.activation_bytes(args.device_batch_size, bf16)
+    fixed = activations - args.device_batch_size * per_sequence  # bf16's weight copies
+    fits = {gb: int((0.9 * gb * 1e9 - static - fixed) // per_sequence) for gb in (80, 141)}
+    log(f"memory per GPU (GB): weights {4 * num_params / 1e9:.1f} + grads {4 * num_params / 1e9:.1f} "
+        f"+ DDP buckets {4 * num_params / 1e9:.1f} + optimizer {optimizer_bytes / 1e9:.1f} + activations "
+        f"{activations / 1e9:.1f} ({args.device_batch_size} x {args.seq_len} at mu_bwd {config.mu_bwd}, {args.dtype}) "
+        f"= {(static + activations) / 1e9:.1f} | largest device batch: {fits[80]} in 80 GB, {fits[141]} in 141 GB")
+
+
 if args.dry_run:
+    memory_plan()
     sys.exit(0)
 
 # -----------------------------------------------------------------------------
@@ -160,7 +198,8 @@ try:
     tokenizer = get_tokenizer(args.data, args.vocab_size)
     virtual_world = world * grad_accum
     loaders = [DataLoader(tokenizer, args.data, "train", args.device_batch_size, args.seq_len,
-                          rank=rank * grad_accum + micro, world_size=virtual_world, seed=args.seed, device=device)
+                          rank=rank * grad_accum + micro, world_size=virtual_world, seed=args.seed, device=device,
+                          sharers=grad_accum)  # one read of each chunk for this process's loaders
                for micro in range(grad_accum)]
 except (FileNotFoundError, ValueError) as err:
     fail(err)
@@ -174,10 +213,11 @@ if ddp:
     model = DDP(model, device_ids=[device.index] if CUDA else None, broadcast_buffers=False)  # RoPE tables: constant
 adamw_lr = args.adamw_lr or learning_rate_for_depth(args.depth)
 optimizer = build_optimizer(raw_model, adamw_lr=adamw_lr, muon_lr=args.muon_lr, weight_decay=args.weight_decay)
-autocast = torch.autocast("cuda", dtype=torch.bfloat16) if CUDA else nullcontext()
+autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bfloat16" else nullcontext()
 
 start_step, skipped_steps = 0, 0
-if args.resume:
+# torchrun --max_restarts restarts every worker after one fails: continue from the last checkpoint by itself
+if args.resume or (restart_count > 0 and any(run_dir.glob("ckpt_*.pt"))):
     path = None
     try:
         path = find_checkpoint(get_base_dir() / "runs", run_name)
@@ -195,7 +235,7 @@ if args.resume:
         fail(f"cannot resume {run_name} with these flags ({' '.join(str(err).split())[:200]}); "
              f"pass the flags and process count it was started with")
     start_step, skipped_steps = ckpt["step"], ckpt["skipped_steps"]
-    log(f"resumed {run_name} at step {start_step}")
+    log(f"resumed {run_name} at step {start_step}" + (f", elastic restart {restart_count}" if restart_count else ""))
 batches = [iter(loader) for loader in loaders]
 
 # -----------------------------------------------------------------------------
@@ -321,16 +361,19 @@ while step < num_steps and (args.stop_at is None or step < args.stop_at):
         metrics_file.write(json.dumps(record) + "\n")
         metrics_file.flush()
     results = []
-    if step % args.eval_every == 0 or step == num_steps:
-        results.append(evaluate(step))
-    if args.core_every > 0 and (step % args.core_every == 0 or step == num_steps):
-        results.append(evaluate_core_subset(step))
+    with autocast:  # evals run the training's numerics (eval_core keeps a caller's CPU autocast)
+        if step % args.eval_every == 0 or step == num_steps:
+            results.append(evaluate(step))
+        if args.core_every > 0 and (step % args.core_every == 0 or step == num_steps):
+            results.append(evaluate_core_subset(step))
     if master:
         for result in filter(None, results):
             metrics_file.write(json.dumps(result) + "\n")
         metrics_file.flush()
     if step % args.save_every == 0 or step == num_steps or step == args.stop_at:
         save(step)
+    if args.fault_kill_step == step and rank == world - 1 and restart_count == 0:
+        os.kill(os.getpid(), signal.SIGKILL)  # as a node fault or the OOM killer would
 
 log(f"done: {step} steps in {(time.time() - t_run) / 60:.1f} min, {skipped_steps} skipped")
 for loader in loaders:

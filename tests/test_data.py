@@ -403,3 +403,28 @@ def test_cli_help_explains_the_steps():
     result = subprocess.run([sys.executable, str(REPO / "data.py"), "--help"], capture_output=True, text=True, cwd=REPO)
     assert result.returncode == 0
     assert "python data.py download -n 8" in result.stdout and "stdlib" in result.stdout
+
+
+def test_bytes_read_per_process_do_not_grow_with_gradient_accumulation(tokenizer, tmp_path, monkeypatch):
+    # train.py's loaders for one process: one per micro-batch, rank = micro of world = accum, the same rows per
+    # step whatever the accumulation; 20 row groups, a few epochs
+    write_parquet(tmp_path / "docs.parquet", make_documents(320, seed=9, max_words=40), row_group_size=16)
+    source, rows_per_step, steps = str(tmp_path / "docs.parquet"), 8, 90
+
+    def run(accum, sharers):
+        """-> (characters the process read per token its loaders took in, every step's micro-batches).
+        Per token taken, because packing smaller buffers crops more, so takes in more documents."""
+        monkeypatch.setattr(data, "CHUNKS", data.ChunkReader())
+        loaders = [data.DataLoader(tokenizer, source, "train", rows_per_step // accum, 32, rank=micro,
+                                   world_size=accum, buffer_docs=4, tokenize_batch=1, sharers=sharers)
+                   for micro in range(accum)]
+        batches = [[next(loader)[0] for loader in loaders] for _ in range(steps)]
+        for loader in loaders:
+            loader.close()
+        return data.CHUNKS.chars_read / sum(loader.tokens_read for loader in loaders), batches
+
+    (one, _), (four, batches), (separate, separate_batches) = run(1, 1), run(4, 4), run(4, 1)
+    # four loaders read up to where the furthest of them is (they drift apart a little), not four times
+    assert four <= 1.25 * one, (four, one)
+    assert separate >= 3.5 * one  # what one reader per loader would read
+    assert all(torch.equal(a, b) for step, other in zip(batches, separate_batches) for a, b in zip(step, other))

@@ -1,19 +1,23 @@
-"""Tests for train.py, run as users run it (subprocesses): exact resume, two processes against one,
-the non-finite-gradient skip, and one-line errors for bad input."""
+"""Tests for train.py, run as users run it (subprocesses): exact resume, two processes and two "nodes"
+against one, an elastic restart after a killed rank, the non-finite-gradient skip, and one-line errors
+for bad input."""
 
 import json
 import os
 import random
+import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--depth=3", "--d_model=64", "--head_dim=32", "--mu_rec=3", "--vocab_size=320", "--seq_len=32",
         "--device_batch_size=4", "--total_batch_size=256", "--max_tokens=2048", "--eval_every=1000",
-        "--eval_tokens=256", "--save_every=1000", "--log_every=1"]
+        "--eval_tokens=256", "--save_every=1000", "--log_every=1", "--core_every=-1"]
 
 
 @pytest.fixture(scope="module")
@@ -28,15 +32,41 @@ def corpus(tmp_path_factory):
     return root
 
 
-def train(corpus, *flags, nproc=1, expect_ok=True):
-    env = {**os.environ, "NANOPARCAE_BASE_DIR": str(corpus / "base"), "OMP_NUM_THREADS": "1"}
+def train_command(corpus, *flags, nproc=1, torchrun=("--standalone",)):
     launcher = [sys.executable] if nproc == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "--"]
-    cmd = launcher + [str(ROOT / "train.py"), f"--data={corpus / 'corpus.txt'}", *TINY, *flags]
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+        [sys.executable, "-m", "torch.distributed.run", *torchrun, f"--nproc_per_node={nproc}", "--"]
+    return launcher + [str(ROOT / "train.py"), f"--data={corpus / 'corpus.txt'}", *TINY, *flags]
+
+
+def train_env(corpus, **extra):
+    return {**os.environ, "NANOPARCAE_BASE_DIR": str(corpus / "base"), "OMP_NUM_THREADS": "1", **extra}
+
+
+def train(corpus, *flags, nproc=1, torchrun=("--standalone",), env=None, expect_ok=True):
+    result = subprocess.run(train_command(corpus, *flags, nproc=nproc, torchrun=torchrun), capture_output=True,
+                            text=True, env=train_env(corpus, **(env or {})), timeout=300)
     if expect_ok:
         assert result.returncode == 0, result.stderr[-3000:]
     return result
+
+
+@pytest.fixture(scope="module")
+def one(corpus):
+    """One process, 2 micro-batches of 4 per step: the reference the multi-process runs must equal."""
+    train(corpus, "--run=one")
+    return step_losses(corpus, "one")
+
+
+@pytest.fixture(scope="module")
+def two(corpus):
+    """Two processes on this node, 1 micro-batch of 4 each."""
+    train(corpus, "--run=two", nproc=2)
+    return step_losses(corpus, "two")
+
+
+def final_weights(corpus, run):
+    path = corpus / "base" / "runs" / run / "ckpt_000008.pt"
+    return torch.load(path, map_location="cpu", weights_only=True)["model"]
 
 
 def step_losses(corpus, run):
@@ -58,14 +88,58 @@ def test_resumed_run_gives_exactly_the_losses_of_an_uninterrupted_run(corpus):
     assert "cannot resume halves with these flags" in changed.stderr and "size mismatch" in changed.stderr
 
 
-def test_two_processes_give_the_losses_of_one(corpus):
-    # one process: 2 micro-batches of 4; two processes: 1 micro-batch of 4 each; per-sequence depths
-    train(corpus, "--run=one")
-    train(corpus, "--run=two", nproc=2)
-    one, two = step_losses(corpus, "one"), step_losses(corpus, "two")
+def test_two_processes_give_the_losses_of_one(one, two):
     assert list(one) == list(two) == list(range(1, 9))
     for step in one:
         assert two[step] == pytest.approx(one[step], rel=1e-4), step
+
+
+def test_two_nodes_give_the_losses_and_weights_of_one_process(corpus, one):
+    # two torchrun launches, one process each, meeting at a c10d rendezvous as two machines would
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torchrun = ["--nnodes=2", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=test"]
+    nodes = [subprocess.Popen(train_command(corpus, "--run=nodes", nproc=1, torchrun=torchrun), env=train_env(corpus),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    for node in nodes:
+        _, stderr = node.communicate(timeout=300)
+        assert node.returncode == 0, stderr[-3000:]
+    nodes_losses = step_losses(corpus, "nodes")
+    assert list(nodes_losses) == list(one)
+    for step in one:
+        assert nodes_losses[step] == pytest.approx(one[step], rel=1e-4), step
+    reference, weights = final_weights(corpus, "one"), final_weights(corpus, "nodes")
+    for name in reference:
+        torch.testing.assert_close(weights[name], reference[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_killed_rank_is_restarted_and_the_run_ends_with_the_weights_of_an_unbroken_run(corpus, two):
+    # the last rank SIGKILLs itself after step 6; torchrun restarts both workers, which resume from the
+    # step-4 checkpoint and recompute steps 5 and 6 exactly
+    launch = dict(nproc=2, torchrun=("--standalone", "--max_restarts=1"))
+    shared = train(corpus, "--run=shared_store", "--fault_kill_step=1", **launch, expect_ok=False)
+    assert shared.returncode != 0 and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in shared.stderr  # a clear line
+    result = train(corpus, "--run=elastic", "--save_every=4", "--fault_kill_step=6", **launch,
+                   env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    assert "resumed elastic at step 4, elastic restart 1" in result.stdout
+    reference, weights = final_weights(corpus, "two"), final_weights(corpus, "elastic")
+    assert reference.keys() == weights.keys()
+    for name in reference:
+        assert torch.equal(weights[name], reference[name]), name  # bit for bit
+
+
+def test_bf16_autocast_on_a_cpu_tracks_float32(corpus, one):
+    # --dtype=bfloat16 runs the GPU's autocast on a CPU; after 8 steps the losses differ by ~0.2% here
+    result = train(corpus, "--run=bf16", "--dtype=bfloat16")
+    assert "Mismatch dtype" not in result.stderr  # every RMSNorm took its fused path
+    bf16 = step_losses(corpus, "bf16")
+    assert list(bf16) == list(one) and bf16 != one
+    for step in one:
+        assert bf16[step] == pytest.approx(one[step], rel=1e-2), step
+    evals = {run: [json.loads(line) for line in (corpus / "base" / "runs" / run / "metrics.jsonl").open()
+                   if "val_loss_T1" in line][-1] for run in ("one", "bf16")}
+    assert evals["bf16"]["val_loss_T3"] == pytest.approx(evals["one"]["val_loss_T3"], rel=1e-2)
 
 
 def test_non_finite_gradients_are_skipped_and_the_run_goes_on(corpus):
@@ -97,6 +171,9 @@ def test_dry_run_prints_the_paper_size(tmp_path):
                             capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 0, result.stderr
     assert "parameters: 1,338,591,744" in result.stdout and "tokens: 103,999," in result.stdout
+    assert "memory per GPU (GB): weights 5.4 + grads 5.4 + DDP buckets 5.4 + optimizer 8.0" in result.stdout
+    fits = re.search(r"largest device batch: (\d+) in 80 GB, (\d+) in 141 GB", result.stdout)
+    assert fits and 0 < int(fits[1]) < int(fits[2])
 
 
 def test_authors_per_batch_sampling_trains_and_per_document_ppl_runs(corpus):
