@@ -33,7 +33,7 @@ from optim import build_optimizer
 from sample import generate
 
 CUDA = torch.cuda.is_available()
-# Defaults: a small model on CPU (minutes on two cores), the 140M model (SPEC 1, depth 6) on CUDA
+# Defaults: a small model on CPU (minutes on two cores), the 140M model (METHOD.md §1, depth 6) on CUDA
 CPU_SIZES = dict(depth=3, d_model=128, head_dim=64, vocab_size=4096, seq_len=128, batch_size=8, steps=2)
 CUDA_SIZES = dict(depth=6, d_model=None, head_dim=128, vocab_size=32768, seq_len=2048, batch_size=16, steps=3)
 # Row 7 compiles on CPU at a tiny size: inductor's C++ compile of bigger blocks costs minutes there
@@ -97,7 +97,7 @@ def model_loss(model, x, y, depths):
 
 
 def masked_reference_loss(model, x, y, depths):
-    """Per-sequence depths the way the paper runs them (SPEC 2): the whole batch steps max(n) times without
+    """Per-sequence depths the way the paper runs them (METHOD.md §2): the whole batch steps max(n) times without
     grad and max(k) times with it, and torch.where keeps the state of a sequence whose count is used up.
     Built from the model's pieces; row 8 measures model.py against it, tests/test_bench.py checks it."""
     e, (ves, cos, sin) = model.run_prelude(x)
@@ -441,7 +441,7 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats; each figure is their median")
     parser.add_argument("--mu_rec", type=int, default=8)
     args = parser.parse_args(argv)
-    width_from_depth = args.depth is not None  # --depth alone takes SPEC 1's width for that depth
+    width_from_depth = args.depth is not None  # --depth alone takes METHOD.md §1's width for that depth
     for name, value in (CUDA_SIZES if CUDA else CPU_SIZES).items():
         if getattr(args, name) is None and not (name == "d_model" and width_from_depth):
             setattr(args, name, value)

@@ -1,5 +1,5 @@
 """
-Everything between raw text and the (x, y) batches that train.py consumes (SPEC 2).
+Everything between raw text and the (x, y) batches that train.py consumes (METHOD.md §2).
 
 The steps, each one command:
 
@@ -47,9 +47,9 @@ import tiktoken
 import torch
 
 FINEWEB_URL = "https://huggingface.co/datasets/karpathy/fineweb-edu-100b-shuffle/resolve/main"
-FINEWEB_LAST_SHARD = 1822  # SPEC 5: shards 0..1822
+FINEWEB_LAST_SHARD = 1822  # METHOD.md §5: shards 0..1822
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>"]
-# SPEC 2: a GPT-4 style split pattern; like nanochat we group digits by 1-2 (GPT-4: 1-3), which wastes
+# METHOD.md §2: a GPT-4 style split pattern; like nanochat we group digits by 1-2 (GPT-4: 1-3), which wastes
 # fewer tokens on numbers at small vocab sizes
 SPLIT_PATTERN = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
 VAL_EVERY = 20  # stdlib and user files: a document is validation iff crc32(text) % 20 == 0 (~5%)
@@ -68,7 +68,7 @@ def fineweb_dir():
     return path
 
 # -----------------------------------------------------------------------------
-# Tokenizer: trained with rustbpe, run with tiktoken (SPEC 2: byte-level BPE, GPT-4 split, <|bos|> etc.)
+# Tokenizer: trained with rustbpe, run with tiktoken (METHOD.md §2: byte-level BPE, GPT-4 split, <|bos|> etc.)
 
 class Tokenizer:
     """A tiktoken.Encoding plus the byte length of every token (bits per byte needs it)."""
@@ -92,7 +92,7 @@ class Tokenizer:
 
     @classmethod
     def train(cls, text_iterator, vocab_size, max_chars=2_000_000_000, doc_cap=10_000):
-        """Train on at most max_chars characters, each document cut to doc_cap (SPEC 2: ~2B chars, 10k cap).
+        """Train on at most max_chars characters, each document cut to doc_cap (METHOD.md §2: ~2B chars, 10k cap).
         vocab_size counts the special tokens."""
         num_merged = vocab_size - len(SPECIAL_TOKENS)
         if num_merged < 256:
@@ -313,7 +313,7 @@ def list_chunks(source, split):
         if len(shards) < 2:
             raise SystemExit(f"found {len(shards)} FineWeb-Edu shards in {fineweb_dir()}, need at least 2 (the last is "
                              f"validation): run `python data.py download -n 8`")
-        # SPEC 5: the last shard is validation
+        # METHOD.md §5: the last shard is validation
         return [c for p in (shards[:-1] if split == "train" else shards[-1:]) for c in parquet_chunks(p, None)]
     return files_chunks(stdlib_files() if source == "stdlib" else user_files(source), split)
 
@@ -405,7 +405,7 @@ class DocumentStream:
             epoch, position, index = epoch + 1, 0, 0
 
 # -----------------------------------------------------------------------------
-# Loader: BOS-aligned best-fit packing (SPEC 2), tokenizing ahead in a thread, exactly resumable
+# Loader: BOS-aligned best-fit packing (METHOD.md §2), tokenizing ahead in a thread, exactly resumable
 
 def tokenize_ahead(tokenizer, stream, start, loop, batch_docs, num_threads):
     """Lists of (doc_id, tokens), every document BOS first, tokenized batch_docs at a time."""
@@ -460,7 +460,7 @@ class Prefetcher:
 class DataLoader:
     """Yields (x, y), LongTensors of shape (batch_size, seq_len) on `device`: rows of seq_len + 1 tokens that each
     start with BOS, packed best-fit from a buffer of about buffer_docs documents, overflow cropped, no padding
-    (SPEC 2). The train split cycles over epochs forever; the val split is read once, then StopIteration.
+    (METHOD.md §2). The train split cycles over epochs forever; the val split is read once, then StopIteration.
     state_dict() is small (the ids of the buffered documents and of the next one to read), and a loader given it
     yields exactly the batches the saved one would have yielded next."""
 
@@ -497,7 +497,7 @@ class DataLoader:
             self.arrivals += 1
 
     def _pack_row(self):
-        """SPEC 2: take the longest buffered document that fits whole; when none fits, crop the shortest
+        """METHOD.md §2: take the longest buffered document that fits whole; when none fits, crop the shortest
         (the least waste) to fill the row exactly. The row starts with BOS because every document does."""
         row, capacity = [], self.seq_len + 1
         while len(row) < capacity:

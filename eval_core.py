@@ -1,5 +1,5 @@
 """
-eval_core.py: evaluate a checkpoint (SPEC 3): CORE and Core-Extended, bits per byte, and the test-time scaling law.
+eval_core.py: evaluate a checkpoint (METHOD.md §3): CORE and Core-Extended, bits per byte, and the test-time scaling law.
 
     python eval_core.py                                       # CORE of the latest checkpoint, at T = mu_rec
     python eval_core.py --T 8 --max_per_task 50               # quicker: 50 examples per task
@@ -36,10 +36,10 @@ from data import Tokenizer, download_file, get_base_dir, val_batches
 from hub import load_pretrained, local_dir
 from model import find_checkpoint, load_checkpoint
 
-EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"  # SPEC 5
+EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"  # METHOD.md §5
 
 # -----------------------------------------------------------------------------
-# The task table (SPEC 3; files, shots and delimiters as in DCLM's heavy.yaml and nanochat's core.yaml)
+# The task table (METHOD.md §3; files, shots and delimiters as in DCLM's heavy.yaml and nanochat's core.yaml)
 
 MC, SCHEMA, LM = "multiple_choice", "schema", "language_modeling"
 ANSWER = "\nAnswer: "
@@ -157,7 +157,7 @@ def download_eval_bundle(url=EVAL_BUNDLE_URL, base_dir=None):
     scratch = base_dir / f"eval_bundle.{os.getpid()}.tmp"
     try:
         extract_zip_safely(zip_path, scratch)
-        extracted = scratch / "eval_bundle"  # SPEC 5: one top-level folder eval_bundle/
+        extracted = scratch / "eval_bundle"  # METHOD.md §5: one top-level folder eval_bundle/
         if not (extracted / "eval_meta_data.csv").is_file():
             raise ValueError(f"{url} is not an eval bundle (no eval_bundle/eval_meta_data.csv inside); check --bundle_url")
         extracted.rename(bundle_dir)
@@ -171,14 +171,14 @@ def download_eval_bundle(url=EVAL_BUNDLE_URL, base_dir=None):
 
 
 def read_random_baselines(bundle_dir):
-    """{task label: random baseline in percent} from the bundle's eval_meta_data.csv (SPEC 3: DCLM's v1 values)."""
+    """{task label: random baseline in percent} from the bundle's eval_meta_data.csv (METHOD.md §3: DCLM's v1 values)."""
     with open(Path(bundle_dir) / "eval_meta_data.csv", newline="", encoding="utf-8") as f:
         return {row["Eval Task"]: float(row["Random baseline"]) for row in csv.DictReader(f)}
 
 
 def load_task_data(bundle_dir, task, max_per_task):
     """The task's records shuffled with Random(1337) (many files are ordered, so a max_per_task cut stays
-    representative), then cut to max_per_task when it is > 0 (SPEC 3, as nanochat)."""
+    representative), then cut to max_per_task when it is > 0 (METHOD.md §3, as nanochat)."""
     with open(Path(bundle_dir) / "eval_data" / task.path, encoding="utf-8") as f:
         data = [json.loads(line) for line in f if line.strip()]
     random.Random(1337).shuffle(data)
@@ -229,7 +229,7 @@ def scored_spans(task, tokens):
 
 
 def crop_left(tokens, start, end, max_len):
-    """Keep the last max_len tokens (SPEC 3 crops long prompts from the left) and shift the span with them.
+    """Keep the last max_len tokens (METHOD.md §3 crops long prompts from the left) and shift the span with them.
     The span keeps at least one token and never starts at position 0, which nothing predicts."""
     cut = max(0, len(tokens) - max_len)
     start, end = start - cut, end - cut
@@ -255,7 +255,7 @@ def build_rows(task, data, indices, tokenizer, seed, max_len):
         texts = render_prompts(task, data[idx], fewshot)
         prompts += texts
         owners.append((idx, len(texts)))
-    tokens = tokenizer.encode(prompts, prepend_bos=True) if prompts else []  # SPEC 3: BOS starts every prompt
+    tokens = tokenizer.encode(prompts, prepend_bos=True) if prompts else []  # METHOD.md §3: BOS starts every prompt
     rows, offset = [], 0
     for idx, n in owners:
         sequences, spans = scored_spans(task, tokens[offset:offset + n])
@@ -268,7 +268,7 @@ def build_rows(task, data, indices, tokenizer, seed, max_len):
 
 def initial_state_table(model, length, seed, device):
     """One draw of the Parcae initial state h0 for positions 0..length-1, shared by every sequence of an evaluation.
-    SPEC 1 draws h0 afresh per forward; drawing it once per evaluation (seeded) keeps the distribution and makes
+    METHOD.md §1 draws h0 afresh per forward; drawing it once per evaluation (seeded) keeps the distribution and makes
     every sequence's score independent of what else is in its batch and of the number of ranks."""
     generator = torch.Generator().manual_seed(seed)
     return model.initial_state((1, length, model.config.d_model), "cpu", torch.float32, generator).to(device)
@@ -327,7 +327,7 @@ def print0(*args, **kwargs):
 
 
 def centered_accuracy(accuracy, random_baseline):
-    """SPEC 3: (acc - 0.01 rb) / (1 - 0.01 rb), rb in percent: 0 at chance, 1 for a perfect score."""
+    """METHOD.md §3: (acc - 0.01 rb) / (1 - 0.01 rb), rb in percent: 0 at chance, 1 for a perfect score."""
     return (accuracy - 0.01 * random_baseline) / (1.0 - 0.01 * random_baseline)
 
 
@@ -429,7 +429,7 @@ def evaluate_bpb(model, tokenizer, batches, T=None, seed=1234):
 
 
 def fit_test_time_scaling(Ts, losses):
-    """Least-squares fit of L(T) = L_inf + Z exp(-z T) (SPEC 3) -> {"L_inf", "Z", "z", "rms"}. For a fixed z the law
+    """Least-squares fit of L(T) = L_inf + Z exp(-z T) (METHOD.md §3) -> {"L_inf", "Z", "z", "rms"}. For a fixed z the law
     is linear in (L_inf, Z), solved exactly; z is searched on a log grid, then refined by golden-section search
     (on log z) between the best grid point's neighbours."""
     T, L = np.asarray(Ts, dtype=np.float64), np.asarray(losses, dtype=np.float64)
@@ -527,7 +527,7 @@ def run_core(args, model, tokenizer, Ts, seeds):
 
 def run_bpb(args, model, tokenizer, ckpt, Ts, device):
     mu_rec = model.config.mu_rec
-    Ts = sorted(set(Ts) | {mu_rec})  # SPEC 3 compares L_inf with the loss at T = mu_rec
+    Ts = sorted(set(Ts) | {mu_rec})  # METHOD.md §3 compares L_inf with the loss at T = mu_rec
     source = args.data or ckpt.get("args", {}).get("data", "fineweb-edu")
     rank, world = rank_and_world()
     batches = list(val_batches(tokenizer, source, args.batch_size, model.config.seq_len, args.val_tokens, rank, world,
@@ -559,7 +559,7 @@ def main():
                         "(SandyResearch/parcae-140m) or a folder with config.json, model.pt, tokenizer.json")
     parser.add_argument("--eval", default="core", choices=["core", "bpb"])
     parser.add_argument("--T", default=None, help="test-time recurrence(s), e.g. 8 or 1,2,4,8 (default: mu_rec)")
-    parser.add_argument("--seeds", default="1234", help="few-shot seeds; several print mean and std (SPEC 3)")
+    parser.add_argument("--seeds", default="1234", help="few-shot seeds; several print mean and std (METHOD.md §3)")
     parser.add_argument("--max_per_task", type=int, default=-1, help="items per task after shuffling (-1: all)")
     parser.add_argument("--tasks", default="core", help="core (22), extended (46), or task labels separated by commas")
     parser.add_argument("--batch_tokens", type=int, default=None,

@@ -4,7 +4,7 @@ their GPT baselines) with nanoparcae's model and a tiktoken tokenizer.
 
 Their package parcae_lm writes a folder with config.json (its config dataclass as JSON plus
 `_class_name`), a state dict (model.pt or pytorch_model.bin) and a byte-level BPE tokenizer.json
-(SPEC 5). This file downloads such a folder (or reads a local one), builds our ParcaeConfig from
+(METHOD.md §5). This file downloads such a folder (or reads a local one), builds our ParcaeConfig from
 theirs, renames their parameters onto ours with one explicit table, and turns tokenizer.json into a
 tiktoken Encoding wrapped in data.Tokenizer.
 
@@ -159,9 +159,10 @@ def config_from_authors(cfg):
 
 def check_value_embedding_layers(config, mean_backprop_depth):
     """Their Parcae gives layer i a value embedding when i % 2 == (n - 1) % 2 over n = P + R + C
-    (parcae.py), but decides its ve_gate with layer ids P + i (recurrent) and P + R * mean_recurrence + i
-    (coda) against n_layer = R * mean_backprop_depth (mixer.py, parcae/config.py). A value embedding
-    without a gate is ignored by their forward. The released sizes agree; refuse any that does not."""
+    (parcae_lm/models/parcae/parcae.py), but decides its ve_gate with layer ids P + i (recurrent) and
+    P + R * mean_recurrence + i (coda) against n_layer = R * mean_backprop_depth (parcae_lm/modules/mixer.py,
+    parcae/config.py). A value embedding without a gate is ignored by their forward. The released sizes
+    agree; refuse any that does not."""
     n = config.n_layer
     ids = [*range(config.n_prelude + config.n_recur),
            *(config.n_prelude + config.n_recur * config.mu_rec + i for i in range(config.n_coda))]
@@ -205,7 +206,7 @@ def check_value_embedding_layers(config, mean_backprop_depth):
 # - depth: without num_steps_pair their per-sequence forward samples a depth even in eval mode; ours
 #   runs mu_rec. Give T explicitly (theirs: num_steps_pair=[T]) to compare.
 
-BLOCK_NAMES = {  # their TransformerPreNormBlock (blocks.py, mixer.py, mlp.py) -> our Block
+BLOCK_NAMES = {  # their TransformerPreNormBlock (parcae_lm/modules/: blocks, mixer, mlp) -> our Block
     "norm_1.weight": "attn_norm.weight",
     "attn.c_q.weight": "attn.c_q.weight",
     "attn.c_k.weight": "attn.c_k.weight",

@@ -1,7 +1,7 @@
 """
 model.py: Parcae, the stable looped language model, and its baselines.
 
-    x  = wte(ids); x = Prelude(x); e = RMSNorm(x)        # SPEC 1
+    x  = wte(ids); x = Prelude(x); e = RMSNorm(x)        # METHOD.md §1
     h0 ~ TruncNormal(0, sqrt(2/(5d)))
     repeat T times: h = R(Abar * h + Bbar(e))            # the recurrent block R, looped
     logits = RMSNorm(Coda(C_proj(h))) @ wte^T
@@ -11,7 +11,7 @@ model.py: Parcae, the stable looped language model, and its baselines.
 fixed-depth Transformer baseline: the same blocks run once, in order).
 
 Training samples a recurrence depth per sequence, T_i = max(1, Poisson(mu_rec)), runs the first
-n_i = T_i - k_i steps without gradient and the last k_i = min(T_i, mu_bwd) with it (SPEC 2).
+n_i = T_i - k_i steps without gradient and the last k_i = min(T_i, mu_bwd) with it (METHOD.md §2).
 
 torch.compile: `model.compile_blocks()` compiles each transformer block on its own; the loop over a
 depth that changes every batch stays in Python, so changing depths cause no recompilation.
@@ -43,7 +43,7 @@ class ParcaeConfig:
     n_recur: int = 2
     n_coda: int = 2
     d_model: int = 768
-    head_dim: int = 128  # SPEC 1: head_dim 128, n_head = n_kv_head = d / 128
+    head_dim: int = 128  # METHOD.md §1: head_dim 128, n_head = n_kv_head = d / 128
     n_head: int | None = None  # derived from d_model / head_dim when not given
     mu_rec: int = 8  # mean recurrence depth
     mu_bwd: int | None = None  # backpropagated depth, ceil(mu_rec / 2) when not given
@@ -62,7 +62,7 @@ class ParcaeConfig:
         elif self.n_head * self.head_dim != self.d_model:
             raise ValueError(f"n_head={self.n_head} x head_dim={self.head_dim} != d_model={self.d_model}")
         if self.mu_bwd is None:
-            self.mu_bwd = math.ceil(self.mu_rec / 2)  # SPEC 2: mu_bwd = ceil(mu_rec / 2)
+            self.mu_bwd = math.ceil(self.mu_rec / 2)  # METHOD.md §2: mu_bwd = ceil(mu_rec / 2)
         if self.injection not in INJECTIONS:
             raise ValueError(f"injection={self.injection!r} is not one of {INJECTIONS}")
         if self.sampling not in SAMPLINGS:
@@ -74,7 +74,7 @@ class ParcaeConfig:
 
     @classmethod
     def from_depth(cls, depth, **overrides):
-        """SPEC 1 sizes: d = 128 * (depth/3 + 4), L_P = L_R = L_C = depth/3 (depth 6/12/18/24 = 140M..1.3B)."""
+        """METHOD.md §1 sizes: d = 128 * (depth/3 + 4), L_P = L_R = L_C = depth/3 (depth 6/12/18/24 = 140M..1.3B)."""
         if depth <= 0 or depth % 3 != 0:
             raise ValueError(f"depth={depth} must be a positive multiple of 3 (prelude, recurrent block "
                              f"and coda take a third each); try --depth=6, 12, 18 or 24")
@@ -88,11 +88,11 @@ class ParcaeConfig:
 
     @property
     def padded_vocab_size(self):
-        return -(-self.vocab_size // 64) * 64  # SPEC 1: vocab padded up to a multiple of 64
+        return -(-self.vocab_size // 64) * 64  # METHOD.md §1: vocab padded up to a multiple of 64
 
 
 # -----------------------------------------------------------------------------
-# Depth sampling (SPEC 2)
+# Depth sampling (METHOD.md §2)
 
 def sample_depths(config, batch_size, generator=None):
     """T_i = max(1, Poisson(mu_rec)): one draw per sequence (Parcae) or one per micro-batch (ablation);
@@ -128,7 +128,7 @@ def apply_rotary(x, cos, sin):
 
 class KVCache:
     """Keys and values for decoding, one slot per attention call site: a prelude or coda layer, or a
-    recurrent layer at one loop step (SPEC 1 loops the same weights, but each step sees other inputs)."""
+    recurrent layer at one loop step (METHOD.md §1 loops the same weights, but each step sees other inputs)."""
 
     def __init__(self):
         self.slots = {}  # slot -> (k, v), each (B, H, S_past, D)
@@ -151,7 +151,7 @@ class Attention(nn.Module):
         self.c_k = nn.Linear(d, d, bias=False)
         self.c_v = nn.Linear(d, d, bias=False)
         self.c_proj = nn.Linear(d, d, bias=False)
-        # SPEC 1 value embeddings: v += 2 * sigmoid(ve_gate(x[..., :32])) * ve
+        # METHOD.md §1 value embeddings: v += 2 * sigmoid(ve_gate(x[..., :32])) * ve
         self.ve_gate_channels = min(32, d)
         self.ve_gate = nn.Linear(self.ve_gate_channels, self.n_head, bias=False) if has_value_embed else None
 
@@ -163,7 +163,7 @@ class Attention(nn.Module):
         if self.ve_gate is not None:
             gate = 2 * torch.sigmoid(self.ve_gate(x[..., :self.ve_gate_channels]))  # (B, S, H)
             v = v + gate.unsqueeze(-1) * ve.view(B, S, self.n_head, self.head_dim)
-        # SPEC 1: parameter-free RMS norm on q and k after RoPE
+        # METHOD.md §1: parameter-free RMS norm on q and k after RoPE
         q = rms_norm(apply_rotary(q, cos, sin), self.eps).transpose(1, 2)  # (B, H, S, D)
         k = rms_norm(apply_rotary(k, cos, sin), self.eps).transpose(1, 2)
         v = v.transpose(1, 2)
@@ -187,7 +187,7 @@ class MLP(nn.Module):
         self.c_proj = nn.Linear(4 * config.d_model, config.d_model, bias=False)
 
     def forward(self, x):
-        return self.c_proj(0.5 * F.relu(self.c_fc(x)).square())  # SPEC 1: 0.5 * relu(x)^2
+        return self.c_proj(0.5 * F.relu(self.c_fc(x)).square())  # METHOD.md §1: 0.5 * relu(x)^2
 
 
 class Block(nn.Module):
@@ -214,7 +214,7 @@ class Parcae(nn.Module):
         self.config = c = config
         d = c.d_model
         self.wte = nn.Embedding(c.padded_vocab_size, d)  # tied with the output head
-        # SPEC 1: unique layers numbered 0..n-1 across prelude, recurrent block and coda; layer i
+        # METHOD.md §1: unique layers numbered 0..n-1 across prelude, recurrent block and coda; layer i
         # carries a value embedding when i % 2 == (n - 1) % 2 (alternating, the last layer always)
         self.ve_layers = [i for i in range(c.n_layer) if i % 2 == (c.n_layer - 1) % 2]
         has_ve = [i in self.ve_layers for i in range(c.n_layer)]
@@ -232,7 +232,7 @@ class Parcae(nn.Module):
         elif c.injection == "concat":
             self.adapter = nn.Linear(2 * d, d, bias=False)
         # C_proj reads the loop's output for every looped variant, so the Table 4 ablations differ
-        # from Parcae only in the injection (SPEC 1 puts it after the loop, with no norm before it)
+        # from Parcae only in the injection (METHOD.md §1 puts it after the loop, with no norm before it)
         self.C_proj = nn.Linear(d, d, bias=False) if looped else None
         cos, sin = self._rope_tables(10 * c.seq_len)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -251,7 +251,7 @@ class Parcae(nn.Module):
 
     @torch.no_grad()
     def init_weights(self):
-        """SPEC 1 "scaled-zero" init: small truncated-normal matrices, zero output projections."""
+        """METHOD.md §1 "scaled-zero" init: small truncated-normal matrices, zero output projections."""
         c = self.config
         std = math.sqrt(2 / (5 * c.d_model))
         for block in [*self.prelude, *self.recur, *self.coda]:
@@ -303,7 +303,7 @@ class Parcae(nn.Module):
         return e
 
     def inject(self, h, e, A_bar=None):
-        """u = Abar h + Bbar e (SPEC 1), or the baselines' concat / add; e from injected_input, A_bar
+        """u = Abar h + Bbar e (METHOD.md §1), or the baselines' concat / add; e from injected_input, A_bar
         from discretized_A (computed here when not given)."""
         inj = self.config.injection
         if inj == "diagonal":
@@ -398,14 +398,14 @@ class Parcae(nn.Module):
         return depths
 
     def initial_state(self, shape, device, dtype, generator=None):
-        """SPEC 1: h0 ~ TruncNormal(0, sigma, +-3 sigma), sigma = sqrt(2 / (5 d)), drawn every forward
+        """METHOD.md §1: h0 ~ TruncNormal(0, sigma, +-3 sigma), sigma = sqrt(2 / (5 d)), drawn every forward
         (from `generator`, which lives on `device`, when given: sample.py's reproducible decoding)."""
         sigma = math.sqrt(2 / (5 * self.config.d_model))
         h0 = torch.empty(shape, device=device, dtype=torch.float32)
         return nn.init.trunc_normal_(h0, std=sigma, a=-3 * sigma, b=3 * sigma, generator=generator).to(dtype)
 
     def recurrence(self, e, depths, h0, ves, cos, sin, cache):
-        """Run sequence i for depths[i] steps: n_i without grad, then k_i with grad (SPEC 2).
+        """Run sequence i for depths[i] steps: n_i without grad, then k_i with grad (METHOD.md §2).
 
         The paper masks finished sequences with torch.where, so every sequence runs max(n) + max(k)
         steps. Here the batch is sorted by depth, longest first: n_i and k_i both grow with T_i, so the
@@ -458,7 +458,7 @@ class Parcae(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def flops_per_token(self):
-        """Training FLOPs per token, SPEC 2 (the paper's Appendix D). N excludes wte only; N_core is
+        """Training FLOPs per token, METHOD.md §2 (the paper's Appendix D). N excludes wte only; N_core is
         the recurrent blocks' parameters (the value-embedding tables are not inside the blocks)."""
         c = self.config
         d, S = c.d_model, c.seq_len

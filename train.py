@@ -1,5 +1,5 @@
 """
-train.py: train Parcae (or a baseline) with the paper's recipe (SPEC 2), from a laptop CPU to 8 GPUs.
+train.py: train Parcae (or a baseline) with the paper's recipe (METHOD.md §2), from a laptop CPU to 8 GPUs.
 
     python train.py                                            # no GPU: a small looped model on the
                                                                # stdlib corpus, no download, minutes
@@ -30,11 +30,11 @@ from model import Parcae, ParcaeConfig, find_checkpoint, peak_bf16_flops, save_c
 from optim import build_optimizer, learning_rate_for_depth, lr_multiplier, muon_momentum, weight_decay_at
 
 # -----------------------------------------------------------------------------
-# Flags. Two presets fill the ones left unset: the paper's setup (SPEC 2), and, on a machine with no
+# Flags. Two presets fill the ones left unset: the paper's setup (METHOD.md §2), and, on a machine with no
 # GPU when no --depth is given, a small model on the stdlib corpus that trains in minutes.
 
 CUDA = torch.cuda.is_available()
-PAPER_TOKENS = {6: 11.2e9, 12: 29.6e9, 18: 61.6e9, 24: 104e9}  # SPEC 1: tokens trained per size
+PAPER_TOKENS = {6: 11.2e9, 12: 29.6e9, 18: 61.6e9, 24: 104e9}  # METHOD.md §1: tokens trained per size
 PAPER = dict(depth=6, head_dim=128, mu_rec=8, vocab_size=32768, seq_len=2048, device_batch_size=32,
              total_batch_size=524_288, eval_every=250, eval_tokens=10 * 524_288, core_every=2000,
              save_every=1000, log_every=1, compile=int(CUDA), data="fineweb-edu")
@@ -204,7 +204,7 @@ val_data = list(val_batches(tokenizer, args.data, args.device_batch_size, args.s
 
 
 def evaluate(step):
-    """SPEC 2: validation loss (and bits per byte) at T in {1, 2, 4, mu_rec}."""
+    """METHOD.md §2: validation loss (and bits per byte) at T in {1, 2, 4, mu_rec}."""
     depths = [1] if config.injection == "none" else sorted({1, 2, 4, config.mu_rec})
     result = {"step": step}
     for T in depths:
@@ -215,7 +215,7 @@ def evaluate(step):
 
 
 def evaluate_core_subset(step):
-    """SPEC 3 CORE on the first --core_max_per_task examples of each task, at T = mu_rec."""
+    """METHOD.md §3 CORE on the first --core_max_per_task examples of each task, at T = mu_rec."""
     bundle_dir = [None]
     if master:
         try:
@@ -270,7 +270,7 @@ while step < num_steps and (args.stop_at is None or step < args.stop_at):
     for micro in range(grad_accum):
         seed = micro_seed(step, rank * grad_accum + micro)
         torch.manual_seed(seed)  # h0, drawn inside the forward
-        raw_model.depth_generator.manual_seed(seed)  # SPEC 2: each rank samples depths with its own generator
+        raw_model.depth_generator.manual_seed(seed)  # METHOD.md §2: each rank samples depths with its own generator
         x, y = next(batches[micro])
         sync = ddp and micro == grad_accum - 1
         with (model.no_sync() if ddp and not sync else nullcontext()), autocast:

@@ -1,4 +1,4 @@
-"""Tests for data.py: the tokenizer, shard downloads against a local server, the data sources and the loader (SPEC 2).
+"""Tests for data.py: the tokenizer, shard downloads against a local server, the data sources and the loader (METHOD.md §2).
 
 Run: python -m pytest -q tests/test_data.py   (no network beyond 127.0.0.1, nothing written outside tmp_path)
 """
@@ -302,7 +302,7 @@ def test_stdlib_source():
     assert len(files) > 100 and not any("site-packages" in f for f in files)
     train = list(data.iter_documents("stdlib", "train"))
     val = list(data.iter_documents("stdlib", "val"))
-    assert 0.02 < len(val) / (len(train) + len(val)) < 0.10  # SPEC: a fixed ~5% held out
+    assert 0.02 < len(val) / (len(train) + len(val)) < 0.10  # a fixed ~5% held out (data.VAL_EVERY)
     assert len(train) > 5 * len(files)  # a document per top-level block, not per file
     train_set, val_set = set(train), set(val)
     for path in files[::10]:  # a file goes to one split whole: its blocks share names and imports

@@ -22,7 +22,7 @@ from data import SPLIT_PATTERN
 from model import Parcae, ParcaeConfig, apply_rotary
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "authors_params.json").read_text())
-SPEC_PARAMS = {"parcae-small-140m": 144_323_136, "gpt-small-140m": 143_141_184}  # SPEC 1's table
+PAPER_PARAMS = {"parcae-small-140m": 144_323_136, "gpt-small-140m": 143_141_184}  # METHOD.md §1's table
 
 
 @pytest.fixture(autouse=True)
@@ -45,7 +45,7 @@ def test_authors_parameters_map_one_to_one(name):
     assert sorted(mapping.values()) == sorted(ours)  # none of ours left over, none hit twice
     assert set(authors["state_dict"]) - set(mapping) == set(hub.CHECKED_NAMES)  # only the tied head and RoPE buffer
     assert all(tuple(authors["state_dict"][k]) == ours[v] for k, v in mapping.items())
-    assert model.num_params() == SPEC_PARAMS[name]
+    assert model.num_params() == PAPER_PARAMS[name]
     assert config.injection == ("diagonal" if name.startswith("parcae") else "none")
 
 

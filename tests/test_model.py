@@ -1,4 +1,4 @@
-"""Tests for model.py: SPEC 1 sizes, the stable injection, per-sequence depths, truncated backprop."""
+"""Tests for model.py: METHOD.md §1 sizes, the stable injection, per-sequence depths, truncated backprop."""
 
 import math
 
@@ -7,7 +7,7 @@ import torch
 
 from model import KVCache, Parcae, ParcaeConfig, sample_depths
 
-# SPEC 1: (depth, Transformer params, Parcae params), vocab 32,768
+# METHOD.md §1: (depth, Transformer params, Parcae params), vocab 32,768
 PAPER_SIZES = [
     (6, 143_141_184, 144_323_136),
     (12, 385_903_104, 388_003_328),
