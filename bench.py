@@ -26,9 +26,10 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
+from common import peak_bf16_flops
 from data import DataLoader, Tokenizer, iter_documents
 from eval_core import MC, Task, evaluate_task, initial_state_table
-from model import Parcae, ParcaeConfig, peak_bf16_flops, sample_depths, split_depths
+from model import Parcae, ParcaeConfig, sample_depths, split_depths
 from optim import build_optimizer
 from sample import generate
 

@@ -56,14 +56,16 @@ VAL_EVERY = 20  # stdlib and user files: a document is validation iff crc32(text
 FILES_PER_CHUNK = 64  # text files are read (and shared across ranks) in groups of this many
 
 
-def get_base_dir():
+def cache_dir():
+    """Where downloads and tokenizers are cached: common.get_base_dir's rule ($NANOPARCAE_BASE_DIR, default
+    ~/.cache/nanoparcae), repeated here so that data.py imports nothing of ours and runs on its own."""
     base_dir = Path(os.environ.get("NANOPARCAE_BASE_DIR", Path.home() / ".cache" / "nanoparcae")).expanduser()
     base_dir.mkdir(parents=True, exist_ok=True)
     return base_dir
 
 
 def fineweb_dir():
-    path = get_base_dir() / "fineweb-edu"
+    path = cache_dir() / "fineweb-edu"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -155,7 +157,7 @@ def tokenizer_dir(source, vocab_size):
         name = source if source == "fineweb-edu" else f"stdlib-py{sys.version_info.major}{sys.version_info.minor}"
     else:
         name = "files-" + hashlib.sha1(str(Path(source).expanduser().resolve()).encode()).hexdigest()[:10]
-    return get_base_dir() / "tokenizers" / f"{name}-{vocab_size}"
+    return cache_dir() / "tokenizers" / f"{name}-{vocab_size}"
 
 
 def get_tokenizer(source, vocab_size, max_chars=2_000_000_000, doc_cap=10_000):
@@ -614,7 +616,7 @@ def main():
     p.add_argument("--seq_len", type=int, default=2048)
     p.add_argument("--tokens", type=int, default=4_000_000, help="tokens to time after the first batch")
     args = parser.parse_args()
-    print(f"Base directory: {get_base_dir()}")
+    print(f"Base directory: {cache_dir()}")
 
     if args.command == "download":
         if not 2 <= args.num_shards <= FINEWEB_LAST_SHARD + 1:

@@ -32,9 +32,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from data import Tokenizer, download_file, get_base_dir, val_batches
+from common import find_checkpoint, get_base_dir, init_distributed, load_checkpoint, print0, rank_and_world
+from data import Tokenizer, download_file, val_batches
 from hub import load_pretrained, local_dir
-from model import find_checkpoint, load_checkpoint
 
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"  # METHOD.md §5
 
@@ -317,15 +317,6 @@ def score_rows(model, rows, T, h0_table, batch_tokens=1024, one_per_forward=Fals
 # -----------------------------------------------------------------------------
 # CORE: accuracy per task, centered by the random baseline, averaged
 
-def rank_and_world():
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-
-
-def print0(*args, **kwargs):
-    if rank_and_world()[0] == 0:
-        print(*args, **kwargs, flush=True)
-
-
 def centered_accuracy(accuracy, random_baseline):
     """METHOD.md §3: (acc - 0.01 rb) / (1 - 0.01 rb), rb in percent: 0 at chance, 1 for a perfect score."""
     return (accuracy - 0.01 * random_baseline) / (1.0 - 0.01 * random_baseline)
@@ -465,17 +456,6 @@ def parse_ints(text, flag):
     if not values:
         raise ValueError(f"{flag} {text!r} must be integers separated by commas, e.g. {flag} 1,2,4")
     return values
-
-
-def init_distributed(device):
-    """torchrun sets RANK: nccl on CUDA (one GPU per local rank), gloo on CPU."""
-    if "RANK" not in os.environ:
-        return device
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return device
 
 
 def write_json(path, obj):

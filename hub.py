@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from data import Tokenizer, download_file, get_base_dir
+from common import get_base_dir
+from data import Tokenizer, download_file
 from model import Parcae, ParcaeConfig
 
 HUB_URL = os.environ.get("NANOPARCAE_HUB_URL", "https://huggingface.co")  # tests point it at 127.0.0.1

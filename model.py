@@ -20,9 +20,7 @@ Use: model = Parcae(ParcaeConfig.from_depth(6)); loss = model(idx, targets); log
 """
 
 import math
-import os
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -470,53 +468,3 @@ class Parcae(nn.Module):
         return (6 * N_nc + 3 * (c.n_prelude + c.n_coda) * 4 * d * S
                 + c.mu_rec * (2 * N_core + c.n_recur * 4 * d * S)
                 + c.mu_bwd * (4 * N_core + 2 * c.n_recur * 4 * d * S))
-
-
-# -----------------------------------------------------------------------------
-# MFU: model FLOPs from flops_per_token() against the GPU's peak
-
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense, per GPU
-
-
-def peak_bf16_flops(device):
-    """The GPU's dense bf16 peak, the denominator of MFU; None on a CPU or an unlisted GPU."""
-    name = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else ""
-    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
-
-
-# -----------------------------------------------------------------------------
-# Checkpoints: <runs_dir>/<run>/ckpt_<step>.pt, a plain dict loadable with weights_only=True
-
-def save_checkpoint(path, model, **extra):
-    """Write to a temporary name, then rename: a killed run never leaves a torn checkpoint."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save({"config": asdict(model.config), "model": model.state_dict(), **extra}, tmp)
-    os.replace(tmp, path)
-
-
-def find_checkpoint(runs_dir, run=None):
-    """The newest checkpoint of `run`, or of the most recently written run when run is None."""
-    runs_dir = Path(runs_dir)
-    pattern = f"{run}/ckpt_*.pt" if run else "*/ckpt_*.pt"
-    found = sorted(runs_dir.glob(pattern), key=lambda p: (p.stat().st_mtime, p.name))
-    if not found:
-        where = runs_dir / run if run else runs_dir
-        raise FileNotFoundError(f"no checkpoint under {where}; train one first with `python train.py`")
-    return found[-1]
-
-
-def load_checkpoint(path, device="cpu"):
-    """-> (model in eval mode, the checkpoint dict). Never unpickles code (weights_only=True)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {path} does not exist; pass --ckpt with an existing file")
-    try:
-        ckpt = torch.load(path, map_location=device, weights_only=True)
-        model = Parcae(ParcaeConfig(**ckpt["config"]))
-        model.load_state_dict(ckpt["model"])
-    except Exception as err:
-        raise ValueError(f"checkpoint {path} is corrupt or not a nanoparcae checkpoint "
-                         f"({type(err).__name__}: {str(err).splitlines()[0][:200]})") from None
-    return model.to(device).eval(), ckpt

@@ -28,9 +28,10 @@ from pathlib import Path
 
 import torch
 
-from data import Tokenizer, get_base_dir
+from common import find_checkpoint, get_base_dir, load_checkpoint
+from data import Tokenizer
 from hub import load_pretrained
-from model import KVCache, find_checkpoint, load_checkpoint
+from model import KVCache
 
 # -----------------------------------------------------------------------------
 # One token from the logits; h0 for every position up front

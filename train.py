@@ -24,9 +24,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from data import DataLoader, get_base_dir, get_tokenizer, tokenizer_dir, val_batches
-from eval_core import download_eval_bundle, evaluate_bpb, evaluate_core, init_distributed, rank_and_world
-from model import Parcae, ParcaeConfig, find_checkpoint, peak_bf16_flops, save_checkpoint
+from common import find_checkpoint, get_base_dir, init_distributed, peak_bf16_flops, rank_and_world, save_checkpoint
+from data import DataLoader, get_tokenizer, tokenizer_dir, val_batches
+from eval_core import download_eval_bundle, evaluate_bpb, evaluate_core
+from model import Parcae, ParcaeConfig
 from optim import build_optimizer, learning_rate_for_depth, lr_multiplier, muon_momentum, weight_decay_at
 
 # -----------------------------------------------------------------------------

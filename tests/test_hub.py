@@ -322,7 +322,7 @@ def test_unmapped_name_shape_mismatch_and_missing_weight(tmp_path):
 def test_sample_from_gives_what_the_same_model_gives_from_a_checkpoint(tmp_path, capsys):
     """sample.py --from=<authors' folder> and sample.py --ckpt=<our checkpoint of the same model> print the same text."""
     import sample
-    from model import save_checkpoint
+    from common import save_checkpoint
     original = tiny_model("diagonal", seed=2)
     folder = write_authors_folder(tmp_path / "ckpt", original)
     hub.tokenizer_from_json(folder / "tokenizer.json").save(tmp_path / "tok")

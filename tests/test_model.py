@@ -234,7 +234,7 @@ def test_tiny_model_learns_a_fixed_batch(injection):
 
 
 def test_checkpoint_round_trip_and_clear_errors(tmp_path):
-    from model import find_checkpoint, load_checkpoint, save_checkpoint
+    from common import find_checkpoint, load_checkpoint, save_checkpoint
     model = randomized(Parcae(tiny_config(injection="concat", mu_rec=3))).eval()
     save_checkpoint(tmp_path / "runs" / "a" / "ckpt_000010.pt", model, step=10)
     path = find_checkpoint(tmp_path / "runs")

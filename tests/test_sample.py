@@ -12,7 +12,8 @@ import torch
 
 import data
 import sample
-from model import KVCache, Parcae, ParcaeConfig, save_checkpoint
+from common import save_checkpoint
+from model import KVCache, Parcae, ParcaeConfig
 from sample import adaptive_forward, generate
 
 ROOT = Path(__file__).resolve().parent.parent
