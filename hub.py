@@ -200,7 +200,7 @@ def check_value_embedding_layers(config, mean_backprop_depth):
 # - head: lm_head.weight is wte.weight (tie_embeddings), logits * logit_scale = 1 (PLAIN_INITS), no
 #   softcap; their logits have padded_vocab_size columns, ours are cut to vocab_size.
 # - injection: theirs x * exp(-dt * exp(A_log)) + dt * (e @ B^T), dt = softplus(dt_bias); ours the same
-#   with the rate formed as exp(A_log + ln dt) and floored at 1e-6 (model.py discretized_A): equal
+#   with the rate formed as exp(A_log + ln dt) and floored at 1e-6 (model.py DiagonalInjection.discretize): equal
 #   except for a rate below 1e-6, where the two decays differ by less than 1e-6.
 # - C_proj: their transformer.C, a bias-free Linear after the loop with no norm before it: ours.
 # - vocabulary: both pad to a multiple of 64 (config_from_authors checks padded_vocab_size).

@@ -32,7 +32,7 @@ from optim import build_optimizer, learning_rate_for_depth, lr_multiplier, muon_
 
 # -----------------------------------------------------------------------------
 # Flags. Two presets fill the ones left unset: the paper's setup (METHOD.md §2), and, on a machine with no
-# GPU when no --depth is given, a small model on the stdlib corpus that trains in minutes.
+# GPU when no --depth is given, a small model on the stdlib corpus that trains in minutes. --help lists both.
 
 CUDA = torch.cuda.is_available()
 PAPER_TOKENS = {6: 11.2e9, 12: 29.6e9, 18: 61.6e9, 24: 104e9}  # METHOD.md §1: tokens trained per size
@@ -44,7 +44,8 @@ SMALL = dict(depth=3, d_model=128, head_dim=64, mu_rec=4, vocab_size=4096, seq_l
              save_every=130, log_every=20, compile=0, data="stdlib")
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=f"paper preset: {PAPER}\nsmall CPU preset: {SMALL}")
+                                 epilog="The CPU preset applies on a machine with no GPU when --depth is not given; "
+                                        "the paper preset otherwise. A flag given explicitly always wins.")
 parser.add_argument("--depth", type=int, help="layers, L_P = L_R = L_C = depth/3; 6/12/18/24 = 140M..1.3B")
 parser.add_argument("--d_model", type=int, help="width (default 128 * (depth/3 + 4))")
 parser.add_argument("--head_dim", type=int)
@@ -80,6 +81,12 @@ parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--dry_run", action="store_true", help="print the resolved configuration and exit")
 parser.add_argument("--stop_at", type=int, help="end this invocation after that step (continue with --resume)")
 parser.add_argument("--fault_nan_step", type=int, help="testing: poison the gradients at this step")
+for action in parser._actions:  # --help shows what a run will use: the preset's value, or the fixed default
+    if action.dest in PAPER:
+        small = f"; CPU preset: {SMALL[action.dest]}" if action.dest in SMALL else ""
+        action.help = f"{action.help or ''} (paper preset: {PAPER[action.dest]}{small})".lstrip()
+    elif action.default not in (None, False, argparse.SUPPRESS):
+        action.help = f"{action.help or ''} (default: {action.default})".lstrip()
 args = parser.parse_args()
 preset = SMALL if not CUDA and args.depth is None else PAPER
 for name, value in preset.items():
@@ -177,23 +184,16 @@ autocast = torch.autocast("cuda", dtype=torch.bfloat16) if CUDA else nullcontext
 
 start_step, skipped_steps = 0, 0
 if args.resume:
-    path = None
     try:
-        path = find_checkpoint(get_base_dir() / "runs", run_name)
-        ckpt = torch.load(path, map_location=device, weights_only=True)
-    except FileNotFoundError as err:
-        fail(err)
-    except (RuntimeError, EOFError, pickle.UnpicklingError) as err:
-        fail(f"checkpoint {path} is corrupt ({type(err).__name__}); start the run again without --resume")
-    try:
+        ckpt = torch.load(find_checkpoint(get_base_dir() / "runs", run_name), map_location=device, weights_only=True)
         raw_model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         for micro, loader in enumerate(loaders):
             loader.load_state_dict(ckpt["loader"][rank * grad_accum + micro])
-    except (RuntimeError, ValueError, KeyError, IndexError) as err:
-        fail(f"cannot resume {run_name} with these flags ({' '.join(str(err).split())[:200]}); "
-             f"pass the flags and process count it was started with")
-    start_step, skipped_steps = ckpt["step"], ckpt["skipped_steps"]
+        start_step, skipped_steps = ckpt["step"], ckpt["skipped_steps"]
+    except (FileNotFoundError, RuntimeError, EOFError, pickle.UnpicklingError, ValueError, KeyError, IndexError) as err:
+        fail(f"cannot resume {run_name} with these flags ({type(err).__name__}: {' '.join(str(err).split())[:200]}); "
+             f"pass the flags and process count it was started with, or start it again without --resume")
     log(f"resumed {run_name} at step {start_step}")
 batches = [iter(loader) for loader in loaders]
 
@@ -255,10 +255,27 @@ def micro_seed(step, virtual_rank):
     return (args.seed * 1_000_003 + step) * 65_537 + virtual_rank
 
 
+def log_line(record, num_steps):
+    """The step's log line, from its metrics record (fields that are None are left out)."""
+    fields = [("loss", "loss {:.4f}"), ("lr_mult", "lrm {:.2f}"), ("tokens_per_s", "{:,.0f} tok/s"),
+              ("mfu", "mfu {:.1%}"), ("rho", "rho {:.4f}"), ("h_norm", "|h_T| {:.2f}"),
+              ("update_ratio", "dh/h {:.4f}")]
+    parts = [f"step {record['step']}/{num_steps}"]
+    parts += [form.format(record[key]) for key, form in fields if record.get(key) is not None]
+    tokens_per_s = record["tokens_per_s"]
+    eta = (num_steps - record["step"]) * args.total_batch_size / tokens_per_s if tokens_per_s else float("nan")
+    return " | ".join(parts + [f"eta {eta / 60:.1f} min"])
+
+
+if args.fault_nan_step is not None:  # testing: poison one step's gradients, the loop must skip that update
+    next(raw_model.parameters()).register_post_accumulate_grad_hook(
+        lambda p: p.grad.fill_(float("nan")) if step == args.fault_nan_step else None)
+
 # -----------------------------------------------------------------------------
 # Training loop
 
 peak_flops = peak_bf16_flops(device)
+depth_generator = torch.Generator()  # METHOD.md §2: each virtual rank samples depths with its own generator
 if master:
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics_file = open(run_dir / "metrics.jsonl", "a")
@@ -267,19 +284,20 @@ step = start_step
 while step < num_steps and (args.stop_at is None or step < args.stop_at):
     t0 = time.time()
     loss_sum = torch.zeros((), device=device)
-    raw_model.log_stats = (step + 1) % args.log_every == 0 or step + 1 == num_steps  # ||h_T||, for the log
+    logged = (step + 1) % args.log_every == 0 or step + 1 == num_steps
     for micro in range(grad_accum):
         seed = micro_seed(step, rank * grad_accum + micro)
         torch.manual_seed(seed)  # h0, drawn inside the forward
-        raw_model.depth_generator.manual_seed(seed)  # METHOD.md §2: each rank samples depths with its own generator
+        depth_generator.manual_seed(seed)
         x, y = next(batches[micro])
-        sync = ddp and micro == grad_accum - 1
-        with (model.no_sync() if ddp and not sync else nullcontext()), autocast:
-            loss = model(x, y)
+        last = micro == grad_accum - 1
+        with (model.no_sync() if ddp and not last else nullcontext()), autocast:
+            if logged and last:  # ||h_T|| and the update ratio, for the log line, from one micro-batch
+                loss, diagnostics = model(x, y, depth_generator=depth_generator, return_diagnostics=True)
+            else:
+                loss = model(x, y, depth_generator=depth_generator)
         (loss / grad_accum).backward()
         loss_sum += loss.detach()
-    if args.fault_nan_step == step:
-        next(raw_model.parameters()).grad.fill_(float("nan"))
     grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), args.grad_clip)
     finite = torch.isfinite(grad_norm).float()
     if ddp:
@@ -303,20 +321,13 @@ while step < num_steps and (args.stop_at is None or step < args.stop_at):
     if step > start_step + 1:  # the first step pays for compilation and warm-up
         tokens_per_second = args.total_batch_size / dt if tokens_per_second is None \
             else 0.9 * tokens_per_second + 0.1 * args.total_batch_size / dt
-    if master and (step % args.log_every == 0 or step == num_steps):
-        rho = raw_model.spectral_radius()
+    if master and logged:
         record = {"step": step, "loss": loss_sum.item() / grad_accum, "lr_mult": lrm, "grad_norm": grad_norm.item(),
-                  "tokens_per_s": tokens_per_second, "rho": rho, "skipped_steps": skipped_steps,
-                  "h_norm": raw_model.last_h_norm.item() if raw_model.last_h_norm is not None else None,
-                  "update_ratio": raw_model.last_update_ratio.item() if raw_model.last_update_ratio is not None
-                  else None}
+                  "tokens_per_s": tokens_per_second, "rho": raw_model.spectral_radius(), "skipped_steps": skipped_steps,
+                  **{key: None if value is None else value.item() for key, value in diagnostics.items()}}
         if peak_flops and tokens_per_second:
             record["mfu"] = flops_per_token * tokens_per_second / (peak_flops * world)
-        eta = (num_steps - step) * args.total_batch_size / tokens_per_second if tokens_per_second else float("nan")
-        log(f"step {step}/{num_steps} | loss {record['loss']:.4f} | lrm {lrm:.2f} | "
-            f"{tokens_per_second or 0:,.0f} tok/s" + (f" | mfu {record['mfu']:.1%}" if "mfu" in record else "")
-            + (f" | rho {rho:.4f} | |h_T| {record['h_norm']:.2f} | dh/h {record['update_ratio']:.4f}"
-               if rho is not None else "") + f" | eta {eta / 60:.1f} min")
+        log(log_line(record, num_steps))
         metrics_file.write(json.dumps(record) + "\n")
         metrics_file.flush()
     results = []
