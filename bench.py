@@ -221,7 +221,8 @@ def row_throughput(args, device, training):
 def row_mfu(args, device, training):
     peak = peak_bf16_flops(device)
     if peak is None:
-        peak, what = matmul_rate(args, device), f"{'bf16' if CUDA else 'float32'} matmul rate measured at the model's shapes"
+        what = f"{'bf16' if CUDA else 'float32'} matmul rate measured at the model's shapes"
+        peak = matmul_rate(args, device)
     else:
         what = "bf16 peak (MFU)"
     parcae, gpt = training["per-sequence"][1], training["Transformer"][1]
@@ -367,7 +368,8 @@ def row_compile(args, device, training):
     return [("7", f"torch.compile (compile_blocks, d_model {config.d_model}, {batch_size} x {config.seq_len}): "
              f"steps/s compiled vs eager; recompilations over {COMPILE_STEPS} steps of changing depths",
              f"compiled {rates['compiled']:.2f} steps/s, eager {rates['eager']:.2f} steps/s; first step "
-             f"{compile_seconds:.0f} s, {graphs[0]} graphs for {config.n_layer} blocks; then {sum(per_chunk)} recompilations "
+             f"{compile_seconds:.0f} s, {graphs[0]} graphs for {config.n_layer} blocks; "
+             f"then {sum(per_chunk)} recompilations "
              f"(per {COMPILE_CHUNK} steps: {', '.join(map(str, per_chunk))})",
              f"{rates['compiled'] / rates['eager']:.2f}x",
              f"none after step {COMPILE_CHUNK + 1}: {'met' if settled else 'missed'}")]
@@ -425,7 +427,8 @@ def device_name(device):
 def parse_rows(text):
     rows = text.split(",")
     if not all(r.strip().isdigit() and int(r) in ROWS for r in rows):
-        raise argparse.ArgumentTypeError(f"--rows takes numbers from 1 to {len(ROWS)} separated by commas, got {text!r}")
+        raise argparse.ArgumentTypeError(f"--rows takes numbers from 1 to {len(ROWS)} separated by commas, "
+                                         f"got {text!r}")
     return sorted({int(r) for r in rows})
 
 

@@ -51,7 +51,8 @@ FINEWEB_LAST_SHARD = 1822  # METHOD.md §5: shards 0..1822
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>"]
 # METHOD.md §2: a GPT-4 style split pattern; like nanochat we group digits by 1-2 (GPT-4: 1-3), which wastes
 # fewer tokens on numbers at small vocab sizes
-SPLIT_PATTERN = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
+SPLIT_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*"""
+                 r"""|\s*[\r\n]|\s+(?!\S)|\s+""")
 VAL_EVERY = 20  # stdlib and user files: a document is validation iff crc32(text) % 20 == 0 (~5%)
 FILES_PER_CHUNK = 64  # text files are read (and shared across ranks) in groups of this many
 
@@ -98,7 +99,8 @@ class Tokenizer:
         vocab_size counts the special tokens."""
         num_merged = vocab_size - len(SPECIAL_TOKENS)
         if num_merged < 256:
-            raise ValueError(f"vocab_size {vocab_size} is too small: it needs 256 byte tokens + {len(SPECIAL_TOKENS)} specials")
+            raise ValueError(f"vocab_size {vocab_size} is too small: it needs 256 byte tokens "
+                             f"+ {len(SPECIAL_TOKENS)} specials")
 
         def capped():
             seen = 0
@@ -118,7 +120,8 @@ class Tokenizer:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         ranks = self.enc._mergeable_ranks
-        lines = (f"{base64.b64encode(token).decode()} {rank}\n" for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]))
+        by_rank = sorted(ranks.items(), key=lambda kv: kv[1])
+        lines = (f"{base64.b64encode(token).decode()} {rank}\n" for token, rank in by_rank)
         (directory / "tokenizer.tiktoken").write_text("".join(lines))
         config = {"pattern": self.enc._pat_str, "special_tokens": self.enc._special_tokens}
         (directory / "tokenizer.json").write_text(json.dumps(config, indent=1))
@@ -134,9 +137,11 @@ class Tokenizer:
         config = json.loads((directory / "tokenizer.json").read_text())
         enc = tiktoken.Encoding("nanoparcae", pat_str=config["pattern"], mergeable_ranks=ranks,
                                 special_tokens=config["special_tokens"])
-        token_bytes = torch.tensor([int(n) for n in (directory / "token_bytes.txt").read_text().split()], dtype=torch.int32)
+        byte_counts = (directory / "token_bytes.txt").read_text().split()
+        token_bytes = torch.tensor([int(n) for n in byte_counts], dtype=torch.int32)
         if len(token_bytes) != enc.n_vocab:
-            raise ValueError(f"{directory}/token_bytes.txt does not match the vocabulary: delete {directory} to retrain")
+            raise ValueError(f"{directory}/token_bytes.txt does not match the vocabulary: "
+                             f"delete {directory} to retrain")
         return cls(enc, token_bytes)
 
     def encode(self, text, prepend_bos=False, num_threads=8):
@@ -288,8 +293,8 @@ def user_files(pattern):
     found = glob.glob(str(path / "**" / "*"), recursive=True) if path.is_dir() else glob.glob(str(path), recursive=True)
     files = sorted(f for f in found if Path(f).suffix in (".txt", ".jsonl", ".parquet", ".py") and Path(f).is_file())
     if not files:
-        raise SystemExit(f"no .txt, .jsonl or .parquet files match '{pattern}': pass --data=stdlib, --data=fineweb-edu, "
-                         f"or a path, folder or glob of your own files")
+        raise SystemExit(f"no .txt, .jsonl or .parquet files match '{pattern}': pass --data=stdlib, "
+                         f"--data=fineweb-edu, or a path, folder or glob of your own files")
     return files
 
 
@@ -468,7 +473,8 @@ class DataLoader:
 
     def __init__(self, tokenizer, source, split, batch_size, seq_len, rank=0, world_size=1, seed=0, device="cpu",
                  buffer_docs=1000, num_threads=4, tokenize_batch=128):
-        self.tokenizer, self.batch_size, self.seq_len, self.device = tokenizer, batch_size, seq_len, torch.device(device)
+        self.tokenizer, self.batch_size, self.seq_len = tokenizer, batch_size, seq_len
+        self.device = torch.device(device)
         self.buffer_docs, self.num_threads, self.tokenize_batch = buffer_docs, num_threads, tokenize_batch
         self.stream = DocumentStream(source, split, seed, rank, world_size)
         self.loop = split == "train"
@@ -550,13 +556,15 @@ class DataLoader:
     def state_dict(self):
         s = self.stream
         return {"source": s.source, "split": s.split, "seed": s.seed, "rank": s.rank, "world_size": s.world_size,
-                "next_doc": list(self.next_doc), "buffer": [[arrival, *doc_id] for _, arrival, doc_id, _ in self.buffer],
+                "next_doc": list(self.next_doc),
+                "buffer": [[arrival, *doc_id] for _, arrival, doc_id, _ in self.buffer],
                 "arrivals": self.arrivals, "batches": self.batches,
                 "tokens_used": self.tokens_used, "tokens_cropped": self.tokens_cropped}
 
     def load_state_dict(self, state):
         s = self.stream
-        mine, theirs = (s.split, s.seed, s.rank, s.world_size), (state["split"], state["seed"], state["rank"], state["world_size"])
+        mine = (s.split, s.seed, s.rank, s.world_size)
+        theirs = (state["split"], state["seed"], state["rank"], state["world_size"])
         if mine != theirs:
             raise ValueError(f"loader state is for (split, seed, rank, world_size) = {theirs}, this loader is {mine}: "
                              f"each rank must save and restore its own loader state")
@@ -572,7 +580,8 @@ class DataLoader:
         self.buffer = []
         for (epoch, position), entries in by_chunk.items():
             docs = s.share(epoch, position)
-            token_lists = self.tokenizer.encode([docs[i] for _, i in entries], prepend_bos=True, num_threads=self.num_threads)
+            token_lists = self.tokenizer.encode([docs[i] for _, i in entries], prepend_bos=True,
+                                                num_threads=self.num_threads)
             for (arrival, index), tokens in zip(entries, token_lists):
                 bisect.insort(self.buffer, (len(tokens), arrival, (epoch, position, index), tokens))
 
@@ -620,7 +629,8 @@ def main():
 
     if args.command == "download":
         if not 2 <= args.num_shards <= FINEWEB_LAST_SHARD + 1:
-            parser.error(f"-n must be in 2..{FINEWEB_LAST_SHARD + 1} (at least one train shard and the validation shard)")
+            parser.error(f"-n must be in 2..{FINEWEB_LAST_SHARD + 1} "
+                         f"(at least one train shard and the validation shard)")
         download_shards(list(range(args.num_shards - 1)) + [FINEWEB_LAST_SHARD], args.base_url, args.workers)
     elif args.command == "tokenizer":
         tokenizer = get_tokenizer(args.data, args.vocab_size, args.max_chars, args.doc_cap)

@@ -1,5 +1,6 @@
 """
-eval_core.py: evaluate a checkpoint (METHOD.md §3): CORE and Core-Extended, bits per byte, and the test-time scaling law.
+eval_core.py: evaluate a checkpoint (METHOD.md §3): CORE and Core-Extended, bits per byte, and the test-time
+scaling law.
 
     python eval_core.py                                       # CORE of the latest checkpoint, at T = mu_rec
     python eval_core.py --T 8 --max_per_task 50               # quicker: 50 examples per task
@@ -75,7 +76,8 @@ CORE_TASKS = [
     Task("squad", "reading_comprehension/squad.jsonl", LM, 10, " "),
     Task("coqa", "reading_comprehension/coqa.jsonl", LM, 0, " "),
     Task("boolq", "reading_comprehension/boolq.jsonl", MC, 10, ANSWER),
-    Task("bigbench_language_identification", "language_understanding/bigbench_language_identification.jsonl", MC, 10, " "),
+    Task("bigbench_language_identification", "language_understanding/bigbench_language_identification.jsonl", MC, 10,
+         " "),
 ]
 
 # Core-Extended adds the other 24 scoreable tasks of DCLM's extended set (heavy.yaml without its generative
@@ -90,7 +92,8 @@ EXTENDED_EXTRA_TASKS = [
     Task("bigbench_strange_stories", "commonsense_reasoning/bigbench_strange_stories.jsonl", MC, 10, " "),
     Task("bigbench_strategy_qa", "commonsense_reasoning/bigbench_strategy_qa.jsonl", MC, 10, " "),
     Task("bigbench_conlang_translation", "language_understanding/bigbench_conlang_translation.jsonl", LM, 0, " "),
-    Task("bigbench_conceptual_combinations", "language_understanding/bigbench_conceptual_combinations.jsonl", MC, 10, " "),
+    Task("bigbench_conceptual_combinations", "language_understanding/bigbench_conceptual_combinations.jsonl", MC, 10,
+         " "),
     Task("bigbench_elementary_math_qa", "symbolic_problem_solving/bigbench_elementary_math_qa.jsonl", MC, 10, " "),
     Task("bigbench_logical_deduction", "symbolic_problem_solving/bigbench_logical_deduction.jsonl", MC, 10, " "),
     Task("simple_arithmetic_nospaces", "symbolic_problem_solving/simple_arithmetic_nospaces.jsonl", LM, 10, " "),
@@ -159,7 +162,8 @@ def download_eval_bundle(url=EVAL_BUNDLE_URL, base_dir=None):
         extract_zip_safely(zip_path, scratch)
         extracted = scratch / "eval_bundle"  # METHOD.md §5: one top-level folder eval_bundle/
         if not (extracted / "eval_meta_data.csv").is_file():
-            raise ValueError(f"{url} is not an eval bundle (no eval_bundle/eval_meta_data.csv inside); check --bundle_url")
+            raise ValueError(f"{url} is not an eval bundle (no eval_bundle/eval_meta_data.csv inside); "
+                             f"check --bundle_url")
         extracted.rename(bundle_dir)
     except (ValueError, zipfile.BadZipFile) as err:
         zip_path.unlink(missing_ok=True)  # a bad archive would otherwise be reused on every later run
@@ -171,7 +175,8 @@ def download_eval_bundle(url=EVAL_BUNDLE_URL, base_dir=None):
 
 
 def read_random_baselines(bundle_dir):
-    """{task label: random baseline in percent} from the bundle's eval_meta_data.csv (METHOD.md §3: DCLM's v1 values)."""
+    """{task label: random baseline in percent} from the bundle's eval_meta_data.csv (METHOD.md §3: DCLM's v1
+    values)."""
     with open(Path(bundle_dir) / "eval_meta_data.csv", newline="", encoding="utf-8") as f:
         return {row["Eval Task"]: float(row["Random baseline"]) for row in csv.DictReader(f)}
 
@@ -378,7 +383,8 @@ def evaluate_core(model, tokenizer, bundle_dir, T=None, max_per_task=-1, tasks="
         centered[task.label] = centered_accuracy(accuracy[task.label], baselines[task.label])
         if verbose:
             print0(f"{task.label:<34} {task.shots:>2}-shot {task.kind:<17} {len(data):>6} items  "
-                   f"accuracy {accuracy[task.label]:.4f}  centered {centered[task.label]:+.4f}  {time.time() - t0:6.1f}s")
+                   f"accuracy {accuracy[task.label]:.4f}  centered {centered[task.label]:+.4f}  "
+                   f"{time.time() - t0:6.1f}s")
     model.train(was_training)
     core = [c for label, c in centered.items() if label in CORE_LABELS]
     extended_ran = any(label not in CORE_LABELS for label in centered)
@@ -409,7 +415,8 @@ def evaluate_bpb(model, tokenizer, batches, T=None, seed=1234):
         nats = nats.double()
         valid = y >= 0
         num_bytes = torch.where(valid, token_bytes[y.clamp(min=0)], 0)
-        sums += torch.stack([nats[valid].sum(), valid.sum().double(), nats[num_bytes > 0].sum(), num_bytes.sum().double()])
+        sums += torch.stack([nats[valid].sum(), valid.sum().double(), nats[num_bytes > 0].sum(),
+                             num_bytes.sum().double()])
     model.train(was_training)
     if dist.is_initialized():
         dist.all_reduce(sums)
@@ -420,12 +427,13 @@ def evaluate_bpb(model, tokenizer, batches, T=None, seed=1234):
 
 
 def fit_test_time_scaling(Ts, losses):
-    """Least-squares fit of L(T) = L_inf + Z exp(-z T) (METHOD.md §3) -> {"L_inf", "Z", "z", "rms"}. For a fixed z the law
-    is linear in (L_inf, Z), solved exactly; z is searched on a log grid, then refined by golden-section search
+    """Least-squares fit of L(T) = L_inf + Z exp(-z T) (METHOD.md §3) -> {"L_inf", "Z", "z", "rms"}. For a fixed z
+    the law is linear in (L_inf, Z), solved exactly; z is searched on a log grid, then refined by golden-section search
     (on log z) between the best grid point's neighbours."""
     T, L = np.asarray(Ts, dtype=np.float64), np.asarray(losses, dtype=np.float64)
     if len(T) < 3 or len(set(T.tolist())) < 3:
-        raise ValueError(f"fitting L(T) = L_inf + Z exp(-z T) needs at least 3 distinct T, got {Ts}; pass e.g. --T 1,2,4,8,16")
+        raise ValueError(f"fitting L(T) = L_inf + Z exp(-z T) needs at least 3 distinct T, got {Ts}; "
+                         f"pass e.g. --T 1,2,4,8,16")
 
     def solve(log_z):
         design = np.stack([np.ones_like(T), np.exp(-math.exp(log_z) * T)], axis=1)
@@ -485,7 +493,8 @@ def run_core(args, model, tokenizer, Ts, seeds):
     for T in Ts:
         for seed in seeds:
             print0(f"--- T = {T}, few-shot seed {seed}")
-            result = evaluate_core(model, tokenizer, bundle_dir, T, seed=seed, one_per_forward=args.one_per_forward, **kw)
+            result = evaluate_core(model, tokenizer, bundle_dir, T, seed=seed, one_per_forward=args.one_per_forward,
+                                   **kw)
             print0(aggregate_line(result))
             if args.compare_batching:
                 single = evaluate_core(model, tokenizer, bundle_dir, T, seed=seed, one_per_forward=True,
@@ -545,7 +554,8 @@ def main():
     parser.add_argument("--batch_tokens", type=int, default=None,
                         help="sequences x padded length per forward (default 16384 on CUDA, 1024 on CPU)")
     parser.add_argument("--one_per_forward", action="store_true", help="one item per forward (nanochat's way)")
-    parser.add_argument("--compare_batching", action="store_true", help="also run one item per forward, print the speed ratio")
+    parser.add_argument("--compare_batching", action="store_true",
+                        help="also run one item per forward, print the speed ratio")
     parser.add_argument("--bundle_url", default=EVAL_BUNDLE_URL, help="where eval_bundle.zip is downloaded from")
     parser.add_argument("--data", default=None, help="bpb: validation source (default: the checkpoint's training data)")
     parser.add_argument("--val_tokens", type=int, default=1 << 20, help="bpb: validation tokens over all ranks")

@@ -75,7 +75,8 @@ def fetch_files(source):
                         ("tokenizer.json", tokenizer_path)):
         if found is None:
             raise FileNotFoundError(f"{where} has no {name}; --from takes a Hub repo id such as "
-                                    f"SandyResearch/parcae-140m or a folder holding config.json, model.pt, tokenizer.json")
+                                    f"SandyResearch/parcae-140m or a folder holding config.json, model.pt, "
+                                    f"tokenizer.json")
     return config_path, weights_path, tokenizer_path
 
 
@@ -268,7 +269,8 @@ def map_names(their_shapes, our_shapes, config):
         if ours in mapping.values():
             raise ValueError(f"the checkpoint's parameter {name} maps onto {ours}, which another name already filled")
         if tuple(shape) != tuple(our_shapes[ours]):
-            raise ValueError(f"the checkpoint's {name} has shape {tuple(shape)}, our {ours} has {tuple(our_shapes[ours])}")
+            raise ValueError(f"the checkpoint's {name} has shape {tuple(shape)}, "
+                             f"our {ours} has {tuple(our_shapes[ours])}")
         mapping[name] = ours
     left = sorted(set(our_shapes) - set(mapping.values()))
     if left:
@@ -285,8 +287,10 @@ def rope_order(head_dim):
 def convert_state_dict(state_dict, model):
     """Their state dict -> ours (a new dict), after checking the tied head and the RoPE table."""
     c = model.config
-    mapping = map_names({k: v.shape for k, v in state_dict.items()}, {k: v.shape for k, v in model.state_dict().items()}, c)
-    if "lm_head.weight" in state_dict and not torch.equal(state_dict["lm_head.weight"], state_dict["transformer.wte.weight"]):
+    mapping = map_names({k: v.shape for k, v in state_dict.items()},
+                        {k: v.shape for k, v in model.state_dict().items()}, c)
+    head, wte = state_dict.get("lm_head.weight"), state_dict["transformer.wte.weight"]
+    if head is not None and not torch.equal(head, wte):
         raise ValueError("the checkpoint's lm_head.weight differs from transformer.wte.weight; nanoparcae ties them")
     if "freqs_cis" in state_dict:
         theirs = state_dict["freqs_cis"].float()[0, :, 0]  # (S, D/2, [cos, sin])
@@ -323,13 +327,15 @@ def split_pattern(pre_tokenizer):
     kind = (pre_tokenizer or {}).get("type")
     steps = pre_tokenizer.get("pretokenizers", []) if kind == "Sequence" else [pre_tokenizer or {}]
     kinds = [s.get("type") for s in steps]
-    if kinds == ["Split", "ByteLevel"] and not steps[1].get("use_regex", True) and "Regex" in steps[0].get("pattern", {}) \
+    split_then_bytes = kinds == ["Split", "ByteLevel"] and not steps[1].get("use_regex", True)
+    if split_then_bytes and "Regex" in steps[0].get("pattern", {}) \
             and steps[0].get("behavior") == "Isolated" and not steps[0].get("invert"):
         pattern = steps[0]["pattern"]["Regex"]
     elif kinds == ["ByteLevel"] and steps[0].get("use_regex", True):
         pattern = GPT2_PATTERN
     else:
-        raise ValueError(f"tokenizer.json pre-tokenizer {kinds} is not byte-level BPE (Split + ByteLevel, or ByteLevel)")
+        raise ValueError(f"tokenizer.json pre-tokenizer {kinds} is not byte-level BPE "
+                         f"(Split + ByteLevel, or ByteLevel)")
     if steps[-1].get("add_prefix_space"):
         raise ValueError("tokenizer.json adds a prefix space, which tiktoken does not; nanoparcae cannot reproduce it")
     return pattern
