@@ -47,7 +47,7 @@ parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.R
                                  epilog="The CPU preset applies on a machine with no GPU when --depth is not given; "
                                         "the paper preset otherwise. A flag given explicitly always wins.")
 parser.add_argument("--depth", type=int, help="layers, L_P = L_R = L_C = depth/3; 6/12/18/24 = 140M..1.3B")
-parser.add_argument("--d_model", type=int, help="width (default 128 * (depth/3 + 4))")
+parser.add_argument("--d_model", type=int, help="width")
 parser.add_argument("--head_dim", type=int)
 parser.add_argument("--mu_rec", type=int, help="mean recurrence depth")
 parser.add_argument("--mu_bwd", type=int, help="backpropagated depth (default ceil(mu_rec/2))")
@@ -74,17 +74,19 @@ parser.add_argument("--core_max_per_task", type=int, default=500, help="CORE exa
 parser.add_argument("--save_every", type=int, help="steps between checkpoints")
 parser.add_argument("--log_every", type=int)
 parser.add_argument("--resume", action="store_true", help="continue this run from its last checkpoint")
-parser.add_argument("--compile", type=int, choices=[0, 1], help="torch.compile the blocks (default on CUDA)")
+parser.add_argument("--compile", type=int, choices=[0, 1], help="torch.compile the blocks")
 parser.add_argument("--data", help="fineweb-edu, stdlib, or a path / glob of .txt, .jsonl, .parquet files")
 parser.add_argument("--run", help="run name (default d<depth>_<injection>)")
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--dry_run", action="store_true", help="print the resolved configuration and exit")
 parser.add_argument("--stop_at", type=int, help="end this invocation after that step (continue with --resume)")
 parser.add_argument("--fault_nan_step", type=int, help="testing: poison the gradients at this step")
+PAPER_HELP = {**PAPER, "d_model": "128 * (depth/3 + 4)", "compile": "1 on CUDA",
+              "max_tokens": "the paper's for the depth, " + ", ".join(f"{t:.3g}" for t in PAPER_TOKENS.values())}
 for action in parser._actions:  # --help shows what a run will use: the preset's value, or the fixed default
-    if action.dest in PAPER:
-        small = f"; CPU preset: {SMALL[action.dest]}" if action.dest in SMALL else ""
-        action.help = f"{action.help or ''} (paper preset: {PAPER[action.dest]}{small})".lstrip()
+    if action.dest in SMALL:
+        action.help = f"{action.help or ''} (paper preset: {PAPER_HELP[action.dest]}; " \
+                      f"CPU preset: {SMALL[action.dest]})".lstrip()
     elif action.default not in (None, False, argparse.SUPPRESS):
         action.help = f"{action.help or ''} (default: {action.default})".lstrip()
 args = parser.parse_args()
