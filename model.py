@@ -363,7 +363,7 @@ class Parcae(nn.Module):
 
     def adopt_injection(self, injection):
         """Hold `injection`, which owns its parameters' creation, init and use. Its parameters are registered
-        on Parcae itself, under the names checkpoints and the authors' code give them (A_log, dt_bias, B;
+        on Parcae itself, under the names our checkpoints and hub.py's name table use (A_log, dt_bias, B;
         adapter) and in the order the optimiser and gradient clipping have always seen them (a reordering
         changes the rounding of the clipped norm); the module itself stays out of the module tree, so that
         nothing is registered twice."""
@@ -372,6 +372,13 @@ class Parcae(nn.Module):
         for name, param in injection.named_parameters(recurse=False):
             self.register_parameter(name, param)
         self.__dict__["injection"] = injection
+
+    def _apply(self, fn, *args, **kwargs):
+        """.to(), .cuda() and .half() may give a parameter a new object: point the injection at Parcae's."""
+        super()._apply(fn, *args, **kwargs)
+        if self.injection is not None:
+            self.injection._parameters.update({name: self._parameters[name] for name in self.injection._parameters})
+        return self
 
     def _rope_tables(self, length):
         c = self.config

@@ -195,6 +195,22 @@ def test_stability_diagnostics():
     assert transformer(idx, return_diagnostics=True)[1] == {"h_norm": None, "update_ratio": None}
 
 
+def test_injection_parameters_are_the_models_own_after_conversion():
+    for injection in ("diagonal", "concat"):
+        model = Parcae(tiny_config(injection=injection))
+        names = [name for name, _ in model.named_parameters()]
+        first = ["A_log", "dt_bias"] if injection == "diagonal" else ["wte.weight", "value_embeds.0.weight"]
+        assert names[:2] == first  # the order the optimiser and gradient clipping have always seen
+        torch.__future__.set_overwrite_module_params_on_conversion(True)  # .to() makes new parameter objects
+        try:
+            model = model.to(torch.float64)
+        finally:
+            torch.__future__.set_overwrite_module_params_on_conversion(False)
+        params = dict(model.named_parameters())
+        for name, param in model.injection.named_parameters():
+            assert param is params[name] and param.dtype == torch.float64, name
+
+
 def test_depth_generator_decides_the_sampled_depths():
     torch.manual_seed(0)
     model = randomized(Parcae(tiny_config(mu_rec=6))).train()
