@@ -219,12 +219,26 @@ def trunc_normal_(weight, std):
     return nn.init.trunc_normal_(weight, std=std, a=-3 * std, b=3 * std)
 
 
+class Injection(nn.Module):
+    """u = inject(h, input_term): the baselines inject e itself and have no Abar to precompute; Parcae
+    overrides both."""
+
+    def reset_parameters(self, std):
+        pass
+
+    def input_term(self, e):
+        return e
+
+    def state_weight(self):
+        return None
+
+
 class Discretized(NamedTuple):
     A_bar: torch.Tensor  # (d,) the state's per-channel decay, every entry in (0, 1)
     delta: torch.Tensor  # (d,) the step size Delta = softplus(dt_bias)
 
 
-class DiagonalInjection(nn.Module):
+class DiagonalInjection(Injection):
     """Parcae: u = Abar h + Bbar e with Abar = exp(-Delta exp(A_log)), Bbar = Delta B, so rho(Abar) < 1."""
 
     def __init__(self, d):
@@ -266,7 +280,7 @@ class DiagonalInjection(nn.Module):
         return self.discretize().A_bar.max().item()
 
 
-class ConcatInjection(nn.Module):
+class ConcatInjection(Injection):
     """RDM / Huginn: u = W [h; e], W a Linear(2d -> d) adapter whose state half is an unconstrained Abar."""
 
     def __init__(self, d):
@@ -277,12 +291,6 @@ class ConcatInjection(nn.Module):
     def reset_parameters(self, std):
         trunc_normal_(self.adapter.weight, std)
 
-    def input_term(self, e):
-        return e
-
-    def state_weight(self):
-        return None
-
     def forward(self, h, input_term, A_bar=None):
         return self.adapter(torch.cat([h, input_term], dim=-1))
 
@@ -292,20 +300,11 @@ class ConcatInjection(nn.Module):
         return torch.linalg.eigvals(state_half).abs().max().item()
 
 
-class AddInjection(nn.Module):
+class AddInjection(Injection):
     """u = h + e: Abar = I, rho = 1 (marginally stable). No parameters."""
 
     def __init__(self, d):
         super().__init__()
-
-    def reset_parameters(self, std):
-        pass
-
-    def input_term(self, e):
-        return e
-
-    def state_weight(self):
-        return None
 
     def forward(self, h, input_term, A_bar=None):
         return h + input_term
