@@ -269,9 +269,14 @@ def log_line(record, num_steps):
     return " | ".join(parts + [f"eta {eta / 60:.1f} min"])
 
 
-if args.fault_nan_step is not None:  # testing: poison one step's gradients, the loop must skip that update
-    next(raw_model.parameters()).register_post_accumulate_grad_hook(
-        lambda p: p.grad.fill_(float("nan")) if step == args.fault_nan_step else None)
+def poison_gradient(param):
+    """Testing (--fault_nan_step): make that step's gradients non-finite; the loop must skip its update."""
+    if step == args.fault_nan_step:
+        param.grad.fill_(float("nan"))
+
+
+if args.fault_nan_step is not None:
+    next(raw_model.parameters()).register_post_accumulate_grad_hook(poison_gradient)
 
 # -----------------------------------------------------------------------------
 # Training loop
