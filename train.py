@@ -18,7 +18,6 @@ import pickle
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
