@@ -26,14 +26,15 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
+from common import peak_bf16_flops
 from data import DataLoader, Tokenizer, iter_documents
 from eval_core import MC, Task, evaluate_task, initial_state_table
-from model import Parcae, ParcaeConfig, peak_bf16_flops, sample_depths
+from model import Parcae, ParcaeConfig, sample_depths
 from optim import build_optimizer
 from sample import generate
 
 CUDA = torch.cuda.is_available()
-# Defaults: a small model on CPU (minutes on two cores), the 140M model (SPEC 1, depth 6) on CUDA
+# Defaults: a small model on CPU (minutes on two cores), the 140M model (METHOD.md §1, depth 6) on CUDA
 CPU_SIZES = dict(depth=3, d_model=128, head_dim=64, vocab_size=4096, seq_len=128, batch_size=8, steps=2)
 CUDA_SIZES = dict(depth=6, d_model=None, head_dim=128, vocab_size=32768, seq_len=2048, batch_size=16, steps=3)
 # Row 7 compiles on CPU at a tiny size: inductor's C++ compile of bigger blocks costs minutes there
@@ -97,11 +98,11 @@ def model_loss(model, x, y, depths):
 
 
 def masked_reference_loss(model, x, y, depths):
-    """Per-sequence depths the way the paper runs them (SPEC 2): the whole batch steps max(n) times without
+    """Per-sequence depths the way the paper runs them (METHOD.md §2): the whole batch steps max(n) times without
     grad and max(k) times with it, and torch.where keeps the state of a sequence whose count is used up.
     Built from the model's pieces; row 8 measures model.py against it, tests/test_bench.py checks it."""
     e, (ves, cos, sin) = model.run_prelude(x)
-    n, k = model.steps(depths, x.size(0))
+    n, k = model.resolve_steps(depths, x.size(0))
     h = model.initial_state(e.shape, e.device, e.dtype)
     n_max = int(n.max())
     for step in range(n_max + int(k.max())):
@@ -220,7 +221,8 @@ def row_throughput(args, device, training):
 def row_mfu(args, device, training):
     peak = peak_bf16_flops(device)
     if peak is None:
-        peak, what = matmul_rate(args, device), f"{'bf16' if CUDA else 'float32'} matmul rate measured at the model's shapes"
+        what = f"{'bf16' if CUDA else 'float32'} matmul rate measured at the model's shapes"
+        peak = matmul_rate(args, device)
     else:
         what = "bf16 peak (MFU)"
     parcae, gpt = training["per-sequence"][1], training["Transformer"][1]
@@ -366,7 +368,8 @@ def row_compile(args, device, training):
     return [("7", f"torch.compile (compile_blocks, d_model {config.d_model}, {batch_size} x {config.seq_len}): "
              f"steps/s compiled vs eager; recompilations over {COMPILE_STEPS} steps of changing depths",
              f"compiled {rates['compiled']:.2f} steps/s, eager {rates['eager']:.2f} steps/s; first step "
-             f"{compile_seconds:.0f} s, {graphs[0]} graphs for {config.n_layer} blocks; then {sum(per_chunk)} recompilations "
+             f"{compile_seconds:.0f} s, {graphs[0]} graphs for {config.n_layer} blocks; "
+             f"then {sum(per_chunk)} recompilations "
              f"(per {COMPILE_CHUNK} steps: {', '.join(map(str, per_chunk))})",
              f"{rates['compiled'] / rates['eager']:.2f}x",
              f"none after step {COMPILE_CHUNK + 1}: {'met' if settled else 'missed'}")]
@@ -424,7 +427,8 @@ def device_name(device):
 def parse_rows(text):
     rows = text.split(",")
     if not all(r.strip().isdigit() and int(r) in ROWS for r in rows):
-        raise argparse.ArgumentTypeError(f"--rows takes numbers from 1 to {len(ROWS)} separated by commas, got {text!r}")
+        raise argparse.ArgumentTypeError(f"--rows takes numbers from 1 to {len(ROWS)} separated by commas, "
+                                         f"got {text!r}")
     return sorted({int(r) for r in rows})
 
 
@@ -441,7 +445,7 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats; each figure is their median")
     parser.add_argument("--mu_rec", type=int, default=8)
     args = parser.parse_args(argv)
-    width_from_depth = args.depth is not None  # --depth alone takes SPEC 1's width for that depth
+    width_from_depth = args.depth is not None  # --depth alone takes METHOD.md §1's width for that depth
     for name, value in (CUDA_SIZES if CUDA else CPU_SIZES).items():
         if getattr(args, name) is None and not (name == "d_model" and width_from_depth):
             setattr(args, name, value)

@@ -1,5 +1,5 @@
 """
-Everything between raw text and the (x, y) batches that train.py consumes (SPEC 2).
+Everything between raw text and the (x, y) batches that train.py consumes (METHOD.md §2).
 
 The steps, each one command:
 
@@ -47,28 +47,31 @@ import tiktoken
 import torch
 
 FINEWEB_URL = "https://huggingface.co/datasets/karpathy/fineweb-edu-100b-shuffle/resolve/main"
-FINEWEB_LAST_SHARD = 1822  # SPEC 5: shards 0..1822
+FINEWEB_LAST_SHARD = 1822  # METHOD.md §5: shards 0..1822
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>"]
-# SPEC 2: a GPT-4 style split pattern; like nanochat we group digits by 1-2 (GPT-4: 1-3), which wastes
+# METHOD.md §2: a GPT-4 style split pattern; like nanochat we group digits by 1-2 (GPT-4: 1-3), which wastes
 # fewer tokens on numbers at small vocab sizes
-SPLIT_PATTERN = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
+SPLIT_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*"""
+                 r"""|\s*[\r\n]|\s+(?!\S)|\s+""")
 VAL_EVERY = 20  # stdlib and user files: a document is validation iff crc32(text) % 20 == 0 (~5%)
 FILES_PER_CHUNK = 64  # text files are read (and shared across ranks) in groups of this many
 
 
-def get_base_dir():
+def cache_dir():
+    """Where downloads and tokenizers are cached: common.get_base_dir's rule ($NANOPARCAE_BASE_DIR, default
+    ~/.cache/nanoparcae), repeated here so that data.py imports nothing of ours and runs on its own."""
     base_dir = Path(os.environ.get("NANOPARCAE_BASE_DIR", Path.home() / ".cache" / "nanoparcae")).expanduser()
     base_dir.mkdir(parents=True, exist_ok=True)
     return base_dir
 
 
 def fineweb_dir():
-    path = get_base_dir() / "fineweb-edu"
+    path = cache_dir() / "fineweb-edu"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
 # -----------------------------------------------------------------------------
-# Tokenizer: trained with rustbpe, run with tiktoken (SPEC 2: byte-level BPE, GPT-4 split, <|bos|> etc.)
+# Tokenizer: trained with rustbpe, run with tiktoken (METHOD.md §2: byte-level BPE, GPT-4 split, <|bos|> etc.)
 
 class Tokenizer:
     """A tiktoken.Encoding plus the byte length of every token (bits per byte needs it)."""
@@ -92,11 +95,12 @@ class Tokenizer:
 
     @classmethod
     def train(cls, text_iterator, vocab_size, max_chars=2_000_000_000, doc_cap=10_000):
-        """Train on at most max_chars characters, each document cut to doc_cap (SPEC 2: ~2B chars, 10k cap).
+        """Train on at most max_chars characters, each document cut to doc_cap (METHOD.md §2: ~2B chars, 10k cap).
         vocab_size counts the special tokens."""
         num_merged = vocab_size - len(SPECIAL_TOKENS)
         if num_merged < 256:
-            raise ValueError(f"vocab_size {vocab_size} is too small: it needs 256 byte tokens + {len(SPECIAL_TOKENS)} specials")
+            raise ValueError(f"vocab_size {vocab_size} is too small: it needs 256 byte tokens "
+                             f"+ {len(SPECIAL_TOKENS)} specials")
 
         def capped():
             seen = 0
@@ -116,7 +120,8 @@ class Tokenizer:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         ranks = self.enc._mergeable_ranks
-        lines = (f"{base64.b64encode(token).decode()} {rank}\n" for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]))
+        by_rank = sorted(ranks.items(), key=lambda kv: kv[1])
+        lines = (f"{base64.b64encode(token).decode()} {rank}\n" for token, rank in by_rank)
         (directory / "tokenizer.tiktoken").write_text("".join(lines))
         config = {"pattern": self.enc._pat_str, "special_tokens": self.enc._special_tokens}
         (directory / "tokenizer.json").write_text(json.dumps(config, indent=1))
@@ -132,9 +137,11 @@ class Tokenizer:
         config = json.loads((directory / "tokenizer.json").read_text())
         enc = tiktoken.Encoding("nanoparcae", pat_str=config["pattern"], mergeable_ranks=ranks,
                                 special_tokens=config["special_tokens"])
-        token_bytes = torch.tensor([int(n) for n in (directory / "token_bytes.txt").read_text().split()], dtype=torch.int32)
+        byte_counts = (directory / "token_bytes.txt").read_text().split()
+        token_bytes = torch.tensor([int(n) for n in byte_counts], dtype=torch.int32)
         if len(token_bytes) != enc.n_vocab:
-            raise ValueError(f"{directory}/token_bytes.txt does not match the vocabulary: delete {directory} to retrain")
+            raise ValueError(f"{directory}/token_bytes.txt does not match the vocabulary: "
+                             f"delete {directory} to retrain")
         return cls(enc, token_bytes)
 
     def encode(self, text, prepend_bos=False, num_threads=8):
@@ -155,7 +162,7 @@ def tokenizer_dir(source, vocab_size):
         name = source if source == "fineweb-edu" else f"stdlib-py{sys.version_info.major}{sys.version_info.minor}"
     else:
         name = "files-" + hashlib.sha1(str(Path(source).expanduser().resolve()).encode()).hexdigest()[:10]
-    return get_base_dir() / "tokenizers" / f"{name}-{vocab_size}"
+    return cache_dir() / "tokenizers" / f"{name}-{vocab_size}"
 
 
 def get_tokenizer(source, vocab_size, max_chars=2_000_000_000, doc_cap=10_000):
@@ -286,8 +293,8 @@ def user_files(pattern):
     found = glob.glob(str(path / "**" / "*"), recursive=True) if path.is_dir() else glob.glob(str(path), recursive=True)
     files = sorted(f for f in found if Path(f).suffix in (".txt", ".jsonl", ".parquet", ".py") and Path(f).is_file())
     if not files:
-        raise SystemExit(f"no .txt, .jsonl or .parquet files match '{pattern}': pass --data=stdlib, --data=fineweb-edu, "
-                         f"or a path, folder or glob of your own files")
+        raise SystemExit(f"no .txt, .jsonl or .parquet files match '{pattern}': pass --data=stdlib, "
+                         f"--data=fineweb-edu, or a path, folder or glob of your own files")
     return files
 
 
@@ -313,7 +320,7 @@ def list_chunks(source, split):
         if len(shards) < 2:
             raise SystemExit(f"found {len(shards)} FineWeb-Edu shards in {fineweb_dir()}, need at least 2 (the last is "
                              f"validation): run `python data.py download -n 8`")
-        # SPEC 5: the last shard is validation
+        # METHOD.md §5: the last shard is validation
         return [c for p in (shards[:-1] if split == "train" else shards[-1:]) for c in parquet_chunks(p, None)]
     return files_chunks(stdlib_files() if source == "stdlib" else user_files(source), split)
 
@@ -441,7 +448,7 @@ class DocumentStream:
             epoch, position, index = epoch + 1, 0, 0
 
 # -----------------------------------------------------------------------------
-# Loader: BOS-aligned best-fit packing (SPEC 2), tokenizing ahead in a thread, exactly resumable
+# Loader: BOS-aligned best-fit packing (METHOD.md §2), tokenizing ahead in a thread, exactly resumable
 
 def tokenize_ahead(tokenizer, stream, start, loop, batch_docs, num_threads):
     """Lists of (doc_id, tokens), every document BOS first, tokenized batch_docs at a time."""
@@ -496,13 +503,14 @@ class Prefetcher:
 class DataLoader:
     """Yields (x, y), LongTensors of shape (batch_size, seq_len) on `device`: rows of seq_len + 1 tokens that each
     start with BOS, packed best-fit from a buffer of about buffer_docs documents, overflow cropped, no padding
-    (SPEC 2). The train split cycles over epochs forever; the val split is read once, then StopIteration.
+    (METHOD.md §2). The train split cycles over epochs forever; the val split is read once, then StopIteration.
     state_dict() is small (the ids of the buffered documents and of the next one to read), and a loader given it
     yields exactly the batches the saved one would have yielded next."""
 
     def __init__(self, tokenizer, source, split, batch_size, seq_len, rank=0, world_size=1, seed=0, device="cpu",
                  buffer_docs=1000, num_threads=4, tokenize_batch=128, sharers=1):
-        self.tokenizer, self.batch_size, self.seq_len, self.device = tokenizer, batch_size, seq_len, torch.device(device)
+        self.tokenizer, self.batch_size, self.seq_len = tokenizer, batch_size, seq_len
+        self.device = torch.device(device)
         self.buffer_docs, self.num_threads, self.tokenize_batch = buffer_docs, num_threads, tokenize_batch
         self.stream = DocumentStream(source, split, seed, rank, world_size, sharers)
         self.loop = split == "train"
@@ -533,7 +541,7 @@ class DataLoader:
             self.arrivals += 1
 
     def _pack_row(self):
-        """SPEC 2: take the longest buffered document that fits whole; when none fits, crop the shortest
+        """METHOD.md §2: take the longest buffered document that fits whole; when none fits, crop the shortest
         (the least waste) to fill the row exactly. The row starts with BOS because every document does."""
         row, capacity = [], self.seq_len + 1
         while len(row) < capacity:
@@ -584,13 +592,15 @@ class DataLoader:
     def state_dict(self):
         s = self.stream
         return {"source": s.source, "split": s.split, "seed": s.seed, "rank": s.rank, "world_size": s.world_size,
-                "next_doc": list(self.next_doc), "buffer": [[arrival, *doc_id] for _, arrival, doc_id, _ in self.buffer],
+                "next_doc": list(self.next_doc),
+                "buffer": [[arrival, *doc_id] for _, arrival, doc_id, _ in self.buffer],
                 "arrivals": self.arrivals, "batches": self.batches,
                 "tokens_used": self.tokens_used, "tokens_cropped": self.tokens_cropped}
 
     def load_state_dict(self, state):
         s = self.stream
-        mine, theirs = (s.split, s.seed, s.rank, s.world_size), (state["split"], state["seed"], state["rank"], state["world_size"])
+        mine = (s.split, s.seed, s.rank, s.world_size)
+        theirs = (state["split"], state["seed"], state["rank"], state["world_size"])
         if mine != theirs:
             raise ValueError(f"loader state is for (split, seed, rank, world_size) = {theirs}, this loader is {mine}: "
                              f"each rank must save and restore its own loader state")
@@ -606,7 +616,8 @@ class DataLoader:
         self.buffer = []
         for (epoch, position), entries in by_chunk.items():
             docs = s.share(epoch, position, shared=False)  # the other loaders are not resuming this chunk
-            token_lists = self.tokenizer.encode([docs[i] for _, i in entries], prepend_bos=True, num_threads=self.num_threads)
+            token_lists = self.tokenizer.encode([docs[i] for _, i in entries], prepend_bos=True,
+                                                num_threads=self.num_threads)
             for (arrival, index), tokens in zip(entries, token_lists):
                 bisect.insort(self.buffer, (len(tokens), arrival, (epoch, position, index), tokens))
 
@@ -650,11 +661,12 @@ def main():
     p.add_argument("--seq_len", type=int, default=2048)
     p.add_argument("--tokens", type=int, default=4_000_000, help="tokens to time after the first batch")
     args = parser.parse_args()
-    print(f"Base directory: {get_base_dir()}")
+    print(f"Base directory: {cache_dir()}")
 
     if args.command == "download":
         if not 2 <= args.num_shards <= FINEWEB_LAST_SHARD + 1:
-            parser.error(f"-n must be in 2..{FINEWEB_LAST_SHARD + 1} (at least one train shard and the validation shard)")
+            parser.error(f"-n must be in 2..{FINEWEB_LAST_SHARD + 1} "
+                         f"(at least one train shard and the validation shard)")
         download_shards(list(range(args.num_shards - 1)) + [FINEWEB_LAST_SHARD], args.base_url, args.workers)
     elif args.command == "tokenizer":
         tokenizer = get_tokenizer(args.data, args.vocab_size, args.max_chars, args.doc_cap)

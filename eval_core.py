@@ -1,5 +1,6 @@
 """
-eval_core.py: evaluate a checkpoint (SPEC 3): CORE and Core-Extended, bits per byte, and the test-time scaling law.
+eval_core.py: evaluate a checkpoint (METHOD.md §3): CORE and Core-Extended, bits per byte, and the test-time
+scaling law.
 
     python eval_core.py                                       # CORE of the latest checkpoint, at T = mu_rec
     python eval_core.py --T 8 --max_per_task 50               # quicker: 50 examples per task
@@ -36,14 +37,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from data import Tokenizer, download_file, get_base_dir, iter_documents, val_batches
+from common import find_checkpoint, get_base_dir, init_distributed, load_checkpoint, print0, rank_and_world
+from data import Tokenizer, download_file, iter_documents, val_batches
 from hub import load_pretrained, local_dir
-from model import find_checkpoint, load_checkpoint
 
-EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"  # SPEC 5
+EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"  # METHOD.md §5
 
 # -----------------------------------------------------------------------------
-# The task table (SPEC 3; files, shots and delimiters as in DCLM's heavy.yaml and nanochat's core.yaml)
+# The task table (METHOD.md §3; files, shots and delimiters as in DCLM's heavy.yaml and nanochat's core.yaml)
 
 MC, SCHEMA, LM = "multiple_choice", "schema", "language_modeling"
 ANSWER = "\nAnswer: "
@@ -79,7 +80,8 @@ CORE_TASKS = [
     Task("squad", "reading_comprehension/squad.jsonl", LM, 10, " "),
     Task("coqa", "reading_comprehension/coqa.jsonl", LM, 0, " "),
     Task("boolq", "reading_comprehension/boolq.jsonl", MC, 10, ANSWER),
-    Task("bigbench_language_identification", "language_understanding/bigbench_language_identification.jsonl", MC, 10, " "),
+    Task("bigbench_language_identification", "language_understanding/bigbench_language_identification.jsonl", MC, 10,
+         " "),
 ]
 
 # Core-Extended adds the other 24 scoreable tasks of DCLM's extended set (heavy.yaml without its generative
@@ -94,7 +96,8 @@ EXTENDED_EXTRA_TASKS = [
     Task("bigbench_strange_stories", "commonsense_reasoning/bigbench_strange_stories.jsonl", MC, 10, " "),
     Task("bigbench_strategy_qa", "commonsense_reasoning/bigbench_strategy_qa.jsonl", MC, 10, " "),
     Task("bigbench_conlang_translation", "language_understanding/bigbench_conlang_translation.jsonl", LM, 0, " "),
-    Task("bigbench_conceptual_combinations", "language_understanding/bigbench_conceptual_combinations.jsonl", MC, 10, " "),
+    Task("bigbench_conceptual_combinations", "language_understanding/bigbench_conceptual_combinations.jsonl", MC, 10,
+         " "),
     Task("bigbench_elementary_math_qa", "symbolic_problem_solving/bigbench_elementary_math_qa.jsonl", MC, 10, " "),
     Task("bigbench_logical_deduction", "symbolic_problem_solving/bigbench_logical_deduction.jsonl", MC, 10, " "),
     Task("simple_arithmetic_nospaces", "symbolic_problem_solving/simple_arithmetic_nospaces.jsonl", LM, 10, " "),
@@ -161,9 +164,10 @@ def download_eval_bundle(url=EVAL_BUNDLE_URL, base_dir=None):
     scratch = base_dir / f"eval_bundle.{os.getpid()}.tmp"
     try:
         extract_zip_safely(zip_path, scratch)
-        extracted = scratch / "eval_bundle"  # SPEC 5: one top-level folder eval_bundle/
+        extracted = scratch / "eval_bundle"  # METHOD.md §5: one top-level folder eval_bundle/
         if not (extracted / "eval_meta_data.csv").is_file():
-            raise ValueError(f"{url} is not an eval bundle (no eval_bundle/eval_meta_data.csv inside); check --bundle_url")
+            raise ValueError(f"{url} is not an eval bundle (no eval_bundle/eval_meta_data.csv inside); "
+                             f"check --bundle_url")
         extracted.rename(bundle_dir)
     except (ValueError, zipfile.BadZipFile) as err:
         zip_path.unlink(missing_ok=True)  # a bad archive would otherwise be reused on every later run
@@ -175,14 +179,15 @@ def download_eval_bundle(url=EVAL_BUNDLE_URL, base_dir=None):
 
 
 def read_random_baselines(bundle_dir):
-    """{task label: random baseline in percent} from the bundle's eval_meta_data.csv (SPEC 3: DCLM's v1 values)."""
+    """{task label: random baseline in percent} from the bundle's eval_meta_data.csv (METHOD.md §3: DCLM's v1
+    values)."""
     with open(Path(bundle_dir) / "eval_meta_data.csv", newline="", encoding="utf-8") as f:
         return {row["Eval Task"]: float(row["Random baseline"]) for row in csv.DictReader(f)}
 
 
 def load_task_data(bundle_dir, task, max_per_task):
     """The task's records shuffled with Random(1337) (many files are ordered, so a max_per_task cut stays
-    representative), then cut to max_per_task when it is > 0 (SPEC 3, as nanochat)."""
+    representative), then cut to max_per_task when it is > 0 (METHOD.md §3, as nanochat)."""
     with open(Path(bundle_dir) / "eval_data" / task.path, encoding="utf-8") as f:
         data = [json.loads(line) for line in f if line.strip()]
     random.Random(1337).shuffle(data)
@@ -233,7 +238,7 @@ def scored_spans(task, tokens):
 
 
 def crop_left(tokens, start, end, max_len):
-    """Keep the last max_len tokens (SPEC 3 crops long prompts from the left) and shift the span with them.
+    """Keep the last max_len tokens (METHOD.md §3 crops long prompts from the left) and shift the span with them.
     The span keeps at least one token and never starts at position 0, which nothing predicts."""
     cut = max(0, len(tokens) - max_len)
     start, end = start - cut, end - cut
@@ -259,7 +264,7 @@ def build_rows(task, data, indices, tokenizer, seed, max_len):
         texts = render_prompts(task, data[idx], fewshot)
         prompts += texts
         owners.append((idx, len(texts)))
-    tokens = tokenizer.encode(prompts, prepend_bos=True) if prompts else []  # SPEC 3: BOS starts every prompt
+    tokens = tokenizer.encode(prompts, prepend_bos=True) if prompts else []  # METHOD.md §3: BOS starts every prompt
     rows, offset = [], 0
     for idx, n in owners:
         sequences, spans = scored_spans(task, tokens[offset:offset + n])
@@ -279,7 +284,7 @@ def bf16_autocast(device):
 
 def initial_state_table(model, length, seed, device):
     """One draw of the Parcae initial state h0 for positions 0..length-1, shared by every sequence of an evaluation.
-    SPEC 1 draws h0 afresh per forward; drawing it once per evaluation (seeded) keeps the distribution and makes
+    METHOD.md §1 draws h0 afresh per forward; drawing it once per evaluation (seeded) keeps the distribution and makes
     every sequence's score independent of what else is in its batch and of the number of ranks."""
     generator = torch.Generator().manual_seed(seed)
     return model.initial_state((1, length, model.config.d_model), "cpu", torch.float32, generator).to(device)
@@ -328,17 +333,8 @@ def score_rows(model, rows, T, h0_table, batch_tokens=1024, one_per_forward=Fals
 # -----------------------------------------------------------------------------
 # CORE: accuracy per task, centered by the random baseline, averaged
 
-def rank_and_world():
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-
-
-def print0(*args, **kwargs):
-    if rank_and_world()[0] == 0:
-        print(*args, **kwargs, flush=True)
-
-
 def centered_accuracy(accuracy, random_baseline):
-    """SPEC 3: (acc - 0.01 rb) / (1 - 0.01 rb), rb in percent: 0 at chance, 1 for a perfect score."""
+    """METHOD.md §3: (acc - 0.01 rb) / (1 - 0.01 rb), rb in percent: 0 at chance, 1 for a perfect score."""
     return (accuracy - 0.01 * random_baseline) / (1.0 - 0.01 * random_baseline)
 
 
@@ -398,7 +394,8 @@ def evaluate_core(model, tokenizer, bundle_dir, T=None, max_per_task=-1, tasks="
         centered[task.label] = centered_accuracy(accuracy[task.label], baselines[task.label])
         if verbose:
             print0(f"{task.label:<34} {task.shots:>2}-shot {task.kind:<17} {len(data):>6} items  "
-                   f"accuracy {accuracy[task.label]:.4f}  centered {centered[task.label]:+.4f}  {time.time() - t0:6.1f}s")
+                   f"accuracy {accuracy[task.label]:.4f}  centered {centered[task.label]:+.4f}  "
+                   f"{time.time() - t0:6.1f}s")
     model.train(was_training)
     core = [c for label, c in centered.items() if label in CORE_LABELS]
     extended_ran = any(label not in CORE_LABELS for label in centered)
@@ -429,7 +426,8 @@ def evaluate_bpb(model, tokenizer, batches, T=None, seed=1234):
         nats = nats.double()
         valid = y >= 0
         num_bytes = torch.where(valid, token_bytes[y.clamp(min=0)], 0)
-        sums += torch.stack([nats[valid].sum(), valid.sum().double(), nats[num_bytes > 0].sum(), num_bytes.sum().double()])
+        sums += torch.stack([nats[valid].sum(), valid.sum().double(), nats[num_bytes > 0].sum(),
+                             num_bytes.sum().double()])
     model.train(was_training)
     if dist.is_initialized():
         dist.all_reduce(sums)
@@ -460,7 +458,7 @@ def evaluate_ppl(model, tokenizer, docs, T=None, seed=1234):
         if len(ids) < 2:
             continue
         x, y = torch.tensor([ids[:-1]], device=device), torch.tensor([ids[1:]], device=device)
-        with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
+        with bf16_autocast(device):
             nats = model(x, targets=y, T=T, h0=h0_table[:, :x.size(1)], reduction="none").double()
         num_bytes = token_bytes[y]
         sums += torch.stack([nats[num_bytes > 0].sum(), (num_bytes > 0).sum().double(), num_bytes.sum().double(),
@@ -475,12 +473,13 @@ def evaluate_ppl(model, tokenizer, docs, T=None, seed=1234):
 
 
 def fit_test_time_scaling(Ts, losses):
-    """Least-squares fit of L(T) = L_inf + Z exp(-z T) (SPEC 3) -> {"L_inf", "Z", "z", "rms"}. For a fixed z the law
-    is linear in (L_inf, Z), solved exactly; z is searched on a log grid, then refined by golden-section search
+    """Least-squares fit of L(T) = L_inf + Z exp(-z T) (METHOD.md §3) -> {"L_inf", "Z", "z", "rms"}. For a fixed z
+    the law is linear in (L_inf, Z), solved exactly; z is searched on a log grid, then refined by golden-section search
     (on log z) between the best grid point's neighbours."""
     T, L = np.asarray(Ts, dtype=np.float64), np.asarray(losses, dtype=np.float64)
     if len(T) < 3 or len(set(T.tolist())) < 3:
-        raise ValueError(f"fitting L(T) = L_inf + Z exp(-z T) needs at least 3 distinct T, got {Ts}; pass e.g. --T 1,2,4,8,16")
+        raise ValueError(f"fitting L(T) = L_inf + Z exp(-z T) needs at least 3 distinct T, got {Ts}; "
+                         f"pass e.g. --T 1,2,4,8,16")
 
     def solve(log_z):
         design = np.stack([np.ones_like(T), np.exp(-math.exp(log_z) * T)], axis=1)
@@ -513,17 +512,6 @@ def parse_ints(text, flag):
     return values
 
 
-def init_distributed(device):
-    """torchrun sets RANK: nccl on CUDA (one GPU per local rank), gloo on CPU."""
-    if "RANK" not in os.environ:
-        return device
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return device
-
-
 def write_json(path, obj):
     partial = path.with_name(path.name + ".tmp")
     partial.write_text(json.dumps(obj, indent=1))
@@ -551,7 +539,8 @@ def run_core(args, model, tokenizer, Ts, seeds):
     for T in Ts:
         for seed in seeds:
             print0(f"--- T = {T}, few-shot seed {seed}")
-            result = evaluate_core(model, tokenizer, bundle_dir, T, seed=seed, one_per_forward=args.one_per_forward, **kw)
+            result = evaluate_core(model, tokenizer, bundle_dir, T, seed=seed, one_per_forward=args.one_per_forward,
+                                   **kw)
             print0(aggregate_line(result))
             if args.compare_batching:
                 single = evaluate_core(model, tokenizer, bundle_dir, T, seed=seed, one_per_forward=True,
@@ -573,7 +562,7 @@ def run_core(args, model, tokenizer, Ts, seeds):
 
 def run_bpb(args, model, tokenizer, ckpt, Ts, device):
     mu_rec = model.config.mu_rec
-    Ts = sorted(set(Ts) | {mu_rec})  # SPEC 3 compares L_inf with the loss at T = mu_rec
+    Ts = sorted(set(Ts) | {mu_rec})  # METHOD.md §3 compares L_inf with the loss at T = mu_rec
     source = args.data or ckpt.get("args", {}).get("data", "fineweb-edu")
     rank, world = rank_and_world()
     batches = list(val_batches(tokenizer, source, args.batch_size, model.config.seq_len, args.val_tokens, rank, world,
@@ -624,13 +613,14 @@ def main():
                         help="core: CORE / Core-Extended; bpb: val loss on packed rows (train.py's); ppl: the "
                         "paper's val PPL, one document per forward (the authors' protocol)")
     parser.add_argument("--T", default=None, help="test-time recurrence(s), e.g. 8 or 1,2,4,8 (default: mu_rec)")
-    parser.add_argument("--seeds", default="1234", help="few-shot seeds; several print mean and std (SPEC 3)")
+    parser.add_argument("--seeds", default="1234", help="few-shot seeds; several print mean and std (METHOD.md §3)")
     parser.add_argument("--max_per_task", type=int, default=-1, help="items per task after shuffling (-1: all)")
     parser.add_argument("--tasks", default="core", help="core (22), extended (46), or task labels separated by commas")
     parser.add_argument("--batch_tokens", type=int, default=None,
                         help="sequences x padded length per forward (default 16384 on CUDA, 1024 on CPU)")
     parser.add_argument("--one_per_forward", action="store_true", help="one item per forward (nanochat's way)")
-    parser.add_argument("--compare_batching", action="store_true", help="also run one item per forward, print the speed ratio")
+    parser.add_argument("--compare_batching", action="store_true",
+                        help="also run one item per forward, print the speed ratio")
     parser.add_argument("--bundle_url", default=EVAL_BUNDLE_URL, help="where eval_bundle.zip is downloaded from")
     parser.add_argument("--data", default=None,
                         help="bpb, ppl: validation source (default: the checkpoint's training data)")

@@ -4,7 +4,7 @@ their GPT baselines) with nanoparcae's model and a tiktoken tokenizer.
 
 Their package parcae_lm writes a folder with config.json (its config dataclass as JSON plus
 `_class_name`), a state dict (model.pt or pytorch_model.bin) and a byte-level BPE tokenizer.json
-(SPEC 5). This file downloads such a folder (or reads a local one), builds our ParcaeConfig from
+(METHOD.md §5). This file downloads such a folder (or reads a local one), builds our ParcaeConfig from
 theirs, renames their parameters onto ours with one explicit table, and turns tokenizer.json into a
 tiktoken Encoding wrapped in data.Tokenizer.
 
@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from data import Tokenizer, download_file, get_base_dir
+from common import get_base_dir
+from data import Tokenizer, download_file
 from model import Parcae, ParcaeConfig
 
 HUB_URL = os.environ.get("NANOPARCAE_HUB_URL", "https://huggingface.co")  # tests point it at 127.0.0.1
@@ -74,7 +75,8 @@ def fetch_files(source):
                         ("tokenizer.json", tokenizer_path)):
         if found is None:
             raise FileNotFoundError(f"{where} has no {name}; --from takes a Hub repo id such as "
-                                    f"SandyResearch/parcae-140m or a folder holding config.json, model.pt, tokenizer.json")
+                                    f"SandyResearch/parcae-140m or a folder holding config.json, model.pt, "
+                                    f"tokenizer.json")
     return config_path, weights_path, tokenizer_path
 
 
@@ -159,9 +161,10 @@ def config_from_authors(cfg):
 
 def check_value_embedding_layers(config, mean_backprop_depth):
     """Their Parcae gives layer i a value embedding when i % 2 == (n - 1) % 2 over n = P + R + C
-    (parcae.py), but decides its ve_gate with layer ids P + i (recurrent) and P + R * mean_recurrence + i
-    (coda) against n_layer = R * mean_backprop_depth (mixer.py, parcae/config.py). A value embedding
-    without a gate is ignored by their forward. The released sizes agree; refuse any that does not."""
+    (parcae_lm/models/parcae/parcae.py), but decides its ve_gate with layer ids P + i (recurrent) and
+    P + R * mean_recurrence + i (coda) against n_layer = R * mean_backprop_depth (parcae_lm/modules/mixer.py,
+    parcae/config.py). A value embedding without a gate is ignored by their forward. The released sizes
+    agree; refuse any that does not."""
     n = config.n_layer
     ids = [*range(config.n_prelude + config.n_recur),
            *(config.n_prelude + config.n_recur * config.mu_rec + i for i in range(config.n_coda))]
@@ -198,14 +201,14 @@ def check_value_embedding_layers(config, mean_backprop_depth):
 # - head: lm_head.weight is wte.weight (tie_embeddings), logits * logit_scale = 1 (PLAIN_INITS), no
 #   softcap; their logits have padded_vocab_size columns, ours are cut to vocab_size.
 # - injection: theirs x * exp(-dt * exp(A_log)) + dt * (e @ B^T), dt = softplus(dt_bias); ours the same
-#   with the rate formed as exp(A_log + ln dt) and floored at 1e-6 (model.py discretized_A): equal
+#   with the rate formed as exp(A_log + ln dt) and floored at 1e-6 (model.py DiagonalInjection.discretize): equal
 #   except for a rate below 1e-6, where the two decays differ by less than 1e-6.
 # - C_proj: their transformer.C, a bias-free Linear after the loop with no norm before it: ours.
 # - vocabulary: both pad to a multiple of 64 (config_from_authors checks padded_vocab_size).
 # - depth: without num_steps_pair their per-sequence forward samples a depth even in eval mode; ours
 #   runs mu_rec. Give T explicitly (theirs: num_steps_pair=[T]) to compare.
 
-BLOCK_NAMES = {  # their TransformerPreNormBlock (blocks.py, mixer.py, mlp.py) -> our Block
+BLOCK_NAMES = {  # their TransformerPreNormBlock (parcae_lm/modules/: blocks, mixer, mlp) -> our Block
     "norm_1.weight": "attn_norm.weight",
     "attn.c_q.weight": "attn.c_q.weight",
     "attn.c_k.weight": "attn.c_k.weight",
@@ -266,7 +269,8 @@ def map_names(their_shapes, our_shapes, config):
         if ours in mapping.values():
             raise ValueError(f"the checkpoint's parameter {name} maps onto {ours}, which another name already filled")
         if tuple(shape) != tuple(our_shapes[ours]):
-            raise ValueError(f"the checkpoint's {name} has shape {tuple(shape)}, our {ours} has {tuple(our_shapes[ours])}")
+            raise ValueError(f"the checkpoint's {name} has shape {tuple(shape)}, "
+                             f"our {ours} has {tuple(our_shapes[ours])}")
         mapping[name] = ours
     left = sorted(set(our_shapes) - set(mapping.values()))
     if left:
@@ -283,8 +287,10 @@ def rope_order(head_dim):
 def convert_state_dict(state_dict, model):
     """Their state dict -> ours (a new dict), after checking the tied head and the RoPE table."""
     c = model.config
-    mapping = map_names({k: v.shape for k, v in state_dict.items()}, {k: v.shape for k, v in model.state_dict().items()}, c)
-    if "lm_head.weight" in state_dict and not torch.equal(state_dict["lm_head.weight"], state_dict["transformer.wte.weight"]):
+    mapping = map_names({k: v.shape for k, v in state_dict.items()},
+                        {k: v.shape for k, v in model.state_dict().items()}, c)
+    head, wte = state_dict.get("lm_head.weight"), state_dict["transformer.wte.weight"]
+    if head is not None and not torch.equal(head, wte):
         raise ValueError("the checkpoint's lm_head.weight differs from transformer.wte.weight; nanoparcae ties them")
     if "freqs_cis" in state_dict:
         theirs = state_dict["freqs_cis"].float()[0, :, 0]  # (S, D/2, [cos, sin])
@@ -321,13 +327,15 @@ def split_pattern(pre_tokenizer):
     kind = (pre_tokenizer or {}).get("type")
     steps = pre_tokenizer.get("pretokenizers", []) if kind == "Sequence" else [pre_tokenizer or {}]
     kinds = [s.get("type") for s in steps]
-    if kinds == ["Split", "ByteLevel"] and not steps[1].get("use_regex", True) and "Regex" in steps[0].get("pattern", {}) \
+    split_then_bytes = kinds == ["Split", "ByteLevel"] and not steps[1].get("use_regex", True)
+    if split_then_bytes and "Regex" in steps[0].get("pattern", {}) \
             and steps[0].get("behavior") == "Isolated" and not steps[0].get("invert"):
         pattern = steps[0]["pattern"]["Regex"]
     elif kinds == ["ByteLevel"] and steps[0].get("use_regex", True):
         pattern = GPT2_PATTERN
     else:
-        raise ValueError(f"tokenizer.json pre-tokenizer {kinds} is not byte-level BPE (Split + ByteLevel, or ByteLevel)")
+        raise ValueError(f"tokenizer.json pre-tokenizer {kinds} is not byte-level BPE "
+                         f"(Split + ByteLevel, or ByteLevel)")
     if steps[-1].get("add_prefix_space"):
         raise ValueError("tokenizer.json adds a prefix space, which tiktoken does not; nanoparcae cannot reproduce it")
     return pattern

@@ -1,29 +1,34 @@
 """
-model.py: Parcae, the stable looped language model, and its baselines.
+model.py: Parcae, the stable looped language model, and its baselines (METHOD.md §1).
 
-    x  = wte(ids); x = Prelude(x); e = RMSNorm(x)        # SPEC 1
+    x  = wte(ids); x = Prelude(x); e = RMSNorm(x)
     h0 ~ TruncNormal(0, sqrt(2/(5d)))
     repeat T times: h = R(Abar * h + Bbar(e))            # the recurrent block R, looped
     logits = RMSNorm(Coda(C_proj(h))) @ wte^T
 
-`injection` picks the update: "diagonal" (Parcae: Abar = exp(-Delta exp(A_log)), rho < 1 always),
-"concat" (RDM / Huginn: a Linear(2d -> d) adapter), "add" (u = h + e, rho = 1), and "none" (the
-fixed-depth Transformer baseline: the same blocks run once, in order).
+The injection, u = Abar h + Bbar e, is a small module that config.injection picks: DiagonalInjection
+(Parcae: Abar = exp(-Delta exp(A_log)), rho < 1 always), ConcatInjection (RDM / Huginn: a Linear(2d -> d)
+adapter) or AddInjection (u = h + e, rho = 1); "none" is the fixed-depth Transformer baseline, the same
+blocks run once, in order.
 
 Training samples a recurrence depth per sequence, T_i = max(1, Poisson(mu_rec)), runs the first
-n_i = T_i - k_i steps without gradient and the last k_i = min(T_i, mu_bwd) with it (SPEC 2).
+n_i = T_i - k_i steps without gradient and the last k_i = min(T_i, mu_bwd) with it (METHOD.md §2).
 Other samplers (the per-batch ablation, the authors' other schemes): SAMPLINGS, sample_depths.
+The caller owns the randomness (forward's depth_generator, torch's global RNG for h0), and the model keeps
+no state between forwards: the stability diagnostics come back when asked for (return_diagnostics).
 
 torch.compile: `model.compile_blocks()` compiles each transformer block on its own; the loop over a
 depth that changes every batch stays in Python, so changing depths cause no recompilation.
 
 Use: model = Parcae(ParcaeConfig.from_depth(6)); loss = model(idx, targets); logits = model(idx, T=16)
+
+The call path of one forward: forward -> run_prelude (e, the injection's input term) -> recurrence (depths
+sorted, loop) -> recur_step (injection, then the blocks R) -> run_coda.
 """
 
 import math
-import os
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -57,6 +62,7 @@ SAMPLINGS = {
 }
 
 
+
 @dataclass
 class ParcaeConfig:
     vocab_size: int = 32768
@@ -65,7 +71,7 @@ class ParcaeConfig:
     n_recur: int = 2
     n_coda: int = 2
     d_model: int = 768
-    head_dim: int = 128  # SPEC 1: head_dim 128, n_head = n_kv_head = d / 128
+    head_dim: int = 128  # METHOD.md §1: head_dim 128, n_head = n_kv_head = d / 128
     n_head: int | None = None  # derived from d_model / head_dim when not given
     mu_rec: int = 8  # mean recurrence depth
     mu_bwd: int | None = None  # backpropagated depth, ceil(mu_rec / 2) when not given
@@ -84,11 +90,11 @@ class ParcaeConfig:
         elif self.n_head * self.head_dim != self.d_model:
             raise ValueError(f"n_head={self.n_head} x head_dim={self.head_dim} != d_model={self.d_model}")
         if self.mu_bwd is None:
-            self.mu_bwd = math.ceil(self.mu_rec / 2)  # SPEC 2: mu_bwd = ceil(mu_rec / 2)
+            self.mu_bwd = math.ceil(self.mu_rec / 2)  # METHOD.md §2: mu_bwd = ceil(mu_rec / 2)
         if self.injection not in INJECTIONS:
             raise ValueError(f"injection={self.injection!r} is not one of {INJECTIONS}")
         if self.sampling not in SAMPLINGS:
-            raise ValueError(f"sampling={self.sampling!r} is not one of {', '.join(SAMPLINGS)}")
+            raise ValueError(f"sampling={self.sampling!r} is not one of {SAMPLINGS}")
         if self.mu_rec < 1 or self.mu_bwd < 1:
             raise ValueError(f"mu_rec={self.mu_rec} and mu_bwd={self.mu_bwd} must be at least 1")
         if min(self.n_prelude, self.n_recur, self.n_coda) < 0 or self.n_recur < 1:
@@ -96,7 +102,7 @@ class ParcaeConfig:
 
     @classmethod
     def from_depth(cls, depth, **overrides):
-        """SPEC 1 sizes: d = 128 * (depth/3 + 4), L_P = L_R = L_C = depth/3 (depth 6/12/18/24 = 140M..1.3B)."""
+        """METHOD.md §1 sizes: d = 128 * (depth/3 + 4), L_P = L_R = L_C = depth/3 (depth 6/12/18/24 = 140M..1.3B)."""
         if depth <= 0 or depth % 3 != 0:
             raise ValueError(f"depth={depth} must be a positive multiple of 3 (prelude, recurrent block "
                              f"and coda take a third each); try --depth=6, 12, 18 or 24")
@@ -110,11 +116,11 @@ class ParcaeConfig:
 
     @property
     def padded_vocab_size(self):
-        return -(-self.vocab_size // 64) * 64  # SPEC 1: vocab padded up to a multiple of 64
+        return -(-self.vocab_size // 64) * 64  # METHOD.md §1: vocab padded up to a multiple of 64
 
 
 # -----------------------------------------------------------------------------
-# Depth sampling (SPEC 2)
+# Depth sampling (METHOD.md §2)
 
 def sample_depths(config, batch_size, generator=None):
     """One training draw of config.sampling (SAMPLINGS) -> (n, k), (B,) long tensors: sequence i runs n_i
@@ -165,7 +171,7 @@ def apply_rotary(x, cos, sin):
 
 class KVCache:
     """Keys and values for decoding, one slot per attention call site: a prelude or coda layer, or a
-    recurrent layer at one loop step (SPEC 1 loops the same weights, but each step sees other inputs)."""
+    recurrent layer at one loop step (METHOD.md §1 loops the same weights, but each step sees other inputs)."""
 
     def __init__(self):
         self.slots = {}  # slot -> (k, v), each (B, H, S_past, D)
@@ -188,7 +194,7 @@ class Attention(nn.Module):
         self.c_k = nn.Linear(d, d, bias=False)
         self.c_v = nn.Linear(d, d, bias=False)
         self.c_proj = nn.Linear(d, d, bias=False)
-        # SPEC 1 value embeddings: v += 2 * sigmoid(ve_gate(x[..., :32])) * ve
+        # METHOD.md §1 value embeddings: v += 2 * sigmoid(ve_gate(x[..., :32])) * ve
         self.ve_gate_channels = min(32, d)
         self.ve_gate = nn.Linear(self.ve_gate_channels, self.n_head, bias=False) if has_value_embed else None
 
@@ -200,7 +206,7 @@ class Attention(nn.Module):
         if self.ve_gate is not None:
             gate = 2 * torch.sigmoid(self.ve_gate(x[..., :self.ve_gate_channels]))  # (B, S, H)
             v = v + gate.unsqueeze(-1) * ve.view(B, S, self.n_head, self.head_dim)
-        # SPEC 1: parameter-free RMS norm on q and k after RoPE
+        # METHOD.md §1: parameter-free RMS norm on q and k after RoPE
         q = rms_norm(apply_rotary(q, cos, sin), self.eps).transpose(1, 2)  # (B, H, S, D)
         k = rms_norm(apply_rotary(k, cos, sin), self.eps).transpose(1, 2)
         v = v.transpose(1, 2)
@@ -224,7 +230,7 @@ class MLP(nn.Module):
         self.c_proj = nn.Linear(4 * config.d_model, config.d_model, bias=False)
 
     def forward(self, x):
-        return self.c_proj(0.5 * F.relu(self.c_fc(x)).square())  # SPEC 1: 0.5 * relu(x)^2
+        return self.c_proj(0.5 * F.relu(self.c_fc(x)).square())  # METHOD.md §1: 0.5 * relu(x)^2
 
 
 class Block(nn.Module):
@@ -242,6 +248,15 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+# -----------------------------------------------------------------------------
+# Injections: how each loop step mixes the state h with the prelude's output e (METHOD.md §1).
+# Each owns its parameters and their init. The loop calls input_term(e) and state_weight() once per
+# forward (neither changes over the loop), then the injection itself at every step.
+
+def trunc_normal_(weight, std):
+    return nn.init.trunc_normal_(weight, std=std, a=-3 * std, b=3 * std)
+
+
 @torch.no_grad()
 def trunc_orthogonal_(weight, std):
     """The authors' truncated orthogonal init: Q of the QR of a standard normal matrix truncated at
@@ -257,8 +272,118 @@ def trunc_orthogonal_(weight, std):
     return weight.copy_(q if rows >= cols else q.t()).mul_(std * math.sqrt(max(rows, cols)))
 
 
+class Injection(nn.Module):
+    """u = inject(h, input_term): the baselines inject e itself and have no Abar to precompute; Parcae
+    overrides both."""
+
+    def reset_parameters(self, std):
+        pass
+
+    def input_term(self, e):
+        return e
+
+    def state_weight(self):
+        return None
+
+
+class Discretized(NamedTuple):
+    A_bar: torch.Tensor  # (d,) the state's per-channel decay, every entry in (0, 1)
+    delta: torch.Tensor  # (d,) the step size Delta = softplus(dt_bias)
+
+
+class DiagonalInjection(Injection):
+    """Parcae: u = Abar h + Bbar e with Abar = exp(-Delta exp(A_log)), Bbar = Delta B, so rho(Abar) < 1."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.A_log = nn.Parameter(torch.zeros(d))
+        self.dt_bias = nn.Parameter(torch.zeros(d))
+        self.B = nn.Linear(d, d, bias=False)
+
+    @torch.no_grad()
+    def reset_parameters(self, std):
+        """A_log = 0 and Delta = softplus(dt_bias) = -ln(sqrt(1/5)), so Abar = sqrt(1/5) = 0.4472; B = I."""
+        self.A_log.zero_()
+        self.dt_bias.fill_(math.log(math.expm1(-math.log(math.sqrt(1 / 5)))))
+        self.B.weight.copy_(torch.eye(self.B.weight.size(0)))
+
+    def discretize(self):
+        """Zero-order hold of A = Diag(-exp(A_log)) with step Delta.
+
+        The rate Delta exp(A_log) is formed as exp(A_log + ln Delta), so no extreme pair gives 0 * inf,
+        and floored at 1e-6: below that float32 rounds Abar to exactly 1 and rho < 1 would hold only on
+        paper. Abar stays float32 (bf16 would round anything above 0.998 to 1).
+        """
+        delta = F.softplus(self.dt_bias)
+        rate = torch.exp(self.A_log + torch.log(delta)).clamp(min=1e-6)
+        return Discretized(A_bar=torch.exp(-rate), delta=delta)
+
+    def input_term(self, e):
+        """Bbar e = Delta (e @ B^T) (Euler: Bbar = Delta B), float32 like Abar."""
+        return self.discretize().delta * self.B(e)
+
+    def state_weight(self):
+        return self.discretize().A_bar
+
+    def forward(self, h, input_term, A_bar=None):
+        return (self.state_weight() if A_bar is None else A_bar) * h + input_term
+
+    @torch.no_grad()
+    def spectral_radius(self):
+        return self.discretize().A_bar.max().item()
+
+
+class ConcatInjection(Injection):
+    """RDM / Huginn: u = W [h; e], W a Linear(2d -> d) adapter whose state half is an unconstrained Abar."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.adapter = nn.Linear(2 * d, d, bias=False)
+
+    @torch.no_grad()
+    def reset_parameters(self, std):
+        # the authors' "adapter" rule: i.i.d. truncated normal even when the other matrices are orthogonal
+        trunc_normal_(self.adapter.weight, std)
+
+    def forward(self, h, input_term, A_bar=None):
+        return self.adapter(torch.cat([h, input_term], dim=-1)).to(h.dtype)  # the state stays float32 (autocast)
+
+    @torch.no_grad()
+    def spectral_radius(self):
+        state_half = self.adapter.weight[:, :self.adapter.out_features].float()
+        return torch.linalg.eigvals(state_half).abs().max().item()
+
+
+class AddInjection(Injection):
+    """u = h + e: Abar = I, rho = 1 (marginally stable). No parameters."""
+
+    def __init__(self, d):
+        super().__init__()
+
+    def forward(self, h, input_term, A_bar=None):
+        return h + input_term
+
+    def spectral_radius(self):
+        return 1.0
+
+
+INJECTION_CLASSES = {"diagonal": DiagonalInjection, "concat": ConcatInjection, "add": AddInjection, "none": None}
+
+
 # -----------------------------------------------------------------------------
 # The model
+
+class Context(NamedTuple):
+    """What every block of one forward reads besides its input: value embeddings by layer index, RoPE."""
+    ves: dict
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+class Recurrence(NamedTuple):
+    h: torch.Tensor  # the final state h_T of every sequence
+    diagnostics: dict | None  # stability_diagnostics, when asked for
+
 
 class Parcae(nn.Module):
     def __init__(self, config):
@@ -266,7 +391,7 @@ class Parcae(nn.Module):
         self.config = c = config
         d = c.d_model
         self.wte = nn.Embedding(c.padded_vocab_size, d)  # tied with the output head
-        # SPEC 1: unique layers numbered 0..n-1 across prelude, recurrent block and coda; layer i
+        # METHOD.md §1: unique layers numbered 0..n-1 across prelude, recurrent block and coda; layer i
         # carries a value embedding when i % 2 == (n - 1) % 2 (alternating, the last layer always)
         self.ve_layers = [i for i in range(c.n_layer) if i % 2 == (c.n_layer - 1) % 2]
         has_ve = [i in self.ve_layers for i in range(c.n_layer)]
@@ -275,25 +400,38 @@ class Parcae(nn.Module):
         self.recur = nn.ModuleList(Block(c, has_ve[c.n_prelude + i]) for i in range(c.n_recur))
         self.coda = nn.ModuleList(Block(c, has_ve[c.n_prelude + c.n_recur + i]) for i in range(c.n_coda))
         self.norm_f = nn.RMSNorm(d, eps=c.norm_eps)
-        looped = c.injection != "none"
+        injection = INJECTION_CLASSES[c.injection]  # None: the fixed-depth Transformer, its blocks run once
+        looped = injection is not None
         self.prelude_norm = nn.RMSNorm(d, eps=c.norm_eps) if looped and c.prelude_norm else None
-        if c.injection == "diagonal":
-            self.A_log = nn.Parameter(torch.zeros(d))
-            self.dt_bias = nn.Parameter(torch.zeros(d))
-            self.B = nn.Linear(d, d, bias=False)
-        elif c.injection == "concat":
-            self.adapter = nn.Linear(2 * d, d, bias=False)
+        self.injection = None
+        if looped:
+            self.adopt_injection(injection(d))
         # C_proj reads the loop's output for every looped variant, so the Table 4 ablations differ
-        # from Parcae only in the injection (SPEC 1 puts it after the loop, with no norm before it)
+        # from Parcae only in the injection (METHOD.md §1 puts it after the loop, with no norm before it)
         self.C_proj = nn.Linear(d, d, bias=False) if looped else None
         cos, sin = self._rope_tables(10 * c.seq_len)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.log_stats = False  # train.py sets it on the steps it logs: then a forward records
-        self.last_h_norm = None  # ||h_T|| (the paper's stability diagnostic)
-        self.last_update_ratio = None  # and ||h_T - h_{T-1}|| / ||h_T||
-        self.depth_generator = torch.Generator().manual_seed(0)  # train.py reseeds it per rank
         self.init_weights()
+
+    def adopt_injection(self, injection):
+        """Hold `injection`, which owns its parameters' creation, init and use. Its parameters are registered
+        on Parcae itself, under the names our checkpoints and hub.py's name table use (A_log, dt_bias, B;
+        adapter) and in the order the optimiser and gradient clipping have always seen them (a reordering
+        changes the rounding of the clipped norm); the module itself stays out of the module tree, so that
+        nothing is registered twice."""
+        for name, child in injection.named_children():
+            self.add_module(name, child)
+        for name, param in injection.named_parameters(recurse=False):
+            self.register_parameter(name, param)
+        self.__dict__["injection"] = injection
+
+    def _apply(self, fn, *args, **kwargs):
+        """.to(), .cuda() and .half() may give a parameter a new object: point the injection at Parcae's."""
+        super()._apply(fn, *args, **kwargs)
+        if self.injection is not None:
+            self.injection._parameters.update({name: self._parameters[name] for name in self.injection._parameters})
+        return self
 
     def _rope_tables(self, length):
         c = self.config
@@ -303,11 +441,10 @@ class Parcae(nn.Module):
 
     @torch.no_grad()
     def init_weights(self):
-        """SPEC 1 "scaled-zero" init, orthogonal as in the authors' code (init_orthogonal=True): every
+        """METHOD.md §1 "scaled-zero" init, orthogonal as in the authors' code (init_orthogonal=True): every
         matrix that reads the residual stream (q, k, v, the MLP input, wte, C_proj) is truncated
         orthogonal with per-entry std sqrt(2/(5d)); the output projections start at zero."""
-        c = self.config
-        std = math.sqrt(2 / (5 * c.d_model))
+        std = math.sqrt(2 / (5 * self.config.d_model))
         for block in [*self.prelude, *self.recur, *self.coda]:
             for lin in (block.attn.c_q, block.attn.c_k, block.attn.c_v, block.mlp.c_fc):
                 trunc_orthogonal_(lin.weight, std)
@@ -315,16 +452,8 @@ class Parcae(nn.Module):
             nn.init.zeros_(block.mlp.c_proj.weight)
             # value embeddings and ve_gate keep PyTorch's default init, as in the authors' code
         trunc_orthogonal_(self.wte.weight, std)
-        if c.injection == "diagonal":
-            # A_log = 0 and Delta = softplus(dt_bias) = -ln(sqrt(1/5)), so Abar = sqrt(1/5) = 0.4472
-            delta = -math.log(math.sqrt(1 / 5))
-            self.A_log.zero_()
-            self.dt_bias.fill_(math.log(math.expm1(delta)))
-            self.B.weight.copy_(torch.eye(c.d_model))
-        if c.injection == "concat":
-            # the authors' "adapter" rule: i.i.d. truncated normal even when the other matrices are orthogonal
-            nn.init.trunc_normal_(self.adapter.weight, std=std, a=-3 * std, b=3 * std)
-        if self.C_proj is not None:
+        if self.injection is not None:
+            self.injection.reset_parameters(std)
             trunc_orthogonal_(self.C_proj.weight, std)  # square: every singular value sqrt(2/5)
 
     def compile_blocks(self, backend="inductor"):
@@ -337,46 +466,10 @@ class Parcae(nn.Module):
         for block in self.recur:
             block.compile(dynamic=None, backend=backend)
 
-    # --- the Parcae injection and its spectral radius
-
-    def discretized_A(self):
-        """Zero-order hold of A = Diag(-exp(A_log)): Abar = exp(-Delta exp(A_log)), every entry in (0, 1).
-
-        The rate Delta exp(A_log) is formed as exp(A_log + ln Delta), so no extreme pair gives 0 * inf,
-        and floored at 1e-6: below that float32 rounds Abar to exactly 1 and rho < 1 would hold only on
-        paper. Abar stays float32 (bf16 would round anything above 0.998 to 1).
-        """
-        delta = F.softplus(self.dt_bias)
-        rate = torch.exp(self.A_log + torch.log(delta)).clamp(min=1e-6)
-        return torch.exp(-rate), delta
-
-    def injected_input(self, e):
-        """What the loop adds of e at every step: Bbar e = Delta (e @ B^T) for Parcae (Euler: Bbar = Delta B),
-        computed once per forward since e does not change over the loop; e itself for the baselines."""
-        if self.config.injection == "diagonal":
-            return self.discretized_A()[1] * self.B(e)  # float32, like Abar
-        return e
-
-    def inject(self, h, e, A_bar=None):
-        """u = Abar h + Bbar e (SPEC 1), or the baselines' concat / add; e from injected_input, A_bar
-        from discretized_A (computed here when not given)."""
-        inj = self.config.injection
-        if inj == "diagonal":
-            return (self.discretized_A()[0] if A_bar is None else A_bar) * h + e
-        if inj == "concat":
-            return self.adapter(torch.cat([h, e], dim=-1)).to(h.dtype)  # the state stays float32 under autocast
-        return h + e
-
     @torch.no_grad()
     def spectral_radius(self):
-        """rho(Abar): max(Abar) for Parcae, the state half of the adapter for concat, 1 for add."""
-        inj = self.config.injection
-        if inj == "diagonal":
-            return self.discretized_A()[0].max().item()
-        if inj == "concat":
-            state_half = self.adapter.weight[:, :self.config.d_model].float()
-            return torch.linalg.eigvals(state_half).abs().max().item()
-        return 1.0 if inj == "add" else None
+        """rho(Abar): max(Abar) for Parcae, the adapter's state half for concat, 1 for add, None unlooped."""
+        return self.injection.spectral_radius() if self.injection is not None else None
 
     # --- forward
     # Precision under bf16 autocast (every CUDA run; train.py --dtype=bfloat16 runs the same on a CPU):
@@ -384,61 +477,67 @@ class Parcae(nn.Module):
     #   The matmuls (Linear, attention, the head) take bf16 copies and return bf16, which is added into
     #   the float32 stream, so rounding does not accumulate over the T loop steps and every RMSNorm sees a
     #   float32 input with its float32 weight: the fused kernel, no dtype-mismatch fallback.
-    # - Abar and Bbar e: float32 (discretized_A, injected_input); C_proj's and the concat adapter's bf16
-    #   outputs are cast back to the state's float32 (inject, run_coda).
+    # - Abar and Bbar e: float32 (DiagonalInjection.discretize, input_term); C_proj's and the concat
+    #   adapter's bf16 outputs are cast back to the state's float32 (ConcatInjection, run_coda).
     # - RoPE: float32 angle tables applied in q and k's bf16 (apply_rotary); q, k, v enter attention in bf16.
     # - the head: bf16 logits, cast to float32 before the float32 cross-entropy.
 
-    def forward(self, idx, targets=None, T=None, h0=None, cache=None, reduction="mean"):
+    def forward(self, idx, targets=None, T=None, h0=None, cache=None, reduction="mean", depth_generator=None,
+                return_diagnostics=False):
         """idx (B, S) -> logits (B, S, vocab), or the cross-entropy with targets (-1 = ignore; per
         token as (B, S) with reduction="none").
 
-        T: None samples depths (training) or uses mu_rec (eval); an int runs T steps for every
-        sequence; a (B,) tensor runs T_i steps for sequence i; a pair (n, k) runs exactly n_i steps without
-        grad then k_i with it (a sample_depths draw, replayed). h0 (B, S, d) fixes the initial state.
+        T: None samples depths in training (from depth_generator; the global RNG when None) and runs
+        mu_rec in eval; an int runs T steps for every sequence; a (B,) tensor T_i steps for sequence i; a
+        pair (n, k) exactly n_i steps without grad then k_i with it (a sample_depths draw, replayed).
+        h0 (B, S, d) fixes the initial state. return_diagnostics=True returns (output, diagnostics), the
+        paper's stability diagnostics: ||h_T|| and the update ratio ||h_T - h_{T-1}|| / ||h_T||, batch means.
         """
-        c = self.config
         B, S = idx.shape
-        x, ctx = self.run_prelude(idx, cache)
-        if c.injection == "none":
-            ves, cos, sin = ctx
+        injected, ctx = self.run_prelude(idx, cache)
+        if self.injection is None:
+            x, diagnostics = injected, stability_diagnostics(None, None)
             for i, block in enumerate(self.recur):
-                x = block(x, ves.get(c.n_prelude + i), cos, sin, cache, ("recur", 0, i))
+                x = block(x, ctx.ves.get(self.config.n_prelude + i), ctx.cos, ctx.sin, cache, ("recur", 0, i))
         else:
-            x = self.recurrence(x, T, h0, *ctx, cache)
+            steps = self.resolve_steps(T, B, depth_generator)
+            x, diagnostics = self.recurrence(injected, steps, h0, ctx, cache, diagnostics=return_diagnostics)
         logits = self.run_coda(x, *ctx, cache)
-        if targets is None:
-            return logits
-        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1,
-                               reduction=reduction)
-        return loss.view(B, S) if reduction == "none" else loss
+        output = logits
+        if targets is not None:
+            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1,
+                                   reduction=reduction)
+            output = loss.view(B, S) if reduction == "none" else loss
+        return (output, diagnostics) if return_diagnostics else output
 
     # The three pieces of a forward, apart so that sample.py can read the coda's prediction after any
     # recurrent step (adaptive depth) and loop the steps itself.
 
     def run_prelude(self, idx, cache=None):
-        """ids (B, S) -> (e, ctx): e the recurrence's input (the prelude output, prelude-normed, through
-        injected_input when looped), ctx = (value embeddings, cos, sin) for the later pieces. Claims the S
-        positions in the cache."""
+        """ids (B, S) -> (injected, ctx). injected: the prelude's output e = RMSNorm(P(x)) as the loop adds
+        it at every step (the injection's input term, Bbar e for Parcae; e itself, un-normed, for the
+        Transformer, whose "loop" is one pass). ctx: the Context of the later pieces. Claims the S positions
+        in the cache."""
         pos = cache.pos if cache is not None else 0
         S = idx.size(1)
         if pos + S > self.rope_cos.size(1):
             raise ValueError(f"sequence of {pos + S} positions exceeds the RoPE table of {self.rope_cos.size(1)}")
-        cos, sin = self.rope_cos[:, pos:pos + S], self.rope_sin[:, pos:pos + S]
-        ves = {i: self.value_embeds[str(i)](idx) for i in self.ve_layers}
+        ctx = Context({i: self.value_embeds[str(i)](idx) for i in self.ve_layers},
+                      self.rope_cos[:, pos:pos + S], self.rope_sin[:, pos:pos + S])
         x = self.wte(idx)
         for i, block in enumerate(self.prelude):
-            x = block(x, ves.get(i), cos, sin, cache, ("prelude", i))
+            x = block(x, ctx.ves.get(i), ctx.cos, ctx.sin, cache, ("prelude", i))
         if cache is not None:
             cache.pos += S
-        if self.config.injection == "none":
-            return x, (ves, cos, sin)
+        if self.injection is None:
+            return x, ctx
         e = self.prelude_norm(x) if self.prelude_norm is not None else x
-        return self.injected_input(e), (ves, cos, sin)
+        return self.injection.input_term(e), ctx
 
-    def recur_step(self, h, e, step, ves, cos, sin, cache=None, A_bar=None):
-        """One recurrent step h -> R(inject(h, e)) for the whole batch; `step` names its cache slots."""
-        u = self.inject(h, e, A_bar)
+    def recur_step(self, h, injected, step, ves, cos, sin, cache=None, A_bar=None):
+        """One loop step h -> R(u), u = the injection of (h, injected), for every row of h; `step` names
+        its cache slots. A_bar: the injection's state_weight() when the caller has it already."""
+        u = self.injection(h, injected, A_bar)
         for i, block in enumerate(self.recur):
             u = block(u, ves.get(self.config.n_prelude + i), cos, sin, cache, ("recur", step, i))
         return u
@@ -451,10 +550,11 @@ class Parcae(nn.Module):
             x = block(x, ves.get(c.n_prelude + c.n_recur + i), cos, sin, cache, ("coda", i))
         return (self.norm_f(x) @ self.wte.weight.t())[..., :c.vocab_size].float()
 
-    def steps(self, T, batch_size):
-        """T as forward takes it -> (n, k), (B,) CPU long tensors: steps without grad, then with grad."""
+    def resolve_steps(self, T, batch_size, generator=None):
+        """forward's T -> (n, k), (B,) CPU long tensors: each sequence's loop steps without gradient, then with
+        it. Training with T None draws them (sample_depths); an eval depth runs all T steps without grad."""
         if T is None and self.training:
-            return sample_depths(self.config, batch_size, self.depth_generator)
+            return sample_depths(self.config, batch_size, generator)
         if isinstance(T, tuple):
             n, k = (torch.as_tensor(x).long().cpu().expand(batch_size).clone() for x in T)
             if (n < 0).any() or (k < 0).any() or (n + k < 1).any():
@@ -466,24 +566,33 @@ class Parcae(nn.Module):
         return split_depths(depths, self.config.mu_bwd, self.training)
 
     def initial_state(self, shape, device, dtype, generator=None):
-        """SPEC 1: h0 ~ TruncNormal(0, sigma, +-3 sigma), sigma = sqrt(2 / (5 d)), drawn every forward
+        """METHOD.md §1: h0 ~ TruncNormal(0, sigma, +-3 sigma), sigma = sqrt(2 / (5 d)), drawn every forward
         (from `generator`, which lives on `device`, when given: sample.py's reproducible decoding)."""
         sigma = math.sqrt(2 / (5 * self.config.d_model))
         h0 = torch.empty(shape, device=device, dtype=torch.float32)
         return nn.init.trunc_normal_(h0, std=sigma, a=-3 * sigma, b=3 * sigma, generator=generator).to(dtype)
 
-    def recurrence(self, e, T, h0, ves, cos, sin, cache):
-        """Run sequence i for its depth (T as in forward): n_i steps without grad, then k_i with grad (SPEC 2).
+    def recurrence(self, injected, steps, h0, ctx, cache=None, diagnostics=False):
+        """Run sequence i for steps = (n, k): n_i loop steps without gradient, then k_i with it (METHOD.md §2)
+        -> Recurrence(h, stability_diagnostics or None).
 
-        The paper masks finished sequences with torch.where, so every sequence runs max(n) + max(k)
-        steps. Here the batch is sorted by depth, longest first: n_i and k_i both grow with T_i, so the
-        sequences still running at any step are a prefix of the sorted batch, and each step runs the
-        block on that prefix alone (a per-batch draw gives every sequence the same n and k). Each sequence
-        gets exactly its own steps, loss and gradients, and the block runs sum(n_i + k_i) sequence-passes
-        instead of B * (max n + max k).
+        The paper's formulation (bench.masked_reference_loss; tests/test_bench.py checks the two agree)
+        steps the whole batch and masks the sequences whose count is used up:
+
+            for step in range(max(n) + max(k)):
+                active = n > step if step < max(n) else k > step - max(n)
+                with torch.set_grad_enabled(step >= max(n)):
+                    h = torch.where(active, R(inject(h, e)), h)
+
+        which costs B * (max(n) + max(k)) sequence-passes. Here the batch is sorted by depth, longest
+        first: n_i and k_i both grow with T_i, so the sequences still running at any step are a prefix
+        of the sorted batch, and each step runs the block on that prefix alone, sum(n_i + k_i) passes in
+        all (a per-batch draw gives every sequence the same n and k).
+        Each sequence gets exactly its own steps, loss and gradients.
         """
-        n, k = self.steps(T, e.size(0))
-        h = self.initial_state(e.shape, e.device, e.dtype) if h0 is None else h0.to(e.dtype)
+        n, k = steps
+        h = self.initial_state(injected.shape, injected.device, injected.dtype) if h0 is None else h0.to(injected.dtype)
+        ves = ctx.ves
         order = torch.argsort(n + k, descending=True, stable=True)
         if (n[order].diff() > 0).any() or (k[order].diff() > 0).any():
             raise ValueError("per-sequence steps (n, k) must grow together (longer T: no fewer n and k steps)")
@@ -491,36 +600,28 @@ class Parcae(nn.Module):
         if permuted:
             if cache is not None:
                 raise ValueError("decoding with a KV cache needs one depth T for the whole batch")
-            order_dev = order.to(e.device, non_blocking=True)
-            e, h = e[order_dev], h[order_dev]
+            order_dev = order.to(injected.device, non_blocking=True)
+            injected, h = injected[order_dev], h[order_dev]
             ves = {i: ve[order_dev] for i, ve in ves.items()}
             n, k = n[order], k[order]
-        prev = h if self.log_stats else None  # the training log's diagnostics, on the steps it logs
-        A_bar = self.discretized_A()[0] if self.config.injection == "diagonal" else None  # once, not per step
-        n_max = int(n[0])
-        with torch.no_grad():
-            for step in range(n_max):
-                h, prev = self._prefix_step(h, prev, e, int((n > step).sum()), step, ves, cos, sin, cache, A_bar)
-        for step in range(int(k[0])):
-            h, prev = self._prefix_step(h, prev, e, int((k > step).sum()), n_max + step, ves, cos, sin, cache,
-                                        A_bar)
-        if prev is not None:
-            with torch.no_grad():
-                h_norm = h.float().norm(dim=-1).mean()
-                self.last_h_norm = h_norm
-                self.last_update_ratio = (h - prev).float().norm(dim=-1).mean() / h_norm
-        return h[torch.argsort(order_dev)] if permuted else h
-
-    def _prefix_step(self, h, prev, e, active, step, ves, cos, sin, cache, A_bar):
-        """One recurrent step for the first `active` sequences; the others keep their state.
-        -> (new h, each sequence's state before its latest step for the diagnostics, or None)."""
-        if active == h.size(0):
-            return self.recur_step(h, e, step, ves, cos, sin, cache, A_bar), None if prev is None else h.detach()
-        ves = {i: ve[:active] for i, ve in ves.items()}
-        u = self.recur_step(h[:active], e[:active], step, ves, cos, sin, cache, A_bar)
-        if prev is not None:
-            prev = torch.cat([h[:active].detach(), prev[active:]])
-        return torch.cat([u, h[active:]]), prev
+        A_bar = self.injection.state_weight()  # once per forward, not per step
+        h_prev = h if diagnostics else None  # each sequence's state before its latest step
+        n_max, grad_enabled = int(n[0]), torch.is_grad_enabled()
+        for step in range(n_max + int(k[0])):
+            with_grad = step >= n_max
+            active = int((k > step - n_max).sum()) if with_grad else int((n > step).sum())
+            if diagnostics:
+                h_prev = torch.cat([h[:active].detach(), h_prev[active:]])
+            with torch.set_grad_enabled(with_grad and grad_enabled):
+                if active == h.size(0):
+                    h = self.recur_step(h, injected, step, ves, ctx.cos, ctx.sin, cache, A_bar)
+                else:  # the rows past `active` are done: they keep their state
+                    ves_active = {i: ve[:active] for i, ve in ves.items()}
+                    h_active = self.recur_step(h[:active], injected[:active], step, ves_active, ctx.cos, ctx.sin,
+                                               cache, A_bar)
+                    h = torch.cat([h_active, h[active:]])
+        stats = stability_diagnostics(h, h_prev) if diagnostics else None
+        return Recurrence(h[torch.argsort(order_dev)] if permuted else h, stats)
 
     # --- accounting
 
@@ -529,19 +630,18 @@ class Parcae(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def flops_per_token(self):
-        """Training FLOPs per token, SPEC 2 (the paper's Appendix D). N excludes wte only; N_core is
+        """Training FLOPs per token, METHOD.md §2 (the paper's Appendix D). N excludes wte only; N_core is
         the recurrent blocks' parameters (the value-embedding tables are not inside the blocks)."""
         c = self.config
         d, S = c.d_model, c.seq_len
         N = self.num_params() - self.wte.weight.numel()
-        if c.injection == "none":
+        if self.injection is None:
             return 6 * N + 12 * c.n_layer * d * S
         N_core = sum(p.numel() for p in self.recur.parameters())
         N_nc = N - N_core
         return (6 * N_nc + 3 * (c.n_prelude + c.n_coda) * 4 * d * S
                 + c.mu_rec * (2 * N_core + c.n_recur * 4 * d * S)
                 + c.mu_bwd * (4 * N_core + 2 * c.n_recur * 4 * d * S))
-
 
     def activation_bytes(self, batch_size, bf16=True):
         """Bytes saved for backward by a training forward of batch_size sequences that all backpropagate
@@ -552,7 +652,7 @@ class Parcae(nn.Module):
         log-softmax 4 vocab. bf16 also keeps one bf16 copy of every matrix (autocast's weight cache)."""
         c = self.config
         d = c.d_model
-        looped = c.injection != "none"
+        looped = self.injection is not None
 
         def runs(i):  # how many times layer i runs with grad in one forward
             return c.mu_bwd if looped and c.n_prelude <= i < c.n_prelude + c.n_recur else 1
@@ -565,51 +665,11 @@ class Parcae(nn.Module):
         return batch_size * c.seq_len * per_token + (2 * matrices if bf16 else 0)
 
 
-# -----------------------------------------------------------------------------
-# MFU: model FLOPs from flops_per_token() against the GPU's peak
-
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense, per GPU
-
-
-def peak_bf16_flops(device):
-    """The GPU's dense bf16 peak, the denominator of MFU; None on a CPU or an unlisted GPU."""
-    name = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else ""
-    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
-
-
-# -----------------------------------------------------------------------------
-# Checkpoints: <runs_dir>/<run>/ckpt_<step>.pt, a plain dict loadable with weights_only=True
-
-def save_checkpoint(path, model, **extra):
-    """Write to a temporary name, then rename: a killed run never leaves a torn checkpoint."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save({"config": asdict(model.config), "model": model.state_dict(), **extra}, tmp)
-    os.replace(tmp, path)
-
-
-def find_checkpoint(runs_dir, run=None):
-    """The newest checkpoint of `run`, or of the most recently written run when run is None."""
-    runs_dir = Path(runs_dir)
-    pattern = f"{run}/ckpt_*.pt" if run else "*/ckpt_*.pt"
-    found = sorted(runs_dir.glob(pattern), key=lambda p: (p.stat().st_mtime, p.name))
-    if not found:
-        where = runs_dir / run if run else runs_dir
-        raise FileNotFoundError(f"no checkpoint under {where}; train one first with `python train.py`")
-    return found[-1]
-
-
-def load_checkpoint(path, device="cpu"):
-    """-> (model in eval mode, the checkpoint dict). Never unpickles code (weights_only=True)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {path} does not exist; pass --ckpt with an existing file")
-    try:
-        ckpt = torch.load(path, map_location=device, weights_only=True)
-        model = Parcae(ParcaeConfig(**ckpt["config"]))
-        model.load_state_dict(ckpt["model"])
-    except Exception as err:
-        raise ValueError(f"checkpoint {path} is corrupt or not a nanoparcae checkpoint "
-                         f"({type(err).__name__}: {str(err).splitlines()[0][:200]})") from None
-    return model.to(device).eval(), ckpt
+@torch.no_grad()
+def stability_diagnostics(h, h_prev):
+    """The paper's stability diagnostics of a forward: ||h_T|| and ||h_T - h_{T-1}|| / ||h_T||, means over
+    the batch's positions (None without a loop: the Transformer)."""
+    if h is None:
+        return {"h_norm": None, "update_ratio": None}
+    h_norm = h.float().norm(dim=-1).mean()
+    return {"h_norm": h_norm, "update_ratio": (h - h_prev).float().norm(dim=-1).mean() / h_norm}

@@ -1,5 +1,5 @@
 """
-The optimiser of the Parcae paper (SPEC 2): the authors' MuonAdamW, one torch.optim.Optimizer
+The optimiser of the Parcae paper (METHOD.md §2): the authors' MuonAdamW, one torch.optim.Optimizer
 holding two kinds of parameter groups.
 
 - kind='adamw': embeddings, value embeddings, norms, every vector, and the Parcae injection
@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 # -----------------------------------------------------------------------------
-# Polar Express (SPEC 2: "5 Polar-Express orthogonalisation steps in bf16, input scaled by its
+# Polar Express (METHOD.md §2: "5 Polar-Express orthogonalisation steps in bf16, input scaled by its
 # norm * 1.02"). Amsel, Persson, Musco, Gower, https://arxiv.org/abs/2505.16932. Each step applies
 # the odd quintic p(X) = a X + b (X X^T) X + c (X X^T)^2 X, whose coefficients are chosen per step
 # (computed for 5 iterations, safety factor 2e-2, cushion 2) to push every singular value of X
@@ -63,7 +63,7 @@ def polar_express(G: Tensor, steps: int = 5) -> Tensor:
 
 
 # -----------------------------------------------------------------------------
-# NorMuon (SPEC 2: "a factored second-moment normalisation, beta2 0.95"). Li et al.,
+# NorMuon (METHOD.md §2: "a factored second-moment normalisation, beta2 0.95"). Li et al.,
 # https://arxiv.org/abs/2510.05491. The orthogonalised update has uneven scale across neurons;
 # keep an EMA of its mean square per row (for tall or square matrices, reduced over columns) or per
 # column (for wide ones), divide by its square root, then rescale so the Frobenius norm is the one
@@ -84,7 +84,7 @@ def normuon(U: Tensor, v: Tensor, beta2: float) -> Tensor:
 # group['lr'] = group['initial_lr'] * lr_multiplier(step) each step (the authors keep a 'base_lr'
 # ratio instead; same effect). AdamW groups: betas, eps, weight_decay. Muon groups: momentum,
 # weight_decay (both set by the loop each step), beta2, ns_steps. Missing keys take the defaults
-# below, which are SPEC 2's values.
+# below, which are METHOD.md §2's values.
 
 ADAMW_DEFAULTS = dict(betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0)
 MUON_DEFAULTS = dict(momentum=0.95, weight_decay=0.2, beta2=0.95, ns_steps=5)
@@ -156,13 +156,13 @@ class MuonAdamW(torch.optim.Optimizer):
         U = polar_express(g, group['ns_steps']).float()
         U = normuon(U, state['second_momentum_buffer'], group['beta2'])
 
-        # lr * sqrt(max(1, rows / cols)) (SPEC 2): an update with singular values ~1 has RMS entry
+        # lr * sqrt(max(1, rows / cols)) (METHOD.md §2): an update with singular values ~1 has RMS entry
         # 1/sqrt(max(rows, cols)); the factor makes it 1/sqrt(cols) = 1/sqrt(fan_in) for every shape,
         # so tall matrices (rows = out_features > in_features, e.g. the MLP's c_fc) are not under-stepped.
         lr = group['lr'] * math.sqrt(max(1.0, rows / cols))
         wd = group['weight_decay']
 
-        # Cautious weight decay (SPEC 2: "applied only where grad * param >= 0"). "grad" is the
+        # Cautious weight decay (METHOD.md §2: "applied only where grad * param >= 0"). "grad" is the
         # final update U (after momentum, orthogonalisation and NorMuon), as in the authors' code
         # and nanochat: decay is applied only to entries the update already pushes towards zero,
         # so decay never fights the optimiser. Both terms use the parameter before this step.
@@ -185,7 +185,7 @@ class MuonAdamW(torch.optim.Optimizer):
 
 
 # -----------------------------------------------------------------------------
-# Parameter groups (SPEC 2). A parameter goes to Muon iff it is a 2-D matrix inside the
+# Parameter groups (METHOD.md §2). A parameter goes to Muon iff it is a 2-D matrix inside the
 # transformer blocks: its name starts with prelude., recur. or coda. Everything else goes to
 # AdamW with no weight decay: the tied embedding wte (also the output head), the value
 # embeddings, norm weights, all vectors, and Parcae's injection parameters (A_log, dt_bias,
@@ -211,7 +211,7 @@ def is_muon_param(name: str, p: Tensor) -> bool:
 
 def build_optimizer(model: torch.nn.Module, adamw_lr: float, muon_lr: float = 8e-3,
                     weight_decay: float = 0.2) -> MuonAdamW:
-    """One AdamW group (SPEC 2's ADAMW_DEFAULTS, no weight decay) and one Muon group per matrix shape, in
+    """One AdamW group (METHOD.md §2's ADAMW_DEFAULTS, no weight decay) and one Muon group per matrix shape, in
     a fixed order (the model's parameter order), so checkpoints load back into the same groups. Each
     group also carries 'names', the parameter names it holds, for logging."""
     adamw, muon = {'params': [], 'names': []}, {}
@@ -227,8 +227,8 @@ def build_optimizer(model: torch.nn.Module, adamw_lr: float, muon_lr: float = 8e
 
 
 # -----------------------------------------------------------------------------
-# Schedules (SPEC 2), pure functions of the step the training loop applies before each
-# optimizer.step(). The forms are the authors' scripts/train.py and nanochat's base_train.py.
+# Schedules (METHOD.md §2), pure functions of the step the training loop applies before each
+# optimizer.step(). The forms are the authors' scripts/train.py and nanochat's scripts/base_train.py.
 
 def lr_multiplier(step: int, total_steps: int, warmdown_frac: float = 0.5) -> float:
     """No warmup; 1.0 until the last warmdown_frac of the steps, then linear down to 0 at total_steps."""
@@ -250,6 +250,6 @@ def weight_decay_at(step: int, total_steps: int, wd: float) -> float:
 
 
 def learning_rate_for_depth(depth: int) -> float:
-    """AdamW learning rate per size (SPEC 2): 8e-3 for 140M and 370M (depth 6, 12), 6e-3 for
+    """AdamW learning rate per size (METHOD.md §2): 8e-3 for 140M and 370M (depth 6, 12), 6e-3 for
     770M and 1.3B (depth 18, 24). Muon's base lr is 8e-3 at every size."""
     return 8e-3 if depth <= 12 else 6e-3

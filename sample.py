@@ -7,7 +7,7 @@ sample.py: text from a trained Parcae checkpoint, at any recurrence depth, strea
     echo "def fibonacci(n):" | python sample.py --temperature=0           # the prompt from a pipe, greedy
     python sample.py --benchmark --T=8                                    # tokens/s with and without the KV cache
 
---T is any positive integer, independent of the mu_rec the model trained with (SPEC 3: test-time scaling);
+--T is any positive integer, independent of the mu_rec the model trained with (METHOD.md §3: test-time scaling);
 it defaults to mu_rec. The prompt is prefilled in one pass into a KV cache with a slot per prelude/coda
 layer and per (recurrent layer, loop step); each new token then costs one position per layer and step.
 
@@ -28,9 +28,10 @@ from pathlib import Path
 
 import torch
 
-from data import Tokenizer, get_base_dir
+from common import find_checkpoint, get_base_dir, load_checkpoint
+from data import Tokenizer
 from hub import load_pretrained
-from model import KVCache, find_checkpoint, load_checkpoint
+from model import KVCache
 
 # -----------------------------------------------------------------------------
 # One token from the logits; h0 for every position up front
@@ -48,7 +49,7 @@ def sample_next(logits, temperature, top_k, generators):
 
 
 def draw_h0(model, length, generators, device):
-    """SPEC 1's h0 for `length` positions, one row per generator: drawn before any sampling, so the
+    """METHOD.md §1's h0 for `length` positions, one row per generator: drawn before any sampling, so the
     initial states of a run do not depend on the tokens sampled (greedy and top-k 1 see the same h0)."""
     d = model.config.d_model
     return torch.cat([model.initial_state((1, length, d), device, torch.float32, generator=g) for g in generators])

@@ -1,5 +1,5 @@
 """
-train.py: train Parcae (or a baseline) with the paper's recipe (SPEC 2), from a laptop CPU to 8 GPUs.
+train.py: train Parcae (or a baseline) with the paper's recipe (METHOD.md §2), from a laptop CPU to 8 GPUs.
 
     python train.py                                            # no GPU: a small looped model on the
                                                                # stdlib corpus, no download, minutes
@@ -20,23 +20,23 @@ import signal
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from data import DataLoader, get_base_dir, get_tokenizer, tokenizer_dir, val_batches
-from eval_core import download_eval_bundle, evaluate_bpb, evaluate_core, init_distributed, rank_and_world
-from model import SAMPLINGS, Parcae, ParcaeConfig, find_checkpoint, peak_bf16_flops, save_checkpoint
+from common import find_checkpoint, get_base_dir, init_distributed, peak_bf16_flops, rank_and_world, save_checkpoint
+from data import DataLoader, get_tokenizer, tokenizer_dir, val_batches
+from eval_core import download_eval_bundle, evaluate_bpb, evaluate_core
+from model import SAMPLINGS, Parcae, ParcaeConfig
 from optim import build_optimizer, learning_rate_for_depth, lr_multiplier, muon_momentum, weight_decay_at
 
 # -----------------------------------------------------------------------------
-# Flags. Two presets fill the ones left unset: the paper's setup (SPEC 2), and, on a machine with no
-# GPU when no --depth is given, a small model on the stdlib corpus that trains in minutes.
+# Flags. Two presets fill the ones left unset: the paper's setup (METHOD.md §2), and, on a machine with no
+# GPU when no --depth is given, a small model on the stdlib corpus that trains in minutes. --help lists both.
 
 CUDA = torch.cuda.is_available()
-PAPER_TOKENS = {6: 11.2e9, 12: 29.6e9, 18: 61.6e9, 24: 104e9}  # SPEC 1: tokens trained per size
+PAPER_TOKENS = {6: 11.2e9, 12: 29.6e9, 18: 61.6e9, 24: 104e9}  # METHOD.md §1: tokens trained per size
 PAPER = dict(depth=6, head_dim=128, mu_rec=8, vocab_size=32768, seq_len=2048, device_batch_size=32,
              total_batch_size=524_288, eval_every=250, eval_tokens=10 * 524_288, core_every=2000,
              save_every=1000, log_every=1, compile=int(CUDA), dtype="bfloat16" if CUDA else "float32",
@@ -46,9 +46,10 @@ SMALL = dict(depth=3, d_model=128, head_dim=64, mu_rec=4, vocab_size=4096, seq_l
              save_every=130, log_every=20, compile=0, dtype="float32", data="stdlib")
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=f"paper preset: {PAPER}\nsmall CPU preset: {SMALL}")
+                                 epilog="The CPU preset applies on a machine with no GPU when --depth is not given; "
+                                        "the paper preset otherwise. A flag given explicitly always wins.")
 parser.add_argument("--depth", type=int, help="layers, L_P = L_R = L_C = depth/3; 6/12/18/24 = 140M..1.3B")
-parser.add_argument("--d_model", type=int, help="width (default 128 * (depth/3 + 4))")
+parser.add_argument("--d_model", type=int, help="width")
 parser.add_argument("--head_dim", type=int)
 parser.add_argument("--mu_rec", type=int, help="mean recurrence depth")
 parser.add_argument("--mu_bwd", type=int, help="backpropagated depth (default ceil(mu_rec/2))")
@@ -77,9 +78,9 @@ parser.add_argument("--core_max_per_task", type=int, default=500, help="CORE exa
 parser.add_argument("--save_every", type=int, help="steps between checkpoints")
 parser.add_argument("--log_every", type=int)
 parser.add_argument("--resume", action="store_true", help="continue this run from its last checkpoint")
-parser.add_argument("--compile", type=int, choices=[0, 1], help="torch.compile the blocks (default on CUDA)")
-parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="autocast dtype of the matmuls (default bfloat16 "
-                    "on CUDA, float32 on CPU; bfloat16 on a CPU runs the GPU's numerics)")
+parser.add_argument("--compile", type=int, choices=[0, 1], help="torch.compile the blocks")
+parser.add_argument("--dtype", choices=["float32", "bfloat16"],
+                    help="autocast dtype of the matmuls (bfloat16 on a CPU runs the GPU's numerics)")
 parser.add_argument("--data", help="fineweb-edu, stdlib, or a path / glob of .txt, .jsonl, .parquet files")
 parser.add_argument("--run", help="run name (default d<depth>_<injection>)")
 parser.add_argument("--seed", type=int, default=0)
@@ -88,6 +89,14 @@ parser.add_argument("--stop_at", type=int, help="end this invocation after that 
 parser.add_argument("--fault_nan_step", type=int, help="testing: poison the gradients at this step")
 parser.add_argument("--fault_kill_step", type=int, help="testing: the last rank SIGKILLs itself after this step "
                     "(first attempt only), for the elastic-restart test")
+PAPER_HELP = {**PAPER, "d_model": "128 * (depth/3 + 4)", "compile": "1 on CUDA", "dtype": "bfloat16 on CUDA",
+              "max_tokens": "the paper's for the depth, " + ", ".join(f"{t:.3g}" for t in PAPER_TOKENS.values())}
+for action in parser._actions:  # --help shows what a run will use: the preset's value, or the fixed default
+    if action.dest in SMALL:
+        action.help = f"{action.help or ''} (paper preset: {PAPER_HELP[action.dest]}; " \
+                      f"CPU preset: {SMALL[action.dest]})".lstrip()
+    elif action.default not in (None, False, argparse.SUPPRESS):
+        action.help = f"{action.help or ''} (default: {action.default})".lstrip()
 args = parser.parse_args()
 preset = SMALL if not CUDA and args.depth is None else PAPER
 for name, value in preset.items():
@@ -218,23 +227,16 @@ autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "b
 start_step, skipped_steps = 0, 0
 # torchrun --max_restarts restarts every worker after one fails: continue from the last checkpoint by itself
 if args.resume or (restart_count > 0 and any(run_dir.glob("ckpt_*.pt"))):
-    path = None
     try:
-        path = find_checkpoint(get_base_dir() / "runs", run_name)
-        ckpt = torch.load(path, map_location=device, weights_only=True)
-    except FileNotFoundError as err:
-        fail(err)
-    except (RuntimeError, EOFError, pickle.UnpicklingError) as err:
-        fail(f"checkpoint {path} is corrupt ({type(err).__name__}); start the run again without --resume")
-    try:
+        ckpt = torch.load(find_checkpoint(get_base_dir() / "runs", run_name), map_location=device, weights_only=True)
         raw_model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         for micro, loader in enumerate(loaders):
             loader.load_state_dict(ckpt["loader"][rank * grad_accum + micro])
-    except (RuntimeError, ValueError, KeyError, IndexError) as err:
-        fail(f"cannot resume {run_name} with these flags ({' '.join(str(err).split())[:200]}); "
-             f"pass the flags and process count it was started with")
-    start_step, skipped_steps = ckpt["step"], ckpt["skipped_steps"]
+        start_step, skipped_steps = ckpt["step"], ckpt["skipped_steps"]
+    except (FileNotFoundError, RuntimeError, EOFError, pickle.UnpicklingError, ValueError, KeyError, IndexError) as err:
+        fail(f"cannot resume {run_name} with these flags ({type(err).__name__}: {' '.join(str(err).split())[:200]}); "
+             f"pass the flags and process count it was started with, or start it again without --resume")
     log(f"resumed {run_name} at step {start_step}" + (f", elastic restart {restart_count}" if restart_count else ""))
 batches = [iter(loader) for loader in loaders]
 
@@ -246,7 +248,7 @@ val_data = list(val_batches(tokenizer, args.data, args.device_batch_size, args.s
 
 
 def evaluate(step):
-    """SPEC 2: validation loss (and bits per byte) at T in {1, 2, 4, mu_rec}."""
+    """METHOD.md §2: validation loss (and bits per byte) at T in {1, 2, 4, mu_rec}."""
     depths = [1] if config.injection == "none" else sorted({1, 2, 4, config.mu_rec})
     result = {"step": step}
     for T in depths:
@@ -257,7 +259,7 @@ def evaluate(step):
 
 
 def evaluate_core_subset(step):
-    """SPEC 3 CORE on the first --core_max_per_task examples of each task, at T = mu_rec."""
+    """METHOD.md §3 CORE on the first --core_max_per_task examples of each task, at T = mu_rec."""
     bundle_dir = [None]
     if master:
         try:
@@ -296,10 +298,32 @@ def micro_seed(step, virtual_rank):
     return (args.seed * 1_000_003 + step) * 65_537 + virtual_rank
 
 
+def log_line(record, num_steps):
+    """The step's log line, from its metrics record (fields that are None are left out)."""
+    fields = [("loss", "loss {:.4f}"), ("lr_mult", "lrm {:.2f}"), ("tokens_per_s", "{:,.0f} tok/s"),
+              ("mfu", "mfu {:.1%}"), ("rho", "rho {:.4f}"), ("h_norm", "|h_T| {:.2f}"),
+              ("update_ratio", "dh/h {:.4f}")]
+    parts = [f"step {record['step']}/{num_steps}"]
+    parts += [form.format(record[key]) for key, form in fields if record.get(key) is not None]
+    tokens_per_s = record["tokens_per_s"]
+    eta = (num_steps - record["step"]) * args.total_batch_size / tokens_per_s if tokens_per_s else float("nan")
+    return " | ".join(parts + [f"eta {eta / 60:.1f} min"])
+
+
+def poison_gradient(param):
+    """Testing (--fault_nan_step): make that step's gradients non-finite; the loop must skip its update."""
+    if step == args.fault_nan_step:
+        param.grad.fill_(float("nan"))
+
+
+if args.fault_nan_step is not None:
+    next(raw_model.parameters()).register_post_accumulate_grad_hook(poison_gradient)
+
 # -----------------------------------------------------------------------------
 # Training loop
 
 peak_flops = peak_bf16_flops(device)
+depth_generator = torch.Generator()  # METHOD.md §2: each virtual rank samples depths with its own generator
 if master:
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics_file = open(run_dir / "metrics.jsonl", "a")
@@ -308,19 +332,20 @@ step = start_step
 while step < num_steps and (args.stop_at is None or step < args.stop_at):
     t0 = time.time()
     loss_sum = torch.zeros((), device=device)
-    raw_model.log_stats = (step + 1) % args.log_every == 0 or step + 1 == num_steps  # ||h_T||, for the log
+    logged = (step + 1) % args.log_every == 0 or step + 1 == num_steps
     for micro in range(grad_accum):
         seed = micro_seed(step, rank * grad_accum + micro)
         torch.manual_seed(seed)  # h0, drawn inside the forward
-        raw_model.depth_generator.manual_seed(seed)  # SPEC 2: each rank samples depths with its own generator
+        depth_generator.manual_seed(seed)
         x, y = next(batches[micro])
-        sync = ddp and micro == grad_accum - 1
-        with (model.no_sync() if ddp and not sync else nullcontext()), autocast:
-            loss = model(x, y)
+        last = micro == grad_accum - 1
+        with (model.no_sync() if ddp and not last else nullcontext()), autocast:
+            if logged and last:  # ||h_T|| and the update ratio, for the log line, from one micro-batch
+                loss, diagnostics = model(x, y, depth_generator=depth_generator, return_diagnostics=True)
+            else:
+                loss = model(x, y, depth_generator=depth_generator)
         (loss / grad_accum).backward()
         loss_sum += loss.detach()
-    if args.fault_nan_step == step:
-        next(raw_model.parameters()).grad.fill_(float("nan"))
     grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), args.grad_clip)
     finite = torch.isfinite(grad_norm).float()
     if ddp:
@@ -344,20 +369,13 @@ while step < num_steps and (args.stop_at is None or step < args.stop_at):
     if step > start_step + 1:  # the first step pays for compilation and warm-up
         tokens_per_second = args.total_batch_size / dt if tokens_per_second is None \
             else 0.9 * tokens_per_second + 0.1 * args.total_batch_size / dt
-    if master and (step % args.log_every == 0 or step == num_steps):
-        rho = raw_model.spectral_radius()
+    if master and logged:
         record = {"step": step, "loss": loss_sum.item() / grad_accum, "lr_mult": lrm, "grad_norm": grad_norm.item(),
-                  "tokens_per_s": tokens_per_second, "rho": rho, "skipped_steps": skipped_steps,
-                  "h_norm": raw_model.last_h_norm.item() if raw_model.last_h_norm is not None else None,
-                  "update_ratio": raw_model.last_update_ratio.item() if raw_model.last_update_ratio is not None
-                  else None}
+                  "tokens_per_s": tokens_per_second, "rho": raw_model.spectral_radius(), "skipped_steps": skipped_steps,
+                  **{key: None if value is None else value.item() for key, value in diagnostics.items()}}
         if peak_flops and tokens_per_second:
             record["mfu"] = flops_per_token * tokens_per_second / (peak_flops * world)
-        eta = (num_steps - step) * args.total_batch_size / tokens_per_second if tokens_per_second else float("nan")
-        log(f"step {step}/{num_steps} | loss {record['loss']:.4f} | lrm {lrm:.2f} | "
-            f"{tokens_per_second or 0:,.0f} tok/s" + (f" | mfu {record['mfu']:.1%}" if "mfu" in record else "")
-            + (f" | rho {rho:.4f} | |h_T| {record['h_norm']:.2f} | dh/h {record['update_ratio']:.4f}"
-               if rho is not None else "") + f" | eta {eta / 60:.1f} min")
+        log(log_line(record, num_steps))
         metrics_file.write(json.dumps(record) + "\n")
         metrics_file.flush()
     results = []

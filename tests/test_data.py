@@ -1,4 +1,5 @@
-"""Tests for data.py: the tokenizer, shard downloads against a local server, the data sources and the loader (SPEC 2).
+"""Tests for data.py: the tokenizer, shard downloads against a local server, the data sources and the loader
+(METHOD.md §2).
 
 Run: python -m pytest -q tests/test_data.py   (no network beyond 127.0.0.1, nothing written outside tmp_path)
 """
@@ -56,7 +57,8 @@ def write_parquet(path, texts, row_group_size=None):
 # Tokenizer
 
 WEIRD_STRINGS = [
-    "", "hello world", "naïve café", "日本語のテキストです。", "emoji 🎉👩‍👩‍👧 and flags 🇫🇷🇯🇵", "\x00\x01\x7f\t\r\n\x0b\x0c",
+    "", "hello world", "naïve café", "日本語のテキストです。", "emoji 🎉👩‍👩‍👧 and flags 🇫🇷🇯🇵",
+    "\x00\x01\x7f\t\r\n\x0b\x0c",
     "".join(chr(i) for i in range(256)), "  leading and trailing  ", "ab" * 500, "1234567890" * 7, "\u200b\ufeff\ufffd",
     "<|bos|> written in text <|eos|><|pad|>", "Привет, мир! مرحبا بالعالم", "\U0010ffff\U0001f600",
 ]
@@ -106,7 +108,8 @@ def test_save_load_identical(tokenizer, tmp_path, monkeypatch):
     lines = (tmp_path / "tok" / "tokenizer.tiktoken").read_text().splitlines()
     assert all(re.fullmatch(r"[A-Za-z0-9+/=]+ \d+", line) for line in lines)
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "")  # "" turns tiktoken's cache off
-    assert tiktoken.load.load_tiktoken_bpe(str(tmp_path / "tok" / "tokenizer.tiktoken")) == tokenizer.enc._mergeable_ranks
+    loaded = tiktoken.load.load_tiktoken_bpe(str(tmp_path / "tok" / "tokenizer.tiktoken"))
+    assert loaded == tokenizer.enc._mergeable_ranks
 
 
 def test_token_bytes_sum_to_utf8_length(tokenizer):
@@ -302,7 +305,7 @@ def test_stdlib_source():
     assert len(files) > 100 and not any("site-packages" in f for f in files)
     train = list(data.iter_documents("stdlib", "train"))
     val = list(data.iter_documents("stdlib", "val"))
-    assert 0.02 < len(val) / (len(train) + len(val)) < 0.10  # SPEC: a fixed ~5% held out
+    assert 0.02 < len(val) / (len(train) + len(val)) < 0.10  # a fixed ~5% held out (data.VAL_EVERY)
     assert len(train) > 5 * len(files)  # a document per top-level block, not per file
     train_set, val_set = set(train), set(val)
     for path in files[::10]:  # a file goes to one split whole: its blocks share names and imports
@@ -346,8 +349,8 @@ def test_rows_hold_whole_documents_when_they_fit(tokenizer, corpus):
 
 def test_ranks_share_documents_disjointly(corpus):
     everything = sorted(data.iter_documents(corpus, "train"))
-    shares = [[text for _, text in data.DocumentStream(corpus, "train", seed=3, rank=r, world_size=2).iterate(loop=False)]
-              for r in range(2)]
+    streams = [data.DocumentStream(corpus, "train", seed=3, rank=r, world_size=2) for r in range(2)]
+    shares = [[text for _, text in stream.iterate(loop=False)] for stream in streams]
     assert not set(shares[0]) & set(shares[1])
     assert sorted(shares[0] + shares[1]) == everything
     assert abs(len(shares[0]) - len(shares[1])) <= len(data.list_chunks(corpus, "train"))

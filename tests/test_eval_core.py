@@ -77,7 +77,8 @@ class BigramModel(nn.Module):
         logits = self.table[idx]
         if targets is None:
             return logits
-        loss = nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1, reduction=reduction)
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1,
+                                           reduction=reduction)
         return loss.view(targets.shape) if reduction == "none" else loss
 
 # -----------------------------------------------------------------------------
@@ -94,7 +95,8 @@ FIXTURE = {
     "copa": [mc("Q1:", ["a", "b"], 1), mc("Q2:", ["b", "a"], 0), mc("Q3:", ["c", "b"], 1),
              mc("Q4:", ["a", "b"], 0), mc("Q5:", ["b", "c"], 1)],  # 3/5 right
     "arc_easy": [mc("Which? :", ["a", "b", "c", "d"], 1), mc("Why? :", ["b", "a", "c", "d"], 2),
-                 mc("How? :", ["a", "c", "b", "d"], 0), mc("Who? :", ["d", "c", "a", "b"], 0)],  # 1/4, 10 shots > 3 others
+                 mc("How? :", ["a", "c", "b", "d"], 0),
+                 mc("Who? :", ["d", "c", "a", "b"], 0)],  # 1/4, 10 shots > 3 others
     "winograd": [{"context_options": ["the cat", "the dog"], "continuation": "ran:", "gold": 1},
                  {"context_options": ["a big dog", "a big cow"], "continuation": "sat.", "gold": 0},
                  {"context_options": ["my hat", "my bag"], "continuation": "fell", "gold": 0}],  # 2/3
@@ -117,7 +119,8 @@ def bundle_zip_bytes(extra_members=()):
     writer.writerow(["Eval Task", "Task Category", "Task Type", "#shots", "#datapoints", "Random baseline",
                      "Centered Metric?", "Description"])
     for label, baseline in BASELINES.items():
-        writer.writerow([label, "x", "y", by_label[label].shots, len(FIXTURE[label]), baseline, "", f"About {label}, quoted"])
+        writer.writerow([label, "x", "y", by_label[label].shots, len(FIXTURE[label]), baseline, "",
+                         f"About {label}, quoted"])
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w") as archive:
         archive.writestr("eval_bundle/core.yaml", "icl_tasks:\n- label: copa\n")

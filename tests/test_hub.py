@@ -22,7 +22,7 @@ from data import SPLIT_PATTERN
 from model import Parcae, ParcaeConfig, apply_rotary
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "authors_params.json").read_text())
-SPEC_PARAMS = {"parcae-small-140m": 144_323_136, "gpt-small-140m": 143_141_184}  # SPEC 1's table
+PAPER_PARAMS = {"parcae-small-140m": 144_323_136, "gpt-small-140m": 143_141_184}  # METHOD.md §1's table
 
 
 @pytest.fixture(autouse=True)
@@ -45,7 +45,7 @@ def test_authors_parameters_map_one_to_one(name):
     assert sorted(mapping.values()) == sorted(ours)  # none of ours left over, none hit twice
     assert set(authors["state_dict"]) - set(mapping) == set(hub.CHECKED_NAMES)  # only the tied head and RoPE buffer
     assert all(tuple(authors["state_dict"][k]) == ours[v] for k, v in mapping.items())
-    assert model.num_params() == SPEC_PARAMS[name]
+    assert model.num_params() == PAPER_PARAMS[name]
     assert config.injection == ("diagonal" if name.startswith("parcae") else "none")
 
 
@@ -70,8 +70,9 @@ def test_rope_row_order_turns_interleaved_rope_into_ours():
 
 def authors_config(c):
     """What their save_pretrained writes (the fields hub.py reads), for our config c."""
-    cfg = dict(block_size=c.seq_len, vocab_size=c.vocab_size, padding_multiple=64, padded_vocab_size=c.padded_vocab_size,
-               n_embd=c.d_model, num_attention_heads=c.n_head, num_key_value_heads=c.n_head,
+    cfg = dict(block_size=c.seq_len, vocab_size=c.vocab_size, padding_multiple=64,
+               padded_vocab_size=c.padded_vocab_size, n_embd=c.d_model, num_attention_heads=c.n_head,
+               num_key_value_heads=c.n_head,
                intermediate_size=4 * c.d_model, bias=False, qk_bias=False, tie_embeddings=True,
                block_class_name="TransformerPreNormBlock", norm_class_name="RMSNorm", norm_eps=c.norm_eps,
                mlp_class_name="BaseMLP", nonlin_name="ReLU2", qk_norm=True, clip_qkv=None, logit_softcap=None,
@@ -118,7 +119,7 @@ def authors_state_dict(model):
 
 def byte_level_chars():
     """GPT-2's bytes_to_unicode, written out: byte -> the character that stands for it in tokenizer.json."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     chars, extra = {}, 0
     for b in range(256):
         if b in keep:
@@ -142,7 +143,8 @@ def tokenizer_json(bos="<|bos|>"):
     for a, b in MERGES:
         vocab[a + b] = len(vocab)
     return {"version": "1.0", "normalizer": None,
-            "added_tokens": [{"id": 0, "content": bos, "special": True}, {"id": 1, "content": "<|eos|>", "special": True}],
+            "added_tokens": [{"id": 0, "content": bos, "special": True},
+                             {"id": 1, "content": "<|eos|>", "special": True}],
             "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
                 {"type": "Split", "pattern": {"Regex": SPLIT_PATTERN}, "behavior": "Isolated", "invert": False},
                 {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]},
@@ -307,7 +309,8 @@ def test_unmapped_name_shape_mismatch_and_missing_weight(tmp_path):
     shapes = {k: tuple(v.shape) for k, v in state.items()}
     with pytest.raises(ValueError, match="transformer.core_block.0.attn.rotary.weight has no place"):
         hub.map_names({**shapes, "transformer.core_block.0.attn.rotary.weight": (4,)}, ours, model.config)
-    with pytest.raises(ValueError, match=r"transformer.C.weight has shape \(64, 32\), our C_proj.weight has \(64, 64\)"):
+    with pytest.raises(ValueError,
+                       match=r"transformer.C.weight has shape \(64, 32\), our C_proj.weight has \(64, 64\)"):
         hub.map_names({**shapes, "transformer.C.weight": (64, 32)}, ours, model.config)
     del shapes["transformer.adapter.dt_bias"]
     with pytest.raises(ValueError, match="no weights for 1 of our parameters, e.g. dt_bias"):
@@ -320,9 +323,10 @@ def test_unmapped_name_shape_mismatch_and_missing_weight(tmp_path):
 
 
 def test_sample_from_gives_what_the_same_model_gives_from_a_checkpoint(tmp_path, capsys):
-    """sample.py --from=<authors' folder> and sample.py --ckpt=<our checkpoint of the same model> print the same text."""
+    """sample.py --from=<authors' folder> and sample.py --ckpt=<our checkpoint of the same model> print the same
+    text."""
     import sample
-    from model import save_checkpoint
+    from common import save_checkpoint
     original = tiny_model("diagonal", seed=2)
     folder = write_authors_folder(tmp_path / "ckpt", original)
     hub.tokenizer_from_json(folder / "tokenizer.json").save(tmp_path / "tok")
@@ -332,4 +336,5 @@ def test_sample_from_gives_what_the_same_model_gives_from_a_checkpoint(tmp_path,
     for which in (["--from", str(folder)], ["--ckpt", str(tmp_path / "ours.pt")]):
         sample.main(which + flags)
         outputs.append(capsys.readouterr().out)
-    assert outputs[0] == outputs[1] and outputs[0].startswith("the world and") and len(outputs[0]) > len("the world and\n")
+    assert outputs[0] == outputs[1] and outputs[0].startswith("the world and")
+    assert len(outputs[0]) > len("the world and\n")

@@ -1,13 +1,13 @@
-"""Tests for model.py: SPEC 1 sizes, the stable injection, per-sequence depths, truncated backprop."""
+"""Tests for model.py: METHOD.md §1 sizes, the stable injection, per-sequence depths, truncated backprop."""
 
 import math
 
 import pytest
 import torch
 
-from model import SAMPLINGS, KVCache, Parcae, ParcaeConfig, sample_depths, trunc_orthogonal_
+from model import SAMPLINGS, Context, KVCache, Parcae, ParcaeConfig, sample_depths, trunc_orthogonal_
 
-# SPEC 1: (depth, Transformer params, Parcae params), vocab 32,768
+# METHOD.md §1: (depth, Transformer params, Parcae params), vocab 32,768
 PAPER_SIZES = [
     (6, 143_141_184, 144_323_136),
     (12, 385_903_104, 388_003_328),
@@ -57,10 +57,10 @@ def test_config_errors_are_clear():
 
 def test_initialisation_matches_spec():
     model = Parcae(tiny_config())
-    A_bar, delta = model.discretized_A()
+    A_bar, delta = model.injection.discretize()
     assert torch.allclose(A_bar, torch.full_like(A_bar, math.sqrt(1 / 5)), atol=1e-6)  # 0.4472
     assert torch.allclose(delta, torch.full_like(delta, 0.8047), atol=1e-4)
-    assert torch.equal(model.B.weight, torch.eye(64))
+    assert torch.equal(model.injection.B.weight, torch.eye(64))
     assert model.spectral_radius() == pytest.approx(0.4472, abs=1e-4)
     for block in [*model.prelude, *model.recur, *model.coda]:
         assert block.attn.c_proj.weight.abs().max() == 0 and block.mlp.c_proj.weight.abs().max() == 0
@@ -99,20 +99,20 @@ def test_spectral_radius_below_one_for_extreme_parameters():
     with torch.no_grad():
         for a in extremes:
             for dt in extremes:
-                model.A_log.fill_(a)
-                model.dt_bias.fill_(dt)
-                A_bar, _ = model.discretized_A()
+                model.injection.A_log.fill_(a)
+                model.injection.dt_bias.fill_(dt)
+                A_bar = model.injection.discretize().A_bar
                 assert torch.isfinite(A_bar).all() and (A_bar >= 0).all() and (A_bar < 1).all(), (a, dt)
                 assert model.spectral_radius() < 1
-        model.A_log.copy_(torch.randn(64) * 30)
-        model.dt_bias.copy_(torch.randn(64) * 30)
+        model.injection.A_log.copy_(torch.randn(64) * 30)
+        model.injection.dt_bias.copy_(torch.randn(64) * 30)
         assert model.spectral_radius() < 1
 
 
 def test_add_and_concat_spectral_radius():
     assert Parcae(tiny_config(injection="add")).spectral_radius() == 1.0
     model = Parcae(tiny_config(injection="concat"))
-    state_half = model.adapter.weight[:, :64].detach().double().numpy()
+    state_half = model.injection.adapter.weight[:, :64].detach().double().numpy()
     import numpy as np
     expected = np.abs(np.linalg.eigvals(state_half)).max()
     assert model.spectral_radius() == pytest.approx(expected, rel=1e-4)
@@ -241,22 +241,62 @@ def test_none_is_the_blocks_run_once_in_order():
 def test_stability_diagnostics():
     torch.manual_seed(0)
     model = randomized(Parcae(tiny_config())).train()
-    model.log_stats = True  # train.py sets it on the steps it logs
-    idx = torch.randint(0, 97, (2, 8))
-    h0 = torch.randn(2, 8, 64) * 0.1
-    e = torch.randn(2, 8, 64)
-    args = ({}, model.rope_cos[:, :8], model.rope_sin[:, :8], None)
+    idx = torch.randint(0, 97, (3, 8))
+    h0 = torch.randn(3, 8, 64) * 0.1
+    e = torch.randn(3, 8, 64)
+    ctx = Context({}, model.rope_cos[:, :8], model.rope_sin[:, :8])
+
+    def steps(depths):  # training's split of each depth into no-grad and grad steps
+        return model.resolve_steps(torch.tensor(depths), 3)
+
     with torch.no_grad():
-        h2 = model.recurrence(e, torch.tensor([2, 2]), h0, *args)
-        h3 = model.recurrence(e, torch.tensor([3, 3]), h0, *args)
+        h2 = model.recurrence(e, steps([2, 2, 2]), h0, ctx).h
+        h3, stats = model.recurrence(e, steps([3, 3, 3]), h0, ctx, diagnostics=True)
+        mixed = model.recurrence(e, steps([2, 3, 1]), h0, ctx, diagnostics=True).diagnostics
+        h1 = model.recurrence(e, steps([1, 1, 1]), h0, ctx).h
     norm3 = h3.norm(dim=-1).mean()
-    assert model.last_h_norm.item() == pytest.approx(norm3.item(), rel=1e-5)
-    assert model.last_update_ratio.item() == pytest.approx(((h3 - h2).norm(dim=-1).mean() / norm3).item(), rel=1e-5)
-    model(idx)
-    assert math.isfinite(model.last_h_norm.item())
-    model.log_stats, model.last_h_norm = False, None
-    model(idx)
-    assert model.last_h_norm is None  # other forwards (most training steps, eval, decoding) skip them
+    assert stats["h_norm"].item() == pytest.approx(norm3.item(), rel=1e-5)
+    assert stats["update_ratio"].item() == pytest.approx(((h3 - h2).norm(dim=-1).mean() / norm3).item(), rel=1e-5)
+    # per-sequence depths: each sequence's own last update (h_T - h_{T-1} at its own T)
+    h_T = torch.stack([h2[0], h3[1], h1[2]])
+    h_before = torch.stack([model.recurrence(e, steps([1, 1, 1]), h0, ctx).h[0], h2[1], h0[2]])
+    norm = h_T.norm(dim=-1).mean()
+    assert mixed["h_norm"].item() == pytest.approx(norm.item(), rel=1e-5)
+    assert mixed["update_ratio"].item() == pytest.approx(((h_T - h_before).norm(dim=-1).mean() / norm).item(),
+                                                         rel=1e-5)
+    loss, stats = model(idx, idx, return_diagnostics=True)
+    assert math.isfinite(stats["h_norm"].item()) and loss.requires_grad
+    assert torch.is_tensor(model(idx, idx))  # only when asked for; nothing is kept on the model
+    transformer = Parcae(tiny_config(injection="none"))
+    assert transformer(idx, return_diagnostics=True)[1] == {"h_norm": None, "update_ratio": None}
+
+
+def test_injection_parameters_are_the_models_own_after_conversion():
+    for injection in ("diagonal", "concat"):
+        model = Parcae(tiny_config(injection=injection))
+        names = [name for name, _ in model.named_parameters()]
+        first = ["A_log", "dt_bias"] if injection == "diagonal" else ["wte.weight", "value_embeds.0.weight"]
+        assert names[:2] == first  # the order the optimiser and gradient clipping have always seen
+        torch.__future__.set_overwrite_module_params_on_conversion(True)  # .to() makes new parameter objects
+        try:
+            model = model.to(torch.float64)
+        finally:
+            torch.__future__.set_overwrite_module_params_on_conversion(False)
+        params = dict(model.named_parameters())
+        for name, param in model.injection.named_parameters():
+            assert param is params[name] and param.dtype == torch.float64, name
+
+
+def test_depth_generator_decides_the_sampled_depths():
+    torch.manual_seed(0)
+    model = randomized(Parcae(tiny_config(mu_rec=6))).train()
+    idx = torch.randint(0, 97, (8, 8))
+    h0 = torch.randn(8, 8, 64) * 0.1
+    loss = model(idx, idx, h0=h0, depth_generator=torch.Generator().manual_seed(3))
+    n, k = sample_depths(model.config, 8, torch.Generator().manual_seed(3))
+    assert len((n + k).unique()) > 1
+    assert loss.item() == model(idx, idx, h0=h0, T=(n, k)).item()
+    assert loss.item() == model(idx, idx, h0=h0, depth_generator=torch.Generator().manual_seed(3)).item()
 
 
 def test_kv_cache_decoding_equals_full_recompute():
@@ -306,7 +346,7 @@ def test_tiny_model_learns_a_fixed_batch(injection):
 
 
 def test_checkpoint_round_trip_and_clear_errors(tmp_path):
-    from model import find_checkpoint, load_checkpoint, save_checkpoint
+    from common import find_checkpoint, load_checkpoint, save_checkpoint
     model = randomized(Parcae(tiny_config(injection="concat", mu_rec=3))).eval()
     save_checkpoint(tmp_path / "runs" / "a" / "ckpt_000010.pt", model, step=10)
     path = find_checkpoint(tmp_path / "runs")

@@ -167,7 +167,8 @@ def test_build_optimizer_grouping():
     expected_muon = {
         (8, 8): ['prelude.0.c_q.weight', 'prelude.1.c_q.weight', 'recur.0.c_q.weight', 'coda.0.c_q.weight'],
         (32, 8): ['prelude.0.c_fc.weight', 'prelude.1.c_fc.weight', 'recur.0.c_fc.weight', 'coda.0.c_fc.weight'],
-        (8, 32): ['prelude.0.c_proj.weight', 'prelude.1.c_proj.weight', 'recur.0.c_proj.weight', 'coda.0.c_proj.weight'],
+        (8, 32): ['prelude.0.c_proj.weight', 'prelude.1.c_proj.weight', 'recur.0.c_proj.weight',
+                  'coda.0.c_proj.weight'],
         (2, 4): ['prelude.1.ve_gate.weight', 'recur.0.ve_gate.weight'],
     }
     assert {tuple(g['params'][0].shape): g['names'] for g in muon} == expected_muon

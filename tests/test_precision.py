@@ -59,7 +59,7 @@ def test_the_stream_and_every_norm_stay_float32_under_bf16_autocast(injection):
     assert seen["block"] == {torch.float32}  # prelude, loop state and coda
     assert loss.dtype == torch.float32
     if injection == "diagonal":
-        A_bar, delta = model.discretized_A()
+        A_bar, delta = model.injection.discretize()
         assert A_bar.dtype == delta.dtype == torch.float32
 
 

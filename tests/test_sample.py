@@ -12,7 +12,8 @@ import torch
 
 import data
 import sample
-from model import KVCache, Parcae, ParcaeConfig, save_checkpoint
+from common import save_checkpoint
+from model import KVCache, Parcae, ParcaeConfig
 from sample import adaptive_forward, generate
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,7 +34,9 @@ def tiny_model(seed=0, **overrides):
 
 def run(model, prompt, n, seed=0, **kw):
     """-> (tokens (B, n), steps (B, n)) of generate with a generator seeded `seed` (or a list of seeds)."""
-    gens = [torch.Generator().manual_seed(s) for s in seed] if isinstance(seed, list) else torch.Generator().manual_seed(seed)
+    seeds = seed if isinstance(seed, list) else [seed]
+    gens = [torch.Generator().manual_seed(s) for s in seeds]
+    gens = gens if isinstance(seed, list) else gens[0]
     out = list(generate(model, prompt, n, generator=gens, **kw))
     return torch.stack([ids for ids, _ in out], dim=1), torch.stack([steps for _, steps in out], dim=1)
 

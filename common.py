@@ -1,0 +1,103 @@
+"""
+common.py: what every script shares and the model does not need: process setup, the base directory,
+checkpoints, and the GPU peak table for MFU.
+
+model.py, optim.py and data.py import nothing of ours; train.py, eval_core.py, sample.py, hub.py and
+bench.py import this file.
+"""
+
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from model import Parcae, ParcaeConfig
+
+# -----------------------------------------------------------------------------
+# Processes: torchrun sets RANK; NCCL on CUDA, gloo on CPU. A plain `python` run is one process.
+
+
+def init_distributed(device):
+    """Join torchrun's process group when RANK is set -> the device this process uses (its local GPU)."""
+    if "RANK" not in os.environ:
+        return device
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return device
+
+
+def rank_and_world():
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def print0(*args, **kwargs):
+    """print on rank 0 only, flushed (the logs of a multi-process run come from one process)."""
+    if rank_and_world()[0] == 0:
+        print(*args, **kwargs, flush=True)
+
+
+# -----------------------------------------------------------------------------
+# The base directory: runs, tokenizers, data, the eval bundle and hub downloads live under it
+
+
+def get_base_dir():
+    """$NANOPARCAE_BASE_DIR, default ~/.cache/nanoparcae, created on first use. data.py applies the same
+    rule itself (data.cache_dir) so that it imports nothing of ours."""
+    base_dir = Path(os.environ.get("NANOPARCAE_BASE_DIR", Path.home() / ".cache" / "nanoparcae")).expanduser()
+    base_dir.mkdir(parents=True, exist_ok=True)
+    return base_dir
+
+
+# -----------------------------------------------------------------------------
+# Checkpoints: <base dir>/runs/<run>/ckpt_<step>.pt, a plain dict loadable with weights_only=True
+
+
+def save_checkpoint(path, model, **extra):
+    """Write to a temporary name, then rename: a killed run never leaves a torn checkpoint."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save({"config": asdict(model.config), "model": model.state_dict(), **extra}, tmp)
+    os.replace(tmp, path)
+
+
+def find_checkpoint(runs_dir, run=None):
+    """The newest checkpoint of `run`, or of the most recently written run when run is None."""
+    runs_dir = Path(runs_dir)
+    pattern = f"{run}/ckpt_*.pt" if run else "*/ckpt_*.pt"
+    found = sorted(runs_dir.glob(pattern), key=lambda p: (p.stat().st_mtime, p.name))
+    if not found:
+        where = runs_dir / run if run else runs_dir
+        raise FileNotFoundError(f"no checkpoint under {where}; train one first with `python train.py`")
+    return found[-1]
+
+
+def load_checkpoint(path, device="cpu"):
+    """-> (model in eval mode, the checkpoint dict). Never unpickles code (weights_only=True)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {path} does not exist; pass --ckpt with an existing file")
+    try:
+        ckpt = torch.load(path, map_location=device, weights_only=True)
+        model = Parcae(ParcaeConfig(**ckpt["config"]))
+        model.load_state_dict(ckpt["model"])
+    except Exception as err:
+        raise ValueError(f"checkpoint {path} is corrupt or not a nanoparcae checkpoint "
+                         f"({type(err).__name__}: {str(err).splitlines()[0][:200]})") from None
+    return model.to(device).eval(), ckpt
+
+
+# -----------------------------------------------------------------------------
+# MFU: model FLOPs (Parcae.flops_per_token) against the GPU's peak
+
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense, per GPU
+
+
+def peak_bf16_flops(device):
+    """The GPU's dense bf16 peak, the denominator of MFU; None on a CPU or an unlisted GPU."""
+    name = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else ""
+    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
