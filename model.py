@@ -205,6 +205,21 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+@torch.no_grad()
+def trunc_orthogonal_(weight, std):
+    """The authors' truncated orthogonal init: Q of the QR of a standard normal matrix truncated at
+    +-2, signs fixed by diag(R) (so Q is uniformly distributed), scaled by std * sqrt(max(rows, cols)).
+    Every entry then has std `std`, as an i.i.d. draw would, but all singular values equal that gain
+    (a rectangular matrix is semi-orthogonal) instead of spreading out."""
+    rows, cols = weight.shape
+    if weight.is_meta:  # train.py sizes the model on the meta device: nothing to fill
+        return weight
+    a = torch.empty(max(rows, cols), min(rows, cols), device=weight.device, dtype=torch.float32)
+    q, r = torch.linalg.qr(nn.init.trunc_normal_(a, a=-2.0, b=2.0))
+    q = q * torch.diagonal(r).sign()
+    return weight.copy_(q if rows >= cols else q.t()).mul_(std * math.sqrt(max(rows, cols)))
+
+
 # -----------------------------------------------------------------------------
 # The model
 
@@ -251,16 +266,18 @@ class Parcae(nn.Module):
 
     @torch.no_grad()
     def init_weights(self):
-        """SPEC 1 "scaled-zero" init: small truncated-normal matrices, zero output projections."""
+        """SPEC 1 "scaled-zero" init, orthogonal as in the authors' code (init_orthogonal=True): every
+        matrix that reads the residual stream (q, k, v, the MLP input, wte, C_proj) is truncated
+        orthogonal with per-entry std sqrt(2/(5d)); the output projections start at zero."""
         c = self.config
         std = math.sqrt(2 / (5 * c.d_model))
         for block in [*self.prelude, *self.recur, *self.coda]:
             for lin in (block.attn.c_q, block.attn.c_k, block.attn.c_v, block.mlp.c_fc):
-                nn.init.trunc_normal_(lin.weight, std=std, a=-3 * std, b=3 * std)
+                trunc_orthogonal_(lin.weight, std)
             nn.init.zeros_(block.attn.c_proj.weight)
             nn.init.zeros_(block.mlp.c_proj.weight)
             # value embeddings and ve_gate keep PyTorch's default init, as in the authors' code
-        nn.init.trunc_normal_(self.wte.weight, std=std, a=-3 * std, b=3 * std)
+        trunc_orthogonal_(self.wte.weight, std)
         if c.injection == "diagonal":
             # A_log = 0 and Delta = softplus(dt_bias) = -ln(sqrt(1/5)), so Abar = sqrt(1/5) = 0.4472
             delta = -math.log(math.sqrt(1 / 5))
@@ -268,9 +285,10 @@ class Parcae(nn.Module):
             self.dt_bias.fill_(math.log(math.expm1(delta)))
             self.B.weight.copy_(torch.eye(c.d_model))
         if c.injection == "concat":
+            # the authors' "adapter" rule: i.i.d. truncated normal even when the other matrices are orthogonal
             nn.init.trunc_normal_(self.adapter.weight, std=std, a=-3 * std, b=3 * std)
         if self.C_proj is not None:
-            nn.init.orthogonal_(self.C_proj.weight, gain=math.sqrt(2 / 5))
+            trunc_orthogonal_(self.C_proj.weight, std)  # square: every singular value sqrt(2/5)
 
     def compile_blocks(self):
         """Compile each block alone and keep the loop in Python, so a depth that changes every step never

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from model import KVCache, Parcae, ParcaeConfig, sample_depths
+from model import KVCache, Parcae, ParcaeConfig, sample_depths, trunc_orthogonal_
 
 # SPEC 1: (depth, Transformer params, Parcae params), vocab 32,768
 PAPER_SIZES = [
@@ -68,6 +68,29 @@ def test_initialisation_matches_spec():
     assert model.prelude[0].attn.c_q.weight.std().item() == pytest.approx(std, rel=0.1)
     C = model.C_proj.weight
     assert torch.allclose(C @ C.t(), torch.eye(64) * 2 / 5, atol=1e-5)  # orthogonal, gain sqrt(2/5)
+
+
+def test_init_is_truncated_orthogonal_with_the_authors_gain():
+    torch.manual_seed(0)
+    model = Parcae(tiny_config(d_model=128, head_dim=32))
+    d, std = 128, math.sqrt(2 / (5 * 128))
+    gain = std * math.sqrt(d)
+    # square matrices: every singular value equals the gain (an i.i.d. draw spreads them over ~[0, 2 gain])
+    for W in (model.recur[0].attn.c_q.weight, model.coda[0].attn.c_v.weight, model.C_proj.weight):
+        sv = torch.linalg.svdvals(W)
+        assert torch.allclose(sv, torch.full_like(sv, gain), rtol=1e-4), (sv.min(), sv.max())
+    # rectangular (4d x d MLP input, padded vocab x d embedding): semi-orthogonal, W^T W = gain^2 I
+    for W in (model.prelude[0].mlp.c_fc.weight, model.wte.weight):
+        g = std * math.sqrt(max(W.shape))
+        assert torch.allclose(W.t() @ W, torch.eye(d) * g * g, atol=1e-5)
+    # a wide matrix is orthogonal along its rows; per-entry std stays sqrt(2/(5d)) in every shape
+    wide = trunc_orthogonal_(torch.empty(32, 256), std)
+    assert torch.allclose(wide @ wide.t(), torch.eye(32) * std * std * 256, atol=1e-5)
+    for W in (wide, model.prelude[0].mlp.c_fc.weight, model.wte.weight, model.recur[0].attn.c_k.weight):
+        assert W.std().item() == pytest.approx(std, rel=0.05)
+        assert W.mean().abs().item() < 0.1 * std
+    iid = torch.nn.init.trunc_normal_(torch.empty(d, d), std=std, a=-3 * std, b=3 * std)
+    assert torch.linalg.svdvals(iid).min() < 0.5 * gain  # the old init, for contrast
 
 
 def test_spectral_radius_below_one_for_extreme_parameters():
