@@ -201,10 +201,276 @@ def run(sweep, gpus):
 
 
 # -----------------------------------------------------------------------------
-# Fit
+# The fitters: parabolas, power laws and the unified law, in numpy and torch
+
+HUBER_DELTA = 1e-3  # on log-loss residuals, as in Chinchilla's fits (Hoffmann et al. 2022, App. D.2)
+
+
+def parabola_optimum(mu_rec, losses, tokens):
+    """Paper §5.2, Fig. 4: final loss ~ a (ln mu)^2 + b ln mu + c in one budget; its vertex is mu_rec*, L* the loss
+    there and D* the tokens there (ln D is linear in ln mu inside a budget, interpolated the same way)."""
+    x, L = np.log(np.asarray(mu_rec, float)), np.asarray(losses, float)
+    a, b, c = np.polyfit(x, L, 2)
+    slope, intercept = np.polyfit(x, np.log(np.asarray(tokens, float)), 1)
+    inside = bool(a > 0 and x.min() <= -b / (2 * a) <= x.max())
+    x_star = -b / (2 * a) if a > 0 else x[np.argmin(L)]  # no minimum: the best sampled point
+    return dict(mu_star=math.exp(x_star), D_star=math.exp(intercept + slope * x_star),
+                L_star=float(np.polyval([a, b, c], x_star)), parabola=[a, b, c], vertex_inside=inside)
+
+
+def power_law(C, y):
+    """y = k C^g, least squares in log-log -> (k, g)."""
+    g, log_k = np.polyfit(np.log(np.asarray(C, float)), np.log(np.asarray(y, float)), 1)
+    return math.exp(log_k), g
+
+
+UNIFIED_NAMES = ("E", "X", "x", "Y", "y", "Z", "z")
+
+
+def unified_log_terms(theta, mu, D, T):
+    """Paper §5.3, App. L: L(T | mu, D) = E + X mu^-x + Y D^-y + Z exp(-z T / mu), every term positive, so
+    ln L = logsumexp of four log-terms (Chinchilla's parametrisation: theta = ln E, ln X, x, ln Y, y, ln Z, z)."""
+    e, lx, x, ly, y, lz, z = theta
+    return torch.stack([e.expand_as(mu), lx - x * mu.log(), ly - y * D.log(), lz - z * T / mu])
+
+
+def unified_predict(params, mu, D, T):
+    p = params
+    mu, D, T = (np.asarray(v, float) for v in (mu, D, T))
+    return p["E"] + p["X"] * mu ** -p["x"] + p["Y"] * D ** -p["y"] + p["Z"] * np.exp(-p["z"] * T / mu)
+
+
+def fit_unified(mu, D, T, losses, max_iter=100):
+    """Huber loss (delta 1e-3) on ln L residuals, minimised by L-BFGS from a grid of starts; the best is kept."""
+    mu, D, T, L = (torch.tensor(np.asarray(v, float), dtype=torch.float64) for v in (mu, D, T, losses))
+    log_L, L_min, lnD = L.log(), float(L.min()), float(D.log().mean())
+    best = (math.inf, None)
+    for x0 in (0.2, 0.6, 1.2):
+        for y0 in (0.1, 0.3, 0.6):
+            for z0 in (0.5, 2.0):
+                start = [math.log(0.8 * L_min), math.log(0.1 * L_min), x0, math.log(0.1 * L_min) + y0 * lnD, y0,
+                         math.log(0.1 * L_min), z0]
+                theta = torch.tensor(start, dtype=torch.float64, requires_grad=True)
+                opt = torch.optim.LBFGS([theta], lr=1, max_iter=max_iter, line_search_fn="strong_wolfe")
+
+                def objective():
+                    opt.zero_grad()
+                    residual = torch.logsumexp(unified_log_terms(theta, mu, D, T), 0) - log_L
+                    # Huber(r, delta) / delta^2: the same minimiser, at a scale L-BFGS's stopping tolerances suit
+                    loss = torch.nn.functional.huber_loss(residual / HUBER_DELTA, torch.zeros_like(residual),
+                                                          delta=1.0, reduction="sum")
+                    loss.backward()
+                    return loss
+
+                opt.step(objective)
+                value = objective().item()  # step() returns the loss at the start, not at the end
+                if math.isfinite(value) and value < best[0]:
+                    best = (value, theta.detach().clone())
+    e, lx, x, ly, y, lz, z = best[1].tolist()
+    return dict(E=math.exp(e), X=math.exp(lx), x=x, Y=math.exp(ly), y=y, Z=math.exp(lz), z=z, huber=best[0])
+
+
+def mean_relative_error(predicted, observed):
+    predicted, observed = np.asarray(predicted, float), np.asarray(observed, float)
+    return float(np.mean(np.abs(predicted - observed) / observed))
+
+
+# -----------------------------------------------------------------------------
+# Fit: read the runs, fit, print a table, write one JSON and the figures
+
+def collect(sweep, notes):
+    """-> finished runs (each point with its final loss at T = mu_rec and its losses at every T); a missing or
+    diverged run becomes one note naming it."""
+    done = []
+    for p in points(sweep):
+        record = final_eval(p)
+        if record is None:
+            notes.append(f"run {p['name']} is missing (no final eval at step {p['steps']} in "
+                         f"{run_dir(p) / 'metrics.jsonl'}); `python scaling.py run` trains or resumes it")
+            continue
+        loss = record[f"val_loss_T{p['mu_rec']}"]
+        if not math.isfinite(loss):
+            notes.append(f"run {p['name']} diverged (val loss {loss} at T={p['mu_rec']}); left out of the fits")
+            continue
+        bpb = ensure_bpb(sweep, p)
+        if bpb is None:
+            notes.append(f"run {p['name']} has no loss at T={sweep['T']} ({run_dir(p) / 'eval.log'}); "
+                         f"left out of the unified law")
+        done.append(dict(p, loss=loss, curve=None if bpb is None else dict(T=bpb["T"], loss=bpb["loss"])))
+    return done
+
+
+def fit_budgets(runs, notes):
+    budgets = {}
+    for C in sorted({r["C"] for r in runs}):
+        inside = [r for r in runs if r["C"] == C]
+        if len({r["mu_rec"] for r in inside}) < 3:
+            notes.append(f"budget C={C:.3g} has {len(inside)} finished runs; its parabola needs 3 values of mu_rec")
+            continue
+        opt = parabola_optimum([r["mu_rec"] for r in inside], [r["loss"] for r in inside],
+                               [r["trained_tokens"] for r in inside])
+        fixed = [r["loss"] for r in inside if r["mu_rec"] == 1]
+        looped = min((r for r in inside if r["mu_rec"] > 1), key=lambda r: r["loss"], default=None)
+        opt["fixed_depth_loss"] = fixed[0] if fixed else None
+        opt["best_looped"] = None if looped is None else dict(mu_rec=looped["mu_rec"], loss=looped["loss"])
+        budgets[C] = opt
+    return budgets
+
+
+def fit_power_laws(budgets, notes):
+    """g_mu and g_D on every budget; then, on all but the largest, the error predicting the largest (paper §5.2)."""
+    C = sorted(budgets)
+    if len(C) < 2:
+        notes.append(f"{len(C)} budget(s) with a parabola; the power laws need 2 (the extrapolation test 3)")
+        return None
+    out = {}
+    for key, label in (("mu_star", "mu_rec"), ("D_star", "D")):
+        k, g = power_law(C, [budgets[c][key] for c in C])
+        out[label] = dict(k=k, exponent=g)
+        if len(C) >= 3:
+            k, g = power_law(C[:-1], [budgets[c][key] for c in C[:-1]])
+            predicted, observed = k * C[-1] ** g, budgets[C[-1]][key]
+            out[label]["held_out"] = dict(C=C[-1], k=k, exponent=g, predicted=predicted, observed=observed,
+                                          relative_error=abs(predicted - observed) / observed)
+    return out
+
+
+def fit_unified_law(runs, notes):
+    """Fitted on the looped runs (the law's exp(-z T / mu) describes depth-sampled training) of every budget but the
+    largest, at every T; the largest budget's runs are the held-out models."""
+    looped = [r for r in runs if r["mu_rec"] > 1 and r["curve"]]
+    budgets = sorted({r["C"] for r in looped})
+    if len(budgets) < 2:
+        notes.append("the unified law needs looped runs with losses at every T in 2 budgets or more")
+        return None
+    rows = [(r["C"], r["mu_rec"], r["trained_tokens"], T, L) for r in looped for T, L in zip(*r["curve"].values())]
+    train, held = [row for row in rows if row[0] < budgets[-1]], [row for row in rows if row[0] == budgets[-1]]
+    params = fit_unified(*zip(*[row[1:] for row in train]))
+    error = lambda part: mean_relative_error(unified_predict(params, *zip(*[r[1:4] for r in part])),
+                                             [r[4] for r in part])
+    return dict(params=params, in_sample_error=error(train), held_out_error=error(held), held_out_C=budgets[-1],
+                points_in_sample=len(train), points_held_out=len(held))
+
 
 def fit(sweep):
-    raise NotImplementedError
+    notes = []
+    runs = collect(sweep, notes)
+    budgets = fit_budgets(runs, notes)
+    laws = fit_power_laws(budgets, notes)
+    unified = fit_unified_law(runs, notes)
+    out_dir = get_base_dir() / "scaling" / sweep["name"]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result = dict(sweep=sweep, runs=runs, budgets={f"{C:.3g}": b for C, b in budgets.items()}, power_laws=laws,
+                  unified=unified, notes=notes)
+    write_text(out_dir / "fit.json", json.dumps(result, indent=1))
+    print_report(runs, budgets, laws, unified, notes)
+    figures = draw(runs, budgets, laws, unified, out_dir)
+    print(f"\nwrote {out_dir / 'fit.json'} and {', '.join(str(f) for f in figures)}")
+    return result
+
+
+def print_report(runs, budgets, laws, unified, notes):
+    print("| budget C (FLOPs) | mu_rec | tokens | final val loss at T = mu_rec |")
+    print("|---|---|---|---|")
+    for r in runs:
+        print(f"| {r['C']:.3g} | {r['mu_rec']} | {r['trained_tokens']:,} | {r['loss']:.4f} |")
+    print("\n| budget C | mu_rec* | D* | L* | vertex inside the sampled mu_rec | loss at mu_rec = 1 | best looped |")
+    print("|---|---|---|---|---|---|---|")
+    for C, b in budgets.items():
+        looped = b["best_looped"]
+        fixed = "-" if b["fixed_depth_loss"] is None else f"{b['fixed_depth_loss']:.4f}"
+        best = "-" if looped is None else f"{looped['loss']:.4f} (mu_rec {looped['mu_rec']})"
+        print(f"| {C:.3g} | {b['mu_star']:.2f} | {b['D_star']:,.0f} | {b['L_star']:.4f} | "
+              f"{'yes' if b['vertex_inside'] else 'no'} | {fixed} | {best} |")
+    if laws:
+        print()
+        for label, law in laws.items():
+            line = f"{label}* = {law['k']:.3g} C^{law['exponent']:.3f} (paper: {0.40 if label == 'mu_rec' else 0.78})"
+            if "held_out" in law:
+                h = law["held_out"]
+                line += (f"; fitted without C={h['C']:.3g} (exponent {h['exponent']:.3f}) it predicts "
+                         f"{h['predicted']:,.3g} there against {h['observed']:,.3g}: error {h['relative_error']:.1%}")
+            print(line)
+    if unified:
+        p = unified["params"]
+        print(f"\nunified law: L = {p['E']:.3f} + {p['X']:.3g} mu^-{p['x']:.3f} + {p['Y']:.3g} D^-{p['y']:.3f} + "
+              f"{p['Z']:.3g} exp(-{p['z']:.3f} T/mu); mean relative error {unified['in_sample_error']:.2%} in sample "
+              f"({unified['points_in_sample']} points), {unified['held_out_error']:.2%} on the held-out budget "
+              f"C={unified['held_out_C']:.3g} ({unified['points_held_out']} points; paper: 0.85-1.31%)")
+    for note in notes:
+        print(f"note: {note}")
+
+
+# -----------------------------------------------------------------------------
+# Figures (matplotlib, Agg: no display needed)
+
+def draw(runs, budgets, laws, unified, out_dir):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    paths = []
+
+    def save(fig, name):
+        path = out_dir / name
+        fig.tight_layout()
+        fig.savefig(path.with_name(name + ".tmp.png"), dpi=110)
+        os.replace(path.with_name(name + ".tmp.png"), path)
+        plt.close(fig)
+        paths.append(path)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for i, C in enumerate(sorted({r["C"] for r in runs})):
+        inside = sorted((r for r in runs if r["C"] == C), key=lambda r: r["mu_rec"])
+        ax.plot([r["mu_rec"] for r in inside], [r["loss"] for r in inside], "o", color=colors[i % 10],
+                label=f"C = {C:.3g}")
+        if C in budgets:
+            grid = np.linspace(math.log(inside[0]["mu_rec"]), math.log(inside[-1]["mu_rec"]), 100)
+            ax.plot(np.exp(grid), np.polyval(budgets[C]["parabola"], grid), "-", color=colors[i % 10])
+            ax.plot(budgets[C]["mu_star"], budgets[C]["L_star"], "*", color=colors[i % 10], markersize=12)
+    ax.set(xscale="log", xlabel="mu_rec", ylabel="final val loss at T = mu_rec (nats)", title="isoFLOP curves")
+    ax.legend()
+    save(fig, "isoflop.png")
+
+    if laws:
+        fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+        C = np.array(sorted(budgets))
+        for ax, (label, key) in zip(axes, (("mu_rec", "mu_star"), ("D", "D_star"))):
+            ax.plot(C, [budgets[c][key] for c in C], "o", color="black")
+            ax.plot(C, laws[label]["k"] * C ** laws[label]["exponent"], "-",
+                    label=f"all budgets: C^{laws[label]['exponent']:.2f}")
+            if "held_out" in laws[label]:
+                h = laws[label]["held_out"]
+                ax.plot(C, h["k"] * C ** h["exponent"], "--", label=f"without the largest: C^{h['exponent']:.2f}")
+            ax.set(xscale="log", yscale="log", xlabel="training FLOPs C", ylabel=f"{label}*")
+            ax.legend(fontsize=8)
+        save(fig, "optimal.png")
+
+    if unified:
+        looped = [r for r in runs if r["mu_rec"] > 1 and r["curve"]]
+        fig, axes = plt.subplots(1, len({r["C"] for r in looped}), figsize=(4 * len({r["C"] for r in looped}), 3.6),
+                                 squeeze=False)
+        for ax, C in zip(axes[0], sorted({r["C"] for r in looped})):
+            for i, r in enumerate(r for r in looped if r["C"] == C):
+                T = np.array(r["curve"]["T"], float)
+                ax.plot(T, r["curve"]["loss"], "o", color=colors[i % 10], markersize=4, label=f"mu_rec {r['mu_rec']}")
+                grid = np.linspace(T.min(), T.max(), 100)
+                ax.plot(grid, unified_predict(unified["params"], r["mu_rec"], r["trained_tokens"], grid), "-",
+                        color=colors[i % 10])
+            held = " (held out)" if C == unified["held_out_C"] else ""
+            ax.set(xlabel="test-time recurrence T", ylabel="val loss (nats)", title=f"C = {C:.3g}{held}")
+            ax.legend(fontsize=8)
+        save(fig, "test_time.png")
+
+    if budgets:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        C = sorted(c for c in budgets if budgets[c]["fixed_depth_loss"] is not None and budgets[c]["best_looped"])
+        ax.plot(C, [budgets[c]["fixed_depth_loss"] for c in C], "o-", label="fixed depth (mu_rec = 1)")
+        ax.plot(C, [budgets[c]["best_looped"]["loss"] for c in C], "s-", label="best looped (mu_rec > 1)")
+        ax.set(xscale="log", xlabel="training FLOPs C", ylabel="final val loss (nats)", title="looped frontier")
+        ax.legend()
+        save(fig, "frontier.png")
+    return paths
 
 
 # -----------------------------------------------------------------------------
