@@ -346,8 +346,10 @@ def fit_unified_law(runs, notes):
     rows = [(r["C"], r["mu_rec"], r["trained_tokens"], T, L) for r in looped for T, L in zip(*r["curve"].values())]
     train, held = [row for row in rows if row[0] < budgets[-1]], [row for row in rows if row[0] == budgets[-1]]
     params = fit_unified(*zip(*[row[1:] for row in train]))
-    error = lambda part: mean_relative_error(unified_predict(params, *zip(*[r[1:4] for r in part])),
-                                             [r[4] for r in part])
+
+    def error(part):
+        return mean_relative_error(unified_predict(params, *zip(*[r[1:4] for r in part])), [r[4] for r in part])
+
     return dict(params=params, in_sample_error=error(train), held_out_error=error(held), held_out_C=budgets[-1],
                 points_in_sample=len(train), points_held_out=len(held))
 
@@ -428,7 +430,10 @@ def draw(runs, budgets, laws, unified, out_dir):
             grid = np.linspace(math.log(inside[0]["mu_rec"]), math.log(inside[-1]["mu_rec"]), 100)
             ax.plot(np.exp(grid), np.polyval(budgets[C]["parabola"], grid), "-", color=colors[i % 10])
             ax.plot(budgets[C]["mu_star"], budgets[C]["L_star"], "*", color=colors[i % 10], markersize=12)
+    mus = sorted({r["mu_rec"] for r in runs})
     ax.set(xscale="log", xlabel="mu_rec", ylabel="final val loss at T = mu_rec (nats)", title="isoFLOP curves")
+    ax.set_xticks(mus, [str(m) for m in mus])
+    ax.minorticks_off()
     ax.legend()
     save(fig, "isoflop.png")
 

@@ -3,7 +3,6 @@ back C, a killed sweep resumes without retraining finished points, fit survives 
 
 import json
 import math
-import os
 import random
 import subprocess
 import sys
