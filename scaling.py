@@ -55,8 +55,9 @@ def make_sweep(args):
     if args.preset:
         sweep = dict(PRESETS[args.preset], name=args.preset)
     else:
-        sweep = dict(depth=args.depth, flops=None, mu_rec=None, T=list(range(1, 11)), model=dict(PAPER_MODEL),
-                     batch=PAPER_BATCH, train_args=[], eval_args=[], name=f"d{args.depth}")
+        sweep = dict(depth=args.depth or 6, flops=None, mu_rec=None, T=[1, 2, 3, 4, 6, 8, 12, 16, 20, 24],
+                     model=dict(PAPER_MODEL), batch=PAPER_BATCH, train_args=[], eval_args=[],
+                     name=f"d{args.depth or 6}")
     for key in ("flops", "mu_rec", "T", "depth"):
         if getattr(args, key, None) is not None:
             sweep[key] = getattr(args, key)
@@ -495,7 +496,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=["plan", "run", "fit"])
     parser.add_argument("--preset", choices=sorted(PRESETS), help="a ready sweep: cpu = the CPU micro study")
-    parser.add_argument("--depth", type=int, default=6, help="model size (train.py --depth)")
+    parser.add_argument("--depth", type=int, help="model size (train.py --depth; default 6, the 140M)")
     parser.add_argument("--flops", type=lambda s: parse_list(s, float, "--flops"), help="budgets C, e.g. 1e18,3e18")
     parser.add_argument("--mu_rec", type=lambda s: parse_list(s, int, "--mu_rec"), help="e.g. 1,2,4,8")
     parser.add_argument("--T", type=lambda s: parse_list(s, int, "--T"), help="test-time depths of the unified fit")
@@ -503,10 +504,6 @@ def main(argv=None):
     parser.add_argument("--gpus", type=int, default=None,
                         help="processes per point (default: every GPU here for run, 8 for plan's commands)")
     args = parser.parse_args(argv)
-    if args.preset and args.depth != 6 and args.depth != PRESETS[args.preset]["depth"]:
-        fail(f"--preset={args.preset} fixes the model; drop --depth or the preset")
-    if args.preset:
-        args.depth = None
     sweep = make_sweep(args)
     if args.command == "plan":
         plan(sweep, 8 if args.gpus is None else args.gpus)
