@@ -78,9 +78,9 @@ def test_plan_tokens_times_flops_per_token_give_back_the_budget(capsys, tmp_path
     for row, command in zip(rows, commands):
         C, mu, fpt, tokens, steps = (float(cell.replace(",", "")) for cell in row.strip("|").split("|")[:5])
         assert f"--mu_rec={int(mu)} " in command and f"--target_flops={C:g}" in command
-        assert abs(tokens * fpt - C) <= fpt  # tokens printed to the unit
         params, exact_fpt = scaling.model_size(dict(depth=6, model=scaling.PAPER_MODEL), int(mu))
-        assert abs(fpt - exact_fpt) / exact_fpt < 1e-4
+        assert abs(fpt - exact_fpt) / exact_fpt < 1e-4  # printed to 5 significant digits
+        assert abs(tokens * exact_fpt - C) <= exact_fpt  # tokens printed to the unit
         trained = steps * scaling.PAPER_BATCH * exact_fpt
         assert C - scaling.PAPER_BATCH * exact_fpt < trained <= C  # within one step's tokens
 
