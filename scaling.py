@@ -338,21 +338,26 @@ def fit_power_laws(budgets, notes):
 
 def fit_unified_law(runs, notes):
     """Fitted on the looped runs (the law's exp(-z T / mu) describes depth-sampled training) of every budget but the
-    largest, at every T; the largest budget's runs are the held-out models."""
+    largest, at every T; the largest budget's runs are the held-out models. With one budget there is nothing to
+    hold out, and D moves with mu_rec alone, so the fit describes the curves but does not separate x from y."""
     looped = [r for r in runs if r["mu_rec"] > 1 and r["curve"]]
     budgets = sorted({r["C"] for r in looped})
-    if len(budgets) < 2:
-        notes.append("the unified law needs looped runs with losses at every T in 2 budgets or more")
+    if len(looped) < 2:
+        notes.append("the unified law needs 2 looped runs or more with losses at every T")
         return None
+    if len(budgets) == 1:
+        notes.append(f"looped runs in one budget only (C={budgets[0]:.3g}): the unified law is fitted in sample, "
+                     f"nothing is held out, and its x and y are not identifiable")
     rows = [(r["C"], r["mu_rec"], r["trained_tokens"], T, L) for r in looped for T, L in zip(*r["curve"].values())]
-    train, held = [row for row in rows if row[0] < budgets[-1]], [row for row in rows if row[0] == budgets[-1]]
+    held_C = budgets[-1] if len(budgets) > 1 else None
+    train, held = [row for row in rows if row[0] != held_C], [row for row in rows if row[0] == held_C]
     params = fit_unified(*zip(*[row[1:] for row in train]))
 
     def error(part):
         return mean_relative_error(unified_predict(params, *zip(*[r[1:4] for r in part])), [r[4] for r in part])
 
-    return dict(params=params, in_sample_error=error(train), held_out_error=error(held), held_out_C=budgets[-1],
-                points_in_sample=len(train), points_held_out=len(held))
+    return dict(params=params, in_sample_error=error(train), held_out_error=error(held) if held else None,
+                held_out_C=held_C, points_in_sample=len(train), points_held_out=len(held))
 
 
 def fit(sweep):
@@ -398,8 +403,9 @@ def print_report(runs, budgets, laws, unified, notes):
         p = unified["params"]
         print(f"\nunified law: L = {p['E']:.3f} + {p['X']:.3g} mu^-{p['x']:.3f} + {p['Y']:.3g} D^-{p['y']:.3f} + "
               f"{p['Z']:.3g} exp(-{p['z']:.3f} T/mu); mean relative error {unified['in_sample_error']:.2%} in sample "
-              f"({unified['points_in_sample']} points), {unified['held_out_error']:.2%} on the held-out budget "
-              f"C={unified['held_out_C']:.3g} ({unified['points_held_out']} points; paper: 0.85-1.31%)")
+              f"({unified['points_in_sample']} points)" + ("" if unified["held_out_C"] is None else
+              f", {unified['held_out_error']:.2%} on the held-out budget C={unified['held_out_C']:.3g} "
+              f"({unified['points_held_out']} points; paper: 0.85-1.31%)"))
     for note in notes:
         print(f"note: {note}")
 
