@@ -197,7 +197,7 @@ def run(sweep, gpus):
                 continue
         else:
             print(f"{where}: done, skipped", flush=True)
-        if ensure_bpb(sweep, p) is None:
+        if p["mu_rec"] > 1 and ensure_bpb(sweep, p) is None:
             print(f"{where}: eval_core.py failed, see {run_dir(p) / 'eval.log'}", flush=True)
 
 
@@ -293,8 +293,8 @@ def collect(sweep, notes):
         if not math.isfinite(loss):
             notes.append(f"run {p['name']} diverged (val loss {loss} at T={p['mu_rec']}); left out of the fits")
             continue
-        bpb = ensure_bpb(sweep, p)
-        if bpb is None:
+        bpb = ensure_bpb(sweep, p) if p["mu_rec"] > 1 else None  # fixed-depth runs are not in the unified law
+        if bpb is None and p["mu_rec"] > 1:
             notes.append(f"run {p['name']} has no loss at T={sweep['T']} ({run_dir(p) / 'eval.log'}); "
                          f"left out of the unified law")
         done.append(dict(p, loss=loss, curve=None if bpb is None else dict(T=bpb["T"], loss=bpb["loss"])))
