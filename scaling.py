@@ -382,8 +382,9 @@ def print_report(runs, budgets, laws, unified, notes):
     print("|---|---|---|---|")
     for r in runs:
         print(f"| {r['C']:.3g} | {r['mu_rec']} | {r['trained_tokens']:,} | {r['loss']:.4f} |")
-    print("\n| budget C | mu_rec* | D* | L* | vertex inside the sampled mu_rec | loss at mu_rec = 1 | best looped |")
-    print("|---|---|---|---|---|---|---|")
+    if budgets:
+        print("\n| budget C | mu_rec* | D* | L* | vertex inside the sampled mu_rec | loss at mu_rec = 1 | best looped |")
+        print("|---|---|---|---|---|---|---|")
     for C, b in budgets.items():
         looped = b["best_looped"]
         fixed = "-" if b["fixed_depth_loss"] is None else f"{b['fixed_depth_loss']:.4f}"
