@@ -383,7 +383,7 @@ def print_report(runs, budgets, laws, unified, notes):
     for r in runs:
         print(f"| {r['C']:.3g} | {r['mu_rec']} | {r['trained_tokens']:,} | {r['loss']:.4f} |")
     if budgets:
-        print("\n| budget C | mu_rec* | D* | L* | vertex inside the sampled mu_rec | loss at mu_rec = 1 | best looped |")
+        print("\n| budget C | mu_rec* | D* | L* | vertex inside sampled mu_rec | loss at mu_rec = 1 | best looped |")
         print("|---|---|---|---|---|---|---|")
     for C, b in budgets.items():
         looped = b["best_looped"]
