@@ -204,7 +204,7 @@ def run(sweep, gpus):
 # -----------------------------------------------------------------------------
 # The fitters: parabolas, power laws and the unified law, in numpy and torch
 
-HUBER_DELTA = 1e-3  # on log-loss residuals, as in Chinchilla's fits (Hoffmann et al. 2022, App. D.2)
+HUBER_DELTA = 1e-3  # on log-loss residuals, as in Chinchilla's fits (Hoffmann et al. 2022, §3.3)
 
 
 def parabola_optimum(mu_rec, losses, tokens):
@@ -225,9 +225,6 @@ def power_law(C, y):
     return math.exp(log_k), g
 
 
-UNIFIED_NAMES = ("E", "X", "x", "Y", "y", "Z", "z")
-
-
 def unified_log_terms(theta, mu, D, T):
     """Paper §5.3, App. L: L(T | mu, D) = E + X mu^-x + Y D^-y + Z exp(-z T / mu), every term positive, so
     ln L = logsumexp of four log-terms (Chinchilla's parametrisation: theta = ln E, ln X, x, ln Y, y, ln Z, z)."""
@@ -235,8 +232,8 @@ def unified_log_terms(theta, mu, D, T):
     return torch.stack([e.expand_as(mu), lx - x * mu.log(), ly - y * D.log(), lz - z * T / mu])
 
 
-def unified_predict(params, mu, D, T):
-    p = params
+def unified_predict(p, mu, D, T):
+    """The unified law at (mu, D, T) for fitted parameters p (a dict)."""
     mu, D, T = (np.asarray(v, float) for v in (mu, D, T))
     return p["E"] + p["X"] * mu ** -p["x"] + p["Y"] * D ** -p["y"] + p["Z"] * np.exp(-p["z"] * T / mu)
 
