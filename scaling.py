@@ -141,7 +141,8 @@ def write_text(path, text):
 
 
 # -----------------------------------------------------------------------------
-# Run: one point after another; finished points are skipped, a killed one resumes through train.py --resume
+# Run: one point after another (finished ones skipped, a killed one resumed by train.py --resume), then the
+# looped runs' losses at every T
 
 def run_dir(point):
     return get_base_dir() / "runs" / point["name"]
@@ -194,11 +195,11 @@ def run(sweep, gpus):
             cmd = launcher(gpus) + ["train.py"] + train_flags(sweep, p) + (["--resume"] if resume else [])
             if run_logged(cmd, run_dir(p) / "train.log") != 0 or final_eval(p) is None:
                 print(f"{where}: train.py failed, see {run_dir(p) / 'train.log'}; going on", flush=True)
-                continue
         else:
             print(f"{where}: done, skipped", flush=True)
-        if p["mu_rec"] > 1 and ensure_bpb(sweep, p) is None:
-            print(f"{where}: eval_core.py failed, see {run_dir(p) / 'eval.log'}", flush=True)
+    for p in rows:  # then the losses at every T, which only the unified law needs
+        if p["mu_rec"] > 1 and final_eval(p) is not None and ensure_bpb(sweep, p) is None:
+            print(f"{p['name']}: eval_core.py failed, see {run_dir(p) / 'eval.log'}", flush=True)
 
 
 # -----------------------------------------------------------------------------
