@@ -85,16 +85,18 @@ def decode_step(model, idx, cache, h0, T, exit=None, threshold=0.0):
     """
     e, (ves, cos, sin) = model.run_prelude(idx, cache)
     A_bar = model.discretized_A()[0] if model.config.injection == "diagonal" else None  # once, not per step
+    if exit is None:
+        h = h0.to(e.dtype)
+        for step in range(T):
+            h = model.recur_step(h, e, step, ves, cos, sin, cache, A_bar)
+        return model.run_coda(h, ves, cos, sin, cache), torch.full((idx.size(0),), T, device=idx.device)
     done = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
     steps = torch.zeros(idx.size(0), dtype=torch.long, device=idx.device)
-    h, logits, prev_logp = h0.to(e.dtype), None, None
+    h, logits, prev_logp, n_done = h0.to(e.dtype), None, None, 0
     for step in range(T):
         u = model.recur_step(h, e, step, ves, cos, sin, cache, A_bar)
-        if exit is None:
-            h = u
-            continue
         settled = relative_change(u, h) < threshold if exit == "state" and step > 0 else done
-        h = torch.where(done[:, None, None], h, u)
+        h = torch.where(done[:, None, None], h, u) if n_done else u  # a stopped row's state stays put
         steps += ~done
         if exit == "kl":
             logits = model.run_coda(h, ves, cos, sin, cache)
@@ -103,11 +105,10 @@ def decode_step(model, idx, cache, h0, T, exit=None, threshold=0.0):
                 settled = (logp.exp() * (logp - prev_logp)).sum(dim=-1).clamp(min=0) < threshold
             prev_logp = logp
         done |= settled
-        if step < T - 1 and bool(done.all()):
+        n_done = int(done.sum())
+        if n_done == idx.size(0):
             break
-    if exit is None:
-        steps += T
-    elif cache is not None and bool((steps < T).any()):
+    if cache is not None and n_done:
         fill_skipped_steps(cache, steps, T, model.config.n_recur)
     return (model.run_coda(h, ves, cos, sin, cache) if logits is None else logits), steps
 
