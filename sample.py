@@ -166,10 +166,10 @@ class Decoder:
         cache_class = KVCache if use_cache is True else use_cache
         self.cache = cache_class(num_positions) if cache_class else None
         if self.cache is not None and self.length > 1:  # the prompt but its last token, which decodes like any
-            with torch.no_grad():
+            with torch.inference_mode():
                 model(idx[:, :-1], T=self.T, h0=self.h0[:, :self.length - 1], cache=self.cache)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def next_logits(self):
         """-> (logits (B, V) for the position after the last token, recurrent steps (B,) each row took)."""
         n, model, B = self.length, self.model, self.tokens.size(0)
