@@ -22,16 +22,17 @@ import sys
 import time
 from contextlib import nullcontext
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from common import peak_bf16_flops
+from common import find_checkpoint, get_base_dir, load_checkpoint, peak_bf16_flops
 from data import DataLoader, Tokenizer, iter_documents
 from eval_core import MC, Task, evaluate_task, initial_state_table
 from model import Parcae, ParcaeConfig, sample_depths
 from optim import build_optimizer
-from sample import generate
+from sample import EXIT_THRESHOLDS, EXITS, teacher_forced
 
 CUDA = torch.cuda.is_available()
 # Defaults: a small model on CPU (minutes on two cores), the 140M model (METHOD.md §1, depth 6) on CUDA
@@ -41,6 +42,7 @@ CUDA_SIZES = dict(depth=6, d_model=None, head_dim=128, vocab_size=32768, seq_len
 CPU_COMPILE_SIZES, CPU_COMPILE_BATCH = dict(depth=3, d_model=64, head_dim=32, vocab_size=512, seq_len=64), 4
 COMPILE_STEPS, COMPILE_CHUNK = 50, 10
 MICRO_BATCHES = (4, 8, 16, 32)
+DECODE_PROMPT = 16  # row 5: tokens of prompt before the decoded ones
 
 
 def log(message):
@@ -276,24 +278,119 @@ def row_memory(args, device, training):
              figures, f"max/min {spread:.2f}x", f"flat within 10%: {'met' if spread <= 1.10 else 'missed'}")]
 
 
+class ConcatKVCache:
+    """The KV cache before issue 17, the reference of row 5b: every new position concatenates, copying each
+    slot's whole cache (same interface as model.KVCache, without its fixed size)."""
+
+    def __init__(self, max_len=None):
+        self.slots, self.pos = {}, 0
+
+    def claim(self, length):
+        self.pos += length
+
+    def update(self, slot, k, v):
+        if slot in self.slots:
+            k_past, v_past = self.slots[slot]
+            k, v = torch.cat([k_past, k], dim=2), torch.cat([v_past, v], dim=2)
+        self.slots[slot] = (k, v)
+        return k, v
+
+
+def forward_per_token(model, ids, prompt_len, T, seed=0):
+    """Row 5b's "before": decoding as it was before issue 17, teacher-forced like sample.teacher_forced: the
+    prompt in one model() call into a ConcatKVCache, then model() on each position. -> mean loss."""
+    generator = torch.Generator(ids.device).manual_seed(seed)
+    h0 = model.initial_state((1, ids.size(1), model.config.d_model), ids.device, torch.float32, generator)
+    cache, losses = ConcatKVCache(), []
+    with torch.no_grad():
+        logits = model(ids[:, :prompt_len], T=T, h0=h0[:, :prompt_len], cache=cache)
+        for p in range(prompt_len, ids.size(1)):
+            losses.append(F.cross_entropy(logits[:, -1].float(), ids[:, p]))
+            logits = model(ids[:, p:p + 1], T=T, h0=h0[:, p:p + 1], cache=cache)
+    return torch.stack(losses).mean().item()
+
+
+def stdlib_tokens(tokenizer, length, device):
+    """(1, length) ids of the stdlib's validation split, documents joined by BOS: text every machine has."""
+    ids = []
+    for document in iter_documents("stdlib", "val"):
+        ids += tokenizer.encode(document, prepend_bos=True)
+        if len(ids) >= length:
+            return torch.tensor([ids[:length]], device=device)
+    raise ValueError(f"the stdlib's validation split has fewer than {length} tokens; lower max_new_tokens")
+
+
+def decoding_rows(model, ids, prompt_len, T=None, exit_threshold=None, repeats=3, number="5"):
+    """Teacher-forced decoding of ids[:, prompt_len:] (sample.teacher_forced), timed side by side: fixed T
+    (default mu_rec), T_max = 2 mu_rec, --T=auto with either exit test; then the KV cache against the old
+    concatenating one and full recomputation, at T. -> two table rows (tokens/s, loss, steps per token)."""
+    c = model.config
+    T, T_max, new = T or c.mu_rec, 2 * c.mu_rec, ids.size(1) - prompt_len
+    modes = {f"T={T}": dict(T=T), f"recompute T={T}": dict(T=T, use_cache=False)}
+    if c.injection != "none":
+        threshold = {exit: exit_threshold or EXIT_THRESHOLDS[exit] for exit in EXITS}
+        modes.update({f"T={T_max}": dict(T=T_max), **{
+            f"auto ({exit} < {threshold[exit]:g})": dict(T="auto", exit=exit, exit_threshold=threshold[exit])
+            for exit in EXITS}})
+    results = {}
+
+    def run(name, length):
+        if name == "before":
+            results[name] = (forward_per_token(model, ids[:, :length], prompt_len, T), T)
+        else:
+            results[name] = teacher_forced(model, ids[:, :length], prompt_len, **modes[name])
+
+    for name in [*modes, "before"]:
+        run(name, prompt_len + min(8, new))  # warm-up: the first calls of every kernel are slow
+    log(f"decoding: {new} tokens after a {prompt_len}-token prompt, {', '.join(modes)}, before")
+    seconds = median_seconds({name: lambda name=name: run(name, ids.size(1)) for name in [*modes, "before"]},
+                             repeats, warmup=0)
+    rate = {name: new / s for name, s in seconds.items()}
+
+    def cell(name):
+        loss, steps = results[name]
+        return f"{name}: {rate[name]:.1f} tok/s, loss {loss:.4f}, {steps:.2f} steps/token"
+
+    what = f"(sample.teacher_forced, {new} tokens after a {prompt_len}-token prompt)"
+    cache_row = (f"{number}b", f"KV cache at T={T} {what}: preallocated vs decoding before issue 17 (model() per "
+                 "token, concatenating cache) vs full recomputation",
+                 f"{cell(f'T={T}')}; {cell('before')}; {cell(f'recompute T={T}')}",
+                 f"{rate[f'T={T}'] / rate['before']:.2f}x before, {rate[f'T={T}'] / rate[f'recompute T={T}']:.2f}x "
+                 "recompute", f">= 1.5x before: {'met' if rate[f'T={T}'] >= 1.5 * rate['before'] else 'missed'}")
+    if c.injection == "none":
+        return [cache_row]
+    auto = next(name for name in modes if name.startswith("auto (state"))
+    steps_saved = 1 - results[auto][1] / T_max
+    time_saved = 1 - rate[f"T={T_max}"] / rate[auto]
+    loss_up = results[auto][0] / results[f"T={T}"][0] - 1
+    met = time_saved >= steps_saved - 0.2 and loss_up <= 0.005
+    depth_row = (f"{number}a", f"decoding depth {what}: fixed T = mu_rec and 2 mu_rec, --T=auto (state, the "
+                 "default; KL)", "; ".join(cell(name) for name in modes if "recompute" not in name),
+                 f"auto (state) vs T={T_max}: time -{time_saved:.0%}, steps -{steps_saved:.0%}; loss vs T={T} "
+                 f"{loss_up:+.2%}", f"time saved >= steps saved - 20%, loss <= +0.5%: {'met' if met else 'missed'}")
+    return [depth_row, cache_row]
+
+
 def row_decode(args, device, training):
-    config = model_config(args)
-    torch.manual_seed(0)
-    model = Parcae(config).to(device).eval()
-    prompt_len, new_tokens, T = 32, 32, 8
-    prompt = torch.randint(0, config.vocab_size, (1, prompt_len), device=device)
-
-    def decode(use_cache):
-        with autocast():
-            for _ in generate(model, prompt, new_tokens, T=T, temperature=0, use_cache=use_cache):
-                pass
-
-    log(f"decoding: {new_tokens} tokens after a {prompt_len}-token prompt, T={T}")
-    seconds = median_seconds({"cache": lambda: decode(True), "recompute": lambda: decode(False)}, args.repeats)
-    cached, full = new_tokens / seconds["cache"], new_tokens / seconds["recompute"]
-    return [("5", f"decoding at T={T} (sample.generate, greedy, {prompt_len}-token prompt, {new_tokens} new): "
-             "KV cache vs full recomputation", f"cache {cached:.1f} tok/s; recompute {full:.1f} tok/s",
-             f"{cached / full:.2f}x", "")]
+    """Row 5 on a trained checkpoint (--ckpt, else the newest under the base dir) and the stdlib's text; on
+    an untrained model of the bench's size and random tokens when there is none."""
+    try:
+        path = Path(args.ckpt) if args.ckpt else find_checkpoint(get_base_dir() / "runs")
+        model, ckpt = load_checkpoint(path, device)
+        tokenizer = Tokenizer.load(ckpt["tokenizer_dir"])
+        ids = stdlib_tokens(tokenizer, DECODE_PROMPT + args.new_tokens, device)
+        where = f"checkpoint {path.parent.name}/{path.name}"
+    except (FileNotFoundError, KeyError) as err:
+        if args.ckpt:
+            raise SystemExit(f"bench.py: {err}") from None
+        torch.manual_seed(0)
+        model = Parcae(model_config(args)).to(device).eval()
+        ids = torch.randint(0, model.config.vocab_size, (1, DECODE_PROMPT + args.new_tokens), device=device)
+        where = "an untrained model (no checkpoint found)"
+    log(f"decoding with {where}")
+    with autocast():
+        rows = decoding_rows(model, ids, DECODE_PROMPT, repeats=args.repeats)
+    return [(number, f"{what}, {where}", *rest) for number, what, *rest in rows]
 
 
 def synthetic_task(num_items, seed=0):
@@ -444,6 +541,9 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, help="training steps per timed repeat")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats; each figure is their median")
     parser.add_argument("--mu_rec", type=int, default=8)
+    parser.add_argument("--ckpt", help="row 5 decodes with this checkpoint (default: the newest under the base dir, "
+                                       "else an untrained model)")
+    parser.add_argument("--new_tokens", type=int, default=256, help="row 5: tokens decoded")
     args = parser.parse_args(argv)
     width_from_depth = args.depth is not None  # --depth alone takes METHOD.md §1's width for that depth
     for name, value in (CUDA_SIZES if CUDA else CPU_SIZES).items():
@@ -453,8 +553,8 @@ def main(argv=None):
         config = model_config(args)
     except ValueError as err:
         parser.error(str(err))
-    if min(args.steps, args.repeats, args.batch_size, args.seq_len) < 1:
-        parser.error("--steps, --repeats, --batch_size and --seq_len must be at least 1")
+    if min(args.steps, args.repeats, args.batch_size, args.seq_len, args.new_tokens) < 1:
+        parser.error("--steps, --repeats, --batch_size, --seq_len and --new_tokens must be at least 1")
     args.d_model = config.d_model
     device = torch.device("cuda" if CUDA else "cpu")
     if CUDA:
@@ -472,9 +572,13 @@ def main(argv=None):
           f"{config.n_coda}), d_model {config.d_model}, vocab {config.vocab_size}, {args.batch_size} x {args.seq_len} "
           f"tokens per step, mu_rec {config.mu_rec}, mu_bwd {config.mu_bwd}; medians of {args.repeats} repeats "
           f"after a warm-up\n")
-    print(f"| # | measured on {device_name(device)} | result | ratio | target |")
+    print_table(table, f"measured on {device_name(device)}")
+
+
+def print_table(rows, what):
+    print(f"| # | {what} | result | ratio | target |")
     print("|---|---|---|---|---|")
-    for cells in table:
+    for cells in rows:
         print("| " + " | ".join(cells) + " |")
 
 

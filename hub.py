@@ -17,6 +17,7 @@ import json
 import os
 import re
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -368,6 +369,21 @@ def tokenizer_from_json(path, bos_token=None):
     return Tokenizer.from_ranks(ranks, pattern, specials, bos, name=Path(path).parent.name or "authors")
 
 
+def known_ids(tokenizer, vocab_size):
+    """(vocab_size,) bool mask of the ids `tokenizer` can decode, or None when it has them all. A model whose
+    vocabulary is larger than its tokenizer's (a checkpoint folder tried with a smaller tokenizer.json) must
+    never sample the others: tiktoken cannot decode them. Warns, naming both sizes, when it masks."""
+    enc = tokenizer.enc
+    ids = [i for i in (*enc._mergeable_ranks.values(), *enc._special_tokens.values()) if i < vocab_size]
+    known = torch.zeros(vocab_size, dtype=torch.bool)
+    known[ids] = True
+    if bool(known.all()):
+        return None
+    warnings.warn(f"the model has {vocab_size} token ids, its tokenizer {len(ids)}: the "
+                  f"{vocab_size - len(ids)} ids the tokenizer lacks are never sampled")
+    return known
+
+
 # -----------------------------------------------------------------------------
 # Everything together
 
@@ -406,6 +422,8 @@ if __name__ == "__main__":
           f"mu_rec={c.mu_rec} params={model.num_params():,} vocab={tokenizer.vocab_size} "
           f"rho(Abar)={model.spectral_radius()}")
     ids = tokenizer.encode("The capital of France is", prepend_bos=True)
+    allowed = known_ids(tokenizer, c.vocab_size)
     with torch.no_grad():
-        logits = model(torch.tensor([ids]))
-    print("next token after 'The capital of France is':", repr(tokenizer.decode([int(logits[0, -1].argmax())])))
+        logits = model(torch.tensor([ids]))[0, -1]
+    logits = logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))
+    print("next token after 'The capital of France is':", repr(tokenizer.decode([int(logits.argmax())])))

@@ -171,18 +171,37 @@ def apply_rotary(x, cos, sin):
 
 class KVCache:
     """Keys and values for decoding, one slot per attention call site: a prelude or coda layer, or a
-    recurrent layer at one loop step (METHOD.md §1 loops the same weights, but each step sees other inputs)."""
+    recurrent layer at one loop step (METHOD.md §1 loops the same weights, but each step sees other inputs).
 
-    def __init__(self):
-        self.slots = {}  # slot -> (k, v), each (B, H, S_past, D)
-        self.pos = 0  # number of positions already cached
+    Each slot is one buffer per keys and values, (B, H, max_len, D), allocated at its first write and
+    written in place: a new position never copies what is cached (nanochat's engine does the same)."""
 
-    def extend(self, slot, k, v):
-        if slot in self.slots:
-            k_past, v_past = self.slots[slot]
-            k, v = torch.cat([k_past, k], dim=2), torch.cat([v_past, v], dim=2)
-        self.slots[slot] = (k, v)
-        return k, v
+    def __init__(self, max_len):
+        self.max_len = max_len
+        self.slots = {}  # slot -> (k, v) buffers, each (B, H, max_len, D)
+        self.pos = 0  # positions claimed so far, those of the forward under way included
+
+    def claim(self, length):
+        """The next forward's `length` positions (run_prelude calls it before any layer writes)."""
+        if self.pos + length > self.max_len:
+            raise ValueError(f"{self.pos + length} positions exceed the KV cache's {self.max_len}; "
+                             f"size the cache for the prompt plus every new token")
+        self.pos += length
+
+    def buffers(self, slot, like):
+        """The slot's (k, v) buffers, allocated like `like` (B, H, S, D) at the first call."""
+        if slot not in self.slots:
+            B, H, _, D = like.shape
+            self.slots[slot] = tuple(like.new_zeros(B, H, self.max_len, D) for _ in range(2))
+        return self.slots[slot]
+
+    def update(self, slot, k, v):
+        """Write the newest k.size(2) positions' keys and values; -> every cached position's, as views."""
+        k_buf, v_buf = self.buffers(slot, k)
+        start = self.pos - k.size(2)
+        k_buf[:, :, start:self.pos] = k
+        v_buf[:, :, start:self.pos] = v
+        return k_buf[:, :, :self.pos], v_buf[:, :, :self.pos]
 
 
 class Attention(nn.Module):
@@ -211,7 +230,7 @@ class Attention(nn.Module):
         k = rms_norm(apply_rotary(k, cos, sin), self.eps).transpose(1, 2)
         v = v.transpose(1, 2)
         if cache is not None:
-            k, v = cache.extend(slot, k, v)
+            k, v = cache.update(slot, k, v)
         S_kv = k.size(2)
         if S == S_kv:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -522,13 +541,13 @@ class Parcae(nn.Module):
         S = idx.size(1)
         if pos + S > self.rope_cos.size(1):
             raise ValueError(f"sequence of {pos + S} positions exceeds the RoPE table of {self.rope_cos.size(1)}")
+        if cache is not None:
+            cache.claim(S)
         ctx = Context({i: self.value_embeds[str(i)](idx) for i in self.ve_layers},
                       self.rope_cos[:, pos:pos + S], self.rope_sin[:, pos:pos + S])
         x = self.wte(idx)
         for i, block in enumerate(self.prelude):
             x = block(x, ctx.ves.get(i), ctx.cos, ctx.sin, cache, ("prelude", i))
-        if cache is not None:
-            cache.pos += S
         if self.injection is None:
             return x, ctx
         e = self.prelude_norm(x) if self.prelude_norm is not None else x

@@ -5,15 +5,19 @@ sample.py: text from a trained Parcae checkpoint, at any recurrence depth, strea
     python sample.py --run=d12 --T=auto --num_samples=3 --seed=7          # adaptive depth, three samples
     python sample.py                                                      # interactive when stdin is a terminal
     echo "def fibonacci(n):" | python sample.py --temperature=0           # the prompt from a pipe, greedy
-    python sample.py --benchmark --T=8                                    # tokens/s with and without the KV cache
+    python sample.py --benchmark                                          # tokens/s and loss: fixed T, auto, caches
 
 --T is any positive integer, independent of the mu_rec the model trained with (METHOD.md §3: test-time scaling);
 it defaults to mu_rec. The prompt is prefilled in one pass into a KV cache with a slot per prelude/coda
-layer and per (recurrent layer, loop step); each new token then costs one position per layer and step.
+layer and per (recurrent layer, loop step), each slot one buffer sized for prompt + max_new_tokens and
+written in place; each new token then costs one position per layer and step.
 
---T=auto (beyond the paper) stops each new token's recurrence once the next-token distribution settles:
-after step t >= 2, when KL(p_t || p_{t-1}) < --exit_threshold, or at --T_max. The cache slots of the steps a
-token skipped hold its last computed step's keys and values, so later tokens still see it at every depth.
+--T=auto (beyond the paper) stops each new token's recurrence once it settles, after step t >= 2 or at
+--T_max: by default when the state's relative change ||h_t - h_{t-1}|| / ||h_t|| falls under
+--exit_threshold, a test far cheaper than a step, so the coda and the head run once per token; with
+--exit=kl when KL(p_t || p_{t-1}) of successive predictions does, which runs the coda and head every step.
+The cache slots of the steps a token skipped hold its last computed step's keys and values, so later
+tokens still see it at every depth.
 
 Sample i uses its own generator, seeded --seed + i, for its h0 draws and its sampling: a sample does not
 depend on how many others are drawn, or on whether generate() runs them in one batch.
@@ -27,10 +31,11 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from common import find_checkpoint, get_base_dir, load_checkpoint
 from data import Tokenizer
-from hub import load_pretrained
+from hub import known_ids, load_pretrained
 from model import KVCache
 
 # -----------------------------------------------------------------------------
@@ -55,105 +60,171 @@ def draw_h0(model, length, generators, device):
     return torch.cat([model.initial_state((1, length, d), device, torch.float32, generator=g) for g in generators])
 
 # -----------------------------------------------------------------------------
-# Adaptive depth: one new position, its recurrence stopped when the prediction settles
+# One new position: the recurrence at a fixed depth, or stopped per row when it settles
 
-def adaptive_forward(model, idx, cache, h0, T_max, exit_threshold):
-    """idx (B, 1), the next position after `cache` -> (logits (B, 1, V), steps (B,)).
+EXITS = ("state", "kl")
+# --T=auto's default thresholds. "state": the relative change of the recurrent state; the aim is a teacher-forced
+# loss within 0.5% of fixed T = mu_rec (teacher_forced measures it). 0.05 is a first value, not yet calibrated
+# on a trained checkpoint.
+EXIT_THRESHOLDS = {"state": 0.05, "kl": 5e-4}
+BENCHMARK_PROMPT = 16  # --benchmark: tokens of prompt before the max_new_tokens decoded
 
-    Row r stops after step t >= 2 once KL(p_t || p_{t-1}) < exit_threshold (its state then stays put), or at
-    T_max. The coda reads each step's state through the cache but writes to it only at the last step, so
-    the coda's slots hold exactly one position per token, computed from each row's final state.
+
+def relative_change(new, old):
+    """||h_t - h_{t-1}|| / ||h_t|| of the newest position, per row: (B, S, d) twice -> (B,)."""
+    new, old = new[:, -1].float(), old[:, -1].float()
+    return (new - old).norm(dim=-1) / new.norm(dim=-1)
+
+
+def decode_step(model, idx, cache, h0, T, exit=None, threshold=0.0):
+    """idx (B, 1), the position after those in `cache` -> (logits (B, 1, V), steps (B,)), the coda run once.
+
+    With exit=None every row runs T recurrent steps. With exit="state" row r stops after step t >= 2 once
+    relative_change(h_t, h_{t-1}) < threshold: a test on the state alone, much cheaper than a step. With
+    exit="kl" it stops once KL(p_t || p_{t-1}) < threshold, which runs the coda and the head after every step.
+    A stopped row's state stays put while the others run on. Cached keys and values are written in place, so
+    the coda's slot, rewritten after every step under "kl", ends up holding each row's final state's.
     """
     e, (ves, cos, sin) = model.run_prelude(idx, cache)
+    A_bar = model.injection.state_weight()  # once per token, not per step
+    if exit is None:
+        h = h0.to(e.dtype)
+        for step in range(T):
+            h = model.recur_step(h, e, step, ves, cos, sin, cache, A_bar)
+        return model.run_coda(h, ves, cos, sin, cache), torch.full((idx.size(0),), T, device=idx.device)
     done = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
     steps = torch.zeros(idx.size(0), dtype=torch.long, device=idx.device)
-    h, prev_logp = h0.to(e.dtype), None
-    for step in range(T_max):
-        h = torch.where(done[:, None, None], h, model.recur_step(h, e, step, ves, cos, sin, cache))
+    h, logits, prev_logp, n_done = h0.to(e.dtype), None, None, 0
+    for step in range(T):
+        u = model.recur_step(h, e, step, ves, cos, sin, cache, A_bar)
+        settled = relative_change(u, h) < threshold if exit == "state" and step > 0 else done
+        h = torch.where(done[:, None, None], h, u) if n_done else u  # a stopped row's state stays put
         steps += ~done
-        slots_before_coda = dict(cache.slots)  # KVCache.extend never writes in place: this is a snapshot
-        logits = model.run_coda(h, ves, cos, sin, cache)
-        logp = logits[:, -1].log_softmax(dim=-1)
-        if prev_logp is not None:
-            kl = (logp.exp() * (logp - prev_logp)).sum(dim=-1).clamp(min=0)  # rounding can dip below 0
-            done |= kl < exit_threshold
-        prev_logp = logp
-        if bool(done.all()) or step == T_max - 1:
+        if exit == "kl":
+            logits = model.run_coda(h, ves, cos, sin, cache)
+            logp = logits[:, -1].log_softmax(dim=-1)
+            if prev_logp is not None:  # rounding can take the KL below 0: clamped, so threshold 0 never exits
+                settled = (logp.exp() * (logp - prev_logp)).sum(dim=-1).clamp(min=0) < threshold
+            prev_logp = logp
+        done |= settled
+        n_done = int(done.sum())
+        if n_done == idx.size(0):
             break
-        cache.slots = slots_before_coda
-    fill_skipped_steps(cache, steps, T_max, model.config.n_recur)
-    return logits, steps
+    if cache is not None and n_done:
+        fill_skipped_steps(cache, steps, T, model.config.n_recur)
+    return (model.run_coda(h, ves, cos, sin, cache) if logits is None else logits), steps
 
 
 def fill_skipped_steps(cache, steps, T_max, n_recur):
     """The newest position's recurrent slots at the steps a row skipped take its last computed step's keys
-    and values (steps (B,): the steps each row ran)."""
-    steps_per_row = steps.tolist()
-    ran = max(steps_per_row)
-    rows = torch.arange(len(steps_per_row), device=steps.device)
-    for i in range(n_recur):
-        computed = [cache.slots[("recur", s, i)] for s in range(ran)]
-        last_k = torch.stack([k[:, :, -1] for k, _ in computed])[steps - 1, rows]  # (B, H, D)
-        last_v = torch.stack([v[:, :, -1] for _, v in computed])[steps - 1, rows]
-        for s in range(T_max):
-            if s >= ran:  # no row ran this step: the slot has no entry for this position yet
-                cache.extend(("recur", s, i), last_k[:, :, None], last_v[:, :, None])
-            elif any(n <= s for n in steps_per_row):  # some rows ran it after they had stopped: overwrite
-                skipped = steps <= s
-                k, v = cache.slots[("recur", s, i)]
-                k[skipped, :, -1], v[skipped, :, -1] = last_k[skipped], last_v[skipped]
+    and values, so later tokens see it at every depth (steps (B,): the steps each row ran)."""
+    p = cache.pos - 1
+    for r, ran in enumerate(steps.tolist()):
+        for i in range(n_recur):
+            last_k, last_v = (buf[r:r + 1, :, p:p + 1] for buf in cache.slots[("recur", ran - 1, i)])
+            for s in range(ran, T_max):
+                k, v = cache.buffers(("recur", s, i), last_k)
+                k[r, :, p], v[r, :, p] = last_k[0, :, 0], last_v[0, :, 0]
 
 # -----------------------------------------------------------------------------
-# Generation
+# Decoding: the prompt prefilled, then one position at a time
 
-@torch.no_grad()
-def generate(model, tokens, max_new_tokens, T=None, temperature=1.0, top_k=None, generator=None,
-             exit_threshold=5e-4, T_max=None, use_cache=True):
+class Decoder:
+    """Next-token logits for a batch of prompts, one position per call, the token fed back by append().
+
+    T: an int >= 1, None for mu_rec, or "auto" (up to T_max, default 2 * mu_rec, stopped per row by `exit`).
+    use_cache: True prefills the prompt into a KVCache sized for prompt + max_new_tokens; False recomputes
+    the whole sequence for every token (fixed T only: the reference); or another class with KVCache's
+    interface (bench.py's concatenating reference). Prompts longer than seq_len are cropped from the left.
+    """
+
+    def __init__(self, model, tokens, max_new_tokens, T=None, generators=(None,), exit="state",
+                 exit_threshold=None, T_max=None, use_cache=True):
+        c = self.config = model.config
+        device = model.wte.weight.device
+        idx = torch.as_tensor(tokens, dtype=torch.long, device=device)
+        idx = idx[None] if idx.dim() == 1 else idx
+        if idx.size(1) > c.seq_len:
+            warnings.warn(f"the prompt's {idx.size(1)} tokens exceed seq_len={c.seq_len}: "
+                          f"cropped from the left to the last {c.seq_len}")
+            idx = idx[:, -c.seq_len:]
+        adaptive = T == "auto"
+        if adaptive and use_cache is False:
+            raise ValueError("T='auto' decodes through the KV cache; use_cache=False needs a fixed T")
+        if adaptive and model.injection is None:
+            raise ValueError("T='auto' needs a looped model; this is the fixed-depth Transformer baseline")
+        if exit not in EXITS:
+            raise ValueError(f"exit={exit!r} is not one of {EXITS}")
+        num_positions = idx.size(1) + max_new_tokens
+        if num_positions > model.rope_cos.size(1):
+            raise ValueError(f"prompt + max_new_tokens = {num_positions} positions exceed the model's RoPE table of "
+                             f"{model.rope_cos.size(1)}; lower max_new_tokens")
+        self.model, self.T = model, (T_max or 2 * c.mu_rec) if adaptive else (T or c.mu_rec)
+        self.exit = exit if adaptive else None
+        self.threshold = EXIT_THRESHOLDS[exit] if exit_threshold is None else exit_threshold
+        self.h0 = draw_h0(model, num_positions, list(generators) * (idx.size(0) // len(generators)), device)
+        self.tokens = torch.zeros(idx.size(0), num_positions, dtype=torch.long, device=device)
+        self.tokens[:, :idx.size(1)], self.length = idx, idx.size(1)
+        cache_class = KVCache if use_cache is True else use_cache
+        self.cache = cache_class(num_positions) if cache_class else None
+        if self.cache is not None and self.length > 1:  # the prompt but its last token, which decodes like any
+            with torch.inference_mode():
+                model(idx[:, :-1], T=self.T, h0=self.h0[:, :self.length - 1], cache=self.cache)
+
+    @torch.inference_mode()
+    def next_logits(self):
+        """-> (logits (B, V) for the position after the last token, recurrent steps (B,) each row took)."""
+        n, model, B = self.length, self.model, self.tokens.size(0)
+        depth = self.T if model.injection is not None else 1
+        if self.cache is None:
+            logits = model(self.tokens[:, :n], T=self.T, h0=self.h0[:, :n])
+        elif model.injection is None:
+            logits = model(self.tokens[:, n - 1:n], cache=self.cache)
+        else:
+            logits, steps = decode_step(model, self.tokens[:, n - 1:n], self.cache, self.h0[:, n - 1:n], self.T,
+                                        self.exit, self.threshold)
+            return logits[:, -1], steps
+        return logits[:, -1], torch.full((B,), depth, device=logits.device)
+
+    def append(self, ids):
+        """ids (B,): the next token of every row."""
+        self.tokens[:, self.length] = ids
+        self.length += 1
+
+
+def generate(model, tokens, max_new_tokens, T=None, temperature=1.0, top_k=None, generator=None, exit="state",
+             exit_threshold=None, T_max=None, use_cache=True, allowed=None):
     """Yield (ids (B,), steps (B,)) for each new token: the token of every row and the recurrent steps it took.
 
-    tokens: a list of ids or a (B, S) tensor; prompts longer than seq_len are cropped from the left, with a
-    warning. T: an int >= 1, None for mu_rec, or "auto" (adaptive depth up to T_max, default 2 * mu_rec).
+    tokens: a list of ids or a (B, S) tensor. T, exit, exit_threshold, T_max, use_cache: see Decoder.
     generator: a torch.Generator on the model's device, or one per row; None uses the global RNG.
-    use_cache=False recomputes the whole sequence for every token (fixed T only: the reference, and the
-    benchmark's baseline).
+    allowed: None, or a (vocab_size,) bool mask of the ids that may be sampled (hub.known_ids).
     """
-    c = model.config
-    device = model.wte.weight.device
-    idx = torch.as_tensor(tokens, dtype=torch.long, device=device)
-    idx = idx[None] if idx.dim() == 1 else idx
-    if idx.size(1) > c.seq_len:
-        warnings.warn(f"the prompt's {idx.size(1)} tokens exceed seq_len={c.seq_len}: "
-                      f"cropped from the left to the last {c.seq_len}")
-        idx = idx[:, -c.seq_len:]
-    T = c.mu_rec if T is None else T
-    adaptive = T == "auto"
-    T_max = T_max or 2 * c.mu_rec
-    if adaptive and not use_cache:
-        raise ValueError("T='auto' decodes through the KV cache; use_cache=False needs a fixed T")
-    if adaptive and c.injection == "none":
-        raise ValueError("T='auto' needs a looped model; this is the fixed-depth Transformer baseline")
-    num_positions = idx.size(1) + max_new_tokens
-    if num_positions > model.rope_cos.size(1):
-        raise ValueError(f"prompt + max_new_tokens = {num_positions} positions exceed the model's RoPE table of "
-                         f"{model.rope_cos.size(1)}; lower max_new_tokens")
-    generators = list(generator) if isinstance(generator, (list, tuple)) else [generator] * idx.size(0)
-    h0 = draw_h0(model, num_positions, generators, device)
-    cache = KVCache() if use_cache else None
-    start = 0  # positions [start, end) are the next forward's input: one new token with the cache
-    if adaptive and idx.size(1) > 1:  # the prompt but its last token at full depth; that token decodes like any
-        model(idx[:, :-1], T=T_max, h0=h0[:, :idx.size(1) - 1], cache=cache)
-        start = idx.size(1) - 1
+    generators = list(generator) if isinstance(generator, (list, tuple)) else [generator]
+    decoder = Decoder(model, tokens, max_new_tokens, T, generators, exit, exit_threshold, T_max, use_cache)
+    generators = generators * (decoder.tokens.size(0) // len(generators))
     for _ in range(max_new_tokens):
-        end = idx.size(1)
-        if adaptive:
-            logits, steps = adaptive_forward(model, idx[:, start:], cache, h0[:, start:end], T_max, exit_threshold)
-        else:
-            logits = model(idx[:, start:], T=T, h0=h0[:, start:end], cache=cache)
-            steps = torch.full((idx.size(0),), T if c.injection != "none" else 1, device=device)
-        next_ids = sample_next(logits[:, -1], temperature, top_k, generators)
+        logits, steps = decoder.next_logits()
+        if allowed is not None:
+            logits = logits.masked_fill(~allowed, float("-inf"))
+        next_ids = sample_next(logits, temperature, top_k, generators)
         yield next_ids, steps
-        idx = torch.cat([idx, next_ids[:, None]], dim=1)
-        start = end if use_cache else 0
+        decoder.append(next_ids)
+
+
+def teacher_forced(model, ids, prompt_len, T=None, seed=0, **decoding):
+    """Decode ids (B, S) after its first prompt_len tokens as generate does, feeding each true next token
+    instead of a sampled one -> (mean cross-entropy of ids[:, prompt_len:], mean recurrent steps per token).
+    decoding: Decoder's exit, exit_threshold, T_max, use_cache."""
+    generator = torch.Generator(model.wte.weight.device).manual_seed(seed)
+    decoder = Decoder(model, ids[:, :prompt_len], ids.size(1) - prompt_len, T, [generator], **decoding)
+    losses, steps = [], []
+    for p in range(prompt_len, ids.size(1)):
+        logits, ran = decoder.next_logits()
+        losses.append(F.cross_entropy(logits.float(), ids[:, p], reduction="none"))
+        steps.append(ran)
+        decoder.append(ids[:, p])
+    return torch.cat(losses).mean().item(), torch.cat(steps).float().mean().item()
 
 # -----------------------------------------------------------------------------
 # Command line
@@ -184,8 +255,9 @@ def load(args, device):
     return model, tokenizer, path
 
 
-def stream_samples(model, tokenizer, prompt, args, device):
-    """Sample after sample, each token printed as it is made; a sample ends early at <|bos|> (a new document)."""
+def stream_samples(model, tokenizer, prompt, args, device, allowed=None):
+    """Sample after sample, each token printed as it is made; a sample ends early at <|bos|> (a new document).
+    allowed: the ids that may be sampled (hub.known_ids), None for all."""
     ids = tokenizer.encode(prompt, prepend_bos=True)
     for i in range(args.num_samples):
         if args.num_samples > 1:
@@ -195,7 +267,7 @@ def stream_samples(model, tokenizer, prompt, args, device):
         utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character may span tokens
         depths, t0 = [], time.perf_counter()
         for next_ids, steps in generate(model, ids, args.max_new_tokens, args.T, args.temperature, args.top_k,
-                                        generator, args.exit_threshold, args.T_max):
+                                        generator, args.exit, args.exit_threshold, args.T_max, allowed=allowed):
             token = int(next_ids[0])
             if token == tokenizer.bos_id:
                 break
@@ -207,20 +279,12 @@ def stream_samples(model, tokenizer, prompt, args, device):
               f"{sum(depths) / max(1, len(depths)):.2f} recurrent steps per token]", file=sys.stderr)
 
 
-def benchmark(model, tokenizer, args, device):
-    """Decoding speed of one sample with the KV cache and with full recomputation, same seed."""
-    ids = tokenizer.encode(args.prompt or "", prepend_bos=True)
-    list(generate(model, ids, 8, args.T))  # warm up: the first calls of every kernel are slow
-    tokens, rates = {}, {}
-    for use_cache in (True, False):
-        generator = torch.Generator(device).manual_seed(args.seed)
-        t0 = time.perf_counter()
-        tokens[use_cache] = [int(next_ids[0]) for next_ids, _ in generate(
-            model, ids, args.max_new_tokens, args.T, args.temperature, args.top_k, generator, use_cache=use_cache)]
-        rates[use_cache] = args.max_new_tokens / (time.perf_counter() - t0)
-    print(f"T={args.T or model.config.mu_rec}, prompt {len(ids)} tokens, {args.max_new_tokens} new tokens: "
-          f"{rates[True]:.1f} tokens/s with the KV cache, {rates[False]:.1f} without, "
-          f"ratio {rates[True] / rates[False]:.2f}x; same tokens: {tokens[True] == tokens[False]}")
+def benchmark(model, tokenizer, args):
+    """bench.py's decoding rows for this model: teacher-forced decoding of the stdlib's validation text."""
+    from bench import decoding_rows, print_table, stdlib_tokens  # bench.py imports this file: import it late
+    ids = stdlib_tokens(tokenizer, BENCHMARK_PROMPT + args.max_new_tokens, model.wte.weight.device)
+    print_table(decoding_rows(model, ids, BENCHMARK_PROMPT, args.T, args.exit_threshold, args.repeats),
+                f"decoding on {ids.device}")
 
 
 def main(argv=None):
@@ -238,14 +302,21 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--T", type=parse_depth, default=None, help="recurrence depth, or auto (default mu_rec)")
     parser.add_argument("--T_max", type=int, default=None, help="the most steps of --T=auto (default 2 mu_rec)")
-    parser.add_argument("--exit_threshold", type=float, default=5e-4, help="--T=auto stops under this KL")
+    parser.add_argument("--exit", choices=EXITS, default="state", help="--T=auto's test: the relative change of "
+                        "the recurrent state (cheap), or the KL between successive predictions (runs the head)")
+    parser.add_argument("--exit_threshold", type=float, default=None,
+                        help=f"--T=auto stops under this (default {EXIT_THRESHOLDS})")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--benchmark", action="store_true", help="tokens/s with and without the KV cache")
+    parser.add_argument("--benchmark", action="store_true", help="tokens/s and teacher-forced loss at fixed T, "
+                        "T_max and auto, and with the KV cache against the old one and full recomputation")
+    parser.add_argument("--repeats", type=int, default=3, help="--benchmark: timed repeats, the median is shown")
     args = parser.parse_args(argv)
     if min(args.num_samples, args.max_new_tokens, args.T_max or 1) < 1 or args.temperature < 0 or args.top_k < 0:
         parser.error("--num_samples, --max_new_tokens and --T_max must be >= 1, --temperature and --top_k >= 0")
     if args.benchmark and args.T == "auto":
-        parser.error("--benchmark compares a fixed depth with and without the cache; pass --T=<int>")
+        parser.error("--benchmark measures --T=auto next to fixed depths by itself; pass --T=<int> or none")
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
     args.top_k = args.top_k or None
     warnings.formatwarning = lambda message, *_, **__: f"warning: {message}\n"
     device = torch.device(args.device)
@@ -254,22 +325,24 @@ def main(argv=None):
     except (FileNotFoundError, ValueError) as err:
         sys.exit(f"sample.py: {err}")
     c = model.config
+    allowed = known_ids(tokenizer, c.vocab_size)
+    allowed = None if allowed is None else allowed.to(device)
     print(f"{path}: {model.num_params():,} parameters, mu_rec={c.mu_rec}, injection={c.injection}; "
           f"T={args.T or c.mu_rec}", file=sys.stderr)
     with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
         try:
             if args.benchmark:
-                benchmark(model, tokenizer, args, device)
+                benchmark(model, tokenizer, args)
             elif args.prompt is not None or not sys.stdin.isatty():
                 text = sys.stdin.read() if args.prompt is None else args.prompt
-                stream_samples(model, tokenizer, text, args, device)
+                stream_samples(model, tokenizer, text, args, device, allowed)
             else:
                 while True:
                     try:
                         prompt = input("\n> ")
                     except (EOFError, KeyboardInterrupt):
                         break
-                    stream_samples(model, tokenizer, prompt, args, device)
+                    stream_samples(model, tokenizer, prompt, args, device, allowed)
         except ValueError as err:  # generate's checks: too many positions, T=auto on the Transformer
             sys.exit(f"\nsample.py: {err}")
 

@@ -10,6 +10,8 @@ reading of its merges; and each bad input fails with one clear line.
 import http.server
 import json
 import math
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -338,3 +340,29 @@ def test_sample_from_gives_what_the_same_model_gives_from_a_checkpoint(tmp_path,
         outputs.append(capsys.readouterr().out)
     assert outputs[0] == outputs[1] and outputs[0].startswith("the world and")
     assert len(outputs[0]) > len("the world and\n")
+
+
+def test_a_vocabulary_larger_than_the_tokenizer_is_never_sampled(tmp_path, capsys):
+    """A checkpoint folder tried with a smaller tokenizer.json (271 tokens for the model's 300): the ids the
+    tokenizer lacks are masked out of sampling, with a warning naming both sizes, in sample.py and hub.py
+    (tiktoken's decode raised a KeyError on them)."""
+    import sample
+    model = tiny_model("diagonal", seed=2)
+    with torch.no_grad():
+        model.wte.weight[271:] *= 50  # the ids past the tokenizer's take the largest logits
+    folder = write_authors_folder(tmp_path / "ckpt", model)
+    loaded, tokenizer = hub.load_pretrained(str(folder))
+    ids = tokenizer.encode("the world and", prepend_bos=True)
+    with torch.no_grad():
+        assert int(loaded(torch.tensor([ids]))[0, -1].argmax()) >= 271  # unmasked, greedy would pick one
+    with pytest.warns(UserWarning, match="the model has 300 token ids, its tokenizer 271"):
+        allowed = hub.known_ids(tokenizer, 300)
+    assert int(allowed.sum()) == 271 and not allowed[271:].any()
+    with pytest.warns(UserWarning, match="the model has 300 token ids, its tokenizer 271"):
+        sample.main(["--from", str(folder), "--prompt", "the world and", "--max_new_tokens", "12", "--T", "2",
+                     "--temperature", "0"])
+    out = capsys.readouterr().out
+    assert out.startswith("the world and") and len(out) > len("the world and\n")
+    result = subprocess.run([sys.executable, str(Path(hub.__file__)), str(folder)], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0 and "next token after" in result.stdout, result.stderr

@@ -306,13 +306,19 @@ def test_kv_cache_decoding_equals_full_recompute():
     h0 = torch.randn(2, 12, 64) * 0.1
     with torch.no_grad():
         full = model(idx, T=3, h0=h0)
-        cache = KVCache()
+        cache = KVCache(max_len=12)
         parts = [model(idx[:, :7], T=3, h0=h0[:, :7], cache=cache)]
+        buffers = {slot: (k.data_ptr(), v.data_ptr()) for slot, (k, v) in cache.slots.items()}
         parts.append(model(idx[:, 7:9], T=3, h0=h0[:, 7:9], cache=cache))  # a chunk after a prefix
         for t in range(9, 12):
             parts.append(model(idx[:, t:t + 1], T=3, h0=h0[:, t:t + 1], cache=cache))
+        with pytest.raises(ValueError, match="13 positions exceed the KV cache's 12"):
+            model(idx[:, :1], T=3, cache=cache)
     torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=1e-5, atol=1e-5)
     assert len(cache.slots) == 1 + 3 + 1 and cache.pos == 12  # prelude, 3 loop steps, coda
+    # written in place: every slot is still the buffer allocated at the first forward, sized for all 12
+    assert {slot: (k.data_ptr(), v.data_ptr()) for slot, (k, v) in cache.slots.items()} == buffers
+    assert all(k.shape == v.shape == (2, 2, 12, 32) for k, v in cache.slots.values())
 
 
 def test_flops_per_token_formula():

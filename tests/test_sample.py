@@ -1,8 +1,10 @@
 """Tests for sample.py: cached decoding equals recomputation, sampling, adaptive depth, the command line."""
 
+import copy
 import io
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +16,7 @@ import data
 import sample
 from common import save_checkpoint
 from model import KVCache, Parcae, ParcaeConfig
-from sample import adaptive_forward, generate
+from sample import decode_step, generate, relative_change, teacher_forced
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -79,11 +81,11 @@ def test_top_k_1_equals_greedy_and_sampling_is_seeded():
     assert not torch.equal(run(model, PROMPT, 12, seed=2, temperature=1.5)[0], sampled)
 
 
-@pytest.mark.parametrize("T", [3, "auto"])
-def test_batched_samples_equal_each_sample_alone(T):
+@pytest.mark.parametrize("T, exit, threshold", [(3, "state", None), ("auto", "kl", 1e-4), ("auto", "state", 0.15)])
+def test_batched_samples_equal_each_sample_alone(T, exit, threshold):
     model = tiny_model()
     seeds = [10, 11, 12]
-    kw = dict(T=T, temperature=1.0, top_k=20, exit_threshold=1e-4, T_max=6)
+    kw = dict(T=T, temperature=1.0, top_k=20, exit=exit, exit_threshold=threshold, T_max=6)
     batched, batched_steps = run(model, PROMPT * 3, 10, seed=seeds, **kw)
     for i, seed in enumerate(seeds):
         alone, alone_steps = run(model, PROMPT, 10, seed=[seed], **kw)
@@ -118,28 +120,69 @@ def test_auto_with_threshold_zero_equals_fixed_T_max():
     assert torch.equal(one_token, run(model, [PROMPT[0][:1]], 12, T=5, temperature=0)[0])
 
 
-def test_auto_exit_predicts_like_the_shallower_depth_and_fills_skipped_slots():
-    model = tiny_model()
-    prompt = torch.tensor(PROMPT)
-    cache = KVCache()
+def prefilled(model, T=4):
+    """The tiny model with PROMPT in a KV cache sized for one more position, and h0 for all 8."""
+    cache = KVCache(max_len=8)
     h0 = model.initial_state((1, 8, 64), "cpu", torch.float32, torch.Generator().manual_seed(0))
     with torch.no_grad():
-        model(prompt, T=4, h0=h0[:, :7], cache=cache)
-        shallow = KVCache()
-        shallow.slots, shallow.pos = dict(cache.slots), cache.pos
+        model(torch.tensor(PROMPT), T=T, h0=h0[:, :7], cache=cache)
+    return cache, h0
+
+
+@pytest.mark.parametrize("exit", ["state", "kl"])
+def test_auto_exit_predicts_like_the_shallower_depth_and_fills_skipped_slots(exit):
+    model = tiny_model()
+    cache, h0 = prefilled(model)
+    shallow = copy.deepcopy(cache)
+    with torch.no_grad():
         expected = model(torch.tensor([[11]]), T=2, h0=h0[:, 7:], cache=shallow)
-        logits, steps = adaptive_forward(model, torch.tensor([[11]]), cache, h0[:, 7:], 4, exit_threshold=math.inf)
+        logits, steps = decode_step(model, torch.tensor([[11]]), cache, h0[:, 7:], 4, exit, threshold=math.inf)
     assert steps.tolist() == [2]  # the first step that has a previous one to compare with
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
     assert cache.pos == 8
-    for slot, (k, v) in cache.slots.items():
-        assert k.size(2) == v.size(2) == 8, slot  # one entry per position in every slot, the coda's included
+    for slot in shallow.slots:  # what the exit computed is what fixed T=2 caches, the coda's slot included
+        end = -1 if slot[0] == "recur" and slot[1] >= 2 else None  # but the skipped steps' new entry: below
+        for ours, ref in zip(cache.slots[slot], shallow.slots[slot]):
+            torch.testing.assert_close(ours[:, :, :end], ref[:, :, :end], rtol=1e-5, atol=1e-5, msg=str(slot))
     for i in range(2):
         k1, v1 = cache.slots[("recur", 1, i)]
         for s in (2, 3):
             k, v = cache.slots[("recur", s, i)]
             assert torch.equal(k[:, :, -1], k1[:, :, -1]) and torch.equal(v[:, :, -1], v1[:, :, -1])
             assert not torch.equal(k[:, :, -2], k1[:, :, -2])  # the prompt's entries ran all 4 steps
+
+
+def test_state_exit_stops_at_the_first_small_relative_change():
+    model = tiny_model()
+    cache, h0 = prefilled(model, T=6)
+    idx = torch.tensor([[11]])
+    with torch.no_grad():  # the full-depth trajectory of the new position's state, step by step
+        reference = copy.deepcopy(cache)
+        e, (ves, cos, sin) = model.run_prelude(idx, reference)
+        states = [h0[:, 7:]]
+        for step in range(6):
+            states.append(model.recur_step(states[-1], e, step, ves, cos, sin, reference))
+    changes = [float(relative_change(new, old)) for old, new in zip(states[1:], states[2:])]  # at t = 2..6
+    assert len(set(changes)) == 5
+    for threshold in sorted(changes)[1:4]:
+        expected = next(t for t, change in enumerate(changes, start=2) if change < threshold)
+        _, steps = decode_step(model, idx, copy.deepcopy(cache), h0[:, 7:], 6, "state", threshold)
+        assert steps.tolist() == [expected]
+
+
+def test_teacher_forced_loss_is_the_cross_entropy_of_the_recomputed_sequence():
+    model = tiny_model()
+    ids = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(3))
+    generator = torch.Generator().manual_seed(0)  # teacher_forced's: the rows draw their h0 from it in turn
+    h0 = torch.cat([model.initial_state((1, 20, 64), "cpu", torch.float32, generator) for _ in range(2)])
+    with torch.no_grad():
+        expected = model(ids[:, :-1], ids[:, 1:].clone().masked_fill_(torch.arange(19) < 5, -1), T=3,
+                         h0=h0[:, :19])
+    for use_cache in (True, False):
+        loss, steps = teacher_forced(model, ids, 6, T=3, use_cache=use_cache)
+        assert steps == 3 and loss == pytest.approx(expected.item(), rel=1e-5)
+    auto_loss, auto_steps = teacher_forced(model, ids, 6, T="auto", T_max=6, exit="state", exit_threshold=0.25)
+    assert 2 <= auto_steps < 6 and auto_loss != loss
 
 
 def test_auto_steps_follow_the_threshold():
@@ -204,9 +247,13 @@ def test_cli_interactive_loop_when_stdin_is_a_terminal(checkpoint, monkeypatch, 
 
 def test_cli_benchmark(checkpoint, monkeypatch, capsys):
     monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(checkpoint))
-    sample.main(["--benchmark", "--T=2", "--max_new_tokens=6", "--temperature=0"])
+    sample.main(["--benchmark", "--T=2", "--max_new_tokens=6", "--repeats=1"])
     out = capsys.readouterr().out
-    assert "ratio" in out and "same tokens: True" in out
+    depth_row, cache_row = [line for line in out.splitlines() if line.startswith("| 5")]
+    for name in ("T=2:", "T=6:", "auto (state < 0.05):", "auto (kl < 0.0005):"):
+        assert name in depth_row
+    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", cache_row)]
+    assert len(losses) == 3 and max(losses) - min(losses) < 1e-4  # cached, before issue 17, recomputed: one model
 
 
 def test_parse_depth():
