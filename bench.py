@@ -279,8 +279,8 @@ def row_memory(args, device, training):
 
 
 class ConcatKVCache:
-    """The KV cache before issue 17, the reference of row 5b: every new position concatenates, copying each
-    slot's whole cache (same interface as model.KVCache, without its fixed size)."""
+    """The first release's concatenating KV cache, the reference of row 5b: every new position concatenates,
+    copying each slot's whole cache (same interface as model.KVCache, without its fixed size)."""
 
     def __init__(self, max_len=None):
         self.slots, self.pos = {}, 0
@@ -297,7 +297,7 @@ class ConcatKVCache:
 
 
 def forward_per_token(model, ids, prompt_len, T, seed=0):
-    """Row 5b's "before": decoding as it was before issue 17, teacher-forced like sample.teacher_forced: the
+    """Row 5b's "before": decoding as the first release did it, teacher-forced like sample.teacher_forced: the
     prompt in one model() call into a ConcatKVCache, then model() on each position. -> mean loss."""
     generator = torch.Generator(ids.device).manual_seed(seed)
     h0 = model.initial_state((1, ids.size(1), model.config.d_model), ids.device, torch.float32, generator)
@@ -352,7 +352,7 @@ def decoding_rows(model, ids, prompt_len, T=None, exit_threshold=None, repeats=3
         return f"{name}: {rate[name]:.1f} tok/s, loss {loss:.4f}, {steps:.2f} steps/token"
 
     what = f"(sample.teacher_forced, {new} tokens after a {prompt_len}-token prompt)"
-    cache_row = (f"{number}b", f"KV cache at T={T} {what}: preallocated vs decoding before issue 17 (model() per "
+    cache_row = (f"{number}b", f"KV cache at T={T} {what}: preallocated vs the first release's decoding (model() per "
                  "token, concatenating cache) vs full recomputation",
                  f"{cell(f'T={T}')}; {cell('before')}; {cell(f'recompute T={T}')}",
                  f"{rate[f'T={T}'] / rate['before']:.2f}x before, {rate[f'T={T}'] / rate[f'recompute T={T}']:.2f}x "
@@ -473,7 +473,7 @@ def row_compile(args, device, training):
 
 
 def row_active_only(args, device, training):
-    """Issue 10: executed recurrent passes per sampled pass, and tokens/s, of model.py's recurrence against
+    """Executed recurrent passes per sampled pass, and tokens/s, of model.py's recurrence against
     the masked reference, at the same sampled depths; each size runs about steps x batch_size sequences."""
     config = model_config(args)
     rows = []

@@ -27,11 +27,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common import get_base_dir
+from common import PEAK_BF16_FLOPS, get_base_dir
 from model import Parcae, ParcaeConfig
 
 ROOT = Path(__file__).resolve().parent
-H100_BF16, MFU = 989e12, 0.4  # GPU-hour estimates: dense bf16 peak at 40% MFU, as in README's size table
+H100_BF16, MFU = PEAK_BF16_FLOPS["H100"], 0.4  # GPU-hour estimates: 40% MFU, as in README's size table
 
 # -----------------------------------------------------------------------------
 # Sweeps. A sweep is a model (train.py flags), budgets C, mu_rec values and the test-time depths T of the fit.

@@ -1,5 +1,5 @@
 """Tests for bench.py's helpers, the masked reference recurrence and the executed-pass counter, and through
-them issue 10's claim: model.py's prefix recurrence gives the masked loop's loss and gradients."""
+them the claim that model.py's prefix recurrence gives the masked loop's loss and gradients."""
 
 import pytest
 import torch

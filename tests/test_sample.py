@@ -253,7 +253,7 @@ def test_cli_benchmark(checkpoint, monkeypatch, capsys):
     for name in ("T=2:", "T=6:", "auto (state < 0.05):", "auto (kl < 0.0005):"):
         assert name in depth_row
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", cache_row)]
-    assert len(losses) == 3 and max(losses) - min(losses) < 1e-4  # cached, before issue 17, recomputed: one model
+    assert len(losses) == 3 and max(losses) - min(losses) < 1e-4  # cached, first release's, recomputed: one model
 
 
 def test_parse_depth():
