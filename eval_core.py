@@ -39,7 +39,6 @@ import torch.nn.functional as F
 
 from common import find_checkpoint, get_base_dir, init_distributed, load_checkpoint, print0, rank_and_world
 from data import Tokenizer, download_file, iter_documents, val_batches
-from hub import load_pretrained, local_dir
 
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"  # METHOD.md §5
 
@@ -631,7 +630,8 @@ def main():
     args = parser.parse_args()
     try:
         device = init_distributed(torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")))
-        if args.from_:  # the authors' release (hub.py); results go beside its files
+        if args.from_:  # the authors' release; results go beside its files
+            from hub import load_pretrained, local_dir  # here only: train.py imports eval_core, never hub
             model, tokenizer = load_pretrained(args.from_, device)
             ckpt, ckpt_path = {}, local_dir(args.from_) / "authors"
         else:

@@ -1,4 +1,9 @@
-"""Tests for common.py: the base directory rule data.py repeats, and the GPU peak table."""
+"""Tests for common.py: the base directory rule data.py repeats, and the GPU peak table; and what the
+training script's imports pull in."""
+
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
@@ -21,3 +26,11 @@ def test_peak_flops_only_for_listed_gpus(monkeypatch):
     assert common.peak_bf16_flops(torch.device("cuda", 0)) == 989e12
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA GeForce RTX 3090")
     assert common.peak_bf16_flops(torch.device("cuda", 0)) is None
+
+
+def test_the_training_scripts_imports_never_load_hub():
+    """train.py imports common, data, model, optim and eval_core's evaluators: none of them loads hub.py."""
+    code = "import sys, common, data, model, optim, eval_core; print('hub' in sys.modules)"
+    root = Path(__file__).resolve().parent.parent
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=120)
+    assert result.stdout.strip() == "False", result.stderr
