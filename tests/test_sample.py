@@ -250,7 +250,7 @@ def test_cli_benchmark(checkpoint, monkeypatch, capsys):
     sample.main(["--benchmark", "--T=2", "--max_new_tokens=6", "--repeats=1"])
     out = capsys.readouterr().out
     depth_row, cache_row = [line for line in out.splitlines() if line.startswith("| 5")]
-    for name in ("T=2:", "T=6:", "auto (state < 0.05):", "auto (kl < 0.0005):"):
+    for name in ("T=2:", "T=6:", f"auto (state < {sample.EXIT_THRESHOLDS['state']}):", "auto (kl < 0.0005):"):
         assert name in depth_row
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", cache_row)]
     assert len(losses) == 3 and max(losses) - min(losses) < 1e-4  # cached, first release's, recomputed: one model
