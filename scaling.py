@@ -400,7 +400,7 @@ def print_report(runs, budgets, laws, unified, notes):
             print(line)
     if unified:
         p = unified["params"]
-        print(f"\nunified law: L = {p['E']:.3f} + {p['X']:.3g} mu^-{p['x']:.3f} + {p['Y']:.3g} D^-{p['y']:.3f} + "
+        print(f"\nunified law: L = {p['E']:.3f} + {p['X']:.3g} mu^({-p['x']:.3f}) + {p['Y']:.3g} D^({-p['y']:.3f}) + "
               f"{p['Z']:.3g} exp(-{p['z']:.3f} T/mu); mean relative error {unified['in_sample_error']:.2%} in sample "
               f"({unified['points_in_sample']} points)" + ("" if unified["held_out_C"] is None else
               f", {unified['held_out_error']:.2%} on the held-out budget C={unified['held_out_C']:.3g} "
