@@ -32,9 +32,12 @@ def corpus(tmp_path_factory):
     return root
 
 
-def train_command(corpus, *flags, nproc=1, torchrun=("--standalone",)):
-    launcher = [sys.executable] if nproc == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", *torchrun, f"--nproc_per_node={nproc}", "--"]
+def train_command(corpus, *flags, nproc=1, torchrun=None):
+    """Plain python for one process without torchrun flags; torchrun otherwise (standalone unless `torchrun`
+    gives the launcher's rendezvous flags, as the two-node test does for one process per node)."""
+    launcher = [sys.executable] if nproc == 1 and torchrun is None else \
+        [sys.executable, "-m", "torch.distributed.run", *(torchrun or ["--standalone"]), f"--nproc_per_node={nproc}",
+         "--"]
     return launcher + [str(ROOT / "train.py"), f"--data={corpus / 'corpus.txt'}", *TINY, *flags]
 
 
@@ -42,7 +45,7 @@ def train_env(corpus, **extra):
     return {**os.environ, "NANOPARCAE_BASE_DIR": str(corpus / "base"), "OMP_NUM_THREADS": "1", **extra}
 
 
-def train(corpus, *flags, nproc=1, torchrun=("--standalone",), env=None, expect_ok=True):
+def train(corpus, *flags, nproc=1, torchrun=None, env=None, expect_ok=True):
     result = subprocess.run(train_command(corpus, *flags, nproc=nproc, torchrun=torchrun), capture_output=True,
                             text=True, env=train_env(corpus, **(env or {})), timeout=300)
     if expect_ok:
@@ -102,9 +105,10 @@ def test_two_nodes_give_the_losses_and_weights_of_one_process(corpus, one):
     torchrun = ["--nnodes=2", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=test"]
     nodes = [subprocess.Popen(train_command(corpus, "--run=nodes", nproc=1, torchrun=torchrun), env=train_env(corpus),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
-    for node in nodes:
-        _, stderr = node.communicate(timeout=300)
+    outputs = [node.communicate(timeout=300) for node in nodes]
+    for node, (_, stderr) in zip(nodes, outputs):
         assert node.returncode == 0, stderr[-3000:]
+    assert sum("= 2 process(es)" in stdout for stdout, _ in outputs) == 1  # one job of two ranks, rank 0 logs
     nodes_losses = step_losses(corpus, "nodes")
     assert list(nodes_losses) == list(one)
     for step in one:
