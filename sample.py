@@ -42,15 +42,17 @@ from model import KVCache
 # One token from the logits; h0 for every position up front
 
 def sample_next(logits, temperature, top_k, generators):
-    """logits (B, V) -> (B,) ids: argmax when temperature is 0, else a draw from the top_k most likely."""
+    """logits (B, V) -> (B,) ids: argmax when temperature is 0, else a draw from the top_k most likely. The
+    draw runs over those k alone (as nanochat's engine does): a multinomial over the whole vocabulary costs
+    more than a recurrent step of a small model, one over k candidates a tenth of that."""
     if temperature == 0:
         return logits.argmax(dim=-1)
-    logits = logits / temperature
+    ids = None
     if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = logits.softmax(dim=-1)
-    return torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators)])
+        logits, ids = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1)  # (B, k) each
+    probs = (logits / temperature).softmax(dim=-1)
+    choice = torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators)])  # (B,)
+    return choice if ids is None else ids.gather(1, choice[:, None]).squeeze(1)
 
 
 def draw_h0(model, length, generators, device):
@@ -71,60 +73,60 @@ BENCHMARK_PROMPT = 16  # --benchmark: tokens of prompt before the max_new_tokens
 
 
 def relative_change(new, old):
-    """||h_t - h_{t-1}|| / ||h_t|| of the newest position, per row: (B, S, d) twice -> (B,)."""
-    new, old = new[:, -1].float(), old[:, -1].float()
-    return (new - old).norm(dim=-1) / new.norm(dim=-1)
+    """||h_t - h_{t-1}|| / ||h_t|| per row, for one position: (B, 1, d) twice -> (B,)."""
+    return torch.linalg.vector_norm(new - old, dim=(1, 2)) / torch.linalg.vector_norm(new, dim=(1, 2))
 
 
-def decode_step(model, idx, cache, h0, T, exit=None, threshold=0.0):
+def decode_step(model, idx, cache, h0, T, exit=None, threshold=0.0, A_bar=None):
     """idx (B, 1), the position after those in `cache` -> (logits (B, 1, V), steps (B,)), the coda run once.
 
     With exit=None every row runs T recurrent steps. With exit="state" row r stops after step t >= 2 once
-    relative_change(h_t, h_{t-1}) < threshold: a test on the state alone, much cheaper than a step. With
-    exit="kl" it stops once KL(p_t || p_{t-1}) < threshold, which runs the coda and the head after every step.
-    A stopped row's state stays put while the others run on. Cached keys and values are written in place, so
-    the coda's slot, rewritten after every step under "kl", ends up holding each row's final state's.
+    relative_change(h_t, h_{t-1}) < threshold: four small ops on the state and one read of B floats per
+    step, far cheaper than the step. With exit="kl" it stops once KL(p_t || p_{t-1}) < threshold, which runs
+    the coda and the head after every step. A stopped row's state stays put while the others run on; the
+    bookkeeping is Python lists, not tensor ops, since every op costs as much as a small matmul at B = 1.
+    Cached keys and values are written in place, so the coda's slot, rewritten after every step under "kl",
+    ends up holding each row's final state's. A_bar: the injection's state_weight(), when the caller has it.
     """
     e, (ves, cos, sin) = model.run_prelude(idx, cache)
-    A_bar = model.injection.state_weight()  # once per token, not per step
+    A_bar = model.injection.state_weight() if A_bar is None else A_bar
+    h, B = h0.to(e.dtype), idx.size(0)
     if exit is None:
-        h = h0.to(e.dtype)
         for step in range(T):
             h = model.recur_step(h, e, step, ves, cos, sin, cache, A_bar)
-        return model.run_coda(h, ves, cos, sin, cache), torch.full((idx.size(0),), T, device=idx.device)
-    done = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
-    steps = torch.zeros(idx.size(0), dtype=torch.long, device=idx.device)
-    h, logits, prev_logp, n_done = h0.to(e.dtype), None, None, 0
+        return model.run_coda(h, ves, cos, sin, cache), torch.full((B,), T)
+    steps, done, logits, prev_logp = [T] * B, [False] * B, None, None
     for step in range(T):
         u = model.recur_step(h, e, step, ves, cos, sin, cache, A_bar)
-        settled = relative_change(u, h) < threshold if exit == "state" and step > 0 else done
-        h = torch.where(done[:, None, None], h, u) if n_done else u  # a stopped row's state stays put
-        steps += ~done
+        change = relative_change(u, h) if exit == "state" and step > 0 else None
+        h = torch.where(torch.tensor(done, device=h.device)[:, None, None], h, u) if any(done) else u
         if exit == "kl":
             logits = model.run_coda(h, ves, cos, sin, cache)
             logp = logits[:, -1].log_softmax(dim=-1)
             if prev_logp is not None:  # rounding can take the KL below 0: clamped, so threshold 0 never exits
-                settled = (logp.exp() * (logp - prev_logp)).sum(dim=-1).clamp(min=0) < threshold
+                change = (logp.exp() * (logp - prev_logp)).sum(dim=-1).clamp(min=0)
             prev_logp = logp
-        done |= settled
-        n_done = int(done.sum())
-        if n_done == idx.size(0):
-            break
-    if cache is not None and n_done:
+        if change is not None:
+            for r, value in enumerate(change.tolist()):
+                if not done[r] and value < threshold:
+                    done[r], steps[r] = True, step + 1
+            if all(done):
+                break
+    if cache is not None and any(done):
         fill_skipped_steps(cache, steps, T, model.config.n_recur)
-    return (model.run_coda(h, ves, cos, sin, cache) if logits is None else logits), steps
+    return (model.run_coda(h, ves, cos, sin, cache) if logits is None else logits), torch.tensor(steps)
 
 
 def fill_skipped_steps(cache, steps, T_max, n_recur):
     """The newest position's recurrent slots at the steps a row skipped take its last computed step's keys
-    and values, so later tokens see it at every depth (steps (B,): the steps each row ran)."""
+    and values, so later tokens see it at every depth (steps: the steps each row ran)."""
     p = cache.pos - 1
-    for r, ran in enumerate(steps.tolist()):
+    for r, ran in enumerate(steps):
         for i in range(n_recur):
-            last_k, last_v = (buf[r:r + 1, :, p:p + 1] for buf in cache.slots[("recur", ran - 1, i)])
+            computed = cache.slots[("recur", ran - 1, i)]  # (k, v), each (B, H, max_len, D)
             for s in range(ran, T_max):
-                k, v = cache.buffers(("recur", s, i), last_k)
-                k[r, :, p], v[r, :, p] = last_k[0, :, 0], last_v[0, :, 0]
+                for buf, src in zip(cache.buffers(("recur", s, i), computed[0]), computed):
+                    buf[r, :, p] = src[r, :, p]
 
 # -----------------------------------------------------------------------------
 # Decoding: the prompt prefilled, then one position at a time
@@ -167,8 +169,9 @@ class Decoder:
         self.tokens[:, :idx.size(1)], self.length = idx, idx.size(1)
         cache_class = KVCache if use_cache is True else use_cache
         self.cache = cache_class(num_positions) if cache_class else None
-        if self.cache is not None and self.length > 1:  # the prompt but its last token, which decodes like any
-            with torch.inference_mode():
+        with torch.inference_mode():
+            self.A_bar = model.injection.state_weight() if model.injection is not None else None  # once per run
+            if self.cache is not None and self.length > 1:  # the prompt but its last token, decoded like any
                 model(idx[:, :-1], T=self.T, h0=self.h0[:, :self.length - 1], cache=self.cache)
 
     @torch.inference_mode()
@@ -182,9 +185,9 @@ class Decoder:
             logits = model(self.tokens[:, n - 1:n], cache=self.cache)
         else:
             logits, steps = decode_step(model, self.tokens[:, n - 1:n], self.cache, self.h0[:, n - 1:n], self.T,
-                                        self.exit, self.threshold)
+                                        self.exit, self.threshold, self.A_bar)
             return logits[:, -1], steps
-        return logits[:, -1], torch.full((B,), depth, device=logits.device)
+        return logits[:, -1], torch.full((B,), depth)
 
     def append(self, ids):
         """ids (B,): the next token of every row."""
