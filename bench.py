@@ -367,8 +367,23 @@ def decoding_rows(model, ids, prompt_len, T=None, exit_threshold=None, repeats=3
     depth_row = (f"{number}a", f"decoding depth {what}: fixed T = mu_rec and 2 mu_rec, --T=auto (state, the "
                  "default; KL)", "; ".join(cell(name) for name in modes if "recompute" not in name),
                  f"auto (state) vs T={T_max}: time -{time_saved:.0%}, steps -{steps_saved:.0%}; loss vs T={T} "
-                 f"{loss_up:+.2%}", f"time saved >= steps saved - 20%, loss <= +0.5%: {'met' if met else 'missed'}")
+                 f"{loss_up:+.2%}{cost_split(rate, T, T_max, auto, results[auto][1])}",
+                 f"time saved >= steps saved - 20%, loss <= +0.5%: {'met' if met else 'missed'}")
     return [depth_row, cache_row]
+
+
+def cost_split(rate, T, T_max, auto, auto_steps):
+    """Where a decoded token's time goes, from the two fixed depths: time(T) = fixed + T * step, the fixed
+    part being the prelude, the coda, the head and the loop around them. In steps: the fixed part, and what
+    --T=auto costs beyond its steps (the exit tests, the skipped slots' fill); then the most any exit test,
+    however cheap, could save against T_max at auto's steps. Empty when T = T_max."""
+    if T == T_max:
+        return ""
+    step = (1 / rate[f"T={T_max}"] - 1 / rate[f"T={T}"]) / (T_max - T)
+    fixed = 1 / rate[f"T={T}"] - T * step
+    exit_cost = 1 / rate[auto] - fixed - auto_steps * step
+    return (f"; per token: fixed cost {fixed / step:.2f} steps, auto's exit cost {exit_cost / step:.2f} steps; "
+            f"a free exit would save at most {(T_max - auto_steps) * step * rate[f'T={T_max}']:.0%}")
 
 
 def row_decode(args, device, training):

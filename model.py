@@ -174,11 +174,15 @@ class KVCache:
     recurrent layer at one loop step (METHOD.md §1 loops the same weights, but each step sees other inputs).
 
     Each slot is one buffer per keys and values, (B, H, max_len, D), allocated at its first write and
-    written in place: a new position never copies what is cached (nanochat's engine does the same)."""
+    written in place: a new position never copies what is cached (nanochat's engine does the same).
+    With `depth`, the slots of recurrent layer i at steps 0..depth-1 are views of one tensor, stacks[i]
+    (depth, 2, B, H, max_len, D), so that one copy can write a position into every step at once (a token
+    that stops its recurrence early: sample.fill_skipped_steps)."""
 
-    def __init__(self, max_len):
-        self.max_len = max_len
+    def __init__(self, max_len, depth=None):
+        self.max_len, self.depth = max_len, depth
         self.slots = {}  # slot -> (k, v) buffers, each (B, H, max_len, D)
+        self.stacks = {}  # recurrent layer i -> (depth, 2, B, H, max_len, D), when depth is given
         self.pos = 0  # positions claimed so far, those of the forward under way included
 
     def claim(self, length):
@@ -192,7 +196,13 @@ class KVCache:
         """The slot's (k, v) buffers, allocated like `like` (B, H, S, D) at the first call."""
         if slot not in self.slots:
             B, H, _, D = like.shape
-            self.slots[slot] = tuple(like.new_zeros(B, H, self.max_len, D) for _ in range(2))
+            if slot[0] == "recur" and self.depth is not None and slot[1] < self.depth:
+                i = slot[2]
+                if i not in self.stacks:
+                    self.stacks[i] = like.new_zeros(self.depth, 2, B, H, self.max_len, D)
+                self.slots[slot] = tuple(self.stacks[i][slot[1]])
+            else:
+                self.slots[slot] = tuple(like.new_zeros(B, H, self.max_len, D) for _ in range(2))
         return self.slots[slot]
 
     def update(self, slot, k, v):

@@ -113,20 +113,21 @@ def decode_step(model, idx, cache, h0, T, exit=None, threshold=0.0, A_bar=None):
             if all(done):
                 break
     if cache is not None and any(done):
-        fill_skipped_steps(cache, steps, T, model.config.n_recur)
+        fill_skipped_steps(cache, steps, T)
     return (model.run_coda(h, ves, cos, sin, cache) if logits is None else logits), torch.tensor(steps)
 
 
-def fill_skipped_steps(cache, steps, T_max, n_recur):
+def fill_skipped_steps(cache, steps, T_max):
     """The newest position's recurrent slots at the steps a row skipped take its last computed step's keys
-    and values, so later tokens see it at every depth (steps: the steps each row ran)."""
+    and values, so later tokens see it at every depth (steps: the steps each row ran). One copy per row and
+    recurrent layer: the cache holds each layer's steps in one tensor (KVCache's depth)."""
+    if cache.depth is None or cache.depth < T_max:
+        raise ValueError(f"an early exit fills the steps it skipped in the cache's stacks: build the cache as "
+                         f"KVCache(max_len, depth={T_max})")
     p = cache.pos - 1
     for r, ran in enumerate(steps):
-        for i in range(n_recur):
-            computed = cache.slots[("recur", ran - 1, i)]  # (k, v), each (B, H, max_len, D)
-            for s in range(ran, T_max):
-                for buf, src in zip(cache.buffers(("recur", s, i), computed[0]), computed):
-                    buf[r, :, p] = src[r, :, p]
+        for stack in cache.stacks.values():  # (depth, 2, B, H, max_len, D)
+            stack[ran:T_max, :, r, :, p] = stack[ran - 1, :, r, :, p]
 
 # -----------------------------------------------------------------------------
 # Decoding: the prompt prefilled, then one position at a time
@@ -167,8 +168,10 @@ class Decoder:
         self.h0 = draw_h0(model, num_positions, list(generators) * (idx.size(0) // len(generators)), device)
         self.tokens = torch.zeros(idx.size(0), num_positions, dtype=torch.long, device=device)
         self.tokens[:, :idx.size(1)], self.length = idx, idx.size(1)
-        cache_class = KVCache if use_cache is True else use_cache
-        self.cache = cache_class(num_positions) if cache_class else None
+        if use_cache is True:
+            self.cache = KVCache(num_positions, depth=self.T)  # depth: see fill_skipped_steps
+        else:
+            self.cache = use_cache(num_positions) if use_cache else None
         with torch.inference_mode():
             self.A_bar = model.injection.state_weight() if model.injection is not None else None  # once per run
             if self.cache is not None and self.length > 1:  # the prompt but its last token, decoded like any

@@ -16,7 +16,7 @@ import data
 import sample
 from common import save_checkpoint
 from model import KVCache, Parcae, ParcaeConfig
-from sample import decode_step, generate, relative_change, teacher_forced
+from sample import decode_step, generate, relative_change, sample_next, teacher_forced
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -81,6 +81,17 @@ def test_top_k_1_equals_greedy_and_sampling_is_seeded():
     assert not torch.equal(run(model, PROMPT, 12, seed=2, temperature=1.5)[0], sampled)
 
 
+def test_top_k_draws_follow_the_renormalised_top_k_distribution():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, 1.0, -2.0, 0.0, 2.5]])
+    generator = torch.Generator().manual_seed(0)
+    draws = torch.cat([sample_next(logits, 0.7, 3, [generator]) for _ in range(4000)])
+    top = [3, 7, 0]  # the three largest logits
+    assert set(draws.tolist()) == set(top)
+    expected = (logits[0, top] / 0.7).softmax(dim=-1)
+    observed = torch.stack([(draws == i).float().mean() for i in top])
+    torch.testing.assert_close(observed, expected, atol=0.025, rtol=0)
+
+
 @pytest.mark.parametrize("T, exit, threshold", [(3, "state", None), ("auto", "kl", 1e-4), ("auto", "state", 0.15)])
 def test_batched_samples_equal_each_sample_alone(T, exit, threshold):
     model = tiny_model()
@@ -122,7 +133,7 @@ def test_auto_with_threshold_zero_equals_fixed_T_max():
 
 def prefilled(model, T=4):
     """The tiny model with PROMPT in a KV cache sized for one more position, and h0 for all 8."""
-    cache = KVCache(max_len=8)
+    cache = KVCache(max_len=8, depth=T)
     h0 = model.initial_state((1, 8, 64), "cpu", torch.float32, torch.Generator().manual_seed(0))
     with torch.no_grad():
         model(torch.tensor(PROMPT), T=T, h0=h0[:, :7], cache=cache)
