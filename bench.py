@@ -327,7 +327,7 @@ def decoding_rows(model, ids, prompt_len, T=None, exit_threshold=None, repeats=3
     c = model.config
     T, T_max, new = T or c.mu_rec, 2 * c.mu_rec, ids.size(1) - prompt_len
     modes = {f"T={T}": dict(T=T), f"recompute T={T}": dict(T=T, use_cache=False)}
-    if c.injection != "none":
+    if model.injection is not None:
         threshold = {exit: exit_threshold or EXIT_THRESHOLDS[exit] for exit in EXITS}
         modes.update({f"T={T_max}": dict(T=T_max), **{
             f"auto ({exit} < {threshold[exit]:g})": dict(T="auto", exit=exit, exit_threshold=threshold[exit])
@@ -357,7 +357,7 @@ def decoding_rows(model, ids, prompt_len, T=None, exit_threshold=None, repeats=3
                  f"{cell(f'T={T}')}; {cell('before')}; {cell(f'recompute T={T}')}",
                  f"{rate[f'T={T}'] / rate['before']:.2f}x before, {rate[f'T={T}'] / rate[f'recompute T={T}']:.2f}x "
                  "recompute", f">= 1.5x before: {'met' if rate[f'T={T}'] >= 1.5 * rate['before'] else 'missed'}")
-    if c.injection == "none":
+    if model.injection is None:
         return [cache_row]
     auto = next(name for name in modes if name.startswith("auto (state"))
     steps_saved = 1 - results[auto][1] / T_max

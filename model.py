@@ -282,8 +282,8 @@ class Block(nn.Module):
 # Each owns its parameters and their init. The loop calls input_term(e) and state_weight() once per
 # forward (neither changes over the loop), then the injection itself at every step.
 
-def trunc_normal_(weight, std):
-    return nn.init.trunc_normal_(weight, std=std, a=-3 * std, b=3 * std)
+def trunc_normal_(weight, std, generator=None):
+    return nn.init.trunc_normal_(weight, std=std, a=-3 * std, b=3 * std, generator=generator)
 
 
 @torch.no_grad()
@@ -598,8 +598,7 @@ class Parcae(nn.Module):
         """METHOD.md §1: h0 ~ TruncNormal(0, sigma, +-3 sigma), sigma = sqrt(2 / (5 d)), drawn every forward
         (from `generator`, which lives on `device`, when given: sample.py's reproducible decoding)."""
         sigma = math.sqrt(2 / (5 * self.config.d_model))
-        h0 = torch.empty(shape, device=device, dtype=torch.float32)
-        return nn.init.trunc_normal_(h0, std=sigma, a=-3 * sigma, b=3 * sigma, generator=generator).to(dtype)
+        return trunc_normal_(torch.empty(shape, device=device, dtype=torch.float32), sigma, generator).to(dtype)
 
     def recurrence(self, injected, steps, h0, ctx, cache=None, diagnostics=False):
         """Run sequence i for steps = (n, k): n_i loop steps without gradient, then k_i with it (METHOD.md §2)
