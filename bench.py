@@ -280,9 +280,9 @@ def row_memory(args, device, training):
 
 class ConcatKVCache:
     """The first release's concatenating KV cache, the reference of row 5b: every new position concatenates,
-    copying each slot's whole cache (same interface as model.KVCache, without its fixed size)."""
+    copying each slot's whole cache (model.KVCache's claim and update, without its fixed size)."""
 
-    def __init__(self, max_len=None):
+    def __init__(self):
         self.slots, self.pos = {}, 0
 
     def claim(self, length):

@@ -234,8 +234,9 @@ class Attention(nn.Module):
         if self.ve_gate is not None:
             gate = 2 * torch.sigmoid(self.ve_gate(x[..., :self.ve_gate_channels]))  # (B, S, H)
             v = v + gate.unsqueeze(-1) * ve.view(B, S, H, D)
-        # METHOD.md §1: parameter-free RMS norm on q and k after RoPE, both in one pass (per head, so the
-        # same numbers as two; half the kernels, which is what one decoded token's time is made of)
+        # METHOD.md §1: parameter-free RMS norm on q and k after RoPE, both in one pass: per head, so the
+        # forward gives the numbers of two passes (the backward sums in another order), with half the
+        # kernels, which is what one decoded token's time is made of
         qk = torch.cat([self.c_q(x).view(B, S, H, D), self.c_k(x).view(B, S, H, D)], dim=2)  # (B, S, 2H, D)
         q, k = rms_norm(apply_rotary(qk, cos, sin), self.eps).transpose(1, 2).split(H, dim=1)  # (B, H, S, D)
         v = v.transpose(1, 2)

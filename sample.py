@@ -137,8 +137,8 @@ class Decoder:
 
     T: an int >= 1, None for mu_rec, or "auto" (up to T_max, default 2 * mu_rec, stopped per row by `exit`).
     use_cache: True prefills the prompt into a KVCache sized for prompt + max_new_tokens; False recomputes
-    the whole sequence for every token (fixed T only: the reference); or another class with KVCache's
-    interface (bench.py's concatenating reference). Prompts longer than seq_len are cropped from the left.
+    the whole sequence for every token (fixed T only: the reference). Prompts longer than seq_len are
+    cropped from the left.
     """
 
     def __init__(self, model, tokens, max_new_tokens, T=None, generators=(None,), exit="state",
@@ -168,10 +168,8 @@ class Decoder:
         self.h0 = draw_h0(model, num_positions, list(generators) * (idx.size(0) // len(generators)), device)
         self.tokens = torch.zeros(idx.size(0), num_positions, dtype=torch.long, device=device)
         self.tokens[:, :idx.size(1)], self.length = idx, idx.size(1)
-        if use_cache is True:
-            self.cache = KVCache(num_positions, depth=self.T)  # depth: see fill_skipped_steps
-        else:
-            self.cache = use_cache(num_positions) if use_cache else None
+        # depth for --T=auto alone: its early exits fill the skipped steps' slots (fill_skipped_steps)
+        self.cache = KVCache(num_positions, depth=self.T if adaptive else None) if use_cache else None
         with torch.inference_mode():
             self.A_bar = model.injection.state_weight() if model.injection is not None else None  # once per run
             if self.cache is not None and self.length > 1:  # the prompt but its last token, decoded like any
