@@ -76,13 +76,43 @@ def find_checkpoint(runs_dir, run=None):
     return found[-1]
 
 
+# Checkpoints written before the injection was a submodule of Parcae hold its parameters under bare names
+OLD_INJECTION_NAMES = ("A_log", "dt_bias", "B.weight", "adapter.weight")
+
+
+def read_checkpoint(path, device="cpu"):
+    """torch.load of a checkpoint (weights_only=True), its parameters under today's names: what every loader
+    of our checkpoints reads (load_checkpoint, train.py's resume). An old checkpoint's A_log, dt_bias,
+    B.weight and adapter.weight become injection.A_log ..., in the weights and in the optimiser's names."""
+    ckpt = torch.load(path, map_location=device, weights_only=True)
+
+    def renamed(name):
+        return f"injection.{name}" if name in OLD_INJECTION_NAMES else name
+
+    ckpt["model"] = {renamed(name): tensor for name, tensor in ckpt["model"].items()}
+    for group in ckpt.get("optimizer", {}).get("param_groups", []):
+        group["names"] = [renamed(name) for name in group["names"]]
+    return ckpt
+
+
+def load_optimizer_state(optimizer, saved):
+    """optimizer.load_state_dict(saved), each saved parameter's state matched to ours by name (the groups'
+    "names", optim.build_optimizer), not by position: an old checkpoint lists the injection's parameters
+    elsewhere in the order. A name we lack raises KeyError."""
+    for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
+        index = dict(zip(saved_group["names"], saved_group["params"]))
+        saved_group["params"] = [index[name] for name in group["names"]]
+        saved_group["names"] = group["names"]
+    optimizer.load_state_dict(saved)
+
+
 def load_checkpoint(path, device="cpu"):
     """-> (model in eval mode, the checkpoint dict). Never unpickles code (weights_only=True)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist; pass --ckpt with an existing file")
     try:
-        ckpt = torch.load(path, map_location=device, weights_only=True)
+        ckpt = read_checkpoint(path, device)
         model = Parcae(ParcaeConfig(**ckpt["config"]))
         model.load_state_dict(ckpt["model"])
     except Exception as err:

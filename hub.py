@@ -224,10 +224,10 @@ TOP_NAMES = {
     "transformer.wte.weight": "wte.weight",
     "transformer.ln_f.weight": "norm_f.weight",
     "transformer.ln_prelude.weight": "prelude_norm.weight",
-    "transformer.adapter.A_log": "A_log",  # DiagonalInjection (modules/injection.py)
-    "transformer.adapter.dt_bias": "dt_bias",
-    "transformer.adapter.B": "B.weight",  # a bare (d, d) Parameter used as e @ B^T, i.e. Linear's weight
-    "transformer.adapter.adapter.weight": "adapter.weight",  # LinearInjection: Linear(2d -> d) on [h, e]
+    "transformer.adapter.A_log": "injection.A_log",  # DiagonalInjection (modules/injection.py)
+    "transformer.adapter.dt_bias": "injection.dt_bias",
+    "transformer.adapter.B": "injection.B.weight",  # a bare (d, d) Parameter used as e @ B^T, i.e. Linear's weight
+    "transformer.adapter.adapter.weight": "injection.adapter.weight",  # LinearInjection: Linear(2d -> d) on [h, e]
     "transformer.C.weight": "C_proj.weight",
 }
 BLOCK_PARTS = {"prelude": "prelude", "core_block": "recur", "coda": "coda"}  # their Parcae's ModuleLists

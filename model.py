@@ -433,9 +433,7 @@ class Parcae(nn.Module):
         injection = INJECTION_CLASSES[c.injection]  # None: the fixed-depth Transformer, its blocks run once
         looped = injection is not None
         self.prelude_norm = nn.RMSNorm(d, eps=c.norm_eps) if looped and c.prelude_norm else None
-        self.injection = None
-        if looped:
-            self.adopt_injection(injection(d))
+        self.injection = injection(d) if looped else None
         # C_proj reads the loop's output for every looped variant, so the Table 4 ablations differ
         # from Parcae only in the injection (METHOD.md §1 puts it after the loop, with no norm before it)
         self.C_proj = nn.Linear(d, d, bias=False) if looped else None
@@ -443,25 +441,6 @@ class Parcae(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.init_weights()
-
-    def adopt_injection(self, injection):
-        """Hold `injection`, which owns its parameters' creation, init and use. Its parameters are registered
-        on Parcae itself, under the names our checkpoints and hub.py's name table use (A_log, dt_bias, B;
-        adapter) and in the order the optimiser and gradient clipping have always seen them (a reordering
-        changes the rounding of the clipped norm); the module itself stays out of the module tree, so that
-        nothing is registered twice."""
-        for name, child in injection.named_children():
-            self.add_module(name, child)
-        for name, param in injection.named_parameters(recurse=False):
-            self.register_parameter(name, param)
-        self.__dict__["injection"] = injection
-
-    def _apply(self, fn, *args, **kwargs):
-        """.to(), .cuda() and .half() may give a parameter a new object: point the injection at Parcae's."""
-        super()._apply(fn, *args, **kwargs)
-        if self.injection is not None:
-            self.injection._parameters.update({name: self._parameters[name] for name in self.injection._parameters})
-        return self
 
     def _rope_tables(self, length):
         c = self.config

@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common import find_checkpoint, get_base_dir, init_distributed, peak_bf16_flops, rank_and_world, save_checkpoint
+from common import (find_checkpoint, get_base_dir, init_distributed, load_optimizer_state, peak_bf16_flops,
+                    rank_and_world, read_checkpoint, save_checkpoint)
 from data import DataLoader, get_tokenizer, tokenizer_dir, val_batches
 from eval_core import download_eval_bundle, evaluate_bpb, evaluate_core
 from model import SAMPLINGS, Parcae, ParcaeConfig
@@ -228,9 +229,9 @@ start_step, skipped_steps = 0, 0
 # torchrun --max_restarts restarts every worker after one fails: continue from the last checkpoint by itself
 if args.resume or (restart_count > 0 and any(run_dir.glob("ckpt_*.pt"))):
     try:
-        ckpt = torch.load(find_checkpoint(get_base_dir() / "runs", run_name), map_location=device, weights_only=True)
+        ckpt = read_checkpoint(find_checkpoint(get_base_dir() / "runs", run_name), device)
         raw_model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
+        load_optimizer_state(optimizer, ckpt["optimizer"])
         for micro, loader in enumerate(loaders):
             loader.load_state_dict(ckpt["loader"][rank * grad_accum + micro])
         start_step, skipped_steps = ckpt["step"], ckpt["skipped_steps"]

@@ -1,5 +1,5 @@
-"""Tests for common.py: the base directory rule data.py repeats, and the GPU peak table; and what the
-training script's imports pull in."""
+"""Tests for common.py: the base directory rule data.py repeats, the GPU peak table, checkpoints written
+under the injection's old parameter names; and what the training script's imports pull in."""
 
 import subprocess
 import sys
@@ -9,6 +9,8 @@ import torch
 
 import common
 import data
+from model import Parcae, ParcaeConfig
+from optim import build_optimizer
 
 
 def test_data_caches_under_the_base_directory(tmp_path, monkeypatch):
@@ -34,3 +36,36 @@ def test_the_training_scripts_imports_never_load_hub():
     root = Path(__file__).resolve().parent.parent
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=120)
     assert result.stdout.strip() == "False", result.stderr
+
+
+def test_a_checkpoint_with_the_old_parameter_names_loads_and_resumes(tmp_path):
+    """Before the injection was a submodule, its parameters were Parcae's own: A_log and dt_bias first in the
+    parameter order (so first in the AdamW group), B.weight among the last. Such a checkpoint loads with the
+    same logits, and its optimiser state lands on the same parameters."""
+    torch.manual_seed(0)
+    config = ParcaeConfig(vocab_size=97, seq_len=16, n_prelude=1, n_recur=1, n_coda=1, d_model=64, head_dim=32,
+                          mu_rec=2)
+    model = Parcae(config)
+    optimizer = build_optimizer(model, adamw_lr=1e-2)
+    idx = torch.randint(0, 97, (2, 16))
+    model(idx, idx).backward()
+    optimizer.step()
+    old = {name.removeprefix("injection."): tensor for name, tensor in model.state_dict().items()}
+    assert list(old).count("A_log") == list(old).count("B.weight") == 1
+    saved = optimizer.state_dict()
+    adamw = saved["param_groups"][0]
+    moved = [i for i, name in enumerate(adamw["names"]) if name in ("injection.A_log", "injection.dt_bias")]
+    order = moved + [i for i in range(len(adamw["names"])) if i not in moved]  # the old order: those two first
+    adamw["params"] = [adamw["params"][i] for i in order]
+    adamw["names"] = [adamw["names"][i].removeprefix("injection.") for i in order]
+    torch.save({"config": vars(config), "model": old, "optimizer": saved}, tmp_path / "ckpt_000001.pt")
+
+    loaded, ckpt = common.load_checkpoint(tmp_path / "ckpt_000001.pt")
+    h0 = torch.randn(2, 16, 64)
+    assert torch.equal(loaded(idx, h0=h0), model.eval()(idx, h0=h0))
+    resumed = build_optimizer(loaded, adamw_lr=1e-2)
+    common.load_optimizer_state(resumed, common.read_checkpoint(tmp_path / "ckpt_000001.pt")["optimizer"])
+    ours = dict(loaded.named_parameters())
+    for name, param in model.named_parameters():
+        for key, value in optimizer.state[param].items():
+            assert torch.equal(torch.as_tensor(resumed.state[ours[name]][key]), torch.as_tensor(value)), (name, key)

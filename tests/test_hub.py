@@ -94,8 +94,8 @@ def authors_state_dict(model):
     q and k rows in their interleaved RoPE layout, the tied head and their freqs_cis buffer."""
     c = model.config
     top = {"wte.weight": "transformer.wte.weight", "norm_f.weight": "transformer.ln_f.weight",
-           "prelude_norm.weight": "transformer.ln_prelude.weight", "A_log": "transformer.adapter.A_log",
-           "dt_bias": "transformer.adapter.dt_bias", "B.weight": "transformer.adapter.B",
+           "prelude_norm.weight": "transformer.ln_prelude.weight", "injection.A_log": "transformer.adapter.A_log",
+           "injection.dt_bias": "transformer.adapter.dt_bias", "injection.B.weight": "transformer.adapter.B",
            "C_proj.weight": "transformer.C.weight"}
     block = {"attn_norm.weight": "norm_1.weight", "mlp_norm.weight": "norm_2.weight",
              "mlp.c_fc.weight": "mlp.fc.weight", "mlp.c_proj.weight": "mlp.proj.weight"}
@@ -315,7 +315,7 @@ def test_unmapped_name_shape_mismatch_and_missing_weight(tmp_path):
                        match=r"transformer.C.weight has shape \(64, 32\), our C_proj.weight has \(64, 64\)"):
         hub.map_names({**shapes, "transformer.C.weight": (64, 32)}, ours, model.config)
     del shapes["transformer.adapter.dt_bias"]
-    with pytest.raises(ValueError, match="no weights for 1 of our parameters, e.g. dt_bias"):
+    with pytest.raises(ValueError, match="no weights for 1 of our parameters, e.g. injection.dt_bias"):
         hub.map_names(shapes, ours, model.config)
     state["transformer.coda.0.mlp.fc.weight"] = state["transformer.coda.0.mlp.fc.weight"][:, :10]  # via the loader too
     folder = write_authors_folder(tmp_path / "ckpt", model)

@@ -26,7 +26,7 @@ def randomized(model, seed=0):
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name in ("A_log", "dt_bias"):
+            if name in ("injection.A_log", "injection.dt_bias"):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
@@ -271,12 +271,12 @@ def test_stability_diagnostics():
     assert transformer(idx, return_diagnostics=True)[1] == {"h_norm": None, "update_ratio": None}
 
 
-def test_injection_parameters_are_the_models_own_after_conversion():
-    for injection in ("diagonal", "concat"):
+def test_injection_is_a_plain_submodule_and_follows_conversion():
+    for injection, names in (("diagonal", ["injection.A_log", "injection.dt_bias", "injection.B.weight"]),
+                             ("concat", ["injection.adapter.weight"])):
         model = Parcae(tiny_config(injection=injection))
-        names = [name for name, _ in model.named_parameters()]
-        first = ["A_log", "dt_bias"] if injection == "diagonal" else ["wte.weight", "value_embeds.0.weight"]
-        assert names[:2] == first  # the order the optimiser and gradient clipping have always seen
+        assert [name for name, _ in model.named_parameters() if name.startswith("injection.")] == names
+        assert not [name for name, _ in model.named_parameters() if "." not in name]  # nothing on Parcae itself
         torch.__future__.set_overwrite_module_params_on_conversion(True)  # .to() makes new parameter objects
         try:
             model = model.to(torch.float64)
@@ -284,7 +284,7 @@ def test_injection_parameters_are_the_models_own_after_conversion():
             torch.__future__.set_overwrite_module_params_on_conversion(False)
         params = dict(model.named_parameters())
         for name, param in model.injection.named_parameters():
-            assert param is params[name] and param.dtype == torch.float64, name
+            assert param is params[f"injection.{name}"] and param.dtype == torch.float64, name
 
 
 def test_depth_generator_decides_the_sampled_depths():

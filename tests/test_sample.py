@@ -29,7 +29,7 @@ def tiny_model(seed=0, **overrides):
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            scale = 0.5 if name in ("A_log", "dt_bias") else 1 / math.sqrt(p.shape[-1])
+            scale = 0.5 if name in ("injection.A_log", "injection.dt_bias") else 1 / math.sqrt(p.shape[-1])
             p.copy_(torch.randn(p.shape, generator=gen) * scale)
     return model.eval()
 
