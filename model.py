@@ -552,12 +552,14 @@ class Parcae(nn.Module):
         return u
 
     def run_coda(self, h, ves, cos, sin, cache=None):
-        """The recurrence's output (B, S, d) -> logits (B, S, vocab) float32: C_proj, coda, norm, tied head."""
+        """The recurrence's output (B, S, d) -> logits (B, S, vocab): C_proj, coda, norm, tied head. The logits are
+        float32, or the weights' dtype when wider (a float64 model's are float64), whatever autocast computed."""
         c = self.config
         x = self.C_proj(h).to(h.dtype) if self.C_proj is not None else h  # float32 stream (see forward)
         for i, block in enumerate(self.coda):
             x = block(x, ves.get(c.n_prelude + c.n_recur + i), cos, sin, cache, ("coda", i))
-        return (self.norm_f(x) @ self.wte.weight.t())[..., :c.vocab_size].float()
+        logits = (self.norm_f(x) @ self.wte.weight.t())[..., :c.vocab_size]
+        return logits.to(torch.promote_types(self.wte.weight.dtype, torch.float32))
 
     def resolve_steps(self, T, batch_size, generator=None):
         """forward's T -> (n, k), (B,) CPU long tensors: each sequence's loop steps without gradient, then with

@@ -46,6 +46,20 @@ def record_dtypes(model):
     return seen
 
 
+def test_logits_are_float32_or_the_models_wider_dtype():
+    """bf16 autocast and a float32 model give float32 logits; a float64 model gives float64 logits that carry
+    more than float32's digits (a float32 cast on the way would bottom out a float64 check near 1e-7)."""
+    model = tiny().eval()
+    x = torch.randint(0, 257, (2, 32))
+    h0 = torch.randn(2, 32, 64) * 0.1
+    with torch.autocast(**BF16):
+        assert model(x, h0=h0).dtype == torch.float32
+    assert model(x, h0=h0).dtype == torch.float32
+    logits = model.to(torch.float64)(x, h0=h0)
+    assert logits.dtype == torch.float64
+    assert not torch.equal(logits, logits.float().double())
+
+
 @pytest.mark.parametrize("injection", ["diagonal", "concat", "add", "none"])
 def test_the_stream_and_every_norm_stay_float32_under_bf16_autocast(injection):
     model = tiny(injection)
