@@ -9,16 +9,14 @@ It prints ONE markdown table (progress goes to stderr), the one README's perform
 Each speed figure is a ratio of two things timed in the same run, interleaved repeat by repeat so that
 the noise of a shared machine falls on both; each is the median of --repeats repeats after a warm-up.
 Training steps run forward + backward + gradient clip + optimiser step (optim.build_optimizer), on
-fixed batches of random tokens, with the depths of every step drawn up front (model.sample_depths) and
+fixed batches of random tokens, with the depths of every step drawn up front (depths.sample_depths) and
 passed as T, so both sides of a comparison run exactly the same depths.
 """
 
 import argparse
 import platform
 import random
-import statistics
 import string
-import sys
 import time
 from contextlib import nullcontext
 from dataclasses import replace
@@ -27,12 +25,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common import find_checkpoint, get_base_dir, load_checkpoint, peak_bf16_flops
-from data import DataLoader, Tokenizer, iter_documents
-from eval_core import MC, Task, evaluate_task, initial_state_table
-from model import Parcae, ParcaeConfig, sample_depths
+from common import (find_checkpoint, get_base_dir, load_checkpoint, log, median_seconds, peak_bf16_flops, print_table,
+                    timed)
+from core_tasks import MC, Task
+from data import DataLoader, iter_documents
+from depths import sample_depths
+from eval_core import evaluate_task, initial_state_table
+from model import Parcae, ParcaeConfig
 from optim import build_optimizer
-from sample import EXIT_THRESHOLDS, EXITS, teacher_forced
+from sample import decoding_rows, stdlib_tokens
+from tokenizer import Tokenizer
 
 CUDA = torch.cuda.is_available()
 # Defaults: a small model on CPU (minutes on two cores), the 140M model (METHOD.md §1, depth 6) on CUDA
@@ -43,37 +45,6 @@ CPU_COMPILE_SIZES, CPU_COMPILE_BATCH = dict(depth=3, d_model=64, head_dim=32, vo
 COMPILE_STEPS, COMPILE_CHUNK = 50, 10
 MICRO_BATCHES = (4, 8, 16, 32)
 DECODE_PROMPT = 16  # row 5: tokens of prompt before the decoded ones
-
-
-def log(message):
-    print(message, file=sys.stderr, flush=True)
-
-# -----------------------------------------------------------------------------
-# Timing: interleaved repeats, medians
-
-def synchronize():
-    if CUDA:
-        torch.cuda.synchronize()
-
-
-def timed(fn):
-    synchronize()
-    t0 = time.perf_counter()
-    fn()
-    synchronize()
-    return time.perf_counter() - t0
-
-
-def median_seconds(fns, repeats, warmup=1):
-    """{name: fn} -> {name: median seconds of fn()}; warm-up calls first, then the fns take turns each repeat."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    seconds = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            seconds[name].append(timed(fn))
-    return {name: statistics.median(s) for name, s in seconds.items()}
 
 
 def si(value, unit=""):
@@ -278,114 +249,6 @@ def row_memory(args, device, training):
              figures, f"max/min {spread:.2f}x", f"flat within 10%: {'met' if spread <= 1.10 else 'missed'}")]
 
 
-class ConcatKVCache:
-    """The first release's concatenating KV cache, the reference of row 5b: every new position concatenates,
-    copying each slot's whole cache (model.KVCache's claim and update, without its fixed size)."""
-
-    def __init__(self):
-        self.slots, self.pos = {}, 0
-
-    def claim(self, length):
-        self.pos += length
-
-    def update(self, slot, k, v):
-        if slot in self.slots:
-            k_past, v_past = self.slots[slot]
-            k, v = torch.cat([k_past, k], dim=2), torch.cat([v_past, v], dim=2)
-        self.slots[slot] = (k, v)
-        return k, v
-
-
-def forward_per_token(model, ids, prompt_len, T, seed=0):
-    """Row 5b's "before": decoding as the first release did it, teacher-forced like sample.teacher_forced: the
-    prompt in one model() call into a ConcatKVCache, then model() on each position. -> mean loss."""
-    generator = torch.Generator(ids.device).manual_seed(seed)
-    h0 = model.initial_state((1, ids.size(1), model.config.d_model), ids.device, torch.float32, generator)
-    cache, losses = ConcatKVCache(), []
-    with torch.no_grad():
-        logits = model(ids[:, :prompt_len], T=T, h0=h0[:, :prompt_len], cache=cache)
-        for p in range(prompt_len, ids.size(1)):
-            losses.append(F.cross_entropy(logits[:, -1].float(), ids[:, p]))
-            logits = model(ids[:, p:p + 1], T=T, h0=h0[:, p:p + 1], cache=cache)
-    return torch.stack(losses).mean().item()
-
-
-def stdlib_tokens(tokenizer, length, device):
-    """(1, length) ids of the stdlib's validation split, documents joined by BOS: text every machine has."""
-    ids = []
-    for document in iter_documents("stdlib", "val"):
-        ids += tokenizer.encode(document, prepend_bos=True)
-        if len(ids) >= length:
-            return torch.tensor([ids[:length]], device=device)
-    raise ValueError(f"the stdlib's validation split has fewer than {length} tokens; lower max_new_tokens")
-
-
-def decoding_rows(model, ids, prompt_len, T=None, exit_threshold=None, repeats=3, number="5"):
-    """Teacher-forced decoding of ids[:, prompt_len:] (sample.teacher_forced), timed side by side: fixed T
-    (default mu_rec), T_max = 2 mu_rec, --T=auto with either exit test; then the KV cache against the old
-    concatenating one and full recomputation, at T. -> two table rows (tokens/s, loss, steps per token)."""
-    c = model.config
-    T, T_max, new = T or c.mu_rec, 2 * c.mu_rec, ids.size(1) - prompt_len
-    modes = {f"T={T}": dict(T=T), f"recompute T={T}": dict(T=T, use_cache=False)}
-    if model.injection is not None:
-        threshold = {exit: exit_threshold or EXIT_THRESHOLDS[exit] for exit in EXITS}
-        modes.update({f"T={T_max}": dict(T=T_max), **{
-            f"auto ({exit} < {threshold[exit]:g})": dict(T="auto", exit=exit, exit_threshold=threshold[exit])
-            for exit in EXITS}})
-    results = {}
-
-    def run(name, length):
-        if name == "before":
-            results[name] = (forward_per_token(model, ids[:, :length], prompt_len, T), T)
-        else:
-            results[name] = teacher_forced(model, ids[:, :length], prompt_len, **modes[name])
-
-    for name in [*modes, "before"]:
-        run(name, prompt_len + min(8, new))  # warm-up: the first calls of every kernel are slow
-    log(f"decoding: {new} tokens after a {prompt_len}-token prompt, {', '.join(modes)}, before")
-    seconds = median_seconds({name: lambda name=name: run(name, ids.size(1)) for name in [*modes, "before"]},
-                             repeats, warmup=0)
-    rate = {name: new / s for name, s in seconds.items()}
-
-    def cell(name):
-        loss, steps = results[name]
-        return f"{name}: {rate[name]:.1f} tok/s, loss {loss:.4f}, {steps:.2f} steps/token"
-
-    what = f"(sample.teacher_forced, {new} tokens after a {prompt_len}-token prompt)"
-    cache_row = (f"{number}b", f"KV cache at T={T} {what}: preallocated vs the first release's decoding (model() per "
-                 "token, concatenating cache) vs full recomputation",
-                 f"{cell(f'T={T}')}; {cell('before')}; {cell(f'recompute T={T}')}",
-                 f"{rate[f'T={T}'] / rate['before']:.2f}x before, {rate[f'T={T}'] / rate[f'recompute T={T}']:.2f}x "
-                 "recompute", f">= 1.5x before: {'met' if rate[f'T={T}'] >= 1.5 * rate['before'] else 'missed'}")
-    if model.injection is None:
-        return [cache_row]
-    auto = next(name for name in modes if name.startswith("auto (state"))
-    steps_saved = 1 - results[auto][1] / T_max
-    time_saved = 1 - rate[f"T={T_max}"] / rate[auto]
-    loss_up = results[auto][0] / results[f"T={T}"][0] - 1
-    met = time_saved >= steps_saved - 0.2 and loss_up <= 0.005
-    depth_row = (f"{number}a", f"decoding depth {what}: fixed T = mu_rec and 2 mu_rec, --T=auto (state, the "
-                 "default; KL)", "; ".join(cell(name) for name in modes if "recompute" not in name),
-                 f"auto (state) vs T={T_max}: time -{time_saved:.0%}, steps -{steps_saved:.0%}; loss vs T={T} "
-                 f"{loss_up:+.2%}{cost_split(rate, T, T_max, auto, results[auto][1])}",
-                 f"time saved >= steps saved - 20%, loss <= +0.5%: {'met' if met else 'missed'}")
-    return [depth_row, cache_row]
-
-
-def cost_split(rate, T, T_max, auto, auto_steps):
-    """Where a decoded token's time goes, from the two fixed depths: time(T) = fixed + T * step, the fixed
-    part being the prelude, the coda, the head and the loop around them. In steps: the fixed part, and what
-    --T=auto costs beyond its steps (the exit tests, the skipped slots' fill); then the most any exit test,
-    however cheap, could save against T_max at auto's steps. Empty when T = T_max."""
-    if T == T_max:
-        return ""
-    step = (1 / rate[f"T={T_max}"] - 1 / rate[f"T={T}"]) / (T_max - T)
-    fixed = 1 / rate[f"T={T}"] - T * step
-    exit_cost = 1 / rate[auto] - fixed - auto_steps * step
-    return (f"; per token: fixed cost {fixed / step:.2f} steps, auto's exit cost {exit_cost / step:.2f} steps; "
-            f"a free exit would save at most {(T_max - auto_steps) * step * rate[f'T={T_max}']:.0%}")
-
-
 def row_decode(args, device, training):
     """Row 5 on a trained checkpoint (--ckpt, else the newest under the base dir) and the stdlib's text; on
     an untrained model of the bench's size and random tokens when there is none."""
@@ -588,13 +451,6 @@ def main(argv=None):
           f"tokens per step, mu_rec {config.mu_rec}, mu_bwd {config.mu_bwd}; medians of {args.repeats} repeats "
           f"after a warm-up\n")
     print_table(table, f"measured on {device_name(device)}")
-
-
-def print_table(rows, what):
-    print(f"| # | {what} | result | ratio | target |")
-    print("|---|---|---|---|---|")
-    for cells in rows:
-        print("| " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

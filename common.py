@@ -1,12 +1,15 @@
 """
 common.py: what every script shares and the model does not need: process setup, the base directory,
-checkpoints, and the GPU peak table for MFU.
+checkpoints, the GPU peak table for MFU, and the timing of the benchmarks.
 
 model.py, optim.py and data.py import nothing of ours; train.py, eval_core.py, sample.py, hub.py and
 bench.py import this file.
 """
 
 import os
+import statistics
+import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -131,3 +134,43 @@ def peak_bf16_flops(device):
     """The GPU's dense bf16 peak, the denominator of MFU; None on a CPU or an unlisted GPU."""
     name = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else ""
     return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
+
+
+# -----------------------------------------------------------------------------
+# Measuring (bench.py, sample.py --benchmark): progress on stderr, interleaved repeats timed and their
+# medians, one markdown table
+
+def log(message):
+    print(message, file=sys.stderr, flush=True)
+
+
+def synchronize():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn):
+    synchronize()
+    t0 = time.perf_counter()
+    fn()
+    synchronize()
+    return time.perf_counter() - t0
+
+
+def median_seconds(fns, repeats, warmup=1):
+    """{name: fn} -> {name: median seconds of fn()}; warm-up calls first, then the fns take turns each repeat."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    seconds = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            seconds[name].append(timed(fn))
+    return {name: statistics.median(s) for name, s in seconds.items()}
+
+
+def print_table(rows, what):
+    print(f"| # | {what} | result | ratio | target |")
+    print("|---|---|---|---|---|")
+    for cells in rows:
+        print("| " + " | ".join(cells) + " |")

@@ -19,7 +19,6 @@ Everything is cached under $NANOPARCAE_BASE_DIR (default ~/.cache/nanoparcae).
 """
 
 import argparse
-import base64
 import bisect
 import collections
 import glob
@@ -41,25 +40,20 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pyarrow.parquet as pq
-import requests
-import rustbpe
-import tiktoken
 import torch
+
+from download import download_file
+from tokenizer import Tokenizer
 
 FINEWEB_URL = "https://huggingface.co/datasets/karpathy/fineweb-edu-100b-shuffle/resolve/main"
 FINEWEB_LAST_SHARD = 1822  # METHOD.md §5: shards 0..1822
-SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>"]
-# METHOD.md §2: a GPT-4 style split pattern; like nanochat we group digits by 1-2 (GPT-4: 1-3), which wastes
-# fewer tokens on numbers at small vocab sizes
-SPLIT_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*"""
-                 r"""|\s*[\r\n]|\s+(?!\S)|\s+""")
 VAL_EVERY = 20  # stdlib and user files: a document is validation iff crc32(text) % 20 == 0 (~5%)
 FILES_PER_CHUNK = 64  # text files are read (and shared across ranks) in groups of this many
 
 
 def cache_dir():
     """Where downloads and tokenizers are cached: common.get_base_dir's rule ($NANOPARCAE_BASE_DIR, default
-    ~/.cache/nanoparcae), repeated here so that data.py imports nothing of ours and runs on its own."""
+    ~/.cache/nanoparcae), repeated here so that data.py does not import common.py, and with it the model."""
     base_dir = Path(os.environ.get("NANOPARCAE_BASE_DIR", Path.home() / ".cache" / "nanoparcae")).expanduser()
     base_dir.mkdir(parents=True, exist_ok=True)
     return base_dir
@@ -71,90 +65,7 @@ def fineweb_dir():
     return path
 
 # -----------------------------------------------------------------------------
-# Tokenizer: trained with rustbpe, run with tiktoken (METHOD.md §2: byte-level BPE, GPT-4 split, <|bos|> etc.)
-
-class Tokenizer:
-    """A tiktoken.Encoding plus the byte length of every token (bits per byte needs it)."""
-
-    def __init__(self, enc, token_bytes, bos_token="<|bos|>"):
-        self.enc = enc
-        self.token_bytes = token_bytes  # int32 (vocab_size,): UTF-8 bytes each id decodes to, 0 for specials
-        self.bos_id = enc.encode_single_token(bos_token)  # hub.py: an imported tokenizer names it its own way
-        self.vocab_size = enc.n_vocab
-
-    @classmethod
-    def from_ranks(cls, mergeable_ranks, pattern, specials=None, bos_token="<|bos|>", name="nanoparcae"):
-        """specials: {name: id}; ours by default, taking the ids right after the learned tokens."""
-        if specials is None:
-            specials = {token: len(mergeable_ranks) + i for i, token in enumerate(SPECIAL_TOKENS)}
-        enc = tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=mergeable_ranks, special_tokens=specials)
-        token_bytes = torch.zeros(enc.n_vocab, dtype=torch.int32)
-        for token, rank in mergeable_ranks.items():
-            token_bytes[rank] = len(token)
-        return cls(enc, token_bytes, bos_token)
-
-    @classmethod
-    def train(cls, text_iterator, vocab_size, max_chars=2_000_000_000, doc_cap=10_000):
-        """Train on at most max_chars characters, each document cut to doc_cap (METHOD.md §2: ~2B chars, 10k cap).
-        vocab_size counts the special tokens."""
-        num_merged = vocab_size - len(SPECIAL_TOKENS)
-        if num_merged < 256:
-            raise ValueError(f"vocab_size {vocab_size} is too small: it needs 256 byte tokens "
-                             f"+ {len(SPECIAL_TOKENS)} specials")
-
-        def capped():
-            seen = 0
-            for text in text_iterator:
-                text = text[:doc_cap]
-                yield text
-                seen += len(text)
-                if seen >= max_chars:
-                    return
-
-        bpe = rustbpe.Tokenizer()
-        bpe.train_from_iterator(capped(), num_merged, pattern=SPLIT_PATTERN)
-        return cls.from_ranks({bytes(token): rank for token, rank in bpe.get_mergeable_ranks()}, SPLIT_PATTERN)
-
-    def save(self, directory):
-        """tiktoken's own text format ("base64(token) rank" per line), no pickle."""
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        ranks = self.enc._mergeable_ranks
-        by_rank = sorted(ranks.items(), key=lambda kv: kv[1])
-        lines = (f"{base64.b64encode(token).decode()} {rank}\n" for token, rank in by_rank)
-        (directory / "tokenizer.tiktoken").write_text("".join(lines))
-        config = {"pattern": self.enc._pat_str, "special_tokens": self.enc._special_tokens}
-        (directory / "tokenizer.json").write_text(json.dumps(config, indent=1))
-        (directory / "token_bytes.txt").write_text("".join(f"{n}\n" for n in self.token_bytes.tolist()))
-
-    @classmethod
-    def load(cls, directory):
-        directory = Path(directory)
-        ranks = {}
-        for line in (directory / "tokenizer.tiktoken").read_text().splitlines():
-            token, rank = line.split()
-            ranks[base64.b64decode(token)] = int(rank)
-        config = json.loads((directory / "tokenizer.json").read_text())
-        enc = tiktoken.Encoding("nanoparcae", pat_str=config["pattern"], mergeable_ranks=ranks,
-                                special_tokens=config["special_tokens"])
-        byte_counts = (directory / "token_bytes.txt").read_text().split()
-        token_bytes = torch.tensor([int(n) for n in byte_counts], dtype=torch.int32)
-        if len(token_bytes) != enc.n_vocab:
-            raise ValueError(f"{directory}/token_bytes.txt does not match the vocabulary: "
-                             f"delete {directory} to retrain")
-        return cls(enc, token_bytes)
-
-    def encode(self, text, prepend_bos=False, num_threads=8):
-        """A string gives a list of ids, a list of strings a list of lists (encoded on num_threads threads).
-        Special tokens never come out of text: "<|bos|>" written in a document is ordinary characters."""
-        prefix = [self.bos_id] if prepend_bos else []
-        if isinstance(text, str):
-            return prefix + self.enc.encode_ordinary(text)
-        return [prefix + ids for ids in self.enc.encode_ordinary_batch(text, num_threads=num_threads)]
-
-    def decode(self, ids):
-        return self.enc.decode(ids)
-
+# The tokenizer of a data source: trained on its train split on first use, then cached
 
 def tokenizer_dir(source, vocab_size):
     if source in ("fineweb-edu", "stdlib"):
@@ -183,53 +94,6 @@ def get_tokenizer(source, vocab_size, max_chars=2_000_000_000, doc_cap=10_000):
             scratch.rmdir()
         print(f"Trained in {time.time() - t0:.1f}s, saved to {directory}")
     return Tokenizer.load(directory)
-
-# -----------------------------------------------------------------------------
-# Downloads: one streamed, resumable, retried HTTP download (used by the shards, eval_core.py and hub.py)
-
-def download_file(url, path, max_attempts=5, retry_delay=1.0, timeout=60):
-    """Stream url into <path>.part and rename it to path only when complete, so a broken download never has
-    the final name. A .part left by an earlier try is resumed with a Range header (206: append, 200: the server
-    ignored Range, start over, 416: it already holds every byte). Connection errors and 5xx are retried with
-    exponential backoff; 4xx are final. Raises FileNotFoundError for a 404, OSError for any other failure,
-    each with a one-line message naming the url; callers add the fix."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    part = path.with_name(path.name + ".part")
-    resumable = False  # does the server honour Range? Only then is a partial file worth keeping
-    for attempt in range(1, max_attempts + 1):
-        have = part.stat().st_size if part.exists() else 0
-        try:
-            with requests.get(url, headers={"Range": f"bytes={have}-"} if have else {}, stream=True,
-                              timeout=timeout) as response:
-                status = response.status_code
-                if status == 416:
-                    total = response.headers.get("Content-Range", f"bytes */{have}").rpartition("/")[2]
-                    if total == str(have):  # the part file already holds every byte
-                        break
-                    part.unlink()
-                    raise requests.HTTPError(f"HTTP 416: the partial file is no prefix of the {total} bytes served")
-                if status == 404:
-                    raise FileNotFoundError(f"{url} answered HTTP 404 (no such file)")
-                if 400 <= status < 500:  # permanent: retrying will not help
-                    raise OSError(f"{url} answered HTTP {status}")
-                response.raise_for_status()
-                resumable = status == 206 or response.headers.get("Accept-Ranges") == "bytes"
-                with open(part, "ab" if status == 206 else "wb") as f:
-                    for block in response.iter_content(chunk_size=1 << 20):
-                        f.write(block)
-            break
-        except requests.RequestException as e:
-            reason = str(e).split(" for url:")[0] if isinstance(e, requests.HTTPError) else type(e).__name__
-            if attempt == max_attempts:
-                if not resumable:
-                    part.unlink(missing_ok=True)
-                raise OSError(f"could not download {url} after {max_attempts} attempts ({reason})") from None
-            delay = retry_delay * 2 ** (attempt - 1)
-            print(f"{path.name}: attempt {attempt}/{max_attempts} failed ({reason}), retrying in {delay:.1f}s")
-            time.sleep(delay)
-    os.replace(part, path)
-    return path
 
 # -----------------------------------------------------------------------------
 # FineWeb-Edu shards: a download, a parquet check, then the final name

@@ -6,7 +6,7 @@ Their package parcae_lm writes a folder with config.json (its config dataclass a
 `_class_name`), a state dict (model.pt or pytorch_model.bin) and a byte-level BPE tokenizer.json
 (METHOD.md §5). This file downloads such a folder (or reads a local one), builds our ParcaeConfig from
 theirs, renames their parameters onto ours with one explicit table, and turns tokenizer.json into a
-tiktoken Encoding wrapped in data.Tokenizer.
+tiktoken Encoding wrapped in tokenizer.Tokenizer.
 
     python hub.py SandyResearch/parcae-140m        # download, load, print a summary
     model, tokenizer = hub.load_pretrained("SandyResearch/parcae-140m")   # or a local folder
@@ -23,8 +23,9 @@ from pathlib import Path
 import torch
 
 from common import get_base_dir
-from data import Tokenizer, download_file
+from download import download_file
 from model import Parcae, ParcaeConfig
+from tokenizer import Tokenizer
 
 HUB_URL = os.environ.get("NANOPARCAE_HUB_URL", "https://huggingface.co")  # tests point it at 127.0.0.1
 WEIGHT_FILES = ("pytorch_model.bin", "model.pt")  # the order their from_pretrained tries
@@ -43,7 +44,7 @@ def local_dir(source):
 
 
 def download(repo_id, filename, base_url=None):
-    """Fetch one file into the cache (kept across calls; a partial one is resumed, see data.download_file).
+    """Fetch one file into the cache (kept across calls; a partial one is resumed, see download.download_file).
     Returns the path, or None when the server has no such file."""
     path = cache_dir(repo_id) / filename
     if path.is_file():
@@ -343,7 +344,7 @@ def split_pattern(pre_tokenizer):
 
 
 def tokenizer_from_json(path, bos_token=None):
-    """tokenizer.json -> data.Tokenizer: the vocabulary mapped back to bytes, ranks = ids (BPE merges
+    """tokenizer.json -> tokenizer.Tokenizer: the vocabulary mapped back to bytes, ranks = ids (BPE merges
     in id order, as a trainer mints them), added tokens kept as special tokens."""
     spec = json.loads(Path(path).read_text(encoding="utf-8"))
     bpe = spec.get("model", {})

@@ -13,7 +13,7 @@ blocks run once, in order.
 
 Training samples a recurrence depth per sequence, T_i = max(1, Poisson(mu_rec)), runs the first
 n_i = T_i - k_i steps without gradient and the last k_i = min(T_i, mu_bwd) with it (METHOD.md §2).
-Other samplers (the per-batch ablation, the authors' other schemes): SAMPLINGS, sample_depths.
+Other samplers (the per-batch ablation, the authors' other schemes): depths.py.
 The caller owns the randomness (forward's depth_generator, torch's global RNG for h0), and the model keeps
 no state between forwards: the stability diagnostics come back when asked for (return_diagnostics).
 
@@ -34,33 +34,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from depths import SAMPLINGS, sample_depths, split_depths
+
 # -----------------------------------------------------------------------------
 # Configuration
 
 INJECTIONS = ("diagonal", "concat", "add", "none")
-# Depth samplers: each training forward runs n_i recurrent steps without gradient, then k_i with it. Every
-# entry says what it draws and its mean executed (n + k) and backpropagated (k) steps, also at mu_rec 8,
-# mu_bwd 4; "mu_rec - mu_bwd" means max(0, mu_rec - mu_bwd). The Poisson ones after per_batch_split are the
-# other schemes of the authors' per-batch sampler (their sampling_scheme names with "-" for "_").
-SAMPLINGS = {
-    "per_sequence": "Parcae: T_i = max(1, Poisson(mu_rec)) per sequence, n_i = T_i - k_i, "
-                    "k_i = min(T_i, mu_bwd); executes mu_rec + exp(-mu_rec) (8.00), backprops E[min(T, mu_bwd)] "
-                    "(3.94)",
-    "per_batch": "the authors' per-batch ablation (their poisson-truncated-full, per-batch): one T = max(1, "
-                 "Poisson(mu_rec)) per micro-batch, n = T, then k = min(T, mu_bwd) more; executes E[T] + "
-                 "E[min(T, mu_bwd)] (11.94), backprops E[min(T, mu_bwd)] (3.94)",
-    "per_batch_split": "per_sequence's depths drawn once per micro-batch: one T, n = T - k, k = min(T, mu_bwd); "
-                       "executes 8.00, backprops 3.94 (equal compute to per_sequence)",
-    "poisson_unbounded": "per micro-batch n ~ Poisson(mu_rec - mu_bwd), k ~ U{1..2 mu_bwd}; executes "
-                         "mu_rec + 1/2 (8.5), backprops mu_bwd + 1/2 (4.5)",
-    "poisson_fill": "per micro-batch n ~ Poisson(mu_rec - mu_bwd), k = mu_bwd; executes mu_rec (8), "
-                    "backprops mu_bwd (4)",
-    "poisson_full": "per micro-batch n = 0, k = max(1, Poisson(mu_rec)): full backprop, memory grows with T; "
-                    "executes and backprops mu_rec + exp(-mu_rec) (8.00)",
-    "fixed": "T = mu_rec always, n = T - k, k = min(T, mu_bwd) (the paper's mu_rec = 1 fixed-depth Parcae, "
-             "and tests); executes mu_rec (8), backprops min(mu_rec, mu_bwd) (4)",
-}
-
 
 
 @dataclass
@@ -120,41 +99,6 @@ class ParcaeConfig:
 
 
 # -----------------------------------------------------------------------------
-# Depth sampling (METHOD.md §2)
-
-def sample_depths(config, batch_size, generator=None):
-    """One training draw of config.sampling (SAMPLINGS) -> (n, k), (B,) long tensors: sequence i runs n_i
-    steps without gradient, then k_i with it. Only per_sequence draws per sequence; the others once per
-    micro-batch, as the authors' per-batch sampler."""
-    scheme, mu_bwd = config.sampling, config.mu_bwd
-    draws = batch_size if scheme == "per_sequence" else 1
-
-    def poisson(rate):
-        return torch.poisson(torch.full((draws,), float(rate)), generator=generator).long()
-
-    rest = max(config.mu_rec - mu_bwd, 0)  # the authors' mean no-grad depth
-    if scheme == "poisson_unbounded":
-        n, k = poisson(rest), torch.randint(1, 2 * mu_bwd + 1, (draws,), generator=generator)
-    elif scheme == "poisson_fill":
-        n, k = poisson(rest), torch.full((draws,), mu_bwd)
-    elif scheme == "poisson_full":
-        k = poisson(rest + mu_bwd).clamp_(min=1)
-        n = torch.zeros_like(k)
-    else:
-        T = torch.full((draws,), config.mu_rec) if scheme == "fixed" else poisson(config.mu_rec).clamp_(min=1)
-        n, k = split_depths(T, mu_bwd, training=True)
-        if scheme == "per_batch":
-            n = T  # the authors' per-batch path runs all T steps without grad, then k more with it
-    return n.expand(batch_size).clone(), k.expand(batch_size).clone()
-
-
-def split_depths(depths, mu_bwd, training):
-    """Per sequence: n no-grad steps then k = min(T, mu_bwd) grad steps. Evaluation: all T without grad."""
-    k = depths.clamp(max=mu_bwd) if training else torch.zeros_like(depths)
-    return depths - k, k
-
-
-# -----------------------------------------------------------------------------
 # Building blocks
 
 def rms_norm(x, eps):
@@ -167,51 +111,6 @@ def apply_rotary(x, cos, sin):
     x1, x2 = x[..., :half], x[..., half:]
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # float32 tables would lift bf16 q, k to float32
     return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
-
-
-class KVCache:
-    """Keys and values for decoding, one slot per attention call site: a prelude or coda layer, or a
-    recurrent layer at one loop step (METHOD.md §1 loops the same weights, but each step sees other inputs).
-
-    Each slot is one buffer per keys and values, (B, H, max_len, D), allocated at its first write and
-    written in place: a new position never copies what is cached (nanochat's engine does the same).
-    With `depth`, the slots of recurrent layer i at steps 0..depth-1 are views of one tensor, stacks[i]
-    (depth, 2, B, H, max_len, D), so that one copy can write a position into every step at once (a token
-    that stops its recurrence early: sample.fill_skipped_steps)."""
-
-    def __init__(self, max_len, depth=None):
-        self.max_len, self.depth = max_len, depth
-        self.slots = {}  # slot -> (k, v) buffers, each (B, H, max_len, D)
-        self.stacks = {}  # recurrent layer i -> (depth, 2, B, H, max_len, D), when depth is given
-        self.pos = 0  # positions claimed so far, those of the forward under way included
-
-    def claim(self, length):
-        """The next forward's `length` positions (run_prelude calls it before any layer writes)."""
-        if self.pos + length > self.max_len:
-            raise ValueError(f"{self.pos + length} positions exceed the KV cache's {self.max_len}; "
-                             f"size the cache for the prompt plus every new token")
-        self.pos += length
-
-    def buffers(self, slot, like):
-        """The slot's (k, v) buffers, allocated like `like` (B, H, S, D) at the first call."""
-        if slot not in self.slots:
-            B, H, _, D = like.shape
-            if slot[0] == "recur" and self.depth is not None and slot[1] < self.depth:
-                i = slot[2]
-                if i not in self.stacks:
-                    self.stacks[i] = like.new_zeros(self.depth, 2, B, H, self.max_len, D)
-                self.slots[slot] = tuple(self.stacks[i][slot[1]])
-            else:
-                self.slots[slot] = tuple(like.new_zeros(B, H, self.max_len, D) for _ in range(2))
-        return self.slots[slot]
-
-    def update(self, slot, k, v):
-        """Write the newest k.size(2) positions' keys and values; -> every cached position's, as views."""
-        k_buf, v_buf = self.buffers(slot, k)
-        start = self.pos - k.size(2)
-        k_buf[:, :, start:self.pos] = k
-        v_buf[:, :, start:self.pos] = v
-        return k_buf[:, :, :self.pos], v_buf[:, :, :self.pos]
 
 
 class Attention(nn.Module):
@@ -519,7 +418,7 @@ class Parcae(nn.Module):
             output = loss.view(B, S) if reduction == "none" else loss
         return (output, diagnostics) if return_diagnostics else output
 
-    # The three pieces of a forward, apart so that sample.py can read the coda's prediction after any
+    # The three pieces of a forward, apart so that engine.py can read the coda's prediction after any
     # recurrent step (adaptive depth) and loop the steps itself.
 
     def run_prelude(self, idx, cache=None):
@@ -578,7 +477,7 @@ class Parcae(nn.Module):
 
     def initial_state(self, shape, device, dtype, generator=None):
         """METHOD.md §1: h0 ~ TruncNormal(0, sigma, +-3 sigma), sigma = sqrt(2 / (5 d)), drawn every forward
-        (from `generator`, which lives on `device`, when given: sample.py's reproducible decoding)."""
+        (from `generator`, which lives on `device`, when given: engine.py's reproducible decoding)."""
         sigma = math.sqrt(2 / (5 * self.config.d_model))
         return trunc_normal_(torch.empty(shape, device=device, dtype=torch.float32), sigma, generator).to(dtype)
 

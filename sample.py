@@ -8,19 +8,13 @@ sample.py: text from a trained Parcae checkpoint, at any recurrence depth, strea
     python sample.py --benchmark                                          # tokens/s and loss: fixed T, auto, caches
 
 --T is any positive integer, independent of the mu_rec the model trained with (METHOD.md §3: test-time scaling);
-it defaults to mu_rec. The prompt is prefilled in one pass into a KV cache with a slot per prelude/coda
-layer and per (recurrent layer, loop step), each slot one buffer sized for prompt + max_new_tokens and
-written in place; each new token then costs one position per layer and step.
+it defaults to mu_rec. --T=auto (beyond the paper) stops each new token's recurrence once it settles, after
+step t >= 2 or at --T_max, by --exit's test under --exit_threshold. Sample i uses its own generator, seeded
+--seed + i, for its h0 draws and its sampling. How decoding works (the KV cache, the exit tests): engine.py.
 
---T=auto (beyond the paper) stops each new token's recurrence once it settles, after step t >= 2 or at
---T_max: by default when the state's relative change ||h_t - h_{t-1}|| / ||h_t|| falls under
---exit_threshold, a test far cheaper than a step, so the coda and the head run once per token; with
---exit=kl when KL(p_t || p_{t-1}) of successive predictions does, which runs the coda and head every step.
-The cache slots of the steps a token skipped hold its last computed step's keys and values, so later
-tokens still see it at every depth.
-
-Sample i uses its own generator, seeded --seed + i, for its h0 draws and its sampling: a sample does not
-depend on how many others are drawn, or on whether generate() runs them in one batch.
+--benchmark times teacher-forced decoding of the stdlib's validation text: fixed T, T_max and --T=auto with
+either exit test, and the KV cache against the first release's decoding and full recomputation (the rows
+bench.py's row 5 prints for a checkpoint).
 """
 
 import argparse
@@ -33,202 +27,123 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common import find_checkpoint, get_base_dir, load_checkpoint
-from data import Tokenizer
+from common import find_checkpoint, get_base_dir, load_checkpoint, log, median_seconds, print_table
+from data import iter_documents
+from engine import EXIT_THRESHOLDS, EXITS, generate, teacher_forced
 from hub import known_ids, load_pretrained
-from model import KVCache
+from tokenizer import Tokenizer
 
-# -----------------------------------------------------------------------------
-# One token from the logits; h0 for every position up front
-
-def sample_next(logits, temperature, top_k, generators):
-    """logits (B, V) -> (B,) ids: argmax when temperature is 0, else a draw from the top_k most likely. The
-    draw runs over those k alone (as nanochat's engine does): a multinomial over the whole vocabulary costs
-    more than a recurrent step of a small model, one over k candidates a tenth of that."""
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    ids = None
-    if top_k is not None:
-        logits, ids = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1)  # (B, k) each
-    probs = (logits / temperature).softmax(dim=-1)
-    choice = torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators)])  # (B,)
-    return choice if ids is None else ids.gather(1, choice[:, None]).squeeze(1)
-
-
-def draw_h0(model, length, generators, device):
-    """METHOD.md §1's h0 for `length` positions, one row per generator: drawn before any sampling, so the
-    initial states of a run do not depend on the tokens sampled (greedy and top-k 1 see the same h0)."""
-    d = model.config.d_model
-    return torch.cat([model.initial_state((1, length, d), device, torch.float32, generator=g) for g in generators])
-
-# -----------------------------------------------------------------------------
-# One new position: the recurrence at a fixed depth, or stopped per row when it settles
-
-EXITS = ("state", "kl")
-# --T=auto's default thresholds. "state": the relative change of the recurrent state, calibrated on the CPU
-# default checkpoint (mu_rec 4, T_max 8) for a teacher-forced loss within 0.5% of fixed T = mu_rec: 0.05 / 0.1 /
-# 0.15 / 0.3 gave 4.01 / 3.38 / 3.00 / 2.02 steps per token at +0.00 / +0.00 / -0.01 / +0.07% loss.
-EXIT_THRESHOLDS = {"state": 0.15, "kl": 5e-4}
 BENCHMARK_PROMPT = 16  # --benchmark: tokens of prompt before the max_new_tokens decoded
 
-
-def relative_change(new, old):
-    """||h_t - h_{t-1}|| / ||h_t|| per row, for one position: (B, 1, d) twice -> (B,)."""
-    return torch.linalg.vector_norm(new - old, dim=(1, 2)) / torch.linalg.vector_norm(new, dim=(1, 2))
-
-
-def decode_step(model, idx, cache, h0, T, exit=None, threshold=0.0, A_bar=None):
-    """idx (B, 1), the position after those in `cache` -> (logits (B, 1, V), steps (B,)), the coda run once.
-
-    With exit=None every row runs T recurrent steps. With exit="state" row r stops after step t >= 2 once
-    relative_change(h_t, h_{t-1}) < threshold: four small ops on the state and one read of B floats per
-    step, far cheaper than the step. With exit="kl" it stops once KL(p_t || p_{t-1}) < threshold, which runs
-    the coda and the head after every step. A stopped row's state stays put while the others run on; the
-    bookkeeping is Python lists, not tensor ops, since every op costs as much as a small matmul at B = 1.
-    Cached keys and values are written in place, so the coda's slot, rewritten after every step under "kl",
-    ends up holding each row's final state's. A_bar: the injection's state_weight(), when the caller has it.
-    """
-    e, (ves, cos, sin) = model.run_prelude(idx, cache)
-    A_bar = model.injection.state_weight() if A_bar is None else A_bar
-    h, B = h0.to(e.dtype), idx.size(0)
-    if exit is None:
-        for step in range(T):
-            h = model.recur_step(h, e, step, ves, cos, sin, cache, A_bar)
-        return model.run_coda(h, ves, cos, sin, cache), torch.full((B,), T)
-    steps, done, logits, prev_logp = [T] * B, [False] * B, None, None
-    for step in range(T):
-        u = model.recur_step(h, e, step, ves, cos, sin, cache, A_bar)
-        change = relative_change(u, h) if exit == "state" and step > 0 else None
-        h = torch.where(torch.tensor(done, device=h.device)[:, None, None], h, u) if any(done) else u
-        if exit == "kl":
-            logits = model.run_coda(h, ves, cos, sin, cache)
-            logp = logits[:, -1].log_softmax(dim=-1)
-            if prev_logp is not None:  # rounding can take the KL below 0: clamped, so threshold 0 never exits
-                change = (logp.exp() * (logp - prev_logp)).sum(dim=-1).clamp(min=0)
-            prev_logp = logp
-        if change is not None:
-            for r, value in enumerate(change.tolist()):
-                if not done[r] and value < threshold:
-                    done[r], steps[r] = True, step + 1
-            if all(done):
-                break
-    if cache is not None and any(done):
-        fill_skipped_steps(cache, steps, T)
-    return (model.run_coda(h, ves, cos, sin, cache) if logits is None else logits), torch.tensor(steps)
-
-
-def fill_skipped_steps(cache, steps, T_max):
-    """The newest position's recurrent slots at the steps a row skipped take its last computed step's keys
-    and values, so later tokens see it at every depth (steps: the steps each row ran). One copy per row and
-    recurrent layer: the cache holds each layer's steps in one tensor (KVCache's depth)."""
-    if cache.depth is None or cache.depth < T_max:
-        raise ValueError(f"an early exit fills the steps it skipped in the cache's stacks: build the cache as "
-                         f"KVCache(max_len, depth={T_max})")
-    p = cache.pos - 1
-    for r, ran in enumerate(steps):
-        for stack in cache.stacks.values():  # (depth, 2, B, H, max_len, D)
-            stack[ran:T_max, :, r, :, p] = stack[ran - 1, :, r, :, p]
-
 # -----------------------------------------------------------------------------
-# Decoding: the prompt prefilled, then one position at a time
+# The decoding benchmark (--benchmark, and bench.py's row 5): tokens/s and loss of teacher-forced decoding
 
-class Decoder:
-    """Next-token logits for a batch of prompts, one position per call, the token fed back by append().
+class ConcatKVCache:
+    """The first release's concatenating KV cache, the reference of row 5b: every new position concatenates,
+    copying each slot's whole cache (model.KVCache's claim and update, without its fixed size)."""
 
-    T: an int >= 1, None for mu_rec, or "auto" (up to T_max, default 2 * mu_rec, stopped per row by `exit`).
-    use_cache: True prefills the prompt into a KVCache sized for prompt + max_new_tokens; False recomputes
-    the whole sequence for every token (fixed T only: the reference). Prompts longer than seq_len are
-    cropped from the left.
-    """
+    def __init__(self):
+        self.slots, self.pos = {}, 0
 
-    def __init__(self, model, tokens, max_new_tokens, T=None, generators=(None,), exit="state",
-                 exit_threshold=None, T_max=None, use_cache=True):
-        c = self.config = model.config
-        device = model.wte.weight.device
-        idx = torch.as_tensor(tokens, dtype=torch.long, device=device)
-        idx = idx[None] if idx.dim() == 1 else idx
-        if idx.size(1) > c.seq_len:
-            warnings.warn(f"the prompt's {idx.size(1)} tokens exceed seq_len={c.seq_len}: "
-                          f"cropped from the left to the last {c.seq_len}")
-            idx = idx[:, -c.seq_len:]
-        adaptive = T == "auto"
-        if adaptive and use_cache is False:
-            raise ValueError("T='auto' decodes through the KV cache; use_cache=False needs a fixed T")
-        if adaptive and model.injection is None:
-            raise ValueError("T='auto' needs a looped model; this is the fixed-depth Transformer baseline")
-        if exit not in EXITS:
-            raise ValueError(f"exit={exit!r} is not one of {EXITS}")
-        num_positions = idx.size(1) + max_new_tokens
-        if num_positions > model.rope_cos.size(1):
-            raise ValueError(f"prompt + max_new_tokens = {num_positions} positions exceed the model's RoPE table of "
-                             f"{model.rope_cos.size(1)}; lower max_new_tokens")
-        self.model, self.T = model, (T_max or 2 * c.mu_rec) if adaptive else (T or c.mu_rec)
-        self.exit = exit if adaptive else None
-        self.threshold = EXIT_THRESHOLDS[exit] if exit_threshold is None else exit_threshold
-        self.h0 = draw_h0(model, num_positions, list(generators) * (idx.size(0) // len(generators)), device)
-        self.tokens = torch.zeros(idx.size(0), num_positions, dtype=torch.long, device=device)
-        self.tokens[:, :idx.size(1)], self.length = idx, idx.size(1)
-        # depth for --T=auto alone: its early exits fill the skipped steps' slots (fill_skipped_steps)
-        self.cache = KVCache(num_positions, depth=self.T if adaptive else None) if use_cache else None
-        with torch.inference_mode():
-            self.A_bar = model.injection.state_weight() if model.injection is not None else None  # once per run
-            if self.cache is not None and self.length > 1:  # the prompt but its last token, decoded like any
-                model(idx[:, :-1], T=self.T, h0=self.h0[:, :self.length - 1], cache=self.cache)
+    def claim(self, length):
+        self.pos += length
 
-    @torch.inference_mode()
-    def next_logits(self):
-        """-> (logits (B, V) for the position after the last token, recurrent steps (B,) each row took)."""
-        n, model, B = self.length, self.model, self.tokens.size(0)
-        depth = self.T if model.injection is not None else 1
-        if self.cache is None:
-            logits = model(self.tokens[:, :n], T=self.T, h0=self.h0[:, :n])
-        elif model.injection is None:
-            logits = model(self.tokens[:, n - 1:n], cache=self.cache)
+    def update(self, slot, k, v):
+        if slot in self.slots:
+            k_past, v_past = self.slots[slot]
+            k, v = torch.cat([k_past, k], dim=2), torch.cat([v_past, v], dim=2)
+        self.slots[slot] = (k, v)
+        return k, v
+
+
+def forward_per_token(model, ids, prompt_len, T, seed=0):
+    """Row 5b's "before": decoding as the first release did it, teacher-forced like sample.teacher_forced: the
+    prompt in one model() call into a ConcatKVCache, then model() on each position. -> mean loss."""
+    generator = torch.Generator(ids.device).manual_seed(seed)
+    h0 = model.initial_state((1, ids.size(1), model.config.d_model), ids.device, torch.float32, generator)
+    cache, losses = ConcatKVCache(), []
+    with torch.no_grad():
+        logits = model(ids[:, :prompt_len], T=T, h0=h0[:, :prompt_len], cache=cache)
+        for p in range(prompt_len, ids.size(1)):
+            losses.append(F.cross_entropy(logits[:, -1].float(), ids[:, p]))
+            logits = model(ids[:, p:p + 1], T=T, h0=h0[:, p:p + 1], cache=cache)
+    return torch.stack(losses).mean().item()
+
+
+def stdlib_tokens(tokenizer, length, device):
+    """(1, length) ids of the stdlib's validation split, documents joined by BOS: text every machine has."""
+    ids = []
+    for document in iter_documents("stdlib", "val"):
+        ids += tokenizer.encode(document, prepend_bos=True)
+        if len(ids) >= length:
+            return torch.tensor([ids[:length]], device=device)
+    raise ValueError(f"the stdlib's validation split has fewer than {length} tokens; lower max_new_tokens")
+
+
+def decoding_rows(model, ids, prompt_len, T=None, exit_threshold=None, repeats=3, number="5"):
+    """Teacher-forced decoding of ids[:, prompt_len:] (sample.teacher_forced), timed side by side: fixed T
+    (default mu_rec), T_max = 2 mu_rec, --T=auto with either exit test; then the KV cache against the old
+    concatenating one and full recomputation, at T. -> two table rows (tokens/s, loss, steps per token)."""
+    c = model.config
+    T, T_max, new = T or c.mu_rec, 2 * c.mu_rec, ids.size(1) - prompt_len
+    modes = {f"T={T}": dict(T=T), f"recompute T={T}": dict(T=T, use_cache=False)}
+    if model.injection is not None:
+        threshold = {exit: exit_threshold or EXIT_THRESHOLDS[exit] for exit in EXITS}
+        modes.update({f"T={T_max}": dict(T=T_max), **{
+            f"auto ({exit} < {threshold[exit]:g})": dict(T="auto", exit=exit, exit_threshold=threshold[exit])
+            for exit in EXITS}})
+    results = {}
+
+    def run(name, length):
+        if name == "before":
+            results[name] = (forward_per_token(model, ids[:, :length], prompt_len, T), T)
         else:
-            logits, steps = decode_step(model, self.tokens[:, n - 1:n], self.cache, self.h0[:, n - 1:n], self.T,
-                                        self.exit, self.threshold, self.A_bar)
-            return logits[:, -1], steps
-        return logits[:, -1], torch.full((B,), depth)
+            results[name] = teacher_forced(model, ids[:, :length], prompt_len, **modes[name])
 
-    def append(self, ids):
-        """ids (B,): the next token of every row."""
-        self.tokens[:, self.length] = ids
-        self.length += 1
+    for name in [*modes, "before"]:
+        run(name, prompt_len + min(8, new))  # warm-up: the first calls of every kernel are slow
+    log(f"decoding: {new} tokens after a {prompt_len}-token prompt, {', '.join(modes)}, before")
+    seconds = median_seconds({name: lambda name=name: run(name, ids.size(1)) for name in [*modes, "before"]},
+                             repeats, warmup=0)
+    rate = {name: new / s for name, s in seconds.items()}
+
+    def cell(name):
+        loss, steps = results[name]
+        return f"{name}: {rate[name]:.1f} tok/s, loss {loss:.4f}, {steps:.2f} steps/token"
+
+    what = f"(sample.teacher_forced, {new} tokens after a {prompt_len}-token prompt)"
+    cache_row = (f"{number}b", f"KV cache at T={T} {what}: preallocated vs the first release's decoding (model() per "
+                 "token, concatenating cache) vs full recomputation",
+                 f"{cell(f'T={T}')}; {cell('before')}; {cell(f'recompute T={T}')}",
+                 f"{rate[f'T={T}'] / rate['before']:.2f}x before, {rate[f'T={T}'] / rate[f'recompute T={T}']:.2f}x "
+                 "recompute", f">= 1.5x before: {'met' if rate[f'T={T}'] >= 1.5 * rate['before'] else 'missed'}")
+    if model.injection is None:
+        return [cache_row]
+    auto = next(name for name in modes if name.startswith("auto (state"))
+    steps_saved = 1 - results[auto][1] / T_max
+    time_saved = 1 - rate[f"T={T_max}"] / rate[auto]
+    loss_up = results[auto][0] / results[f"T={T}"][0] - 1
+    met = time_saved >= steps_saved - 0.2 and loss_up <= 0.005
+    depth_row = (f"{number}a", f"decoding depth {what}: fixed T = mu_rec and 2 mu_rec, --T=auto (state, the "
+                 "default; KL)", "; ".join(cell(name) for name in modes if "recompute" not in name),
+                 f"auto (state) vs T={T_max}: time -{time_saved:.0%}, steps -{steps_saved:.0%}; loss vs T={T} "
+                 f"{loss_up:+.2%}{cost_split(rate, T, T_max, auto, results[auto][1])}",
+                 f"time saved >= steps saved - 20%, loss <= +0.5%: {'met' if met else 'missed'}")
+    return [depth_row, cache_row]
 
 
-def generate(model, tokens, max_new_tokens, T=None, temperature=1.0, top_k=None, generator=None, exit="state",
-             exit_threshold=None, T_max=None, use_cache=True, allowed=None):
-    """Yield (ids (B,), steps (B,)) for each new token: the token of every row and the recurrent steps it took.
-
-    tokens: a list of ids or a (B, S) tensor. T, exit, exit_threshold, T_max, use_cache: see Decoder.
-    generator: a torch.Generator on the model's device, or one per row; None uses the global RNG.
-    allowed: None, or a (vocab_size,) bool mask of the ids that may be sampled (hub.known_ids).
-    """
-    generators = list(generator) if isinstance(generator, (list, tuple)) else [generator]
-    decoder = Decoder(model, tokens, max_new_tokens, T, generators, exit, exit_threshold, T_max, use_cache)
-    generators = generators * (decoder.tokens.size(0) // len(generators))
-    for _ in range(max_new_tokens):
-        logits, steps = decoder.next_logits()
-        if allowed is not None:
-            logits = logits.masked_fill(~allowed, float("-inf"))
-        next_ids = sample_next(logits, temperature, top_k, generators)
-        yield next_ids, steps
-        decoder.append(next_ids)
-
-
-def teacher_forced(model, ids, prompt_len, T=None, seed=0, **decoding):
-    """Decode ids (B, S) after its first prompt_len tokens as generate does, feeding each true next token
-    instead of a sampled one -> (mean cross-entropy of ids[:, prompt_len:], mean recurrent steps per token).
-    decoding: Decoder's exit, exit_threshold, T_max, use_cache."""
-    generator = torch.Generator(model.wte.weight.device).manual_seed(seed)
-    decoder = Decoder(model, ids[:, :prompt_len], ids.size(1) - prompt_len, T, [generator], **decoding)
-    losses, steps = [], []
-    for p in range(prompt_len, ids.size(1)):
-        logits, ran = decoder.next_logits()
-        losses.append(F.cross_entropy(logits.float(), ids[:, p], reduction="none"))
-        steps.append(ran)
-        decoder.append(ids[:, p])
-    return torch.cat(losses).mean().item(), torch.cat(steps).float().mean().item()
+def cost_split(rate, T, T_max, auto, auto_steps):
+    """Where a decoded token's time goes, from the two fixed depths: time(T) = fixed + T * step, the fixed
+    part being the prelude, the coda, the head and the loop around them. In steps: the fixed part, and what
+    --T=auto costs beyond its steps (the exit tests, the skipped slots' fill); then the most any exit test,
+    however cheap, could save against T_max at auto's steps. Empty when T = T_max."""
+    if T == T_max:
+        return ""
+    step = (1 / rate[f"T={T_max}"] - 1 / rate[f"T={T}"]) / (T_max - T)
+    fixed = 1 / rate[f"T={T}"] - T * step
+    exit_cost = 1 / rate[auto] - fixed - auto_steps * step
+    return (f"; per token: fixed cost {fixed / step:.2f} steps, auto's exit cost {exit_cost / step:.2f} steps; "
+            f"a free exit would save at most {(T_max - auto_steps) * step * rate[f'T={T_max}']:.0%}")
 
 # -----------------------------------------------------------------------------
 # Command line
@@ -285,7 +200,6 @@ def stream_samples(model, tokenizer, prompt, args, device, allowed=None):
 
 def benchmark(model, tokenizer, args):
     """bench.py's decoding rows for this model: teacher-forced decoding of the stdlib's validation text."""
-    from bench import decoding_rows, print_table, stdlib_tokens  # bench.py imports this file: import it late
     ids = stdlib_tokens(tokenizer, BENCHMARK_PROMPT + args.max_new_tokens, model.wte.weight.device)
     print_table(decoding_rows(model, ids, BENCHMARK_PROMPT, args.T, args.exit_threshold, args.repeats),
                 f"decoding on {ids.device}")

@@ -27,9 +27,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common import (find_checkpoint, get_base_dir, init_distributed, load_optimizer_state, peak_bf16_flops,
                     rank_and_world, read_checkpoint, save_checkpoint)
+from core_tasks import download_eval_bundle
 from data import DataLoader, get_tokenizer, tokenizer_dir, val_batches
-from eval_core import download_eval_bundle, evaluate_bpb, evaluate_core
-from model import SAMPLINGS, Parcae, ParcaeConfig
+from depths import SAMPLINGS
+from eval_core import evaluate_bpb, evaluate_core
+from model import Parcae, ParcaeConfig
 from optim import build_optimizer, learning_rate_for_depth, lr_multiplier, muon_momentum, weight_decay_at
 
 # -----------------------------------------------------------------------------

@@ -31,8 +31,9 @@ def test_peak_flops_only_for_listed_gpus(monkeypatch):
 
 
 def test_the_training_scripts_imports_never_load_hub():
-    """train.py imports common, data, model, optim and eval_core's evaluators: none of them loads hub.py."""
-    code = "import sys, common, data, model, optim, eval_core; print('hub' in sys.modules)"
+    """train.py imports common, data, model, optim, core_tasks and eval_core's evaluators: none of them loads
+    hub.py."""
+    code = "import sys, common, data, model, optim, core_tasks, eval_core; print('hub' in sys.modules)"
     root = Path(__file__).resolve().parent.parent
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=120)
     assert result.stdout.strip() == "False", result.stderr

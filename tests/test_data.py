@@ -1,5 +1,5 @@
-"""Tests for data.py: the tokenizer, shard downloads against a local server, the data sources and the loader
-(METHOD.md §2).
+"""Tests for data.py, tokenizer.py and download.py: the tokenizer, shard downloads against a local server, the
+data sources and the loader (METHOD.md §2).
 
 Run: python -m pytest -q tests/test_data.py   (no network beyond 127.0.0.1, nothing written outside tmp_path)
 """
@@ -21,6 +21,8 @@ import tiktoken.load
 import torch
 
 import data
+from download import download_file
+from tokenizer import SPECIAL_TOKENS, Tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 WORDS = ["the", "loop", "stable", "model", "données", "naïve", "日本", "語", "🎉", "def", "return", "x = 1;",
@@ -41,7 +43,7 @@ def isolated(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return data.Tokenizer.train(iter(make_documents(400)), vocab_size=400)
+    return Tokenizer.train(iter(make_documents(400)), vocab_size=400)
 
 
 def write_jsonl(path, texts):
@@ -85,21 +87,21 @@ def test_round_trip_unicode_and_bytes(tokenizer):
 
 
 def test_special_tokens(tokenizer):
-    first_special = tokenizer.vocab_size - len(data.SPECIAL_TOKENS)
+    first_special = tokenizer.vocab_size - len(SPECIAL_TOKENS)
     assert tokenizer.vocab_size == 400
-    for i, name in enumerate(data.SPECIAL_TOKENS):
+    for i, name in enumerate(SPECIAL_TOKENS):
         assert tokenizer.enc.encode_single_token(name) == first_special + i
         assert tokenizer.decode([first_special + i]) == name
     assert tokenizer.bos_id == first_special
     assert tokenizer.encode("hi", prepend_bos=True) == [tokenizer.bos_id] + tokenizer.encode("hi")
     # ordinary text, even the specials' own spelling, never produces a special id
-    texts = WEIRD_STRINGS + make_documents(50, seed=1) + ["".join(data.SPECIAL_TOKENS) * 3]
+    texts = WEIRD_STRINGS + make_documents(50, seed=1) + ["".join(SPECIAL_TOKENS) * 3]
     assert max(max(ids, default=0) for ids in tokenizer.encode(texts)) < first_special
 
 
 def test_save_load_identical(tokenizer, tmp_path, monkeypatch):
     tokenizer.save(tmp_path / "tok")
-    loaded = data.Tokenizer.load(tmp_path / "tok")
+    loaded = Tokenizer.load(tmp_path / "tok")
     texts = WEIRD_STRINGS + make_documents(30, seed=2)
     assert loaded.encode(texts) == tokenizer.encode(texts)
     assert (loaded.vocab_size, loaded.bos_id) == (tokenizer.vocab_size, tokenizer.bos_id)
@@ -114,7 +116,7 @@ def test_save_load_identical(tokenizer, tmp_path, monkeypatch):
 
 def test_token_bytes_sum_to_utf8_length(tokenizer):
     assert tokenizer.token_bytes.shape == (tokenizer.vocab_size,)
-    assert tokenizer.token_bytes[-len(data.SPECIAL_TOKENS):].tolist() == [0, 0, 0]
+    assert tokenizer.token_bytes[-len(SPECIAL_TOKENS):].tolist() == [0, 0, 0]
     for text in WEIRD_STRINGS + make_documents(20, seed=3):
         ids = torch.tensor(tokenizer.encode(text), dtype=torch.long)
         assert tokenizer.token_bytes[ids].sum().item() == len(text.encode("utf-8"))
@@ -122,7 +124,7 @@ def test_token_bytes_sum_to_utf8_length(tokenizer):
 
 def test_train_rejects_tiny_vocab():
     with pytest.raises(ValueError, match="too small"):
-        data.Tokenizer.train(iter(["abc"]), vocab_size=100)
+        Tokenizer.train(iter(["abc"]), vocab_size=100)
 
 
 def test_get_tokenizer_trains_once_then_loads(tmp_path, capsys):
@@ -253,13 +255,13 @@ def test_download_file_resumes_with_range(tmp_path):
     try:
         path = tmp_path / "file.bin"
         (tmp_path / "file.bin.part").write_bytes(body[:1000])
-        assert data.download_file(url, path, retry_delay=0.01) == path
+        assert download_file(url, path, retry_delay=0.01) == path
         assert ranges[0] == 1000 and 1000 < ranges[1] < len(body) and len(ranges) == 2  # what the cut-off try kept
         assert path.read_bytes() == body and not (tmp_path / "file.bin.part").exists()
         # a .part already holding every byte: the server answers 416 and the file is complete as it is
         other = tmp_path / "other.bin"
         (tmp_path / "other.bin.part").write_bytes(body)
-        data.download_file(url, other)
+        download_file(url, other)
         assert ranges[-1] == len(body) and other.read_bytes() == body
     finally:
         httpd.shutdown()

@@ -1,6 +1,6 @@
-"""Tests of eval_core.py: the eval bundle download and safe extraction, CORE scoring with a model whose preferences
-are known (all three task types), centered accuracy, the LM prompt strip, left cropping, batched = one item per
-forward, one rank = two ranks, bits per byte, and the test-time scaling fit."""
+"""Tests of eval_core.py and core_tasks.py: the eval bundle download and safe extraction, CORE scoring with a model
+whose preferences are known (all three task types), centered accuracy, the LM prompt strip, left cropping, batched
+= one item per forward, one rank = two ranks, bits per byte, and the test-time scaling fit."""
 
 import csv
 import functools
@@ -23,10 +23,11 @@ import torch.multiprocessing as mp
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import core_tasks  # noqa: E402
 import eval_core  # noqa: E402
-from eval_core import (CORE_TASKS, EXTENDED_TASKS, LM, Task, centered_accuracy, crop_left,  # noqa: E402
-                       download_eval_bundle, evaluate_bpb, evaluate_core, evaluate_ppl, extract_zip_safely,
-                       fit_test_time_scaling, render_prompts, scored_spans)
+from core_tasks import (CORE_TASKS, EXTENDED_TASKS, LM, Task, crop_left, download_eval_bundle,  # noqa: E402
+                        extract_zip_safely, render_prompts, scored_spans)
+from eval_core import centered_accuracy, evaluate_bpb, evaluate_core, evaluate_ppl, fit_test_time_scaling  # noqa: E402
 from model import Parcae, ParcaeConfig  # noqa: E402
 
 
@@ -169,7 +170,7 @@ def test_download_and_extract(tmp_path, server):
     assert (bundle_dir / "core.yaml").is_file()
     lines = (bundle_dir / "eval_data" / "language_understanding" / "winograd_wsc.jsonl").read_text().splitlines()
     assert [json.loads(line) for line in lines] == FIXTURE["winograd"]
-    assert eval_core.read_random_baselines(bundle_dir) == {k: float(v) for k, v in BASELINES.items()}
+    assert core_tasks.read_random_baselines(bundle_dir) == {k: float(v) for k, v in BASELINES.items()}
     assert sorted(p.name for p in base.iterdir()) == ["eval_bundle"]  # no zip, no temporary left behind
     assert len(server.requests) == 1
     download_eval_bundle(f"{server.url}/eval_bundle.zip", base_dir=base)  # cached: no second download
@@ -199,7 +200,7 @@ def test_task_table():
     assert len({t.label for t in EXTENDED_TASKS}) == 46
     assert all(t.kind in ("multiple_choice", "schema", "language_modeling") for t in EXTENDED_TASKS)
     with pytest.raises(ValueError, match="unknown task"):
-        eval_core.select_tasks("copa,not_a_task")
+        core_tasks.select_tasks("copa,not_a_task")
 
 # -----------------------------------------------------------------------------
 # Scoring
@@ -284,8 +285,8 @@ def test_batched_equals_one_item_per_forward(bundle):
     # a real looped model: the same per-sequence losses batched or one item per forward, and a repeatable score
     model = tiny_parcae()
     tokenizer = ByteTokenizer()
-    rows = [row for task in FIXTURE_TASKS for row in eval_core.build_rows(
-        task, eval_core.load_task_data(bundle, task, -1), range(len(FIXTURE[task.label])), tokenizer, 1234, 128)]
+    rows = [row for task in FIXTURE_TASKS for row in core_tasks.build_rows(
+        task, core_tasks.load_task_data(bundle, task, -1), range(len(FIXTURE[task.label])), tokenizer, 1234, 128)]
     h0 = eval_core.initial_state_table(model, 128, 1234, "cpu")
     batched = eval_core.score_rows(model, rows, 2, h0, batch_tokens=512)
     single = eval_core.score_rows(model, rows, 2, h0, one_per_forward=True)
@@ -338,7 +339,7 @@ def test_one_rank_equals_two_ranks(bundle, tmp_path):
 
 
 def test_bits_per_byte_by_hand():
-    from data import Tokenizer
+    from tokenizer import Tokenizer
     text = "the quick brown fox jumps over the lazy dog. " * 40 + "héllo wörld ünïcode — ✓ " * 20
     tokenizer = Tokenizer.train(iter([text]), 300)
     ids = tokenizer.encode(["the lazy fox héllo ✓", "over the dog — wörld"], prepend_bos=True)
@@ -368,7 +369,7 @@ def test_bits_per_byte_by_hand():
 def test_per_document_perplexity_by_hand():
     """The authors' protocol: each document alone in one forward, no BOS, cropped to seq_len + 1 tokens,
     nats averaged over the targets that carry bytes, bits per byte over their bytes."""
-    from data import Tokenizer
+    from tokenizer import Tokenizer
     text = "the quick brown fox jumps over the lazy dog. " * 40 + "héllo wörld ünïcode — ✓ " * 20
     tokenizer = Tokenizer.train(iter([text]), 300)
     model = tiny_parcae(tokenizer.vocab_size)

@@ -20,7 +20,7 @@ import regex
 import torch
 
 import hub
-from data import SPLIT_PATTERN
+from tokenizer import SPLIT_PATTERN
 from model import Parcae, ParcaeConfig, apply_rotary
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "authors_params.json").read_text())

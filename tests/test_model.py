@@ -5,7 +5,9 @@ import math
 import pytest
 import torch
 
-from model import SAMPLINGS, Context, KVCache, Parcae, ParcaeConfig, sample_depths, trunc_orthogonal_
+from depths import SAMPLINGS, sample_depths
+from engine import KVCache
+from model import Context, Parcae, ParcaeConfig, trunc_orthogonal_
 
 # METHOD.md §1: (depth, Transformer params, Parcae params), vocab 32,768
 PAPER_SIZES = [

@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from eval_core import evaluate_bpb
 from model import Parcae, ParcaeConfig
-from sample import generate
+from engine import generate
 
 BF16 = dict(device_type="cpu", dtype=torch.bfloat16)
 

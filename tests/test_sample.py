@@ -1,4 +1,5 @@
-"""Tests for sample.py: cached decoding equals recomputation, sampling, adaptive depth, the command line."""
+"""Tests for engine.py and sample.py: cached decoding equals recomputation, sampling, adaptive depth, the command
+line."""
 
 import copy
 import io
@@ -12,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import data
 import sample
 from common import save_checkpoint
-from model import KVCache, Parcae, ParcaeConfig
-from sample import decode_step, generate, relative_change, sample_next, teacher_forced
+from engine import KVCache, decode_step, generate, relative_change, sample_next, teacher_forced
+from model import Parcae, ParcaeConfig
+from tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -214,7 +215,7 @@ def checkpoint(tmp_path_factory):
     base = tmp_path_factory.mktemp("base")
     text = [f"The {w} of the {v} is a {u} thing, said the {w}.\n" for w in ("cat", "dog", "sun", "tree")
             for v in ("house", "river", "garden") for u in ("small", "bright", "quiet")]
-    tokenizer = data.Tokenizer.train(iter(text * 5), vocab_size=300)
+    tokenizer = Tokenizer.train(iter(text * 5), vocab_size=300)
     tokenizer.save(base / "tokenizer")
     model = tiny_model(vocab_size=tokenizer.vocab_size)
     save_checkpoint(base / "runs" / "tiny" / "ckpt_000005.pt", model, step=5, tokenizer_dir=str(base / "tokenizer"))

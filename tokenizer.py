@@ -1,0 +1,108 @@
+"""
+tokenizer.py: the tokenizer (METHOD.md §2): a byte-level BPE with the GPT-4 split pattern and the special
+tokens <|bos|>, <|eos|>, <|pad|>, trained with rustbpe and run with tiktoken. data.get_tokenizer trains and
+caches one per data source; hub.py builds one from the authors' tokenizer.json.
+
+    tokenizer = Tokenizer.train(texts, vocab_size=4096)     # any iterator of strings
+    ids = tokenizer.encode("def f(x):", prepend_bos=True)
+    tokenizer.save(directory); tokenizer = Tokenizer.load(directory)
+"""
+
+import base64
+import json
+from pathlib import Path
+
+import rustbpe
+import tiktoken
+import torch
+
+SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>"]
+# METHOD.md §2: a GPT-4 style split pattern; like nanochat we group digits by 1-2 (GPT-4: 1-3), which wastes
+# fewer tokens on numbers at small vocab sizes
+SPLIT_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*"""
+                 r"""|\s*[\r\n]|\s+(?!\S)|\s+""")
+
+# -----------------------------------------------------------------------------
+# Tokenizer: trained with rustbpe, run with tiktoken (METHOD.md §2: byte-level BPE, GPT-4 split, <|bos|> etc.)
+
+class Tokenizer:
+    """A tiktoken.Encoding plus the byte length of every token (bits per byte needs it)."""
+
+    def __init__(self, enc, token_bytes, bos_token="<|bos|>"):
+        self.enc = enc
+        self.token_bytes = token_bytes  # int32 (vocab_size,): UTF-8 bytes each id decodes to, 0 for specials
+        self.bos_id = enc.encode_single_token(bos_token)  # hub.py: an imported tokenizer names it its own way
+        self.vocab_size = enc.n_vocab
+
+    @classmethod
+    def from_ranks(cls, mergeable_ranks, pattern, specials=None, bos_token="<|bos|>", name="nanoparcae"):
+        """specials: {name: id}; ours by default, taking the ids right after the learned tokens."""
+        if specials is None:
+            specials = {token: len(mergeable_ranks) + i for i, token in enumerate(SPECIAL_TOKENS)}
+        enc = tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=mergeable_ranks, special_tokens=specials)
+        token_bytes = torch.zeros(enc.n_vocab, dtype=torch.int32)
+        for token, rank in mergeable_ranks.items():
+            token_bytes[rank] = len(token)
+        return cls(enc, token_bytes, bos_token)
+
+    @classmethod
+    def train(cls, text_iterator, vocab_size, max_chars=2_000_000_000, doc_cap=10_000):
+        """Train on at most max_chars characters, each document cut to doc_cap (METHOD.md §2: ~2B chars, 10k cap).
+        vocab_size counts the special tokens."""
+        num_merged = vocab_size - len(SPECIAL_TOKENS)
+        if num_merged < 256:
+            raise ValueError(f"vocab_size {vocab_size} is too small: it needs 256 byte tokens "
+                             f"+ {len(SPECIAL_TOKENS)} specials")
+
+        def capped():
+            seen = 0
+            for text in text_iterator:
+                text = text[:doc_cap]
+                yield text
+                seen += len(text)
+                if seen >= max_chars:
+                    return
+
+        bpe = rustbpe.Tokenizer()
+        bpe.train_from_iterator(capped(), num_merged, pattern=SPLIT_PATTERN)
+        return cls.from_ranks({bytes(token): rank for token, rank in bpe.get_mergeable_ranks()}, SPLIT_PATTERN)
+
+    def save(self, directory):
+        """tiktoken's own text format ("base64(token) rank" per line), no pickle."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        ranks = self.enc._mergeable_ranks
+        by_rank = sorted(ranks.items(), key=lambda kv: kv[1])
+        lines = (f"{base64.b64encode(token).decode()} {rank}\n" for token, rank in by_rank)
+        (directory / "tokenizer.tiktoken").write_text("".join(lines))
+        config = {"pattern": self.enc._pat_str, "special_tokens": self.enc._special_tokens}
+        (directory / "tokenizer.json").write_text(json.dumps(config, indent=1))
+        (directory / "token_bytes.txt").write_text("".join(f"{n}\n" for n in self.token_bytes.tolist()))
+
+    @classmethod
+    def load(cls, directory):
+        directory = Path(directory)
+        ranks = {}
+        for line in (directory / "tokenizer.tiktoken").read_text().splitlines():
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+        config = json.loads((directory / "tokenizer.json").read_text())
+        enc = tiktoken.Encoding("nanoparcae", pat_str=config["pattern"], mergeable_ranks=ranks,
+                                special_tokens=config["special_tokens"])
+        byte_counts = (directory / "token_bytes.txt").read_text().split()
+        token_bytes = torch.tensor([int(n) for n in byte_counts], dtype=torch.int32)
+        if len(token_bytes) != enc.n_vocab:
+            raise ValueError(f"{directory}/token_bytes.txt does not match the vocabulary: "
+                             f"delete {directory} to retrain")
+        return cls(enc, token_bytes)
+
+    def encode(self, text, prepend_bos=False, num_threads=8):
+        """A string gives a list of ids, a list of strings a list of lists (encoded on num_threads threads).
+        Special tokens never come out of text: "<|bos|>" written in a document is ordinary characters."""
+        prefix = [self.bos_id] if prepend_bos else []
+        if isinstance(text, str):
+            return prefix + self.enc.encode_ordinary(text)
+        return [prefix + ids for ids in self.enc.encode_ordinary_batch(text, num_threads=num_threads)]
+
+    def decode(self, ids):
+        return self.enc.decode(ids)
