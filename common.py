@@ -2,8 +2,8 @@
 common.py: what every script shares and the model does not need: process setup, the base directory,
 checkpoints, the GPU peak table for MFU, and the timing of the benchmarks.
 
-model.py, optim.py and data.py import nothing of ours; train.py, eval_core.py, sample.py, hub.py and
-bench.py import this file.
+model.py imports only depths.py, and data.py only tokenizer.py and download.py; train.py, eval_core.py,
+core_tasks.py, sample.py, hub.py, bench.py and scaling.py import this file.
 """
 
 import os
@@ -49,7 +49,7 @@ def print0(*args, **kwargs):
 
 def get_base_dir():
     """$NANOPARCAE_BASE_DIR, default ~/.cache/nanoparcae, created on first use. data.py applies the same
-    rule itself (data.cache_dir) so that it imports nothing of ours."""
+    rule itself (data.cache_dir) so that it does not import this file."""
     base_dir = Path(os.environ.get("NANOPARCAE_BASE_DIR", Path.home() / ".cache" / "nanoparcae")).expanduser()
     base_dir.mkdir(parents=True, exist_ok=True)
     return base_dir

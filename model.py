@@ -398,8 +398,9 @@ class Parcae(nn.Module):
         T: None samples depths in training (from depth_generator; the global RNG when None) and runs
         mu_rec in eval; an int runs T steps for every sequence; a (B,) tensor T_i steps for sequence i; a
         pair (n, k) exactly n_i steps without grad then k_i with it (a sample_depths draw, replayed).
-        h0 (B, S, d) fixes the initial state. return_diagnostics=True returns (output, diagnostics), the
-        paper's stability diagnostics: ||h_T|| and the update ratio ||h_T - h_{T-1}|| / ||h_T||, batch means.
+        h0 (B, S, d) fixes the initial state. cache: decoding's engine.KVCache, which the S new positions
+        extend. return_diagnostics=True returns (output, diagnostics), the paper's stability diagnostics:
+        ||h_T|| and the update ratio ||h_T - h_{T-1}|| / ||h_T||, batch means.
         """
         B, S = idx.shape
         injected, ctx = self.run_prelude(idx, cache)

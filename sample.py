@@ -40,7 +40,7 @@ BENCHMARK_PROMPT = 16  # --benchmark: tokens of prompt before the max_new_tokens
 
 class ConcatKVCache:
     """The first release's concatenating KV cache, the reference of row 5b: every new position concatenates,
-    copying each slot's whole cache (model.KVCache's claim and update, without its fixed size)."""
+    copying each slot's whole cache (engine.KVCache's claim and update, without its fixed size)."""
 
     def __init__(self):
         self.slots, self.pos = {}, 0
@@ -57,7 +57,7 @@ class ConcatKVCache:
 
 
 def forward_per_token(model, ids, prompt_len, T, seed=0):
-    """Row 5b's "before": decoding as the first release did it, teacher-forced like sample.teacher_forced: the
+    """Row 5b's "before": decoding as the first release did it, teacher-forced like engine.teacher_forced: the
     prompt in one model() call into a ConcatKVCache, then model() on each position. -> mean loss."""
     generator = torch.Generator(ids.device).manual_seed(seed)
     h0 = model.initial_state((1, ids.size(1), model.config.d_model), ids.device, torch.float32, generator)
@@ -81,7 +81,7 @@ def stdlib_tokens(tokenizer, length, device):
 
 
 def decoding_rows(model, ids, prompt_len, T=None, exit_threshold=None, repeats=3, number="5"):
-    """Teacher-forced decoding of ids[:, prompt_len:] (sample.teacher_forced), timed side by side: fixed T
+    """Teacher-forced decoding of ids[:, prompt_len:] (engine.teacher_forced), timed side by side: fixed T
     (default mu_rec), T_max = 2 mu_rec, --T=auto with either exit test; then the KV cache against the old
     concatenating one and full recomputation, at T. -> two table rows (tokens/s, loss, steps per token)."""
     c = model.config
@@ -111,7 +111,7 @@ def decoding_rows(model, ids, prompt_len, T=None, exit_threshold=None, repeats=3
         loss, steps = results[name]
         return f"{name}: {rate[name]:.1f} tok/s, loss {loss:.4f}, {steps:.2f} steps/token"
 
-    what = f"(sample.teacher_forced, {new} tokens after a {prompt_len}-token prompt)"
+    what = f"(engine.teacher_forced, {new} tokens after a {prompt_len}-token prompt)"
     cache_row = (f"{number}b", f"KV cache at T={T} {what}: preallocated vs the first release's decoding (model() per "
                  "token, concatenating cache) vs full recomputation",
                  f"{cell(f'T={T}')}; {cell('before')}; {cell(f'recompute T={T}')}",
