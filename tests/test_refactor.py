@@ -1,11 +1,21 @@
-"""Bitwise regression guard: a fixed-seed CPU training run of train.py must give exactly the reference
-numbers, recorded from the code before a refactor that was meant to change no behaviour.
+"""Regression guard: a fixed-seed CPU training run of train.py must give the reference numbers, recorded from
+the code before a refactor that was meant to change no behaviour, within the rounding that another CPU's
+kernels (AVX2, AVX-512, scalar) can cause.
 
 The run: train.py on a small generated corpus, 20 optimiser steps of a tiny diagonal (Parcae) model with a
-log line every step, then the short runs of the three other injections. Compared bit for bit: every
-step's loss, gradient norm, rho, ||h_T|| and update ratio (the floats metrics.jsonl holds), the final
-validation losses, and a sha256 of the final weights (their float32 bytes in state-dict order; names are
-left out, so renaming a parameter does not change it, but reordering or changing one does).
+log line every step, then the short runs of the three other injections. Compared: every step's loss,
+gradient norm, rho, ||h_T|| and update ratio (the floats metrics.jsonl holds), the final validation losses,
+and each final weight tensor's shape and norm, in state-dict order (names are left out, so renaming a
+parameter does not change them, but reordering, reshaping or changing one does).
+
+The tolerances (TOLERANCES) come from the same run under ATEN_CPU_CAPABILITY=default/avx2/avx512 and
+MKL_ENABLE_INSTRUCTIONS=AVX2 on two CPUs. Step 1 is float32 forward and backward only: kernels moved it by
+at most 3e-6 (relative), while a changed init, sampler or forward moves it by 1e-3 or more. From step 2 on
+the bf16 orthogonalisation of Muon rounds differently per kernel and training amplifies it: losses moved up to
+3e-3, rho and update ratios 5e-4, ||h_T|| 3e-3, final validation losses 3.5e-4, weight norms 1.3e-3, and
+gradient norms up to 5e-2 (so they are compared at step 1 only). Each tolerance is 3x to 30x the largest
+drift seen, and a real change lands far outside them: a 5% larger Muon learning rate moves the weight norms
+by 5% and the short runs' validation losses by 0.4-1%.
 
 The reference lives in tests/refactor_reference.json. Any intended change of numbers (a new init, another
 depth sampler) changes it too: check out the code whose numbers are the reference and run
@@ -15,7 +25,6 @@ depth sampler) changes it too: check out the code whose numbers are the referenc
 which prints fresh numbers and writes them to that file; then check the refactored code against them.
 """
 
-import hashlib
 import json
 import os
 import random
@@ -43,16 +52,14 @@ def write_corpus(path):
     path.write_text("\n\n".join(paragraphs))
 
 
-def weights_digest(checkpoint):
+def weights_summary(checkpoint):
+    """[[shape, L2 norm], ...] of the final weights in state-dict order."""
     state = torch.load(checkpoint, map_location="cpu", weights_only=True)["model"]
-    digest = hashlib.sha256()
-    for tensor in state.values():
-        digest.update(tensor.detach().float().contiguous().numpy().tobytes())
-    return digest.hexdigest()
+    return [[list(tensor.shape), tensor.double().norm().item()] for tensor in state.values()]
 
 
 def run_numbers(root):
-    """Train every run of RUNS under root -> {injection: {"steps": [...], "val": {...}, "weights": sha256}}."""
+    """Train every run of RUNS under root -> {injection: {"steps": [...], "val": {...}, "weights": [...]}}."""
     write_corpus(root / "corpus.txt")
     env = {**os.environ, "NANOPARCAE_BASE_DIR": str(root / "base"), "OMP_NUM_THREADS": "1"}
     numbers = {}
@@ -66,20 +73,66 @@ def run_numbers(root):
         numbers[injection] = {
             "steps": [[r[key] for key in STEP_KEYS] for r in records if "loss" in r],
             "val": {k: v for r in records for k, v in r.items() if k.startswith("val_")},
-            "weights": weights_digest(next(run_dir.glob("ckpt_*.pt"))),
+            "weights": weights_summary(next(run_dir.glob("ckpt_*.pt"))),
         }
     return numbers
 
 
+# relative tolerances: (step 1, later steps) per STEP_KEYS entry (None: not compared), validation, weight norms
+TOLERANCES = dict(steps=dict(loss=(1e-4, 1e-2), grad_norm=(1e-4, None), rho=(1e-4, 5e-3), h_norm=(1e-4, 1e-2),
+                             update_ratio=(1e-4, 5e-3)), val=3e-3, weights=1e-2)
 
 
-def test_training_run_is_bitwise_equal_to_the_reference(tmp_path):
+def close(got, want, rtol):
+    return got == want if got is None or want is None else abs(got - want) <= rtol * abs(want)
+
+
+def differences(numbers, reference):
+    """-> the list of quantities of numbers that differ from reference by more than TOLERANCES allows."""
+    out = []
+    for injection, want in reference.items():
+        got = numbers[injection]
+        if len(got["steps"]) != len(want["steps"]) or got["val"].keys() != want["val"].keys():
+            out.append(f"{injection}: {len(got['steps'])} steps / {sorted(got['val'])}, want "
+                       f"{len(want['steps'])} / {sorted(want['val'])}")
+            continue
+        for step, (got_row, want_row) in enumerate(zip(got["steps"], want["steps"]), 1):
+            for key, g, w in zip(STEP_KEYS, got_row, want_row):
+                rtol = TOLERANCES["steps"][key][step > 1]
+                if rtol is not None and not close(g, w, rtol):
+                    out.append(f"{injection} step {step} {key}: {g} != {w}")
+        out += [f"{injection} {key}: {got['val'][key]} != {w}" for key, w in want["val"].items()
+                if not close(got["val"][key], w, TOLERANCES["val"])]
+        shapes = [shape for shape, _ in got["weights"]]
+        if shapes != [shape for shape, _ in want["weights"]]:
+            out.append(f"{injection} weight shapes: {shapes}")
+        else:
+            out += [f"{injection} weight {i} norm: {g} != {w}"
+                    for i, ((_, g), (_, w)) in enumerate(zip(got["weights"], want["weights"]))
+                    if not close(g, w, TOLERANCES["weights"])]
+    return out
+
+
+def test_differences_catch_a_change_and_pass_rounding():
+    reference = json.loads(REFERENCE_FILE.read_text())
+    assert differences(reference, reference) == []
+    rounded = json.loads(json.dumps(reference))
+    rounded["diagonal"]["steps"][0][0] *= 1 + 1e-7  # what another CPU's kernels do to step 1
+    rounded["diagonal"]["steps"][-1][1] *= 1.05     # and to a late gradient norm
+    assert differences(rounded, reference) == []
+    changed = json.loads(json.dumps(reference))
+    changed["diagonal"]["steps"][0][0] *= 1 + 1e-3  # what a changed init or forward does
+    changed["add"]["val"]["val_loss_T1"] *= 1.01
+    changed["none"]["weights"].reverse()
+    found = differences(changed, reference)
+    assert len(found) == 3 and "diagonal step 1 loss" in found[0] and "add val_loss_T1" in found[1], found
+
+
+def test_training_run_matches_the_reference(tmp_path):
     reference = json.loads(REFERENCE_FILE.read_text())
     numbers = run_numbers(tmp_path)
     assert len(numbers["diagonal"]["steps"]) == RUNS["diagonal"]
-    for injection in RUNS:
-        # a json round trip keeps a float's exact value, so == compares bit for bit
-        assert json.loads(json.dumps(numbers[injection])) == reference[injection], injection
+    assert differences(numbers, reference) == []
 
 
 if __name__ == "__main__":
