@@ -149,7 +149,7 @@ def plan(sweep, gpus):
     per_param = [p["tokens"] / p["params"] for p in rows]
     print(f"\n{len(rows)} runs, {sum(p['C'] for p in rows):.3g} training FLOPs in all; {len(sweep['flops'])} budgets "
           f"spanning {max(sweep['flops']) / min(sweep['flops']):.3g}x; {min(per_param):.1f}-{max(per_param):.1f} "
-          f"tokens per parameter; {sweep['seeds']} seed(s) at C = {seed_budget(sweep):.3g}")
+          f"tokens per parameter; seeds at C = {seed_budget(sweep):.3g}: {sweep['seeds']}")
     commands = [" ".join(launcher(gpus) + ["train.py"] + train_flags(sweep, p)) for p in rows]
     out_dir = get_base_dir() / "scaling" / sweep["name"]
     out_dir.mkdir(parents=True, exist_ok=True)

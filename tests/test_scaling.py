@@ -231,7 +231,8 @@ def fake_runs(sweep):
     above and below it): fit reads nothing else."""
     for p in scaling.points(sweep):
         offset = [0, 3e-3, -3e-3][p["seed"]]
-        curve = [float(scaling_fit.unified_predict(LAW, p["mu_rec"], p["trained_tokens"], T)) + offset for T in sweep["T"]]
+        curve = [float(scaling_fit.unified_predict(LAW, p["mu_rec"], p["trained_tokens"], T)) + offset
+                 for T in sweep["T"]]
         run = scaling.run_dir(p)
         run.mkdir(parents=True)
         record = {"step": p["steps"], f"val_loss_T{p['mu_rec']}": curve[sweep["T"].index(p["mu_rec"])]}
