@@ -293,18 +293,30 @@ def fit_budgets(runs, notes):
     return budgets
 
 
-def judge_frontier(budgets, sigma):
+def paired_spread(runs):
+    """The seed spread of looped - fixed-depth loss within one seed and budget, pooled over the looped mu_rec: a
+    seed's data order moves every mu_rec of it together, so the difference can vary less than the losses do."""
+    loss = {(r["C"], r["mu_rec"], r["seed"]): r["loss"] for r in runs}
+    groups = {}
+    for (C, mu, seed), L in loss.items():
+        if mu > 1 and (C, 1, seed) in loss:
+            groups.setdefault((C, mu), []).append(L - loss[C, 1, seed])
+    return pooled_spread(list(groups.values()))
+
+
+def judge_frontier(budgets, sigma, paired_sigma=None):
     """A win of looped over fixed depth counts only above twice the seed spread (README): per budget, the margin
-    fixed - best looped and 'looped', 'fixed' or 'within noise'."""
+    fixed - best looped and 'looped', 'fixed' or 'within noise'; the same against twice the paired spread."""
+    def verdict(margin, spread):
+        if spread is None:
+            return "no seed spread measured"
+        return "looped" if margin > 2 * spread else "fixed" if margin < -2 * spread else "within noise"
+
     for b in budgets.values():
         if b["fixed_depth_loss"] is None or b["best_looped"] is None:
             continue
         b["margin"] = b["fixed_depth_loss"] - b["best_looped"]["loss"]
-        if sigma is None:
-            b["verdict"] = "no seed spread measured"
-        else:
-            b["verdict"] = "looped" if b["margin"] > 2 * sigma else "fixed" if b["margin"] < -2 * sigma else \
-                "within noise"
+        b["verdict"], b["paired_verdict"] = verdict(b["margin"], sigma), verdict(b["margin"], paired_sigma)
 
 
 def fit_power_laws(budgets, sigma, notes):
@@ -360,18 +372,20 @@ def fit(sweep):
     runs = collect(sweep, notes)
     budgets = fit_budgets(runs, notes)
     sigma, dof = pooled_spread([s for b in budgets.values() for s in b["seed_losses"]])
-    judge_frontier(budgets, sigma)
+    paired_sigma, paired_dof = paired_spread(runs)
+    judge_frontier(budgets, sigma, paired_sigma)
     laws = fit_power_laws(budgets, sigma, notes)
     unified = fit_unified_law(runs, notes)
     out_dir = get_base_dir() / "scaling" / sweep["name"]
     out_dir.mkdir(parents=True, exist_ok=True)
-    noise = dict(sigma=sigma, degrees_of_freedom=dof, seeds=sweep["seeds"], budget=seed_budget(sweep),
+    noise = dict(sigma=sigma, degrees_of_freedom=dof, paired_sigma=paired_sigma, paired_degrees_of_freedom=paired_dof,
+                 seeds=sweep["seeds"], budget=seed_budget(sweep),
                  bootstrap="parametric: every budget's mean losses redrawn with N(0, sigma^2 / seeds), parabolas and "
                            "power laws refitted, 2000 draws, 5th-95th percentiles")
     result = dict(sweep=sweep, runs=runs, budgets={f"{C:.3g}": b for C, b in budgets.items()}, noise=noise,
                   power_laws=laws, unified=unified, notes=notes)
     write_text(out_dir / "fit.json", json.dumps(result, indent=1))
-    print_report(runs, budgets, sigma, dof, laws, unified, notes)
+    print_report(runs, budgets, noise, laws, unified, notes)
     figures = draw(runs, budgets, sigma, laws, unified, out_dir)
     print(f"\nwrote {out_dir / 'fit.json'} and {', '.join(str(f) for f in figures)}")
     return result
@@ -380,7 +394,8 @@ def fit(sweep):
 PAPER_EXPONENTS = {"mu_rec": 0.40, "D": 0.78}
 
 
-def print_report(runs, budgets, sigma, dof, laws, unified, notes):
+def print_report(runs, budgets, noise, laws, unified, notes):
+    sigma, paired = noise["sigma"], noise["paired_sigma"]
     mus = sorted({r["mu_rec"] for r in runs})
     print("final val loss at T = mu_rec (nats); mean +- seed standard deviation where several seeds ran\n")
     print("| budget C | tokens/param | " + " | ".join(f"mu_rec {m}" for m in mus) + " | mu_rec* | looped vs fixed |")
@@ -391,12 +406,15 @@ def print_report(runs, budgets, sigma, dof, laws, unified, notes):
         best = min(cells, key=lambda mu: b["loss"][b["mu_rec"].index(mu)])
         cells[best] = f"**{cells[best]}**"
         per_param = f"{b['tokens'][-1] / runs[0]['params']:.1f}-{b['tokens'][0] / runs[0]['params']:.1f}"
-        verdict = f"{b['margin']:+.4f}: {b['verdict']}" if "margin" in b else "-"
+        verdict = f"{b['margin']:+.4f}: {b['verdict']} (paired: {b['paired_verdict']})" if "margin" in b else "-"
         print(f"| {C:.3g} | {per_param} | " + " | ".join(cells.get(m, "-") for m in mus) +
               f" | {b['mu_star']:.2f}{'' if b['vertex_inside'] else ' (outside)'} | {verdict} |")
     if sigma is not None:
-        print(f"\nseed spread: {sigma:.4f} nats (pooled standard deviation, {dof} degrees of freedom); a looped win "
-              f"counts above 2 x {sigma:.4f} = {2 * sigma:.4f}")
+        print(f"\nseed spread: {sigma:.4f} nats (pooled standard deviation, {noise['degrees_of_freedom']} degrees of "
+              f"freedom); a looped win counts above 2 x {sigma:.4f} = {2 * sigma:.4f}")
+    if paired is not None:
+        print(f"paired seed spread of looped - fixed depth within a seed: {paired:.4f} nats "
+              f"({noise['paired_degrees_of_freedom']} degrees of freedom); 2 x {paired:.4f} = {2 * paired:.4f}")
     if laws:
         print()
         for label, law in laws.items():

@@ -168,8 +168,21 @@ def test_a_looped_win_counts_only_above_twice_the_seed_spread():
     def budget(fixed, looped):
         return dict(fixed_depth_loss=fixed, best_looped=dict(mu_rec=2, loss=looped))
     budgets = {1: budget(3.0, 2.97), 2: budget(3.0, 2.99), 3: budget(3.0, 3.03), 4: budget(3.0, 3.01)}
-    scaling.judge_frontier(budgets, 0.01)
+    scaling.judge_frontier(budgets, 0.01, 0.004)
     assert [b["verdict"] for b in budgets.values()] == ["looped", "within noise", "fixed", "within noise"]
+    assert [b["paired_verdict"] for b in budgets.values()] == ["looped", "looped", "fixed", "fixed"]
+
+
+def test_paired_spread_cancels_what_a_seed_shares_across_mu_rec():
+    """Seed s shifts every mu_rec of a budget by the same offset (its data order): the losses spread, their
+    looped - fixed differences do not; a seed without its fixed-depth run is left out."""
+    runs = [dict(C=1.0, mu_rec=mu, seed=s, loss=3.0 + 0.1 * mu + [0.0, 0.2, -0.1][s] + 0.01 * (s == 1) * (mu == 4))
+            for mu in (1, 2, 4) for s in range(3)] + [dict(C=2.0, mu_rec=2, seed=0, loss=2.0)]
+    sigma, dof = scaling_fit.pooled_spread([[r["loss"] for r in runs if r["C"] == 1.0 and r["mu_rec"] == mu]
+                                            for mu in (1, 2, 4)])
+    paired, paired_dof = scaling.paired_spread(runs)
+    assert sigma > 0.1 and paired_dof == 4
+    assert paired == pytest.approx(math.sqrt((0 + np.var([0, 0.01, 0], ddof=1) * 2) / 4))
     assert budgets[1]["margin"] == pytest.approx(0.03) and budgets[3]["margin"] == pytest.approx(-0.03)
 
 
@@ -263,6 +276,8 @@ def test_fit_notes_missing_and_diverged_runs_measures_the_seed_spread_and_draws_
     assert middle["seeds"] == [3, 3, 3, 3] and middle["spread"] == pytest.approx([3e-3] * 4)
     assert result["noise"]["sigma"] == pytest.approx(3e-3) and result["noise"]["degrees_of_freedom"] == 8
     assert "+- 0.0030" in out and "2 x 0.0030 = 0.0060" in out
+    assert result["noise"]["paired_sigma"] == pytest.approx(0, abs=1e-9)  # each seed shifts all of its mu_rec alike
+    assert result["noise"]["paired_degrees_of_freedom"] == 6
     for label in ("mu_rec", "D"):
         low, high = result["power_laws"][label]["interval90"]
         assert low <= result["power_laws"][label]["exponent"] <= high
