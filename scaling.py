@@ -47,8 +47,9 @@ PAPER_MODEL = dict(head_dim=128, vocab_size=32768, seq_len=2048)  # train.py's p
 PAPER_BATCH = 524_288
 # The CPU study (README, "Scaling laws"): the paper's regime, up to 20+ tokens per parameter (its 140M sees 5-25),
 # reached by a 254,720-parameter model: depth 3, d_model 64, a 512-token vocabulary, 128-token rows. Five budgets
-# spanning 16x, mu_rec 1-8, three seeds at the middle budget: 28 runs, 8.8e13 training FLOPs, about 40 minutes at
-# the ~40 GFLOP/s one core gives this model, plus evaluation. Learning rates 4x the paper's 8e-3, from a short sweep.
+# spanning 16x, mu_rec 1-8, three seeds at the middle budget: 28 runs, 8.8e13 training FLOPs at the ~40 GFLOP/s one
+# core gives this model; 49.5 minutes end to end with evaluation and fit, measured on one core, one thread.
+# Learning rates 4x the paper's 8e-3, from a short sweep (README).
 PRESETS = {
     "cpu": dict(depth=3, flops=[5.625e11, 1.125e12, 2.25e12, 4.5e12, 9e12], mu_rec=[1, 2, 4, 8], seeds=3,
                 T=[1, 2, 3, 4, 5, 6, 8, 10, 12, 16],
