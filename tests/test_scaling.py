@@ -171,6 +171,7 @@ def test_a_looped_win_counts_only_above_twice_the_seed_spread():
     scaling.judge_frontier(budgets, 0.01, 0.004)
     assert [b["verdict"] for b in budgets.values()] == ["looped", "within noise", "fixed", "within noise"]
     assert [b["paired_verdict"] for b in budgets.values()] == ["looped", "looped", "fixed", "fixed"]
+    assert budgets[1]["margin"] == pytest.approx(0.03) and budgets[3]["margin"] == pytest.approx(-0.03)
 
 
 def test_paired_spread_cancels_what_a_seed_shares_across_mu_rec():
@@ -183,7 +184,6 @@ def test_paired_spread_cancels_what_a_seed_shares_across_mu_rec():
     paired, paired_dof = scaling.paired_spread(runs)
     assert sigma > 0.1 and paired_dof == 4
     assert paired == pytest.approx(math.sqrt((0 + np.var([0, 0.01, 0], ddof=1) * 2) / 4))
-    assert budgets[1]["margin"] == pytest.approx(0.03) and budgets[3]["margin"] == pytest.approx(-0.03)
 
 
 # -----------------------------------------------------------------------------
