@@ -2,18 +2,22 @@
 scaling.py: the paper's scaling laws for looping (paper §5.2-5.3, Appendices L and O), planned, run, fitted, drawn.
 
     python scaling.py plan --depth=6 --flops=1e18,3e18,1e19 --mu_rec=1,2,4,6,8,12   # tokens, steps, GPU-hours
-    python scaling.py run --preset=cpu && python scaling.py fit --preset=cpu          # the CPU micro study
-    python scaling.py run --depth=6 --flops=1e18,3e18 --mu_rec=1,2,4,8                # on a GPU node (torchrun)
+    python scaling.py run --preset=cpu && python scaling.py fit --preset=cpu          # the CPU study, ~50 min
+    python scaling.py run --depth=6 --flops=1e18,3e18 --mu_rec=1,2,4,8 --seeds=3      # on a GPU node (torchrun)
 
 An isoFLOP sweep trains one model size at a few training-FLOP budgets C; inside a budget it trades recurrence
-for data: tokens D = C / FLOPs-per-token(mu_rec), the arithmetic of train.py's --target_flops. The fit reports:
+for data: tokens D = C / FLOPs-per-token(mu_rec), the arithmetic of train.py's --target_flops. The middle budget
+is trained with --seeds seeds (init, data order, depths and h0 all change), which measures the noise. The fit
+(scaling_fit.py) reports:
 - per budget, a parabola of final loss in ln mu_rec: mu_rec*(C), D*(C), L*(C) (paper §5.2, Fig. 4);
-- the power laws mu_rec* = a C^g_mu and D* = b C^g_D (paper: 0.40 and 0.78), and, fitted on all budgets but the
-  largest, their error predicting it (the paper's extrapolation test);
+- the power laws mu_rec* = a C^g_mu and D* = b C^g_D (paper: 0.40 and 0.78) with bootstrap 90% intervals over
+  the seed spread, and, fitted on all budgets but the largest, their error predicting its mu_rec*, D* and L*;
 - the unified law L(T | mu_rec, D) = E + X mu_rec^-x + Y D^-y + Z exp(-z T / mu_rec) (paper §5.3, App. L),
-  fitted jointly with a Huber loss and L-BFGS from several starts, on the looped models evaluated at ten T;
-- the frontier: the best looped loss against the fixed-depth (mu_rec = 1) loss at each budget (Fig. 6).
-Runs live under <base dir>/runs/<sweep>_C<budget>_mu<mu_rec>; the JSON and figures under <base dir>/scaling/<sweep>.
+  fitted on every budget but the largest, at ten T, and its error on the largest budget's runs at every T;
+- the frontier: the best looped loss against the fixed-depth (mu_rec = 1) loss at each budget (Fig. 6); looping
+  wins only by more than twice the seed spread.
+Runs live under <base dir>/runs/<sweep>_C<budget>_mu<mu_rec>[_s<seed>]; the JSON and figures under
+<base dir>/scaling/<sweep>.
 """
 
 import argparse
@@ -22,6 +26,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +34,8 @@ import torch
 
 from common import PEAK_BF16_FLOPS, get_base_dir
 from model import Parcae, ParcaeConfig
+from scaling_fit import (bootstrap_exponents, fit_unified, mean_relative_error, parabola_optimum, pooled_spread,
+                         power_law, unified_predict)
 
 ROOT = Path(__file__).resolve().parent
 H100_BF16, MFU = PEAK_BF16_FLOPS["H100"], 0.4  # GPU-hour estimates: 40% MFU, as in README's size table
@@ -38,15 +45,19 @@ H100_BF16, MFU = PEAK_BF16_FLOPS["H100"], 0.4  # GPU-hour estimates: 40% MFU, as
 
 PAPER_MODEL = dict(head_dim=128, vocab_size=32768, seq_len=2048)  # train.py's paper preset fills the rest
 PAPER_BATCH = 524_288
-# The CPU micro study: the small CPU model on the stdlib corpus (no download), 3 budgets spanning 4x, 4 values of
-# mu_rec, 12 runs. Sized from measured throughput (about 90 GFLOP/s of model FLOPs on 2 quiet cores, README's
-# bench row 1): 28 x 4e12 FLOPs of training is about 21 minutes, plus evaluation.
+# The CPU study (README, "Scaling laws"): the paper's regime, up to 20+ tokens per parameter (its 140M sees 5-25),
+# reached by a 254,720-parameter model: depth 3, d_model 64, a 512-token vocabulary, 128-token rows. Five budgets
+# spanning 16x, mu_rec 1-8, three seeds at the middle budget: 28 runs, 8.8e13 training FLOPs at the ~40 GFLOP/s one
+# core gives this model; 49.5 minutes end to end with evaluation and fit, measured on one core, one thread.
+# Learning rates 4x the paper's 8e-3, from a short sweep (README).
 PRESETS = {
-    "cpu": dict(depth=3, flops=[4e12, 8e12, 1.6e13], mu_rec=[1, 2, 4, 8], T=[1, 2, 3, 4, 5, 6, 8, 10, 12, 16],
-                model=dict(d_model=128, head_dim=64, vocab_size=4096, seq_len=128), batch=2048,
-                train_args=["--device_batch_size=16", "--eval_every=1000000", "--eval_tokens=16384",
-                            "--core_every=-1", "--save_every=50", "--log_every=25", "--compile=0", "--data=stdlib"],
-                eval_args=["--val_tokens=16384"]),
+    "cpu": dict(depth=3, flops=[5.625e11, 1.125e12, 2.25e12, 4.5e12, 9e12], mu_rec=[1, 2, 4, 8], seeds=3,
+                T=[1, 2, 3, 4, 5, 6, 8, 10, 12, 16],
+                model=dict(d_model=64, head_dim=32, vocab_size=512, seq_len=128), batch=2048,
+                train_args=["--device_batch_size=16", "--eval_every=1000000", "--eval_tokens=32768",
+                            "--core_every=-1", "--save_every=500", "--log_every=100", "--compile=0", "--data=stdlib",
+                            "--adamw_lr=3.2e-2", "--muon_lr=3.2e-2"],
+                eval_args=["--val_tokens=32768"]),
 }
 
 
@@ -55,16 +66,23 @@ def make_sweep(args):
     if args.preset:
         sweep = dict(PRESETS[args.preset], name=args.preset)
     else:
-        sweep = dict(depth=args.depth or 6, flops=None, mu_rec=None, T=[1, 2, 3, 4, 6, 8, 12, 16, 20, 24],
+        sweep = dict(depth=args.depth or 6, flops=None, mu_rec=None, seeds=1, T=[1, 2, 3, 4, 6, 8, 12, 16, 20, 24],
                      model=dict(PAPER_MODEL), batch=PAPER_BATCH, train_args=[], eval_args=[],
                      name=f"d{args.depth or 6}")
-    for key in ("flops", "mu_rec", "T", "depth"):
+    for key in ("flops", "mu_rec", "T", "depth", "seeds"):
         if getattr(args, key, None) is not None:
             sweep[key] = getattr(args, key)
     sweep["name"] = args.sweep or sweep["name"]
     if not sweep["flops"] or not sweep["mu_rec"]:
         fail("give --flops and --mu_rec (e.g. --flops=1e18,3e18 --mu_rec=1,2,4,8) or a --preset")
+    if sweep["seeds"] < 1:
+        fail(f"--seeds={sweep['seeds']} must be at least 1")
     return sweep
+
+
+def seed_budget(sweep):
+    """The budget trained with every seed: the middle one (of the sorted budgets)."""
+    return sorted(sweep["flops"])[len(sweep["flops"]) // 2]
 
 
 def model_size(sweep, mu_rec):
@@ -79,22 +97,26 @@ def model_size(sweep, mu_rec):
 
 
 def points(sweep):
-    """One dict per (C, mu_rec): the run's name, tokens D = C / FLOPs per token, and the steps train.py takes."""
+    """One dict per (C, mu_rec, seed): the run's name, tokens D = C / FLOPs per token, the steps train.py takes.
+    Seed 0 of every budget first, then the middle budget's other seeds."""
     out = []
-    for C in sweep["flops"]:
-        for mu in sweep["mu_rec"]:
-            params, fpt = model_size(sweep, mu)
-            tokens = C / fpt
-            steps = max(1, int(tokens // sweep["batch"]))  # train.py: int(max_tokens // total_batch_size)
-            out.append(dict(name=f"{sweep['name']}_C{C:.3g}_mu{mu}", C=C, mu_rec=mu, params=params,
-                            flops_per_token=fpt, tokens=tokens, steps=steps, trained_tokens=steps * sweep["batch"]))
+    grid = [(C, mu, 0) for C in sweep["flops"] for mu in sweep["mu_rec"]]
+    grid += [(seed_budget(sweep), mu, seed) for seed in range(1, sweep["seeds"]) for mu in sweep["mu_rec"]]
+    for C, mu, seed in grid:
+        params, fpt = model_size(sweep, mu)
+        tokens = C / fpt
+        steps = max(1, int(tokens // sweep["batch"]))  # train.py: int(max_tokens // total_batch_size)
+        out.append(dict(name=f"{sweep['name']}_C{C:.3g}_mu{mu}" + (f"_s{seed}" if seed else ""), C=C, mu_rec=mu,
+                        seed=seed, params=params, flops_per_token=fpt, tokens=tokens, steps=steps,
+                        trained_tokens=steps * sweep["batch"]))
     return out
 
 
 def train_flags(sweep, point):
-    """train.py's flags for one point; mu_rec = 1 is the paper's fixed-depth Parcae (App. O), so depth is fixed."""
+    """train.py's flags for one point; mu_rec = 1 is the paper's fixed-depth Parcae (App. O), so depth is fixed.
+    train.py's --seed draws the initial weights, the data order, the sampled depths and h0."""
     flags = [f"--depth={sweep['depth']}", f"--mu_rec={point['mu_rec']}", f"--target_flops={point['C']:g}",
-             f"--total_batch_size={sweep['batch']}", f"--run={point['name']}"]
+             f"--total_batch_size={sweep['batch']}", f"--run={point['name']}", f"--seed={point['seed']}"]
     flags += [f"--{key}={value}" for key, value in sweep["model"].items()] + sweep["train_args"]
     return flags + (["--sampling=fixed"] if point["mu_rec"] == 1 else [])
 
@@ -118,12 +140,17 @@ def plan(sweep, gpus):
     rows = points(sweep)
     print(f"isoFLOP plan '{sweep['name']}': depth {sweep['depth']}, {rows[0]['params']:,} parameters, "
           f"{sweep['batch']:,} tokens per step")
-    print("| C (FLOPs) | mu_rec | FLOPs/token | tokens D = C / FLOPs per token | steps | tokens/param | GPU-hours |")
-    print("|---|---|---|---|---|---|---|")
+    print("| C (FLOPs) | mu_rec | seed | FLOPs/token | tokens D = C / FLOPs per token | steps | tokens/param "
+          "| GPU-hours |")
+    print("|---|---|---|---|---|---|---|---|")
     for p in rows:
         hours = p["C"] / (H100_BF16 * MFU) / 3600
-        print(f"| {p['C']:.3g} | {p['mu_rec']} | {p['flops_per_token']:.4e} | {p['tokens']:,.0f} | {p['steps']:,} "
-              f"| {p['tokens'] / p['params']:.1f} | {hours:.2f} |")
+        print(f"| {p['C']:.3g} | {p['mu_rec']} | {p['seed']} | {p['flops_per_token']:.4e} | {p['tokens']:,.0f} "
+              f"| {p['steps']:,} | {p['tokens'] / p['params']:.1f} | {hours:.2f} |")
+    per_param = [p["tokens"] / p["params"] for p in rows]
+    print(f"\n{len(rows)} runs, {sum(p['C'] for p in rows):.3g} training FLOPs in all; {len(sweep['flops'])} budgets "
+          f"spanning {max(sweep['flops']) / min(sweep['flops']):.3g}x; {min(per_param):.1f}-{max(per_param):.1f} "
+          f"tokens per parameter; seeds at C = {seed_budget(sweep):.3g}: {sweep['seeds']}")
     commands = [" ".join(launcher(gpus) + ["train.py"] + train_flags(sweep, p)) for p in rows]
     out_dir = get_base_dir() / "scaling" / sweep["name"]
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -184,94 +211,40 @@ def ensure_bpb(sweep, point):
     return bpb_result(point, sweep["T"])
 
 
+def minutes(seconds):
+    return f"{seconds / 60:.1f} min"
+
+
 def run(sweep, gpus):
+    """Each point trained (or resumed), then, if looped, evaluated at every T; a line per point with the time so
+    far and an ETA: the time per training FLOP of this invocation's points times the FLOPs still to train."""
     rows = points(sweep)
+    start, done_flops, fresh_s, fresh_tokens = time.time(), 0.0, 0.0, 0
+    left_flops = sum(p["C"] for p in rows if final_eval(p) is None)
     for i, p in enumerate(rows):
-        where = f"[{i + 1}/{len(rows)}] {p['name']} (C {p['C']:.3g}, mu_rec {p['mu_rec']}, {p['steps']} steps)"
+        where = f"[{i + 1}/{len(rows)}] {p['name']} (C {p['C']:.3g}, mu_rec {p['mu_rec']}, seed {p['seed']}, " \
+                f"{p['steps']} steps)"
         if final_eval(p) is None:
             resume = any(run_dir(p).glob("ckpt_*.pt"))
             run_dir(p).mkdir(parents=True, exist_ok=True)
             print(f"{where}: {'resuming' if resume else 'training'}, log {run_dir(p) / 'train.log'}", flush=True)
             cmd = launcher(gpus) + ["train.py"] + train_flags(sweep, p) + (["--resume"] if resume else [])
-            if run_logged(cmd, run_dir(p) / "train.log") != 0 or final_eval(p) is None:
-                print(f"{where}: train.py failed, see {run_dir(p) / 'train.log'}; going on", flush=True)
+            t0 = time.time()
+            failed = run_logged(cmd, run_dir(p) / "train.log") != 0 or final_eval(p) is None
+            if not resume and not failed:  # throughput from whole runs only
+                fresh_s, fresh_tokens = fresh_s + time.time() - t0, fresh_tokens + p["trained_tokens"]
+            done_flops, left_flops = done_flops + p["C"], left_flops - p["C"]
+            status = f"train.py failed, see {run_dir(p) / 'train.log'}; going on" if failed else "trained"
         else:
-            print(f"{where}: done, skipped", flush=True)
-    for p in rows:  # then the losses at every T, which only the unified law needs
+            status = "done, skipped"
         if p["mu_rec"] > 1 and final_eval(p) is not None and ensure_bpb(sweep, p) is None:
-            print(f"{p['name']}: eval_core.py failed, see {run_dir(p) / 'eval.log'}", flush=True)
-
-
-# -----------------------------------------------------------------------------
-# The fitters: parabolas, power laws and the unified law, in numpy and torch
-
-HUBER_DELTA = 1e-3  # on log-loss residuals, as in Chinchilla's fits (Hoffmann et al. 2022, §3.3)
-
-
-def parabola_optimum(mu_rec, losses, tokens):
-    """Paper §5.2, Fig. 4: final loss ~ a (ln mu)^2 + b ln mu + c in one budget; its vertex is mu_rec*, L* the loss
-    there and D* the tokens there (ln D is linear in ln mu inside a budget, interpolated the same way)."""
-    x, L = np.log(np.asarray(mu_rec, float)), np.asarray(losses, float)
-    a, b, c = np.polyfit(x, L, 2)
-    slope, intercept = np.polyfit(x, np.log(np.asarray(tokens, float)), 1)
-    inside = bool(a > 0 and x.min() <= -b / (2 * a) <= x.max())
-    x_star = -b / (2 * a) if a > 0 else x[np.argmin(L)]  # no minimum: the best sampled point
-    return dict(mu_star=math.exp(x_star), D_star=math.exp(intercept + slope * x_star),
-                L_star=float(np.polyval([a, b, c], x_star)), parabola=[a, b, c], vertex_inside=inside)
-
-
-def power_law(C, y):
-    """y = k C^g, least squares in log-log -> (k, g)."""
-    g, log_k = np.polyfit(np.log(np.asarray(C, float)), np.log(np.asarray(y, float)), 1)
-    return math.exp(log_k), g
-
-
-def unified_log_terms(theta, mu, D, T):
-    """Paper §5.3, App. L: L(T | mu, D) = E + X mu^-x + Y D^-y + Z exp(-z T / mu), every term positive, so
-    ln L = logsumexp of four log-terms (Chinchilla's parametrisation: theta = ln E, ln X, x, ln Y, y, ln Z, z)."""
-    e, lx, x, ly, y, lz, z = theta
-    return torch.stack([e.expand_as(mu), lx - x * mu.log(), ly - y * D.log(), lz - z * T / mu])
-
-
-def unified_predict(p, mu, D, T):
-    """The unified law at (mu, D, T) for fitted parameters p (a dict)."""
-    mu, D, T = (np.asarray(v, float) for v in (mu, D, T))
-    return p["E"] + p["X"] * mu ** -p["x"] + p["Y"] * D ** -p["y"] + p["Z"] * np.exp(-p["z"] * T / mu)
-
-
-def fit_unified(mu, D, T, losses, max_iter=100):
-    """Huber loss (delta 1e-3) on ln L residuals, minimised by L-BFGS from a grid of starts; the best is kept."""
-    mu, D, T, L = (torch.tensor(np.asarray(v, float), dtype=torch.float64) for v in (mu, D, T, losses))
-    log_L, L_min, lnD = L.log(), float(L.min()), float(D.log().mean())
-    best = (math.inf, None)
-    for x0 in (0.2, 0.6, 1.2):
-        for y0 in (0.1, 0.3, 0.6):
-            for z0 in (0.5, 2.0):
-                start = [math.log(0.8 * L_min), math.log(0.1 * L_min), x0, math.log(0.1 * L_min) + y0 * lnD, y0,
-                         math.log(0.1 * L_min), z0]
-                theta = torch.tensor(start, dtype=torch.float64, requires_grad=True)
-                opt = torch.optim.LBFGS([theta], lr=1, max_iter=max_iter, line_search_fn="strong_wolfe")
-
-                def objective():
-                    opt.zero_grad()
-                    residual = torch.logsumexp(unified_log_terms(theta, mu, D, T), 0) - log_L
-                    # Huber(r, delta) / delta^2: the same minimiser, at a scale L-BFGS's stopping tolerances suit
-                    loss = torch.nn.functional.huber_loss(residual / HUBER_DELTA, torch.zeros_like(residual),
-                                                          delta=1.0, reduction="sum")
-                    loss.backward()
-                    return loss
-
-                opt.step(objective)
-                value = objective().item()  # step() returns the loss at the start, not at the end
-                if math.isfinite(value) and value < best[0]:
-                    best = (value, theta.detach().clone())
-    e, lx, x, ly, y, lz, z = best[1].tolist()
-    return dict(E=math.exp(e), X=math.exp(lx), x=x, Y=math.exp(ly), y=y, Z=math.exp(lz), z=z, huber=best[0])
-
-
-def mean_relative_error(predicted, observed):
-    predicted, observed = np.asarray(predicted, float), np.asarray(observed, float)
-    return float(np.mean(np.abs(predicted - observed) / observed))
+            status += f"; eval_core.py failed, see {run_dir(p) / 'eval.log'}"
+        elapsed = time.time() - start
+        eta = minutes(elapsed / done_flops * left_flops) if done_flops else "-"
+        print(f"{where}: {status} | elapsed {minutes(elapsed)} | ETA {eta}", flush=True)
+    print(f"run: {minutes(time.time() - start)} in all" + (f"; {fresh_tokens:,} tokens trained from scratch in "
+          f"{minutes(fresh_s)}, {fresh_tokens / fresh_s / 1e3:.1f} ktok/s (train.py's start and final eval included)"
+          if fresh_s else ""), flush=True)
 
 
 # -----------------------------------------------------------------------------
@@ -300,37 +273,74 @@ def collect(sweep, notes):
 
 
 def fit_budgets(runs, notes):
+    """Per budget: the mean loss over seeds at each mu_rec (and its seed spread), the parabola through the means,
+    the fixed-depth loss and the best looped one."""
     budgets = {}
     for C in sorted({r["C"] for r in runs}):
-        inside = [r for r in runs if r["C"] == C]
-        if len({r["mu_rec"] for r in inside}) < 3:
-            notes.append(f"budget C={C:.3g} has {len(inside)} finished runs; its parabola needs 3 values of mu_rec")
+        mus = sorted({r["mu_rec"] for r in runs if r["C"] == C})
+        if len(mus) < 3:
+            notes.append(f"budget C={C:.3g} has {len(mus)} finished values of mu_rec; its parabola needs 3")
             continue
-        opt = parabola_optimum([r["mu_rec"] for r in inside], [r["loss"] for r in inside],
-                               [r["trained_tokens"] for r in inside])
-        fixed = [r["loss"] for r in inside if r["mu_rec"] == 1]
-        looped = min((r for r in inside if r["mu_rec"] > 1), key=lambda r: r["loss"], default=None)
-        opt["fixed_depth_loss"] = fixed[0] if fixed else None
-        opt["best_looped"] = None if looped is None else dict(mu_rec=looped["mu_rec"], loss=looped["loss"])
-        budgets[C] = opt
+        seeds = [[r["loss"] for r in runs if r["C"] == C and r["mu_rec"] == mu] for mu in mus]
+        loss = [float(np.mean(s)) for s in seeds]
+        tokens = [next(r["trained_tokens"] for r in runs if r["C"] == C and r["mu_rec"] == mu) for mu in mus]
+        b = dict(parabola_optimum(mus, loss, tokens), C=C, mu_rec=mus, loss=loss, tokens=tokens,
+                 seeds=[len(s) for s in seeds], seed_losses=seeds,
+                 spread=[float(np.std(s, ddof=1)) if len(s) > 1 else None for s in seeds])
+        looped = [(mu, L) for mu, L in zip(mus, loss) if mu > 1]
+        b["fixed_depth_loss"] = loss[0] if mus[0] == 1 else None
+        b["best_looped"] = dict(zip(("mu_rec", "loss"), min(looped, key=lambda m: m[1]))) if looped else None
+        budgets[C] = b
     return budgets
 
 
-def fit_power_laws(budgets, notes):
-    """g_mu and g_D on every budget; then, on all but the largest, the error predicting the largest (paper §5.2)."""
+def paired_spread(runs):
+    """The seed spread of looped - fixed-depth loss within one seed and budget, pooled over the looped mu_rec: a
+    seed's data order moves every mu_rec of it together, so the difference can vary less than the losses do."""
+    loss = {(r["C"], r["mu_rec"], r["seed"]): r["loss"] for r in runs}
+    groups = {}
+    for (C, mu, seed), L in loss.items():
+        if mu > 1 and (C, 1, seed) in loss:
+            groups.setdefault((C, mu), []).append(L - loss[C, 1, seed])
+    return pooled_spread(list(groups.values()))
+
+
+def judge_frontier(budgets, sigma, paired_sigma=None):
+    """A win of looped over fixed depth counts only above twice the seed spread (README): per budget, the margin
+    fixed - best looped and 'looped', 'fixed' or 'within noise'; the same against twice the paired spread."""
+    def verdict(margin, spread):
+        if spread is None:
+            return "no seed spread measured"
+        return "looped" if margin > 2 * spread else "fixed" if margin < -2 * spread else "within noise"
+
+    for b in budgets.values():
+        if b["fixed_depth_loss"] is None or b["best_looped"] is None:
+            continue
+        b["margin"] = b["fixed_depth_loss"] - b["best_looped"]["loss"]
+        b["verdict"], b["paired_verdict"] = verdict(b["margin"], sigma), verdict(b["margin"], paired_sigma)
+
+
+def fit_power_laws(budgets, sigma, notes):
+    """g_mu and g_D on every budget, with bootstrap 90% intervals over the seed spread; then, fitted on all but the
+    largest budget, the error predicting the largest's mu_rec*, D* and L* (paper §5.2's extrapolation test)."""
     C = sorted(budgets)
     if len(C) < 2:
         notes.append(f"{len(C)} budget(s) with a parabola; the power laws need 2 (the extrapolation test 3)")
         return None
+    intervals = bootstrap_exponents([budgets[c] for c in C], sigma) if sigma else {}
     out = {}
-    for key, label in (("mu_star", "mu_rec"), ("D_star", "D")):
+    for key, label in (("mu_star", "mu_rec"), ("D_star", "D"), ("L_star", "L")):
         k, g = power_law(C, [budgets[c][key] for c in C])
         out[label] = dict(k=k, exponent=g)
+        if label in intervals:
+            out[label]["interval90"] = intervals[label]
         if len(C) >= 3:
             k, g = power_law(C[:-1], [budgets[c][key] for c in C[:-1]])
             predicted, observed = k * C[-1] ** g, budgets[C[-1]][key]
             out[label]["held_out"] = dict(C=C[-1], k=k, exponent=g, predicted=predicted, observed=observed,
                                           relative_error=abs(predicted - observed) / observed)
+    if not sigma:
+        notes.append("no point was run with several seeds: the exponents have no interval (give --seeds=3)")
     return out
 
 
@@ -362,41 +372,65 @@ def fit(sweep):
     notes = []
     runs = collect(sweep, notes)
     budgets = fit_budgets(runs, notes)
-    laws = fit_power_laws(budgets, notes)
+    sigma, dof = pooled_spread([s for b in budgets.values() for s in b["seed_losses"]])
+    paired_sigma, paired_dof = paired_spread(runs)
+    judge_frontier(budgets, sigma, paired_sigma)
+    laws = fit_power_laws(budgets, sigma, notes)
     unified = fit_unified_law(runs, notes)
     out_dir = get_base_dir() / "scaling" / sweep["name"]
     out_dir.mkdir(parents=True, exist_ok=True)
-    result = dict(sweep=sweep, runs=runs, budgets={f"{C:.3g}": b for C, b in budgets.items()}, power_laws=laws,
-                  unified=unified, notes=notes)
+    noise = dict(sigma=sigma, degrees_of_freedom=dof, paired_sigma=paired_sigma, paired_degrees_of_freedom=paired_dof,
+                 seeds=sweep["seeds"], budget=seed_budget(sweep),
+                 bootstrap="parametric: every budget's mean losses redrawn with N(0, sigma^2 / seeds), parabolas and "
+                           "power laws refitted, 2000 draws, 5th-95th percentiles")
+    result = dict(sweep=sweep, runs=runs, budgets={f"{C:.3g}": b for C, b in budgets.items()}, noise=noise,
+                  power_laws=laws, unified=unified, notes=notes)
     write_text(out_dir / "fit.json", json.dumps(result, indent=1))
-    print_report(runs, budgets, laws, unified, notes)
-    figures = draw(runs, budgets, laws, unified, out_dir)
+    print_report(runs, budgets, noise, laws, unified, notes)
+    figures = draw(runs, budgets, sigma, laws, unified, out_dir)
     print(f"\nwrote {out_dir / 'fit.json'} and {', '.join(str(f) for f in figures)}")
     return result
 
 
-def print_report(runs, budgets, laws, unified, notes):
-    print("| budget C (FLOPs) | mu_rec | tokens | final val loss at T = mu_rec |")
-    print("|---|---|---|---|")
-    for r in runs:
-        print(f"| {r['C']:.3g} | {r['mu_rec']} | {r['trained_tokens']:,} | {r['loss']:.4f} |")
-    if budgets:
-        print("\n| budget C | mu_rec* | D* | L* | vertex inside sampled mu_rec | loss at mu_rec = 1 | best looped |")
-        print("|---|---|---|---|---|---|---|")
+PAPER_EXPONENTS = {"mu_rec": 0.40, "D": 0.78}
+
+
+def print_report(runs, budgets, noise, laws, unified, notes):
+    sigma, paired = noise["sigma"], noise["paired_sigma"]
+    mus = sorted({r["mu_rec"] for r in runs})
+    print("final val loss at T = mu_rec (nats); mean +- seed standard deviation where several seeds ran\n")
+    print("| budget C | tokens/param | " + " | ".join(f"mu_rec {m}" for m in mus) + " | mu_rec* | looped vs fixed |")
+    print("|---" * (len(mus) + 4) + "|")
     for C, b in budgets.items():
-        looped = b["best_looped"]
-        fixed = "-" if b["fixed_depth_loss"] is None else f"{b['fixed_depth_loss']:.4f}"
-        best = "-" if looped is None else f"{looped['loss']:.4f} (mu_rec {looped['mu_rec']})"
-        print(f"| {C:.3g} | {b['mu_star']:.2f} | {b['D_star']:,.0f} | {b['L_star']:.4f} | "
-              f"{'yes' if b['vertex_inside'] else 'no'} | {fixed} | {best} |")
+        cells = {mu: f"{L:.4f}" + (f" +- {s:.4f}" if s is not None else "")
+                 for mu, L, s in zip(b["mu_rec"], b["loss"], b["spread"])}
+        best = min(cells, key=lambda mu: b["loss"][b["mu_rec"].index(mu)])
+        cells[best] = f"**{cells[best]}**"
+        per_param = f"{b['tokens'][-1] / runs[0]['params']:.1f}-{b['tokens'][0] / runs[0]['params']:.1f}"
+        verdict = f"{b['margin']:+.4f}: {b['verdict']} (paired: {b['paired_verdict']})" if "margin" in b else "-"
+        print(f"| {C:.3g} | {per_param} | " + " | ".join(cells.get(m, "-") for m in mus) +
+              f" | {b['mu_star']:.2f}{'' if b['vertex_inside'] else ' (outside)'} | {verdict} |")
+    if sigma is not None:
+        print(f"\nseed spread: {sigma:.4f} nats (pooled standard deviation, {noise['degrees_of_freedom']} degrees of "
+              f"freedom); a looped win counts above 2 x {sigma:.4f} = {2 * sigma:.4f}")
+    if paired is not None:
+        print(f"paired seed spread of looped - fixed depth within a seed: {paired:.4f} nats "
+              f"({noise['paired_degrees_of_freedom']} degrees of freedom); 2 x {paired:.4f} = {2 * paired:.4f}")
     if laws:
         print()
         for label, law in laws.items():
-            line = f"{label}* = {law['k']:.3g} C^{law['exponent']:.3f} (paper: {0.40 if label == 'mu_rec' else 0.78})"
+            line = f"{label}* = {law['k']:.3g} C^{law['exponent']:.3f}"
+            if "interval90" in law:
+                low, high = law["interval90"]
+                line += f", 90% interval [{low:.3f}, {high:.3f}]"
+            if label in PAPER_EXPONENTS:
+                paper = PAPER_EXPONENTS[label]
+                inside = "interval90" in law and law["interval90"][0] <= paper <= law["interval90"][1]
+                line += f" (paper: {paper:.2f}, {'inside' if inside else 'outside'})"
             if "held_out" in law:
                 h = law["held_out"]
                 line += (f"; fitted without C={h['C']:.3g} (exponent {h['exponent']:.3f}) it predicts "
-                         f"{h['predicted']:,.3g} there against {h['observed']:,.3g}: error {h['relative_error']:.1%}")
+                         f"{h['predicted']:,.4g} there against {h['observed']:,.4g}: error {h['relative_error']:.1%}")
             print(line)
     if unified:
         p = unified["params"]
@@ -412,7 +446,7 @@ def print_report(runs, budgets, laws, unified, notes):
 # -----------------------------------------------------------------------------
 # Figures (matplotlib, Agg: no display needed)
 
-def draw(runs, budgets, laws, unified, out_dir):
+def draw(runs, budgets, sigma, laws, unified, out_dir):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -427,59 +461,74 @@ def draw(runs, budgets, laws, unified, out_dir):
         plt.close(fig)
         paths.append(path)
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for i, C in enumerate(sorted({r["C"] for r in runs})):
-        inside = sorted((r for r in runs if r["C"] == C), key=lambda r: r["mu_rec"])
-        ax.plot([r["mu_rec"] for r in inside], [r["loss"] for r in inside], "o", color=colors[i % 10],
-                label=f"C = {C:.3g}")
-        if C in budgets:
-            grid = np.linspace(math.log(inside[0]["mu_rec"]), math.log(inside[-1]["mu_rec"]), 100)
-            ax.plot(np.exp(grid), np.polyval(budgets[C]["parabola"], grid), "-", color=colors[i % 10])
-            ax.plot(budgets[C]["mu_star"], budgets[C]["L_star"], "*", color=colors[i % 10], markersize=12)
+    fig, ax = plt.subplots(figsize=(6.5, 4.3))
+    for i, (C, b) in enumerate(budgets.items()):
+        bars = [s if s is not None else sigma or 0 for s in b["spread"]]
+        ax.errorbar(b["mu_rec"], b["loss"], yerr=bars, fmt="o", capsize=3, color=colors[i % 10],
+                    label=f"C = {C:.3g}" + (f" ({max(b['seeds'])} seeds)" if max(b["seeds"]) > 1 else ""))
+        for mu, seeds in zip(b["mu_rec"], b["seed_losses"]):
+            if len(seeds) > 1:
+                ax.plot([mu] * len(seeds), seeds, ".", color=colors[i % 10], alpha=0.4)
+        grid = np.linspace(math.log(b["mu_rec"][0]), math.log(b["mu_rec"][-1]), 100)
+        ax.plot(np.exp(grid), np.polyval(b["parabola"], grid), "-", color=colors[i % 10])
+        ax.plot(b["mu_star"], b["L_star"], "*", color=colors[i % 10], markersize=12)
     mus = sorted({r["mu_rec"] for r in runs})
-    ax.set(xscale="log", xlabel="mu_rec", ylabel="final val loss at T = mu_rec (nats)", title="isoFLOP curves")
+    ax.set(xscale="log", xlabel="mu_rec", ylabel="final val loss at T = mu_rec (nats)",
+           title="isoFLOP curves (bars: seed standard deviation)")
     ax.set_xticks(mus, [str(m) for m in mus])
     ax.minorticks_off()
-    ax.legend()
+    ax.legend(fontsize=8)
     save(fig, "isoflop.png")
 
     if laws:
-        fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+        fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
         C = np.array(sorted(budgets))
-        for ax, (label, key) in zip(axes, (("mu_rec", "mu_star"), ("D", "D_star"))):
+        for ax, (label, key) in zip(axes, (("mu_rec", "mu_star"), ("D", "D_star"), ("L", "L_star"))):
+            law = laws[label]
             ax.plot(C, [budgets[c][key] for c in C], "o", color="black")
-            ax.plot(C, laws[label]["k"] * C ** laws[label]["exponent"], "-",
-                    label=f"all budgets: C^{laws[label]['exponent']:.2f}")
-            if "held_out" in laws[label]:
-                h = laws[label]["held_out"]
-                ax.plot(C, h["k"] * C ** h["exponent"], "--", label=f"without the largest: C^{h['exponent']:.2f}")
+            interval = " [{:.2f}, {:.2f}]".format(*law["interval90"]) if "interval90" in law else ""
+            ax.plot(C, law["k"] * C ** law["exponent"], "-", label=f"all budgets: C^{law['exponent']:.2f}{interval}")
+            if "held_out" in law:
+                h = law["held_out"]
+                ax.plot(C, h["k"] * C ** h["exponent"], "--",
+                        label=f"without the largest: C^{h['exponent']:.2f}, error {h['relative_error']:.1%}")
             ax.set(xscale="log", yscale="log", xlabel="training FLOPs C", ylabel=f"{label}*")
-            ax.legend(fontsize=8)
+            ax.legend(fontsize=7)
         save(fig, "optimal.png")
 
     if unified:
         looped = [r for r in runs if r["mu_rec"] > 1 and r["curve"]]
-        fig, axes = plt.subplots(1, len({r["C"] for r in looped}), figsize=(4 * len({r["C"] for r in looped}), 3.6),
-                                 squeeze=False)
-        for ax, C in zip(axes[0], sorted({r["C"] for r in looped})):
-            for i, r in enumerate(r for r in looped if r["C"] == C):
-                T = np.array(r["curve"]["T"], float)
-                ax.plot(T, r["curve"]["loss"], "o", color=colors[i % 10], markersize=4, label=f"mu_rec {r['mu_rec']}")
+        Cs, mus = sorted({r["C"] for r in looped}), sorted({r["mu_rec"] for r in looped})
+        fig, axes = plt.subplots(1, len(Cs), figsize=(3.6 * len(Cs), 3.6), squeeze=False, sharey=True)
+        for ax, C in zip(axes[0], Cs):
+            for r in (r for r in looped if r["C"] == C):
+                color, T = colors[mus.index(r["mu_rec"]) % 10], np.array(r["curve"]["T"], float)
+                ax.plot(T, r["curve"]["loss"], "o", color=color, markersize=3,
+                        label=None if r["seed"] else f"mu_rec {r['mu_rec']}")
                 grid = np.linspace(T.min(), T.max(), 100)
                 ax.plot(grid, unified_predict(unified["params"], r["mu_rec"], r["trained_tokens"], grid), "-",
-                        color=colors[i % 10])
+                        color=color, linewidth=1)
             held = " (held out)" if C == unified["held_out_C"] else ""
-            ax.set(xlabel="test-time recurrence T", ylabel="val loss (nats)", title=f"C = {C:.3g}{held}")
-            ax.legend(fontsize=8)
+            ax.set(xlabel="test-time recurrence T", title=f"C = {C:.3g}{held}")
+            ax.legend(fontsize=7)
+        axes[0][0].set_ylabel("val loss (nats)")
         save(fig, "test_time.png")
 
-    if budgets:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        C = sorted(c for c in budgets if budgets[c]["fixed_depth_loss"] is not None and budgets[c]["best_looped"])
-        ax.plot(C, [budgets[c]["fixed_depth_loss"] for c in C], "o-", label="fixed depth (mu_rec = 1)")
-        ax.plot(C, [budgets[c]["best_looped"]["loss"] for c in C], "s-", label="best looped (mu_rec > 1)")
-        ax.set(xscale="log", xlabel="training FLOPs C", ylabel="final val loss (nats)", title="looped frontier")
-        ax.legend()
+    judged = [C for C, b in budgets.items() if "margin" in b]
+    if judged:
+        fig, ax = plt.subplots(figsize=(6.5, 4.3))
+        fixed = np.array([budgets[c]["fixed_depth_loss"] for c in judged])
+        ax.plot(judged, fixed, "o-", label="fixed depth (mu_rec = 1)")
+        if sigma:
+            ax.fill_between(judged, fixed - 2 * sigma, fixed + 2 * sigma, alpha=0.2,
+                            label=f"fixed depth +- 2 x seed spread ({2 * sigma:.3f})")
+        ax.plot(judged, [budgets[c]["best_looped"]["loss"] for c in judged], "s-", label="best looped (mu_rec > 1)")
+        for c in judged:
+            ax.annotate(f"mu {budgets[c]['best_looped']['mu_rec']}: {budgets[c]['verdict']}",
+                        (c, budgets[c]["best_looped"]["loss"]), fontsize=7, xytext=(4, -12), textcoords="offset points")
+        ax.set(xscale="log", xlabel="training FLOPs C", ylabel="final val loss (nats)",
+               title="looped frontier: a win counts only below the band")
+        ax.legend(fontsize=8)
         save(fig, "frontier.png")
     return paths
 
@@ -500,11 +549,12 @@ def parse_list(text, kind, flag):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=["plan", "run", "fit"])
-    parser.add_argument("--preset", choices=sorted(PRESETS), help="a ready sweep: cpu = the CPU micro study")
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="a ready sweep: cpu = the CPU study")
     parser.add_argument("--depth", type=int, help="model size (train.py --depth; default 6, the 140M)")
     parser.add_argument("--flops", type=lambda s: parse_list(s, float, "--flops"), help="budgets C, e.g. 1e18,3e18")
     parser.add_argument("--mu_rec", type=lambda s: parse_list(s, int, "--mu_rec"), help="e.g. 1,2,4,8")
     parser.add_argument("--T", type=lambda s: parse_list(s, int, "--T"), help="test-time depths of the unified fit")
+    parser.add_argument("--seeds", type=int, help="seeds at the middle budget, which measure the noise (default 1)")
     parser.add_argument("--sweep", help="sweep name (default: the preset's, or d<depth>)")
     parser.add_argument("--gpus", type=int, default=None,
                         help="processes per point (default: every GPU here for run, 8 for plan's commands)")

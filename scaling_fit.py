@@ -1,0 +1,143 @@
+"""
+scaling_fit.py: the fitters of scaling.py (paper §5.2-5.3, Appendix L), with the noise the seeds measure.
+
+- isoFLOP parabolas in ln mu_rec and their vertices, for one set of losses or thousands of resampled ones;
+- power laws y = k C^g, least squares in log-log;
+- a parametric bootstrap of the exponents g_mu and g_D: every budget's losses are redrawn with the measured
+  seed-to-seed spread, the parabolas and power laws refitted, and the 5th and 95th percentiles kept;
+- the unified law L(T | mu, D) = E + X mu^-x + Y D^-y + Z exp(-z T / mu), Huber loss and L-BFGS.
+numpy does the fits; torch only the unified law's gradients. `python -m pytest tests/test_scaling.py` tests them.
+"""
+
+import math
+
+import numpy as np
+import torch
+
+# -----------------------------------------------------------------------------
+# isoFLOP parabolas and power laws (paper §5.2, Fig. 4)
+
+
+def parabola_vertices(mu_rec, losses, tokens):
+    """Final loss ~ a (ln mu)^2 + b ln mu + c inside one budget, for each row of losses (shape (n,) or (B, n)).
+    -> dict of arrays: mu_star (the vertex, at most one sampled range beyond the samples; the best sampled point
+    when the parabola has no minimum), D_star
+    (ln D is linear in ln mu inside a budget, read off at the vertex), L_star (the parabola there), a, b, c, and
+    inside (the vertex lies within the sampled mu_rec)."""
+    x = np.log(np.asarray(mu_rec, float))
+    L = np.atleast_2d(np.asarray(losses, float))
+    a, b, c = np.linalg.lstsq(np.stack([x * x, x, np.ones_like(x)], 1), L.T, rcond=None)[0]
+    slope, intercept = np.polyfit(x, np.log(np.asarray(tokens, float)), 1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        x_star = np.where(a > 0, -b / (2 * a), x[np.argmin(L, axis=1)])
+    width = x.max() - x.min()  # a near-flat parabola's vertex runs off to infinity: keep it within one more range
+    x_star = np.clip(x_star, x.min() - width, x.max() + width)
+    return dict(mu_star=np.exp(x_star), D_star=np.exp(intercept + slope * x_star),
+                L_star=a * x_star ** 2 + b * x_star + c, a=a, b=b, c=c,
+                inside=(a > 0) & (x.min() <= x_star) & (x_star <= x.max()))
+
+
+def parabola_optimum(mu_rec, losses, tokens):
+    """One budget's vertex: mu_rec*, D*, L* (floats), the parabola [a, b, c] and whether the vertex is inside."""
+    v = parabola_vertices(mu_rec, losses, tokens)
+    return dict(mu_star=float(v["mu_star"][0]), D_star=float(v["D_star"][0]), L_star=float(v["L_star"][0]),
+                parabola=[float(v[k][0]) for k in "abc"], vertex_inside=bool(v["inside"][0]))
+
+
+def power_law(C, y):
+    """y = k C^g, least squares in log-log -> (k, g)."""
+    g, log_k = np.polyfit(np.log(np.asarray(C, float)), np.log(np.asarray(y, float)), 1)
+    return math.exp(log_k), g
+
+
+def log_log_slopes(C, Y):
+    """The power-law exponent of every row of Y (shape (B, len(C))) at once: least-squares slopes in log-log."""
+    u = np.log(np.asarray(C, float))
+    u = u - u.mean()
+    return (np.log(Y) @ u) / (u @ u)
+
+
+# -----------------------------------------------------------------------------
+# Noise: the seeds' spread, and the exponents' intervals it implies
+
+
+def pooled_spread(groups):
+    """Seed-to-seed standard deviation pooled over the points run with several seeds: the root of the mean of
+    their sample variances (ddof 1). groups: a list of loss lists, one per point. -> (sigma, degrees of freedom)."""
+    several = [np.asarray(g, float) for g in groups if len(g) > 1]
+    dof = sum(len(g) - 1 for g in several)
+    if not dof:
+        return None, 0
+    return float(math.sqrt(sum(((g - g.mean()) ** 2).sum() for g in several) / dof)), dof
+
+
+def bootstrap_exponents(budgets, sigma, draws=2000, level=0.9, seed=0):
+    """Parametric bootstrap of g_mu and g_D over the seed spread. budgets: one dict per budget with C, mu_rec,
+    loss (the mean over its seeds at each mu_rec), seeds (how many) and tokens. Each draw adds Gaussian noise of
+    standard deviation sigma / sqrt(seeds) to every mean loss, refits every parabola and both power laws.
+    -> {"mu_rec": (low, high), "D": (low, high)}: the central `level` interval of the redrawn exponents."""
+    rng = np.random.default_rng(seed)
+    C = [b["C"] for b in budgets]
+    mu_star, D_star = np.empty((draws, len(C))), np.empty((draws, len(C)))
+    for j, b in enumerate(budgets):
+        loss = np.asarray(b["loss"], float)
+        noise = sigma / np.sqrt(np.asarray(b["seeds"], float)) * rng.standard_normal((draws, loss.size))
+        v = parabola_vertices(b["mu_rec"], loss + noise, b["tokens"])
+        mu_star[:, j], D_star[:, j] = v["mu_star"], v["D_star"]
+    tails = [100 * (1 - level) / 2, 100 * (1 + level) / 2]
+    return {label: tuple(float(q) for q in np.percentile(log_log_slopes(C, Y), tails))
+            for label, Y in (("mu_rec", mu_star), ("D", D_star))}
+
+
+# -----------------------------------------------------------------------------
+# The unified law (paper §5.3, App. L)
+
+HUBER_DELTA = 1e-3  # on log-loss residuals, as in Chinchilla's fits (Hoffmann et al. 2022, §3.3)
+
+
+def unified_log_terms(theta, mu, D, T):
+    """L(T | mu, D) = E + X mu^-x + Y D^-y + Z exp(-z T / mu), every term positive, so ln L = logsumexp of four
+    log-terms (Chinchilla's parametrisation: theta = ln E, ln X, x, ln Y, y, ln Z, z)."""
+    e, lx, x, ly, y, lz, z = theta
+    return torch.stack([e.expand_as(mu), lx - x * mu.log(), ly - y * D.log(), lz - z * T / mu])
+
+
+def unified_predict(p, mu, D, T):
+    """The unified law at (mu, D, T) for fitted parameters p (a dict)."""
+    mu, D, T = (np.asarray(v, float) for v in (mu, D, T))
+    return p["E"] + p["X"] * mu ** -p["x"] + p["Y"] * D ** -p["y"] + p["Z"] * np.exp(-p["z"] * T / mu)
+
+
+def fit_unified(mu, D, T, losses, max_iter=100):
+    """Huber loss (delta 1e-3) on ln L residuals, minimised by L-BFGS from a grid of starts; the best is kept."""
+    mu, D, T, L = (torch.tensor(np.asarray(v, float), dtype=torch.float64) for v in (mu, D, T, losses))
+    log_L, L_min, lnD = L.log(), float(L.min()), float(D.log().mean())
+    best = (math.inf, None)
+    for x0 in (0.2, 0.6, 1.2):
+        for y0 in (0.1, 0.3, 0.6):
+            for z0 in (0.5, 2.0):
+                start = [math.log(0.8 * L_min), math.log(0.1 * L_min), x0, math.log(0.1 * L_min) + y0 * lnD, y0,
+                         math.log(0.1 * L_min), z0]
+                theta = torch.tensor(start, dtype=torch.float64, requires_grad=True)
+                opt = torch.optim.LBFGS([theta], lr=1, max_iter=max_iter, line_search_fn="strong_wolfe")
+
+                def objective():
+                    opt.zero_grad()
+                    residual = torch.logsumexp(unified_log_terms(theta, mu, D, T), 0) - log_L
+                    # Huber(r, delta) / delta^2: the same minimiser, at a scale L-BFGS's stopping tolerances suit
+                    loss = torch.nn.functional.huber_loss(residual / HUBER_DELTA, torch.zeros_like(residual),
+                                                          delta=1.0, reduction="sum")
+                    loss.backward()
+                    return loss
+
+                opt.step(objective)
+                value = objective().item()  # step() returns the loss at the start, not at the end
+                if math.isfinite(value) and value < best[0]:
+                    best = (value, theta.detach().clone())
+    e, lx, x, ly, y, lz, z = best[1].tolist()
+    return dict(E=math.exp(e), X=math.exp(lx), x=x, Y=math.exp(ly), y=y, Z=math.exp(lz), z=z, huber=best[0])
+
+
+def mean_relative_error(predicted, observed):
+    predicted, observed = np.asarray(predicted, float), np.asarray(observed, float)
+    return float(np.mean(np.abs(predicted - observed) / observed))
