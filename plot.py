@@ -7,8 +7,8 @@ plot.py: draw what train.py logs (metrics.jsonl) against the step, for any runs,
 
 A RUN is a folder holding metrics.jsonl (a path), else a run name under $NANOPARCAE_BASE_DIR/runs, where
 train.py --run=NAME writes. One panel per metric; a metric whose values span more than two decades (an
-exploding ||h_T||) gets a log axis. A run that train.py declared diverged ends in an x and a dotted line at
-the step where its streak of bad steps began. A run that stopped early, even mid-line, draws as far as it got.
+exploding ||h_T||) gets a log axis. A run that train.py declared diverged gets an x and a dotted line at the
+step where its streak of bad steps began. A run that stopped early, even mid-line, draws as far as it got.
 """
 
 import argparse
@@ -112,7 +112,7 @@ def draw(runs, metrics):
                     ax.plot(steps, values, style, color=color, linewidth=1, label=label if style == "-" else None)
                 positive += [v for v in values if v > 0]
                 before = [v for s, v in zip(steps, values) if s <= (run["diverged_at"] or -1)]
-                if before and style == "-":  # the x: the last good value, at the step the streak began
+                if before and style == "-":  # the x: the value at the step the streak began (or the last before)
                     ax.plot(run["diverged_at"], before[-1], "x", color=color, markersize=8)
             if run["diverged_at"] is not None:
                 ax.axvline(run["diverged_at"], color=color, linestyle=":", linewidth=1)
