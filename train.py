@@ -86,9 +86,9 @@ parser.add_argument("--diverge_steps", type=int, default=5,
                     "gradients, or ||h_T|| past --diverge_h_norm): one bad batch is skipped and recovers, five in a "
                     "row are a trend; 0: never")
 parser.add_argument("--diverge_h_norm", type=float, default=1e4,
-                    help="a state norm ||h_T|| past this counts as a bad step: a healthy state is 10-40 at the CPU "
-                    "sizes, and past ~1e4 the bf16 matmuls of u = Abar h + Bbar e (8 significant bits) no longer see "
-                    "the input e beside h")
+                    help="a state norm ||h_T|| past this counts as a bad step: a healthy state stays at 10-300 in the "
+                    "CPU runs, and past ~1e4 (about 256 x ||e||, which is ~sqrt(d)) bf16's 8 significant bits no "
+                    "longer resolve the input e beside h in u = Abar h + Bbar e")
 parser.add_argument("--resume", action="store_true", help="continue this run from its last checkpoint")
 parser.add_argument("--compile", type=int, choices=[0, 1], help="torch.compile the blocks")
 parser.add_argument("--dtype", choices=["float32", "bfloat16"],
