@@ -1,5 +1,5 @@
 #!/bin/bash
-# runs/stability_cpu.sh: the paper's stability claim (§3, §4.1, Fig. 9) on a CPU in ~15 minutes.
+# runs/stability_cpu.sh: the paper's stability claim (METHOD.md §4) on a CPU, about 19 minutes on one core.
 # An AdamW learning-rate sweep of the three injections (concat = RDM, add, diagonal = Parcae), then
 # Parcae without its prelude norm, with the project's recipe (MuonAdamW, train.py's CPU preset shape:
 # depth 3, d_model 128, mu_rec 4, stdlib bytes), 100 steps of 4,096 tokens each; then plot.py draws
