@@ -106,10 +106,8 @@ def draw(runs, metrics):
         for i, (label, run) in enumerate(runs.items()):
             color = colors[i % len(colors)]
             for steps, values, style in series(run, metric):
-                if style == "o":
-                    ax.plot(steps, values, "o", color=color, markersize=3)
-                else:
-                    ax.plot(steps, values, style, color=color, linewidth=1, label=label if style == "-" else None)
+                ax.plot(steps, values, style, color=color, linewidth=1, markersize=3,
+                        label=label if style == "-" else None)
                 positive += [v for v in values if v > 0]
                 before = [v for s, v in zip(steps, values) if s <= (run["diverged_at"] or -1)]
                 if before and style == "-":  # the x: the value at the step the streak began (or the last before)
