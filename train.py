@@ -384,8 +384,8 @@ while step < num_steps and (args.stop_at is None or step < args.stop_at):
         tokens_per_second = args.total_batch_size / dt if tokens_per_second is None \
             else 0.9 * tokens_per_second + 0.1 * args.total_batch_size / dt
     if master and logged:
-        record = {"step": step, "loss": loss_sum.item() / grad_accum, "lr_mult": lrm, "adamw_lr": adamw_lr * lrm,
-                  "muon_lr": args.muon_lr * lrm, "grad_norm": grad_norm.item(),
+        record = {"step": step, "loss": loss_sum.item() / grad_accum, "lr_mult": lrm, "grad_norm": grad_norm.item(),
+                  **{f"{group['kind']}_lr": group["lr"] for group in optimizer.param_groups},  # adamw_lr, muon_lr
                   "tokens_per_s": tokens_per_second, "rho": raw_model.spectral_radius(), "skipped_steps": skipped_steps,
                   **{key: None if value is None else value.item() for key, value in diagnostics.items()}}
         if peak_flops and tokens_per_second:
