@@ -10,6 +10,10 @@ Every optimiser step sees the same rows, depths and h0 whatever the number of pr
 micro-batches are "virtual ranks" v = rank * grad_accum + micro, each with its own share of the data
 and its own seed. So two processes reproduce one, and --resume continues a run exactly; workers that
 torchrun --max_restarts restarts after a failure resume from the last checkpoint by themselves.
+
+A run whose loss or gradients are non-finite, or whose ||h_T|| passes --diverge_h_norm, for --diverge_steps
+consecutive steps is declared diverged: it logs "diverged at step N" (the streak's first step), writes
+{"diverged_at": N} to metrics.jsonl and exits with status 3, its last checkpoint (from before the streak) kept.
 """
 
 import argparse
@@ -80,6 +84,14 @@ parser.add_argument("--core_every", type=int, help="steps between CORE evals (-1
 parser.add_argument("--core_max_per_task", type=int, default=500, help="CORE examples per task during training")
 parser.add_argument("--save_every", type=int, help="steps between checkpoints")
 parser.add_argument("--log_every", type=int)
+parser.add_argument("--diverge_steps", type=int, default=5,
+                    help="declare the run diverged after this many consecutive bad steps (non-finite loss or "
+                    "gradients, or ||h_T|| past --diverge_h_norm): one bad batch is skipped and recovers, five in a "
+                    "row are a trend; 0: never")
+parser.add_argument("--diverge_h_norm", type=float, default=1e4,
+                    help="a state norm ||h_T|| past this counts as a bad step: a healthy state stays at 10-300 in the "
+                    "CPU runs, and past ~1e4 (about 256 x ||e||, which is ~sqrt(d)) bf16's 8 significant bits no "
+                    "longer resolve the input e beside h in u = Abar h + Bbar e")
 parser.add_argument("--resume", action="store_true", help="continue this run from its last checkpoint")
 parser.add_argument("--compile", type=int, choices=[0, 1], help="torch.compile the blocks")
 parser.add_argument("--dtype", choices=["float32", "bfloat16"],
@@ -90,6 +102,7 @@ parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--dry_run", action="store_true", help="print the resolved configuration and exit")
 parser.add_argument("--stop_at", type=int, help="end this invocation after that step (continue with --resume)")
 parser.add_argument("--fault_nan_step", type=int, help="testing: poison the gradients at this step")
+parser.add_argument("--fault_nan_steps", type=int, default=1, help="testing: and the steps after it, this many in all")
 parser.add_argument("--fault_kill_step", type=int, help="testing: the last rank SIGKILLs itself after this step "
                     "(first attempt only), for the elastic-restart test")
 PAPER_HELP = {**PAPER, "d_model": "128 * (depth/3 + 4)", "compile": "1 on CUDA", "dtype": "bfloat16 on CUDA",
@@ -315,7 +328,7 @@ def log_line(record, num_steps):
 
 def poison_gradient(param):
     """Testing (--fault_nan_step): make that step's gradients non-finite; the loop must skip its update."""
-    if step == args.fault_nan_step:
+    if 0 <= step - args.fault_nan_step < args.fault_nan_steps:
         param.grad.fill_(float("nan"))
 
 
@@ -332,6 +345,7 @@ if master:
     metrics_file = open(run_dir / "metrics.jsonl", "a")
 tokens_per_second, t_run = None, time.time()
 step = start_step
+bad_steps, diverged_at, save_due = 0, None, False  # the divergence rule's streak (see the docstring)
 while step < num_steps and (args.stop_at is None or step < args.stop_at):
     t0 = time.time()
     loss_sum = torch.zeros((), device=device)
@@ -343,7 +357,7 @@ while step < num_steps and (args.stop_at is None or step < args.stop_at):
         x, y = next(batches[micro])
         last = micro == grad_accum - 1
         with (model.no_sync() if ddp and not last else nullcontext()), autocast:
-            if logged and last:  # ||h_T|| and the update ratio, for the log line, from one micro-batch
+            if last:  # ||h_T|| and the update ratio, for the divergence rule and the log line, from one micro-batch
                 loss, diagnostics = model(x, y, depth_generator=depth_generator, return_diagnostics=True)
             else:
                 loss = model(x, y, depth_generator=depth_generator)
@@ -374,6 +388,7 @@ while step < num_steps and (args.stop_at is None or step < args.stop_at):
             else 0.9 * tokens_per_second + 0.1 * args.total_batch_size / dt
     if master and logged:
         record = {"step": step, "loss": loss_sum.item() / grad_accum, "lr_mult": lrm, "grad_norm": grad_norm.item(),
+                  **{f"{group['kind']}_lr": group["lr"] for group in optimizer.param_groups},  # adamw_lr, muon_lr
                   "tokens_per_s": tokens_per_second, "rho": raw_model.spectral_radius(), "skipped_steps": skipped_steps,
                   **{key: None if value is None else value.item() for key, value in diagnostics.items()}}
         if peak_flops and tokens_per_second:
@@ -381,6 +396,21 @@ while step < num_steps and (args.stop_at is None or step < args.stop_at):
         log(log_line(record, num_steps))
         metrics_file.write(json.dumps(record) + "\n")
         metrics_file.flush()
+    h_norm = diagnostics["h_norm"]
+    state_too_large = torch.zeros((), device=device) if h_norm is None else (h_norm > args.diverge_h_norm).float()
+    if ddp:
+        dist.all_reduce(state_too_large, op=dist.ReduceOp.MAX)  # every rank stops at the same step
+    reason = "non-finite loss or gradients" if not finite.item() else \
+        f"||h_T|| > {args.diverge_h_norm:g}" if state_too_large.item() else None
+    bad_steps = bad_steps + 1 if reason else 0
+    if 0 < args.diverge_steps <= bad_steps:
+        diverged_at = step - bad_steps + 1
+        log(f"diverged at step {diverged_at}: {reason}, {bad_steps} steps in a row (to step {step}); "
+            f"the last checkpoint, from before them, is kept")
+        if master:
+            metrics_file.write(json.dumps({"step": step, "diverged_at": diverged_at, "reason": reason}) + "\n")
+            metrics_file.flush()
+        break
     results = []
     with autocast:  # evals run the training's numerics (eval_core keeps a caller's CPU autocast)
         if step % args.eval_every == 0 or step == num_steps:
@@ -391,13 +421,18 @@ while step < num_steps and (args.stop_at is None or step < args.stop_at):
         for result in filter(None, results):
             metrics_file.write(json.dumps(result) + "\n")
         metrics_file.flush()
-    if step % args.save_every == 0 or step == num_steps or step == args.stop_at:
+    save_due = save_due or step % args.save_every == 0 or step == num_steps or step == args.stop_at
+    if save_due and bad_steps == 0:  # during a streak the state may be the diverging one: save after it
         save(step)
+        save_due = False
     if args.fault_kill_step == step and rank == world - 1 and restart_count == 0:
         os.kill(os.getpid(), signal.SIGKILL)  # as a node fault or the OOM killer would
 
-log(f"done: {step} steps in {(time.time() - t_run) / 60:.1f} min, {skipped_steps} skipped")
+log(f"{'stopped' if diverged_at else 'done'}: {step} steps in {(time.time() - t_run) / 60:.1f} min, "
+    f"{skipped_steps} skipped")
 for loader in loaders:
     loader.close()
 if ddp:
     dist.destroy_process_group()
+if diverged_at:
+    sys.exit(3)  # a status of its own: neither success nor bad input (2)

@@ -1,6 +1,6 @@
 """Tests for train.py, run as users run it (subprocesses): exact resume, two processes and two "nodes"
-against one, an elastic restart after a killed rank, the non-finite-gradient skip, and one-line errors
-for bad input."""
+against one, an elastic restart after a killed rank, the non-finite-gradient skip, the divergence rule, and
+one-line errors for bad input."""
 
 import json
 import os
@@ -154,6 +154,33 @@ def test_non_finite_gradients_are_skipped_and_the_run_goes_on(corpus):
     assert steps[-1]["step"] == 8 and steps[-1]["skipped_steps"] == 1
     assert all(r["loss"] == r["loss"] for r in steps)  # no NaN reached the weights
     assert [r for r in records if "val_loss_T1" in r][-1]["val_loss_T1"] < 100
+
+
+def test_a_run_non_finite_for_k_steps_is_declared_diverged_and_keeps_its_last_good_checkpoint(corpus):
+    # the gradients of steps 3, 4 and 5 are poisoned (the hook counts steps from 0): three bad steps in a row
+    result = train(corpus, "--run=diverged", "--save_every=2", "--fault_nan_step=2", "--fault_nan_steps=3",
+                   "--diverge_steps=3", expect_ok=False)
+    assert result.returncode == 3, result.stderr[-3000:]
+    assert "diverged at step 3: non-finite loss or gradients, 3 steps in a row (to step 5)" in result.stdout
+    run_dir = corpus / "base" / "runs" / "diverged"
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    assert records[-1] == {"step": 5, "diverged_at": 3, "reason": "non-finite loss or gradients"}
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5]
+    # step 4's checkpoint waited for a good step that never came: step 2's stays, the state before the streak
+    assert [path.name for path in run_dir.glob("ckpt_*.pt")] == ["ckpt_000002.pt"]
+    train(corpus, "--run=before_streak", "--stop_at=2")
+    kept, reference = (torch.load(corpus / "base" / "runs" / run / "ckpt_000002.pt", weights_only=True)["model"]
+                       for run in ("diverged", "before_streak"))
+    assert kept.keys() == reference.keys()
+    for name in reference:
+        assert torch.equal(kept[name], reference[name]), name
+
+
+def test_a_state_past_the_bound_for_k_steps_is_declared_diverged(corpus):
+    result = train(corpus, "--run=exploded", "--diverge_h_norm=1e-3", "--diverge_steps=2", expect_ok=False)
+    assert result.returncode == 3
+    assert "diverged at step 1: ||h_T|| > 0.001, 2 steps in a row (to step 2)" in result.stdout
+    assert not any((corpus / "base" / "runs" / "exploded").glob("ckpt_*.pt"))
 
 
 @pytest.mark.parametrize("flags,message", [

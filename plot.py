@@ -1,0 +1,176 @@
+"""
+plot.py: draw what train.py logs (metrics.jsonl) against the step, for any runs, into one PNG.
+
+    python plot.py d3_diagonal d3_concat                          # every metric, to plot.png
+    python plot.py d3_concat ~/runs/lr3e-2 --metrics loss,h_norm,rho -o stability.png
+    python plot.py d3_diagonal d3_concat --table                  # and print each run's summary row
+
+A RUN is a folder holding metrics.jsonl (a path), else a run name under $NANOPARCAE_BASE_DIR/runs, where
+train.py --run=NAME writes. One panel per metric; a metric whose values span more than two decades (an
+exploding ||h_T||) gets a log axis. A run that train.py declared diverged gets an x and a dotted line at the
+step where its streak of bad steps began. A run that stopped early, even mid-line, draws as far as it got.
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+# -----------------------------------------------------------------------------
+# The metrics: the key in metrics.jsonl and the axis label. "loss" draws the training loss as a line and
+# the validation loss at the run's largest eval depth T as dots; "lr" draws AdamW's rate solid, Muon's dashed.
+
+METRICS = {
+    "loss": "loss (line: train,\ndots: val at largest T)",
+    "rho": "rho(Abar)",
+    "h_norm": "||h_T||",
+    "update_ratio": "dh/h = ||h_T - h_{T-1}|| / ||h_T||",
+    "lr": "learning rate (solid: AdamW, dashed: Muon)",
+    "grad_norm": "gradient norm (before clipping)",
+}
+LOG_SPAN = 100  # a panel whose positive values span more than this factor gets a log axis
+
+
+def fail(message):
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+# -----------------------------------------------------------------------------
+# Reading runs
+
+def run_dir(run):
+    """RUN -> its folder: the path itself if it holds metrics.jsonl, else base dir / runs / RUN."""
+    if (Path(run) / "metrics.jsonl").is_file():
+        return Path(run)
+    from common import get_base_dir  # imports torch: only when a name has to be resolved
+    named = get_base_dir() / "runs" / run
+    if not (named / "metrics.jsonl").is_file():
+        fail(f"no metrics for run {run!r}: neither {Path(run) / 'metrics.jsonl'} nor {named / 'metrics.jsonl'} "
+             f"exists; pass a run folder or a train.py --run name (NANOPARCAE_BASE_DIR={named.parent.parent})")
+    return named
+
+
+def read_run(path):
+    """metrics.jsonl -> {"steps": training records, "evals": eval records, "diverged_at": step or None}.
+    A line cut short (a run killed while writing it) is skipped."""
+    run = {"steps": [], "evals": [], "diverged_at": None}
+    for line in (Path(path) / "metrics.jsonl").read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "diverged_at" in record:
+            run["diverged_at"] = record["diverged_at"]
+        elif "loss" in record:
+            run["steps"].append(record)
+        elif any(key.startswith("val_loss_T") for key in record):
+            run["evals"].append(record)
+    return run
+
+
+# -----------------------------------------------------------------------------
+# Drawing
+
+def eval_depths(evals):
+    """The depths T that eval records hold a validation loss at, ascending."""
+    return sorted({int(key[len("val_loss_T"):]) for record in evals for key in record if key.startswith("val_loss_T")})
+
+
+def series(run, metric):
+    """-> [(steps, values, style)] of one run's metric; non-finite and missing values are left out."""
+    def points(records, key):
+        pairs = [(r["step"], r[key]) for r in records if r.get(key) is not None and math.isfinite(r[key])]
+        return [p[0] for p in pairs], [p[1] for p in pairs]
+
+    if metric == "loss":
+        depths = eval_depths(run["evals"])
+        val = [points(run["evals"], f"val_loss_T{depths[-1]}") + ("o",)] if depths else []
+        return [points(run["steps"], "loss") + ("-",)] + val
+    if metric == "lr":
+        return [points(run["steps"], "adamw_lr") + ("-",), points(run["steps"], "muon_lr") + ("--",)]
+    return [points(run["steps"], metric) + ("-",)]
+
+
+def draw(runs, metrics):
+    """runs: {label: read_run(...)} -> a matplotlib figure, one panel per metric."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(len(metrics), 1, figsize=(7, 2.4 * len(metrics)), sharex=True, squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, metric in zip(axes[:, 0], metrics):
+        positive = []
+        for i, (label, run) in enumerate(runs.items()):
+            color = colors[i % len(colors)]
+            for steps, values, style in series(run, metric):
+                ax.plot(steps, values, style, color=color, linewidth=1, markersize=3,
+                        label=label if style == "-" else None)
+                positive += [v for v in values if v > 0]
+                before = [v for s, v in zip(steps, values) if s <= (run["diverged_at"] or -1)]
+                if before and style == "-":  # the x: the value at the step the streak began (or the last before)
+                    ax.plot(run["diverged_at"], before[-1], "x", color=color, markersize=8)
+            if run["diverged_at"] is not None:
+                ax.axvline(run["diverged_at"], color=color, linestyle=":", linewidth=1)
+        if positive and max(positive) / min(positive) > LOG_SPAN:
+            ax.set_yscale("log")
+        ax.set_ylabel(METRICS[metric], fontsize=8)
+        ax.grid(alpha=0.3)
+    axes[0, 0].legend(fontsize=7, ncol=2, title="x: diverged" if any(r["diverged_at"] for r in runs.values()) else None,
+                      title_fontsize=7)
+    axes[-1, 0].set_xlabel("step")
+    fig.tight_layout()
+    return fig
+
+
+def summary_row(label, run):
+    """A markdown row: the final training loss, the final validation loss at each eval depth T, max rho,
+    max ||h_T||, and the step the run diverged at."""
+    def largest(key):
+        values = [r[key] for r in run["steps"] if r.get(key) is not None and math.isfinite(r[key])]
+        return f"{max(values):.3g}" if values else "-"
+
+    final = run["steps"][-1]["loss"] if run["steps"] else float("nan")
+    last_eval = run["evals"][-1:]
+    depths = eval_depths(last_eval)
+    val = " / ".join(f"{last_eval[0][f'val_loss_T{T}']:.3f}" for T in depths) + \
+        f" (T = {' / '.join(map(str, depths))})" if depths else "-"
+    return f"| {label} | {final:.3f} | {val} | {largest('rho')} | {largest('h_norm')} | {run['diverged_at'] or '-'} |"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", metavar="RUN", help="a run folder, or a run name under the base dir")
+    parser.add_argument("--metrics", default=",".join(METRICS), help=f"comma-separated, of: {', '.join(METRICS)}")
+    parser.add_argument("-o", "--out", default="plot.png", help="the PNG to write")
+    parser.add_argument("--title", help="a title above the panels")
+    parser.add_argument("--table", action="store_true", help="also print a markdown row per run")
+    args = parser.parse_args()
+    metrics = args.metrics.split(",")
+    unknown = [m for m in metrics if m not in METRICS]
+    if unknown:
+        fail(f"unknown metric(s) {', '.join(unknown)}; choose from {', '.join(METRICS)}")
+    runs = {}
+    for run in args.runs:
+        path = run_dir(run)
+        runs[path.name if path.name not in runs else str(path)] = read_run(path)
+    fig = draw(runs, metrics)
+    if args.title:
+        fig.suptitle(args.title, fontsize=9)
+        fig.tight_layout()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out.with_name(out.stem + ".tmp.png"), dpi=110)  # written whole, then renamed
+    os.replace(out.with_name(out.stem + ".tmp.png"), out)
+    print(f"wrote {out}: {', '.join(runs)}")
+    if args.table:
+        print("| run | final train loss | final val loss | max rho | max h_T norm | diverged at step |")
+        print("|---|---|---|---|---|---|")
+        for label, run in runs.items():
+            print(summary_row(label, run))
+
+
+if __name__ == "__main__":
+    main()

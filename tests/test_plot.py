@@ -1,0 +1,75 @@
+"""Tests for plot.py: it draws from a metrics file as train.py writes it (log axis for a quantity spanning
+decades, the diverged run marked), reads a run that stopped mid-line, and a missing run ends in one line."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import plot
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def write_run(folder, records, tail=""):
+    folder.mkdir(parents=True)
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + tail)
+    return folder
+
+
+def step(n, h_norm, loss=5.0):
+    return {"step": n, "loss": loss, "lr_mult": 1.0, "adamw_lr": 8e-3, "muon_lr": 8e-3, "grad_norm": 1.0,
+            "tokens_per_s": 1e3, "rho": 0.5, "skipped_steps": 0, "h_norm": h_norm, "update_ratio": 0.1}
+
+
+@pytest.fixture
+def runs(tmp_path):
+    stable = write_run(tmp_path / "base" / "runs" / "stable", [step(n, 10.0 + n) for n in range(1, 6)] +
+                       [{"step": 5, "val_loss_T1": 4.5, "val_bpb_T1": 2.0, "val_loss_T4": 4.2, "val_bpb_T4": 1.9}])
+    exploded = write_run(tmp_path / "exploded", [step(1, 10.0), step(2, 1e5), step(3, 1e7, float("nan"))] +
+                         [{"step": 3, "diverged_at": 2, "reason": "||h_T|| > 10000"}])
+    return stable, exploded
+
+
+def test_draws_log_axes_for_quantities_spanning_decades_and_marks_the_divergence(runs):
+    stable, exploded = (plot.read_run(path) for path in runs)
+    assert exploded["diverged_at"] == 2 and [r["step"] for r in exploded["steps"]] == [1, 2, 3]
+    assert [values for _, values, _ in plot.series(exploded, "loss")] == [[5.0, 5.0]]  # the NaN is left out
+    assert plot.series(stable, "loss")[1][:2] == ([5], [4.2])  # validation at the largest T
+    fig = plot.draw({"stable": stable, "exploded": exploded}, ["loss", "rho", "h_norm"])
+    loss_ax, rho_ax, h_ax = fig.axes
+    assert h_ax.get_yscale() == "log" and rho_ax.get_yscale() == loss_ax.get_yscale() == "linear"
+    marks = [line for line in h_ax.lines if line.get_marker() == "x"]
+    assert len(marks) == 1 and list(marks[0].get_xdata()) == [2] and list(marks[0].get_ydata()) == [1e5]
+    assert any(list(line.get_xdata()) == [2, 2] for line in h_ax.lines)  # the dotted line at the step
+    assert "| exploded | nan |" in plot.summary_row("exploded", exploded) and \
+        plot.summary_row("stable", stable).endswith("| 4.500 / 4.200 (T = 1 / 4) | 0.5 | 15 | - |")
+
+
+def test_cli_reads_a_run_by_name_and_a_run_that_stopped_mid_line(tmp_path, runs):
+    cut = write_run(tmp_path / "cut", [step(1, 10.0), step(2, 11.0)], tail='{"step": 3, "loss": 4.')
+    assert [r["step"] for r in plot.read_run(cut)["steps"]] == [1, 2]
+    out = tmp_path / "figs" / "out.png"
+    env = {**os.environ, "NANOPARCAE_BASE_DIR": str(tmp_path / "base")}
+    result = subprocess.run([sys.executable, str(ROOT / "plot.py"), "stable", str(runs[1]), str(cut),
+                             "--metrics=loss,h_norm,rho", "-o", str(out), "--table"],
+                            capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not list(out.parent.glob("*.tmp.png"))
+    assert "| exploded | nan |" in result.stdout and "| cut | 5.000 | - |" in result.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["missing_run"], "no metrics for run 'missing_run'"),
+    (["stable", "--metrics=loss,perplexity"], "unknown metric(s) perplexity"),
+])
+def test_a_missing_run_or_metric_ends_in_one_line(tmp_path, runs, args, message):
+    env = {**os.environ, "NANOPARCAE_BASE_DIR": str(tmp_path / "base")}
+    result = subprocess.run([sys.executable, str(ROOT / "plot.py"), *args, "-o", str(tmp_path / "x.png")],
+                            capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode != 0 and message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not (tmp_path / "x.png").exists()
