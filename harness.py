@@ -31,6 +31,7 @@ from sample import generate
 try:
     import lm_eval
     from lm_eval.api.model import LM
+    from lm_eval.tasks import TaskManager
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, make_table
 except ImportError:
     raise ImportError("lm-eval is not installed; run `pip install -r requirements-eval.txt`") from None
@@ -130,12 +131,16 @@ def run_harness(model, tokenizer, tasks, Ts, batch_size=8, limit=None):
         raise ValueError("--eval harness takes the harness's task names, e.g. --tasks lambada_openai,wikitext")
     if rank_and_world()[1] > 1:
         raise ValueError("--eval harness runs in one process; start it with python, not torchrun")
+    task_manager = TaskManager()
+    unknown = [name for name in names if name not in task_manager.all_tasks]
+    if unknown:
+        raise ValueError(f"the harness has no task {', '.join(unknown)}; `lm-eval ls tasks` lists them")
     out = {"tasks": names, "T": Ts, "results": {}}
     for T in Ts:
         print0(f"--- T = {T}")
         try:
             results = lm_eval.simple_evaluate(model=HarnessLM(model, tokenizer, T, batch_size), tasks=names,
-                                              limit=limit, log_samples=False)
+                                              limit=limit, log_samples=False, task_manager=task_manager)
         except (ConnectionError, OSError) as err:
             raise ValueError(f"the harness could not fetch its data ({type(err).__name__}: "
                              f"{str(err).splitlines()[0][:200]}); it downloads each task's data set on first use, "

@@ -7,8 +7,10 @@ cut at its stop strings. Skipped where lm-eval is not installed (pip install -r 
     python -m pytest tests/test_harness.py -q
 """
 
+import functools
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -18,6 +20,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+for flag in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):  # read when datasets is imported: set before lm_eval
+    os.environ[flag] = "1"
 lm_eval = pytest.importorskip("lm_eval")
 from lm_eval.api.instance import Instance  # noqa: E402
 
@@ -35,11 +39,8 @@ DOCS = ["The river ran past the old mill and into the town.", "A cat sat on the 
 
 
 @pytest.fixture(autouse=True)
-def offline(tmp_path, monkeypatch):
+def isolated(tmp_path, monkeypatch):
     monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(tmp_path / "base"))
-    for name in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        monkeypatch.setenv(name, "1")
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf"))
 
 
 @pytest.fixture(scope="module")
@@ -65,12 +66,21 @@ def task(tmp_path, name, rows, **config):
     """A harness task config over a jsonl file of rows (the harness's own json loader, no network)."""
     path = tmp_path / f"{name}.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return dict(task=name, dataset_path="json", dataset_kwargs={"data_files": {"test": str(path)}},
+    return dict(task=name, dataset_path="json", dataset_kwargs={"data_files": {"test": str(path)},
+                                                                "cache_dir": str(tmp_path / "hf")},
                 test_split="test", **config)
 
 
+@functools.lru_cache(maxsize=None)
+def task_manager():
+    """The harness's index of its own tasks, built once: it reads every task YAML the harness ships."""
+    from lm_eval.tasks import TaskManager
+    return TaskManager()
+
+
 def evaluate(lm, config):
-    out = lm_eval.simple_evaluate(model=lm, tasks=[config], log_samples=True, bootstrap_iters=0)
+    out = lm_eval.simple_evaluate(model=lm, tasks=[config], log_samples=True, bootstrap_iters=0,
+                                  task_manager=task_manager())
     return out["results"][config["task"]], out["samples"][config["task"]]
 
 
@@ -172,8 +182,28 @@ def test_generate_until_is_sample_py_greedy_cut_at_stop_strings(model_and_tokeni
     assert [s["resps"][0][0] for s in sorted(samples, key=lambda s: s["doc_id"])] == expected
 
 
-def test_eval_core_names_harness_and_refuses_core_tasks(model_and_tokenizer, tmp_path):
+def test_eval_core_runs_a_yaml_task_and_writes_json(model_and_tokenizer, tmp_path, monkeypatch):
+    """eval_core.py --eval harness over a task YAML (the harness's include_path), at two depths, into the JSON
+    beside the checkpoint; --help names the evaluation; CORE's task sets are refused with one line."""
+    import eval_core
+    from lm_eval.tasks import TaskManager
     model, tokenizer = model_and_tokenizer
+    tokenizer.save(tmp_path / "tok")
+    save_checkpoint(tmp_path / "ckpt.pt", model, tokenizer_dir=str(tmp_path / "tok"))
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "tiny_yaml.yaml").write_text(
+        f"task: tiny_yaml\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {tmp_path / 'docs.jsonl'}\n"
+        f"  cache_dir: {tmp_path / 'hf'}\n"
+        f"test_split: test\noutput_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{{{text}}}}'\n"
+        f"metric_list:\n  - metric: word_perplexity\n")
+    monkeypatch.setattr(harness, "TaskManager", lambda: TaskManager(include_path=str(tmp_path / "tasks")))
+    monkeypatch.setattr(sys, "argv", ["eval_core.py", "--ckpt", str(tmp_path / "ckpt.pt"), "--eval", "harness",
+                                      "--tasks", "tiny_yaml", "--T", "1,3", "--device", "cpu"])
+    eval_core.main()
+    written = json.loads((tmp_path / "ckpt_harness_T1-3.json").read_text())
+    ppl = [written["results"][T]["tiny_yaml"]["word_perplexity,none"] for T in ("1", "3")]
+    assert all(math.isfinite(p) and p > 1 for p in ppl) and ppl[0] != ppl[1]
     result = subprocess.run([sys.executable, str(ROOT / "eval_core.py"), "--help"], capture_output=True, text=True,
                             timeout=120, cwd=ROOT)
     assert "harness" in result.stdout and "requirements-eval.txt" in result.stdout
