@@ -103,8 +103,6 @@ def test_rolling_word_perplexity_is_the_projects_own(model_and_tokenizer, tmp_pa
     words = sum(len(re.split(r"\s+", d)) for d in DOCS)
     assert results["word_perplexity,none"] == pytest.approx(math.exp(nats / words), rel=1e-5)
     assert results["bits_per_byte,none"] == pytest.approx(bpb, rel=1e-5)
-    print(f"word perplexity: harness {results['word_perplexity,none']:.6f}, "
-          f"eval_core.evaluate_bpb {math.exp(nats / words):.6f}")
 
 
 def hand_logprobs(model, ids, T):
