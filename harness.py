@@ -64,10 +64,10 @@ class HarnessLM(LM):
     def loglikelihood(self, requests):
         """(context, continuation) -> (log p(continuation | BOS, context), greedy). As in eval_core's LM tasks, the
         continuation is what the joint text's tokens hold after those of the context alone."""
+        pairs = [request.args for request in requests]
+        encoded = self.tokenizer.encode([context for context, _ in pairs] + [c + x for c, x in pairs])
         rows = []
-        for i, request in enumerate(requests):
-            context, continuation = request.args
-            context_ids, whole = self.tokenizer.encode([context, context + continuation])
+        for i, (context_ids, whole) in enumerate(zip(encoded[:len(pairs)], encoded[len(pairs):])):
             tokens = [self.tokenizer.bos_id, *whole]
             rows.append(Row(*crop_left(tokens, 1 + common_length([context_ids, whole]), len(tokens), self.seq_len), i))
         return self.score(rows, len(requests))
