@@ -8,6 +8,7 @@ scaling law.
     python eval_core.py --max_per_task 50 --compare_batching  # batched scoring against one example per forward
     python eval_core.py --eval bpb --T 1,2,4,8,16,32          # val loss and bits per byte at each T, fit L(T)
     python eval_core.py --eval ppl --T 1,4                    # the paper's val PPL: one document per forward
+    python eval_core.py --eval harness --tasks lambada_openai,wikitext --T 8   # lm-evaluation-harness (harness.py)
     torchrun --nproc_per_node 8 eval_core.py --T 8            # examples striped across ranks (nccl; gloo on CPU)
 
 CORE is DCLM's 22-task ensemble scored the way nanochat scores it; the eval bundle (nanochat's copy of DCLM's task
@@ -375,13 +376,15 @@ def main():
     parser.add_argument("--run", default=None, help="run name under <base dir>/runs whose latest checkpoint to use")
     parser.add_argument("--from", dest="from_", default=None, help="the authors' release instead: a Hub repo id "
                         "(SandyResearch/parcae-140m) or a folder with config.json, model.pt, tokenizer.json")
-    parser.add_argument("--eval", default="core", choices=["core", "bpb", "ppl"],
+    parser.add_argument("--eval", default="core", choices=["core", "bpb", "ppl", "harness"],
                         help="core: CORE / Core-Extended; bpb: val loss on packed rows (train.py's); ppl: the "
-                        "paper's val PPL, one document per forward (the authors' protocol)")
+                        "paper's val PPL, one document per forward (the authors' protocol); harness: "
+                        "lm-evaluation-harness tasks named by --tasks (pip install -r requirements-eval.txt)")
     parser.add_argument("--T", default=None, help="test-time recurrence(s), e.g. 8 or 1,2,4,8 (default: mu_rec)")
     parser.add_argument("--seeds", default="1234", help="few-shot seeds; several print mean and std (METHOD.md §3)")
     parser.add_argument("--max_per_task", type=int, default=-1, help="items per task after shuffling (-1: all)")
-    parser.add_argument("--tasks", default="core", help="core (22), extended (46), or task labels separated by commas")
+    parser.add_argument("--tasks", default="core", help="core (22), extended (46), or task labels separated by "
+                        "commas; --eval harness: the harness's task names, e.g. lambada_openai,wikitext")
     parser.add_argument("--batch_tokens", type=int, default=None,
                         help="sequences x padded length per forward (default 16384 on CUDA, 1024 on CPU)")
     parser.add_argument("--one_per_forward", action="store_true", help="one item per forward (nanochat's way)")
@@ -391,7 +394,7 @@ def main():
     parser.add_argument("--data", default=None,
                         help="bpb, ppl: validation source (default: the checkpoint's training data)")
     parser.add_argument("--val_tokens", type=int, default=1 << 20, help="bpb: validation tokens over all ranks")
-    parser.add_argument("--batch_size", type=int, default=8, help="bpb: sequences per forward")
+    parser.add_argument("--batch_size", type=int, default=8, help="bpb, harness: sequences per forward")
     parser.add_argument("--max_docs", type=int, default=1000, help="ppl: the first N validation documents")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     args = parser.parse_args()
@@ -414,9 +417,13 @@ def main():
             out = run_core(args, model, tokenizer, Ts, parse_ints(args.seeds, "--seeds"))
         elif args.eval == "bpb":
             out = run_bpb(args, model, tokenizer, ckpt, Ts, device)
-        else:
+        elif args.eval == "ppl":
             out = run_ppl(args, model, tokenizer, ckpt, Ts)
-    except (FileNotFoundError, ValueError) as err:
+        else:
+            from harness import run_harness  # here only: lm-eval is optional (requirements-eval.txt)
+            out = run_harness(model, tokenizer, args.tasks, Ts, args.batch_size,
+                              args.max_per_task if args.max_per_task > 0 else None)
+    except (FileNotFoundError, ValueError, ImportError) as err:
         raise SystemExit(f"eval_core.py: {err}")
     if rank_and_world()[0] == 0:
         path = ckpt_path.with_name(f"{ckpt_path.stem}_{args.eval}_T{'-'.join(map(str, Ts))}.json")

@@ -6,10 +6,12 @@ Their package parcae_lm writes a folder with config.json (its config dataclass a
 `_class_name`), a state dict (model.pt or pytorch_model.bin) and a byte-level BPE tokenizer.json
 (METHOD.md §5). This file downloads such a folder (or reads a local one), builds our ParcaeConfig from
 theirs, renames their parameters onto ours with one explicit table, and turns tokenizer.json into a
-tiktoken Encoding wrapped in tokenizer.Tokenizer.
+tiktoken Encoding wrapped in tokenizer.Tokenizer. `export` goes the other way: a nanoparcae checkpoint
+becomes such a folder, for their from_pretrained.
 
     python hub.py SandyResearch/parcae-140m        # download, load, print a summary
     model, tokenizer = hub.load_pretrained("SandyResearch/parcae-140m")   # or a local folder
+    python hub.py export d12 out/parcae-d12        # a run (or a checkpoint file) -> their format
 """
 
 import argparse
@@ -22,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from common import get_base_dir
+from common import find_checkpoint, get_base_dir, load_checkpoint
 from download import download_file
 from model import Parcae, ParcaeConfig
 from tokenizer import Tokenizer
@@ -410,10 +412,169 @@ def load_pretrained(source, device="cpu"):
     return model.to(device).eval(), tokenizer
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="Download and load an authors' Parcae checkpoint")
+# -----------------------------------------------------------------------------
+# Export: a nanoparcae checkpoint -> a folder their from_pretrained reads (the tables above, inverted)
+#
+# Their from_pretrained (parcae_lm/__init__.py) reads config.json into ParcaeConfig or GPTConfig by
+# _class_name, dropping rope_settings (so RoPE base 50,000, their default), builds the model and loads
+# pytorch_model.bin or model.pt with strict=False: a name that is not theirs would be skipped silently, so
+# the names come from the same tables the loader checks. Their tokenizer (parcae_lm/tokenizer.py) is
+# AutoTokenizer on tokenizer.json, with tokenizer_config.json naming the class and the special tokens.
+
+THEIR_INJECTION = {ours: theirs for theirs, ours in INJECTION_OF_TYPE.items()}
+# our depth sampler -> their (recurrent_iteration_method, sampling_scheme); training only, the forward at a
+# given depth does not read it. per_batch_split has no scheme of theirs: its nearest draws the same T per batch.
+THEIR_SAMPLING = {
+    "per_sequence": ("per-sequence", "poisson-truncated-full"), "fixed": ("per-sequence", "fixed"),
+    "per_batch": ("per-batch", "poisson-truncated-full"), "per_batch_split": ("per-batch", "poisson-truncated-full"),
+    "poisson_unbounded": ("per-batch", "poisson-unbounded"), "poisson_fill": ("per-batch", "poisson-fill"),
+    "poisson_full": ("per-batch", "poisson-full"),
+}
+THEIR_ROPE_BASE = 50_000  # RoPESettings' default, the base their from_pretrained builds with
+
+
+def authors_config(config):
+    """Our ParcaeConfig -> their config.json dict (a ParcaeConfig, or a GPTConfig for the Transformer baseline),
+    checked by reading it back with config_from_authors."""
+    c = config
+    if c.rope_base != THEIR_ROPE_BASE:
+        raise ValueError(f"this model has rope_base {c.rope_base:g}; their from_pretrained ignores rope_settings and "
+                         f"builds RoPE with base {THEIR_ROPE_BASE:,}, so it would compute another model")
+    cfg = dict(name="nanoparcae", block_size=c.seq_len, vocab_size=c.vocab_size, padding_multiple=64,
+               padded_vocab_size=c.padded_vocab_size, n_embd=c.d_model, num_attention_heads=c.n_head,
+               num_key_value_heads=c.n_head, intermediate_size=4 * c.d_model, norm_eps=c.norm_eps,
+               init_strategy=PLAIN_INITS[0], init_orthogonal=True,  # model.py's init: their scaled-zero, orthogonal
+               rope_settings=dict(use_rope=True, rope_condense_ratio=1, rope_base=THEIR_ROPE_BASE), **REQUIRED)
+    if c.injection == "none":
+        cfg.update(REQUIRED_GPT, n_layer=c.n_layer, _class_name="GPTConfig")
+    else:
+        method, scheme = THEIR_SAMPLING[c.sampling]
+        cfg.update(REQUIRED_PARCAE, injection_type=THEIR_INJECTION[c.injection], n_layers_in_prelude=c.n_prelude,
+                   n_layers_in_recurrent_block=c.n_recur, n_layers_in_coda=c.n_coda,
+                   recurrent_embedding_dimension=c.d_model, recurrent_intermediation_embedding_dimension=4 * c.d_model,
+                   recurrent_num_attention_heads=None, mean_recurrence=c.mu_rec, mean_backprop_depth=c.mu_bwd,
+                   prelude_norm=c.prelude_norm, recurrent_iteration_method=method, sampling_scheme=scheme,
+                   _class_name="ParcaeConfig")
+    config_from_authors(cfg)  # raises where their forward would differ (e.g. value-embedding gates)
+    return cfg
+
+
+def their_name(name, config):
+    """Our state-dict name -> theirs: our_name inverted."""
+    top = {ours: theirs for theirs, ours in TOP_NAMES.items()}
+    if name in top or VALUE_EMBED_NAME.fullmatch(name):
+        return top.get(name, name)
+    part, index, rest = name.split(".", 2)
+    block = {ours: theirs for theirs, ours in BLOCK_NAMES.items()}[rest]
+    if config.injection == "none":  # their GPT: one list of blocks
+        index = int(index) + {"prelude": 0, "recur": config.n_prelude, "coda": config.n_prelude + config.n_recur}[part]
+        return f"transformer.h.{index}.{block}"
+    return f"transformer.{ {ours: theirs for theirs, ours in BLOCK_PARTS.items()}[part] }.{index}.{block}"
+
+
+def authors_state_dict(model):
+    """Our model -> its state dict under their names, q and k rows back in their interleaved RoPE order, and
+    the tied lm_head.weight their state_dict() carries. freqs_cis is left out: their model computes it."""
+    c = model.config
+    back = torch.argsort(rope_order(c.head_dim))
+    out = {}
+    for name, tensor in model.state_dict().items():
+        if name.endswith(("attn.c_q.weight", "attn.c_k.weight")):
+            tensor = tensor.view(c.n_head, c.head_dim, -1)[:, back].reshape(tensor.shape)
+        out[their_name(name, c)] = tensor.detach().cpu().clone()
+    out["lm_head.weight"] = out["transformer.wte.weight"]
+    return out
+
+
+def tokenizer_json(tokenizer):
+    """tokenizer.Tokenizer -> a tokenizer.json dict (HF tokenizers' byte-level BPE) that encodes as its tiktoken
+    Encoding does: the same split regex; every token spelled in GPT-2's byte alphabet with its rank as id;
+    for each token of two or more bytes, a merge for every cut into two tokens, ordered by the token's rank
+    (tiktoken joins the adjacent pair whose join ranks lowest); ignore_merges: a piece that is one token
+    whole is that token, tiktoken's shortcut."""
+    enc = tokenizer.enc
+    char_of = {b: ch for ch, b in byte_level_alphabet().items()}
+    ranks = enc._mergeable_ranks
+
+    def spell(token):
+        return "".join(char_of[b] for b in token)
+
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
+        cuts = sorted((ranks[token[:i]], ranks[token[i:]], i) for i in range(1, len(token))
+                      if token[:i] in ranks and token[i:] in ranks)
+        merges += [f"{spell(token[:i])} {spell(token[i:])}" for _, _, i in cuts]
+    byte_level = dict(add_prefix_space=False, trim_offsets=True, use_regex=False)
+    return {
+        "version": "1.0", "truncation": None, "padding": None,
+        "added_tokens": [dict(id=i, content=name, single_word=False, lstrip=False, rstrip=False, normalized=False,
+                              special=True) for name, i in sorted(enc._special_tokens.items(), key=lambda t: t[1])],
+        "normalizer": None,
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": enc._pat_str}, "behavior": "Isolated", "invert": False},
+            {"type": "ByteLevel", **byte_level}]},
+        "post_processor": None,
+        "decoder": {"type": "ByteLevel", **byte_level},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": True,
+                  "vocab": {spell(token): rank for token, rank in ranks.items()}, "merges": merges},
+    }
+
+
+def write_file(path, write):
+    """write(temporary path), then rename: an interrupted export never leaves a torn file under the real name."""
+    partial = path.with_name(path.name + ".tmp")
+    write(partial)
+    os.replace(partial, path)
+
+
+def export(model, tokenizer, out_dir):
+    """Write config.json, model.pt, tokenizer.json and tokenizer_config.json for their from_pretrained."""
+    special = {v: k for k, v in tokenizer.enc._special_tokens.items()}
+    if tokenizer.bos_id not in special:
+        raise ValueError("the tokenizer has no special BOS token to name in tokenizer_config.json")
+    config = authors_config(model.config)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokens = {"bos_token": special[tokenizer.bos_id]}
+    tokens.update({key: name for key, name in (("eos_token", "<|eos|>"), ("pad_token", "<|pad|>"))
+                   if name in tokenizer.enc._special_tokens})
+    tokenizer_config = dict(tokenizer_class="PreTrainedTokenizerFast", model_max_length=model.config.seq_len,
+                            add_bos_token=False, add_eos_token=False, **tokens)
+    for name, obj in (("config.json", config), ("tokenizer.json", tokenizer_json(tokenizer)),
+                      ("tokenizer_config.json", tokenizer_config)):
+        write_file(out_dir / name, lambda path: path.write_text(json.dumps(obj, indent=1, ensure_ascii=False),
+                                                                encoding="utf-8"))
+    write_file(out_dir / "model.pt", lambda path: torch.save(authors_state_dict(model), path))
+    return out_dir
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["export"]:
+        parser = argparse.ArgumentParser(prog="hub.py export", description="Write a nanoparcae checkpoint as a "
+                                         "folder the authors' parcae_lm.from_pretrained reads")
+        parser.add_argument("source", help="a checkpoint file, or a run under <base dir>/runs (its latest checkpoint)")
+        parser.add_argument("out_dir", help="the folder to write (upload it with `hf upload`)")
+        args = parser.parse_args(argv[1:])
+        try:
+            path, runs = Path(args.source), get_base_dir() / "runs"
+            if not path.is_file() and (path.suffix == ".pt" or len(path.parts) > 1):
+                raise FileNotFoundError(f"{path} is not a checkpoint file; pass one, or a run name under {runs}")
+            path = path if path.is_file() else find_checkpoint(runs, args.source)
+            model, ckpt = load_checkpoint(path)
+            if "tokenizer_dir" not in ckpt:
+                raise ValueError(f"checkpoint {path} names no tokenizer_dir; it was not written by train.py")
+            out = export(model, Tokenizer.load(ckpt["tokenizer_dir"]), args.out_dir)
+        except (FileNotFoundError, ValueError) as err:
+            sys.exit(f"hub.py export: {err}")
+        print(f"{path} -> {out}: config.json ({model.config.injection}), model.pt, tokenizer.json, "
+              f"tokenizer_config.json")
+        return
+    parser = argparse.ArgumentParser(description="Download and load an authors' Parcae checkpoint (or: "
+                                     "hub.py export RUN_OR_CKPT OUT_DIR, to write one of ours in their format)")
     parser.add_argument("source", help="Hub repo id (SandyResearch/parcae-140m) or a local folder")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     try:
         model, tokenizer = load_pretrained(args.source)
     except (FileNotFoundError, ValueError) as err:
@@ -428,3 +589,7 @@ if __name__ == "__main__":
         logits = model(torch.tensor([ids]))[0, -1]
     logits = logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))
     print("next token after 'The capital of France is':", repr(tokenizer.decode([int(logits.argmax())])))
+
+
+if __name__ == "__main__":
+    main()

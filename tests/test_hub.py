@@ -366,3 +366,93 @@ def test_a_vocabulary_larger_than_the_tokenizer_is_never_sampled(tmp_path, capsy
     result = subprocess.run([sys.executable, str(Path(hub.__file__)), str(folder)], capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0 and "next token after" in result.stdout, result.stderr
+
+
+# -----------------------------------------------------------------------------
+# Export: our checkpoint -> the authors' folder -> hub.load_pretrained
+
+
+MIXED_TEXT = ("def parse(x):\n    return {'k': [1, 22, 333]}  # don't\n\n\n\tif x:\r\n        pass    \n"
+              "Ünïcödé: café, naïve, 東京 🎉🎉 — “quotes” ½\u00a0nbsp  \n \n" + " " * 9 + "end")
+
+
+def tokenizer_for_export(vocab_size=300):
+    """A tokenizer trained by rustbpe (real merges) on text rich in code, Unicode and whitespace runs."""
+    from tokenizer import Tokenizer
+    return Tokenizer.train(iter([MIXED_TEXT * 3, Path(hub.__file__).read_text()]), vocab_size)
+
+
+def exported(tmp_path, injection):
+    """(original model, exported folder), through `hub.py export <checkpoint> <folder>`."""
+    from common import save_checkpoint
+    original = tiny_model(injection, seed=3)
+    tokenizer_for_export().save(tmp_path / "tok")
+    save_checkpoint(tmp_path / "ckpt.pt", original, tokenizer_dir=str(tmp_path / "tok"))
+    hub.main(["export", str(tmp_path / "ckpt.pt"), str(tmp_path / "out")])
+    return original, tmp_path / "out"
+
+
+@pytest.mark.parametrize("injection", ["diagonal", "concat", "add", "none"])
+def test_export_then_load_gives_the_same_logits(tmp_path, injection):
+    original, folder = exported(tmp_path, injection)
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.pt", "tokenizer.json",
+                                                        "tokenizer_config.json"]
+    loaded, tokenizer = hub.load_pretrained(str(folder))
+    idx = torch.randint(0, 300, (2, 12))
+    h0 = original.initial_state((2, 12, original.config.d_model), "cpu", torch.float32)
+    with torch.no_grad():
+        for T in (1, 4, 8):
+            torch.testing.assert_close(loaded(idx, T=T, h0=h0), original(idx, T=T, h0=h0), rtol=0, atol=1e-5)
+    assert tokenizer.encode(MIXED_TEXT) == tokenizer_for_export().encode(MIXED_TEXT)
+
+
+@pytest.mark.parametrize("injection", ["diagonal", "none"])
+def test_export_writes_what_their_source_names(injection):
+    """The exported names, tensors and config fields are those this file's authors_state_dict and authors_config
+    write from reading their source (not from hub.py's tables); freqs_cis is left to their model to compute."""
+    model = tiny_model(injection, seed=4)
+    ours, theirs = hub.authors_state_dict(model), authors_state_dict(model)
+    assert set(ours) == set(theirs) - {"freqs_cis"}
+    assert all(torch.equal(ours[name], theirs[name]) for name in ours)
+    config = hub.authors_config(model.config)
+    assert {k: config[k] for k in authors_config(model.config)} == authors_config(model.config)
+
+
+def test_exported_config_round_trips():
+    parcae = ParcaeConfig(vocab_size=300, seq_len=64, n_prelude=1, n_recur=2, n_coda=1, d_model=64, head_dim=32,
+                          mu_rec=6, mu_bwd=2, injection="concat", sampling="per_batch", prelude_norm=False)
+    assert hub.config_from_authors(json.loads(json.dumps(hub.authors_config(parcae)))) == parcae
+    gpt = ParcaeConfig(vocab_size=300, seq_len=64, n_prelude=1, n_recur=1, n_coda=1, d_model=64, head_dim=32,
+                       injection="none")  # a Transformer has no loop: its mu_rec is the default's
+    assert hub.config_from_authors(json.loads(json.dumps(hub.authors_config(gpt)))) == gpt
+
+
+def test_exported_tokenizer_json_encodes_as_ours(tmp_path):
+    """The exported tokenizer.json, read by its merges (reference_bpe), by hub.py, and by HF tokenizers where
+    installed, gives our tiktoken ids on code, Unicode and whitespace runs."""
+    ours = tokenizer_for_export(vocab_size=600)
+    spec = hub.tokenizer_json(ours)
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    ids = ours.encode(MIXED_TEXT)
+    assert len(ids) < 0.75 * len(MIXED_TEXT.encode())  # the merges do apply
+    assert reference_bpe(MIXED_TEXT, spec) == ids
+    assert hub.tokenizer_from_json(tmp_path / "tokenizer.json").encode(MIXED_TEXT) == ids
+    assert {t["content"]: t["id"] for t in spec["added_tokens"]} == ours.enc._special_tokens
+    try:
+        from tokenizers import Tokenizer as HFTokenizer
+    except ImportError:
+        return  # their tokenizer library is not in our requirements; reference_bpe stands for it
+    theirs = HFTokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    assert theirs.encode(MIXED_TEXT, add_special_tokens=False).ids == ids
+    assert theirs.decode(ids) == MIXED_TEXT
+
+
+def test_export_refuses_what_their_loader_would_compute_differently(tmp_path):
+    with pytest.raises(ValueError, match="rope_base 10000; their from_pretrained ignores rope_settings"):
+        hub.authors_config(ParcaeConfig(vocab_size=300, d_model=64, head_dim=32, rope_base=10_000.0))
+    with pytest.raises(ValueError, match="gates to layers"):
+        hub.authors_config(ParcaeConfig(vocab_size=300, d_model=64, head_dim=32, n_recur=3, mu_rec=6, mu_bwd=3))
+    result = subprocess.run([sys.executable, str(Path(hub.__file__)), "export", str(tmp_path / "none.pt"),
+                             str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and result.stderr.strip().count("\n") == 0
+    assert "none.pt is not a checkpoint file" in result.stderr

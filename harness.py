@@ -1,0 +1,151 @@
+"""
+harness.py: nanoparcae as a model of EleutherAI's lm-evaluation-harness, at a chosen recurrence depth T, so
+that every task of the harness runs on it (the authors evaluate LAMBADA this way; the paper reports WikiText
+perplexity, §5.1).
+
+    pip install -r requirements-eval.txt                    # lm-eval is optional: not in requirements.txt
+    python eval_core.py --eval harness --tasks lambada_openai,wikitext --T 8
+    python eval_core.py --from SandyResearch/parcae-140m --eval harness --tasks lambada_openai --T 8
+
+From Python, with the harness's own evaluator:
+
+    import lm_eval, harness
+    lm = harness.HarnessLM(model, tokenizer, T=8)           # e.g. from hub.load_pretrained or common.load_checkpoint
+    results = lm_eval.simple_evaluate(model=lm, tasks=["lambada_openai", "wikitext"])
+
+The harness downloads each task's data set on first use (Hugging Face datasets, cached under ~/.cache/huggingface).
+Requests are scored as eval_core scores CORE: rows of at most seq_len tokens (the last one only a target), BOS
+first, cropped from the left, many per forward, one seeded h0 for every row (so a score does not depend on the
+batch). Generation is sample.py's greedy decoding.
+"""
+
+import itertools
+
+import torch
+
+from common import print0, rank_and_world
+from core_tasks import Row, common_length, crop_left
+from engine import generate
+from eval_core import bf16_autocast, initial_state_table, score_rows
+from hub import known_ids
+
+try:
+    import lm_eval
+    from lm_eval.api.model import LM
+    from lm_eval.tasks import TaskManager
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, make_table
+except ImportError:
+    raise ImportError("lm-eval is not installed; run `pip install -r requirements-eval.txt`") from None
+
+
+class HarnessLM(LM):
+    """The harness's LM interface over a nanoparcae model at recurrence depth T (None: mu_rec).
+    batch_size: sequences of seq_len tokens per forward; seed: h0's draw, and each generation's generator."""
+
+    def __init__(self, model, tokenizer, T=None, batch_size=8, seed=1234, max_gen_toks=256):
+        super().__init__()
+        self.model, self.tokenizer, self.T = model.eval(), tokenizer, T
+        self.seed, self.max_gen_toks = seed, max_gen_toks
+        self.seq_len = model.config.seq_len
+        self.batch_tokens = batch_size * self.seq_len
+        self._device = next(model.parameters()).device
+        self.h0_table = initial_state_table(model, self.seq_len, seed, self._device)
+        allowed = known_ids(tokenizer, model.config.vocab_size)
+        self.allowed = None if allowed is None else allowed.to(self._device)
+
+    def score(self, rows, count):
+        """-> per request: (sum of the log-probabilities of its rows' spans, whether greedy decoding gives them)."""
+        losses, exact = score_rows(self.model, rows, self.T, self.h0_table, self.batch_tokens)
+        totals = [[0.0, True] for _ in range(count)]
+        for row, loss, hit in zip(rows, losses, exact):
+            totals[row.example][0] -= loss * (row.end - row.start)
+            totals[row.example][1] &= hit
+        return [tuple(total) for total in totals]
+
+    def loglikelihood(self, requests):
+        """(context, continuation) -> (log p(continuation | BOS, context), greedy). As in eval_core's LM tasks, the
+        continuation is what the joint text's tokens hold after those of the context alone."""
+        pairs = [request.args for request in requests]
+        encoded = self.tokenizer.encode([context for context, _ in pairs] + [c + x for c, x in pairs])
+        rows = []
+        for i, (context_ids, whole) in enumerate(zip(encoded[:len(pairs)], encoded[len(pairs):])):
+            tokens = [self.tokenizer.bos_id, *whole]
+            rows.append(Row(*crop_left(tokens, 1 + common_length([context_ids, whole]), len(tokens), self.seq_len), i))
+        return self.score(rows, len(requests))
+
+    def loglikelihood_rolling(self, requests):
+        """(text,) -> log p(text | BOS): every token scored once, in the harness's disjoint windows (each later
+        window starts from the token before it), a window being a row of at most seq_len tokens."""
+        rows = []
+        for i, request in enumerate(requests):
+            ids = self.tokenizer.encode(request.args[0])
+            windows = get_rolling_token_windows(ids, self.tokenizer.bos_id, self.seq_len - 1, context_len=1)
+            for context, predicted in map(make_disjoint_window, windows):
+                rows.append(Row(context + predicted, len(context), len(context) + len(predicted), i))
+        return [logprob for logprob, _ in self.score(rows, len(requests))]
+
+    def generate_until(self, requests):
+        """(context, {"until": [...], "max_gen_toks": n}) -> the greedy continuation of BOS + context, cut before
+        the first stop string, ended at BOS (a new document) or after n tokens. Prompts of one length decode in
+        one batch, each row with its own generator seeded `seed`, which makes a row what sample.py
+        --temperature=0 --seed=<seed> prints for it."""
+        jobs = []
+        for i, request in enumerate(requests):
+            context, kwargs = request.args
+            until = kwargs.get("until") or []
+            stops = [stop for stop in ([until] if isinstance(until, str) else until) if stop]
+            new = min(int(kwargs.get("max_gen_toks", self.max_gen_toks)), self.seq_len - 1)
+            ids = [self.tokenizer.bos_id, *self.tokenizer.encode(context)][-(self.seq_len - new):]
+            jobs.append(((len(ids), new), i, ids, stops))
+        outputs = [""] * len(requests)
+        jobs.sort(key=lambda job: job[:2])
+        for (_, new), group in itertools.groupby(jobs, key=lambda job: job[0]):
+            _, indices, prompts, stops = zip(*group)
+            for i, text in zip(indices, self.decode_greedy(prompts, new, stops)):
+                outputs[i] = text
+        return outputs
+
+    def decode_greedy(self, prompts, max_new_tokens, stops):
+        """Equal-length prompts -> one text each, decoded until every row has hit BOS or a stop string."""
+        generators = [torch.Generator(self._device).manual_seed(self.seed) for _ in prompts]
+        new_ids, done = [[] for _ in prompts], [False] * len(prompts)
+        with bf16_autocast(self._device):
+            for next_ids, _ in generate(self.model, torch.tensor(prompts), max_new_tokens, self.T, temperature=0,
+                                        generator=generators, allowed=self.allowed):
+                for r, token in enumerate(next_ids.tolist()):
+                    done[r] = done[r] or token == self.tokenizer.bos_id
+                    if not done[r]:
+                        new_ids[r].append(token)
+                        done[r] = any(stop in self.tokenizer.decode(new_ids[r]) for stop in stops[r])
+                if all(done):
+                    break
+        texts = [self.tokenizer.decode(ids) for ids in new_ids]
+        return [min((text.split(stop)[0] for stop in row_stops), key=len, default=text)
+                for text, row_stops in zip(texts, stops)]
+
+
+def run_harness(model, tokenizer, tasks, Ts, batch_size=8, limit=None):
+    """eval_core.py --eval harness: the harness's tasks (names separated by commas) at each T, tables printed.
+    -> {"tasks", "T", "results": {T: the harness's results per task}}. limit: documents per task (None: all)."""
+    names = [name.strip() for name in tasks.split(",") if name.strip()]
+    if tasks in ("core", "extended") or not names:
+        raise ValueError("--eval harness takes the harness's task names, e.g. --tasks lambada_openai,wikitext")
+    if rank_and_world()[1] > 1:
+        raise ValueError("--eval harness runs in one process; start it with python, not torchrun")
+    task_manager = TaskManager()
+    unknown = [name for name in names if name not in task_manager.all_tasks]
+    if unknown:
+        raise ValueError(f"the harness has no task {', '.join(unknown)}; `lm-eval ls tasks` lists them")
+    out = {"tasks": names, "T": Ts, "results": {}}
+    for T in Ts:
+        print0(f"--- T = {T}")
+        try:
+            results = lm_eval.simple_evaluate(model=HarnessLM(model, tokenizer, T, batch_size), tasks=names,
+                                              limit=limit, log_samples=False, task_manager=task_manager)
+        except (ConnectionError, OSError) as err:
+            raise ValueError(f"the harness could not fetch its data ({type(err).__name__}: "
+                             f"{str(err).splitlines()[0][:200]}); it downloads each task's data set on first use, "
+                             f"so check the network") from None
+        print0(make_table(results))
+        out["results"][T] = results["results"]
+    return out
