@@ -16,7 +16,7 @@ From Python, with the harness's own evaluator:
 The harness downloads each task's data set on first use (Hugging Face datasets, cached under ~/.cache/huggingface).
 Requests are scored as eval_core scores CORE: rows of at most seq_len tokens (the last one only a target), BOS
 first, cropped from the left, many per forward, one seeded h0 for every row (so a score does not depend on the
-batch). Generation is sample.py's greedy decoding.
+batch). Generation is engine.py's greedy decoding, as sample.py runs it.
 """
 
 import itertools
