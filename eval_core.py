@@ -628,6 +628,13 @@ def main():
     parser.add_argument("--max_docs", type=int, default=1000, help="ppl: the first N validation documents")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     args = parser.parse_args()
+    try:  # the flags first, before any checkpoint or data is read
+        Ts = parse_ints(args.T, "--T") if args.T else None
+        if Ts and min(Ts) < 1:
+            raise ValueError(f"--T {args.T!r}: every depth must be 1 or more, e.g. --T 1,2,4,8")
+        seeds = parse_ints(args.seeds, "--seeds")
+    except ValueError as err:
+        raise SystemExit(f"eval_core.py: {err}")
     try:
         device = init_distributed(torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")))
         if args.from_:  # the authors' release; results go beside its files
@@ -640,11 +647,11 @@ def main():
             if "tokenizer_dir" not in ckpt:
                 raise ValueError(f"checkpoint {ckpt_path} names no tokenizer_dir; it was not written by train.py")
             tokenizer = Tokenizer.load(ckpt["tokenizer_dir"])
-        Ts = parse_ints(args.T, "--T") if args.T else [model.config.mu_rec]
+        Ts = Ts or [model.config.mu_rec]
         print0(f"Checkpoint {ckpt_path} (step {ckpt.get('step')}), {model.num_params():,} parameters, "
                f"mu_rec {model.config.mu_rec}, on {device} x {rank_and_world()[1]}")
         if args.eval == "core":
-            out = run_core(args, model, tokenizer, Ts, parse_ints(args.seeds, "--seeds"))
+            out = run_core(args, model, tokenizer, Ts, seeds)
         elif args.eval == "bpb":
             out = run_bpb(args, model, tokenizer, ckpt, Ts, device)
         else:
