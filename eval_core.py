@@ -501,6 +501,28 @@ def fit_test_time_scaling(Ts, losses):
 # -----------------------------------------------------------------------------
 # Command line
 
+def draw_test_time(out, title, path):
+    """--eval bpb's L(T): the measured losses, the fitted law and the loss at T = mu_rec, as a PNG at `path`."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fit, Ts = out["fit"], np.array(out["T"], dtype=np.float64)
+    grid = np.geomspace(Ts.min(), Ts.max(), 200)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(Ts, out["loss"], "o", color="black", label="val loss")
+    ax.plot(grid, fit["L_inf"] + fit["Z"] * np.exp(-fit["z"] * grid), "-",
+            label=f"L_inf + Z exp(-z T): L_inf {fit['L_inf']:.4f}, z {fit['z']:.2f}")
+    ax.axhline(fit["loss_at_mu_rec"], color="gray", linestyle="--", label=f"T = mu_rec = {fit['mu_rec']}")
+    ax.set(xscale="log", xlabel="test-time recurrence T", ylabel="val loss (nats)", title=title)
+    ax.set_xticks(Ts, [str(int(T)) for T in Ts])
+    ax.minorticks_off()
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path.with_name(path.stem + ".tmp.png"), dpi=110)
+    os.replace(path.with_name(path.stem + ".tmp.png"), path)
+    plt.close(fig)
+
+
 def parse_ints(text, flag):
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
@@ -662,6 +684,10 @@ def main():
         path = ckpt_path.with_name(f"{ckpt_path.stem}_{args.eval}_T{'-'.join(map(str, Ts))}.json")
         write_json(path, {"ckpt": str(ckpt_path), "step": ckpt.get("step"), "args": vars(args), **out})
         print0(f"Wrote {path}")
+        if "fit" in out:
+            draw_test_time(out, f"L(T) of {ckpt_path.parent.name}/{ckpt_path.name} on {out['data']}",
+                           path.with_suffix(".png"))
+            print0(f"Wrote {path.with_suffix('.png')}")
     if dist.is_initialized():
         dist.destroy_process_group()
 
