@@ -512,7 +512,7 @@ def draw_test_time(out, title, path):
     ax.plot(Ts, out["loss"], "o", color="black", label="val loss")
     ax.plot(grid, fit["L_inf"] + fit["Z"] * np.exp(-fit["z"] * grid), "-",
             label=f"L_inf + Z exp(-z T): L_inf {fit['L_inf']:.4f}, z {fit['z']:.2f}, RMS error {fit['rms']:.1e}")
-    ax.axhline(fit["loss_at_mu_rec"], color="gray", linestyle="--", label=f"T = mu_rec = {fit['mu_rec']}")
+    ax.axhline(fit["loss_at_mu_rec"], color="gray", linestyle="--", label=f"loss at T = mu_rec = {fit['mu_rec']}")
     ax.set(xscale="log", xlabel="test-time recurrence T", ylabel="val loss (nats)", title=title)
     ax.set_xticks(Ts, [str(int(T)) for T in Ts])
     ax.minorticks_off()
