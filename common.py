@@ -119,9 +119,19 @@ def load_checkpoint(path, device="cpu"):
         model = Parcae(ParcaeConfig(**ckpt["config"]))
         model.load_state_dict(ckpt["model"])
     except Exception as err:
-        raise ValueError(f"checkpoint {path} is corrupt or not a nanoparcae checkpoint "
-                         f"({type(err).__name__}: {str(err).splitlines()[0][:200]})") from None
+        raise ValueError(f"checkpoint {path} is truncated, corrupt or not a nanoparcae checkpoint "
+                         f"({first_sentence(err)}); pass --ckpt with another one (an earlier ckpt_*.pt of the run) "
+                         f"or train again") from None
     return model.to(device).eval(), ckpt
+
+
+def first_sentence(err, limit=300):
+    """An exception as one line for a one-line error: its type and first sentence, never cut inside a word (torch's
+    messages go on for several sentences of advice that does not apply here)."""
+    sentence = " ".join(str(err).split()).split(". ")[0].rstrip(".")
+    if len(sentence) > limit:
+        sentence = sentence[:limit].rsplit(" ", 1)[0] + " ..."
+    return f"{type(err).__name__}: {sentence}"
 
 
 # -----------------------------------------------------------------------------

@@ -269,6 +269,28 @@ def fit_test_time_scaling(Ts, losses):
 # -----------------------------------------------------------------------------
 # Command line
 
+def draw_test_time(out, title, path):
+    """--eval bpb's L(T): the measured losses, the fitted law and the loss at T = mu_rec, as a PNG at `path`."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fit, Ts = out["fit"], np.array(out["T"], dtype=np.float64)
+    grid = np.geomspace(Ts.min(), Ts.max(), 200)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(Ts, out["loss"], "o", color="black", label="val loss")
+    ax.plot(grid, fit["L_inf"] + fit["Z"] * np.exp(-fit["z"] * grid), "-",
+            label=f"L_inf + Z exp(-z T): L_inf {fit['L_inf']:.4f}, z {fit['z']:.2f}, RMS error {fit['rms']:.1e}")
+    ax.axhline(fit["loss_at_mu_rec"], color="gray", linestyle="--", label=f"loss at T = mu_rec = {fit['mu_rec']}")
+    ax.set(xscale="log", xlabel="test-time recurrence T", ylabel="val loss (nats)", title=title)
+    ax.set_xticks(Ts, [str(int(T)) for T in Ts])
+    ax.minorticks_off()
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path.with_name(path.stem + ".tmp.png"), dpi=110)
+    os.replace(path.with_name(path.stem + ".tmp.png"), path)
+    plt.close(fig)
+
+
 def parse_ints(text, flag):
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
@@ -398,6 +420,13 @@ def main():
     parser.add_argument("--max_docs", type=int, default=1000, help="ppl: the first N validation documents")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     args = parser.parse_args()
+    try:  # the flags first, before any checkpoint or data is read
+        Ts = parse_ints(args.T, "--T") if args.T else None
+        if Ts and min(Ts) < 1:
+            raise ValueError(f"--T {args.T!r}: every depth must be 1 or more, e.g. --T 1,2,4,8")
+        seeds = parse_ints(args.seeds, "--seeds")
+    except ValueError as err:
+        raise SystemExit(f"eval_core.py: {err}")
     try:
         device = init_distributed(torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")))
         if args.from_:  # the authors' release; results go beside its files
@@ -410,11 +439,11 @@ def main():
             if "tokenizer_dir" not in ckpt:
                 raise ValueError(f"checkpoint {ckpt_path} names no tokenizer_dir; it was not written by train.py")
             tokenizer = Tokenizer.load(ckpt["tokenizer_dir"])
-        Ts = parse_ints(args.T, "--T") if args.T else [model.config.mu_rec]
+        Ts = Ts or [model.config.mu_rec]
         print0(f"Checkpoint {ckpt_path} (step {ckpt.get('step')}), {model.num_params():,} parameters, "
                f"mu_rec {model.config.mu_rec}, on {device} x {rank_and_world()[1]}")
         if args.eval == "core":
-            out = run_core(args, model, tokenizer, Ts, parse_ints(args.seeds, "--seeds"))
+            out = run_core(args, model, tokenizer, Ts, seeds)
         elif args.eval == "bpb":
             out = run_bpb(args, model, tokenizer, ckpt, Ts, device)
         elif args.eval == "ppl":
@@ -429,6 +458,10 @@ def main():
         path = ckpt_path.with_name(f"{ckpt_path.stem}_{args.eval}_T{'-'.join(map(str, Ts))}.json")
         write_json(path, {"ckpt": str(ckpt_path), "step": ckpt.get("step"), "args": vars(args), **out})
         print0(f"Wrote {path}")
+        if "fit" in out:
+            draw_test_time(out, f"L(T) of {ckpt_path.parent.name}/{ckpt_path.name} on {out['data']}",
+                           path.with_suffix(".png"))
+            print0(f"Wrote {path.with_suffix('.png')}")
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -566,6 +566,10 @@ def main(argv=None):
         gpus = torch.cuda.device_count() if args.gpus is None else args.gpus
         run(sweep, gpus if torch.cuda.is_available() else 0)
     else:
+        if not any(final_eval(p) for p in points(sweep)):  # nothing to fit: one line, nothing written
+            flags = [a for a in (sys.argv[1:] if argv is None else argv) if a != "fit"]
+            fail(f"no finished run of sweep '{sweep['name']}' under {get_base_dir() / 'runs'}; train them first: "
+                 f"python scaling.py run {' '.join(flags)}")
         fit(sweep)
 
 

@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common import (find_checkpoint, get_base_dir, init_distributed, load_optimizer_state, peak_bf16_flops,
-                    rank_and_world, read_checkpoint, save_checkpoint)
+from common import (find_checkpoint, first_sentence, get_base_dir, init_distributed, load_optimizer_state,
+                    peak_bf16_flops, rank_and_world, read_checkpoint, save_checkpoint)
 from core_tasks import download_eval_bundle
 from data import DataLoader, get_tokenizer, tokenizer_dir, val_batches
 from depths import SAMPLINGS
@@ -175,6 +175,8 @@ grad_accum = args.total_batch_size // rows_per_step
 num_steps = max(1, int(max_tokens // args.total_batch_size))
 run_name = args.run or f"d{args.depth}_{args.injection}"
 run_dir = get_base_dir() / "runs" / run_name
+if args.resume and not args.dry_run and not any(run_dir.glob("ckpt_*.pt")):  # before the tokenizer and data
+    fail(f"there is no checkpoint of run {run_name} under {run_dir} to resume; start it without --resume")
 log(f"model: depth {args.depth} ({config.n_prelude}/{config.n_recur}/{config.n_coda}), d_model {config.d_model}, "
     f"{config.n_head} heads, injection {config.injection}, mu_rec {config.mu_rec}, mu_bwd {config.mu_bwd}, "
     f"sampling {config.sampling}, prelude_norm {config.prelude_norm}")
@@ -251,7 +253,7 @@ if args.resume or (restart_count > 0 and any(run_dir.glob("ckpt_*.pt"))):
             loader.load_state_dict(ckpt["loader"][rank * grad_accum + micro])
         start_step, skipped_steps = ckpt["step"], ckpt["skipped_steps"]
     except (FileNotFoundError, RuntimeError, EOFError, pickle.UnpicklingError, ValueError, KeyError, IndexError) as err:
-        fail(f"cannot resume {run_name} with these flags ({type(err).__name__}: {' '.join(str(err).split())[:200]}); "
+        fail(f"cannot resume {run_name} with these flags ({first_sentence(err)}); "
              f"pass the flags and process count it was started with, or start it again without --resume")
     log(f"resumed {run_name} at step {start_step}" + (f", elastic restart {restart_count}" if restart_count else ""))
 batches = [iter(loader) for loader in loaders]

@@ -61,3 +61,23 @@ def test_readme_test_command_is_what_ci_runs():
     command = re.search(r"## Tests\n.*?```bash\n(.*?)\n```", README, flags=re.S).group(1).strip()
     ci_lines = (ROOT / ".ci" / "run").read_text().strip().splitlines()
     assert ci_lines[-1].strip() == command
+
+
+
+def test_install_chooses_the_torch_build_after_the_venv_and_before_the_requirements():
+    """Quick start names the CPU-only and the GPU machine before its first command (python train.py), and every
+    block that installs the requirements has first made the venv and installed a chosen torch build (on its own,
+    pip would pull PyPI's default torch, the CUDA build on Linux)."""
+    quick_start = README.split("## Quick start\n")[1].split("\n## ")[0]
+    before_command_1 = quick_start.split("python train.py")[0]
+    assert "CPU-only machine" in before_command_1 and "machine with an NVIDIA GPU" in before_command_1
+    chosen = []
+    for block in re.findall(r"```bash\n(.*?)```", README, flags=re.S):
+        commands = [part.strip() for line in block.splitlines() for part in line.split(" #")[0].split("&&")]
+        if "pip install -r requirements.txt" not in commands:
+            continue
+        torch_choice = next(i for i, command in enumerate(commands) if command.startswith("pip install torch"))
+        assert (commands.index("python3 -m venv .venv") < commands.index(". .venv/bin/activate") < torch_choice
+                < commands.index("pip install -r requirements.txt")), block
+        chosen.append(commands[torch_choice])
+    assert chosen == ["pip install torch --index-url https://download.pytorch.org/whl/cpu", "pip install torch"]

@@ -293,6 +293,17 @@ def test_missing_or_corrupt_checkpoint_gives_one_clear_line(tmp_path, checkpoint
     assert "python data.py tokenizer" in one_line_error(tmp_path, f"--ckpt={no_tokenizer}")
 
 
+def test_truncated_checkpoint_gives_one_whole_line_with_the_fix(tmp_path):
+    whole = tmp_path / "whole.pt"
+    save_checkpoint(whole, tiny_model(), tokenizer_dir=str(tmp_path))
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(whole.read_bytes()[:whole.stat().st_size // 2])
+    message = one_line_error(tmp_path, f"--ckpt={truncated}").strip()
+    assert f"checkpoint {truncated} is truncated" in message
+    assert "(RuntimeError: PytorchStreamReader failed reading zip archive: failed finding central directory)" in message
+    assert message.endswith("pass --ckpt with another one (an earlier ckpt_*.pt of the run) or train again")
+
+
 def test_transformer_baseline_decodes_once_per_token_and_refuses_auto():
     model = tiny_model(injection="none")
     prompt = [1, 5, 9, 2]

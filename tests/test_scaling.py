@@ -294,3 +294,13 @@ def test_bad_flags_end_in_one_line():
     result = subprocess.run([sys.executable, "scaling.py", "fit", "--mu_rec=1,x"], cwd=ROOT, capture_output=True,
                             text=True)
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1 and "--mu_rec" in result.stderr
+
+
+def test_fit_with_no_finished_run_names_the_run_command_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    in_base(tmp_path, monkeypatch)
+    with pytest.raises(SystemExit) as exit:
+        scaling.main(["fit", "--preset=cpu"])
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "no finished run of sweep 'cpu'" in err and err.strip().endswith("python scaling.py run --preset=cpu")
+    assert not (tmp_path / "base" / "scaling").exists()  # no empty fit.json, no empty figures

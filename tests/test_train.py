@@ -196,6 +196,16 @@ def test_bad_input_ends_with_one_clear_line(corpus, flags, message):
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
+def test_resume_without_a_checkpoint_ends_in_one_line_before_any_work(corpus, tmp_path):
+    env = {**os.environ, "NANOPARCAE_BASE_DIR": str(tmp_path / "base")}
+    result = subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY, f"--data={corpus / 'corpus.txt'}",
+                             "--run=never", "--resume"], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode != 0 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert f"no checkpoint of run never under {tmp_path / 'base' / 'runs' / 'never'}" in result.stderr
+    assert "start it without --resume" in result.stderr
+    assert list((tmp_path / "base").iterdir()) == []  # no tokenizer trained, no run folder made
+
+
 def test_dry_run_prints_the_paper_size(tmp_path):
     env = {**os.environ, "NANOPARCAE_BASE_DIR": str(tmp_path)}
     result = subprocess.run([sys.executable, str(ROOT / "train.py"), "--depth=24", "--mu_rec=8", "--dry_run"],
