@@ -30,7 +30,8 @@ from common import (find_checkpoint, get_base_dir, load_checkpoint, log, median_
 from core_tasks import MC, Task
 from data import DataLoader, iter_documents
 from depths import sample_depths
-from eval_core import evaluate_task, initial_state_table
+from eval_core import evaluate_task
+from scoring import initial_state_table
 from model import Parcae, ParcaeConfig
 from optim import build_optimizer
 from sample import decoding_rows, stdlib_tokens

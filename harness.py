@@ -26,8 +26,8 @@ import torch
 from common import print0, rank_and_world
 from core_tasks import Row, common_length, crop_left
 from engine import generate
-from eval_core import bf16_autocast, initial_state_table, score_rows
 from hub import known_ids
+from scoring import bf16_autocast, initial_state_table, score_rows
 
 try:
     import lm_eval

@@ -29,7 +29,8 @@ import harness  # noqa: E402  (after the skip: it needs lm_eval)
 import sample  # noqa: E402
 from common import save_checkpoint  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
-from eval_core import evaluate_bpb, initial_state_table  # noqa: E402
+from eval_core import evaluate_bpb  # noqa: E402
+from scoring import initial_state_table  # noqa: E402
 from model import Parcae, ParcaeConfig  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
