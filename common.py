@@ -125,6 +125,14 @@ def load_checkpoint(path, device="cpu"):
     return model.to(device).eval(), ckpt
 
 
+def write_atomically(path, write):
+    """write(a temporary path beside `path`), then rename: an interrupted write never leaves a torn file under the
+    real name (a figure's writer names its format, since the temporary name ends in .tmp)."""
+    partial = path.with_name(path.name + ".tmp")
+    write(partial)
+    os.replace(partial, path)
+
+
 def first_sentence(err, limit=300):
     """An exception as one line for a one-line error: its type and first sentence, never cut inside a word (torch's
     messages go on for several sentences of advice that does not apply here)."""

@@ -22,7 +22,6 @@ import argparse
 import itertools
 import json
 import math
-import os
 import statistics
 import time
 from collections import defaultdict
@@ -32,7 +31,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from common import find_checkpoint, get_base_dir, init_distributed, load_checkpoint, print0, rank_and_world
+from common import (find_checkpoint, get_base_dir, init_distributed, load_checkpoint, print0, rank_and_world,
+                    write_atomically)
 from core_tasks import (CORE_LABELS, EVAL_BUNDLE_URL, LM, build_rows, download_eval_bundle, load_task_data,
                         read_random_baselines, select_tasks)
 from data import iter_documents, val_batches
@@ -228,8 +228,7 @@ def draw_test_time(out, title, path):
     ax.minorticks_off()
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path.with_name(path.stem + ".tmp.png"), dpi=110)
-    os.replace(path.with_name(path.stem + ".tmp.png"), path)
+    write_atomically(path, lambda partial: fig.savefig(partial, format="png", dpi=110))
     plt.close(fig)
 
 
@@ -244,9 +243,7 @@ def parse_ints(text, flag):
 
 
 def write_json(path, obj):
-    partial = path.with_name(path.name + ".tmp")
-    partial.write_text(json.dumps(obj, indent=1))
-    os.replace(partial, path)
+    write_atomically(path, lambda partial: partial.write_text(json.dumps(obj, indent=1)))
 
 
 def aggregate_line(result):

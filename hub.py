@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from common import find_checkpoint, get_base_dir, load_checkpoint
+from common import find_checkpoint, get_base_dir, load_checkpoint, write_atomically
 from download import download_file
 from model import Parcae, ParcaeConfig
 from tokenizer import Tokenizer
@@ -521,13 +521,6 @@ def tokenizer_json(tokenizer):
     }
 
 
-def write_file(path, write):
-    """write(temporary path), then rename: an interrupted export never leaves a torn file under the real name."""
-    partial = path.with_name(path.name + ".tmp")
-    write(partial)
-    os.replace(partial, path)
-
-
 def export(model, tokenizer, out_dir):
     """Write config.json, model.pt, tokenizer.json and tokenizer_config.json for their from_pretrained."""
     special = {v: k for k, v in tokenizer.enc._special_tokens.items()}
@@ -543,9 +536,9 @@ def export(model, tokenizer, out_dir):
                             add_bos_token=False, add_eos_token=False, **tokens)
     for name, obj in (("config.json", config), ("tokenizer.json", tokenizer_json(tokenizer)),
                       ("tokenizer_config.json", tokenizer_config)):
-        write_file(out_dir / name, lambda path: path.write_text(json.dumps(obj, indent=1, ensure_ascii=False),
-                                                                encoding="utf-8"))
-    write_file(out_dir / "model.pt", lambda path: torch.save(authors_state_dict(model), path))
+        write_atomically(out_dir / name, lambda path: path.write_text(json.dumps(obj, indent=1, ensure_ascii=False),
+                                                                      encoding="utf-8"))
+    write_atomically(out_dir / "model.pt", lambda path: torch.save(authors_state_dict(model), path))
     return out_dir
 
 

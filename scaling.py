@@ -23,7 +23,6 @@ Runs live under <base dir>/runs/<sweep>_C<budget>_mu<mu_rec>[_s<seed>]; the JSON
 import argparse
 import json
 import math
-import os
 import subprocess
 import sys
 import time
@@ -32,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common import PEAK_BF16_FLOPS, get_base_dir
+from common import PEAK_BF16_FLOPS, get_base_dir, write_atomically
 from model import Parcae, ParcaeConfig
 from scaling_fit import (bootstrap_exponents, fit_unified, mean_relative_error, parabola_optimum, pooled_spread,
                          power_law, unified_predict)
@@ -162,9 +161,7 @@ def plan(sweep, gpus):
 
 
 def write_text(path, text):
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    write_atomically(path, lambda partial: partial.write_text(text))
 
 
 # -----------------------------------------------------------------------------
@@ -456,8 +453,7 @@ def draw(runs, budgets, sigma, laws, unified, out_dir):
     def save(fig, name):
         path = out_dir / name
         fig.tight_layout()
-        fig.savefig(path.with_name(name + ".tmp.png"), dpi=110)
-        os.replace(path.with_name(name + ".tmp.png"), path)
+        write_atomically(path, lambda partial: fig.savefig(partial, format="png", dpi=110))
         plt.close(fig)
         paths.append(path)
 

@@ -366,17 +366,21 @@ while step < num_steps and (args.stop_at is None or step < args.stop_at):
         (loss / grad_accum).backward()
         loss_sum += loss.detach()
     grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), args.grad_clip)
-    finite = torch.isfinite(grad_norm).float()
+    h_norm = diagnostics["h_norm"]
+    state_too_large = torch.zeros((), device=device) if h_norm is None else (h_norm > args.diverge_h_norm).float()
+    # [gradients finite, state within bound], reduced at once: every rank skips, and stops, at the same step
+    health = torch.stack([torch.isfinite(grad_norm).float(), 1 - state_too_large])
     if ddp:
-        dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # skip on every rank or on none
+        dist.all_reduce(health, op=dist.ReduceOp.MIN)
         dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
+    finite, state_ok = health.tolist()
     lrm = lr_multiplier(step, num_steps, args.warmdown_frac)
     for group in optimizer.param_groups:
         group["lr"] = group["initial_lr"] * lrm
         if group["kind"] == "muon":
             group["momentum"] = muon_momentum(step)
             group["weight_decay"] = weight_decay_at(step, num_steps, args.weight_decay)
-    if finite.item():
+    if finite:
         optimizer.step()
     else:
         skipped_steps += 1
@@ -398,12 +402,8 @@ while step < num_steps and (args.stop_at is None or step < args.stop_at):
         log(log_line(record, num_steps))
         metrics_file.write(json.dumps(record) + "\n")
         metrics_file.flush()
-    h_norm = diagnostics["h_norm"]
-    state_too_large = torch.zeros((), device=device) if h_norm is None else (h_norm > args.diverge_h_norm).float()
-    if ddp:
-        dist.all_reduce(state_too_large, op=dist.ReduceOp.MAX)  # every rank stops at the same step
-    reason = "non-finite loss or gradients" if not finite.item() else \
-        f"||h_T|| > {args.diverge_h_norm:g}" if state_too_large.item() else None
+    reason = "non-finite loss or gradients" if not finite else \
+        f"||h_T|| > {args.diverge_h_norm:g}" if not state_ok else None
     bad_steps = bad_steps + 1 if reason else 0
     if 0 < args.diverge_steps <= bad_steps:
         diverged_at = step - bad_steps + 1
