@@ -23,7 +23,7 @@ import itertools
 
 import torch
 
-from common import print0, rank_and_world
+from common import first_sentence, print0, rank_and_world
 from core_tasks import Row, common_length, crop_left
 from engine import generate
 from hub import known_ids
@@ -143,9 +143,8 @@ def run_harness(model, tokenizer, tasks, Ts, batch_size=8, limit=None):
             results = lm_eval.simple_evaluate(model=HarnessLM(model, tokenizer, T, batch_size), tasks=names,
                                               limit=limit, log_samples=False, task_manager=task_manager)
         except (ConnectionError, OSError) as err:
-            raise ValueError(f"the harness could not fetch its data ({type(err).__name__}: "
-                             f"{str(err).splitlines()[0][:200]}); it downloads each task's data set on first use, "
-                             f"so check the network") from None
+            raise ValueError(f"the harness could not fetch its data ({first_sentence(err)}); it downloads each task's "
+                             f"data set on first use, so check the network") from None
         print0(make_table(results))
         out["results"][T] = results["results"]
     return out

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from common import find_checkpoint, get_base_dir, load_checkpoint, write_atomically
+from common import find_checkpoint, first_sentence, get_base_dir, load_checkpoint, write_atomically
 from download import download_file
 from model import Parcae, ParcaeConfig
 from tokenizer import Tokenizer
@@ -402,8 +402,8 @@ def load_pretrained(source, device="cpu"):
     try:
         state_dict = torch.load(weights_path, map_location="cpu", weights_only=True)
     except Exception as err:
-        raise ValueError(f"{weights_path} is not a loadable state dict ({type(err).__name__}: "
-                         f"{str(err).splitlines()[0][:200]}); delete it to download it again") from None
+        raise ValueError(f"{weights_path} is not a loadable state dict ({first_sentence(err)}); delete it to "
+                         f"download it again") from None
     model = Parcae(config)
     model.load_state_dict(convert_state_dict(state_dict, model))
     tokenizer = tokenizer_from_json(tokenizer_path)
@@ -422,6 +422,9 @@ def load_pretrained(source, device="cpu"):
 # AutoTokenizer on tokenizer.json, with tokenizer_config.json naming the class and the special tokens.
 
 THEIR_INJECTION = {ours: theirs for theirs, ours in INJECTION_OF_TYPE.items()}
+THEIR_TOP_NAMES = {ours: theirs for theirs, ours in TOP_NAMES.items()}  # the loading tables, inverted
+THEIR_BLOCK_NAMES = {ours: theirs for theirs, ours in BLOCK_NAMES.items()}
+THEIR_BLOCK_PARTS = {ours: theirs for theirs, ours in BLOCK_PARTS.items()}
 # our depth sampler -> their (recurrent_iteration_method, sampling_scheme); training only, the forward at a
 # given depth does not read it. per_batch_split has no scheme of theirs: its nearest draws the same T per batch.
 THEIR_SAMPLING = {
@@ -461,15 +464,14 @@ def authors_config(config):
 
 def their_name(name, config):
     """Our state-dict name -> theirs: our_name inverted."""
-    top = {ours: theirs for theirs, ours in TOP_NAMES.items()}
-    if name in top or VALUE_EMBED_NAME.fullmatch(name):
-        return top.get(name, name)
+    if name in THEIR_TOP_NAMES or VALUE_EMBED_NAME.fullmatch(name):
+        return THEIR_TOP_NAMES.get(name, name)
     part, index, rest = name.split(".", 2)
-    block = {ours: theirs for theirs, ours in BLOCK_NAMES.items()}[rest]
+    block = THEIR_BLOCK_NAMES[rest]
     if config.injection == "none":  # their GPT: one list of blocks
         index = int(index) + {"prelude": 0, "recur": config.n_prelude, "coda": config.n_prelude + config.n_recur}[part]
         return f"transformer.h.{index}.{block}"
-    return f"transformer.{ {ours: theirs for theirs, ours in BLOCK_PARTS.items()}[part] }.{index}.{block}"
+    return f"transformer.{THEIR_BLOCK_PARTS[part]}.{index}.{block}"
 
 
 def authors_state_dict(model):

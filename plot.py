@@ -79,12 +79,14 @@ def eval_depths(evals):
     return sorted({int(key[len("val_loss_T"):]) for record in evals for key in record if key.startswith("val_loss_T")})
 
 
-def series(run, metric):
-    """-> [(steps, values, style)] of one run's metric; non-finite and missing values are left out."""
-    def points(records, key):
-        pairs = [(r["step"], r[key]) for r in records if r.get(key) is not None and math.isfinite(r[key])]
-        return [p[0] for p in pairs], [p[1] for p in pairs]
+def points(records, key):
+    """-> (steps, values) of the records' key; non-finite and missing values are left out."""
+    pairs = [(r["step"], r[key]) for r in records if r.get(key) is not None and math.isfinite(r[key])]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
 
+
+def series(run, metric):
+    """-> [(steps, values, style)] of one run's metric."""
     if metric == "loss":
         depths = eval_depths(run["evals"])
         val = [points(run["evals"], f"val_loss_T{depths[-1]}") + ("o",)] if depths else []
@@ -129,7 +131,7 @@ def summary_row(label, run):
     """A markdown row: the final training loss, the final validation loss at each eval depth T, max rho,
     max ||h_T||, and the step the run diverged at."""
     def largest(key):
-        values = [r[key] for r in run["steps"] if r.get(key) is not None and math.isfinite(r[key])]
+        values = points(run["steps"], key)[1]
         return f"{max(values):.3g}" if values else "-"
 
     final = run["steps"][-1]["loss"] if run["steps"] else float("nan")

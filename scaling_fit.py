@@ -21,9 +21,8 @@ import torch
 def parabola_vertices(mu_rec, losses, tokens):
     """Final loss ~ a (ln mu)^2 + b ln mu + c inside one budget, for each row of losses (shape (n,) or (B, n)).
     -> dict of arrays: mu_star (the vertex, at most one sampled range beyond the samples; the best sampled point
-    when the parabola has no minimum), D_star
-    (ln D is linear in ln mu inside a budget, read off at the vertex), L_star (the parabola there), a, b, c, and
-    inside (the vertex lies within the sampled mu_rec)."""
+    when the parabola has no minimum), D_star (ln D is linear in ln mu inside a budget, read off at the vertex),
+    L_star (the parabola there), a, b, c, and inside (the vertex lies within the sampled mu_rec)."""
     x = np.log(np.asarray(mu_rec, float))
     L = np.atleast_2d(np.asarray(losses, float))
     a, b, c = np.linalg.lstsq(np.stack([x * x, x, np.ones_like(x)], 1), L.T, rcond=None)[0]
@@ -45,9 +44,10 @@ def parabola_optimum(mu_rec, losses, tokens):
 
 
 def power_law(C, y):
-    """y = k C^g, least squares in log-log -> (k, g)."""
-    g, log_k = np.polyfit(np.log(np.asarray(C, float)), np.log(np.asarray(y, float)), 1)
-    return math.exp(log_k), g
+    """y = k C^g, least squares in log-log -> (k, g): the slope the bootstrap redraws (log_log_slopes)."""
+    y = np.asarray(y, float)
+    g = float(log_log_slopes(C, y[None])[0])
+    return math.exp(np.log(y).mean() - g * np.log(np.asarray(C, float)).mean()), g
 
 
 def log_log_slopes(C, Y):
