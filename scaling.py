@@ -44,11 +44,11 @@ H100_BF16, MFU = PEAK_BF16_FLOPS["H100"], 0.4  # GPU-hour estimates: 40% MFU, as
 
 PAPER_MODEL = dict(head_dim=128, vocab_size=32768, seq_len=2048)  # train.py's paper preset fills the rest
 PAPER_BATCH = 524_288
-# The CPU study (README, "Scaling laws"): the paper's regime, up to 20+ tokens per parameter (its 140M sees 5-25),
+# The CPU study (docs/scaling.md): the paper's regime, up to 20+ tokens per parameter (its 140M sees 5-25),
 # reached by a 254,720-parameter model: depth 3, d_model 64, a 512-token vocabulary, 128-token rows. Five budgets
 # spanning 16x, mu_rec 1-8, three seeds at the middle budget: 28 runs, 8.8e13 training FLOPs at the ~40 GFLOP/s one
 # core gives this model; 49.5 minutes end to end with evaluation and fit, measured on one core, one thread.
-# Learning rates 4x the paper's 8e-3, from a short sweep (README).
+# Learning rates 4x the paper's 8e-3, from a short sweep (docs/scaling.md).
 PRESETS = {
     "cpu": dict(depth=3, flops=[5.625e11, 1.125e12, 2.25e12, 4.5e12, 9e12], mu_rec=[1, 2, 4, 8], seeds=3,
                 T=[1, 2, 3, 4, 5, 6, 8, 10, 12, 16],
@@ -303,8 +303,8 @@ def paired_spread(runs):
 
 
 def judge_frontier(budgets, sigma, paired_sigma=None):
-    """A win of looped over fixed depth counts only above twice the seed spread (README): per budget, the margin
-    fixed - best looped and 'looped', 'fixed' or 'within noise'; the same against twice the paired spread."""
+    """A win of looped over fixed depth counts only above twice the seed spread (docs/scaling.md): per budget, the
+    margin fixed - best looped and 'looped', 'fixed' or 'within noise'; the same against twice the paired spread."""
     def verdict(margin, spread):
         if spread is None:
             return "no seed spread measured"
