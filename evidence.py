@@ -6,24 +6,12 @@ a verdict. runs/evidence_cpu.sh runs it end to end (about an hour on a quiet 2-c
     python evidence.py run --jobs=2          # train (and evaluate) every run, two at a time, with an ETA
     python evidence.py report                # judge the claims: figures/evidence_cpu/{*.png, verdicts.json, .md}
 
-The setup: train.py's CPU preset shape on a byte-level vocabulary (259 = 256 bytes + 3 specials) of the stdlib
-corpus: depth 3 (1 prelude, 1 recurrent, 1 coda layer), d_model 128, rows of 128 tokens, 16 rows a step, mu_rec 8,
-300 steps (614,400 tokens), the recipe's schedule. Byte-level, so the embeddings are small and nearly every
-parameter is in the blocks the claims are about; 300 steps, because that is where the loss of this model bends
-flat under the recipe's warmdown and a run costs about two minutes.
-
-The design (README, "Evidence"): every comparison is paired. Arm A and arm B of a pair share the seed, and with it
-the data order, the depth draws, h0 and every initial weight whose module both arms build the same way; the only
-difference is the factor under test. A claim's difference is measured within each seed, and its interval is a
-two-sided t-interval over the pairs (scaling_fit.paired_interval). Verdict: "shown" when the 90% interval excludes
-0 on the side the paper predicts, "opposite" when it excludes 0 on the other side, "not shown" when it holds 0,
-or when the loss still fell by more than the effect over the last 20% of the steps (the run was too short to
-tell). A run train.py declares diverged (exit 3), or whose loss ends non-finite or above ln(vocab), counts with
-the loss of a uniform guess, ln 259 = 5.557 nats. A claim whose interval holds 0 and is wider than the paper's
-effect gets another seed, up to --max_seeds.
-
-The learning rate is the whole model's: --adamw_lr and --muon_lr set to the same value r (the recipe has both at
-8e-3 at the paper's 140M; the sweep moves both together).
+The setup (a byte-level vocabulary on the stdlib corpus, d_model 128, mu_rec 8, 300 steps), the claims, the
+paired design, the verdict rules and the results: docs/evidence.md. In short: arm A and arm B of a pair share the
+seed (data order, depth draws, h0, initial weights) and differ in the factor under test; a claim's interval is a
+two-sided t-interval over the pairs' differences (scaling_fit.paired_interval); a diverged run counts as a uniform
+guess, ln 259 nats; a verdict needs the interval to exclude 0 and the loss to have fallen by less than the effect
+over the last 20% of the steps. The learning rate is the whole model's: --adamw_lr = --muon_lr = r.
 """
 
 import argparse
@@ -39,10 +27,11 @@ from pathlib import Path
 import numpy as np
 
 from plot import read_run
-from scaling_fit import interval_verdict, paired_interval
+from scaling_fit import fit_test_time, interval_verdict, paired_interval, t_quantile
 
 ROOT = Path(__file__).resolve().parent
 OUT = ROOT / "figures" / "evidence_cpu"
+TABLE = ROOT / "figures/evidence_cpu/verdicts.md"  # README's evidence table
 
 # -----------------------------------------------------------------------------
 # The setup and the experiments
@@ -54,7 +43,7 @@ MAIN = ["--depth=3", "--d_model=128", "--head_dim=64", f"--vocab_size={VOCAB}", 
         "--core_every=-1", "--log_every=1", "--save_every=1000000", "--eval_tokens=8192"]
 # claim 6 needs >= 10 tokens per parameter: a narrower model (217,856 parameters) for 1,064 steps (10.0 per param)
 SMALL = [flag for flag in MAIN if not flag.startswith(("--d_model", "--head_dim"))] + ["--d_model=64", "--head_dim=32"]
-SMALL_STEPS = 1064
+SMALL_STEPS, SMALL_PARAMS = 1064, 217_856
 RATES = [2e-3, 8e-3, 3.2e-2, 1.28e-1]  # the sweep: 64x, the recipe's 8e-3 among them
 SHARED_RATE = 8e-3  # claims 2-4, 6, 7: the recipe's rate, fixed before running
 TOP_RATE = RATES[-1]  # claim 1's paired seeds
@@ -73,9 +62,8 @@ def make_run(injection="diagonal", rate=SHARED_RATE, seed=0, mu_rec=8, sampling=
         f"--injection={injection}", f"--mu_rec={mu_rec}", f"--sampling={sampling}", f"--prelude_norm={prelude_norm}",
         f"--adamw_lr={rate:g}", f"--muon_lr={rate:g}", f"--seed={seed}", f"--max_tokens={steps * BATCH}",
         f"--eval_every={steps // 10 if small else steps // 5}", f"--run={name}"]
-    width, executed = (64 if small else 128), (1 if injection == "none" else mu_rec * (1.5 if sampling == "per_batch"
-                                                                                        else 1))
-    cost = steps * BATCH * width ** 2 * (2 + executed)  # proportional to FLOPs: prelude + coda + loop steps
+    executed = 1 if injection == "none" else mu_rec * (1.5 if sampling == "per_batch" else 1)  # loop steps
+    cost = steps * BATCH * (64 if small else 128) ** 2 * (2 + executed)  # proportional to FLOPs
     curve = not small and injection != "none" and prelude_norm and rate == SHARED_RATE  # claims 2, 4 and 7
     return dict(name=name, flags=flags, cost=cost, injection=injection, rate=rate, seed=seed, mu_rec=mu_rec,
                 sampling=sampling, prelude_norm=prelude_norm, small=small, steps=steps, curve=curve)
@@ -187,7 +175,7 @@ def evaluate(name, mu_rec, with_curve):
     directory = run_dir(name)
     logged = read_run(directory)
     evals = [e for e in logged["evals"] if f"val_loss_T{mu_rec}" in e or "val_loss_T1" in e]
-    record = dict(name=name, diverged_at=logged["diverged_at"], train_loss=[s.get("loss") for s in logged["steps"]],
+    record = dict(name=name, diverged_at=logged["diverged_at"],
                   max_rho=max((s["rho"] for s in logged["steps"] if s.get("rho") is not None), default=None),
                   max_h_norm=max((s["h_norm"] for s in logged["steps"] if s.get("h_norm") is not None), default=None),
                   val=[dict(step=e["step"], loss=e.get(f"val_loss_T{mu_rec}", e.get("val_loss_T1"))) for e in evals],
@@ -314,23 +302,6 @@ def log_growth(record):
     return math.log(h[32] / h[8])
 
 
-def fit_test_time(T, loss):
-    """L(T) = L_inf + Z exp(-z T), least squares: L_inf and Z linear for each z of a fine log grid.
-    -> dict(L_inf, Z, z, T95 = ln(20) / z, error = mean |relative residual|)."""
-    T, loss = np.asarray(T, float), np.asarray(loss, float)
-    best = None
-    for z in np.logspace(-3, 1.5, 600):
-        basis = np.stack([np.ones_like(T), np.exp(-z * T)], axis=1)
-        coef, *_ = np.linalg.lstsq(basis, loss, rcond=None)
-        sse = float(((basis @ coef - loss) ** 2).sum())
-        if best is None or sse < best[0]:
-            best = (sse, z, coef)
-    _, z, (L_inf, Z) = best
-    predicted = L_inf + Z * np.exp(-z * T)
-    return dict(L_inf=float(L_inf), Z=float(Z), z=float(z), T95=math.log(20) / z,
-                error=float(np.mean(np.abs(predicted - loss) / loss)))
-
-
 def pair_value(claim, a, b):
     """A - B for one seed, or None when the claim's quantity does not exist for that pair (a diverged run has no
     state to measure, nor a curve to fit)."""
@@ -435,7 +406,7 @@ def transformer_details(results, seeds):
         step = crossing(runs["diagonal"], runs["none"])
         out[f"{rate:g}"] = dict(paired_interval([a["loss"] - b["loss"] for a, b in zip(runs["diagonal"], runs["none"])]),
                                 crosses_below_at_step=step,
-                                tokens_per_param=None if step is None else step * BATCH / 217_856)
+                                tokens_per_param=None if step is None else step * BATCH / SMALL_PARAMS)
     return out
 
 
@@ -452,7 +423,7 @@ def test_time_details(results, seeds):
 
 
 # -----------------------------------------------------------------------------
-# Report: verdicts.json, verdicts.md (README's table) and the figures
+# Report: verdicts.json, README's table and the figures
 
 def fmt_interval(j, digits=3):
     if j["measured"] is None:
@@ -494,10 +465,10 @@ def report(args):
     write_atomically(OUT / "verdicts.json", lambda p: p.write_text(json.dumps(dict(verdicts=verdicts, details=details),
                                                                              indent=1)))
     table = table_markdown(verdicts)
-    write_atomically(OUT / "verdicts.md", lambda p: p.write_text(table))
+    write_atomically(TABLE, lambda p: p.write_text(table))
     draw(results, seeds, details)
     print(table)
-    print(f"wrote {OUT / 'verdicts.json'}, {OUT / 'verdicts.md'} and the figures in {OUT}")
+    print(f"wrote {OUT / 'verdicts.json'}, {TABLE} and the figures in {OUT}")
     return 0
 
 
@@ -505,81 +476,74 @@ def draw(results, seeds, details):
     import matplotlib.pyplot as plt
     from common import write_atomically
 
-    def save(fig, name):
+    def save(fig, axes, name, **labels):
+        for ax in np.ravel(axes):
+            ax.set(xscale="log", **labels)
+        np.ravel(axes)[0].legend(fontsize=8)
         fig.tight_layout()
         write_atomically(OUT / name, lambda p: fig.savefig(p, dpi=110, format="png"))
         plt.close(fig)
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))  # claim 1 (and 5): the sweep
-    for label, row in details["sweep"].items():
-        lines = [axes[0].plot(RATES, row["loss"], "o-", label=label)[0]]
-        for rate, loss, bad in zip(RATES, row["loss"], row["diverged"]):
-            if bad:
-                axes[0].plot(rate, loss, "x", color=lines[0].get_color(), markersize=12, mew=2)
-        for ax, key in ((axes[1], "max_h_norm"), (axes[2], "max_rho")):
+    def seed_lines(ax, groups, x, y):
+        """One line per seed of each group {label: run builder of a seed}, one colour per group."""
+        for i, (label, arm) in enumerate(groups.items()):
+            runs = [r for r in (results[arm(s)["name"]] for s in range(seeds)) if not r["diverged"]]
+            for r in runs:
+                ax.plot(x(r), y(r), "o-", color=f"C{i}", alpha=0.6, label=label if r is runs[0] else None)
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))  # claim 1 (and 5's rate): the sweep, seed 0
+    for i, (label, row) in enumerate(details["sweep"].items()):
+        axes[0].plot(RATES, row["loss"], "o-", color=f"C{i}", label=label)
+        axes[0].plot([r for r, bad in zip(RATES, row["diverged"]) if bad], [UNIFORM_LOSS] * sum(row["diverged"]), "x",
+                     color=f"C{i}", markersize=12, mew=2)
+        for ax, key in zip(axes[1:], ("max_h_norm", "max_rho")):
             if row[key][0] is not None:
-                ax.plot(RATES, row[key], "o-", label=label)
+                ax.plot(RATES, row[key], "o-", color=f"C{i}", label=label)
     for ax, title in zip(axes, ("final val loss (x: diverged, at ln 259)", "max ||h_T|| in training",
                                 "max rho(Abar) in training")):
-        ax.set(xscale="log", xlabel="learning rate, whole model (AdamW = Muon)", title=title)
+        ax.set_title(title)
     axes[1].set_yscale("log")
-    axes[0].legend(fontsize=8)
-    save(fig, "lr_sweep.png")
+    save(fig, axes, "lr_sweep.png", xlabel="learning rate, whole model (AdamW = Muon)")
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))  # claim 2: the state and the loss against test-time depth
-    for injection in INJECTIONS:
-        trained = [r for r in (results[make_run(injection, SHARED_RATE, s)["name"]] for s in range(seeds))
-                   if not r["diverged"]]
-        for r in trained:
-            for ax, key in zip(axes, ("h_norm", "loss")):
-                ax.plot(r["curve"]["T"], r["curve"][key], "o-", alpha=0.6,
-                        color=f"C{INJECTIONS.index(injection)}", label=injection if r is trained[0] else None)
-    axes[0].set(yscale="log", xscale="log", xlabel="test-time recurrence T", title="||h_T|| (one line per seed)")
-    axes[1].set(xscale="log", xlabel="test-time recurrence T", title=f"val loss, trained at mu_rec 8, lr {SHARED_RATE:g}")
-    axes[0].legend()
-    save(fig, "depth.png")
+    groups = {injection: (lambda s, i=injection: make_run(i, SHARED_RATE, s)) for injection in INJECTIONS}
+    seed_lines(axes[0], groups, lambda r: r["curve"]["T"], lambda r: r["curve"]["h_norm"])
+    seed_lines(axes[1], groups, lambda r: r["curve"]["T"], lambda r: r["curve"]["loss"])
+    axes[0].set(yscale="log", title="||h_T|| (one line per seed)")
+    axes[1].set_title(f"val loss, trained at mu_rec 8, lr {SHARED_RATE:g}")
+    save(fig, axes, "depth.png", xlabel="test-time recurrence T")
 
     fig, ax = plt.subplots(figsize=(6, 4))  # claim 4
-    for i, sampling in enumerate(("per_batch", "per_sequence")):
-        for s in range(seeds):
-            r = results[make_run(sampling=sampling, seed=s)["name"]]
-            ax.plot(r["curve"]["T"], r["curve"]["loss"], "o-", color=f"C{i}", alpha=0.6, label=sampling if not s else None)
-    ax.set(xscale="log", xlabel="test-time recurrence T", ylabel="val loss", title="depth sampling (one line per seed)")
-    ax.legend()
-    save(fig, "sampling.png")
+    seed_lines(ax, {sampling: (lambda s, m=sampling: make_run(sampling=m, seed=s))
+                    for sampling in ("per_batch", "per_sequence")},
+               lambda r: r["curve"]["T"], lambda r: r["curve"]["loss"])
+    save(fig, ax, "sampling.png", xlabel="test-time recurrence T", ylabel="val loss",
+         title="depth sampling (one line per seed)")
 
     fig, axes = plt.subplots(1, len(SMALL_RATES), figsize=(11, 4), sharey=True)  # claim 6
     for ax, rate in zip(axes, SMALL_RATES):
-        for i, injection in enumerate(("diagonal", "none")):
-            for s in range(seeds):
-                r = results[make_run(injection, rate, s, small=True)["name"]]
-                ax.plot([v["step"] * BATCH / 217_856 for v in r["val"]], [v["loss"] for v in r["val"]], "o-",
-                        color=f"C{i}", alpha=0.6, label=("Parcae (T = 8)" if i == 0 else "Transformer") if not s else None)
-        ax.set(xlabel="tokens per parameter", ylabel="val loss", title=f"same parameters, lr {rate:g}", yscale="log")
-    axes[0].legend()
-    save(fig, "transformer.png")
+        seed_lines(ax, {label: (lambda s, i=injection: make_run(i, rate, s, small=True))
+                        for label, injection in (("Parcae (T = 8)", "diagonal"), ("Transformer", "none"))},
+                   lambda r: [v["step"] * BATCH / SMALL_PARAMS for v in r["val"]], lambda r: [v["loss"] for v in r["val"]])
+        ax.set(title=f"same parameters, lr {rate:g}", yscale="log")
+    save(fig, axes, "transformer.png", xlabel="tokens per parameter", ylabel="val loss")
 
-    fig, ax = plt.subplots(figsize=(6, 4))  # claim 7
+    fig, ax = plt.subplots(figsize=(6, 4))  # claim 7: the points, the fit, and T95 (dotted)
+    T = np.linspace(1, max(CURVE_T), 200)
     for i, mu in enumerate((2, 4, 8)):
-        for s in range(seeds):
-            r = results[make_run(mu_rec=mu, seed=s)["name"]]
-            if r["diverged"]:
-                continue
+        runs = [r for r in (results[make_run(mu_rec=mu, seed=s)["name"]] for s in range(seeds)) if not r["diverged"]]
+        for r in runs:
             fit = fit_test_time(r["curve"]["T"], r["curve"]["loss"])
-            T = np.linspace(1, max(CURVE_T), 200)
-            ax.plot(r["curve"]["T"], r["curve"]["loss"], "o", color=f"C{i}", alpha=0.6,
-                    label=f"mu_rec {mu}" if not s else None)
+            ax.plot(r["curve"]["T"], r["curve"]["loss"], "o", color=f"C{i}", label=f"mu_rec {mu}" if r is runs[0] else None)
             ax.plot(T, fit["L_inf"] + fit["Z"] * np.exp(-fit["z"] * T), "-", color=f"C{i}", alpha=0.6)
             ax.axvline(fit["T95"], color=f"C{i}", ls=":", alpha=0.6)
-    ax.set(xscale="log", xlabel="test-time recurrence T", ylabel="val loss",
-           title="L(T) = L_inf + Z exp(-zT) (dotted: T95)")
-    ax.legend()
-    save(fig, "test_time.png")
+    save(fig, ax, "test_time.png", xlabel="test-time recurrence T", ylabel="val loss",
+         title="L(T) = L_inf + Z exp(-zT) (dotted: T95)")
 
 
 def write_readme_table(readme):
-    """README's evidence table, between its two markers, replaced by verdicts.md."""
-    text, table = readme.read_text(), (OUT / "verdicts.md").read_text()
+    """README's evidence table, between its two markers, replaced by TABLE."""
+    text, table = readme.read_text(), TABLE.read_text()
     start, end = "<!-- evidence-table -->\n", "<!-- /evidence-table -->"
     if start not in text or end not in text:
         raise SystemExit(f"error: {readme} has no {start.strip()} ... {end} block to fill")
@@ -592,21 +556,15 @@ def write_readme_table(readme):
 
 def plan(args):
     runs, results = all_results(args.seeds, args.max_seeds)
-    total = sum(r["cost"] for r in runs)
     for r in sorted(runs, key=lambda r: r["name"]):
         print(f"{r['name']:48s} {r['steps']:5d} steps  {'done' if r['name'] in results else ''}")
-    t = paired_interval([0, 1])  # two pairs: t_{0.95,1}; the detectable effect scales as t(n-1) sd / sqrt(n)
-    print(f"\n{len(runs)} runs ({len(results)} done), {total / 1e12:.1f} cost units; claim 5 adds "
-          f"{0 if norm_rate(results) is not None else 2 * args.seeds} once the sweep has run, and extra seeds come "
-          f"where an interval holds 0 and is wider than the paper's effect (up to --max_seeds={args.max_seeds}).")
-    print(f"What {args.seeds} pairs can detect: an interval excludes 0 when |mean| > t(0.95, {args.seeds - 1}) sd / "
-          f"sqrt({args.seeds}) = {_detectable(args.seeds):.2f} x the pairs' sd (2 pairs: {t['ci90'][1] - 0.5:.2f} x).")
+    detectable = {n: t_quantile(0.95, n - 1) / math.sqrt(n) for n in (args.seeds, args.max_seeds)}
+    print(f"\n{len(runs)} runs ({len(results)} done); claim 5 adds {0 if norm_rate(results) else 2 * args.seeds} once "
+          f"the sweep has chosen its rate, and a claim gets extra seeds while its interval holds 0 and is wider than the "
+          f"paper's effect. An interval excludes 0 when |mean difference| > t sd / sqrt(n): "
+          f"{detectable[args.seeds]:.2f} x the pairs' sd at {args.seeds} seeds, {detectable[args.max_seeds]:.2f} x at "
+          f"{args.max_seeds}.")
     return 0
-
-
-def _detectable(n):
-    p = paired_interval(np.r_[np.zeros(n - 1), 1.0])  # any n values: half-width / sd = t / sqrt(n)
-    return (p["ci90"][1] - p["measured"]) / p["sd"]
 
 
 def main(argv=None):

@@ -1,0 +1,14 @@
+#!/bin/bash
+# runs/evidence_cpu.sh: the paper's claims about Parcae as paired experiments on a laptop CPU, each with a 90%
+# interval and a verdict (evidence.py; docs/evidence.md explains the design and the results). About an hour on a
+# quiet 2-core machine: the runs of train.py two at a time, a progress line with an ETA after each. Finished runs are
+# skipped, so a killed suite continues where it stopped. Writes figures/evidence_cpu/*.png, verdicts.json and
+# verdicts.md, and fills README's evidence table.
+#
+#     bash runs/evidence_cpu.sh                      # PYTHON=... to pick the interpreter, JOBS=... runs at once
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+"$PY" evidence.py plan | tail -n 1
+"$PY" evidence.py run --jobs="${JOBS:-2}"
+"$PY" evidence.py report --readme=README.md
