@@ -117,33 +117,39 @@ def evaluate_core(model, tokenizer, bundle_dir, T=None, max_per_task=-1, tasks="
 # Bits per byte and the test-time scaling law L(T) = L_inf + Z exp(-z T)
 
 @torch.no_grad()
-def evaluate_bpb(model, tokenizer, batches, T=None, seed=1234):
+def evaluate_bpb(model, tokenizer, batches, T=None, seed=1234, state_norm=False):
     """-> (loss, bpb) over (x, y) batches, summed across ranks. loss: mean nats per target token (y = -1 ignored);
-    bpb = sum of nats / (ln 2 * sum of UTF-8 bytes) over targets with bytes (specials have 0 and are left out)."""
+    bpb = sum of nats / (ln 2 * sum of UTF-8 bytes) over targets with bytes (specials have 0 and are left out).
+    state_norm=True adds a third value, ||h_T|| averaged over every position (None for the Transformer)."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     token_bytes = tokenizer.token_bytes.to(device)
-    sums = torch.zeros(4, dtype=torch.float64, device=device)  # nats, targets, nats of byte tokens, bytes
+    sums = torch.zeros(6, dtype=torch.float64, device=device)  # nats, targets, byte nats, bytes, ||h_T|| x positions
     h0_table = None
     for x, y in batches:
         x, y = x.to(device), y.to(device)
         if h0_table is None or h0_table.size(1) < x.size(1):
             h0_table = initial_state_table(model, x.size(1), seed, device)
         with bf16_autocast(device):
-            nats = model(x, targets=y, T=T, h0=h0_table[:, :x.size(1)].expand(x.size(0), -1, -1), reduction="none")
+            out = model(x, targets=y, T=T, h0=h0_table[:, :x.size(1)].expand(x.size(0), -1, -1), reduction="none",
+                        return_diagnostics=state_norm)
+        nats, h_norm = (out[0], out[1]["h_norm"]) if state_norm else (out, None)
         nats = nats.double()
         valid = y >= 0
         num_bytes = torch.where(valid, token_bytes[y.clamp(min=0)], 0)
-        sums += torch.stack([nats[valid].sum(), valid.sum().double(), nats[num_bytes > 0].sum(),
-                             num_bytes.sum().double()])
+        sums[:4] += torch.stack([nats[valid].sum(), valid.sum().double(), nats[num_bytes > 0].sum(),
+                                 num_bytes.sum().double()])
+        if h_norm is not None:
+            sums[4:] += torch.stack([h_norm.double() * x.numel(), torch.tensor(float(x.numel()), device=device)])
     model.train(was_training)
     if dist.is_initialized():
         dist.all_reduce(sums)
-    nats, targets, byte_nats, num_bytes = sums.tolist()
+    nats, targets, byte_nats, num_bytes, h_norm, positions = sums.tolist()
     if targets == 0 or num_bytes == 0:
         raise ValueError("no validation tokens to evaluate: pass more --val_tokens or check the data source")
-    return nats / targets, byte_nats / (math.log(2) * num_bytes)
+    loss, bpb = nats / targets, byte_nats / (math.log(2) * num_bytes)
+    return (loss, bpb, h_norm / positions if positions else None) if state_norm else (loss, bpb)
 
 
 @torch.no_grad()

@@ -6,12 +6,8 @@ a verdict. runs/evidence_cpu.sh runs it end to end (about an hour on a quiet 2-c
     python evidence.py run --jobs=2          # train (and evaluate) every run, two at a time, with an ETA
     python evidence.py report                # judge the claims: figures/evidence_cpu/{*.png, verdicts.json, .md}
 
-The setup (a byte-level vocabulary on the stdlib corpus, d_model 128, mu_rec 8, 300 steps), the claims, the
-paired design, the verdict rules and the results: docs/evidence.md. In short: arm A and arm B of a pair share the
-seed (data order, depth draws, h0, initial weights) and differ in the factor under test; a claim's interval is a
-two-sided t-interval over the pairs' differences (scaling_fit.paired_interval); a diverged run counts as a uniform
-guess, ln 259 nats; a verdict needs the interval to exclude 0 and the loss to have fallen by less than the effect
-over the last 20% of the steps. The learning rate is the whole model's: --adamw_lr = --muon_lr = r.
+The setup, the claims, the paired design (the two arms of a pair share the seed: data order, depth draws, h0,
+initial weights), the verdict rules and the results: docs/evidence.md.
 """
 
 import argparse
@@ -24,14 +20,19 @@ import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
+import matplotlib
 import numpy as np
 
+from common import find_checkpoint, get_base_dir, load_checkpoint, write_atomically
+from data import get_tokenizer, val_batches
+from eval_core import evaluate_bpb, fit_test_time_scaling
 from plot import read_run
-from scaling_fit import fit_test_time, interval_verdict, paired_interval, t_quantile
+from scaling_fit import interval_verdict, paired_interval, t_quantile
 
 ROOT = Path(__file__).resolve().parent
 OUT = ROOT / "figures" / "evidence_cpu"
 TABLE = ROOT / "figures/evidence_cpu/verdicts.md"  # README's evidence table
+DETAILS = ROOT / "figures/evidence_cpu/details.md"  # the numbers behind it, linked from docs/evidence.md
 
 # -----------------------------------------------------------------------------
 # The setup and the experiments
@@ -78,14 +79,10 @@ def sweep_runs():
 def norm_rate(results):
     """Claim 5's rate: the highest of the sweep at which Parcae both with and without the prelude norm trained
     (seed 0); None until both sweeps have finished."""
-    trained = []
-    for rate in RATES:
-        pair = [results.get(make_run("diagonal", rate, prelude_norm=p)["name"]) for p in (1, 0)]
-        if None in pair:
-            return None
-        if not any(r["diverged"] for r in pair):
-            trained.append(rate)
-    return max(trained) if trained else RATES[0]
+    pairs = {rate: [results.get(make_run("diagonal", rate, prelude_norm=p)["name"]) for p in (1, 0)] for rate in RATES}
+    if any(None in pair for pair in pairs.values()):
+        return None
+    return max((rate for rate, pair in pairs.items() if not any(r["diverged"] for r in pair)), default=RATES[0])
 
 
 def claim_arms(results):
@@ -117,10 +114,7 @@ def planned_runs(results, seeds, max_seeds):
     for seed in range(seeds):
         runs += [make_run("concat", SHARED_RATE, seed), make_run("add", TOP_RATE, seed), make_run(mu_rec=4, seed=seed)]
         runs += [make_run(injection, SMALL_RATES[1], seed, small=True) for injection in ("diagonal", "none")]
-    unique = {}
-    for run in runs:
-        unique.setdefault(run["name"], run)
-    return list(unique.values())
+    return list({run["name"]: run for run in runs}.values())  # claims share runs
 
 
 def seeds_wanted(claim, results, seeds, max_seeds):
@@ -141,7 +135,6 @@ def seeds_wanted(claim, results, seeds, max_seeds):
 # Training and the final evaluation of one run (a subprocess each, so that --jobs of them run at once)
 
 def run_dir(name):
-    from common import get_base_dir  # imports torch: not needed by `plan`
     return get_base_dir() / "runs" / name
 
 
@@ -165,13 +158,8 @@ def train_and_evaluate(run, log_path, threads):
 
 def evaluate(name, mu_rec, with_curve):
     """The run's record (evidence.json): its logged curves and divergence, and, if it trained and with_curve, the
-    val loss and ||h_T|| at every CURVE_T with one seeded h0 (scoring.initial_state_table), as eval_core.evaluate_bpb
-    does (8,192 tokens: about 30 s a run on one core)."""
-    import torch
-
-    from common import find_checkpoint, load_checkpoint, write_atomically
-    from data import get_tokenizer, val_batches
-    from scoring import initial_state_table
+    val loss and ||h_T|| at every CURVE_T (eval_core.evaluate_bpb, as train.py's evals: 8,192 tokens, one seeded h0;
+    about 30 s a run on one core)."""
     directory = run_dir(name)
     logged = read_run(directory)
     evals = [e for e in logged["evals"] if f"val_loss_T{mu_rec}" in e or "val_loss_T1" in e]
@@ -184,16 +172,8 @@ def evaluate(name, mu_rec, with_curve):
         model, _ = load_checkpoint(find_checkpoint(directory.parent, name))
         tokenizer = get_tokenizer("stdlib", VOCAB)
         batches = list(val_batches(tokenizer, "stdlib", 16, model.config.seq_len, 8192))
-        h0 = initial_state_table(model, model.config.seq_len, 1234, "cpu")
-        depths = [1] if model.config.injection == "none" else CURVE_T
-        curve = dict(T=depths, loss=[], h_norm=[])
-        with torch.no_grad():
-            for T in depths:
-                out = [model(x, y, T=T, h0=h0.expand(x.size(0), -1, -1), return_diagnostics=True) for x, y in batches]
-                curve["loss"].append(float(np.mean([loss.item() for loss, _ in out])))
-                norms = [d["h_norm"] for _, d in out]
-                curve["h_norm"].append(None if norms[0] is None else float(np.mean([n.item() for n in norms])))
-        record["curve"] = curve
+        rows = [evaluate_bpb(model, tokenizer, batches, T, state_norm=True) for T in CURVE_T]
+        record["curve"] = dict(T=CURVE_T, loss=[r[0] for r in rows], h_norm=[r[2] for r in rows])
     write_atomically(directory / "evidence.json", lambda path: path.write_text(json.dumps(record)))
 
 
@@ -258,10 +238,8 @@ def run(args):
                 left = sum(x["cost"] for x in todo) + sum(x["cost"] for x in running.values())
                 elapsed = time.time() - start
                 count += 1
-                print(f"[{count}/{len(runs)}] {r['name']}: "
-                      f"{'done' if ok else 'FAILED, see ' + str(OUT / 'logs' / (r['name'] + '.log'))} | elapsed "
-                      f"{elapsed / 60:.1f} min | ETA {elapsed / done_cost * left / 60:.1f} min (plan may grow)",
-                      flush=True)
+                print(f"[{count}/{len(runs)}] {r['name']}: {'done' if ok else 'FAILED, see its log in ' + str(OUT / 'logs')}"
+                      f" | elapsed {elapsed / 60:.1f} min | ETA {elapsed / done_cost * left / 60:.1f} min", flush=True)
     print(f"run: {(time.time() - start) / 60:.1f} min" + (f"; failed: {', '.join(sorted(failed))}" if failed else ""))
     return 1 if failed else 0
 
@@ -302,6 +280,14 @@ def log_growth(record):
     return math.log(h[32] / h[8])
 
 
+def fit_test_time(T, loss):
+    """eval_core's fit of L(T) = L_inf + Z exp(-zT), with T95 = ln(20) / z (the depth by which 95% of the gain is
+    made) and the fit's mean relative error."""
+    fit = fit_test_time_scaling(T, loss)
+    residual = fit["L_inf"] + fit["Z"] * np.exp(-fit["z"] * np.asarray(T, float)) - np.asarray(loss)
+    return dict(fit, T95=math.log(20) / fit["z"], error=float(np.mean(np.abs(residual) / np.asarray(loss))))
+
+
 def pair_value(claim, a, b):
     """A - B for one seed, or None when the claim's quantity does not exist for that pair (a diverged run has no
     state to measure, nor a curve to fit)."""
@@ -330,9 +316,7 @@ def judge(claim, results, seeds):
     """The claim over seeds 0..seeds-1 -> dict(measured, ci90, n, sd, verdict, late_fall, reason), or None while
     one of those runs is unfinished."""
     arms = claim_arms(results).get(claim)
-    if arms is None:
-        return None
-    pairs = [[results.get(arm(seed)["name"]) for arm in arms] for seed in range(seeds)]
+    pairs = [[results.get(arm(seed)["name"]) for arm in arms] for seed in range(seeds)] if arms else [[None]]
     if any(r is None for pair in pairs for r in pair):
         return None
     values = [v for v in (pair_value(claim, a, b) for a, b in pairs) if v is not None]
@@ -386,23 +370,17 @@ def depth_details(results, seeds):
 def crossing(parcae_runs, transformer_runs):
     """The first eval step from which the seeds' mean val loss of Parcae stays below the Transformer's (None: never)."""
     steps = [v["step"] for v in parcae_runs[0]["val"]]
-    mean = {k: [np.mean([r["val"][i]["loss"] for r in runs]) for i in range(len(steps))]
-            for k, runs in (("p", parcae_runs), ("t", transformer_runs))}
-    below = [p < t for p, t in zip(mean["p"], mean["t"])]
-    for i in range(len(steps)):
-        if all(below[i:]):
-            return steps[i]
-    return None
+    mean = [[np.mean([r["val"][i]["loss"] for r in runs]) for i in range(len(steps))]
+            for runs in (parcae_runs, transformer_runs)]
+    return next((steps[i] for i in range(len(steps)) if all(p < t for p, t in zip(mean[0][i:], mean[1][i:]))), None)
 
 
 def transformer_details(results, seeds):
     """Claim 6 at both rates: the paired difference and where Parcae's val curve crosses below."""
     out = {}
     for rate in SMALL_RATES:
-        runs = {injection: [results.get(make_run(injection, rate, s, small=True)["name"]) for s in range(seeds)]
+        runs = {injection: [results[make_run(injection, rate, s, small=True)["name"]] for s in range(seeds)]
                 for injection in ("diagonal", "none")}
-        if any(r is None for group in runs.values() for r in group):
-            continue
         step = crossing(runs["diagonal"], runs["none"])
         out[f"{rate:g}"] = dict(paired_interval([a["loss"] - b["loss"] for a, b in zip(runs["diagonal"], runs["none"])]),
                                 crosses_below_at_step=step,
@@ -440,10 +418,40 @@ def table_markdown(verdicts):
     return "\n".join(lines) + "\n"
 
 
+def details_markdown(verdicts, details):
+    """The numbers behind the verdicts, as markdown tables (docs/evidence.md links them)."""
+    def cell(x, form="{:.3g}"):
+        return "-" if x is None else f"{form.format(x[0])} [{form.format(x[1])}, {form.format(x[2])}]"
+
+    def table(header, rows):
+        return "\n".join([f"| {' | '.join(header)} |", "|---" * len(header) + "|"]
+                         + [f"| {' | '.join(map(str, row))} |" for row in rows]) + "\n\n"
+
+    out = "## Each claim's pairs\n\n" + table(
+        ["claim", "seeds", "sd of the differences", "loss fall over the last 20% of steps (larger arm)"],
+        [(v["id"], v["n"], "-" if v["sd"] is None else f"{v['sd']:.4f}",
+          "-" if v["late_fall"] is None else f"{v['late_fall']:.4f}") for v in verdicts])
+    out += "## Claim 1: the sweep, seed 0 (final val loss / max rho / max ||h_T||; x: diverged)\n\n" + table(
+        ["model"] + [f"lr {r:g}" for r in RATES] + ["highest rate that trained"],
+        [[label] + [("x " if bad else "") + f"{loss:.3f} / {rho or 0:.2f} / {h or 0:.3g}" for loss, rho, h, bad in
+                    zip(row["loss"], row["max_rho"], row["max_h_norm"], row["diverged"])] + [row["highest_trained"]]
+         for label, row in details["sweep"].items()])
+    out += f"## Claim 2: the state and the loss from T = 8 to 32, lr {SHARED_RATE:g} (mean [90% interval])\n\n" + table(
+        ["injection", "diverged", "\\|\\|h_32\\|\\| / \\|\\|h_8\\|\\|", "L(32) - L(8)"],
+        [(i, d["diverged"], cell(d["h_ratio_32_8"]), cell(d["loss_32_minus_8"], "{:+.4f}"))
+         for i, d in details["depth"].items()])
+    out += "## Claim 6: Parcae minus the Transformer at two rates\n\n" + table(
+        ["lr", "final val loss difference [90%]", "Parcae below from step (tokens per parameter)"],
+        [(rate, fmt_interval(d), "never" if d["crosses_below_at_step"] is None else
+          f"{d['crosses_below_at_step']} ({d['tokens_per_param']:.1f})") for rate, d in details["transformer"].items()])
+    out += "## Claim 7: L(T) = L_inf + Z exp(-zT) per run (mean [90% interval])\n\n" + table(
+        ["mu_rec", "fit error (mean relative)", "T95", "(L_inf - L(mu_rec)) / L(mu_rec)"],
+        [(mu, cell(d["fit_error"], "{:.2%}"), cell(d["T95"], "{:.2f}"), cell(d["L_inf_vs_L_mu"], "{:+.2%}"))
+         for mu, d in details["test_time"].items()])
+    return out
+
+
 def report(args):
-    import matplotlib
-    matplotlib.use("Agg")
-    from common import write_atomically
     runs, results = all_results(args.seeds, args.max_seeds)
     missing = [r["name"] for r in runs if r["name"] not in results]
     if missing:
@@ -466,15 +474,18 @@ def report(args):
                                                                              indent=1)))
     table = table_markdown(verdicts)
     write_atomically(TABLE, lambda p: p.write_text(table))
+    write_atomically(DETAILS, lambda p: p.write_text("# The laptop evidence suite: the numbers behind its verdicts\n\n"
+                                                     "`python evidence.py report` writes this page.\n\n"
+                                                     + details_markdown(verdicts, details)))
     draw(results, seeds, details)
     print(table)
-    print(f"wrote {OUT / 'verdicts.json'}, {TABLE} and the figures in {OUT}")
+    print(f"wrote {OUT / 'verdicts.json'}, {TABLE}, {DETAILS} and the figures in {OUT}")
     return 0
 
 
 def draw(results, seeds, details):
+    matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
-    from common import write_atomically
 
     def save(fig, axes, name, **labels):
         for ax in np.ravel(axes):
@@ -558,12 +569,9 @@ def plan(args):
     runs, results = all_results(args.seeds, args.max_seeds)
     for r in sorted(runs, key=lambda r: r["name"]):
         print(f"{r['name']:48s} {r['steps']:5d} steps  {'done' if r['name'] in results else ''}")
-    detectable = {n: t_quantile(0.95, n - 1) / math.sqrt(n) for n in (args.seeds, args.max_seeds)}
-    print(f"\n{len(runs)} runs ({len(results)} done); claim 5 adds {0 if norm_rate(results) else 2 * args.seeds} once "
-          f"the sweep has chosen its rate, and a claim gets extra seeds while its interval holds 0 and is wider than the "
-          f"paper's effect. An interval excludes 0 when |mean difference| > t sd / sqrt(n): "
-          f"{detectable[args.seeds]:.2f} x the pairs' sd at {args.seeds} seeds, {detectable[args.max_seeds]:.2f} x at "
-          f"{args.max_seeds}.")
+    detectable = [f"{t_quantile(0.95, n - 1) / math.sqrt(n):.2f} x at {n}" for n in (args.seeds, args.max_seeds)]
+    print(f"\n{len(runs)} runs ({len(results)} done; claim 5 and extra seeds come as results do). An interval excludes "
+          f"0 when |mean difference| > t sd / sqrt(n), the pairs' sd times {' seeds, '.join(detectable)} seeds.")
     return 0
 
 

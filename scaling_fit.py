@@ -138,24 +138,6 @@ def fit_unified(mu, D, T, losses, max_iter=100):
     return dict(E=math.exp(e), X=math.exp(lx), x=x, Y=math.exp(ly), y=y, Z=math.exp(lz), z=z, huber=best[0])
 
 
-def fit_test_time(T, loss):
-    """One run's test-time scaling (paper §5.3): L(T) = L_inf + Z exp(-z T), least squares, L_inf and Z linear for
-    each z of a fine log grid (no optimiser to start badly).
-    -> dict(L_inf, Z, z, T95 = ln(20) / z, error = mean |relative residual|)."""
-    T, loss = np.asarray(T, float), np.asarray(loss, float)
-    best = None
-    for z in np.logspace(-3, 1.5, 600):
-        basis = np.stack([np.ones_like(T), np.exp(-z * T)], axis=1)
-        coef, *_ = np.linalg.lstsq(basis, loss, rcond=None)
-        sse = float(((basis @ coef - loss) ** 2).sum())
-        if best is None or sse < best[0]:
-            best = (sse, z, coef)
-    _, z, (L_inf, Z) = best
-    predicted = L_inf + Z * np.exp(-z * T)
-    return dict(L_inf=float(L_inf), Z=float(Z), z=float(z), T95=math.log(20) / z,
-                error=float(np.mean(np.abs(predicted - loss) / loss)))
-
-
 def mean_relative_error(predicted, observed):
     predicted, observed = np.asarray(predicted, float), np.asarray(observed, float)
     return float(np.mean(np.abs(predicted - observed) / observed))

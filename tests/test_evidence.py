@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 import evidence
-import scaling_fit
 
 
 def record(run, loss=2.0, diverged=False, fall=0.0, curve=None):
@@ -79,7 +78,7 @@ def test_an_interval_holding_zero_and_wider_than_the_papers_effect_asks_for_anot
 def test_the_test_time_fit_recovers_a_known_curve():
     T = np.array(evidence.CURVE_T, float)
     loss = 1.8 + 0.5 * np.exp(-0.7 * T)
-    fit = scaling_fit.fit_test_time(T, loss)
+    fit = evidence.fit_test_time(T, loss)
     assert fit["L_inf"] == pytest.approx(1.8, abs=1e-3) and fit["z"] == pytest.approx(0.7, rel=0.02)
     assert fit["T95"] == pytest.approx(math.log(20) / 0.7, rel=0.02) and fit["error"] < 1e-3
 
