@@ -167,7 +167,8 @@ def config_from_authors(cfg):
 
 
 def value_embedding_layers(config):
-    """Layers i of n = P + R + C with a value embedding, i % 2 == (n - 1) % 2 in both (theirs: has_ve in parcae_lm/models/parcae/parcae.py)."""
+    """Layers i of n = P + R + C with a value embedding: i % 2 == (n - 1) % 2 in both codes (theirs: has_ve, in
+    parcae_lm/models/parcae/parcae.py)."""
     return [i for i in range(config.n_layer) if i % 2 == (config.n_layer - 1) % 2]
 
 
