@@ -50,11 +50,13 @@ def stage(work, name):
         raise Failed(f"{name} exited {status}: {last_error(work / f'{name}.log')}")
 
 
-def last_error(log):
-    """The line that says what went wrong: the last one naming an error, else the last line."""
+def last_error(log, limit=200):
+    """The line that says what went wrong: the last one naming an error (torchrun's teardown follows it), else the
+    last line; cut at a word under `limit` characters."""
     lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
-    errors = [line for line in lines if re.match(r"(\w+(Error|Exception|Exit)\b|error:)", line)]
-    return ((errors or lines or ["no output"])[-1])[:300]
+    errors = [line for line in lines if re.match(r"([\w.]+(Error|Exception|Exit)\b|error:)", line)]
+    line = (errors or lines or ["no output"])[-1]
+    return line if len(line) <= limit else line[:limit].rsplit(" ", 1)[0] + " ..."
 
 
 def steps(runs_dir, name):
