@@ -59,7 +59,7 @@ def last_error(log, limit=200):
     return line if len(line) <= limit else line[:limit].rsplit(" ", 1)[0] + " ..."
 
 
-def steps(runs_dir, name):
+def step_records(runs_dir, name):
     """The training records of run gpu_check_NAME (metrics.jsonl), or Failed."""
     path = runs_dir / f"gpu_check_{name}" / "metrics.jsonl"
     records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
@@ -137,7 +137,7 @@ def quoted(number):
 
 def train_run(work, runs_dir, args):
     stage(work, "train")
-    records = steps(runs_dir, "train")
+    records = step_records(runs_dir, "train")
     first = statistics.mean(r["loss"] for r in records[:5])
     last = statistics.mean(r["loss"] for r in records[-5:])
     n = records[-1]["step"]
@@ -147,20 +147,20 @@ def train_run(work, runs_dir, args):
 
 def recompilation(work, runs_dir, args):
     stage(work, "train")
-    records = steps(runs_dir, "train")
+    records = step_records(runs_dir, "train")
     if "graphs" not in records[-1]:
         raise Failed("train.py logged no graph count (not compiled?)")
     graphs = {r["step"]: r["graphs"] for r in records}
     n = records[-1]["step"]
     settled = graphs[n] == graphs[WARMUP_STEPS]
-    return ("train.py --compile=1: graphs torch.compile built (dynamo's unique_graphs)",
+    return ("train.py, compiled: the graphs torch.compile built (dynamo's unique_graphs)",
             f"{graphs[1]} after step 1, {graphs[WARMUP_STEPS]} after step {WARMUP_STEPS}, {graphs[n]} after step {n}",
             f"none after step {WARMUP_STEPS}: {verdict(settled)}")
 
 
 def tokens_per_second(work, runs_dir, args):
     stage(work, "train")
-    last = steps(runs_dir, "train")[-1]
+    last = step_records(runs_dir, "train")[-1]
     if last["tokens_per_s"] is None:
         raise Failed("too few steps for a rate")
     mfu_text = f", MFU {last['mfu']:.1%} of the listed bf16 peak" if last.get("mfu") else ""
@@ -170,7 +170,7 @@ def tokens_per_second(work, runs_dir, args):
 
 def torchrun(work, runs_dir, args):
     stage(work, "ddp")
-    n = steps(runs_dir, "ddp")[-1]["step"]
+    n = step_records(runs_dir, "ddp")[-1]["step"]
     checkpoint = runs_dir / "gpu_check_ddp" / f"ckpt_{n:06d}.pt"
     backend = "NCCL" if CUDA else "gloo (no GPU: NCCL not exercised)"
     return (f"torchrun --nproc_per_node={args.gpus} train.py, the same flags: the process group starts, steps "
@@ -184,7 +184,7 @@ def memory(work, runs_dir, args):
     if not CUDA:
         return (check, "not run: no GPU", "")
     stage(work, "ddp")
-    peak = steps(runs_dir, "ddp")[-1]["peak_memory"] / 1e9
+    peak = step_records(runs_dir, "ddp")[-1]["peak_memory"] / 1e9
     stage(work, "dry_run")
     plan = re.search(r"= ([\d.]+) \| largest device batch", (work / "dry_run.log").read_text())
     if plan is None:
@@ -197,7 +197,7 @@ def memory(work, runs_dir, args):
 def precision(work, runs_dir, args):
     stage(work, "fp32")
     stage(work, "bf16")
-    fp32, bf16 = ({r["step"]: r["loss"] for r in steps(runs_dir, name)} for name in ("fp32", "bf16"))
+    fp32, bf16 = ({r["step"]: r["loss"] for r in step_records(runs_dir, name)} for name in ("fp32", "bf16"))
     if fp32.keys() != bf16.keys():
         raise Failed(f"the runs logged different steps: {sorted(fp32)} and {sorted(bf16)}")
     differences = [abs(bf16[s] / fp32[s] - 1) for s in sorted(fp32)]

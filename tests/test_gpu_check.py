@@ -39,7 +39,7 @@ def tiny_run(tmp_path_factory):
     env = {**os.environ, "PYTHON": str(python), "OUT": str(root / "out"), "NANOPARCAE_BASE_DIR": str(root / "base"),
            "OMP_NUM_THREADS": "1"}
     result = subprocess.run(["bash", str(ROOT / "runs" / "gpu_check.sh"), "--tiny"], capture_output=True, text=True,
-                            env=env, timeout=600, cwd=root)
+                            env=env, timeout=1800, cwd=root)
     return result, root / "out"
 
 
