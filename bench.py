@@ -6,7 +6,7 @@ bench.py: nanoparcae's performance figures, measured side by side on whatever ma
     python bench.py --depth 6 --d_model 384 --seq_len 512
     python bench.py --json bench.json     # also the rows and the raw figures behind their verdicts, as JSON
 
-It prints ONE markdown table (progress goes to stderr), the one README's performance section quotes.
+It prints ONE markdown table (progress goes to stderr), the one docs/performance.md quotes.
 Each speed figure is a ratio of two things timed in the same run, interleaved repeat by repeat so that
 the noise of a shared machine falls on both; each is the median of --repeats repeats after a warm-up.
 Training steps run forward + backward + gradient clip + optimiser step (optim.build_optimizer), on

@@ -370,7 +370,7 @@ def main():
         device = init_distributed(torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")))
         if args.from_:  # the authors' release; results go beside its files
             from hub import load_pretrained, local_dir  # here only: train.py imports eval_core, never hub
-            model, tokenizer = load_pretrained(args.from_, device)
+            model, tokenizer = load_pretrained(args.from_, device, need_tokenizer=True)
             ckpt, ckpt_path = {}, local_dir(args.from_) / "authors"
         else:
             ckpt_path = Path(args.ckpt) if args.ckpt else find_checkpoint(get_base_dir() / "runs", args.run)

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from common import find_checkpoint, first_sentence, get_base_dir, load_checkpoint, write_atomically
+from depths import SAMPLINGS
 from download import download_file
 from model import Parcae, ParcaeConfig
 from tokenizer import Tokenizer
@@ -45,13 +46,13 @@ def local_dir(source):
     return Path(source) if Path(source).is_dir() else cache_dir(source)
 
 
-def download(repo_id, filename, base_url=None):
+def download(repo_id, filename):
     """Fetch one file into the cache (kept across calls; a partial one is resumed, see download.download_file).
     Returns the path, or None when the server has no such file."""
     path = cache_dir(repo_id) / filename
     if path.is_file():
         return path
-    url = f"{base_url or HUB_URL}/{repo_id}/resolve/main/{filename}"
+    url = f"{HUB_URL}/{repo_id}/resolve/main/{filename}"
     try:
         return download_file(url, path)
     except FileNotFoundError:
@@ -60,27 +61,28 @@ def download(repo_id, filename, base_url=None):
         raise FileNotFoundError(f"{err}; check the repo id and the network, or pass a local folder") from None
 
 
-def fetch_files(source):
-    """-> (config.json, weights, tokenizer.json) paths, from a local folder or a Hub repo id."""
-    folder = local_dir(source)
-    local = Path(source).is_dir()
+def fetch_files(source, need_tokenizer=False):
+    """-> (config.json, weights, tokenizer.json) paths from a local folder or a Hub repo id; the last is None where
+    their save_pretrained wrote none, unless need_tokenizer (text is read or written): then one line says so."""
+    folder, local = local_dir(source), Path(source).is_dir()
+    where = source if local else f"{HUB_URL}/{source}"
 
     def get(name):
         if local:
             return folder / name if (folder / name).is_file() else None
         return download(source, name)
 
-    where = str(folder) if local else f"{HUB_URL}/{source}"
     config_path, tokenizer_path = get("config.json"), get("tokenizer.json")
     # a weights file already in the cache first, so a cached repo never touches the network
     names = sorted(WEIGHT_FILES, key=lambda name: not (folder / name).is_file())
     weights_path = next((p for p in map(get, names) if p is not None), None)
-    for name, found in (("config.json", config_path), (" or ".join(WEIGHT_FILES), weights_path),
-                        ("tokenizer.json", tokenizer_path)):
+    for name, found in (("config.json", config_path), (" or ".join(WEIGHT_FILES), weights_path)):
         if found is None:
             raise FileNotFoundError(f"{where} has no {name}; --from takes a Hub repo id such as "
-                                    f"SandyResearch/parcae-140m or a folder holding config.json, model.pt, "
-                                    f"tokenizer.json")
+                                    f"SandyResearch/parcae-140m or a folder holding config.json and model.pt")
+    if tokenizer_path is None and need_tokenizer:
+        raise FileNotFoundError(f"{where} has no tokenizer.json, which text needs: add the tokenizer.json of the "
+                                f"tokenizer the model was trained with (their save_pretrained writes none)")
     return config_path, weights_path, tokenizer_path
 
 
@@ -90,12 +92,10 @@ def fetch_files(source):
 INJECTION_OF_CLASS = {"ParcaeConfig": None, "GPTConfig": "none"}  # Parcae: from injection_type below
 INJECTION_OF_TYPE = {"diagonal": "diagonal", "linear": "concat", "add": "add"}  # their LinearInjection = our concat
 # every field whose other values change the forward, with the one value our model computes
-REQUIRED = {
-    "bias": False, "qk_bias": False, "qk_norm": True, "clip_qkv": None, "logit_softcap": None,
-    "tie_embeddings": True, "norm_class_name": "RMSNorm", "block_class_name": "TransformerPreNormBlock",
-    "mlp_class_name": "BaseMLP", "nonlin_name": "ReLU2", "mup_model_scaling_factor": 1,
-    "randomize_positions_from": None,
-}
+REQUIRED = {"bias": False, "qk_bias": False, "qk_norm": True, "clip_qkv": None, "logit_softcap": None,
+            "tie_embeddings": True, "norm_class_name": "RMSNorm", "block_class_name": "TransformerPreNormBlock",
+            "mlp_class_name": "BaseMLP", "nonlin_name": "ReLU2", "mup_model_scaling_factor": 1,
+            "randomize_positions_from": None}
 REQUIRED_PARCAE = {"state_init": "like-init"}  # h0 ~ TruncNormal(0, embedding std, +-3 std), as ours
 REQUIRED_GPT = {"use_abacus": False}
 # init strategies (their utils/init.py) with embedding std sqrt(2/(5d)), no embed_scale, no logit_scale:
@@ -156,72 +156,64 @@ def config_from_authors(cfg):
                               mu_rec=field(cfg, "mean_recurrence"), mu_bwd=field(cfg, "mean_backprop_depth"),
                               injection=INJECTION_OF_TYPE[injection], prelude_norm=field(cfg, "prelude_norm"),
                               sampling=sampling)
-        check_value_embedding_layers(config, field(cfg, "mean_backprop_depth"))
+        gated, embedded = gated_layers(config, cfg["mean_backprop_depth"]), value_embedding_layers(config)
+        if gated != embedded:  # nanoparcae pairs each value embedding with its gate, as the released sizes do
+            raise ValueError(f"this config gives value embeddings to layers {embedded} but gates to layers {gated} "
+                             f"in the authors' code; nanoparcae pairs them and cannot run it")
     if config.padded_vocab_size != field(cfg, "padded_vocab_size"):
         raise ValueError(f"config.json pads the vocabulary to {cfg['padded_vocab_size']} rows, nanoparcae pads "
                          f"{config.vocab_size} to {config.padded_vocab_size} (a multiple of 64)")
     return config
 
 
-def check_value_embedding_layers(config, mean_backprop_depth):
-    """Their Parcae gives layer i a value embedding when i % 2 == (n - 1) % 2 over n = P + R + C
-    (parcae_lm/models/parcae/parcae.py), but decides its ve_gate with layer ids P + i (recurrent) and
-    P + R * mean_recurrence + i (coda) against n_layer = R * mean_backprop_depth (parcae_lm/modules/mixer.py,
-    parcae/config.py). A value embedding without a gate is ignored by their forward. The released sizes
-    agree; refuse any that does not."""
-    n = config.n_layer
-    ids = [*range(config.n_prelude + config.n_recur),
-           *(config.n_prelude + config.n_recur * config.mu_rec + i for i in range(config.n_coda))]
-    gated = [i for i, layer_id in enumerate(ids) if layer_id % 2 == (config.n_recur * mean_backprop_depth - 1) % 2]
-    embedded = [i for i in range(n) if i % 2 == (n - 1) % 2]
-    if gated != embedded:
-        raise ValueError(f"this config gives value embeddings to layers {embedded} but gates to layers {gated} "
-                         f"in the authors' code; nanoparcae pairs them and cannot run it")
+def value_embedding_layers(config):
+    """Layers i of n = P + R + C with a value embedding, i % 2 == (n - 1) % 2 in both (theirs: parcae.py has_ve)."""
+    return [i for i in range(config.n_layer) if i % 2 == (config.n_layer - 1) % 2]
+
+
+def gated_layers(config, mean_backprop_depth):
+    """The layers their Parcae gives a ve_gate, without which it ignores the value embedding: has_ve(layer id,
+    R * mean_backprop_depth) (parcae_lm/modules/mixer.py, parcae/config.py's n_layer), layer ids i, P + i
+    (recurrent) and P + R * mean_recurrence + i (coda). Only the parities of R * mu_rec and R * mbd matter."""
+    c = config
+    ids = [*range(c.n_prelude + c.n_recur), *(c.n_prelude + c.n_recur * c.mu_rec + i for i in range(c.n_coda))]
+    return [i for i, layer_id in enumerate(ids) if layer_id % 2 == (c.n_recur * mean_backprop_depth - 1) % 2]
 
 
 # -----------------------------------------------------------------------------
 # Parameter names: theirs -> ours, one explicit table
 #
 # Where the authors' forward could differ from ours, and how we match it (read from parcae_lm):
-# - h0: their state_init "like-init" draws TruncNormal(0, std, +-3 std) with std the embedding std of
-#   their init table, sqrt(2/(5d)) for scaled-zero, times emb_scale = 1: our initial_state. Ours uses
-#   another random stream, so pass h0 to compare the two on one draw.
-# - value embeddings: ResFormer v += 2 sigmoid(ve_gate(x[..., :32])) * ve, x the block's normed input,
-#   in both; which layers carry them: check_value_embedding_layers. The recurrent layers reuse their
-#   value embedding at every step in both.
-# - norms: norm_1, norm_2, ln_prelude, ln_f are RMSNorm(eps=norm_eps) with a weight and no unit offset
-#   (their Config.Norm adds one only for "Gemma" names): our nn.RMSNorm(eps=norm_eps). The prelude norm
-#   sits after the prelude blocks and feeds the injection only, as ours.
-# - RoPE: theirs rotates interleaved pairs (2i, 2i+1) by +angle (modules/utils.py
-#   apply_rotary_emb_complex_like); ours rotates halves (i, D/2 + i) by -angle. Rotating (b, a) by
-#   -angle is rotating (a, b) by +angle, so our dims (i, D/2 + i) = their dims (2i + 1, 2i): we permute
-#   the rows of c_q and c_k in each head (ROPE_ORDER). q and k are then the same vectors in another
-#   order, and RMS norm and q.k do not see the order. Same frequencies base^(-2i/D); the base is checked
-#   against their freqs_cis buffer.
+# - h0: their state_init "like-init" draws TruncNormal(0, std, +-3 std), std their init table's embedding
+#   std (sqrt(2/(5d)) for scaled-zero) times emb_scale = 1: our initial_state, on another random stream
+#   (pass h0 to compare the two on one draw).
+# - value embeddings: ResFormer v += 2 sigmoid(ve_gate(x[..., :32])) * ve, x the block's normed input, in
+#   both, the recurrent layers reusing theirs at every step; which layers carry them: gated_layers.
+# - norms: norm_1, norm_2, ln_prelude, ln_f are RMSNorm(eps=norm_eps) with a weight and no unit offset (their
+#   Config.Norm adds one only for "Gemma" names). The prelude norm feeds the injection only, as ours.
+# - RoPE: theirs rotates interleaved pairs (2i, 2i+1) by +angle (modules/utils.py apply_rotary_emb_complex_like);
+#   ours halves (i, D/2 + i) by -angle. Rotating (b, a) by -angle is rotating (a, b) by +angle, so our dims
+#   (i, D/2 + i) = their (2i + 1, 2i): rope_order permutes the rows of c_q and c_k in each head, and RMS norm
+#   and q.k do not see the order. Same frequencies base^(-2i/D); the base is checked against their freqs_cis.
 # - qk norm: parameter-free RMS norm after RoPE in both; theirs is F.rms_norm with eps=None (the dtype's
 #   machine epsilon, 1.2e-7 in float32), see model.py's Attention.
 # - attention: SDPA / flash with the default scale 1/sqrt(head_dim), causal, n_kv_head = n_head.
 # - MLP: fc -> 0.5 * relu(x)^2 (their Relu2's mul(0.5)) -> proj, no biases: ours.
-# - head: lm_head.weight is wte.weight (tie_embeddings), logits * logit_scale = 1 (PLAIN_INITS), no
-#   softcap; their logits have padded_vocab_size columns, ours are cut to vocab_size.
-# - injection: theirs x * exp(-dt * exp(A_log)) + dt * (e @ B^T), dt = softplus(dt_bias); ours the same
-#   with the rate formed as exp(A_log + ln dt) and floored at 1e-6 (model.py DiagonalInjection.discretize): equal
-#   except for a rate below 1e-6, where the two decays differ by less than 1e-6.
+# - head: tied to wte (tie_embeddings), logits * logit_scale = 1 (PLAIN_INITS), no softcap; their logits have
+#   padded_vocab_size columns, ours are cut to vocab_size.
+# - injection: theirs x * exp(-dt * exp(A_log)) + dt * (e @ B^T), dt = softplus(dt_bias); ours forms the rate
+#   as exp(A_log + ln dt) floored at 1e-6 (model.py DiagonalInjection.discretize): below it the decays differ
+#   by less than 1e-6.
 # - C_proj: their transformer.C, a bias-free Linear after the loop with no norm before it: ours.
 # - vocabulary: both pad to a multiple of 64 (config_from_authors checks padded_vocab_size).
 # - depth: without num_steps_pair their per-sequence forward samples a depth even in eval mode; ours
 #   runs mu_rec. Give T explicitly (theirs: num_steps_pair=[T]) to compare.
 
 BLOCK_NAMES = {  # their TransformerPreNormBlock (parcae_lm/modules/: blocks, mixer, mlp) -> our Block
-    "norm_1.weight": "attn_norm.weight",
-    "attn.c_q.weight": "attn.c_q.weight",
-    "attn.c_k.weight": "attn.c_k.weight",
-    "attn.c_v.weight": "attn.c_v.weight",
-    "attn.c_proj.weight": "attn.c_proj.weight",
-    "attn.ve_gate.weight": "attn.ve_gate.weight",
-    "norm_2.weight": "mlp_norm.weight",
-    "mlp.fc.weight": "mlp.c_fc.weight",
-    "mlp.proj.weight": "mlp.c_proj.weight",
+    "norm_1.weight": "attn_norm.weight", "norm_2.weight": "mlp_norm.weight",
+    "attn.c_q.weight": "attn.c_q.weight", "attn.c_k.weight": "attn.c_k.weight", "attn.c_v.weight": "attn.c_v.weight",
+    "attn.c_proj.weight": "attn.c_proj.weight", "attn.ve_gate.weight": "attn.ve_gate.weight",
+    "mlp.fc.weight": "mlp.c_fc.weight", "mlp.proj.weight": "mlp.c_proj.weight",
 }
 TOP_NAMES = {
     "transformer.wte.weight": "wte.weight",
@@ -250,9 +242,8 @@ def our_name(name, config):
         return None
     part, index = match[1], int(match[2])
     if part == "h":  # their GPT's single list of blocks, cut into our three parts
-        for part, start in (("coda", config.n_prelude + config.n_recur), ("recur", config.n_prelude), ("prelude", 0)):
-            if index >= start:
-                break
+        starts = (("coda", config.n_prelude + config.n_recur), ("recur", config.n_prelude), ("prelude", 0))
+        part, start = next((part, start) for part, start in starts if index >= start)
         index -= start
     else:
         part = BLOCK_PARTS[part]
@@ -373,9 +364,8 @@ def tokenizer_from_json(path, bos_token=None):
 
 
 def known_ids(tokenizer, vocab_size):
-    """(vocab_size,) bool mask of the ids `tokenizer` can decode, or None when it has them all. A model whose
-    vocabulary is larger than its tokenizer's (a checkpoint folder tried with a smaller tokenizer.json) must
-    never sample the others: tiktoken cannot decode them. Warns, naming both sizes, when it masks."""
+    """(vocab_size,) bool mask of the ids `tokenizer` can decode (a model with more ids, tried with a smaller
+    tokenizer.json, must never sample the others), or None when it has them all; warns, naming both sizes."""
     enc = tokenizer.enc
     ids = [i for i in (*enc._mergeable_ranks.values(), *enc._special_tokens.values()) if i < vocab_size]
     known = torch.zeros(vocab_size, dtype=torch.bool)
@@ -391,9 +381,10 @@ def known_ids(tokenizer, vocab_size):
 # Everything together
 
 
-def load_pretrained(source, device="cpu"):
-    """A Hub repo id (e.g. SandyResearch/parcae-140m) or a local folder -> (model in eval mode, tokenizer)."""
-    config_path, weights_path, tokenizer_path = fetch_files(source)
+def load_pretrained(source, device="cpu", need_tokenizer=False):
+    """A Hub repo id (e.g. SandyResearch/parcae-140m) or a local folder -> (model in eval mode, tokenizer); the
+    tokenizer is None for a folder without tokenizer.json, or a one-line error if need_tokenizer (fetch_files)."""
+    config_path, weights_path, tokenizer_path = fetch_files(source, need_tokenizer)
     try:
         authors_config = json.loads(Path(config_path).read_text())
     except json.JSONDecodeError as err:
@@ -404,10 +395,12 @@ def load_pretrained(source, device="cpu"):
     except Exception as err:
         raise ValueError(f"{weights_path} is not a loadable state dict ({first_sentence(err)}); delete it to "
                          f"download it again") from None
+    if config.injection == "none" and not authors_config.get("use_fused_head", "pytorch"):
+        state_dict.pop("lm_head.weight", None)  # their GPT's own head, never read when tied (authors_state_dict)
     model = Parcae(config)
     model.load_state_dict(convert_state_dict(state_dict, model))
-    tokenizer = tokenizer_from_json(tokenizer_path)
-    if tokenizer.vocab_size > config.vocab_size:
+    tokenizer = None if tokenizer_path is None else tokenizer_from_json(tokenizer_path)
+    if tokenizer and tokenizer.vocab_size > config.vocab_size:
         raise ValueError(f"{tokenizer_path} has {tokenizer.vocab_size} tokens, the model only {config.vocab_size}")
     return model.to(device).eval(), tokenizer
 
@@ -427,19 +420,36 @@ THEIR_BLOCK_NAMES = {ours: theirs for theirs, ours in BLOCK_NAMES.items()}
 THEIR_BLOCK_PARTS = {ours: theirs for theirs, ours in BLOCK_PARTS.items()}
 # our depth sampler -> their (recurrent_iteration_method, sampling_scheme); training only, the forward at a
 # given depth does not read it. per_batch_split has no scheme of theirs: its nearest draws the same T per batch.
-THEIR_SAMPLING = {
-    "per_sequence": ("per-sequence", "poisson-truncated-full"), "fixed": ("per-sequence", "fixed"),
-    "per_batch": ("per-batch", "poisson-truncated-full"), "per_batch_split": ("per-batch", "poisson-truncated-full"),
-    "poisson_unbounded": ("per-batch", "poisson-unbounded"), "poisson_fill": ("per-batch", "poisson-fill"),
-    "poisson_full": ("per-batch", "poisson-full"),
-}
+THEIR_SAMPLING = {"per_sequence": ("per-sequence", "poisson-truncated-full"), "fixed": ("per-sequence", "fixed"),
+                  **dict.fromkeys(("per_batch", "per_batch_split"), ("per-batch", "poisson-truncated-full")),
+                  **{name: ("per-batch", name.replace("_", "-")) for name in SAMPLINGS if name.startswith("poisson")}}
 THEIR_ROPE_BASE = 50_000  # RoPESettings' default, the base their from_pretrained builds with
 
 
-def authors_config(config):
-    """Our ParcaeConfig -> their config.json dict (a ParcaeConfig, or a GPTConfig for the Transformer baseline),
+def their_backprop_depth(c):
+    """mu_bwd, or else its neighbour whose parity puts their value-embedding gates on our value-embedding layers.
+    Past the gates it reaches only their depth sampler: T ~ Poisson(max(mean_recurrence, mean_backprop_depth)),
+    k = min(T, mean_backprop_depth) of them backpropagated. Keeping the max keeps every forward (any T, eval mode,
+    per-sequence sampling); only training changes: k, and in per-batch training T + k steps run."""
+    embedded, top = value_embedding_layers(c), max(c.mu_rec, c.mu_bwd)
+    for depth in (c.mu_bwd, c.mu_bwd - 1, c.mu_bwd + 1):
+        if depth >= 1 and max(c.mu_rec, depth) == top and gated_layers(c, depth) == embedded:
+            if depth != c.mu_bwd:
+                warnings.warn(f"config.json gets mean_backprop_depth={depth}, not mu_bwd {c.mu_bwd}, to place their "
+                              f"value-embedding gates; only their training reads it (README)")
+            return depth
+    why = (f"mean_backprop_depth={c.mu_bwd}: the other parity their gates need would change their mean depth"
+           if any(gated_layers(c, depth) == embedded for depth in (1, 2)) else
+           f"mean_recurrence={c.mu_rec}: their coda's layer ids, P + {c.n_recur} * mean_recurrence + i, need an odd one"
+           if c.n_recur % 2 else f"n_layers_in_prelude + n_layers_in_coda = {c.n_prelude + c.n_coda}: an even R "
+                                 f"puts their gates on odd layer ids only, which needs an even sum")
+    raise ValueError(f"cannot export {why} (their code would gate value embeddings on layers "
+                     f"{gated_layers(c, c.mu_bwd)}, not on {embedded}, and skip those)")
+
+
+def authors_config(c):
+    """Our ParcaeConfig c -> their config.json dict (a ParcaeConfig, or a GPTConfig for the Transformer baseline),
     checked by reading it back with config_from_authors."""
-    c = config
     if c.rope_base != THEIR_ROPE_BASE:
         raise ValueError(f"this model has rope_base {c.rope_base:g}; their from_pretrained ignores rope_settings and "
                          f"builds RoPE with base {THEIR_ROPE_BASE:,}, so it would compute another model")
@@ -447,6 +457,7 @@ def authors_config(config):
                padded_vocab_size=c.padded_vocab_size, n_embd=c.d_model, num_attention_heads=c.n_head,
                num_key_value_heads=c.n_head, intermediate_size=4 * c.d_model, norm_eps=c.norm_eps,
                init_strategy=PLAIN_INITS[0], init_orthogonal=True,  # model.py's init: their scaled-zero, orthogonal
+               use_fused_head=False,  # any other value, their default "pytorch" too, gives their GPT a Triton head
                rope_settings=dict(use_rope=True, rope_condense_ratio=1, rope_base=THEIR_ROPE_BASE), **REQUIRED)
     if c.injection == "none":
         cfg.update(REQUIRED_GPT, n_layer=c.n_layer, _class_name="GPTConfig")
@@ -455,10 +466,11 @@ def authors_config(config):
         cfg.update(REQUIRED_PARCAE, injection_type=THEIR_INJECTION[c.injection], n_layers_in_prelude=c.n_prelude,
                    n_layers_in_recurrent_block=c.n_recur, n_layers_in_coda=c.n_coda,
                    recurrent_embedding_dimension=c.d_model, recurrent_intermediation_embedding_dimension=4 * c.d_model,
-                   recurrent_num_attention_heads=None, mean_recurrence=c.mu_rec, mean_backprop_depth=c.mu_bwd,
+                   recurrent_num_attention_heads=None, mean_recurrence=c.mu_rec,
+                   mean_backprop_depth=their_backprop_depth(c),
                    prelude_norm=c.prelude_norm, recurrent_iteration_method=method, sampling_scheme=scheme,
                    _class_name="ParcaeConfig")
-    config_from_authors(cfg)  # raises where their forward would differ (e.g. value-embedding gates)
+    config_from_authors(cfg)  # raises where their forward would differ
     return cfg
 
 
@@ -475,8 +487,9 @@ def their_name(name, config):
 
 
 def authors_state_dict(model):
-    """Our model -> its state dict under their names, q and k rows back in their interleaved RoPE order, and
-    the tied lm_head.weight their state_dict() carries. freqs_cis is left out: their model computes it."""
+    """Our model -> its state dict under their names, q and k rows back in their interleaved RoPE order. Left
+    out: lm_head.weight (their Parcae ties it to wte; their GPT, without the fused head, builds a (d, V) one it
+    never reads when tied) and freqs_cis (their model computes it)."""
     c = model.config
     back = torch.argsort(rope_order(c.head_dim))
     out = {}
@@ -484,7 +497,6 @@ def authors_state_dict(model):
         if name.endswith(("attn.c_q.weight", "attn.c_k.weight")):
             tensor = tensor.view(c.n_head, c.head_dim, -1)[:, back].reshape(tensor.shape)
         out[their_name(name, c)] = tensor.detach().cpu().clone()
-    out["lm_head.weight"] = out["transformer.wte.weight"]
     return out
 
 
@@ -508,14 +520,12 @@ def tokenizer_json(tokenizer):
         merges += [f"{spell(token[:i])} {spell(token[i:])}" for _, _, i in cuts]
     byte_level = dict(add_prefix_space=False, trim_offsets=True, use_regex=False)
     return {
-        "version": "1.0", "truncation": None, "padding": None,
+        "version": "1.0", "truncation": None, "padding": None, "normalizer": None, "post_processor": None,
         "added_tokens": [dict(id=i, content=name, single_word=False, lstrip=False, rstrip=False, normalized=False,
                               special=True) for name, i in sorted(enc._special_tokens.items(), key=lambda t: t[1])],
-        "normalizer": None,
         "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
             {"type": "Split", "pattern": {"Regex": enc._pat_str}, "behavior": "Isolated", "invert": False},
             {"type": "ByteLevel", **byte_level}]},
-        "post_processor": None,
         "decoder": {"type": "ByteLevel", **byte_level},
         "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
                   "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": True,
@@ -529,11 +539,9 @@ def export(model, tokenizer, out_dir):
     if tokenizer.bos_id not in special:
         raise ValueError("the tokenizer has no special BOS token to name in tokenizer_config.json")
     config = authors_config(model.config)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tokens = {"bos_token": special[tokenizer.bos_id]}
-    tokens.update({key: name for key, name in (("eos_token", "<|eos|>"), ("pad_token", "<|pad|>"))
-                   if name in tokenizer.enc._special_tokens})
+    (out_dir := Path(out_dir)).mkdir(parents=True, exist_ok=True)
+    tokens = {key: name for key, name in (("bos_token", special[tokenizer.bos_id]), ("eos_token", "<|eos|>"),
+                                          ("pad_token", "<|pad|>")) if name in tokenizer.enc._special_tokens}
     tokenizer_config = dict(tokenizer_class="PreTrainedTokenizerFast", model_max_length=model.config.seq_len,
                             add_bos_token=False, add_eos_token=False, **tokens)
     for name, obj in (("config.json", config), ("tokenizer.json", tokenizer_json(tokenizer)),
@@ -552,6 +560,7 @@ def main(argv=None):
         parser.add_argument("source", help="a checkpoint file, or a run under <base dir>/runs (its latest checkpoint)")
         parser.add_argument("out_dir", help="the folder to write (upload it with `hf upload`)")
         args = parser.parse_args(argv[1:])
+        warnings.formatwarning = lambda message, *_, **__: f"hub.py export: {message}\n"
         try:
             path, runs = Path(args.source), get_base_dir() / "runs"
             if not path.is_file() and (path.suffix == ".pt" or len(path.parts) > 1):
@@ -571,7 +580,7 @@ def main(argv=None):
     parser.add_argument("source", help="Hub repo id (SandyResearch/parcae-140m) or a local folder")
     args = parser.parse_args(argv)
     try:
-        model, tokenizer = load_pretrained(args.source)
+        model, tokenizer = load_pretrained(args.source, need_tokenizer=True)
     except (FileNotFoundError, ValueError) as err:
         sys.exit(f"hub.py: {err}")
     c = model.config

@@ -159,7 +159,7 @@ def parse_depth(value):
 def load(args, device):
     """-> (model, tokenizer, checkpoint path); FileNotFoundError / ValueError carry a one-line message."""
     if args.from_:  # the authors' release (hub.py)
-        model, tokenizer = load_pretrained(args.from_, device)
+        model, tokenizer = load_pretrained(args.from_, device, need_tokenizer=True)
         return model, tokenizer, args.from_
     path = Path(args.ckpt) if args.ckpt else find_checkpoint(get_base_dir() / "runs", args.run)
     model, ckpt = load_checkpoint(path, device)

@@ -14,8 +14,8 @@ is trained with --seeds seeds (init, data order, depths and h0 all change), whic
   the seed spread, and, fitted on all budgets but the largest, their error predicting its mu_rec*, D* and L*;
 - the unified law L(T | mu_rec, D) = E + X mu_rec^-x + Y D^-y + Z exp(-z T / mu_rec) (paper §5.3, App. L),
   fitted on every budget but the largest, at ten T, and its error on the largest budget's runs at every T;
-- the frontier: the best looped loss against the fixed-depth (mu_rec = 1) loss at each budget (Fig. 6); looping
-  wins only by more than twice the seed spread.
+- the frontier: the best looped loss against the fixed-depth (mu_rec = 1) loss at each budget (Fig. 6), with a
+  paired 90% t-interval over seeds (scaling_fit.paired_interval); looping wins only where it excludes 0.
 Runs live under <base dir>/runs/<sweep>_C<budget>_mu<mu_rec>[_s<seed>]; the JSON and figures under
 <base dir>/scaling/<sweep>.
 """
@@ -33,8 +33,8 @@ import torch
 
 from common import PEAK_BF16_FLOPS, get_base_dir, write_atomically
 from model import Parcae, ParcaeConfig
-from scaling_fit import (bootstrap_exponents, fit_unified, mean_relative_error, parabola_optimum, pooled_spread,
-                         power_law, unified_predict)
+from scaling_fit import (bootstrap_exponents, fit_unified, interval_verdict, mean_relative_error, paired_interval,
+                         parabola_optimum, pooled_spread, power_law, t_interval, unified_predict)
 
 ROOT = Path(__file__).resolve().parent
 H100_BF16, MFU = PEAK_BF16_FLOPS["H100"], 0.4  # GPU-hour estimates: 40% MFU, as in README's size table
@@ -44,11 +44,11 @@ H100_BF16, MFU = PEAK_BF16_FLOPS["H100"], 0.4  # GPU-hour estimates: 40% MFU, as
 
 PAPER_MODEL = dict(head_dim=128, vocab_size=32768, seq_len=2048)  # train.py's paper preset fills the rest
 PAPER_BATCH = 524_288
-# The CPU study (README, "Scaling laws"): the paper's regime, up to 20+ tokens per parameter (its 140M sees 5-25),
+# The CPU study (docs/scaling.md): the paper's regime, up to 20+ tokens per parameter (its 140M sees 5-25),
 # reached by a 254,720-parameter model: depth 3, d_model 64, a 512-token vocabulary, 128-token rows. Five budgets
 # spanning 16x, mu_rec 1-8, three seeds at the middle budget: 28 runs, 8.8e13 training FLOPs at the ~40 GFLOP/s one
 # core gives this model; 49.5 minutes end to end with evaluation and fit, measured on one core, one thread.
-# Learning rates 4x the paper's 8e-3, from a short sweep (README).
+# Learning rates 4x the paper's 8e-3, from a short sweep (docs/scaling.md).
 PRESETS = {
     "cpu": dict(depth=3, flops=[5.625e11, 1.125e12, 2.25e12, 4.5e12, 9e12], mu_rec=[1, 2, 4, 8], seeds=3,
                 T=[1, 2, 3, 4, 5, 6, 8, 10, 12, 16],
@@ -302,19 +302,25 @@ def paired_spread(runs):
     return pooled_spread(list(groups.values()))
 
 
-def judge_frontier(budgets, sigma, paired_sigma=None):
-    """A win of looped over fixed depth counts only above twice the seed spread (README): per budget, the margin
-    fixed - best looped and 'looped', 'fixed' or 'within noise'; the same against twice the paired spread."""
-    def verdict(margin, spread):
-        if spread is None:
-            return "no seed spread measured"
-        return "looped" if margin > 2 * spread else "fixed" if margin < -2 * spread else "within noise"
-
-    for b in budgets.values():
+def judge_frontier(budgets, runs, paired_sigma=None, paired_dof=0):
+    """Per budget, the margin fixed - best looped with a paired 90% t-interval (scaling_fit.paired_interval): from
+    the budget's own seeds where it has two or more, else one pair with the pooled paired spread of the seeded
+    budget. 'looped' or 'fixed' when the interval excludes 0 on that side, 'within noise' when it holds 0."""
+    loss = {(r["C"], r["mu_rec"], r["seed"]): r["loss"] for r in runs}
+    for C, b in budgets.items():
         if b["fixed_depth_loss"] is None or b["best_looped"] is None:
             continue
         b["margin"] = b["fixed_depth_loss"] - b["best_looped"]["loss"]
-        b["verdict"], b["paired_verdict"] = verdict(b["margin"], sigma), verdict(b["margin"], paired_sigma)
+        mu = b["best_looped"]["mu_rec"]
+        pairs = [L - loss[C, mu, s] for (c, m, s), L in loss.items() if c == C and m == 1 and (C, mu, s) in loss]
+        if len(pairs) >= 2:
+            b["ci90"], b["interval_from"] = paired_interval(pairs)["ci90"], f"{len(pairs)} paired seeds"
+        elif paired_sigma is not None:
+            b["ci90"] = t_interval(b["margin"], paired_sigma, paired_dof)
+            b["interval_from"] = f"the pooled paired spread ({paired_dof} degrees of freedom)"
+        else:
+            b["ci90"], b["interval_from"] = None, "no seeds"
+        b["verdict"] = {"shown": "looped", "opposite": "fixed"}.get(interval_verdict(b["ci90"], +1), "within noise")
 
 
 def fit_power_laws(budgets, sigma, notes):
@@ -371,7 +377,7 @@ def fit(sweep):
     budgets = fit_budgets(runs, notes)
     sigma, dof = pooled_spread([s for b in budgets.values() for s in b["seed_losses"]])
     paired_sigma, paired_dof = paired_spread(runs)
-    judge_frontier(budgets, sigma, paired_sigma)
+    judge_frontier(budgets, runs, paired_sigma, paired_dof)
     laws = fit_power_laws(budgets, sigma, notes)
     unified = fit_unified_law(runs, notes)
     out_dir = get_base_dir() / "scaling" / sweep["name"]
@@ -404,15 +410,17 @@ def print_report(runs, budgets, noise, laws, unified, notes):
         best = min(cells, key=lambda mu: b["loss"][b["mu_rec"].index(mu)])
         cells[best] = f"**{cells[best]}**"
         per_param = f"{b['tokens'][-1] / runs[0]['params']:.1f}-{b['tokens'][0] / runs[0]['params']:.1f}"
-        verdict = f"{b['margin']:+.4f}: {b['verdict']} (paired: {b['paired_verdict']})" if "margin" in b else "-"
+        ci = "" if b.get("ci90") is None else f" [{b['ci90'][0]:+.4f}, {b['ci90'][1]:+.4f}]"
+        verdict = f"{b['margin']:+.4f}{ci}: {b['verdict']}" if "margin" in b else "-"
         print(f"| {C:.3g} | {per_param} | " + " | ".join(cells.get(m, "-") for m in mus) +
               f" | {b['mu_star']:.2f}{'' if b['vertex_inside'] else ' (outside)'} | {verdict} |")
     if sigma is not None:
         print(f"\nseed spread: {sigma:.4f} nats (pooled standard deviation, {noise['degrees_of_freedom']} degrees of "
-              f"freedom); a looped win counts above 2 x {sigma:.4f} = {2 * sigma:.4f}")
+              f"freedom)")
     if paired is not None:
         print(f"paired seed spread of looped - fixed depth within a seed: {paired:.4f} nats "
-              f"({noise['paired_degrees_of_freedom']} degrees of freedom); 2 x {paired:.4f} = {2 * paired:.4f}")
+              f"({noise['paired_degrees_of_freedom']} degrees of freedom); looped vs fixed: the margin fixed - best "
+              f"looped with its paired 90% t-interval, a win only where the interval excludes 0")
     if laws:
         print()
         for label, law in laws.items():

@@ -141,3 +141,53 @@ def fit_unified(mu, D, T, losses, max_iter=100):
 def mean_relative_error(predicted, observed):
     predicted, observed = np.asarray(predicted, float), np.asarray(observed, float)
     return float(np.mean(np.abs(predicted - observed) / observed))
+
+
+# -----------------------------------------------------------------------------
+# Paired differences: a t-interval and a verdict (evidence.py's claims, scaling.py's frontier)
+
+def t_quantile(p, dof, points=4001):
+    """The p-quantile (p > 0.5) of Student's t with dof degrees of freedom, without scipy: its density
+    integrated by Simpson's rule on [0, t], then bisection. Accurate to ~1e-7 for dof >= 1."""
+    log_norm = math.lgamma((dof + 1) / 2) - math.lgamma(dof / 2) - 0.5 * math.log(dof * math.pi)
+
+    def cdf(t):
+        x = np.linspace(0.0, t, points)
+        density = np.exp(log_norm - (dof + 1) / 2 * np.log1p(x * x / dof))
+        weights = np.ones(points)
+        weights[1:-1:2], weights[2:-1:2] = 4, 2
+        return 0.5 + float(weights @ density) * (x[1] - x[0]) / 3
+
+    low, high = 0.0, 1.0
+    while cdf(high) < p:
+        low, high = high, 2 * high
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (mid, high) if cdf(mid) < p else (low, mid)
+    return (low + high) / 2
+
+
+def t_interval(mean, standard_error, dof, level=0.9):
+    """mean +- t_{(1+level)/2, dof} * standard_error, as a [low, high] list."""
+    half = t_quantile((1 + level) / 2, dof) * standard_error
+    return [mean - half, mean + half]
+
+
+def paired_interval(differences, level=0.9):
+    """A two-sided t-interval for the mean of paired differences (one per seed, arm A minus arm B, everything
+    else shared). -> dict(measured, ci90, n, sd); with fewer than 2 pairs the interval is None."""
+    d = np.asarray(differences, float)
+    n = int(d.size)
+    out = dict(measured=float(d.mean()) if n else None, ci90=None, n=n, sd=None)
+    if n >= 2:
+        out["sd"] = float(d.std(ddof=1))
+        out["ci90"] = t_interval(out["measured"], out["sd"] / math.sqrt(n), n - 1, level)
+    return out
+
+
+def interval_verdict(ci, expected_sign):
+    """'shown' when the interval excludes 0 on the side the paper predicts (expected_sign +1 or -1),
+    'opposite' when it excludes 0 on the other side, 'not shown' when it holds 0 (or there is none)."""
+    if ci is None or ci[0] <= 0 <= ci[1]:
+        return "not shown"
+    return "shown" if (ci[0] > 0) == (expected_sign > 0) else "opposite"

@@ -1,6 +1,6 @@
 #!/bin/bash
 # runs/gpu_check.sh: the CUDA path checked in one command, about 5 minutes on one H100 or H200 (not yet measured).
-# It prints one markdown table, the one for README's performance section, and writes it to $OUT/gpu_check.md
+# It prints one markdown table, the one for docs/performance.md, and writes it to $OUT/gpu_check.md
 # when $OUT is set (with every stage's output in $OUT/gpu_check.log). Each row says met / not met against its
 # target where it has one; a row that cannot run says why in one line, and the rest go on.
 #

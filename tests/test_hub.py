@@ -8,11 +8,14 @@ reading of its merges; and each bad input fails with one clear line.
 """
 
 import http.server
+import itertools
 import json
 import math
+import re
 import subprocess
 import sys
 import threading
+import warnings
 from pathlib import Path
 
 import pytest
@@ -304,6 +307,32 @@ def test_missing_file(tmp_path):
         hub.load_pretrained(str(folder))
 
 
+@pytest.mark.parametrize("injection", ["diagonal", "none"])
+def test_a_bare_save_pretrained_folder_loads_and_only_text_asks_for_a_tokenizer(tmp_path, injection):
+    """Their save_pretrained writes config.json (every field of their config) and model.pt (their state_dict(): the
+    tied head, freqs_cis, and for their GPT built without the fused head its own (d, V) lm_head, never read when
+    tied), no tokenizer: the model loads with the same logits; sample.py, which reads text, says in one line what
+    to add."""
+    import sample
+    original = tiny_model(injection)
+    folder = tmp_path / "bare"
+    folder.mkdir()
+    cfg = dict(authors_config(original.config), name="", hf_config={}, attn_impl="flash", init_orthogonal=True,
+               use_fused_head=injection != "none" and "pytorch", simple_ops=False, strategy="single")
+    state = authors_state_dict(original)
+    if injection == "none":
+        state["lm_head.weight"] = torch.randn(original.config.d_model, original.config.padded_vocab_size)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    torch.save(state, folder / "model.pt")
+    model, tokenizer = hub.load_pretrained(str(folder))
+    assert tokenizer is None
+    assert_same_logits(original, model)
+    with pytest.raises(SystemExit) as err:
+        sample.main(["--from", str(folder), "--prompt", "the", "--max_new_tokens", "1"])
+    assert str(err.value) == (f"sample.py: {folder} has no tokenizer.json, which text needs: add the tokenizer.json "
+                              f"of the tokenizer the model was trained with (their save_pretrained writes none)")
+
+
 def test_unmapped_name_shape_mismatch_and_missing_weight(tmp_path):
     model = tiny_model("diagonal")
     state = authors_state_dict(model)
@@ -382,10 +411,10 @@ def tokenizer_for_export(vocab_size=300):
     return Tokenizer.train(iter([MIXED_TEXT * 3, Path(hub.__file__).read_text()]), vocab_size)
 
 
-def exported(tmp_path, injection):
+def exported(tmp_path, injection, original=None):
     """(original model, exported folder), through `hub.py export <checkpoint> <folder>`."""
     from common import save_checkpoint
-    original = tiny_model(injection, seed=3)
+    original = tiny_model(injection, seed=3) if original is None else original
     tokenizer_for_export().save(tmp_path / "tok")
     save_checkpoint(tmp_path / "ckpt.pt", original, tokenizer_dir=str(tmp_path / "tok"))
     hub.main(["export", str(tmp_path / "ckpt.pt"), str(tmp_path / "out")])
@@ -409,13 +438,17 @@ def test_export_then_load_gives_the_same_logits(tmp_path, injection):
 @pytest.mark.parametrize("injection", ["diagonal", "none"])
 def test_export_writes_what_their_source_names(injection):
     """The exported names, tensors and config fields are those this file's authors_state_dict and authors_config
-    write from reading their source (not from hub.py's tables); freqs_cis is left to their model to compute."""
+    write from reading their source (not from hub.py's tables). Left out: freqs_cis (their model computes it) and
+    lm_head.weight: their GPT (models/gpt/gpt.py) builds the Triton LinearCrossEntropyLoss head for any truthy
+    use_fused_head, their default "pytorch" included, and with it false a (d, V) head that a tied model never
+    reads, on which a (V, d) lm_head.weight fails their load_state_dict; their Parcae ties lm_head to wte."""
     model = tiny_model(injection, seed=4)
     ours, theirs = hub.authors_state_dict(model), authors_state_dict(model)
-    assert set(ours) == set(theirs) - {"freqs_cis"}
+    assert set(ours) == set(theirs) - {"freqs_cis", "lm_head.weight"}
     assert all(torch.equal(ours[name], theirs[name]) for name in ours)
     config = hub.authors_config(model.config)
     assert {k: config[k] for k in authors_config(model.config)} == authors_config(model.config)
+    assert config["use_fused_head"] is False and config["tie_embeddings"] is True
 
 
 def test_exported_config_round_trips():
@@ -447,11 +480,82 @@ def test_exported_tokenizer_json_encodes_as_ours(tmp_path):
     assert theirs.decode(ids) == MIXED_TEXT
 
 
+def test_a_depth_3_model_exports_with_the_backprop_depth_its_gates_need(tmp_path):
+    """Depth 3 with mu_rec 5 and mu_bwd 2: their gates need an odd mean_backprop_depth, so config.json gets 1,
+    with a warning, and the folder loads back with the same logits at every T. With mu_rec 4 (the
+    CPU default's) the CLI refuses in one line naming mean_recurrence and writes nothing."""
+    from common import save_checkpoint
+    torch.manual_seed(5)
+    original = Parcae(ParcaeConfig.from_depth(3, vocab_size=300, seq_len=32, d_model=64, head_dim=32, mu_rec=5,
+                                              mu_bwd=2)).eval()
+    with pytest.warns(UserWarning, match="mean_backprop_depth=1, not mu_bwd 2"):
+        _, folder = exported(tmp_path, "diagonal", original)
+    assert json.loads((folder / "config.json").read_text())["mean_backprop_depth"] == 1
+    loaded, _ = hub.load_pretrained(str(folder))
+    idx = torch.randint(0, 300, (2, 12))
+    h0 = original.initial_state((2, 12, 64), "cpu", torch.float32)
+    with torch.no_grad():
+        for T in (1, 2, 5, 8):
+            torch.testing.assert_close(loaded(idx, T=T, h0=h0), original(idx, T=T, h0=h0), rtol=0, atol=1e-5)
+    cpu_default = Parcae(ParcaeConfig.from_depth(3, vocab_size=300, d_model=64, head_dim=32, mu_rec=4))
+    save_checkpoint(tmp_path / "cpu_default.pt", cpu_default, tokenizer_dir=str(tmp_path / "tok"))
+    with pytest.raises(SystemExit) as err:
+        hub.main(["export", str(tmp_path / "cpu_default.pt"), str(tmp_path / "refused")])
+    assert str(err.value).startswith("hub.py export: cannot export mean_recurrence=4: ") and "\n" not in str(err.value)
+    assert not (tmp_path / "refused").exists()
+
+
+def their_gated_layers(cfg):
+    """Which layers their Parcae reads a value embedding in, from a config.json: it gives value_embeds to the
+    layers i % 2 == (n - 1) % 2 of n = P + R + C (models/parcae/parcae.py) and reads one only where the block's
+    ve_gate exists, has_ve(layer_id, n_layer) with layer ids i, P + i, P + R * mean_recurrence + i and
+    n_layer = R * mean_backprop_depth (modules/mixer.py, parcae/config.py)."""
+    P, R, C = cfg["n_layers_in_prelude"], cfg["n_layers_in_recurrent_block"], cfg["n_layers_in_coda"]
+    layer_ids = [*range(P + R), *(P + R * cfg["mean_recurrence"] + i for i in range(C))]
+    has_value_embedding = [i % 2 == (P + R + C - 1) % 2 for i in range(P + R + C)]
+    has_gate = [layer_id % 2 == (R * cfg["mean_backprop_depth"] - 1) % 2 for layer_id in layer_ids]
+    return [i for i in range(P + R + C) if has_value_embedding[i] and has_gate[i]], has_gate == has_value_embedding
+
+
+@pytest.mark.parametrize("third", [1, 2, 3])
+def test_every_depth_exports_where_their_gates_can_pair_and_is_refused_in_one_line_elsewhere(third):
+    """Depths 3, 6 and 9 (L_P = L_R = L_C) at each parity of mu_rec and mu_bwd: the written config makes their
+    Parcae read every value embedding ours has, with mean_recurrence = mu_rec and their sampler's mean depth
+    max(mean_recurrence, mean_backprop_depth) unchanged (so the same forward at any T, in eval mode, and under
+    their per-sequence sampling); or, exactly where no mean_backprop_depth can do that (an odd L_R with an even
+    mu_rec), one line naming mean_recurrence."""
+    for mu_rec, mu_bwd in itertools.product((3, 4), (1, 2)):
+        config = ParcaeConfig.from_depth(3 * third, vocab_size=300, d_model=64, head_dim=32, mu_rec=mu_rec,
+                                         mu_bwd=mu_bwd)
+        if third % 2 and mu_rec % 2 == 0:
+            with pytest.raises(ValueError, match=f"cannot export mean_recurrence={mu_rec}: ") as err:
+                hub.authors_config(config)
+            assert "\n" not in str(err.value)
+            continue
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            written = hub.authors_config(config)
+        gated, paired = their_gated_layers(written)
+        assert gated == hub.value_embedding_layers(config) and paired
+        assert written["mean_recurrence"] == mu_rec and abs(written["mean_backprop_depth"] - mu_bwd) <= 1
+        assert max(mu_rec, written["mean_backprop_depth"]) == max(mu_rec, mu_bwd)
+        assert bool(caught) == (written["mean_backprop_depth"] != mu_bwd)  # said when it differs
+
+
 def test_export_refuses_what_their_loader_would_compute_differently(tmp_path):
     with pytest.raises(ValueError, match="rope_base 10000; their from_pretrained ignores rope_settings"):
         hub.authors_config(ParcaeConfig(vocab_size=300, d_model=64, head_dim=32, rope_base=10_000.0))
-    with pytest.raises(ValueError, match="gates to layers"):
-        hub.authors_config(ParcaeConfig(vocab_size=300, d_model=64, head_dim=32, n_recur=3, mu_rec=6, mu_bwd=3))
+    refusals = {  # (P, R, C, mu_rec, mu_bwd): the field to blame
+        (2, 3, 2, 6, 3): "mean_recurrence=6: their coda's layer ids, P + 3 * mean_recurrence + i, need an odd one",
+        (1, 2, 2, 4, 2): "n_layers_in_prelude + n_layers_in_coda = 3: an even R puts their gates on odd layer ids",
+        (1, 1, 2, 1, 1): "mean_backprop_depth=1: the other parity their gates need would change their mean depth",
+    }
+    for (P, R, C, mu_rec, mu_bwd), field in refusals.items():
+        config = ParcaeConfig(vocab_size=300, d_model=64, head_dim=32, n_prelude=P, n_recur=R, n_coda=C,
+                              mu_rec=mu_rec, mu_bwd=mu_bwd)
+        with pytest.raises(ValueError, match=re.escape(field)) as err:
+            hub.authors_config(config)
+        assert "\n" not in str(err.value) and "skip those" in str(err.value)
     result = subprocess.run([sys.executable, str(Path(hub.__file__)), "export", str(tmp_path / "none.pt"),
                              str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
     assert result.returncode != 0 and result.stderr.strip().count("\n") == 0

@@ -1,5 +1,5 @@
-"""README's commands name files that exist and flags that the scripts accept (each script's --help),
-and its test command is the one .ci/run runs."""
+"""The commands of README and docs/ name files that exist and flags that the scripts accept (each script's
+--help), and README's test command is the one .ci/run runs."""
 
 import re
 import shlex
@@ -10,16 +10,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]  # README and the pages it links
 
 
 def readme_commands():
-    """Every shell command in README's bash blocks, split at &&, | and ;, comments dropped."""
-    blocks = re.findall(r"```bash\n(.*?)```", README, flags=re.S)
-    for line in "\n".join(blocks).splitlines():
-        line = line.split(" #")[0].strip()
-        for part in re.split(r"&&|\||;", line):
-            if part.strip():
-                yield shlex.split(part)
+    """(page, command) for every shell command in the bash blocks of README and docs/, split at &&, | and ;,
+    comments dropped."""
+    for page in PAGES:
+        blocks = re.findall(r"```bash\n(.*?)```", page.read_text(), flags=re.S)
+        for line in "\n".join(blocks).splitlines():
+            line = line.split(" #")[0].strip()
+            for part in re.split(r"&&|\||;", line):
+                if part.strip():
+                    yield page.relative_to(ROOT), shlex.split(part)
 
 
 def script_invocation(words):
@@ -44,17 +47,17 @@ def help_text(script, sub):
 
 def test_readme_commands_name_existing_files_and_accepted_flags():
     checked = 0
-    for words in readme_commands():
+    for page, words in readme_commands():
         invocation = script_invocation(words)
         if invocation is None:
             continue
         script, sub, flags = invocation
-        assert (ROOT / script).is_file(), f"README runs {script}, which does not exist"
+        assert (ROOT / script).is_file(), f"{page} runs {script}, which does not exist"
         text = help_text(script, sub if sub and script == "data.py" else None)
         for flag in flags:
-            assert re.search(re.escape(flag) + r"(?![\w-])", text), f"{script} does not accept {flag}"
+            assert re.search(re.escape(flag) + r"(?![\w-])", text), f"{page}: {script} does not accept {flag}"
         checked += 1
-    assert checked >= 10  # the README really does show the commands
+    assert checked >= 10  # README and docs/ really do show the commands
 
 
 def test_readme_test_command_is_what_ci_runs():

@@ -164,14 +164,56 @@ def test_cpu_preset_is_in_the_papers_regime_with_seeds_at_the_middle_budget(caps
     assert len(commands) == len(points) == len(rows)
 
 
-def test_a_looped_win_counts_only_above_twice_the_seed_spread():
+def test_a_looped_win_counts_only_where_its_paired_interval_excludes_zero():
+    """Budget 1 has three seeds: its interval comes from their pairs, whose differences agree although the losses
+    spread. The others have one seed: margin +- t(dof) x the pooled paired spread."""
     def budget(fixed, looped):
         return dict(fixed_depth_loss=fixed, best_looped=dict(mu_rec=2, loss=looped))
-    budgets = {1: budget(3.0, 2.97), 2: budget(3.0, 2.99), 3: budget(3.0, 3.03), 4: budget(3.0, 3.01)}
-    scaling.judge_frontier(budgets, 0.01, 0.004)
-    assert [b["verdict"] for b in budgets.values()] == ["looped", "within noise", "fixed", "within noise"]
-    assert [b["paired_verdict"] for b in budgets.values()] == ["looped", "looped", "fixed", "fixed"]
-    assert budgets[1]["margin"] == pytest.approx(0.03) and budgets[3]["margin"] == pytest.approx(-0.03)
+    offsets = [0.0, 0.3, -0.2]  # a seed's data order moves both arms together
+    runs = [dict(C=1, mu_rec=mu, seed=s, loss=3.0 + o - (0.02 + 0.002 * s) * (mu == 2))
+            for s, o in enumerate(offsets) for mu in (1, 2)]
+    runs += [dict(C=C, mu_rec=mu, seed=0, loss=L) for C, mu, L in
+             ((2, 1, 3.0), (2, 2, 2.99), (3, 1, 3.0), (3, 2, 3.03), (4, 1, 3.0), (4, 2, 3.001))]
+    budgets = {1: budget(3.0333, 3.0113), 2: budget(3.0, 2.99), 3: budget(3.0, 3.03), 4: budget(3.0, 3.001)}
+    scaling.judge_frontier(budgets, runs, paired_sigma=0.004, paired_dof=4)
+    assert [b["verdict"] for b in budgets.values()] == ["looped", "looped", "fixed", "within noise"]
+    low, high = budgets[1]["ci90"]
+    assert low < 0.022 < high and low > 0.015 and budgets[1]["interval_from"] == "3 paired seeds"
+    half = scaling_fit.t_quantile(0.95, 4) * 0.004
+    assert budgets[2]["ci90"] == pytest.approx([0.01 - half, 0.01 + half])
+    assert budgets[3]["margin"] == pytest.approx(-0.03)
+
+
+def test_t_quantile_matches_tables():
+    for p, dof, table in ((0.95, 1, 6.3138), (0.95, 2, 2.9200), (0.95, 3, 2.3534), (0.95, 9, 1.8331),
+                          (0.95, 30, 1.6973), (0.975, 5, 2.5706)):
+        assert scaling_fit.t_quantile(p, dof) == pytest.approx(table, abs=1e-4)
+
+
+def test_paired_interval_covers_a_known_difference_at_its_nominal_rate():
+    """2,000 synthetic experiments of 4 pairs: a true difference of 0.05 with noise 0.03 per pair (plus a per-seed
+    offset that both arms share and pairing cancels). The 90% interval must hold 0.05 in 90% +- 2% of them."""
+    rng = np.random.default_rng(0)
+    covered = 0
+    for _ in range(2000):
+        shared = rng.normal(0, 0.5, 4)
+        a, b = 3.0 + shared + 0.05 + rng.normal(0, 0.03, 4), 3.0 + shared
+        low, high = scaling_fit.paired_interval(a - b)["ci90"]
+        covered += low <= 0.05 <= high
+    assert abs(covered / 2000 - 0.9) < 0.02
+
+
+def test_a_zero_difference_is_not_called_shown():
+    """With no true difference, 'shown' (either sign) must come up in at most ~10% of experiments, as a 90%
+    interval's two tails allow; a real difference with enough pairs is shown, and one of the other sign is 'opposite'."""
+    rng = np.random.default_rng(1)
+    calls = [scaling_fit.interval_verdict(scaling_fit.paired_interval(rng.normal(0, 0.03, 4))["ci90"], +1)
+             for _ in range(2000)]
+    assert calls.count("shown") / 2000 < 0.07 and calls.count("opposite") / 2000 < 0.07
+    assert calls.count("not shown") / 2000 > 0.86
+    assert scaling_fit.interval_verdict(scaling_fit.paired_interval([0.1, 0.12, 0.09])["ci90"], +1) == "shown"
+    assert scaling_fit.interval_verdict(scaling_fit.paired_interval([0.1, 0.12, 0.09])["ci90"], -1) == "opposite"
+    assert scaling_fit.interval_verdict(scaling_fit.paired_interval([0.1])["ci90"], +1) == "not shown"
 
 
 def test_paired_spread_cancels_what_a_seed_shares_across_mu_rec():
@@ -275,7 +317,9 @@ def test_fit_notes_missing_and_diverged_runs_measures_the_seed_spread_and_draws_
     middle = result["budgets"]["2.4e+09"]
     assert middle["seeds"] == [3, 3, 3, 3] and middle["spread"] == pytest.approx([3e-3] * 4)
     assert result["noise"]["sigma"] == pytest.approx(3e-3) and result["noise"]["degrees_of_freedom"] == 8
-    assert "+- 0.0030" in out and "2 x 0.0030 = 0.0060" in out
+    assert "+- 0.0030" in out and "seed spread: 0.0030 nats" in out
+    assert middle["interval_from"] == "3 paired seeds"  # whose differences agree: a zero-width interval
+    assert middle["ci90"] == pytest.approx([middle["margin"]] * 2, abs=1e-9)
     assert result["noise"]["paired_sigma"] == pytest.approx(0, abs=1e-9)  # each seed shifts all of its mu_rec alike
     assert result["noise"]["paired_degrees_of_freedom"] == 6
     for label in ("mu_rec", "D"):
