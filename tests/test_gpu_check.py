@@ -40,14 +40,14 @@ def tiny_run(tmp_path_factory):
            "OMP_NUM_THREADS": "1"}
     result = subprocess.run(["bash", str(ROOT / "runs" / "gpu_check.sh"), "--tiny"], capture_output=True, text=True,
                             env=env, timeout=1800, cwd=root)
-    return result, root / "out"
+    return result, root / "out/gpu_check.md", root / "out/gpu_check.log"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the rows a machine without a GPU prints")
 def test_tiny_run_prints_every_row_and_a_failed_stage_stops_only_its_own(tiny_run):
-    result, out = tiny_run
+    result, table_file, log_file = tiny_run
     assert result.returncode == 1, result.stderr[-3000:]  # a row failed: the status says so
-    assert (out / "gpu_check.md").read_text() == result.stdout
+    assert table_file.read_text() == result.stdout
     rows = table_rows(result.stdout)
     assert list(rows) == NUMBERS
     check, outcome, target = rows["5"]  # the float32 stage failed, the bf16 one after it ran
@@ -61,7 +61,7 @@ def test_tiny_run_prints_every_row_and_a_failed_stage_stops_only_its_own(tiny_ru
     assert rows["3a"][2] == "falls: met" and rows["3b"][2] == "none after step 10: met"
     assert rows["3d"][1].startswith("1 process(es), gloo") and "ckpt_000003.pt saved" in rows["3d"][1]
     assert "backend eager" in rows["2g"][0] and "checkpoint gpu_check_train/ckpt_000020.pt" in rows["2f"][0]
-    log = (out / "gpu_check.log").read_text()
+    log = log_file.read_text()
     for stage in ("train", "fp32", "bf16", "ddp", "bench"):
         assert f"== {stage}: " in log
     assert "== dry_run" not in log  # no GPU, no peak to hold the plan against
