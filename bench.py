@@ -4,6 +4,7 @@ bench.py: nanoparcae's performance figures, measured side by side on whatever ma
     python bench.py                       # every row; a small model on CPU, the 140M model on CUDA
     python bench.py --rows 1,8 --steps 1  # a quick look at two rows
     python bench.py --depth 6 --d_model 384 --seq_len 512
+    python bench.py --json bench.json     # also the rows and the raw figures behind their verdicts, as JSON
 
 It prints ONE markdown table (progress goes to stderr), the one docs/performance.md quotes.
 Each speed figure is a ratio of two things timed in the same run, interleaved repeat by repeat so that
@@ -14,6 +15,7 @@ passed as T, so both sides of a comparison run exactly the same depths.
 """
 
 import argparse
+import json
 import platform
 import random
 import string
@@ -26,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from common import (find_checkpoint, get_base_dir, load_checkpoint, log, median_seconds, peak_bf16_flops, print_table,
-                    timed)
+                    timed, write_atomically)
 from core_tasks import MC, Task
 from data import DataLoader, iter_documents
 from depths import sample_depths
@@ -179,34 +181,39 @@ def matmul_rate(args, device):
     return flops / seconds
 
 # -----------------------------------------------------------------------------
-# The rows: each returns table rows (number, what, figures, ratio, target)
+# The rows: each returns table rows (number, what, figures, ratio, target), and puts the raw numbers behind
+# its verdicts into `figures` (what --json writes for runs/gpu_check.sh)
 
-def row_throughput(args, device, training):
+def row_throughput(args, device, training, figures):
     parcae, gpt = training["per-sequence"], training["Transformer"]
-    ratio = parcae[1] / gpt[1]
+    ratio = figures["flops_ratio"] = parcae[1] / gpt[1]
     return [("1", f"training throughput: Parcae (mu_rec {args.mu_rec}, per-sequence) vs the Transformer of the "
              "same depth; model FLOPs of the depths sampled",
              f"Parcae {si(parcae[0], 'tok/s')}, {si(parcae[1], 'FLOP/s')} (mean T {parcae[2]:.2f}); "
              f"Transformer {si(gpt[0], 'tok/s')}, {si(gpt[1], 'FLOP/s')}",
              f"FLOP/s {ratio:.2f}x (tok/s {parcae[0] / gpt[0]:.2f}x)",
-             f">= 0.90: {'met' if ratio >= 0.9 else 'missed'}")]
+             f">= 0.90: {'met' if ratio >= 0.9 else 'not met'}")]
 
 
-def row_mfu(args, device, training):
+def row_mfu(args, device, training, figures):
+    """MFU against the matmul rate measured here at the model's own shapes, which a training step could reach at
+    best; and against the GPU's listed dense bf16 peak where common.PEAK_BF16_FLOPS has it."""
+    rate = figures["matmul_rate"] = matmul_rate(args, device)
     peak = peak_bf16_flops(device)
-    if peak is None:
-        what = f"{'bf16' if CUDA else 'float32'} matmul rate measured at the model's shapes"
-        peak = matmul_rate(args, device)
-    else:
-        what = "bf16 peak (MFU)"
     parcae, gpt = training["per-sequence"][1], training["Transformer"][1]
-    return [("2", f"achieved model FLOP/s against the {what}", f"{si(peak, 'FLOP/s')}",
-             f"Parcae {parcae / peak:.1%}, Transformer {gpt / peak:.1%}", "")]
+    figures["mfu"] = parcae / rate
+    what = f"the {'bf16' if CUDA else 'float32'} matmul rate measured at the model's shapes"
+    measured = f"Parcae {parcae / rate:.1%}, Transformer {gpt / rate:.1%}"
+    if peak is None:
+        return [("2", f"achieved model FLOP/s against {what}", si(rate, "FLOP/s"), measured, "")]
+    return [("2", f"achieved model FLOP/s against {what}, and against the GPU's listed bf16 peak",
+             f"measured {si(rate, 'FLOP/s')}, listed peak {si(peak, 'FLOP/s')}",
+             f"{measured}; of the peak: Parcae {parcae / peak:.1%}, Transformer {gpt / peak:.1%}", "")]
 
 
-def row_sampling(args, device, training):
+def row_sampling(args, device, training, figures):
     per_seq, per_batch = training["per-sequence"], training["per-batch"]
-    overhead = per_batch[1] / per_seq[1] - 1
+    overhead = figures["sampling_overhead"] = per_batch[1] / per_seq[1] - 1
     return [("3", f"per-sequence vs per-batch depth sampling (per_batch_split: the same depths, one per micro-batch), "
              f"mu_rec {args.mu_rec}, {args.batch_size} sequences per micro-batch: time per model FLOP",
              f"per-sequence {si(per_seq[1], 'FLOP/s')} ({si(per_seq[0], 'tok/s')}, mean T {per_seq[2]:.2f}); "
@@ -214,7 +221,7 @@ def row_sampling(args, device, training):
              f"overhead {overhead:+.1%}", "paper: +1.8%")]
 
 
-def row_memory(args, device, training):
+def row_memory(args, device, training, figures):
     """Bytes saved for backward (parameters excluded), counted at every save; peak CUDA memory where present."""
     config = model_config(args, mu_bwd=4)
     torch.manual_seed(0)
@@ -242,15 +249,15 @@ def row_memory(args, device, training):
         if CUDA:
             peaks[T] = torch.cuda.max_memory_allocated(device) - baseline
     spread = max(saved.values()) / min(saved.values())
-    figures = ", ".join(f"T={T}: {si(b, 'B')}" for T, b in saved.items())
+    result = ", ".join(f"T={T}: {si(b, 'B')}" for T, b in saved.items())
     if peaks:
-        figures += "; peak CUDA " + ", ".join(f"T={T}: {si(b, 'B')}" for T, b in peaks.items())
+        result += "; peak CUDA " + ", ".join(f"T={T}: {si(b, 'B')}" for T, b in peaks.items())
         spread = max(spread, max(peaks.values()) / min(peaks.values()))
     return [("4", f"memory saved for backward, mu_bwd 4 (saved-tensor hooks, exact{', and peak CUDA' if CUDA else ''})",
-             figures, f"max/min {spread:.2f}x", f"flat within 10%: {'met' if spread <= 1.10 else 'missed'}")]
+             result, f"max/min {spread:.2f}x", f"flat within 10%: {'met' if spread <= 1.10 else 'not met'}")]
 
 
-def row_decode(args, device, training):
+def row_decode(args, device, training, figures):
     """Row 5 on a trained checkpoint (--ckpt, else the newest under the base dir) and the stdlib's text; on
     an untrained model of the bench's size and random tokens when there is none."""
     try:
@@ -284,7 +291,7 @@ def synthetic_task(num_items, seed=0):
     return Task("synthetic", "", MC, 2, " "), data
 
 
-def row_core_and_loader(args, device, training):
+def row_core_and_loader(args, device, training, figures):
     log("CORE scoring and the loader: training a 1024-token tokenizer on 1M characters of the stdlib")
     tokenizer = Tokenizer.train(iter_documents("stdlib", "train"), 1024, max_chars=1_000_000)
     config = model_config(args)
@@ -313,7 +320,7 @@ def row_core_and_loader(args, device, training):
              f"{loader_rate / train_rate:.1f}x headroom", "> 1")]
 
 
-def row_compile(args, device, training):
+def row_compile(args, device, training, figures):
     """model.compile_blocks() (as train.py calls it) against eager, over 50 steps of per-sequence depths; the
     graphs dynamo compiles are counted after every 10 steps (model.py lets the recurrent blocks' batch
     dimension go dynamic once, so a few early recompilations are by design; later ones are not)."""
@@ -324,7 +331,7 @@ def row_compile(args, device, training):
     from torch._dynamo.utils import counters as dynamo_counters  # only this row needs dynamo (seconds to import)
     schedule = depth_schedule(config, batch_size, COMPILE_STEPS + 1)
     eager, compiled = Trainer(config, batch_size, device), Trainer(config, batch_size, device)
-    compiled.model.compile_blocks()
+    compiled.model.compile_blocks(backend=args.compile_backend)
     log(f"torch.compile: compiling the blocks (d_model {config.d_model}, {batch_size} x {config.seq_len})")
     compile_seconds = timed(lambda: compiled.run(schedule[:1]))
     eager.run(schedule[:1])
@@ -341,17 +348,19 @@ def row_compile(args, device, training):
     per_chunk = [after - before for before, after in zip(graphs, graphs[1:])]
     rates = {name: COMPILE_CHUNK / s for name, s in seconds.items()}
     settled = sum(per_chunk[1:]) == 0
-    return [("7", f"torch.compile (compile_blocks, d_model {config.d_model}, {batch_size} x {config.seq_len}): "
-             f"steps/s compiled vs eager; recompilations over {COMPILE_STEPS} steps of changing depths",
+    backend = "" if args.compile_backend == "inductor" else f", backend {args.compile_backend}"
+    return [("7", f"torch.compile (compile_blocks{backend}, d_model {config.d_model}, {batch_size} x "
+             f"{config.seq_len}): steps/s compiled vs eager; recompilations over {COMPILE_STEPS} steps of changing "
+             "depths",
              f"compiled {rates['compiled']:.2f} steps/s, eager {rates['eager']:.2f} steps/s; first step "
              f"{compile_seconds:.0f} s, {graphs[0]} graphs for {config.n_layer} blocks; "
              f"then {sum(per_chunk)} recompilations "
              f"(per {COMPILE_CHUNK} steps: {', '.join(map(str, per_chunk))})",
              f"{rates['compiled'] / rates['eager']:.2f}x",
-             f"none after step {COMPILE_CHUNK + 1}: {'met' if settled else 'missed'}")]
+             f"none after step {COMPILE_CHUNK + 1}: {'met' if settled else 'not met'}")]
 
 
-def row_active_only(args, device, training):
+def row_active_only(args, device, training, figures):
     """Executed recurrent passes per sampled pass, and tokens/s, of model.py's recurrence against
     the masked reference, at the same sampled depths; each size runs about steps x batch_size sequences."""
     config = model_config(args)
@@ -377,7 +386,7 @@ def row_active_only(args, device, training):
                      "sampled pass; training tok/s",
                      f"model.py {executed:.2f} ({si(ours_rate, 'tok/s')}); masked {masked.passes / sampled:.2f} "
                      f"({si(masked_rate, 'tok/s')})", f"tok/s {ours_rate / masked_rate:.2f}x",
-                     f"executed <= 1.05: {'met' if executed <= 1.05 else 'missed'}"))
+                     f"executed <= 1.05: {'met' if executed <= 1.05 else 'not met'}"))
         del trainer
     return rows
 
@@ -423,6 +432,10 @@ def main(argv=None):
     parser.add_argument("--ckpt", help="row 5 decodes with this checkpoint (default: the newest under the base dir, "
                                        "else an untrained model)")
     parser.add_argument("--new_tokens", type=int, default=256, help="row 5: tokens decoded")
+    parser.add_argument("--compile_backend", default="inductor", choices=["inductor", "eager"],
+                        help="row 7's torch.compile backend; eager traces and guards as inductor does without "
+                        "generating code, so the recompilations count the same in seconds (runs/gpu_check.sh --tiny)")
+    parser.add_argument("--json", help="also write the table and the raw figures behind its verdicts to this file")
     args = parser.parse_args(argv)
     width_from_depth = args.depth is not None  # --depth alone takes METHOD.md §1's width for that depth
     for name, value in (CUDA_SIZES if CUDA else CPU_SIZES).items():
@@ -439,18 +452,22 @@ def main(argv=None):
     if CUDA:
         torch.backends.cuda.matmul.allow_tf32 = True
 
+    sizes = (f"depth {args.depth} ({config.n_prelude}/{config.n_recur}/{config.n_coda}), d_model {config.d_model}, "
+             f"vocab {config.vocab_size}, {args.batch_size} x {args.seq_len} tokens per step, mu_rec {config.mu_rec}, "
+             f"mu_bwd {config.mu_bwd}")
+    header = f"nanoparcae bench, torch {torch.__version__}: {sizes}; medians of {args.repeats} repeats after a warm-up"
     t0 = time.perf_counter()
     training = measure_training(args, device) if NEEDS_TRAINING & set(args.rows) else None
     log(f"training measurement for rows 1, 2, 3, 6 took {time.perf_counter() - t0:.0f} s")
-    table = []
+    table, figures = [], {}
     for row in args.rows:
         t0 = time.perf_counter()
-        table += ROWS[row](args, device, training)
+        table += ROWS[row](args, device, training, figures)
         log(f"row {row} ({ROWS[row].__name__}) took {time.perf_counter() - t0:.0f} s")
-    print(f"nanoparcae bench, torch {torch.__version__}: depth {args.depth} ({config.n_prelude}/{config.n_recur}/"
-          f"{config.n_coda}), d_model {config.d_model}, vocab {config.vocab_size}, {args.batch_size} x {args.seq_len} "
-          f"tokens per step, mu_rec {config.mu_rec}, mu_bwd {config.mu_bwd}; medians of {args.repeats} repeats "
-          f"after a warm-up\n")
+        if args.json:  # after every row: a row that fails or runs out of time leaves the ones before it
+            write_atomically(Path(args.json), lambda path: path.write_text(json.dumps(
+                {"sizes": sizes, "device": device_name(device), "rows": table, "figures": figures}, indent=1)))
+    print(header + "\n")
     print_table(table, f"measured on {device_name(device)}")
 
 

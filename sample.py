@@ -116,7 +116,7 @@ def decoding_rows(model, ids, prompt_len, T=None, exit_threshold=None, repeats=3
                  "token, concatenating cache) vs full recomputation",
                  f"{cell(f'T={T}')}; {cell('before')}; {cell(f'recompute T={T}')}",
                  f"{rate[f'T={T}'] / rate['before']:.2f}x before, {rate[f'T={T}'] / rate[f'recompute T={T}']:.2f}x "
-                 "recompute", f">= 1.5x before: {'met' if rate[f'T={T}'] >= 1.5 * rate['before'] else 'missed'}")
+                 "recompute", f">= 1.5x before: {'met' if rate[f'T={T}'] >= 1.5 * rate['before'] else 'not met'}")
     if model.injection is None:
         return [cache_row]
     auto = next(name for name in modes if name.startswith("auto (state"))
@@ -128,7 +128,7 @@ def decoding_rows(model, ids, prompt_len, T=None, exit_threshold=None, repeats=3
                  "default; KL)", "; ".join(cell(name) for name in modes if "recompute" not in name),
                  f"auto (state) vs T={T_max}: time -{time_saved:.0%}, steps -{steps_saved:.0%}; loss vs T={T} "
                  f"{loss_up:+.2%}{cost_split(rate, T, T_max, auto, results[auto][1])}",
-                 f"time saved >= steps saved - 20%, loss <= +0.5%: {'met' if met else 'missed'}")
+                 f"time saved >= steps saved - 20%, loss <= +0.5%: {'met' if met else 'not met'}")
     return [depth_row, cache_row]
 
 

@@ -94,6 +94,9 @@ parser.add_argument("--diverge_h_norm", type=float, default=1e4,
                     "longer resolve the input e beside h in u = Abar h + Bbar e")
 parser.add_argument("--resume", action="store_true", help="continue this run from its last checkpoint")
 parser.add_argument("--compile", type=int, choices=[0, 1], help="torch.compile the blocks")
+parser.add_argument("--compile_backend", default="inductor", choices=["inductor", "eager"],
+                    help="eager traces and guards as inductor does without generating code: recompilations count "
+                    "the same in seconds on a CPU (runs/gpu_check.sh --tiny)")
 parser.add_argument("--dtype", choices=["float32", "bfloat16"],
                     help="autocast dtype of the matmuls (bfloat16 on a CPU runs the GPU's numerics)")
 parser.add_argument("--data", help="fineweb-edu, stdlib, or a path / glob of .txt, .jsonl, .parquet files")
@@ -235,7 +238,8 @@ torch.manual_seed(args.seed)  # the same initial weights on every rank
 model = Parcae(config).to(device)
 raw_model = model
 if args.compile:
-    model.compile_blocks()
+    model.compile_blocks(backend=args.compile_backend)
+    from torch._dynamo.utils import counters as dynamo_counters  # graphs compiled so far, logged per step
 if ddp:
     model = DDP(model, device_ids=[device.index] if CUDA else None, broadcast_buffers=False)  # RoPE tables: constant
 adamw_lr = args.adamw_lr or learning_rate_for_depth(args.depth)
@@ -399,6 +403,10 @@ while step < num_steps and (args.stop_at is None or step < args.stop_at):
                   **{key: None if value is None else value.item() for key, value in diagnostics.items()}}
         if peak_flops and tokens_per_second:
             record["mfu"] = flops_per_token * tokens_per_second / (peak_flops * world)
+        if args.compile:  # a count that still grows after the first steps is recompiling (model.compile_blocks)
+            record["graphs"] = dynamo_counters["stats"]["unique_graphs"]
+        if CUDA:  # against the --dry_run plan (memory_plan)
+            record["peak_memory"] = torch.cuda.max_memory_allocated(device)
         log(log_line(record, num_steps))
         metrics_file.write(json.dumps(record) + "\n")
         metrics_file.flush()
