@@ -65,9 +65,9 @@ def make_run(injection="diagonal", rate=SHARED_RATE, seed=0, mu_rec=8, sampling=
         f"--eval_every={steps // 10 if small else steps // 5}", f"--run={name}"]
     executed = 1 if injection == "none" else mu_rec * (1.5 if sampling == "per_batch" else 1)  # loop steps
     cost = steps * BATCH * (64 if small else 128) ** 2 * (2 + executed)  # proportional to FLOPs
-    curve = not small and injection != "none" and prelude_norm and rate == SHARED_RATE  # claims 2, 4 and 7
+    with_curve = not small and injection != "none" and prelude_norm and rate == SHARED_RATE  # claims 2, 4 and 7
     return dict(name=name, flags=flags, cost=cost, injection=injection, rate=rate, seed=seed, mu_rec=mu_rec,
-                sampling=sampling, prelude_norm=prelude_norm, small=small, steps=steps, curve=curve)
+                sampling=sampling, prelude_norm=prelude_norm, small=small, steps=steps, with_curve=with_curve)
 
 
 def sweep_runs():
@@ -145,8 +145,8 @@ def train_and_evaluate(run, log_path, threads):
         stale.unlink()
     directory.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
-        for cmd in ([sys.executable, "train.py"] + run["flags"],
-                    [sys.executable, "evidence.py", "evaluate", run["name"], str(run["mu_rec"]), str(int(run["curve"]))]):
+        evaluate_cmd = ["evaluate", run["name"], str(run["mu_rec"]), str(int(run["with_curve"]))]
+        for cmd in ([sys.executable, "train.py"] + run["flags"], [sys.executable, "evidence.py"] + evaluate_cmd):
             log.write(f"$ {' '.join(cmd)}\n")
             log.flush()
             code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
@@ -185,7 +185,7 @@ def load_results(runs):
         path = run_dir(run["name"]) / "evidence.json"
         if not path.exists():
             continue
-        record = dict(json.loads(path.read_text()), **run)
+        record = dict(run, **json.loads(path.read_text()))  # what the run recorded, beside how it was planned
         final = record["val"][-1]["loss"] if record["val"] and record["val"][-1]["step"] == run["steps"] else None
         record["diverged"] = record["diverged_at"] is not None or final is None or not final < UNIFORM_LOSS
         record["loss"] = UNIFORM_LOSS if record["diverged"] else final
@@ -205,15 +205,10 @@ def all_results(seeds, max_seeds):
         results = found
 
 
-def priority(run):
-    """The sweep's Parcae runs first (claim 5's rate waits for them), then the longest first."""
-    return (not (run["injection"] == "diagonal" and run["seed"] == 0 and run["mu_rec"] == 8 and not run["small"]
-                 and run["sampling"] == "per_sequence"), -run["cost"])
-
-
 def run(args):
-    """Every planned run not yet finished, --jobs at a time, longest first; the plan is redrawn after each run,
-    as finished runs unlock claim 5 and extra seeds. A line per run with the time so far and an ETA."""
+    """Every planned run not yet finished, --jobs at a time: the sweep's Parcae runs first (claim 5's rate waits
+    for them), then the longest first. The plan is redrawn after each run, as finished runs unlock claim 5 and extra
+    seeds. A line per run with the time so far and an ETA."""
     start, done_cost, failed, count = time.time(), 0.0, set(), None
     threads = max(1, (os.cpu_count() or 1) // args.jobs)
     (OUT / "logs").mkdir(parents=True, exist_ok=True)
@@ -223,7 +218,8 @@ def run(args):
             runs, results = all_results(args.seeds, args.max_seeds)
             count = len(results) if count is None else count
             todo = sorted((r for r in runs if r["name"] not in results and r["name"] not in failed
-                           and r["name"] not in {x["name"] for x in running.values()}), key=priority)
+                           and r["name"] not in {x["name"] for x in running.values()}),
+                          key=lambda r: (r not in sweep_runs() or r["injection"] != "diagonal", -r["cost"]))
             while todo and len(running) < args.jobs:
                 r = todo.pop(0)
                 running[pool.submit(train_and_evaluate, r, OUT / "logs" / f"{r['name']}.log", threads)] = r
@@ -238,7 +234,8 @@ def run(args):
                 left = sum(x["cost"] for x in todo) + sum(x["cost"] for x in running.values())
                 elapsed = time.time() - start
                 count += 1
-                print(f"[{count}/{len(runs)}] {r['name']}: {'done' if ok else 'FAILED, see its log in ' + str(OUT / 'logs')}"
+                status = "done" if ok else f"FAILED, see its log in {OUT / 'logs'}"
+                print(f"[{count}/{len(runs)}] {r['name']}: {status}"
                       f" | elapsed {elapsed / 60:.1f} min | ETA {elapsed / done_cost * left / 60:.1f} min", flush=True)
     print(f"run: {(time.time() - start) / 60:.1f} min" + (f"; failed: {', '.join(sorted(failed))}" if failed else ""))
     return 1 if failed else 0
@@ -382,7 +379,8 @@ def transformer_details(results, seeds):
         runs = {injection: [results[make_run(injection, rate, s, small=True)["name"]] for s in range(seeds)]
                 for injection in ("diagonal", "none")}
         step = crossing(runs["diagonal"], runs["none"])
-        out[f"{rate:g}"] = dict(paired_interval([a["loss"] - b["loss"] for a, b in zip(runs["diagonal"], runs["none"])]),
+        differences = [a["loss"] - b["loss"] for a, b in zip(runs["diagonal"], runs["none"])]
+        out[f"{rate:g}"] = dict(paired_interval(differences),
                                 crosses_below_at_step=step,
                                 tokens_per_param=None if step is None else step * BATCH / SMALL_PARAMS)
     return out
@@ -535,7 +533,8 @@ def draw(results, seeds, details):
     for ax, rate in zip(axes, SMALL_RATES):
         seed_lines(ax, {label: (lambda s, i=injection: make_run(i, rate, s, small=True))
                         for label, injection in (("Parcae (T = 8)", "diagonal"), ("Transformer", "none"))},
-                   lambda r: [v["step"] * BATCH / SMALL_PARAMS for v in r["val"]], lambda r: [v["loss"] for v in r["val"]])
+                   lambda r: [v["step"] * BATCH / SMALL_PARAMS for v in r["val"]],
+                   lambda r: [v["loss"] for v in r["val"]])
         ax.set(title=f"same parameters, lr {rate:g}", yscale="log")
     save(fig, axes, "transformer.png", xlabel="tokens per parameter", ylabel="val loss")
 
@@ -545,7 +544,8 @@ def draw(results, seeds, details):
         runs = [r for r in (results[make_run(mu_rec=mu, seed=s)["name"]] for s in range(seeds)) if not r["diverged"]]
         for r in runs:
             fit = fit_test_time(r["curve"]["T"], r["curve"]["loss"])
-            ax.plot(r["curve"]["T"], r["curve"]["loss"], "o", color=f"C{i}", label=f"mu_rec {mu}" if r is runs[0] else None)
+            label = f"mu_rec {mu}" if r is runs[0] else None
+            ax.plot(r["curve"]["T"], r["curve"]["loss"], "o", color=f"C{i}", label=label)
             ax.plot(T, fit["L_inf"] + fit["Z"] * np.exp(-fit["z"] * T), "-", color=f"C{i}", alpha=0.6)
             ax.axvline(fit["T95"], color=f"C{i}", ls=":", alpha=0.6)
     save(fig, ax, "test_time.png", xlabel="test-time recurrence T", ylabel="val loss",

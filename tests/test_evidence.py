@@ -117,4 +117,4 @@ def test_a_real_run_its_curve_at_mu_rec_equals_train_pys_own_eval(tmp_path):
     assert [v["step"] for v in record["val"]] == [2, 4]
     assert evidence.depth_loss(record, 2) == pytest.approx(record["val"][-1]["loss"], rel=1e-5)
     loaded = evidence.load_results([run])[run["name"]]
-    assert not loaded["diverged"] and loaded["loss"] == record["val"][-1]["loss"]
+    assert not loaded["diverged"] and loaded["loss"] == record["val"][-1]["loss"] and loaded["curve"] == record["curve"]
