@@ -121,12 +121,20 @@ def seeds_wanted(claim, results, seeds, max_seeds):
     """`seeds`, plus one for each finished round whose interval held 0 while wider than the paper's effect."""
     n = seeds
     while n < max_seeds:
-        judged = judge(claim, results, n)
-        if judged is None or judged["verdict"] != "not shown" or judged["ci90"] is None:
+        ci = (judge(claim, results, n) or {}).get("ci90")
+        if ci is None or not ci[0] <= 0 <= ci[1]:
             break
-        half = (judged["ci90"][1] - judged["ci90"][0]) / 2
-        if PAPER[claim]["effect"] is not None and half <= abs(PAPER[claim]["effect"]):
+        if PAPER[claim]["effect"] is not None and (ci[1] - ci[0]) / 2 <= abs(PAPER[claim]["effect"]):
             break
+        n += 1
+    return n
+
+
+def seeds_done(claim, results, seeds):
+    """Seeds 0.. with both arms finished (at least `seeds`): the report judges every pair there is."""
+    arms = claim_arms(results)[claim]
+    n = seeds
+    while all(arm(n)["name"] in results for arm in arms):
         n += 1
     return n
 
@@ -324,19 +332,14 @@ def judge(claim, results, seeds):
     if claim in LOSS_CLAIMS:
         out["late_fall"] = max(float(np.mean([late_fall(r) for r in arm])) for arm in zip(*pairs))
         if out["verdict"] != "not shown" and out["late_fall"] >= abs(out["measured"]):
-            out["verdict"], out["reason"] = "not shown", \
-                f"still falling: the loss fell {out['late_fall']:.3f} over the last 20% of steps, more than the effect"
+            out["reason"] = f"still falling: the loss fell {out['late_fall']:.3f} over the last 20% of steps, more " \
+                            f"than the effect; the interval alone would say {out['verdict']}"
+            out["verdict"] = "not shown"
     return out
 
 
 # -----------------------------------------------------------------------------
 # Details behind each verdict: the sweep's table, claim 2's ratios, claim 6's crossing, claim 7's fits
-
-def mean_interval(values):
-    """A one-sample 90% t-interval, as [mean, low, high] (None for fewer than 2 values)."""
-    p = paired_interval(values)
-    return None if p["ci90"] is None else [p["measured"], *p["ci90"]]
-
 
 def sweep_details(results):
     """Claim 1: per model, the highest rate that trained (seed 0) and each rate's loss, max rho and max ||h_T||."""
@@ -359,8 +362,8 @@ def depth_details(results, seeds):
         runs = [results[make_run(injection, SHARED_RATE, s)["name"]] for s in range(seeds)]
         trained = [r for r in runs if not r["diverged"]]
         out[injection] = dict(diverged=len(runs) - len(trained),
-                              h_ratio_32_8=mean_interval([math.exp(log_growth(r)) for r in trained]),
-                              loss_32_minus_8=mean_interval([depth_loss(r, 32) - depth_loss(r, 8) for r in trained]))
+                              h_ratio_32_8=paired_interval([math.exp(log_growth(r)) for r in trained]),
+                              loss_32_minus_8=paired_interval([depth_loss(r, 32) - depth_loss(r, 8) for r in trained]))
     return out
 
 
@@ -392,9 +395,9 @@ def test_time_details(results, seeds):
     for mu in (2, 4, 8):
         fits = [(fit_test_time(r["curve"]["T"], r["curve"]["loss"]), depth_loss(r, mu))
                 for r in (results[make_run(mu_rec=mu, seed=s)["name"]] for s in range(seeds)) if not r["diverged"]]
-        out[str(mu)] = dict(fit_error=mean_interval([f["error"] for f, _ in fits]),
-                            T95=mean_interval([f["T95"] for f, _ in fits]),
-                            L_inf_vs_L_mu=mean_interval([(f["L_inf"] - L) / L for f, L in fits]))
+        out[str(mu)] = dict(fit_error=paired_interval([f["error"] for f, _ in fits]),
+                            T95=paired_interval([f["T95"] for f, _ in fits]),
+                            L_inf_vs_L_mu=paired_interval([(f["L_inf"] - L) / L for f, L in fits]))
     return out
 
 
@@ -402,10 +405,8 @@ def test_time_details(results, seeds):
 # Report: verdicts.json, README's table and the figures
 
 def fmt_interval(j, digits=3):
-    if j["measured"] is None:
-        return "-"
     ci = "" if j["ci90"] is None else f" [{j['ci90'][0]:+.{digits}f}, {j['ci90'][1]:+.{digits}f}]"
-    return f"{j['measured']:+.{digits}f}{ci}, n = {j['n']}"
+    return "-" if j["measured"] is None else f"{j['measured']:+.{digits}f}{ci}, n = {j['n']}"
 
 
 def table_markdown(verdicts):
@@ -418,8 +419,9 @@ def table_markdown(verdicts):
 
 def details_markdown(verdicts, details):
     """The numbers behind the verdicts, as markdown tables (docs/evidence.md links them)."""
-    def cell(x, form="{:.3g}"):
-        return "-" if x is None else f"{form.format(x[0])} [{form.format(x[1])}, {form.format(x[2])}]"
+    def cell(x, form="{:.3g}"):  # a one-sample interval (paired_interval of the values)
+        return "-" if x["ci90"] is None else \
+            f"{form.format(x['measured'])} [{form.format(x['ci90'][0])}, {form.format(x['ci90'][1])}]"
 
     def table(header, rows):
         return "\n".join([f"| {' | '.join(header)} |", "|---" * len(header) + "|"]
@@ -458,7 +460,7 @@ def report(args):
         return 2
     verdicts = []
     for claim, paper in PAPER.items():
-        n = seeds_wanted(claim, results, args.seeds, args.max_seeds)
+        n = max(seeds_wanted(claim, results, args.seeds, args.max_seeds), seeds_done(claim, results, args.seeds))
         verdicts.append(dict(id=claim, claim=paper["claim"], paper=paper["paper"], paper_effect=paper["effect"],
                              expected_sign=paper["sign"], seeds=n, **judge(claim, results, n)))
     seeds = args.seeds
@@ -585,8 +587,7 @@ def main(argv=None):
     parser.add_argument("--readme", help="report: also fill this README's evidence table")
     args = parser.parse_args(argv)
     if args.seeds < 2 or args.max_seeds < args.seeds or args.jobs < 1:
-        parser.error(f"--seeds={args.seeds} must be >= 2 (an interval needs two pairs), --max_seeds >= --seeds, "
-                     f"--jobs >= 1")
+        parser.error("--seeds must be >= 2 (an interval needs two pairs), --max_seeds >= --seeds, --jobs >= 1")
     if args.command == "evaluate":
         return evaluate(args.names[0], int(args.names[1]), args.names[2] == "1")
     code = {"plan": plan, "run": run, "report": report}[args.command](args)

@@ -46,7 +46,9 @@ def test_a_difference_smaller_than_the_late_fall_is_not_shown():
     results = results_of([(dict(loss=2.05 + 0.001 * s, fall=0.2), dict(loss=2.0, fall=0.2)) for s in range(3)], "3a")
     judged = evidence.judge("3a", results, 3)
     assert judged["verdict"] == "not shown" and "still falling" in judged["reason"]
+    assert "the interval alone would say shown" in judged["reason"] and judged["ci90"][0] > 0
     assert judged["late_fall"] == pytest.approx(0.2)
+    assert evidence.seeds_wanted("3a", results, 3, 5) == 3  # more seeds cannot make a run longer
 
 
 def test_a_diverged_run_counts_as_a_uniform_guess():
@@ -73,6 +75,8 @@ def test_an_interval_holding_zero_and_wider_than_the_papers_effect_asks_for_anot
     assert evidence.seeds_wanted("5", results, 3, 4) == 4
     clear = results_of([(dict(loss=2.1 + 0.001 * s), dict(loss=2.0)) for s in range(3)], "3a")
     assert evidence.seeds_wanted("3a", clear, 3, 5) == 3
+    assert evidence.seeds_done("5", results, 3) == 5  # the report judges all five pairs
+    assert evidence.seeds_done("3a", clear, 3) == 3
 
 
 def test_the_test_time_fit_recovers_a_known_curve():
