@@ -75,16 +75,19 @@ def test_an_interval_holding_zero_and_wider_than_the_papers_effect_asks_for_anot
     assert evidence.seeds_wanted("5", results, 3, 4) == 4
     clear = results_of([(dict(loss=2.1 + 0.001 * s), dict(loss=2.0)) for s in range(3)], "3a")
     assert evidence.seeds_wanted("3a", clear, 3, 5) == 3
-    assert evidence.seeds_done("5", results, 3) == 5  # the report judges all five pairs
-    assert evidence.seeds_done("3a", clear, 3) == 3
 
 
-def test_the_test_time_fit_recovers_a_known_curve():
+def test_the_test_time_fit_recovers_a_known_curve_and_the_gains_stop_where_the_loss_flattens():
     T = np.array(evidence.CURVE_T, float)
     loss = 1.8 + 0.5 * np.exp(-0.7 * T)
     fit = evidence.fit_test_time(T, loss)
     assert fit["L_inf"] == pytest.approx(1.8, abs=1e-3) and fit["z"] == pytest.approx(0.7, rel=0.02)
-    assert fit["T95"] == pytest.approx(math.log(20) / 0.7, rel=0.02) and fit["error"] < 1e-3
+    assert fit["error"] < 1e-3
+    # 0.5 exp(-0.7 T) <= 1e-3 from T = 8.9 on: the first measured depth there is 12; 1e-4 (T >= 12.2): 16
+    assert evidence.gains_stop(dict(curve=dict(T=list(T), loss=list(loss)))) == 12
+    assert evidence.gains_stop(dict(curve=dict(T=list(T), loss=list(loss))), 1e-4) == 16
+    rising = [1.76, 1.75, 1.753, 1.755, 1.757, 1.758, 1.758, 1.758, 1.758]  # a minimum at T = 2, then up
+    assert evidence.gains_stop(dict(curve=dict(T=evidence.CURVE_T, loss=rising))) == 2
 
 
 def test_the_crossing_is_where_parcae_stays_below():
