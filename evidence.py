@@ -27,7 +27,7 @@ from common import find_checkpoint, get_base_dir, load_checkpoint, write_atomica
 from data import get_tokenizer, val_batches
 from eval_core import evaluate_bpb, fit_test_time_scaling
 from plot import read_run
-from scaling_fit import interval_verdict, paired_interval, t_quantile
+from scaling_fit import interval_verdict, mean_relative_error, paired_interval, t_quantile
 
 ROOT = Path(__file__).resolve().parent
 OUT = ROOT / "figures" / "evidence_cpu"
@@ -91,13 +91,13 @@ def claim_arms(results):
     arms = {
         "1": (lambda s: make_run("concat", TOP_RATE, s), lambda s: make_run("diagonal", TOP_RATE, s)),
         "2": (lambda s: make_run("add", SHARED_RATE, s), lambda s: make_run("diagonal", SHARED_RATE, s)),
-        "3a": (lambda s: make_run("add", SHARED_RATE, s), lambda s: make_run("diagonal", SHARED_RATE, s)),
         "3b": (lambda s: make_run("concat", SHARED_RATE, s), lambda s: make_run("diagonal", SHARED_RATE, s)),
         "4": (lambda s: make_run(sampling="per_batch", seed=s), lambda s: make_run(seed=s)),
         "6": (lambda s: make_run("diagonal", SHARED_RATE, s, small=True),
               lambda s: make_run("none", SHARED_RATE, s, small=True)),
         "7": (lambda s: make_run(mu_rec=8, seed=s), lambda s: make_run(mu_rec=2, seed=s)),
     }
+    arms["3a"] = arms["2"]  # the same pairs: claim 2 reads their states, 3a their losses
     rate = norm_rate(results)
     if rate is not None:
         arms["5"] = (lambda s: make_run("diagonal", rate, s, prelude_norm=0), lambda s: make_run("diagonal", rate, s))
@@ -105,8 +105,8 @@ def claim_arms(results):
 
 
 def planned_runs(results, seeds, max_seeds):
-    """Every run the suite needs now: the sweep, each claim's arms at `seeds` seeds (more where the adaptive rule
-    of the docstring asks for them), the rest of claim 2's injections, claim 6's second rate, claim 7's mu_rec 4."""
+    """Every run the suite needs now: the sweep, each claim's arms at `seeds` seeds (more where seeds_wanted asks
+    for them), the rest of claim 2's injections, claim 6's second rate, claim 7's mu_rec 4."""
     runs = sweep_runs()
     for claim, arms in claim_arms(results).items():
         for seed in range(seeds_wanted(claim, results, seeds, max_seeds)):
@@ -210,6 +210,7 @@ def run(args):
     seeds. A line per run with the time so far and an ETA."""
     start, done_cost, failed, count = time.time(), 0.0, set(), None
     threads = max(1, (os.cpu_count() or 1) // args.jobs)
+    sweep_parcae = {r["name"] for r in sweep_runs() if r["injection"] == "diagonal"}
     (OUT / "logs").mkdir(parents=True, exist_ok=True)
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         running = {}
@@ -218,7 +219,7 @@ def run(args):
             count = len(results) if count is None else count
             todo = sorted((r for r in runs if r["name"] not in results and r["name"] not in failed
                            and r["name"] not in {x["name"] for x in running.values()}),
-                          key=lambda r: (r not in sweep_runs() or r["injection"] != "diagonal", -r["cost"]))
+                          key=lambda r: (r["name"] not in sweep_parcae, -r["cost"]))
             while todo and len(running) < args.jobs:
                 r = todo.pop(0)
                 running[pool.submit(train_and_evaluate, r, OUT / "logs" / f"{r['name']}.log", threads)] = r
@@ -279,8 +280,8 @@ def log_growth(record):
 def fit_test_time(T, loss):
     """eval_core's fit of L(T) = L_inf + Z exp(-zT), with its mean relative error."""
     fit = fit_test_time_scaling(T, loss)
-    residual = fit["L_inf"] + fit["Z"] * np.exp(-fit["z"] * np.asarray(T, float)) - np.asarray(loss)
-    return dict(fit, error=float(np.mean(np.abs(residual) / np.asarray(loss))))
+    predicted = fit["L_inf"] + fit["Z"] * np.exp(-fit["z"] * np.asarray(T, float))
+    return dict(fit, error=mean_relative_error(predicted, loss))
 
 
 def gains_stop(record, tolerance=1e-3):
@@ -407,12 +408,16 @@ def fmt_interval(j, digits=3):
     return "-" if j["measured"] is None else f"{j['measured']:+.{digits}f}{ci}, n = {j['n']}"
 
 
+def markdown_table(header, rows):
+    return "\n".join([f"| {' | '.join(header)} |", "|---" * len(header) + "|"]
+                     + [f"| {' | '.join(map(str, row))} |" for row in rows]) + "\n"
+
+
 def table_markdown(verdicts):
-    lines = ["| # | claim | the paper | this run: A - B, 90% interval | verdict |", "|---|---|---|---|---|"]
-    for v in verdicts:
-        verdict = v["verdict"] + (f" ({v['reason']})" if v["reason"] else "")
-        lines.append(f"| {v['id']} | {v['claim']} | {v['paper']} | {fmt_interval(v)} | **{verdict}** |")
-    return "\n".join(lines) + "\n"
+    return markdown_table(["#", "claim", "the paper", "this run: A - B, 90% interval", "verdict"],
+                          [(v["id"], v["claim"], v["paper"], fmt_interval(v),
+                            f"**{v['verdict']}" + (f" ({v['reason']})" if v["reason"] else "") + "**")
+                           for v in verdicts])
 
 
 def details_markdown(verdicts, details):
@@ -421,34 +426,30 @@ def details_markdown(verdicts, details):
         return "-" if x["ci90"] is None else \
             f"{form.format(x['measured'])} [{form.format(x['ci90'][0])}, {form.format(x['ci90'][1])}]"
 
-    def table(header, rows):
-        return "\n".join([f"| {' | '.join(header)} |", "|---" * len(header) + "|"]
-                         + [f"| {' | '.join(map(str, row))} |" for row in rows]) + "\n\n"
-
-    out = "## Each claim's pairs\n\n" + table(
+    out = "## Each claim's pairs\n\n" + markdown_table(
         ["claim", "seeds", "sd of the differences", "loss fall over the last 20% of steps (larger arm)"],
         [(v["id"], v["n"], "-" if v["sd"] is None else f"{v['sd']:.4f}",
           "-" if v["late_fall"] is None else f"{v['late_fall']:.4f}") for v in verdicts])
-    out += "## Claim 1: the sweep, seed 0 (final val loss / max rho / max ||h_T||; x: diverged)\n\n" + table(
+    out += "\n## Claim 1: the sweep, seed 0 (final val loss / max rho / max ||h_T||; x: diverged)\n\n" + markdown_table(
         ["model"] + [f"lr {r:g}" for r in RATES] + ["highest rate that trained"],
         [[label] + [("x " if bad else "") + f"{loss:.3f} / {rho or 0:.2f} / {h or 0:.3g}" for loss, rho, h, bad in
                     zip(row["loss"], row["max_rho"], row["max_h_norm"], row["diverged"])] + [row["highest_trained"]]
          for label, row in details["sweep"].items()])
-    out += f"## Claim 2: the state and the loss from T = 8 to 32, lr {SHARED_RATE:g} (mean [90% interval])\n\n" + table(
-        ["injection", "diverged", "\\|\\|h_32\\|\\| / \\|\\|h_8\\|\\|", "L(32) - L(8)"],
+    out += f"\n## Claim 2: ‖h_T‖ and the loss from T = 8 to 32, lr {SHARED_RATE:g} (mean [90%])\n\n" + markdown_table(
+        ["injection", "diverged", "‖h_32‖ / ‖h_8‖", "L(32) - L(8)"],
         [(i, d["diverged"], cell(d["h_ratio_32_8"]), cell(d["loss_32_minus_8"], "{:+.4f}"))
          for i, d in details["depth"].items()])
-    out += "## Claim 6: Parcae minus the Transformer at two rates\n\n" + table(
+    out += "\n## Claim 6: Parcae minus the Transformer at two rates\n\n" + markdown_table(
         ["lr", "final val loss difference [90%]", "Parcae below from step (tokens per parameter)"],
         [(rate, fmt_interval(d), "never" if d["crosses_below_at_step"] is None else
           f"{d['crosses_below_at_step']} ({d['tokens_per_param']:.1f})") for rate, d in details["transformer"].items()])
-    out += "## Claim 7: L(T) = L_inf + Z exp(-zT) per run (mean [90% interval])\n\n" + table(
+    out += "\n## Claim 7: L(T) = L_inf + Z exp(-zT) per run (mean [90% interval])\n\n" + markdown_table(
         ["mu_rec", "fit error (mean relative)", "runs with Z > 0 (a decaying fit)", "gains stop at T (1e-3 nats)",
          "(1e-4 nats)", "(L_inf - L(mu_rec)) / L(mu_rec)"],
         [(mu, cell(d["fit_error"], "{:.2%}"), f"{d['Z_positive']} of {d['runs']}", cell(d["gains_stop"], "{:.2f}"),
           cell(d["gains_stop_1e4"], "{:.2f}"), cell(d["L_inf_vs_L_mu"], "{:+.2%}"))
          for mu, d in details["test_time"].items()])
-    return out
+    return out + "\n"
 
 
 def report(args):
