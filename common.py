@@ -158,6 +158,17 @@ def peak_bf16_flops(device):
 # Measuring (bench.py, sample.py --benchmark): progress on stderr, interleaved repeats timed and their
 # medians, one markdown table
 
+def state_norm_limit(dtype, given=None):
+    """train.py's state-norm rule -> (limit on ||h_T||, whether passing it is a bad step of the divergence streak).
+    bfloat16: 1e4, a bad step: that is ~256 x ||e|| (||e|| ~ sqrt(d)), where bf16's 8 significant bits no longer
+    resolve the input e beside h in u = Abar h + Bbar e. float32 has 16 more bits, so its limit is 1e4 * 2^16 and
+    only a warning: a float32 state of 1e4 still resolves its input and trains. A limit given is a stop in any
+    dtype."""
+    if given is not None:
+        return given, True
+    return (1e4, True) if dtype == "bfloat16" else (1e4 * 2 ** 16, False)
+
+
 def log(message):
     print(message, file=sys.stderr, flush=True)
 

@@ -27,6 +27,7 @@ sorted, loop) -> recur_step (injection, then the blocks R) -> run_coda.
 """
 
 import math
+import zlib
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -319,6 +320,8 @@ class Parcae(nn.Module):
         super().__init__()
         self.config = c = config
         d = c.d_model
+        # drawn before any module is built, so one seed gives one init_seed whatever the modules (init_weights)
+        self.init_seed = int(torch.randint(2**31, (), device="cpu"))
         self.wte = nn.Embedding(c.padded_vocab_size, d)  # tied with the output head
         # METHOD.md §1: unique layers numbered 0..n-1 across prelude, recurrent block and coda; layer i
         # carries a value embedding when i % 2 == (n - 1) % 2 (alternating, the last layer always)
@@ -351,18 +354,32 @@ class Parcae(nn.Module):
     def init_weights(self):
         """METHOD.md §1 "scaled-zero" init, orthogonal as in the authors' code (init_orthogonal=True): every
         matrix that reads the residual stream (q, k, v, the MLP input, wte, C_proj) is truncated
-        orthogonal with per-entry std sqrt(2/(5d)); the output projections start at zero."""
+        orthogonal with per-entry std sqrt(2/(5d)); the output projections start at zero; value embeddings,
+        ve_gate and the norms keep PyTorch's default init, as in the authors' code.
+
+        Each module draws from the CPU generator seeded by init_seed and its own name, so models built at one
+        seed share every initial tensor of the modules they have in common, whatever else they hold: Parcae,
+        its injection ablations and the Transformer are paired runs (the evidence suite) down to the weights."""
         std = math.sqrt(2 / (5 * self.config.d_model))
+        special = {self.wte: lambda m: trunc_orthogonal_(m.weight, std)}  # module -> its init; others: default
         for block in [*self.prelude, *self.recur, *self.coda]:
             for lin in (block.attn.c_q, block.attn.c_k, block.attn.c_v, block.mlp.c_fc):
-                trunc_orthogonal_(lin.weight, std)
-            nn.init.zeros_(block.attn.c_proj.weight)
-            nn.init.zeros_(block.mlp.c_proj.weight)
-            # value embeddings and ve_gate keep PyTorch's default init, as in the authors' code
-        trunc_orthogonal_(self.wte.weight, std)
+                special[lin] = lambda m: trunc_orthogonal_(m.weight, std)
+            for lin in (block.attn.c_proj, block.mlp.c_proj):
+                special[lin] = lambda m: nn.init.zeros_(m.weight)
         if self.injection is not None:
-            self.injection.reset_parameters(std)
-            trunc_orthogonal_(self.C_proj.weight, std)  # square: every singular value sqrt(2/5)
+            special[self.injection] = lambda m: m.reset_parameters(std)
+            special[self.C_proj] = lambda m: trunc_orthogonal_(m.weight, std)  # square: every singular value sqrt(2/5)
+        covered = set()  # the submodules of a module whose init covers them (the injection's B or adapter)
+        with torch.random.fork_rng(devices=[]):  # the caller's global RNG stream is left as it was
+            for name, module in self.named_modules():
+                init = special.get(module)
+                if init is None and (module in covered or not hasattr(module, "reset_parameters")
+                                     or next(module.parameters(recurse=False), None) is None):
+                    continue
+                covered.update(module.modules())
+                torch.default_generator.manual_seed(self.init_seed + zlib.crc32(name.encode()))
+                (init or (lambda m: m.reset_parameters()))(module)
 
     def compile_blocks(self, backend="inductor"):
         """Compile each block alone and keep the loop in Python, so a depth that changes every step never

@@ -210,19 +210,21 @@ def is_muon_param(name: str, p: Tensor) -> bool:
 
 
 def build_optimizer(model: torch.nn.Module, adamw_lr: float, muon_lr: float = 8e-3,
-                    weight_decay: float = 0.2) -> MuonAdamW:
+                    weight_decay: float = 0.2, muon: bool = True) -> MuonAdamW:
     """One AdamW group (METHOD.md §2's ADAMW_DEFAULTS, no weight decay) and one Muon group per matrix shape, in
     a fixed order (the model's parameter order), so checkpoints load back into the same groups. Each
-    group also carries 'names', the parameter names it holds, for logging."""
-    adamw, muon = {'params': [], 'names': []}, {}
+    group also carries 'names', the parameter names it holds, for logging. muon=False puts every parameter
+    in the AdamW group (train.py --optimizer=adamw: the setup of the paper's RDM comparison)."""
+    adamw, matrices = {'params': [], 'names': []}, {}
     for name, p in model.named_parameters():  # named_parameters() already yields a tied tensor once
         if not p.requires_grad:
             continue
-        group = muon.setdefault(tuple(p.shape), {'params': [], 'names': []}) if is_muon_param(name, p) else adamw
+        group = matrices.setdefault(tuple(p.shape), {'params': [], 'names': []}) \
+            if muon and is_muon_param(name, p) else adamw
         group['params'].append(p)
         group['names'].append(name)
     groups = [dict(adamw, kind='adamw', lr=adamw_lr, **ADAMW_DEFAULTS)]
-    groups += [dict(g, kind='muon', lr=muon_lr, weight_decay=weight_decay) for g in muon.values()]
+    groups += [dict(g, kind='muon', lr=muon_lr, weight_decay=weight_decay) for g in matrices.values()]
     return MuonAdamW(groups)
 
 

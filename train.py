@@ -11,13 +11,16 @@ micro-batches are "virtual ranks" v = rank * grad_accum + micro, each with its o
 and its own seed. So two processes reproduce one, and --resume continues a run exactly; workers that
 torchrun --max_restarts restarts after a failure resume from the last checkpoint by themselves.
 
-A run whose loss or gradients are non-finite, or whose ||h_T|| passes --diverge_h_norm, for --diverge_steps
-consecutive steps is declared diverged: it logs "diverged at step N" (the streak's first step), writes
-{"diverged_at": N} to metrics.jsonl and exits with status 3, its last checkpoint (from before the streak) kept.
+A run whose loss or gradients are non-finite for --diverge_steps consecutive steps, or whose validation loss
+is above a uniform guess's ln(vocab_size), is declared diverged: it logs "diverged at step N" (the streak's first
+step, or the eval's), writes {"diverged_at": N} to metrics.jsonl and exits with status 3, its last checkpoint
+(from before) kept. A large state ||h_T|| is a bad step of that streak only in bfloat16, where past ~1e4 the
+input no longer registers beside it (--diverge_h_norm); in float32 it is logged as a warning, never a stop.
 """
 
 import argparse
 import json
+import math
 import os
 import pickle
 import signal
@@ -30,7 +33,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common import (find_checkpoint, first_sentence, get_base_dir, init_distributed, load_optimizer_state,
-                    peak_bf16_flops, rank_and_world, read_checkpoint, save_checkpoint)
+                    peak_bf16_flops, rank_and_world, read_checkpoint, save_checkpoint, state_norm_limit)
 from core_tasks import download_eval_bundle
 from data import DataLoader, get_tokenizer, tokenizer_dir, val_batches
 from depths import SAMPLINGS
@@ -76,6 +79,9 @@ parser.add_argument("--target_flops", type=float, help="horizon as total trainin
 parser.add_argument("--adamw_lr", type=float, help="default 8e-3 (140M, 370M) or 6e-3 (770M, 1.3B)")
 parser.add_argument("--muon_lr", type=float, default=8e-3)
 parser.add_argument("--weight_decay", type=float, default=0.2, help="Muon's cautious weight decay")
+parser.add_argument("--optimizer", default="muon", choices=["muon", "adamw"],
+                    help="muon: Muon on the blocks' matrices (--muon_lr), AdamW on the rest (--adamw_lr), the "
+                    "recipe; adamw: AdamW on every parameter at --adamw_lr, the setup of the paper's RDM comparison")
 parser.add_argument("--grad_clip", type=float, default=1.0)
 parser.add_argument("--warmdown_frac", type=float, default=0.5)
 parser.add_argument("--eval_every", type=int, help="steps between validation evals")
@@ -88,10 +94,12 @@ parser.add_argument("--diverge_steps", type=int, default=5,
                     help="declare the run diverged after this many consecutive bad steps (non-finite loss or "
                     "gradients, or ||h_T|| past --diverge_h_norm): one bad batch is skipped and recovers, five in a "
                     "row are a trend; 0: never")
-parser.add_argument("--diverge_h_norm", type=float, default=1e4,
-                    help="a state norm ||h_T|| past this counts as a bad step: a healthy state stays at 10-300 in the "
-                    "CPU runs, and past ~1e4 (about 256 x ||e||, which is ~sqrt(d)) bf16's 8 significant bits no "
-                    "longer resolve the input e beside h in u = Abar h + Bbar e")
+parser.add_argument("--diverge_h_norm", type=float,
+                    help="a state norm ||h_T|| past this counts as a bad step, in any dtype. Default: by dtype. In "
+                    "bfloat16 1e4, a bad step: a healthy state stays at 10-300 in the CPU runs, and past ~1e4 (about "
+                    "256 x ||e||, which is ~sqrt(d)) bf16's 8 significant bits no longer resolve the input e beside "
+                    "h in u = Abar h + Bbar e. In float32 (16 more bits) 1e4 * 2^16, logged as a warning only: such "
+                    "a state still resolves its input and trains")
 parser.add_argument("--resume", action="store_true", help="continue this run from its last checkpoint")
 parser.add_argument("--compile", type=int, choices=[0, 1], help="torch.compile the blocks")
 parser.add_argument("--compile_backend", default="inductor", choices=["inductor", "eager"],
@@ -195,7 +203,7 @@ def memory_plan():
     at --device_batch_size and mu_bwd (model.activation_bytes). A batch 'fits' in 90% of the memory: the
     rest is for the backward's transient buffers, the CUDA context and fragmentation."""
     optimizer_bytes = 0
-    for group in build_optimizer(meta_model, adamw_lr=1.0).param_groups:
+    for group in build_optimizer(meta_model, adamw_lr=1.0, muon=args.optimizer == "muon").param_groups:
         numel = sum(p.numel() for p in group["params"])
         if group["kind"] == "adamw":
             optimizer_bytes += 8 * numel
@@ -243,7 +251,8 @@ if args.compile:
 if ddp:
     model = DDP(model, device_ids=[device.index] if CUDA else None, broadcast_buffers=False)  # RoPE tables: constant
 adamw_lr = args.adamw_lr or learning_rate_for_depth(args.depth)
-optimizer = build_optimizer(raw_model, adamw_lr=adamw_lr, muon_lr=args.muon_lr, weight_decay=args.weight_decay)
+optimizer = build_optimizer(raw_model, adamw_lr=adamw_lr, muon_lr=args.muon_lr, weight_decay=args.weight_decay,
+                            muon=args.optimizer == "muon")
 autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bfloat16" else nullcontext()
 
 start_step, skipped_steps = 0, 0
@@ -351,7 +360,18 @@ if master:
     metrics_file = open(run_dir / "metrics.jsonl", "a")
 tokens_per_second, t_run = None, time.time()
 step = start_step
-bad_steps, diverged_at, save_due = 0, None, False  # the divergence rule's streak (see the docstring)
+bad_steps, diverged_at, save_due, h_norm_warned = 0, None, False, False  # the divergence rule (see the docstring)
+h_norm_limit, h_norm_stops = state_norm_limit(args.dtype, args.diverge_h_norm)
+val_key, uniform_loss = f"val_loss_T{1 if config.injection == 'none' else config.mu_rec}", math.log(args.vocab_size)
+
+
+def declare_diverged(at, reason, detail):
+    log(f"diverged at step {at}: {reason}, {detail}; the last checkpoint, from before, is kept")
+    if master:
+        metrics_file.write(json.dumps({"step": step, "diverged_at": at, "reason": reason}) + "\n")
+        metrics_file.flush()
+
+
 while step < num_steps and (args.stop_at is None or step < args.stop_at):
     t0 = time.time()
     loss_sum = torch.zeros((), device=device)
@@ -371,7 +391,7 @@ while step < num_steps and (args.stop_at is None or step < args.stop_at):
         loss_sum += loss.detach()
     grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), args.grad_clip)
     h_norm = diagnostics["h_norm"]
-    state_too_large = torch.zeros((), device=device) if h_norm is None else (h_norm > args.diverge_h_norm).float()
+    state_too_large = torch.zeros((), device=device) if h_norm is None else (h_norm > h_norm_limit).float()
     # [gradients finite, state within bound], reduced at once: every rank skips, and stops, at the same step
     health = torch.stack([torch.isfinite(grad_norm).float(), 1 - state_too_large])
     if ddp:
@@ -410,16 +430,18 @@ while step < num_steps and (args.stop_at is None or step < args.stop_at):
         log(log_line(record, num_steps))
         metrics_file.write(json.dumps(record) + "\n")
         metrics_file.flush()
+    if not state_ok and not h_norm_stops and not h_norm_warned:
+        h_norm_warned = True
+        log(f"warning: step {step}: ||h_T|| {h_norm.item():.3g} > {h_norm_limit:g}; a bfloat16 run would have lost "
+            f"its input here, this {args.dtype} one goes on")
+        if master:
+            metrics_file.write(json.dumps({"step": step, "warning": "h_norm", "h_norm": h_norm.item()}) + "\n")
     reason = "non-finite loss or gradients" if not finite else \
-        f"||h_T|| > {args.diverge_h_norm:g}" if not state_ok else None
+        f"||h_T|| > {h_norm_limit:g}" if not state_ok and h_norm_stops else None
     bad_steps = bad_steps + 1 if reason else 0
     if 0 < args.diverge_steps <= bad_steps:
         diverged_at = step - bad_steps + 1
-        log(f"diverged at step {diverged_at}: {reason}, {bad_steps} steps in a row (to step {step}); "
-            f"the last checkpoint, from before them, is kept")
-        if master:
-            metrics_file.write(json.dumps({"step": step, "diverged_at": diverged_at, "reason": reason}) + "\n")
-            metrics_file.flush()
+        declare_diverged(diverged_at, reason, f"{bad_steps} steps in a row (to step {step})")
         break
     results = []
     with autocast:  # evals run the training's numerics (eval_core keeps a caller's CPU autocast)
@@ -431,6 +453,12 @@ while step < num_steps and (args.stop_at is None or step < args.stop_at):
         for result in filter(None, results):
             metrics_file.write(json.dumps(result) + "\n")
         metrics_file.flush()
+    val_loss = next((r[val_key] for r in filter(None, results) if val_key in r), None)
+    if args.diverge_steps > 0 and val_loss is not None and not val_loss < uniform_loss:  # NaN included
+        diverged_at = step
+        declare_diverged(step, "val loss above a uniform guess",
+                         f"{val_loss:.4f} >= ln {args.vocab_size} = {uniform_loss:.4f}")
+        break
     save_due = save_due or step % args.save_every == 0 or step == num_steps or step == args.stop_at
     if save_due and bad_steps == 0:  # during a streak the state may be the diverging one: save after it
         save(step)

@@ -95,6 +95,26 @@ def test_init_is_truncated_orthogonal_with_the_authors_gain():
     assert torch.linalg.svdvals(iid).min() < 0.5 * gain  # the old init, for contrast
 
 
+def test_variants_built_at_one_seed_share_every_tensor_they_have_in_common():
+    """Paired runs: Parcae, add, concat and the Transformer at seed 0 start from the same weights in every module
+    they share, though concat and Parcae build parameters the others lack; another seed gives other weights."""
+    models = {}
+    for injection in ("diagonal", "add", "concat", "none"):
+        torch.manual_seed(0)
+        models[injection] = dict(Parcae(tiny_config(injection=injection)).named_parameters())
+    parcae = models["diagonal"]
+    for injection, params in models.items():
+        shared = params.keys() & parcae.keys()
+        assert len(shared) >= len(params) - 1  # all but concat's adapter
+        for name in shared:
+            assert torch.equal(params[name], parcae[name]), (injection, name)
+    assert "C_proj.weight" in models["concat"] and "injection.adapter.weight" not in parcae
+    torch.manual_seed(1)
+    other = dict(Parcae(tiny_config()).named_parameters())
+    assert not torch.equal(other["wte.weight"], parcae["wte.weight"])
+    assert not torch.equal(other["value_embeds.2.weight"], parcae["value_embeds.2.weight"])
+
+
 def test_spectral_radius_below_one_for_extreme_parameters():
     model = Parcae(tiny_config())
     extremes = [-1e4, -100.0, -20.0, -5.0, 0.0, 5.0, 20.0, 100.0, 1e4]

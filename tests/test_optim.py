@@ -183,6 +183,16 @@ def test_build_optimizer_grouping():
     assert set(ids) == {id(p) for p in model.parameters() if p.requires_grad}
 
 
+def test_build_optimizer_without_muon_puts_every_parameter_in_one_adamw_group():
+    """train.py --optimizer=adamw: one AdamW group at one rate holds every trainable parameter, once."""
+    model = FakeParcae()
+    opt = optim.build_optimizer(model, adamw_lr=3e-3, muon=False)
+    assert [g['kind'] for g in opt.param_groups] == ['adamw'] and opt.param_groups[0]['lr'] == 3e-3
+    names = opt.param_groups[0]['names']
+    assert 'recur.0.c_q.weight' in names and len(names) == len(set(names))
+    assert {id(p) for p in opt.param_groups[0]['params']} == {id(p) for p in model.parameters() if p.requires_grad}
+
+
 def test_is_muon_param_unwraps_compiled_and_ddp_names():
     W = torch.zeros(4, 4)
     assert optim.is_muon_param('_orig_mod.recur.0.c_q.weight', W)

@@ -3,6 +3,7 @@ against one, an elastic restart after a killed rank, the non-finite-gradient ski
 one-line errors for bad input."""
 
 import json
+import math
 import os
 import random
 import re
@@ -181,6 +182,18 @@ def test_a_state_past_the_bound_for_k_steps_is_declared_diverged(corpus):
     assert result.returncode == 3
     assert "diverged at step 1: ||h_T|| > 0.001, 2 steps in a row (to step 2)" in result.stdout
     assert not any((corpus / "base" / "runs" / "exploded").glob("ckpt_*.pt"))
+
+
+def test_a_val_loss_above_a_uniform_guess_is_declared_diverged_at_that_eval(corpus):
+    """At a rate of 3 the first eval (step 2) is far above ln 320: the run stops there, finite or not."""
+    result = train(corpus, "--run=hot", "--adamw_lr=3", "--muon_lr=3", "--eval_every=2", expect_ok=False)
+    assert result.returncode == 3, result.stderr[-3000:]
+    assert "diverged at step 2: val loss above a uniform guess" in result.stdout
+    records = [json.loads(line) for line in (corpus / "base" / "runs" / "hot" / "metrics.jsonl").open()]
+    assert records[-1] == {"step": 2, "diverged_at": 2, "reason": "val loss above a uniform guess"}
+    assert records[-2]["val_loss_T3"] > math.log(320)
+    calm = train(corpus, "--run=calm", "--eval_every=2")  # the recipe's rate: evals below ln 320, no stop
+    assert "diverged" not in calm.stdout
 
 
 @pytest.mark.parametrize("flags,message", [
