@@ -20,14 +20,14 @@ import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
-import matplotlib
 import numpy as np
 
-from common import find_checkpoint, get_base_dir, load_checkpoint, write_atomically
+from common import find_checkpoint, get_base_dir, load_checkpoint, state_norm_limit, write_atomically
 from data import get_tokenizer, val_batches
 from eval_core import evaluate_bpb, fit_test_time_scaling
-from plot import read_run
-from scaling_fit import interval_verdict, mean_relative_error, paired_interval, t_quantile
+from plot import draw_evidence, read_run
+from scaling_fit import (drift_check, interval_verdict, mean_relative_error, paired_interval, seeds_needed,
+                         t_quantile)
 
 ROOT = Path(__file__).resolve().parent
 OUT = ROOT / "figures" / "evidence_cpu"
@@ -47,87 +47,110 @@ SMALL = [flag for flag in MAIN if not flag.startswith(("--d_model", "--head_dim"
 SMALL_STEPS, SMALL_PARAMS = 1064, 217_856
 RATES = [2e-3, 8e-3, 3.2e-2, 1.28e-1]  # the sweep: 64x, the recipe's 8e-3 among them
 SHARED_RATE = 8e-3  # claims 2-4, 6, 7: the recipe's rate, fixed before running
-TOP_RATE = RATES[-1]  # claim 1's paired seeds
 SMALL_RATES = [8e-3, 3.2e-2]  # claim 6 at two rates: does the order depend on the rate?
 CURVE_T = [1, 2, 3, 4, 6, 8, 12, 16, 32]  # test-time depths of the final evaluation (claims 2, 4, 7)
 INJECTIONS = ["concat", "add", "diagonal"]  # concat = the RDM baseline (Geiping et al.), diagonal = Parcae
+# muon: the recipe, Muon on the blocks' matrices and AdamW on the rest; adamw: AdamW on every parameter at one rate
+# (train.py --optimizer), the setup of the paper's RDM comparison. Claims 1, 4 and 5 run under both.
+OPTIMIZERS = ["muon", "adamw"]
+FRACTIONS = [0.6, 0.7, 0.8, 0.9, 1.0]  # the evals of the drift rule (scaling_fit.drift_check)
+BF16_STATE_LIMIT = state_norm_limit("bfloat16")[0]  # a float32 run past it is marked, not stopped
 
 
 def make_run(injection="diagonal", rate=SHARED_RATE, seed=0, mu_rec=8, sampling="per_sequence", prelude_norm=1,
-             small=False):
+             small=False, optimizer="muon"):
     """One train.py run: its name, flags and cost (training FLOPs, for the ETA)."""
     name = f"ev_{'small_' if small else ''}{injection}{'' if prelude_norm else '_nonorm'}" \
-           f"{'' if sampling == 'per_sequence' else '_' + sampling}_mu{mu_rec}_lr{rate:g}_s{seed}"
+           f"{'' if sampling == 'per_sequence' else '_' + sampling}{'' if optimizer == 'muon' else '_' + optimizer}" \
+           f"_mu{mu_rec}_lr{rate:g}_s{seed}"
     steps = SMALL_STEPS if small else STEPS
     flags = (SMALL if small else MAIN) + [
         f"--injection={injection}", f"--mu_rec={mu_rec}", f"--sampling={sampling}", f"--prelude_norm={prelude_norm}",
-        f"--adamw_lr={rate:g}", f"--muon_lr={rate:g}", f"--seed={seed}", f"--max_tokens={steps * BATCH}",
-        f"--eval_every={steps // 10 if small else steps // 5}", f"--run={name}"]
+        f"--optimizer={optimizer}", f"--adamw_lr={rate:g}", f"--muon_lr={rate:g}", f"--seed={seed}",
+        f"--max_tokens={steps * BATCH}", f"--eval_every={steps // 10}", f"--run={name}"]
     executed = 1 if injection == "none" else mu_rec * (1.5 if sampling == "per_batch" else 1)  # loop steps
     cost = steps * BATCH * (64 if small else 128) ** 2 * (2 + executed)  # proportional to FLOPs
     with_curve = not small and injection != "none" and prelude_norm and rate == SHARED_RATE  # claims 2, 4 and 7
     return dict(name=name, flags=flags, cost=cost, injection=injection, rate=rate, seed=seed, mu_rec=mu_rec,
-                sampling=sampling, prelude_norm=prelude_norm, small=small, steps=steps, with_curve=with_curve)
+                sampling=sampling, prelude_norm=prelude_norm, small=small, steps=steps, with_curve=with_curve,
+                optimizer=optimizer)
+
+
+def sweep_models(optimizer):
+    """The sweep's models (injection, prelude_norm): all under Muon; under AdamW, those of claims 1 and 5."""
+    injections = INJECTIONS + ["none"] if optimizer == "muon" else ["concat", "diagonal"]
+    return [(injection, 1) for injection in injections] + [("diagonal", 0)]
 
 
 def sweep_runs():
-    """Claim 1 (and 5's choice of rate): every model at every rate, seed 0."""
-    runs = [make_run(injection, rate) for rate in RATES for injection in INJECTIONS + ["none"]]
-    return runs + [make_run("diagonal", rate, prelude_norm=0) for rate in RATES]
+    """Claims 1 and 5 choose their rates here: every sweep model at every rate, seed 0."""
+    return [make_run(injection, rate, prelude_norm=norm, optimizer=optimizer) for optimizer in OPTIMIZERS
+            for rate in RATES for injection, norm in sweep_models(optimizer)]
 
 
-def norm_rate(results):
-    """Claim 5's rate: the highest of the sweep at which Parcae both with and without the prelude norm trained
-    (seed 0); None until both sweeps have finished."""
-    pairs = {rate: [results.get(make_run("diagonal", rate, prelude_norm=p)["name"]) for p in (1, 0)] for rate in RATES}
-    if any(None in pair for pair in pairs.values()):
+def chosen_rate(results, optimizer, norms):
+    """The highest rate of the sweep (seed 0) at which Parcae trained with every prelude norm in `norms`; None
+    until those runs have finished. Claim 1 runs at Parcae's (norms (1,)), claim 5 where both arms train (1, 0)."""
+    rows = {rate: [results.get(make_run("diagonal", rate, prelude_norm=p, optimizer=optimizer)["name"])
+                   for p in norms] for rate in RATES}
+    if any(None in row for row in rows.values()):
         return None
-    return max((rate for rate, pair in pairs.items() if not any(r["diverged"] for r in pair)), default=RATES[0])
+    return max((rate for rate, row in rows.items() if not any(r["diverged"] for r in row)), default=RATES[0])
 
 
-def claim_arms(results):
-    """Each claim's two arms, as run builders of a seed: {claim: (arm A, arm B)}; A - B is the measured difference.
-    Claim 5 appears once the sweep has chosen its rate."""
-    arms = {
-        "1": (lambda s: make_run("concat", TOP_RATE, s), lambda s: make_run("diagonal", TOP_RATE, s)),
-        "2": (lambda s: make_run("add", SHARED_RATE, s), lambda s: make_run("diagonal", SHARED_RATE, s)),
-        "3b": (lambda s: make_run("concat", SHARED_RATE, s), lambda s: make_run("diagonal", SHARED_RATE, s)),
-        "4": (lambda s: make_run(sampling="per_batch", seed=s), lambda s: make_run(seed=s)),
-        "6": (lambda s: make_run("diagonal", SHARED_RATE, s, small=True),
-              lambda s: make_run("none", SHARED_RATE, s, small=True)),
-        "7": (lambda s: make_run(mu_rec=8, seed=s), lambda s: make_run(mu_rec=2, seed=s)),
-    }
-    arms["3a"] = arms["2"]  # the same pairs: claim 2 reads their states, 3a their losses
-    rate = norm_rate(results)
-    if rate is not None:
-        arms["5"] = (lambda s: make_run("diagonal", rate, s, prelude_norm=0), lambda s: make_run("diagonal", rate, s))
+def optimizer_arms(results, optimizer):
+    """Claims 1, 4 and 5 under one optimiser: {(claim, optimizer): (arm A, arm B)}, as run builders of a seed."""
+    def run(*args, **kwargs):
+        return make_run(*args, **kwargs, optimizer=optimizer)
+    arms = {("4", optimizer): (lambda s: run(sampling="per_batch", seed=s), lambda s: run(seed=s))}
+    top, both = chosen_rate(results, optimizer, (1,)), chosen_rate(results, optimizer, (1, 0))
+    if top is not None:
+        arms[("1", optimizer)] = (lambda s: run("concat", top, s), lambda s: run("diagonal", top, s))
+    if both is not None:
+        arms[("5", optimizer)] = (lambda s: run(rate=both, seed=s, prelude_norm=0), lambda s: run(rate=both, seed=s))
     return arms
 
 
+def claim_arms(results):
+    """Each claim's two arms per optimiser, as run builders of a seed: {(claim, optimizer): (arm A, arm B)}; A - B
+    is the measured difference. Claims 1 and 5 appear once the sweep has chosen their rates."""
+    arms = {
+        ("2", "muon"): (lambda s: make_run("add", SHARED_RATE, s), lambda s: make_run("diagonal", SHARED_RATE, s)),
+        ("3b", "muon"): (lambda s: make_run("concat", SHARED_RATE, s), lambda s: make_run("diagonal", SHARED_RATE, s)),
+        ("6", "muon"): (lambda s: make_run("diagonal", SHARED_RATE, s, small=True),
+                        lambda s: make_run("none", SHARED_RATE, s, small=True)),
+        ("7", "muon"): (lambda s: make_run(mu_rec=8, seed=s), lambda s: make_run(mu_rec=2, seed=s)),
+    }
+    arms[("3a", "muon")] = arms[("2", "muon")]  # the same pairs: claim 2 reads their states, 3a their losses
+    for optimizer in OPTIMIZERS:
+        arms.update(optimizer_arms(results, optimizer))
+    return {key: arms[key] for key in CLAIMS if key in arms}
+
+
+# Each claim's seeds, fixed from a pilot before the main runs and never added after looking (so the 90% interval
+# needs no correction for repeated looks): the pilot is this suite's first full run (Muon only, the init before
+# modules were seeded by name), its sd of 3 paired differences and its mean difference per claim. A claim gets the
+# fewest seeds (3 to 5) that resolve half the paper's effect, or half the pilot's where the paper gives no number;
+# the AdamW rows, which the pilot did not run, take the Muon row's.
+PILOT = {"1": (0.0628, 3.647), "2": (0.0040, 1.389), "3a": (0.0059, 0.021), "3b": (0.0014, 0.043),
+         "4": (0.0024, 0.016), "5": (0.0084, -0.044), "6": (0.0101, 0.014), "7": (1.1547, 3.3)}
+
+
+def seeds_for(claim, floor, cap):
+    sd, pilot_mean = PILOT[claim]
+    effect = PAPER[claim]["effect"]
+    return seeds_needed(sd, pilot_mean if effect is None else effect, floor, cap)
+
+
 def planned_runs(results, seeds, max_seeds):
-    """Every run the suite needs now: the sweep, each claim's arms at `seeds` seeds (more where seeds_wanted asks
-    for them), the rest of claim 2's injections, claim 6's second rate, claim 7's mu_rec 4."""
+    """Every run needed now: the sweep, each claim's arms at its seeds; claim 2's concat, 6's second rate, 7's mu 4."""
     runs = sweep_runs()
-    for claim, arms in claim_arms(results).items():
-        for seed in range(seeds_wanted(claim, results, seeds, max_seeds)):
-            runs += [arm(seed) for arm in arms]
+    for (claim, _), arms in claim_arms(results).items():
+        runs += [arm(seed) for seed in range(seeds_for(claim, seeds, max_seeds)) for arm in arms]
     for seed in range(seeds):
-        runs += [make_run("concat", SHARED_RATE, seed), make_run("add", TOP_RATE, seed), make_run(mu_rec=4, seed=seed)]
+        runs += [make_run("concat", SHARED_RATE, seed), make_run(mu_rec=4, seed=seed)]
         runs += [make_run(injection, SMALL_RATES[1], seed, small=True) for injection in ("diagonal", "none")]
     return list({run["name"]: run for run in runs}.values())  # claims share runs
-
-
-def seeds_wanted(claim, results, seeds, max_seeds):
-    """`seeds`, plus one for each finished round whose interval held 0 while wider than the paper's effect."""
-    n = seeds
-    while n < max_seeds:
-        ci = (judge(claim, results, n) or {}).get("ci90")
-        if ci is None or not ci[0] <= 0 <= ci[1]:
-            break
-        if PAPER[claim]["effect"] is not None and (ci[1] - ci[0]) / 2 <= abs(PAPER[claim]["effect"]):
-            break
-        n += 1
-    return n
 
 
 # -----------------------------------------------------------------------------
@@ -165,7 +188,8 @@ def evaluate(name, mu_rec, with_curve):
     record = dict(name=name, diverged_at=logged["diverged_at"],
                   max_rho=max((s["rho"] for s in logged["steps"] if s.get("rho") is not None), default=None),
                   max_h_norm=max((s["h_norm"] for s in logged["steps"] if s.get("h_norm") is not None), default=None),
-                  val=[dict(step=e["step"], loss=e.get(f"val_loss_T{mu_rec}", e.get("val_loss_T1"))) for e in evals],
+                  val=[dict(step=e["step"], loss=e.get(f"val_loss_T{mu_rec}", e.get("val_loss_T1")),
+                            loss_T1=e.get("val_loss_T1")) for e in evals],
                   curve=None)
     if logged["diverged_at"] is None and with_curve:
         model, _ = load_checkpoint(find_checkpoint(directory.parent, name))
@@ -205,9 +229,9 @@ def all_results(seeds, max_seeds):
 
 
 def run(args):
-    """Every planned run not yet finished, --jobs at a time: the sweep's Parcae runs first (claim 5's rate waits
-    for them), then the longest first. The plan is redrawn after each run, as finished runs unlock claim 5 and extra
-    seeds. A line per run with the time so far and an ETA."""
+    """Every planned run not yet finished, --jobs at a time: the sweep's Parcae runs first (claims 1 and 5's rates
+    wait for them), then the longest first. The plan is redrawn after each run, as finished runs unlock claims 1
+    and 5. A line per run with the time so far and an ETA."""
     start, done_cost, failed, count = time.time(), 0.0, set(), None
     threads = max(1, (os.cpu_count() or 1) // args.jobs)
     sweep_parcae = {r["name"] for r in sweep_runs() if r["injection"] == "diagonal"}
@@ -264,11 +288,22 @@ PAPER = {  # expected sign of A - B, and the paper's effect in the same units wh
               paper="gains saturate near T = mu_rec (so +6 here); L_inf within 0.2% of L(mu_rec)", sign=+1,
               effect=6.0),
 }
-LOSS_CLAIMS = {"1", "3a", "3b", "4", "5", "6"}  # the rule "the loss fell by less than the effect" applies to these
+CLAIMS = [("1", "muon"), ("1", "adamw"), ("2", "muon"), ("3a", "muon"), ("3b", "muon"), ("4", "muon"),
+          ("4", "adamw"), ("5", "muon"), ("5", "adamw"), ("6", "muon"), ("7", "muon")]  # the table's rows, in order
+LOSS_CLAIMS = {"1", "3a", "3b", "4", "5", "6"}  # val-loss differences, judged with the drift rule
 
 
 def depth_loss(record, T):
     return record["curve"]["loss"][record["curve"]["T"].index(T)] if record["curve"] else UNIFORM_LOSS
+
+
+def loss_at(record, fraction, T1=False):
+    """The val loss at the eval nearest `fraction` of the run's steps, at T = 1 if T1 else T = mu_rec (train.py's
+    evals); a diverged run counts as a uniform guess at every one."""
+    if record["diverged"]:
+        return UNIFORM_LOSS
+    nearest = min(record["val"], key=lambda v: abs(v["step"] - fraction * record["steps"]))
+    return nearest["loss_T1" if T1 else "loss"]
 
 
 def log_growth(record):
@@ -292,43 +327,37 @@ def gains_stop(record, tolerance=1e-3):
 
 
 def pair_value(claim, a, b):
-    """A - B for one seed, or None when the claim's quantity does not exist for that pair (a diverged run has no
-    state to measure, nor a curve to fit)."""
-    if claim in ("1", "3a", "3b", "5", "6"):
-        return a["loss"] - b["loss"]
-    if claim == "4":
-        return depth_loss(a, 1) - depth_loss(b, 1)
+    """A - B for one seed of claims 2 and 7, or None when the quantity does not exist for that pair (a diverged run
+    has no state to measure, nor a curve to fit)."""
     if a["diverged"] or b["diverged"]:
         return None
-    if claim == "2":
-        return log_growth(a) - log_growth(b)
-    return gains_stop(a) - gains_stop(b)
+    return log_growth(a) - log_growth(b) if claim == "2" else gains_stop(a) - gains_stop(b)
 
 
-def late_fall(record):
-    """How much the val loss (T = mu_rec) fell over the last 20% of the steps: the eval nearest 80% minus the last."""
-    val = [v for v in record["val"] if v["loss"] is not None]
-    at_80 = min(val, key=lambda v: abs(v["step"] - 0.8 * record["steps"]), default=None)
-    return 0.0 if record["diverged"] or len(val) < 2 else at_80["loss"] - val[-1]["loss"]
-
-
-def judge(claim, results, seeds):
-    """The claim over seeds 0..seeds-1 -> dict(measured, ci90, n, sd, verdict, late_fall, reason), or None while
-    one of those runs is unfinished."""
-    arms = claim_arms(results).get(claim)
+def judge(claim, optimizer, results, seeds):
+    """The claim over seeds 0..seeds-1 -> dict(measured, ci90, n, sd, verdict, reason, drift), or None while one of
+    those runs is unfinished. A loss claim's verdict also needs the drift rule (scaling_fit.drift_check) on its
+    paired differences at FRACTIONS of training; claim 4's are at T = 1."""
+    arms = claim_arms(results).get((claim, optimizer))
     pairs = [[results.get(arm(seed)["name"]) for arm in arms] for seed in range(seeds)] if arms else [[None]]
     if any(r is None for pair in pairs for r in pair):
         return None
-    values = [v for v in (pair_value(claim, a, b) for a, b in pairs) if v is not None]
-    out = dict(paired_interval(values), late_fall=None, reason=None)
+    if claim in LOSS_CLAIMS:
+        by_fraction = [[loss_at(a, f, claim == "4") - loss_at(b, f, claim == "4") for a, b in pairs]
+                       for f in FRACTIONS]
+        values = by_fraction[-1]
+    else:
+        values = [v for v in (pair_value(claim, a, b) for a, b in pairs) if v is not None]
+    out = dict(paired_interval(values), reason=None, drift=None)
     out["verdict"] = interval_verdict(out["ci90"], PAPER[claim]["sign"])
     if len(values) < 2:
         out["reason"] = f"{len(values)} of {seeds} pairs have the quantity (diverged runs lack it)"
+    elif out["verdict"] == "not shown":
+        out["reason"] = "the 90% interval holds 0"
     if claim in LOSS_CLAIMS:
-        out["late_fall"] = max(float(np.mean([late_fall(r) for r in arm])) for arm in zip(*pairs))
-        if out["verdict"] != "not shown" and out["late_fall"] >= abs(out["measured"]):
-            out["reason"] = f"still falling: the loss fell {out['late_fall']:.3f} over the last 20% of steps, more " \
-                            f"than the effect; the interval alone would say {out['verdict']}"
+        out["drift"] = drift_check(FRACTIONS, by_fraction)
+        if out["verdict"] != "not shown" and not out["drift"]["long_enough"]:
+            out["reason"] = f"{out['drift']['reason']}; the interval alone would say {out['verdict']}"
             out["verdict"] = "not shown"
     return out
 
@@ -336,17 +365,17 @@ def judge(claim, results, seeds):
 # -----------------------------------------------------------------------------
 # Details behind each verdict: the sweep's table, claim 2's ratios, claim 6's crossing, claim 7's fits
 
-def sweep_details(results):
-    """Claim 1: per model, the highest rate that trained (seed 0) and each rate's loss, max rho and max ||h_T||."""
-    models = {f"{injection}{'' if norm else '_nonorm'}": (injection, norm)
-              for injection, norm in [(i, 1) for i in INJECTIONS + ["none"]] + [("diagonal", 0)]}
+def sweep_details(results, optimizer):
+    """Claims 1 and 5 per optimiser: per model, the highest rate that trained (seed 0) and each rate's loss, max rho,
+    max ||h_T|| and whether that passed bf16's limit (a warning in these float32 runs, not a divergence)."""
     table = {}
-    for label, (injection, norm) in models.items():
-        rows = [results[make_run(injection, rate, prelude_norm=norm)["name"]] for rate in RATES]
-        table[label] = dict(rates=RATES, loss=[r["loss"] for r in rows], diverged=[r["diverged"] for r in rows],
-                            max_rho=[r["max_rho"] for r in rows], max_h_norm=[r["max_h_norm"] for r in rows],
-                            highest_trained=max((rate for rate, r in zip(RATES, rows) if not r["diverged"]),
-                                                default=None))
+    for injection, norm in sweep_models(optimizer):
+        rows = [results[make_run(injection, rate, prelude_norm=norm, optimizer=optimizer)["name"]] for rate in RATES]
+        table[f"{injection}{'' if norm else '_nonorm'}"] = dict(
+            rates=RATES, loss=[r["loss"] for r in rows], diverged=[r["diverged"] for r in rows],
+            max_rho=[r["max_rho"] for r in rows], max_h_norm=[r["max_h_norm"] for r in rows],
+            past_bf16_limit=[(r["max_h_norm"] or 0) > BF16_STATE_LIMIT for r in rows],
+            highest_trained=max((rate for rate, r in zip(RATES, rows) if not r["diverged"]), default=None))
     return table
 
 
@@ -408,14 +437,20 @@ def fmt_interval(j, digits=3):
     return "-" if j["measured"] is None else f"{j['measured']:+.{digits}f}{ci}, n = {j['n']}"
 
 
+def fmt_drift(drift):
+    return "-" if drift is None else f"{fmt_interval(drift['drift'])} (within ±{drift['limit']:.3f}: " \
+                                     f"{'yes' if drift['long_enough'] else 'no'})"
+
+
 def markdown_table(header, rows):
     return "\n".join([f"| {' | '.join(header)} |", "|---" * len(header) + "|"]
                      + [f"| {' | '.join(map(str, row))} |" for row in rows]) + "\n"
 
 
 def table_markdown(verdicts):
-    return markdown_table(["#", "claim", "the paper", "this run: A - B, 90% interval", "verdict"],
-                          [(v["id"], v["claim"], v["paper"], fmt_interval(v),
+    return markdown_table(["#", "optimiser", "claim", "the paper", "this run: A - B, 90% interval",
+                           "drift: 100% - 80% of training", "verdict"],
+                          [(v["id"], v["optimizer"], v["claim"], v["paper"], fmt_interval(v), fmt_drift(v["drift"]),
                             f"**{v['verdict']}" + (f" ({v['reason']})" if v["reason"] else "") + "**")
                            for v in verdicts])
 
@@ -426,16 +461,20 @@ def details_markdown(verdicts, details):
         return "-" if x["ci90"] is None else \
             f"{form.format(x['measured'])} [{form.format(x['ci90'][0])}, {form.format(x['ci90'][1])}]"
 
-    out = "## Each claim's pairs\n\n" + markdown_table(
-        ["claim", "seeds", "sd of the differences", "loss fall over the last 20% of steps (larger arm)"],
-        [(v["id"], v["n"], "-" if v["sd"] is None else f"{v['sd']:.4f}",
-          "-" if v["late_fall"] is None else f"{v['late_fall']:.4f}") for v in verdicts])
-    out += "\n## Claim 1: the sweep, seed 0 (final val loss / max rho / max ||h_T||; x: diverged)\n\n" + markdown_table(
-        ["model"] + [f"lr {r:g}" for r in RATES] + ["highest rate that trained"],
-        [[label] + [("x " if bad else "") + f"{loss:.3f} / {rho or 0:.2f} / {h or 0:.3g}" for loss, rho, h, bad in
-                    zip(row["loss"], row["max_rho"], row["max_h_norm"], row["diverged"])] + [row["highest_trained"]]
-         for label, row in details["sweep"].items()])
-    out += f"\n## Claim 2: ‖h_T‖ and the loss from T = 8 to 32, lr {SHARED_RATE:g} (mean [90%])\n\n" + markdown_table(
+    out = "## Each claim's pairs: the mean difference at 60 / 70 / 80 / 90 / 100% of training\n\n" + markdown_table(
+        ["claim", "optimiser", "seeds", "sd of the differences"] + [f"{f:.0%}" for f in FRACTIONS] + ["one sign"],
+        [(v["id"], v["optimizer"], v["n"], "-" if v["sd"] is None else f"{v['sd']:.4f}")
+         + (tuple(f"{m:+.4f}" for m in v["drift"]["by_fraction"].values()) + (v["drift"]["one_sign"],)
+            if v["drift"] else ("-",) * (len(FRACTIONS) + 1)) for v in verdicts])
+    for optimizer, sweep in details["sweep"].items():
+        out += f"\n## The sweep under {optimizer}, seed 0 (final val loss / max rho / max ||h_T||; x: diverged; " \
+               f"!: ||h_T|| past bf16's {BF16_STATE_LIMIT:g}, a warning in float32)\n\n" + markdown_table(
+                   ["model"] + [f"lr {r:g}" for r in RATES] + ["highest rate that trained"],
+                   [[label] + [f"{'x ' * bad}{loss:.3f} / {rho or 0:.2f} / {h or 0:.3g}{' !' * big}"
+                               for loss, rho, h, bad, big in zip(row["loss"], row["max_rho"], row["max_h_norm"],
+                                                                 row["diverged"], row["past_bf16_limit"])]
+                    + [row["highest_trained"]] for label, row in sweep.items()])
+    out += f"\n## Claim 2: ‖h_T‖ and the loss, T = 8 to 32, lr {SHARED_RATE:g} (mean [90%])\n\n" + markdown_table(
         ["injection", "diverged", "‖h_32‖ / ‖h_8‖", "L(32) - L(8)"],
         [(i, d["diverged"], cell(d["h_ratio_32_8"]), cell(d["loss_32_minus_8"], "{:+.4f}"))
          for i, d in details["depth"].items()])
@@ -460,15 +499,18 @@ def report(args):
               f"run` first", file=sys.stderr)
         return 2
     verdicts = []
-    for claim, paper in PAPER.items():
-        n = seeds_wanted(claim, results, args.seeds, args.max_seeds)
-        verdicts.append(dict(id=claim, claim=paper["claim"], paper=paper["paper"], paper_effect=paper["effect"],
-                             expected_sign=paper["sign"], seeds=n, **judge(claim, results, n)))
+    for claim, optimizer in claim_arms(results):
+        paper, n = PAPER[claim], seeds_for(claim, args.seeds, args.max_seeds)
+        verdicts.append(dict(id=claim, optimizer=optimizer, claim=paper["claim"], paper=paper["paper"],
+                             paper_effect=paper["effect"], expected_sign=paper["sign"], seeds=n,
+                             **judge(claim, optimizer, results, n)))
     seeds = args.seeds  # the details: at the base seeds
+    rates = {f"claim{c}_rate_{o}": chosen_rate(results, o, norms) for c, norms in (("1", (1,)), ("5", (1, 0)))
+             for o in OPTIMIZERS}
     details = dict(setup=dict(train_flags=MAIN, steps=STEPS, small_flags=SMALL, small_steps=SMALL_STEPS, rates=RATES,
-                              claim5_rate=norm_rate(results)), sweep=sweep_details(results),
-                   depth=depth_details(results, seeds), transformer=transformer_details(results, seeds),
-                   test_time=test_time_details(results, seeds))
+                              fractions=FRACTIONS, **rates),
+                   sweep={o: sweep_details(results, o) for o in OPTIMIZERS}, depth=depth_details(results, seeds),
+                   transformer=transformer_details(results, seeds), test_time=test_time_details(results, seeds))
     OUT.mkdir(parents=True, exist_ok=True)
     write_atomically(OUT / "verdicts.json", lambda p: p.write_text(json.dumps(dict(verdicts=verdicts, details=details),
                                                                              indent=1)))
@@ -477,81 +519,36 @@ def report(args):
     write_atomically(DETAILS, lambda p: p.write_text("# The laptop evidence suite: the numbers behind its verdicts\n\n"
                                                      "`python evidence.py report` writes this page.\n\n"
                                                      + details_markdown(verdicts, details)))
-    draw(results, seeds, details)
+    draw_evidence(OUT, figure_data(results, seeds, details, verdicts))
     print(table)
     print(f"wrote {OUT / 'verdicts.json'}, {TABLE}, {DETAILS} and the figures in {OUT}")
     return 0
 
 
-def draw(results, seeds, details):
-    matplotlib.use("Agg")  # no display needed
-    import matplotlib.pyplot as plt
+def figure_data(results, seeds, details, verdicts):
+    """What plot.draw_evidence draws: the sweep, and per figure the trained runs of each line colour (base seeds)."""
+    def trained(arm):
+        return [r for r in (results[arm(s)["name"]] for s in range(seeds)) if not r["diverged"]]
 
-    def save(fig, axes, name, **labels):
-        for ax in np.ravel(axes):
-            ax.set(xscale="log", **labels)
-        np.ravel(axes)[0].legend(fontsize=8)
-        fig.tight_layout()
-        write_atomically(OUT / name, lambda p: fig.savefig(p, dpi=110, format="png"))
-        plt.close(fig)
+    def fitted(r):
+        fit = fit_test_time(r["curve"]["T"], r["curve"]["loss"])
+        return dict(r["curve"], fit=[fit["L_inf"], fit["Z"], fit["z"]], stop=gains_stop(r))
 
-    def seed_lines(ax, groups, x, y):
-        """One line per seed of each group {label: run builder of a seed}, one colour per group."""
-        for i, (label, arm) in enumerate(groups.items()):
-            runs = [r for r in (results[arm(s)["name"]] for s in range(seeds)) if not r["diverged"]]
-            for r in runs:
-                ax.plot(x(r), y(r), "o-", color=f"C{i}", alpha=0.6, label=label if r is runs[0] else None)
-
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))  # claim 1 (and 5's rate): the sweep, seed 0
-    for i, (label, row) in enumerate(details["sweep"].items()):
-        axes[0].plot(RATES, row["loss"], "o-", color=f"C{i}", label=label)
-        axes[0].plot([r for r, bad in zip(RATES, row["diverged"]) if bad], [UNIFORM_LOSS] * sum(row["diverged"]), "x",
-                     color=f"C{i}", markersize=12, mew=2)
-        for ax, key in zip(axes[1:], ("max_h_norm", "max_rho")):
-            if row[key][0] is not None:
-                ax.plot(RATES, row[key], "o-", color=f"C{i}", label=label)
-    for ax, title in zip(axes, ("final val loss (x: diverged, at ln 259)", "max ||h_T|| in training",
-                                "max rho(Abar) in training")):
-        ax.set_title(title)
-    axes[1].set_yscale("log")
-    save(fig, axes, "lr_sweep.png", xlabel="learning rate, whole model (AdamW = Muon)")
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))  # claim 2: the state and the loss against test-time depth
-    groups = {injection: (lambda s, i=injection: make_run(i, SHARED_RATE, s)) for injection in INJECTIONS}
-    seed_lines(axes[0], groups, lambda r: r["curve"]["T"], lambda r: r["curve"]["h_norm"])
-    seed_lines(axes[1], groups, lambda r: r["curve"]["T"], lambda r: r["curve"]["loss"])
-    axes[0].set(yscale="log", title="||h_T|| (one line per seed)")
-    axes[1].set_title(f"val loss, trained at mu_rec 8, lr {SHARED_RATE:g}")
-    save(fig, axes, "depth.png", xlabel="test-time recurrence T")
-
-    fig, ax = plt.subplots(figsize=(6, 4))  # claim 4
-    seed_lines(ax, {sampling: (lambda s, m=sampling: make_run(sampling=m, seed=s))
-                    for sampling in ("per_batch", "per_sequence")},
-               lambda r: r["curve"]["T"], lambda r: r["curve"]["loss"])
-    save(fig, ax, "sampling.png", xlabel="test-time recurrence T", ylabel="val loss",
-         title="depth sampling (one line per seed)")
-
-    fig, axes = plt.subplots(1, len(SMALL_RATES), figsize=(11, 4), sharey=True)  # claim 6
-    for ax, rate in zip(axes, SMALL_RATES):
-        seed_lines(ax, {label: (lambda s, i=injection: make_run(i, rate, s, small=True))
-                        for label, injection in (("Parcae (T = 8)", "diagonal"), ("Transformer", "none"))},
-                   lambda r: [v["step"] * BATCH / SMALL_PARAMS for v in r["val"]],
-                   lambda r: [v["loss"] for v in r["val"]])
-        ax.set(title=f"same parameters, lr {rate:g}", yscale="log")
-    save(fig, axes, "transformer.png", xlabel="tokens per parameter", ylabel="val loss")
-
-    fig, ax = plt.subplots(figsize=(6, 4))  # claim 7: the points, the fit, and where the gains stop (dotted)
-    T = np.linspace(1, max(CURVE_T), 200)
-    for i, mu in enumerate((2, 4, 8)):
-        runs = [r for r in (results[make_run(mu_rec=mu, seed=s)["name"]] for s in range(seeds)) if not r["diverged"]]
-        for r in runs:
-            fit = fit_test_time(r["curve"]["T"], r["curve"]["loss"])
-            label = f"mu_rec {mu}" if r is runs[0] else None
-            ax.plot(r["curve"]["T"], r["curve"]["loss"], "o", color=f"C{i}", label=label)
-            ax.plot(T, fit["L_inf"] + fit["Z"] * np.exp(-fit["z"] * T), "-", color=f"C{i}", alpha=0.6)
-            ax.axvline(gains_stop(r), color=f"C{i}", ls=":", alpha=0.6)
-    save(fig, ax, "test_time.png", xlabel="test-time recurrence T", ylabel="val loss",
-         title="L(T) and its fit L_inf + Z exp(-zT) (dotted: gains stop)")
+    return dict(rates=RATES, uniform=UNIFORM_LOSS, bf16_limit=BF16_STATE_LIMIT, shared_rate=SHARED_RATE,
+                sweep=details["sweep"], max_T=max(CURVE_T),
+                depth={i: [r["curve"] for r in trained(lambda s, i=i: make_run(i, seed=s))] for i in INJECTIONS},
+                sampling={o: {m: [r["curve"] for r in trained(lambda s, m=m, o=o: make_run(sampling=m, seed=s,
+                                                                                            optimizer=o))]
+                              for m in ("per_batch", "per_sequence")} for o in OPTIMIZERS},
+                transformer={rate: {label: [dict(x=[v["step"] * BATCH / SMALL_PARAMS for v in r["val"]],
+                                                 y=[v["loss"] for v in r["val"]])
+                                            for r in trained(lambda s, i=i, r=rate: make_run(i, r, s, small=True))]
+                                    for label, i in (("Parcae (T = 8)", "diagonal"), ("Transformer", "none"))}
+                             for rate in SMALL_RATES},
+                test_time={mu: [fitted(r) for r in trained(lambda s, mu=mu: make_run(mu_rec=mu, seed=s))]
+                           for mu in (2, 4, 8)},
+                drift=[dict(label=f"{v['id']} {v['optimizer']}", x=FRACTIONS, ok=v["drift"]["long_enough"],
+                            y=list(v["drift"]["by_fraction"].values())) for v in verdicts if v["drift"]])
 
 
 def write_readme_table(readme):
@@ -570,10 +567,12 @@ def write_readme_table(readme):
 def plan(args):
     runs, results = all_results(args.seeds, args.max_seeds)
     for r in sorted(runs, key=lambda r: r["name"]):
-        print(f"{r['name']:48s} {r['steps']:5d} steps  {'done' if r['name'] in results else ''}")
-    detectable = [f"{t_quantile(0.95, n - 1) / math.sqrt(n):.2f} x at {n}" for n in (args.seeds, args.max_seeds)]
-    print(f"\n{len(runs)} runs ({len(results)} done; claim 5 and extra seeds come as results do). An interval excludes "
-          f"0 when |mean difference| > t sd / sqrt(n), the pairs' sd times {' seeds, '.join(detectable)} seeds.")
+        print(f"{r['name']:52s} {r['steps']:5d} steps  {'done' if r['name'] in results else ''}")
+    for claim in PAPER:
+        n, (sd, mean) = seeds_for(claim, args.seeds, args.max_seeds), PILOT[claim]
+        print(f"claim {claim}: {n} seeds (pilot sd {sd:g}: the interval resolves "
+              f"±{t_quantile(0.95, n - 1) * sd / math.sqrt(n):.3g})")
+    print(f"\n{len(runs)} runs ({len(results)} done; claims 1 and 5 come once the sweep has chosen their rates).")
     return 0
 
 
@@ -582,8 +581,8 @@ def main(argv=None):
     parser.add_argument("command", choices=["plan", "run", "report", "evaluate"])
     parser.add_argument("names", nargs="*", help="evaluate: a run name, its mu_rec and 1 for the T curve (internal)")
     parser.add_argument("--jobs", type=int, default=2, help="runs at once (one thread each)")
-    parser.add_argument("--seeds", type=int, default=3, help="paired seeds of each claim")
-    parser.add_argument("--max_seeds", type=int, default=5, help="at most this many where an interval needs more")
+    parser.add_argument("--seeds", type=int, default=3, help="paired seeds of each claim, at least")
+    parser.add_argument("--max_seeds", type=int, default=5, help="at most, where the pilot's spread needs more")
     parser.add_argument("--readme", help="report: also fill this README's evidence table")
     args = parser.parse_args(argv)
     if args.seeds < 2 or args.max_seeds < args.seeds or args.jobs < 1:

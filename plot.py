@@ -142,6 +142,86 @@ def summary_row(label, run):
     return f"| {label} | {final:.3f} | {val} | {largest('rho')} | {largest('h_norm')} | {run['diverged_at'] or '-'} |"
 
 
+# -----------------------------------------------------------------------------
+# The evidence suite's figures (evidence.py report prepares the data: figure_data)
+
+def draw_evidence(out, data):
+    """out/{lr_sweep, depth, sampling, transformer, test_time, drift}.png from evidence.figure_data's dict."""
+    import matplotlib
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    def save(fig, axes, name, xscale="log", **labels):
+        for ax in np.ravel(axes):
+            ax.set(xscale=xscale, **labels)
+        np.ravel(axes)[0].legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / f"{name}.tmp.png", dpi=110)  # written whole, then renamed
+        os.replace(out / f"{name}.tmp.png", out / f"{name}.png")
+        plt.close(fig)
+
+    def seed_lines(ax, groups, x, y):
+        """One line per run of each group {label: [run]}, one colour per group."""
+        for i, (label, runs) in enumerate(groups.items()):
+            for r in runs:
+                ax.plot(x(r), y(r), "o-", color=f"C{i}", alpha=0.6, label=label if r is runs[0] else None)
+
+    rates = data["rates"]
+    fig, axes = plt.subplots(len(data["sweep"]), 3, figsize=(15, 4 * len(data["sweep"])), squeeze=False)
+    for row_axes, (optimizer, sweep) in zip(axes, data["sweep"].items()):  # claims 1 and 5: one row per optimiser
+        for i, (label, row) in enumerate(sweep.items()):
+            row_axes[0].plot(rates, row["loss"], "o-", color=f"C{i}", label=label)
+            row_axes[0].plot([r for r, bad in zip(rates, row["diverged"]) if bad],
+                             [data["uniform"]] * sum(row["diverged"]), "x", color=f"C{i}", markersize=12, mew=2)
+            for ax, key in zip(row_axes[1:], ("max_h_norm", "max_rho")):
+                if row[key][0] is not None:
+                    ax.plot(rates, row[key], "o-", color=f"C{i}", label=label)
+        for ax, title in zip(row_axes, (f"final val loss (x: diverged, at {data['uniform']:.2f})",
+                                        "max ||h_T|| in training (dotted: bf16's limit)", "max rho(Abar) in training")):
+            ax.set_title(f"{optimizer}: {title}", fontsize=10)
+        row_axes[1].axhline(data["bf16_limit"], color="grey", ls=":")  # a warning in float32, not a divergence
+        row_axes[1].set_yscale("log")
+    save(fig, axes, "lr_sweep", xlabel="learning rate, whole model (AdamW = Muon)")
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))  # claim 2: the state and the loss against test-time depth
+    seed_lines(axes[0], data["depth"], lambda c: c["T"], lambda c: c["h_norm"])
+    seed_lines(axes[1], data["depth"], lambda c: c["T"], lambda c: c["loss"])
+    axes[0].set(yscale="log", title="||h_T|| (one line per seed)")
+    axes[1].set_title(f"val loss, trained at mu_rec 8, lr {data['shared_rate']:g}")
+    save(fig, axes, "depth", xlabel="test-time recurrence T")
+
+    fig, axes = plt.subplots(1, len(data["sampling"]), figsize=(11, 4), squeeze=False)  # claim 4, per optimiser
+    for ax, (optimizer, groups) in zip(axes[0], data["sampling"].items()):
+        seed_lines(ax, groups, lambda c: c["T"], lambda c: c["loss"])
+        ax.set_title(f"depth sampling under {optimizer} (one line per seed)", fontsize=10)
+    save(fig, axes, "sampling", xlabel="test-time recurrence T", ylabel="val loss")
+
+    fig, axes = plt.subplots(1, len(data["transformer"]), figsize=(11, 4), sharey=True, squeeze=False)  # claim 6
+    for ax, (rate, groups) in zip(axes[0], data["transformer"].items()):
+        seed_lines(ax, groups, lambda r: r["x"], lambda r: r["y"])
+        ax.set(title=f"same parameters, lr {rate:g}", yscale="log")
+    save(fig, axes, "transformer", xlabel="tokens per parameter", ylabel="val loss")
+
+    fig, ax = plt.subplots(figsize=(6, 4))  # claim 7: the points, the fit, and where the gains stop (dotted)
+    T = np.linspace(1, data["max_T"], 200)
+    for i, (mu, curves) in enumerate(data["test_time"].items()):
+        for c in curves:
+            ax.plot(c["T"], c["loss"], "o", color=f"C{i}", label=f"mu_rec {mu}" if c is curves[0] else None)
+            L_inf, Z, z = c["fit"]
+            ax.plot(T, L_inf + Z * np.exp(-z * T), "-", color=f"C{i}", alpha=0.6)
+            ax.axvline(c["stop"], color=f"C{i}", ls=":", alpha=0.6)
+    save(fig, ax, "test_time", xlabel="test-time recurrence T", ylabel="val loss",
+         title="L(T) and its fit L_inf + Z exp(-zT) (dotted: gains stop)")
+
+    fig, axes = plt.subplots(1, len(data["drift"]), figsize=(2.2 * len(data["drift"]), 3.2), squeeze=False)
+    for ax, d in zip(axes[0], data["drift"]):  # the drift rule: blue long enough, red not
+        ax.plot(d["x"], d["y"], "o-", color="C0" if d["ok"] else "C3", label="A - B, seed mean")
+        ax.axhline(0, color="grey", lw=0.8)
+        ax.set_title(d["label"], fontsize=9)
+    save(fig, axes, "drift", xscale="linear", xlabel="fraction of training")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", metavar="RUN", help="a run folder, or a run name under the base dir")

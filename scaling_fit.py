@@ -191,3 +191,34 @@ def interval_verdict(ci, expected_sign):
     if ci is None or ci[0] <= 0 <= ci[1]:
         return "not shown"
     return "shown" if (ci[0] > 0) == (expected_sign > 0) else "opposite"
+
+
+def drift_check(fractions, differences, level=0.9):
+    """Is a paired comparison long enough to judge? differences[k][i]: arm A minus arm B of seed i at the eval at
+    fractions[k] of training (0.6 ... 1.0, the last the final difference). It is when the seed-mean difference has
+    one sign at every eval and the interval of its drift, final minus 80%, lies within half the final difference.
+    A schedule that moves both arms alike (the warmdown) moves neither; a gap still closing trips it.
+    -> dict(by_fraction (the seed means), one_sign, drift (paired_interval), limit, long_enough, reason)."""
+    d = np.asarray(differences, float)
+    means = d.mean(axis=1)
+    drift = paired_interval(d[-1] - d[list(fractions).index(0.8)], level)
+    limit = abs(float(means[-1])) / 2
+    within = drift["ci90"] is not None and -limit <= drift["ci90"][0] and drift["ci90"][1] <= limit
+    one_sign = bool(np.all(means > 0) or np.all(means < 0))
+    reason = None
+    if not one_sign:
+        reason = f"the mean difference changes sign between {fractions[0]:.0%} and 100% of training"
+    elif not within:
+        reason = "still drifting: final minus 80% is " + ("-" if drift["ci90"] is None else
+                                                          f"[{drift['ci90'][0]:+.3f}, {drift['ci90'][1]:+.3f}]") \
+                 + f", not within ±{limit:.3f} (half the final difference)"
+    return dict(by_fraction=dict(zip((f"{f:g}" for f in fractions), map(float, means))), one_sign=one_sign,
+                drift=drift, limit=limit, long_enough=reason is None, reason=reason)
+
+
+def seeds_needed(sd, effect, floor=3, cap=5, level=0.9):
+    """Paired seeds fixed before an experiment from a pilot's spread: the fewest n in [floor, cap] whose interval's
+    half-width t sd / sqrt(n) is at most half the effect to detect (cap when none is)."""
+    q = 1 - (1 - level) / 2
+    return next((n for n in range(floor, cap + 1) if t_quantile(q, n - 1) * sd / math.sqrt(n) <= abs(effect) / 2),
+                cap)

@@ -10,18 +10,23 @@ import pytest
 import evidence
 
 
-def record(run, loss=2.0, diverged=False, fall=0.0, curve=None):
-    """A finished run as load_results returns it: evals at 60% / 80% / 100% of the steps."""
+def record(run, loss=2.0, diverged=False, fall=0.0, gap_left=0.0, curve=None):
+    """A finished run as load_results returns it, with evals at 60 / 70 / 80 / 90 / 100% of the steps: the loss
+    falls by `fall` over the last 40% (a warmdown) and by another `gap_left` x (1 - fraction) / 0.4 before the end
+    (a gap still closing, when one arm has it)."""
     steps = run["steps"]
-    val = [dict(step=int(f * steps), loss=loss + fall * (1 - f) / 0.2) for f in (0.6, 0.8, 1.0)]
+    losses = [loss + (fall + gap_left) * min(1.0, (1 - f) / 0.4) for f in evidence.FRACTIONS]
+    val = [dict(step=round(f * steps), loss=L, loss_T1=L + 0.5) for f, L in zip(evidence.FRACTIONS, losses)]
     return dict(run, val=val, diverged=diverged, diverged_at=5 if diverged else None, curve=curve,
                 loss=evidence.UNIFORM_LOSS if diverged else loss, max_rho=0.5, max_h_norm=10.0, train_loss=[])
 
 
-def results_of(pairs, claim):
-    """{name: record} for claim's arms, one (loss A, loss B) per seed, plus kwargs per arm."""
-    arms = evidence.claim_arms({})[claim]
-    out = {}
+def results_of(pairs, claim, optimizer="muon", sweep=None):
+    """{name: record} for claim's arms, one (kwargs of arm A, kwargs of arm B) per seed, and `sweep`'s records
+    (claims 1 and 5 need the sweep's to choose their rates)."""
+    sweep = sweep or {}
+    arms = evidence.claim_arms(sweep)[(claim, optimizer)]
+    out = dict(sweep)
     for seed, (a, b) in enumerate(pairs):
         for arm, kwargs in zip(arms, (a, b)):
             r = record(arm(seed), **kwargs)
@@ -33,48 +38,79 @@ def test_a_clear_paired_difference_is_shown_even_when_the_seeds_spread():
     """Seeds move both arms together by up to 0.3 nats; the within-seed difference of 0.05 is shown."""
     offsets, gaps = [0.0, 0.3, -0.2], [0.05, 0.052, 0.048]
     results = results_of([(dict(loss=2 + o + g), dict(loss=2 + o)) for o, g in zip(offsets, gaps)], "3a")
-    judged = evidence.judge("3a", results, 3)
+    judged = evidence.judge("3a", "muon", results, 3)
     assert judged["verdict"] == "shown" and judged["n"] == 3 and judged["measured"] == pytest.approx(0.05)
     assert judged["ci90"][0] > 0.04 and judged["ci90"][1] < 0.06
     flipped = results_of([(dict(loss=2 + o), dict(loss=2 + o + g)) for o, g in zip(offsets, gaps)], "3a")
-    assert evidence.judge("3a", flipped, 3)["verdict"] == "opposite"
-    assert evidence.judge("3a", results, 4) is None  # seed 3 has not run
+    assert evidence.judge("3a", "muon", flipped, 3)["verdict"] == "opposite"
+    assert evidence.judge("3a", "muon", results, 4) is None  # seed 3 has not run
 
 
-def test_a_difference_smaller_than_the_late_fall_is_not_shown():
-    """The loss still fell 0.2 over the last 20% of the steps: a 0.05 gap is not a verdict."""
-    results = results_of([(dict(loss=2.05 + 0.001 * s, fall=0.2), dict(loss=2.0, fall=0.2)) for s in range(3)], "3a")
-    judged = evidence.judge("3a", results, 3)
-    assert judged["verdict"] == "not shown" and "still falling" in judged["reason"]
-    assert "the interval alone would say shown" in judged["reason"] and judged["ci90"][0] > 0
-    assert judged["late_fall"] == pytest.approx(0.2)
-    assert evidence.seeds_wanted("3a", results, 3, 5) == 3  # more seeds cannot make a run longer
+def test_a_warmdown_that_lowers_both_arms_alike_never_trips_the_drift_rule():
+    """Both arms fall 0.3 nats over the last 40% of training, three times the 0.05 gap: still shown."""
+    results = results_of([(dict(loss=2.05 + 0.002 * s, fall=0.3), dict(loss=2.0, fall=0.3)) for s in range(3)], "3a")
+    judged = evidence.judge("3a", "muon", results, 3)
+    assert judged["verdict"] == "shown" and judged["reason"] is None
+    drift = judged["drift"]
+    assert drift["long_enough"] and drift["one_sign"] and drift["limit"] == pytest.approx(judged["measured"] / 2)
+    assert drift["drift"]["measured"] == pytest.approx(0.0, abs=1e-12)
+    assert list(drift["by_fraction"]) == ["0.6", "0.7", "0.8", "0.9", "1"]
+
+
+def test_a_difference_still_shrinking_towards_zero_is_not_shown():
+    """Arm A's extra loss closes from 0.10 at 60% to 0.02 at the end: the interval alone excludes 0, but the drift
+    from 80% (-0.03) is more than half the final difference (0.01), so the run was too short to judge."""
+    results = results_of([(dict(loss=2.02 + 0.001 * s, gap_left=0.08), dict(loss=2.0)) for s in range(3)], "3a")
+    judged = evidence.judge("3a", "muon", results, 3)
+    assert judged["ci90"][0] > 0 and judged["verdict"] == "not shown"
+    assert judged["reason"].startswith("still drifting") and "the interval alone would say shown" in judged["reason"]
+    assert judged["drift"]["drift"]["measured"] == pytest.approx(-0.04)
+    changing = results_of([(dict(loss=1.98, gap_left=0.1), dict(loss=2.0)) for _ in range(3)], "3a")
+    assert "changes sign" in evidence.judge("3a", "muon", changing, 3)["drift"]["reason"]
+
+
+def test_claim_4_is_judged_at_t1_and_a_claim_holding_zero_says_so():
+    results = results_of([(dict(loss=2.0 + 0.01 * s), dict(loss=2.0 + 0.01 * s)) for s in range(3)], "4", "adamw")
+    judged = evidence.judge("4", "adamw", results, 3)
+    assert judged["verdict"] == "not shown" and judged["reason"] == "the 90% interval holds 0"
+    name = evidence.claim_arms({})[("4", "adamw")][0](0)["name"]
+    assert "_per_batch_adamw_" in name and "--optimizer=adamw" in results[name]["flags"]
+    results[name]["val"][-1]["loss_T1"] += 1.0  # at T = 1 only: claim 4 sees it, T = mu_rec would not
+    assert evidence.judge("4", "adamw", results, 3)["measured"] == pytest.approx(1 / 3)
 
 
 def test_a_diverged_run_counts_as_a_uniform_guess():
-    results = results_of([(dict(diverged=True), dict(loss=2.0)) for _ in range(3)], "1")
-    judged = evidence.judge("1", results, 3)
+    sweep = {r["name"]: record(r) for r in evidence.sweep_runs()}
+    results = results_of([(dict(diverged=True), dict(loss=2.0)) for _ in range(3)], "1", sweep=sweep)
+    judged = evidence.judge("1", "muon", results, 3)
     assert judged["measured"] == pytest.approx(math.log(259) - 2.0) and judged["verdict"] == "shown"
 
 
-def test_an_interval_holding_zero_and_wider_than_the_papers_effect_asks_for_another_seed():
-    """Claim 5 (paper: 0.03 nats): noisy pairs around 0 want a 4th seed, then a 5th, never more than max_seeds;
-    a clear result keeps 3."""
-    noisy = [0.1, -0.1, 0.05, -0.02, 0.08]
+def test_claims_1_and_5_run_at_the_rates_the_sweep_chose_per_optimiser():
+    """Under AdamW Parcae without the norm diverged above the lowest rate, with it above the second: claim 5 runs
+    at the lowest, claim 1 at the second; under Muon every run trained, so both run at the top rate."""
     results = {}
-    rate = evidence.RATES[0]
-    for seed, gap in enumerate(noisy):
-        for norm, loss in ((0, 2.0 + gap), (1, 2.0)):
-            r = record(evidence.make_run("diagonal", rate, seed, prelude_norm=norm), loss=loss)
-            results[r["name"]] = r
-    for r in evidence.sweep_runs():  # the sweep: without the norm, every rate but the lowest diverged
-        if r["name"] not in results:
-            results[r["name"]] = record(r, diverged=r["injection"] == "diagonal" and not r["prelude_norm"])
-    assert evidence.norm_rate(results) == rate
-    assert evidence.seeds_wanted("5", results, 3, 5) == 5
-    assert evidence.seeds_wanted("5", results, 3, 4) == 4
-    clear = results_of([(dict(loss=2.1 + 0.001 * s), dict(loss=2.0)) for s in range(3)], "3a")
-    assert evidence.seeds_wanted("3a", clear, 3, 5) == 3
+    for r in evidence.sweep_runs():
+        adamw = r["optimizer"] == "adamw" and r["injection"] == "diagonal"
+        bad = adamw and r["rate"] > evidence.RATES[0 if not r["prelude_norm"] else 1]
+        results[r["name"]] = record(r, diverged=bad)
+    assert evidence.chosen_rate(results, "adamw", (1, 0)) == evidence.RATES[0]
+    assert evidence.chosen_rate(results, "adamw", (1,)) == evidence.RATES[1]
+    assert evidence.chosen_rate(results, "muon", (1, 0)) == evidence.RATES[-1]
+    arms = evidence.claim_arms(results)
+    assert arms[("5", "adamw")][0](1)["rate"] == evidence.RATES[0] and arms[("1", "adamw")][1](1)["rate"] == 8e-3
+    assert [key for key in arms] == evidence.CLAIMS
+    assert ("5", "muon") not in evidence.claim_arms({})  # before the sweep has finished
+
+
+def test_each_claims_seeds_are_fixed_from_the_pilot_before_any_run():
+    """The pilot's spread fixes n: a noisy claim gets more seeds (up to the cap), never depending on results."""
+    assert evidence.seeds_needed(0.0084, 0.03, 3, 5) == 3  # claim 5: t(0.95, 2) 0.0084 / sqrt 3 = 0.0142 <= 0.015
+    assert evidence.seeds_needed(0.013, 0.03, 3, 5) == 5  # 0.0153 at n = 4 > 0.015, 0.0124 at 5
+    assert evidence.seeds_needed(0.05, 0.03, 3, 5) == 5 and evidence.seeds_needed(0.05, 0.03, 3, 4) == 4
+    assert all(evidence.seeds_for(claim, 3, 5) == 3 for claim in evidence.PAPER)  # this suite's pilot
+    planned = {r["name"] for r in evidence.planned_runs({}, 3, 5)}
+    assert "ev_diagonal_per_batch_adamw_mu8_lr0.008_s2" in planned and not any(n.endswith("_s3") for n in planned)
 
 
 def test_the_test_time_fit_recovers_a_known_curve_and_the_gains_stop_where_the_loss_flattens():
@@ -121,7 +157,7 @@ def test_a_real_run_its_curve_at_mu_rec_equals_train_pys_own_eval(tmp_path):
     assert evidence.train_and_evaluate(run, tmp_path / "log.txt", threads=1), (tmp_path / "log.txt").read_text()
     record = json.loads((evidence.run_dir(run["name"]) / "evidence.json").read_text())
     assert record["curve"]["T"] == evidence.CURVE_T and len(record["curve"]["h_norm"]) == len(evidence.CURVE_T)
-    assert [v["step"] for v in record["val"]] == [2, 4]
+    assert [v["step"] for v in record["val"]] == [2, 4] and all(v["loss_T1"] > 0 for v in record["val"])
     assert evidence.depth_loss(record, 2) == pytest.approx(record["val"][-1]["loss"], rel=1e-5)
     loaded = evidence.load_results([run])[run["name"]]
     assert not loaded["diverged"] and loaded["loss"] == record["val"][-1]["loss"] and loaded["curve"] == record["curve"]
