@@ -4,6 +4,7 @@ scaling.py: the paper's scaling laws for looping (paper §5.2-5.3, Appendices L 
     python scaling.py plan --depth=6 --flops=1e18,3e18,1e19 --mu_rec=1,2,4,6,8,12   # tokens, steps, GPU-hours
     python scaling.py run --preset=cpu && python scaling.py fit --preset=cpu          # the CPU study, ~50 min
     python scaling.py run --depth=6 --flops=1e18,3e18 --mu_rec=1,2,4,8 --seeds=3      # on a GPU node (torchrun)
+    python scaling.py fit --refit figures/scaling_cpu/fit.json                        # recorded runs, fitted anew
 
 An isoFLOP sweep trains one model size at a few training-FLOP budgets C; inside a budget it trades recurrence
 for data: tokens D = C / FLOPs-per-token(mu_rec), the arithmetic of train.py's --target_flops. The middle budget
@@ -371,16 +372,17 @@ def fit_unified_law(runs, notes):
                 held_out_C=held_C, points_in_sample=len(train), points_held_out=len(held))
 
 
-def fit(sweep):
+def fit(sweep, runs=None, out_dir=None):
+    """Fit the sweep's finished runs (or `runs`, a fit.json's recorded ones) -> fit.json and figures in out_dir."""
     notes = []
-    runs = collect(sweep, notes)
+    runs = collect(sweep, notes) if runs is None else runs
     budgets = fit_budgets(runs, notes)
     sigma, dof = pooled_spread([s for b in budgets.values() for s in b["seed_losses"]])
     paired_sigma, paired_dof = paired_spread(runs)
     judge_frontier(budgets, runs, paired_sigma, paired_dof)
     laws = fit_power_laws(budgets, sigma, notes)
     unified = fit_unified_law(runs, notes)
-    out_dir = get_base_dir() / "scaling" / sweep["name"]
+    out_dir = out_dir or get_base_dir() / "scaling" / sweep["name"]
     out_dir.mkdir(parents=True, exist_ok=True)
     noise = dict(sigma=sigma, degrees_of_freedom=dof, paired_sigma=paired_sigma, paired_degrees_of_freedom=paired_dof,
                  seeds=sweep["seeds"], budget=seed_budget(sweep),
@@ -560,9 +562,18 @@ def main(argv=None):
     parser.add_argument("--T", type=lambda s: parse_list(s, int, "--T"), help="test-time depths of the unified fit")
     parser.add_argument("--seeds", type=int, help="seeds at the middle budget, which measure the noise (default 1)")
     parser.add_argument("--sweep", help="sweep name (default: the preset's, or d<depth>)")
+    parser.add_argument("--refit", type=Path, metavar="FIT_JSON",
+                        help="fit: fit again the runs a fit.json recorded (no run folders needed) and write the new "
+                        "fit.json and figures beside it, e.g. figures/scaling_cpu/fit.json")
     parser.add_argument("--gpus", type=int, default=None,
                         help="processes per point (default: every GPU here for run, 8 for plan's commands)")
     args = parser.parse_args(argv)
+    if args.command == "fit" and args.refit:
+        try:
+            recorded = json.loads(args.refit.read_text())
+        except (OSError, ValueError) as err:
+            fail(f"cannot read {args.refit} ({err}): give a fit.json that `python scaling.py fit` wrote")
+        return fit(recorded["sweep"], recorded["runs"], args.refit.parent)
     sweep = make_sweep(args)
     if args.command == "plan":
         plan(sweep, 8 if args.gpus is None else args.gpus)

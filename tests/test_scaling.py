@@ -6,6 +6,7 @@ counts only above twice the seed spread, fit survives missing and diverged runs.
 import json
 import math
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -332,6 +333,15 @@ def test_fit_notes_missing_and_diverged_runs_measures_the_seed_spread_and_draws_
     saved = json.loads((out_dir / "fit.json").read_text())
     assert saved["notes"] == result["notes"] and saved["power_laws"]["D"]["interval90"] == list(
         result["power_laws"]["D"]["interval90"])
+    # --refit: the recorded runs fitted again with no run folders, written beside the JSON: the same budgets
+    recorded = tmp_path / "recorded" / "fit.json"
+    recorded.parent.mkdir()
+    recorded.write_text((out_dir / "fit.json").read_text())
+    shutil.rmtree(tmp_path / "base" / "runs")
+    refit = scaling.main(["fit", "--refit", str(recorded)])
+    assert json.dumps(refit["budgets"], sort_keys=True) == json.dumps(saved["budgets"], sort_keys=True)
+    assert (recorded.parent / "frontier.png").stat().st_size > 5000
+    assert json.loads(recorded.read_text())["budgets"] == saved["budgets"]
 
 
 def test_bad_flags_end_in_one_line():
