@@ -161,3 +161,39 @@ def test_a_real_run_its_curve_at_mu_rec_equals_train_pys_own_eval(tmp_path):
     assert evidence.depth_loss(record, 2) == pytest.approx(record["val"][-1]["loss"], rel=1e-5)
     loaded = evidence.load_results([run])[run["name"]]
     assert not loaded["diverged"] and loaded["loss"] == record["val"][-1]["loss"] and loaded["curve"] == record["curve"]
+
+
+def test_the_report_writes_every_claim_per_optimiser_with_its_drift_numbers(tmp_path, monkeypatch):
+    """Synthetic records for every planned run (curves for the runs that have one): report writes verdicts.json
+    with a row per claim and optimiser, README's table, the details page and the six figures."""
+    monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(tmp_path / "base"))
+    monkeypatch.setattr(evidence, "OUT", tmp_path / "out")
+    monkeypatch.setattr(evidence, "TABLE", tmp_path / "out" / "verdicts.md")
+    monkeypatch.setattr(evidence, "DETAILS", tmp_path / "out" / "details.md")
+    T = np.array(evidence.CURVE_T, float)
+    written = set()
+    while True:  # the plan grows once the sweep's records exist (claims 1 and 5)
+        runs = [r for r in evidence.all_results(3, 5)[0] if r["name"] not in written]
+        if not runs:
+            break
+        for r in runs:
+            loss = 2.0 - 0.05 * (r["injection"] == "diagonal") + 0.01 * r["seed"]
+            curve = dict(T=list(T), loss=list(loss + 0.3 * np.exp(-T / r["mu_rec"])), h_norm=list(10 + T)) \
+                if r["with_curve"] else None
+            fake = record(r, loss=loss, fall=0.1, curve=curve)
+            directory = evidence.run_dir(r["name"])
+            directory.mkdir(parents=True)
+            (directory / "evidence.json").write_text(json.dumps(
+                {k: fake[k] for k in ("name", "diverged_at", "max_rho", "max_h_norm", "val", "curve")}))
+            written.add(r["name"])
+    assert evidence.main(["report"]) == 0
+    saved = json.loads((tmp_path / "out" / "verdicts.json").read_text())
+    assert [(v["id"], v["optimizer"]) for v in saved["verdicts"]] == evidence.CLAIMS
+    for v in saved["verdicts"]:
+        assert {"measured", "ci90", "n", "verdict", "reason", "drift"} <= v.keys()
+    rdm = saved["verdicts"][1]  # claim 1 under AdamW: concat 0.05 above Parcae at every eval of every seed
+    assert rdm["measured"] == pytest.approx(0.05) and rdm["verdict"] == "shown" and rdm["drift"]["long_enough"]
+    assert saved["details"]["setup"]["claim1_rate_adamw"] == evidence.RATES[-1]
+    assert "| 4 | adamw |" in (tmp_path / "out" / "verdicts.md").read_text()
+    for name in ("lr_sweep", "depth", "sampling", "transformer", "test_time", "drift"):
+        assert (tmp_path / "out" / f"{name}.png").stat().st_size > 5000
