@@ -168,9 +168,11 @@ def draw_evidence(out, data):
                 ax.plot(x(r), y(r), "o-", color=f"C{i}", alpha=0.6, label=label if r is runs[0] else None)
 
     rates = data["rates"]
+    labels = list(dict.fromkeys(label for sweep in data["sweep"].values() for label in sweep))  # one colour each
     fig, axes = plt.subplots(len(data["sweep"]), 3, figsize=(15, 4 * len(data["sweep"])), squeeze=False)
     for row_axes, (optimizer, sweep) in zip(axes, data["sweep"].items()):  # claims 1 and 5: one row per optimiser
-        for i, (label, row) in enumerate(sweep.items()):
+        for label, row in sweep.items():
+            i = labels.index(label)
             row_axes[0].plot(rates, row["loss"], "o-", color=f"C{i}", label=label)
             row_axes[0].plot([r for r, bad in zip(rates, row["diverged"]) if bad],
                              [data["uniform"]] * sum(row["diverged"]), "x", color=f"C{i}", markersize=12, mew=2)
@@ -182,6 +184,7 @@ def draw_evidence(out, data):
             ax.set_title(f"{optimizer}: {title}", fontsize=10)
         row_axes[1].axhline(data["bf16_limit"], color="grey", ls=":")  # a warning in float32, not a divergence
         row_axes[1].set_yscale("log")
+        row_axes[0].legend(fontsize=8)
     save(fig, axes, "lr_sweep", xlabel="learning rate, whole model (AdamW = Muon)")
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))  # claim 2: the state and the loss against test-time depth
