@@ -268,6 +268,20 @@ def test_cli_benchmark(checkpoint, monkeypatch, capsys):
     assert len(losses) == 3 and max(losses) - min(losses) < 1e-4  # cached, first release's, recomputed: one model
 
 
+def test_decoding_row_signs_the_time_of_auto_against_T_max(monkeypatch):
+    """auto slower than T_max (its exit tests cost more than the steps they skip) reads "time +25%", faster
+    "time -20%": never "--25%". The seconds are made up; the steps and losses are the tiny model's own."""
+    model, ids = tiny_model(), torch.tensor([[5, 17, 42, 8, 91, 3, 60, 11, 2, 7, 30, 19]])
+    for auto_seconds, expected in ((2.5, "time +25%"), (1.6, "time -20%")):
+        seconds = {"T=3": 1.0, "T=6": 2.0}  # mu_rec and T_max = 2 mu_rec; the rest 1 s, auto's auto_seconds
+        monkeypatch.setattr(sample, "median_seconds", lambda fns, *_, **__: {
+            name: auto_seconds if name.startswith("auto") else seconds.get(name, 1.0) for name in fns})
+        depth_row, _ = sample.decoding_rows(model, ids, 4, repeats=1)
+        result = depth_row[3]
+        assert result.startswith(f"auto (state) vs T=6: {expected}, steps "), result
+        assert re.match(r"auto \(state\) vs T=6: time [+-]\d+%, steps [+-]\d+%; loss vs T=3 [+-]\d", result), result
+
+
 def test_parse_depth():
     assert sample.parse_depth("auto") == "auto" and sample.parse_depth("12") == 12
     for bad in ("0", "-3", "2.5", "deep"):
