@@ -232,8 +232,10 @@ def test_cli_streams_each_sample(checkpoint, monkeypatch, capsys):
     second = capsys.readouterr().out
     assert out != second  # the depth changed the text
     sample.main(["--T=3", "--prompt=The cat", "--max_new_tokens=8"])
-    first_of_two = second.split("--- sample 2/2")[0].replace("--- sample 1/2", "")
+    first_of_two, second_of_two = second.replace("--- sample 1/2", "").split("--- sample 2/2")
     assert first_of_two.strip() == capsys.readouterr().out.strip()  # sample 1 does not depend on num_samples
+    sample.main(["--T=3", "--prompt=The cat", "--max_new_tokens=8", "--seed=43"])  # sample i is seeded --seed + i
+    assert second_of_two.strip() == capsys.readouterr().out.strip() != first_of_two.strip()
 
 
 def test_cli_interactive_loop_when_stdin_is_a_terminal(checkpoint, monkeypatch, capsys):
