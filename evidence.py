@@ -1,6 +1,6 @@
 """
 evidence.py: the paper's claims about Parcae as paired experiments on a laptop CPU, each with a 90% interval and
-a verdict. runs/evidence_cpu.sh runs it end to end (about an hour on a quiet 2-core machine).
+a verdict. runs/evidence_cpu.sh runs it end to end (76 runs, about 75 minutes on a 2-core machine).
 
     python evidence.py plan                  # the runs, their cost, and what each claim can detect
     python evidence.py run --jobs=2          # train (and evaluate) every run, two at a time, with an ETA
@@ -269,7 +269,7 @@ def run(args):
 # The claims: what each pair measures, the paper's side and effect, and the verdict
 
 PAPER = {  # expected sign of A - B, and the paper's effect in the same units where it gives one (None: no number)
-    "1": dict(claim="learning-rate robustness: at the sweep's top rate, RDM (concat) minus Parcae, final val loss",
+    "1": dict(claim="learning-rate robustness: RDM (concat) minus Parcae, final val loss, at Parcae's top rate",
               paper="RDM converges only at the lowest of 2e-4..1e-3, Parcae at every rate", sign=+1, effect=None),
     "2": dict(claim="addition is marginally stable: ln(‖h_32‖ / ‖h_8‖), addition minus Parcae",
               paper="addition's rho = 1: its state grows with depth; Parcae's rho < 1", sign=+1, effect=None),

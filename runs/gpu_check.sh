@@ -16,11 +16,8 @@
 #     bash runs/gpu_check.sh            # PYTHON=... to pick the interpreter (default python, else python3)
 #     bash runs/gpu_check.sh --tiny     # the same rows on a tiny model on a CPU, ~40 s on 2 cores (a test runs it)
 #
-# On a machine with torch but no rustbpe and no network (this project's borrowed GPU machine), fetch its wheel
-# into the repository first, `python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12
-# --implementation cp --platform manylinux2014_x86_64 -d .whl rustbpe==0.1.0` (/.whl/ in .git/info/exclude),
-# carry .whl, and run there, from the repository's root:
-#     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site && PYTHON=python3 bash runs/gpu_check.sh
+# On a GPU machine without internet, install the requirements from wheel files fetched elsewhere first
+# (docs/performance.md says how).
 #
 # Runs are named gpu_check_* under $NANOPARCAE_BASE_DIR/runs (default ~/.cache/nanoparcae/runs), replaced each time.
 # Every stage has a time limit, 8.5 minutes in all on a GPU, so the table is always written.

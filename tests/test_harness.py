@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 for flag in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):  # read when datasets is imported: set before lm_eval
     os.environ[flag] = "1"
-lm_eval = pytest.importorskip("lm_eval")
+lm_eval = pytest.importorskip("lm_eval", reason="lm_eval does not import; pip install -r requirements-eval.txt adds it")
 from lm_eval.api.instance import Instance  # noqa: E402
 
 import harness  # noqa: E402  (after the skip: it needs lm_eval)

@@ -1,5 +1,6 @@
 """The commands of README and docs/ name files that exist and flags that the scripts accept (each script's
---help), and README's test command is the one .ci/run runs."""
+--help); every command README shows is run by a test or .ci/run, or says on its line why not; and README's test
+command is the one .ci/run runs."""
 
 import re
 import shlex
@@ -66,7 +67,6 @@ def test_readme_test_command_is_what_ci_runs():
     assert ci_lines[-1].strip() == command
 
 
-
 def test_install_chooses_the_torch_build_after_the_venv_and_before_the_requirements():
     """Quick start names the CPU-only and the GPU machine before its first command (python train.py), and every
     block that installs the requirements has first made the venv and installed a chosen torch build (on its own,
@@ -84,3 +84,132 @@ def test_install_chooses_the_torch_build_after_the_venv_and_before_the_requireme
                 < commands.index("pip install -r requirements.txt")), block
         chosen.append(commands[torch_choice])
     assert chosen == ["pip install torch --index-url https://download.pytorch.org/whl/cpu", "pip install torch"]
+
+
+# -----------------------------------------------------------------------------
+# Every command README shows is run by a test or by .ci/run, or its line says why not (a comment holding a mark)
+
+MARKS = ("GPU only", "needs network", "too long for the tests")
+FENCE = re.compile(r"^```.*?^```", flags=re.S | re.M)
+INLINE_COMMAND = re.compile(r"`((?:python|python3|bash|torchrun) [^`\n]+)`")  # the project's scripts in prose
+
+# Where each command README shows is run: "<test file>::<test>", a test that runs that script with those flags (on
+# a tiny model or run where README's takes minutes), or ".ci/run". README changes a command: change it here too.
+RUN_BY = {
+    "python3 -m venv .venv": ".ci/run",
+    ". .venv/bin/activate": ".ci/run",
+    "python train.py": "tests/test_train.py::test_resumed_run_gives_exactly_the_losses_of_an_uninterrupted_run",
+    "python -m pytest -q -rs tests": ".ci/run",
+    'python sample.py --prompt="class Test" --max_new_tokens=64 --num_samples=3 --seed=42':
+        "tests/test_sample.py::test_cli_streams_each_sample",
+    'python sample.py --T=auto --prompt="import"': "tests/test_sample.py::test_cli_streams_each_sample",
+    'python sample.py --prompt="def fibonacci(n):" --seed=42 --T=4':
+        "tests/test_sample.py::test_cli_streams_each_sample",
+    "python eval_core.py --eval bpb --T 1,2,4,8,16,32 --val_tokens 65536 --batch_size 16":
+        "tests/test_train.py::test_eval_core_bpb_gives_train_pys_last_eval_and_its_figure",
+    "python train.py --depth=24 --mu_rec=8 --dry_run": "tests/test_train.py::test_dry_run_prints_the_paper_size",
+    "torchrun --nproc_per_node=8 -- train.py --depth=6 --run=mine":
+        "tests/test_train.py::test_two_processes_give_the_losses_of_one",
+    "bash runs/gpu_check.sh":
+        "tests/test_gpu_check.py::test_tiny_run_prints_every_row_and_a_failed_stage_stops_only_its_own",
+}
+
+
+def shown_commands(text):
+    """{command: the comments on its lines} for every command of a page: each line of its bash blocks, split at
+    &&, | and ; (a line's comment belongs to each of its commands), and each inline span that runs a script."""
+    shown = {}
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        for line in block.splitlines():
+            command, _, comment = line.partition(" #")
+            for part in re.split(r"&&|\||;", command):
+                if part.strip():
+                    shown.setdefault(part.strip(), []).append(comment)
+    for command in INLINE_COMMAND.findall(FENCE.sub("", text)):
+        shown.setdefault(command.strip(), []).append("")
+    return shown
+
+
+def unaccounted(text, run_by):
+    """The commands of `text` that run_by does not list and whose lines carry no mark, then run_by's commands that
+    `text` does not show (a stale entry would vouch for nothing)."""
+    shown = shown_commands(text)
+    unrun = [command for command, comments in shown.items()
+             if command not in run_by and not any(mark in comment for comment in comments for mark in MARKS)]
+    return unrun, [command for command in run_by if command not in shown]
+
+
+def wrong_entries(run_by, root):
+    """'command: why' for every entry whose runner does not run it: .ci/run without that command, a test file
+    without that test, or one that never names the command's script or one of its flags."""
+    wrong = []
+    for command, where in run_by.items():
+        if where == ".ci/run":
+            ci = [part.strip() for line in (root / ".ci" / "run").read_text().splitlines() for part in line.split("&&")]
+            if command not in ci:
+                wrong.append(f"{command}: not in .ci/run")
+            continue
+        file, _, test = where.partition("::")
+        source = (root / file).read_text() if (root / file).is_file() else ""
+        if not re.search(rf"^def {re.escape(test)}\(", source, flags=re.M):
+            wrong.append(f"{command}: {where} does not exist")
+            continue
+        words = shlex.split(command)
+        script = next((w for w in words if w.endswith((".py", ".sh"))), words[0])
+        for name in [Path(script).name, *(w.split("=")[0] for w in words if w.startswith("--") and w != "--")]:
+            if not re.search(re.escape(name) + r"(?![\w-])", source):
+                wrong.append(f"{command}: {file} never names {name}")
+    return wrong
+
+
+def test_the_command_check_finds_unmarked_unrun_and_stale_commands(tmp_path):
+    (tmp_path / ".ci").mkdir()
+    (tmp_path / ".ci" / "run").write_text("python3 -m venv .venv\n")
+    (tmp_path / "checks").mkdir()
+    (tmp_path / "checks/test_x.py").write_text("def test_x():\n    run(['train.py', '--depth=3'])\n")
+    text = ("```bash\npython3 -m venv .venv && . .venv/bin/activate\npip install torch   # needs network\n"
+            "python train.py --depth=3\ntorchrun train.py --depth=24   # GPU only: 1.3B\n```\n"
+            "Then `python sample.py --T=8` and `bash runs/evidence_cpu.sh`.\n")
+    run_by = {"python3 -m venv .venv": ".ci/run", "python train.py --depth=3": "checks/test_x.py::test_x",
+              "python other/gone.py": ".ci/run"}
+    unrun = [". .venv/bin/activate", "python sample.py --T=8", "bash runs/evidence_cpu.sh"]
+    assert unaccounted(text, run_by) == (unrun, ["python other/gone.py"])
+    run_by.update({"python train.py --depth=3 --seed=1": "checks/test_x.py::test_x",
+                   "python sample.py --T=8": "checks/test_x.py::test_y", ". .venv/bin/activate": ".ci/run"})
+    assert wrong_entries(run_by, tmp_path) == [
+        "python other/gone.py: not in .ci/run",
+        "python train.py --depth=3 --seed=1: checks/test_x.py never names --seed",
+        "python sample.py --T=8: checks/test_x.py::test_y does not exist", ". .venv/bin/activate: not in .ci/run"]
+
+
+def test_every_readme_command_is_run_by_a_test_or_says_why_not():
+    unrun, stale = unaccounted(README, RUN_BY)
+    assert not unrun, f"README commands that no test runs and no mark ({', '.join(MARKS)}) explains: {unrun}"
+    assert not stale, f"RUN_BY lists commands README no longer shows: {stale}"
+    assert not wrong_entries(RUN_BY, ROOT), wrong_entries(RUN_BY, ROOT)
+
+
+def test_readme_sizes_table_is_what_the_code_computes():
+    """README's table of the paper's sizes, recomputed as train.py --dry_run computes each row: the models of
+    train.py's paper preset (vocab 32,768, head_dim 128, seq_len 2048, batch 524,288, mu_rec 8) built on the meta
+    device; GPU-hours at 40% MFU of an H100's 989 TFLOP/s."""
+    import torch
+    from model import Parcae, ParcaeConfig
+
+    number = r" \| ([\d.e,]+)"
+    rows = re.findall(rf"^\| [\d.]+[MB] \| (\d+) \| ([\d,]+) / ([\d,]+) \| [\d.]+B{number * 3} \|$", README, flags=re.M)
+    tokens = {6: 11.2e9, 12: 29.6e9, 18: 61.6e9, 24: 104e9}  # train.py's PAPER_TOKENS (METHOD.md §1)
+    assert [int(row[0]) for row in rows] == list(tokens)
+    for depth, transformer, parcae, flops, total, gpu_hours in rows:
+        models = {}
+        for injection in ("none", "diagonal"):
+            config = ParcaeConfig.from_depth(int(depth), vocab_size=32768, seq_len=2048, head_dim=128, mu_rec=8,
+                                             injection=injection)
+            with torch.device("meta"):
+                models[injection] = Parcae(config)
+        total_flops = models["diagonal"].flops_per_token() * int(tokens[int(depth)] // 524_288) * 524_288
+        assert int(transformer.replace(",", "")) == models["none"].num_params(), depth
+        assert int(parcae.replace(",", "")) == models["diagonal"].num_params(), depth
+        assert float(flops) == float(f"{models['diagonal'].flops_per_token():.3e}"), depth
+        assert float(total) == float(f"{total_flops:.3e}"), depth
+        assert int(gpu_hours.replace(",", "")) == round(total_flops / (0.4 * 989e12) / 3600), depth

@@ -232,8 +232,10 @@ def test_cli_streams_each_sample(checkpoint, monkeypatch, capsys):
     second = capsys.readouterr().out
     assert out != second  # the depth changed the text
     sample.main(["--T=3", "--prompt=The cat", "--max_new_tokens=8"])
-    first_of_two = second.split("--- sample 2/2")[0].replace("--- sample 1/2", "")
+    first_of_two, second_of_two = second.replace("--- sample 1/2", "").split("--- sample 2/2")
     assert first_of_two.strip() == capsys.readouterr().out.strip()  # sample 1 does not depend on num_samples
+    sample.main(["--T=3", "--prompt=The cat", "--max_new_tokens=8", "--seed=43"])  # sample i is seeded --seed + i
+    assert second_of_two.strip() == capsys.readouterr().out.strip() != first_of_two.strip()
 
 
 def test_cli_interactive_loop_when_stdin_is_a_terminal(checkpoint, monkeypatch, capsys):
@@ -266,6 +268,20 @@ def test_cli_benchmark(checkpoint, monkeypatch, capsys):
         assert name in depth_row
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", cache_row)]
     assert len(losses) == 3 and max(losses) - min(losses) < 1e-4  # cached, first release's, recomputed: one model
+
+
+def test_decoding_row_signs_the_time_of_auto_against_T_max(monkeypatch):
+    """auto slower than T_max (its exit tests cost more than the steps they skip) reads "time +25%", faster
+    "time -20%": never "--25%". The seconds are made up; the steps and losses are the tiny model's own."""
+    model, ids = tiny_model(), torch.tensor([[5, 17, 42, 8, 91, 3, 60, 11, 2, 7, 30, 19]])
+    for auto_seconds, expected in ((2.5, "time +25%"), (1.6, "time -20%")):
+        seconds = {"T=3": 1.0, "T=6": 2.0}  # mu_rec and T_max = 2 mu_rec; the rest 1 s, auto's auto_seconds
+        monkeypatch.setattr(sample, "median_seconds", lambda fns, *_, **__: {
+            name: auto_seconds if name.startswith("auto") else seconds.get(name, 1.0) for name in fns})
+        depth_row, _ = sample.decoding_rows(model, ids, 4, repeats=1)
+        result = depth_row[3]
+        assert result.startswith(f"auto (state) vs T=6: {expected}, steps "), result
+        assert re.match(r"auto \(state\) vs T=6: time [+-]\d+%, steps [+-]\d+%; loss vs T=3 [+-]\d", result), result
 
 
 def test_parse_depth():

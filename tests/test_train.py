@@ -1,6 +1,6 @@
 """Tests for train.py, run as users run it (subprocesses): exact resume, two processes and two "nodes"
-against one, an elastic restart after a killed rank, the non-finite-gradient skip, the divergence rule, and
-one-line errors for bad input."""
+against one, an elastic restart after a killed rank, the non-finite-gradient skip, the divergence rule, README's
+L(T) command against the run's own last eval, and one-line errors for bad input."""
 
 import json
 import math
@@ -228,6 +228,24 @@ def test_dry_run_prints_the_paper_size(tmp_path):
     assert "memory per GPU (GB): weights 5.4 + grads 5.4 + DDP buckets 5.4 + optimizer 8.0" in result.stdout
     fits = re.search(r"largest device batch: (\d+) in 80 GB, (\d+) in 141 GB", result.stdout)
     assert fits and 0 < int(fits[1]) < int(fits[2])
+
+
+def test_eval_core_bpb_gives_train_pys_last_eval_and_its_figure(corpus, one):
+    """README's L(T) command on a run's checkpoint, with train.py's eval tokens and device batch: its losses at the
+    depths train.py evaluates are the last `eval |` line's, and it writes the JSON and the L(T) figure beside it."""
+    run_dir = corpus / "base" / "runs" / "one"
+    records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    last_eval = [r for r in records if "val_loss_T1" in r][-1]
+    result = subprocess.run([sys.executable, str(ROOT / "eval_core.py"), "--eval", "bpb", "--T", "1,2,4,8",
+                             "--val_tokens", "256", "--batch_size", "4", "--run=one"],  # TINY's eval_tokens, batch
+                            capture_output=True, text=True, env=train_env(corpus), timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads((run_dir / "ckpt_000008_bpb_T1-2-4-8.json").read_text())
+    assert out["T"] == [1, 2, 3, 4, 8]  # mu_rec 3 added: the fit's L_inf is held against the loss there
+    trained = {T: loss for T, loss in zip(out["T"], out["loss"]) if f"val_loss_T{T}" in last_eval}
+    assert list(trained) == [1, 2, 3, 4]  # train.py evaluates T = 1, 2, 4 and mu_rec
+    assert trained == pytest.approx({T: last_eval[f"val_loss_T{T}"] for T in trained}, rel=1e-6)
+    assert (run_dir / "ckpt_000008_bpb_T1-2-4-8.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_authors_per_batch_sampling_trains_and_per_document_ppl_runs(corpus):
