@@ -168,8 +168,8 @@ def test_the_report_writes_every_claim_per_optimiser_with_its_drift_numbers(tmp_
     with a row per claim and optimiser, README's table, the details page and the six figures."""
     monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(tmp_path / "base"))
     monkeypatch.setattr(evidence, "OUT", tmp_path / "out")
-    monkeypatch.setattr(evidence, "TABLE", tmp_path / "out" / "verdicts.md")
-    monkeypatch.setattr(evidence, "DETAILS", tmp_path / "out" / "details.md")
+    monkeypatch.setattr(evidence, "TABLE", tmp_path / "out" / evidence.TABLE.name)
+    monkeypatch.setattr(evidence, "DETAILS", tmp_path / "out" / evidence.DETAILS.name)
     T = np.array(evidence.CURVE_T, float)
     written = set()
     while True:  # the plan grows once the sweep's records exist (claims 1 and 5)
@@ -194,6 +194,6 @@ def test_the_report_writes_every_claim_per_optimiser_with_its_drift_numbers(tmp_
     rdm = saved["verdicts"][1]  # claim 1 under AdamW: concat 0.05 above Parcae at every eval of every seed
     assert rdm["measured"] == pytest.approx(0.05) and rdm["verdict"] == "shown" and rdm["drift"]["long_enough"]
     assert saved["details"]["setup"]["claim1_rate_adamw"] == evidence.RATES[-1]
-    assert "| 4 | adamw |" in (tmp_path / "out" / "verdicts.md").read_text()
+    assert "| 4 | adamw |" in evidence.TABLE.read_text()
     for name in ("lr_sweep", "depth", "sampling", "transformer", "test_time", "drift"):
         assert (tmp_path / "out" / f"{name}.png").stat().st_size > 5000
