@@ -155,8 +155,7 @@ def peak_bf16_flops(device):
 
 
 # -----------------------------------------------------------------------------
-# Measuring (bench.py, sample.py --benchmark): progress on stderr, interleaved repeats timed and their
-# medians, one markdown table
+# train.py's divergence rule: the limit on the state norm, by dtype
 
 def state_norm_limit(dtype, given=None):
     """train.py's state-norm rule -> (limit on ||h_T||, whether passing it is a bad step of the divergence streak).
@@ -168,6 +167,10 @@ def state_norm_limit(dtype, given=None):
         return given, True
     return (1e4, True) if dtype == "bfloat16" else (1e4 * 2 ** 16, False)
 
+
+# -----------------------------------------------------------------------------
+# Measuring (bench.py, sample.py --benchmark): progress on stderr, interleaved repeats timed and their
+# medians, one markdown table
 
 def log(message):
     print(message, file=sys.stderr, flush=True)

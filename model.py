@@ -376,7 +376,7 @@ class Parcae(nn.Module):
                     continue
                 covered.update(module.modules())
                 torch.default_generator.manual_seed(self.init_seed + zlib.crc32(name.encode()))
-                (init or (lambda m: m.reset_parameters()))(module)
+                init(module) if init else module.reset_parameters()
 
     def compile_blocks(self, backend="inductor"):
         """Compile each block alone and keep the loop in Python, so a depth that changes every step never

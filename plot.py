@@ -142,6 +142,13 @@ def summary_row(label, run):
     return f"| {label} | {final:.3f} | {val} | {largest('rho')} | {largest('h_norm')} | {run['diverged_at'] or '-'} |"
 
 
+def save_png(fig, path):
+    """fig as a PNG at path, written whole under a temporary name, then renamed."""
+    partial = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(partial, dpi=110)
+    os.replace(partial, path)
+
+
 # -----------------------------------------------------------------------------
 # The evidence suite's figures (evidence.py report prepares the data: figure_data)
 
@@ -157,8 +164,7 @@ def draw_evidence(out, data):
             ax.set(xscale=xscale, **labels)
         np.ravel(axes)[0].legend(fontsize=8)
         fig.tight_layout()
-        fig.savefig(out / f"{name}.tmp.png", dpi=110)  # written whole, then renamed
-        os.replace(out / f"{name}.tmp.png", out / f"{name}.png")
+        save_png(fig, out / f"{name}.png")
         plt.close(fig)
 
     def seed_lines(ax, groups, x, y):
@@ -247,8 +253,7 @@ def main():
         fig.tight_layout()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out.with_name(out.stem + ".tmp.png"), dpi=110)  # written whole, then renamed
-    os.replace(out.with_name(out.stem + ".tmp.png"), out)
+    save_png(fig, out)
     print(f"wrote {out}: {', '.join(runs)}")
     if args.table:
         print("| run | final train loss | final val loss | max rho | max h_T norm | diverged at step |")

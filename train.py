@@ -92,8 +92,8 @@ parser.add_argument("--save_every", type=int, help="steps between checkpoints")
 parser.add_argument("--log_every", type=int)
 parser.add_argument("--diverge_steps", type=int, default=5,
                     help="declare the run diverged after this many consecutive bad steps (non-finite loss or "
-                    "gradients, or ||h_T|| past --diverge_h_norm): one bad batch is skipped and recovers, five in a "
-                    "row are a trend; 0: never")
+                    "gradients, or in bfloat16 ||h_T|| past --diverge_h_norm): one bad batch is skipped and recovers, "
+                    "five in a row are a trend; 0: never, neither this nor the val-loss rule")
 parser.add_argument("--diverge_h_norm", type=float,
                     help="a state norm ||h_T|| past this counts as a bad step, in any dtype. Default: by dtype. In "
                     "bfloat16 1e4, a bad step: a healthy state stays at 10-300 in the CPU runs, and past ~1e4 (about "
