@@ -11,10 +11,13 @@ micro-batches are "virtual ranks" v = rank * grad_accum + micro, each with its o
 and its own seed. So two processes reproduce one, and --resume continues a run exactly; workers that
 torchrun --max_restarts restarts after a failure resume from the last checkpoint by themselves.
 
-A run whose loss or gradients are non-finite for --diverge_steps consecutive steps, or whose validation loss
-is above a uniform guess's ln(vocab_size), is declared diverged: it logs "diverged at step N" (the streak's first
-step, or the eval's), writes {"diverged_at": N} to metrics.jsonl and exits with status 3, its last checkpoint
-(from before) kept. A large state ||h_T|| is a bad step of that streak only in bfloat16, where past ~1e4 the
+A run folder that holds a checkpoint is continued from it, never restarted: the same command after a crash picks
+up where the run stopped, with the same data order; a finished run exits at once; a new --run starts afresh.
+
+A run whose loss or gradients are non-finite for --diverge_steps consecutive steps, or whose validation loss is
+non-finite, far above a uniform guess's ln(vocab_size) (by LOST_MARGIN), or above it after an eval had been that far
+below it, is declared diverged: it logs "diverged at step N" (the streak's first step, or the eval's) and which
+checkpoint it keeps, writes {"diverged_at": N} to metrics.jsonl and exits with status 3. A large state ||h_T|| is a bad step of that streak only in bfloat16, where past ~1e4 the
 input no longer registers beside it (--diverge_h_norm); in float32 it is logged as a warning, never a stop.
 """
 
@@ -33,7 +36,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common import (find_checkpoint, first_sentence, get_base_dir, init_distributed, load_optimizer_state,
-                    peak_bf16_flops, rank_and_world, read_checkpoint, save_checkpoint, state_norm_limit)
+                    peak_bf16_flops, rank_and_world, read_checkpoint, save_checkpoint, state_norm_limit,
+                    write_atomically)
 from core_tasks import download_eval_bundle
 from data import DataLoader, get_tokenizer, tokenizer_dir, val_batches
 from depths import SAMPLINGS
@@ -100,7 +104,8 @@ parser.add_argument("--diverge_h_norm", type=float,
                     "256 x ||e||, which is ~sqrt(d)) bf16's 8 significant bits no longer resolve the input e beside "
                     "h in u = Abar h + Bbar e. In float32 (16 more bits) 1e4 * 2^16, logged as a warning only: such "
                     "a state still resolves its input and trains")
-parser.add_argument("--resume", action="store_true", help="continue this run from its last checkpoint")
+parser.add_argument("--resume", action="store_true",
+                    help="require a checkpoint to continue from (a run folder holding one is continued without it too)")
 parser.add_argument("--compile", type=int, choices=[0, 1], help="torch.compile the blocks")
 parser.add_argument("--compile_backend", default="inductor", choices=["inductor", "eager"],
                     help="eager traces and guards as inductor does without generating code: recompilations count "
@@ -186,8 +191,13 @@ grad_accum = args.total_batch_size // rows_per_step
 num_steps = max(1, int(max_tokens // args.total_batch_size))
 run_name = args.run or f"d{args.depth}_{args.injection}"
 run_dir = get_base_dir() / "runs" / run_name
-if args.resume and not args.dry_run and not any(run_dir.glob("ckpt_*.pt")):  # before the tokenizer and data
+resume_from = find_checkpoint(run_dir.parent, run_name) if any(run_dir.glob("ckpt_*.pt")) else None
+if args.resume and not args.dry_run and resume_from is None:  # before the tokenizer and data
     fail(f"there is no checkpoint of run {run_name} under {run_dir} to resume; start it without --resume")
+if resume_from and not args.dry_run and int(resume_from.stem.removeprefix("ckpt_")) >= num_steps:
+    log(f"run {run_name} is done: {resume_from} is past its last step, {num_steps}; nothing to train "
+        f"(a new --run trains afresh)")
+    sys.exit(0)
 log(f"model: depth {args.depth} ({config.n_prelude}/{config.n_recur}/{config.n_coda}), d_model {config.d_model}, "
     f"{config.n_head} heads, injection {config.injection}, mu_rec {config.mu_rec}, mu_bwd {config.mu_bwd}, "
     f"sampling {config.sampling}, prelude_norm {config.prelude_norm}")
@@ -234,6 +244,7 @@ try:
     if ddp:
         dist.barrier()
     tokenizer = get_tokenizer(args.data, args.vocab_size)
+    tokenizer_path = str(tokenizer_dir(args.data, args.vocab_size))  # recorded in every checkpoint
     virtual_world = world * grad_accum
     loaders = [DataLoader(tokenizer, args.data, "train", args.device_batch_size, args.seq_len,
                           rank=rank * grad_accum + micro, world_size=virtual_world, seed=args.seed, device=device,
@@ -255,20 +266,25 @@ optimizer = build_optimizer(raw_model, adamw_lr=adamw_lr, muon_lr=args.muon_lr, 
                             muon=args.optimizer == "muon")
 autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bfloat16" else nullcontext()
 
-start_step, skipped_steps = 0, 0
-# torchrun --max_restarts restarts every worker after one fails: continue from the last checkpoint by itself
-if args.resume or (restart_count > 0 and any(run_dir.glob("ckpt_*.pt"))):
+start_step, skipped_steps, lowest_val_loss = 0, 0, math.inf
+# a run folder holding a checkpoint is continued (the docstring), also when torchrun --max_restarts restarts the workers
+if resume_from:
     try:
-        ckpt = read_checkpoint(find_checkpoint(get_base_dir() / "runs", run_name), device)
+        ckpt = read_checkpoint(resume_from, device)
         raw_model.load_state_dict(ckpt["model"])
         load_optimizer_state(optimizer, ckpt["optimizer"])
         for micro, loader in enumerate(loaders):
             loader.load_state_dict(ckpt["loader"][rank * grad_accum + micro])
         start_step, skipped_steps = ckpt["step"], ckpt["skipped_steps"]
+        lowest_val_loss = ckpt.get("lowest_val_loss", math.inf)
     except (FileNotFoundError, RuntimeError, EOFError, pickle.UnpicklingError, ValueError, KeyError, IndexError) as err:
         fail(f"cannot resume {run_name} with these flags ({first_sentence(err)}); "
-             f"pass the flags and process count it was started with, or start it again without --resume")
-    log(f"resumed {run_name} at step {start_step}" + (f", elastic restart {restart_count}" if restart_count else ""))
+             f"pass the flags and process count it was started with, or a new --run to start afresh")
+    if ckpt.get("tokenizer_dir", tokenizer_path) != tokenizer_path:
+        fail(f"the files of --data={args.data} are not the ones run {run_name} was trained on (their sizes or "
+             f"modification times changed since {resume_from}); restore them, or pass a new --run to start afresh")
+    log(f"resumed {run_name} at step {start_step}" + (f", elastic restart {restart_count}" if restart_count else "")
+        + f", from {resume_from} (a new --run trains afresh)")
 batches = [iter(loader) for loader in loaders]
 
 # -----------------------------------------------------------------------------
@@ -318,11 +334,25 @@ def save(step):
         old = sorted(run_dir.glob("ckpt_*.pt"))
         save_checkpoint(run_dir / f"ckpt_{step:06d}.pt", raw_model, step=step, skipped_steps=skipped_steps,
                         optimizer=optimizer.state_dict(), loader=loader_states, args=vars(args),
-                        tokenizer_dir=str(tokenizer_dir(args.data, args.vocab_size)), seed=args.seed)
+                        tokenizer_dir=tokenizer_path, seed=args.seed, lowest_val_loss=lowest_val_loss)
         for path in old:  # keep the newest only: a 1.3B checkpoint with optimiser state is ~16 GB
             if path.name != f"ckpt_{step:06d}.pt":
                 path.unlink()
         log(f"saved {run_dir / f'ckpt_{step:06d}.pt'}")
+
+
+def metrics_up_to(path, last_step):
+    """Keep metrics.jsonl's records up to last_step, the checkpoint resumed from (0: none): the steps a killed run
+    logged past it are logged again as the run redoes them, so each step stays once, in order. Rewritten under a
+    temporary name; a torn last line goes too."""
+    kept = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            if json.loads(line).get("step", 0) <= last_step:
+                kept.append(line + "\n")
+        except ValueError:
+            pass
+    write_atomically(path, lambda partial: partial.write_text("".join(kept)))
 
 
 def micro_seed(step, virtual_rank):
@@ -357,16 +387,32 @@ peak_flops = peak_bf16_flops(device)
 depth_generator = torch.Generator()  # METHOD.md §2: each virtual rank samples depths with its own generator
 if master:
     run_dir.mkdir(parents=True, exist_ok=True)
+    metrics_up_to(run_dir / "metrics.jsonl", start_step)
     metrics_file = open(run_dir / "metrics.jsonl", "a")
 tokens_per_second, t_run = None, time.time()
 step = start_step
 bad_steps, diverged_at, save_due, h_norm_warned = 0, None, False, False  # the divergence rule (see the docstring)
 h_norm_limit, h_norm_stops = state_norm_limit(args.dtype, args.diverge_h_norm)
 val_key, uniform_loss = f"val_loss_T{1 if config.injection == 'none' else config.mu_rec}", math.log(args.vocab_size)
+LOST_MARGIN = 1.0  # nats: weights near their initialisation score ln V give or take a few tenths (a uniform guess)
+
+
+def val_loss_lost(val_loss):
+    """The val-loss rule -> its reason, or None: non-finite, far above a uniform guess (a model confidently wrong,
+    which initial weights are not), or above it after an eval had been far below it (learned, then lost)."""
+    if not math.isfinite(val_loss):
+        return "non-finite val loss"
+    if val_loss > uniform_loss + LOST_MARGIN:
+        return "val loss far above a uniform guess"
+    if val_loss >= uniform_loss and lowest_val_loss < uniform_loss - LOST_MARGIN:
+        return "val loss back above a uniform guess"
+    return None
 
 
 def declare_diverged(at, reason, detail):
-    log(f"diverged at step {at}: {reason}, {detail}; the last checkpoint, from before, is kept")
+    kept = sorted(run_dir.glob("ckpt_*.pt"))
+    log(f"diverged at step {at}: {reason}, {detail}; " + (f"the last checkpoint, {kept[-1]}, from before, is kept"
+                                                         if kept else "no checkpoint was saved before it"))
     if master:
         metrics_file.write(json.dumps({"step": step, "diverged_at": at, "reason": reason}) + "\n")
         metrics_file.flush()
@@ -454,11 +500,13 @@ while step < num_steps and (args.stop_at is None or step < args.stop_at):
             metrics_file.write(json.dumps(result) + "\n")
         metrics_file.flush()
     val_loss = next((r[val_key] for r in filter(None, results) if val_key in r), None)
-    if args.diverge_steps > 0 and val_loss is not None and not val_loss < uniform_loss:  # NaN included
+    lost = val_loss_lost(val_loss) if args.diverge_steps > 0 and val_loss is not None else None
+    if lost:
         diverged_at = step
-        declare_diverged(step, "val loss above a uniform guess",
-                         f"{val_loss:.4f} >= ln {args.vocab_size} = {uniform_loss:.4f}")
+        declare_diverged(step, lost, f"{val_loss:.4f} against ln {args.vocab_size} = {uniform_loss:.4f}" +
+                         (f", lowest before {lowest_val_loss:.4f}" if math.isfinite(lowest_val_loss) else ""))
         break
+    lowest_val_loss = min(lowest_val_loss, math.inf if val_loss is None else val_loss)
     save_due = save_due or step % args.save_every == 0 or step == num_steps or step == args.stop_at
     if save_due and bad_steps == 0:  # during a streak the state may be the diverging one: save after it
         save(step)
