@@ -2,8 +2,8 @@
 common.py: what every script shares and the model does not need: process setup, the base directory,
 checkpoints, the GPU peak table for MFU, and the timing of the benchmarks.
 
-model.py imports only depths.py, and data.py only tokenizer.py and download.py; train.py, eval_core.py,
-core_tasks.py, sample.py, hub.py, bench.py and scaling.py import this file.
+model.py imports only depths.py, and data.py only tokenizer.py and download.py (this file takes the base directory
+from data.py); train.py, eval_core.py, core_tasks.py, sample.py, hub.py, bench.py and scaling.py import this file.
 """
 
 import os
@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from data import cache_dir
 from model import Parcae, ParcaeConfig
 
 # -----------------------------------------------------------------------------
@@ -46,13 +47,7 @@ def print0(*args, **kwargs):
 # -----------------------------------------------------------------------------
 # The base directory: runs, tokenizers, data, the eval bundle and hub downloads live under it
 
-
-def get_base_dir():
-    """$NANOPARCAE_BASE_DIR, default ~/.cache/nanoparcae, created on first use. data.py applies the same
-    rule itself (data.cache_dir) so that it does not import this file."""
-    base_dir = Path(os.environ.get("NANOPARCAE_BASE_DIR", Path.home() / ".cache" / "nanoparcae")).expanduser()
-    base_dir.mkdir(parents=True, exist_ok=True)
-    return base_dir
+get_base_dir = cache_dir  # $NANOPARCAE_BASE_DIR (default ~/.cache/nanoparcae), kept in data.py, which needs it too
 
 
 # -----------------------------------------------------------------------------
@@ -112,6 +107,11 @@ def load_optimizer_state(optimizer, saved):
 def load_checkpoint(path, device="cpu"):
     """-> (model in eval mode, the checkpoint dict). Never unpickles code (weights_only=True)."""
     path = Path(path)
+    if path.is_dir():
+        inside = sorted(path.glob("ckpt_*.pt"))
+        raise FileNotFoundError(f"{path} is a folder, not a checkpoint file; pass --ckpt with a file" +
+                                (f" such as its newest, {inside[-1]}, or --run={path.name}" if inside else
+                                 ", or --run with a run name"))
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist; pass --ckpt with an existing file")
     try:

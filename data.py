@@ -52,10 +52,16 @@ FILES_PER_CHUNK = 64  # text files are read (and shared across ranks) in groups 
 
 
 def cache_dir():
-    """Where downloads and tokenizers are cached: common.get_base_dir's rule ($NANOPARCAE_BASE_DIR, default
-    ~/.cache/nanoparcae), repeated here so that data.py does not import common.py, and with it the model."""
+    """$NANOPARCAE_BASE_DIR (default ~/.cache/nanoparcae), created on first use: where runs, tokenizers, downloads
+    and the eval bundle live (common.get_base_dir is this function). A folder that cannot be written is one line."""
     base_dir = Path(os.environ.get("NANOPARCAE_BASE_DIR", Path.home() / ".cache" / "nanoparcae")).expanduser()
-    base_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        base_dir.mkdir(parents=True, exist_ok=True)
+        if not os.access(base_dir, os.W_OK | os.X_OK):
+            raise PermissionError("not writable")
+    except OSError as err:
+        raise SystemExit(f"the base folder {base_dir} cannot be written to ({err.strerror or err}): set "
+                         f"NANOPARCAE_BASE_DIR to a writable folder") from None
     return base_dir
 
 
@@ -71,8 +77,10 @@ def tokenizer_dir(source, vocab_size):
     if source in ("fineweb-edu", "stdlib"):
         # a different interpreter has a different standard library, hence a different corpus
         name = source if source == "fineweb-edu" else f"stdlib-py{sys.version_info.major}{sys.version_info.minor}"
-    else:
-        name = "files-" + hashlib.sha1(str(Path(source).expanduser().resolve()).encode()).hexdigest()[:10]
+    else:  # the files' sizes and modification times are in the key: a changed corpus trains a new tokenizer
+        files = [(path, os.stat(path).st_size, os.stat(path).st_mtime_ns) for path in user_files(source)]
+        key = json.dumps([str(Path(source).expanduser().resolve()), files])
+        name = "files-" + hashlib.sha1(key.encode()).hexdigest()[:10]
     return cache_dir() / "tokenizers" / f"{name}-{vocab_size}"
 
 
@@ -80,9 +88,13 @@ def get_tokenizer(source, vocab_size, max_chars=2_000_000_000, doc_cap=10_000):
     """The cached tokenizer for this source and vocab size, trained on the source's train split on first use."""
     directory = tokenizer_dir(source, vocab_size)
     if not (directory / "token_bytes.txt").exists():
+        documents = iter_documents(source, "train")
+        first = next(documents, None)  # a missing or empty source fails here, before the announcement
+        if first is None:
+            raise no_documents(source, "train")
         print(f"Training a {vocab_size}-token tokenizer on {source} (train split, <= {max_chars:,} chars) ...")
         t0 = time.time()
-        tokenizer = Tokenizer.train(iter_documents(source, "train"), vocab_size, max_chars, doc_cap)
+        tokenizer = Tokenizer.train(itertools.chain([first], documents), vocab_size, max_chars, doc_cap)
         # save under a private name and rename, so a crash or a concurrent rank never sees half a tokenizer
         scratch = directory.with_name(f"{directory.name}.{os.getpid()}.tmp")
         tokenizer.save(scratch)
@@ -189,9 +201,20 @@ def list_chunks(source, split):
     return files_chunks(stdlib_files() if source == "stdlib" else user_files(source), split)
 
 
+NOT_UTF8 = set()  # the files already reported to hold bytes that are not UTF-8 (each is read many times)
+
+
 def read_text_file(path):
-    with open(path, encoding="utf-8", errors="ignore") as f:
-        text = f.read()
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        text = raw.decode("utf-8", errors="ignore")
+        if path not in NOT_UTF8:
+            NOT_UTF8.add(path)
+            print(f"warning: {path}: {len(raw) - len(text.encode('utf-8')):,} bytes that are not UTF-8 (the first at "
+                  f"byte {err.start}) are left out; convert the file to UTF-8 to keep them", file=sys.stderr)
     if path.endswith(".txt"):
         return re.split(r"\n\s*\n", text)
     if path.endswith(".jsonl"):
@@ -266,6 +289,22 @@ def iter_documents(source, split):
         yield from read_chunk(chunk)
 
 
+def no_documents(source, split, rank=0, world_size=1):
+    """The error for a split (or a rank's share of it) with no documents, naming the cause: a source with no text,
+    too few documents for both splits, or fewer documents than ranks."""
+    counts = {name: sum(1 for _ in iter_documents(source, name)) for name in ("train", "val")}
+    total = counts["train"] + counts["val"]
+    if total == 0:
+        return SystemExit(f"{source} holds no text (empty or blank files): put documents in it, a blank line between "
+                          f"two in a .txt file")
+    if counts[split] == 0:
+        return SystemExit(f"the {split} split of {source} has no documents: a document goes to validation by a hash "
+                          f"of its text (about 1 in {VAL_EVERY}) and {source} holds only {total}; split the text into "
+                          f"more documents (a blank line between two in a .txt file) or pass several files")
+    return SystemExit(f"rank {rank} of {world_size} has no documents in the {split} split of {source} "
+                      f"({counts[split]} in all): use more data or fewer ranks")
+
+
 class DocumentStream:
     """One rank's documents of a split. Epoch e visits the chunks in an order drawn from (seed, e), and each
     chunk's documents in an order drawn from (seed, e, position); rank r takes every world_size-th of them,
@@ -307,8 +346,7 @@ class DocumentStream:
             if not loop:
                 return
             if whole_epoch and not found:  # looping over nothing would hang the trainer
-                raise SystemExit(f"rank {self.rank} of {self.world_size} has no documents in the {self.split} split "
-                                 f"of {self.source}: use more data or fewer ranks")
+                raise no_documents(self.source, self.split, self.rank, self.world_size)
             epoch, position, index = epoch + 1, 0, 0
 
 # -----------------------------------------------------------------------------
@@ -428,6 +466,9 @@ class DataLoader:
         for _ in range(self.batch_size):
             row = self._pack_row()
             if row is None:
+                if self.batches == 0 and self.arrivals == 0:
+                    raise no_documents(self.stream.source, self.stream.split, self.stream.rank,
+                                       self.stream.world_size)
                 if self.batches == 0:
                     raise SystemExit(f"the {self.stream.split} split of {self.stream.source} holds less than one batch "
                                      f"({self.batch_size} x {self.seq_len + 1} tokens) for rank {self.stream.rank}: "

@@ -17,8 +17,9 @@ up where the run stopped, with the same data order; a finished run exits at once
 A run whose loss or gradients are non-finite for --diverge_steps consecutive steps, or whose validation loss is
 non-finite, far above a uniform guess's ln(vocab_size) (by LOST_MARGIN), or above it after an eval had been that far
 below it, is declared diverged: it logs "diverged at step N" (the streak's first step, or the eval's) and which
-checkpoint it keeps, writes {"diverged_at": N} to metrics.jsonl and exits with status 3. A large state ||h_T|| is a bad step of that streak only in bfloat16, where past ~1e4 the
-input no longer registers beside it (--diverge_h_norm); in float32 it is logged as a warning, never a stop.
+checkpoint it keeps, writes {"diverged_at": N} to metrics.jsonl and exits with status 3. A large state ||h_T|| is
+a bad step of that streak only in bfloat16, where past ~1e4 the input no longer registers beside it
+(--diverge_h_norm); in float32 it is logged as a warning, never a stop.
 """
 
 import argparse
