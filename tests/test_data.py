@@ -6,6 +6,7 @@ Run: python -m pytest -q tests/test_data.py   (no network beyond 127.0.0.1, noth
 
 import http.server
 import json
+import os
 import random
 import re
 import subprocess
@@ -135,6 +136,44 @@ def test_get_tokenizer_trains_once_then_loads(tmp_path, capsys):
     assert "Training" not in capsys.readouterr().out
     assert second.encode(WEIRD_STRINGS) == first.encode(WEIRD_STRINGS)
     assert data.tokenizer_dir(str(corpus), 300).is_relative_to(tmp_path / "base")
+
+
+def test_a_changed_corpus_at_the_same_path_trains_its_own_tokenizer(tmp_path, capsys):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(f"alpha beta {i} alpha beta" for i in range(300)))
+    before, before_dir = data.get_tokenizer(str(corpus), 300), data.tokenizer_dir(str(corpus), 300)
+    corpus.write_text("\n\n".join(f"gamma delta {i} gamma delta" for i in range(300)))
+    capsys.readouterr()
+    after, after_dir = data.get_tokenizer(str(corpus), 300), data.tokenizer_dir(str(corpus), 300)
+    assert "Training" in capsys.readouterr().out and after_dir != before_dir
+    assert len(after.encode(" gamma delta")) < len(before.encode(" gamma delta"))  # learned from the new text
+    assert data.get_tokenizer(str(corpus), 300).encode(" alpha beta gamma") == after.encode(" alpha beta gamma")
+
+
+def test_bytes_that_are_not_utf8_are_counted_and_named_once(tmp_path, capsys):
+    path = tmp_path / "latin1.txt"
+    path.write_bytes("caf\xe9 ol\xe9\n\nna\xefve".encode("latin-1") + "\n\nplain 日本".encode())
+    assert data.read_text_file(str(path)) == ["caf ol", "nave", "plain 日本"]
+    assert capsys.readouterr().err == (f"warning: {path}: 3 bytes that are not UTF-8 (the first at byte 3) are left out; "
+                                       f"convert the file to UTF-8 to keep them\n")
+    data.read_text_file(str(path))  # read again (every epoch): said once
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("text,cause", [
+    ("", "holds no text (empty or blank files)"),
+    (" \n\n\t\n", "holds no text (empty or blank files)"),
+    ("one long document with no blank line " * 200, "split of {path} has no documents: a document goes to validation"),
+])
+def test_a_source_without_documents_for_a_split_names_the_cause(tmp_path, text, cause):
+    path = tmp_path / "corpus.txt"
+    path.write_text(text)
+    with pytest.raises(SystemExit) as err:
+        tokenizer = data.get_tokenizer(str(path), 300)
+        list(data.val_batches(tokenizer, str(path), batch_size=1, seq_len=8, num_tokens=8))
+    message = str(err.value)
+    assert cause.format(path=path) in message and "\n" not in message and "batch size" not in message
+    assert "blank line between two in a .txt file" in message
 
 # -----------------------------------------------------------------------------
 # Downloads, against a server on 127.0.0.1 that this test starts
@@ -274,6 +313,32 @@ def test_missing_shards_say_how_to_download():
 
 # -----------------------------------------------------------------------------
 # Data sources
+
+def test_the_tokenizer_command_without_shards_fails_before_announcing_training(tmp_path):
+    result = subprocess.run([sys.executable, str(REPO / "data.py"), "tokenizer", "--data=fineweb-edu"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "Training" not in result.stdout
+    assert result.stderr.strip().count("\n") == 0 and "found 0 FineWeb-Edu shards" in result.stderr
+
+
+@pytest.mark.parametrize("kind", ["read-only folder", "path under a file"])
+def test_a_base_folder_that_cannot_be_written_is_one_line(tmp_path, monkeypatch, kind):
+    if kind == "read-only folder":
+        base = tmp_path / "read_only"
+        base.mkdir()
+        base.chmod(0o555)
+        if os.access(base, os.W_OK):
+            pytest.skip("root writes through a read-only mode; the path under a file covers the check here")
+    else:
+        (tmp_path / "a_file").write_text("")
+        base = tmp_path / "a_file" / "base"
+    monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(base))
+    result = subprocess.run([sys.executable, str(REPO / "data.py"), "tokenizer", "--data=stdlib"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and result.stdout == "" and result.stderr.strip().count("\n") == 0
+    assert result.stderr.startswith(f"the base folder {base} cannot be written to (")
+    assert result.stderr.strip().endswith("set NANOPARCAE_BASE_DIR to a writable folder")
+
 
 def test_user_files_txt_jsonl_parquet(tmp_path):
     folder = tmp_path / "mine"

@@ -1,6 +1,6 @@
-"""Tests for train.py, run as users run it (subprocesses): exact resume, two processes and two "nodes"
-against one, an elastic restart after a killed rank, the non-finite-gradient skip, the divergence rule, README's
-L(T) command against the run's own last eval, and one-line errors for bad input."""
+"""Tests for train.py, run as users run it (subprocesses): exact resume, the same command again after a kill, two
+processes and two "nodes" against one, an elastic restart after a killed rank, the non-finite-gradient skip, the
+divergence rule, README's L(T) command against the run's own last eval, and one-line errors for bad input."""
 
 import json
 import math
@@ -10,6 +10,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -82,14 +83,71 @@ def test_resumed_run_gives_exactly_the_losses_of_an_uninterrupted_run(corpus):
     train(corpus, "--run=whole")
     train(corpus, "--run=halves", "--stop_at=4")
     assert list(step_losses(corpus, "halves")) == [1, 2, 3, 4]
+    changed = train(corpus, "--run=halves", "--resume", "--d_model=96", expect_ok=False)
+    assert changed.returncode != 0 and len(changed.stderr.strip().splitlines()) == 1
+    assert "cannot resume halves with these flags" in changed.stderr and "size mismatch" in changed.stderr
     train(corpus, "--run=halves", "--resume")
     whole, halves = step_losses(corpus, "whole"), step_losses(corpus, "halves")
     assert list(whole) == list(range(1, 9))
     assert halves == whole  # bit for bit
     assert whole[8] < whole[1]
-    changed = train(corpus, "--run=halves", "--resume", "--d_model=96", expect_ok=False)
-    assert changed.returncode != 0 and len(changed.stderr.strip().splitlines()) == 1
-    assert "cannot resume halves with these flags" in changed.stderr and "size mismatch" in changed.stderr
+
+
+def logged_steps(run_dir):
+    """The steps of metrics.jsonl's step records, in file order; a line still being written is left out."""
+    steps = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").exists() else []:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        steps += [record["step"]] if "loss" in record else []
+    return steps
+
+
+def test_the_same_command_after_a_kill_continues_from_the_checkpoint_and_a_finished_run_stays_done(corpus):
+    """Killed from outside once it has logged steps past a checkpoint, the same command again continues from that
+    checkpoint: it is kept until the next save, each step is logged once and in order, and losses and weights are
+    an unbroken run's. The same command once more says the run is done and changes nothing."""
+    flags, run_dir = ["--max_tokens=15360", "--save_every=5"], corpus / "base" / "runs" / "rerun"  # 60 steps
+    killed = subprocess.Popen(train_command(corpus, "--run=rerun", *flags), env=train_env(corpus),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while killed.poll() is None and time.time() < deadline:
+        saved = [int(path.stem[5:]) for path in run_dir.glob("ckpt_*.pt")]
+        if saved and max(logged_steps(run_dir), default=0) > max(saved):
+            killed.kill()
+        time.sleep(0.01)
+    killed.wait()
+    assert killed.returncode == -9, "the run ended before it could be killed past a checkpoint"
+    kept = max(run_dir.glob("ckpt_*.pt"))
+    at = int(kept.stem[5:])
+    assert 0 < at < max(logged_steps(run_dir)) <= 60
+    again = train(corpus, "--run=rerun", *flags)
+    assert f"resumed rerun at step {at}, from {kept} (a new --run trains afresh)" in again.stdout
+    assert re.findall(r"saved .*ckpt_(\d+)\.pt", again.stdout)[0] == f"{at + 5:06d}"  # not step 5 of a restart
+    assert logged_steps(run_dir) == list(range(1, 61))
+    train(corpus, "--run=rerun_whole", *flags)
+    assert step_losses(corpus, "rerun") == step_losses(corpus, "rerun_whole")  # bit for bit
+    weights, reference = (torch.load(corpus / "base" / "runs" / run / "ckpt_000060.pt", weights_only=True)["model"]
+                          for run in ("rerun", "rerun_whole"))
+    assert all(torch.equal(weights[name], reference[name]) for name in reference)
+    metrics, mtime = (run_dir / "metrics.jsonl").read_text(), (run_dir / "ckpt_000060.pt").stat().st_mtime_ns
+    done = train(corpus, "--run=rerun", *flags)
+    assert f"run rerun is done: {run_dir / 'ckpt_000060.pt'} is past its last step, 60" in done.stdout
+    assert (run_dir / "metrics.jsonl").read_text() == metrics
+    assert (run_dir / "ckpt_000060.pt").stat().st_mtime_ns == mtime
+
+
+def test_a_run_whose_files_changed_is_not_continued_on_them(corpus, tmp_path):
+    changed = tmp_path / "corpus.txt"
+    changed.write_text((corpus / "corpus.txt").read_text())
+    train(corpus, "--run=changed", f"--data={changed}", "--stop_at=2")
+    changed.write_text(changed.read_text() + "\n\nthe loop learns a stable state.")
+    result = train(corpus, "--run=changed", f"--data={changed}", expect_ok=False)
+    assert result.returncode != 0 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert f"the files of --data={changed} are not the ones run changed was trained on" in result.stderr
+    assert logged_steps(corpus / "base" / "runs" / "changed") == [1, 2]
 
 
 def test_two_processes_give_the_losses_of_one(one, two):
@@ -162,8 +220,9 @@ def test_a_run_non_finite_for_k_steps_is_declared_diverged_and_keeps_its_last_go
     result = train(corpus, "--run=diverged", "--save_every=2", "--fault_nan_step=2", "--fault_nan_steps=3",
                    "--diverge_steps=3", expect_ok=False)
     assert result.returncode == 3, result.stderr[-3000:]
-    assert "diverged at step 3: non-finite loss or gradients, 3 steps in a row (to step 5)" in result.stdout
     run_dir = corpus / "base" / "runs" / "diverged"
+    assert (f"diverged at step 3: non-finite loss or gradients, 3 steps in a row (to step 5); the last checkpoint, "
+            f"{run_dir / 'ckpt_000002.pt'}, from before, is kept") in result.stdout
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
     assert records[-1] == {"step": 5, "diverged_at": 3, "reason": "non-finite loss or gradients"}
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5]
@@ -180,26 +239,43 @@ def test_a_run_non_finite_for_k_steps_is_declared_diverged_and_keeps_its_last_go
 def test_a_state_past_the_bound_for_k_steps_is_declared_diverged(corpus):
     result = train(corpus, "--run=exploded", "--diverge_h_norm=1e-3", "--diverge_steps=2", expect_ok=False)
     assert result.returncode == 3
-    assert "diverged at step 1: ||h_T|| > 0.001, 2 steps in a row (to step 2)" in result.stdout
+    assert ("diverged at step 1: ||h_T|| > 0.001, 2 steps in a row (to step 2); no checkpoint was saved before it"
+            in result.stdout)
     assert not any((corpus / "base" / "runs" / "exploded").glob("ckpt_*.pt"))
 
 
-def test_a_val_loss_above_a_uniform_guess_is_declared_diverged_at_that_eval(corpus):
-    """At a rate of 3 the first eval (step 2) is far above ln 320: the run stops there, finite or not."""
+def test_a_val_loss_far_above_a_uniform_guess_is_declared_diverged_at_that_eval(corpus):
+    """At a rate of 3 the first eval (step 2) is far above ln 320: the run stops there, before any checkpoint. The
+    same command at the recipe's rate then starts afresh: its evals stay below ln 320, each step logged once."""
     result = train(corpus, "--run=hot", "--adamw_lr=3", "--muon_lr=3", "--eval_every=2", expect_ok=False)
     assert result.returncode == 3, result.stderr[-3000:]
-    assert "diverged at step 2: val loss above a uniform guess" in result.stdout
+    assert "diverged at step 2: val loss far above a uniform guess" in result.stdout
+    assert result.stdout.splitlines()[-2].endswith("; no checkpoint was saved before it")
     records = [json.loads(line) for line in (corpus / "base" / "runs" / "hot" / "metrics.jsonl").open()]
-    assert records[-1] == {"step": 2, "diverged_at": 2, "reason": "val loss above a uniform guess"}
-    assert records[-2]["val_loss_T3"] > math.log(320)
-    calm = train(corpus, "--run=calm", "--eval_every=2")  # the recipe's rate: evals below ln 320, no stop
+    assert records[-1] == {"step": 2, "diverged_at": 2, "reason": "val loss far above a uniform guess"}
+    assert records[-2]["val_loss_T3"] > math.log(320) + 1
+    calm = train(corpus, "--run=hot", "--eval_every=2")  # the recipe's rate: evals below ln 320, no stop
     assert "diverged" not in calm.stdout
+    assert logged_steps(corpus / "base" / "runs" / "hot") == list(range(1, 9))
+
+
+def test_a_run_at_its_initial_weights_is_not_declared_diverged_by_an_eval_at_a_uniform_guess(corpus):
+    """A 4-step concat run that barely moves its initial weights (a rate of 1e-9) scores about ln 320 at its step-2
+    eval, a little above: it has not learned yet, so it has nothing to have lost, and it ends with its checkpoint."""
+    result = train(corpus, "--run=initial", "--injection=concat", "--max_tokens=1024", "--adamw_lr=1e-9",
+                   "--muon_lr=1e-9", "--eval_every=2")
+    assert "diverged" not in result.stdout
+    records = [json.loads(line) for line in (corpus / "base" / "runs" / "initial" / "metrics.jsonl").open()]
+    first_eval = next(r for r in records if "val_loss_T3" in r)
+    assert first_eval["step"] == 2 and math.log(320) <= first_eval["val_loss_T3"] < math.log(320) + 1
+    assert (corpus / "base" / "runs" / "initial" / "ckpt_000004.pt").is_file()
 
 
 @pytest.mark.parametrize("flags,message", [
     (["--depth=4"], "multiple of 3"),
     (["--total_batch_size=300"], "not divisible by device_batch_size"),
     (["--data=/nonexistent/corpus/*.txt"], "no .txt, .jsonl or .parquet files match"),
+    (["--mu_rec=0"], "error: mu_rec=0 must be at least 1"),
 ])
 def test_bad_input_ends_with_one_clear_line(corpus, flags, message):
     env = {**os.environ, "NANOPARCAE_BASE_DIR": str(corpus / "base")}
