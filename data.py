@@ -49,6 +49,7 @@ FINEWEB_URL = "https://huggingface.co/datasets/karpathy/fineweb-edu-100b-shuffle
 FINEWEB_LAST_SHARD = 1822  # METHOD.md §5: shards 0..1822
 VAL_EVERY = 20  # stdlib and user files: a document is validation iff crc32(text) % 20 == 0 (~5%)
 FILES_PER_CHUNK = 64  # text files are read (and shared across ranks) in groups of this many
+NOT_UTF8 = set()  # the files already reported to hold bytes that are not UTF-8 (each is read once per epoch)
 
 
 def cache_dir():
@@ -78,9 +79,8 @@ def tokenizer_dir(source, vocab_size):
         # a different interpreter has a different standard library, hence a different corpus
         name = source if source == "fineweb-edu" else f"stdlib-py{sys.version_info.major}{sys.version_info.minor}"
     else:  # the files' sizes and modification times are in the key: a changed corpus trains a new tokenizer
-        files = [(path, os.stat(path).st_size, os.stat(path).st_mtime_ns) for path in user_files(source)]
-        key = json.dumps([str(Path(source).expanduser().resolve()), files])
-        name = "files-" + hashlib.sha1(key.encode()).hexdigest()[:10]
+        files = [(str(Path(p).resolve()), os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in user_files(source)]
+        name = "files-" + hashlib.sha1(json.dumps(files).encode()).hexdigest()[:10]
     return cache_dir() / "tokenizers" / f"{name}-{vocab_size}"
 
 
@@ -89,9 +89,8 @@ def get_tokenizer(source, vocab_size, max_chars=2_000_000_000, doc_cap=10_000):
     directory = tokenizer_dir(source, vocab_size)
     if not (directory / "token_bytes.txt").exists():
         documents = iter_documents(source, "train")
-        first = next(documents, None)  # a missing or empty source fails here, before the announcement
-        if first is None:
-            raise no_documents(source, "train")
+        if (first := next(documents, None)) is None:  # a missing or empty source fails here, before the announcement
+            raise DocumentStream(source, "train").no_documents()
         print(f"Training a {vocab_size}-token tokenizer on {source} (train split, <= {max_chars:,} chars) ...")
         t0 = time.time()
         tokenizer = Tokenizer.train(itertools.chain([first], documents), vocab_size, max_chars, doc_cap)
@@ -201,9 +200,6 @@ def list_chunks(source, split):
     return files_chunks(stdlib_files() if source == "stdlib" else user_files(source), split)
 
 
-NOT_UTF8 = set()  # the files already reported to hold bytes that are not UTF-8 (each is read many times)
-
-
 def read_text_file(path):
     with open(path, "rb") as f:
         raw = f.read()
@@ -289,22 +285,6 @@ def iter_documents(source, split):
         yield from read_chunk(chunk)
 
 
-def no_documents(source, split, rank=0, world_size=1):
-    """The error for a split (or a rank's share of it) with no documents, naming the cause: a source with no text,
-    too few documents for both splits, or fewer documents than ranks."""
-    counts = {name: sum(1 for _ in iter_documents(source, name)) for name in ("train", "val")}
-    total = counts["train"] + counts["val"]
-    if total == 0:
-        return SystemExit(f"{source} holds no text (empty or blank files): put documents in it, a blank line between "
-                          f"two in a .txt file")
-    if counts[split] == 0:
-        return SystemExit(f"the {split} split of {source} has no documents: a document goes to validation by a hash "
-                          f"of its text (about 1 in {VAL_EVERY}) and {source} holds only {total}; split the text into "
-                          f"more documents (a blank line between two in a .txt file) or pass several files")
-    return SystemExit(f"rank {rank} of {world_size} has no documents in the {split} split of {source} "
-                      f"({counts[split]} in all): use more data or fewer ranks")
-
-
 class DocumentStream:
     """One rank's documents of a split. Epoch e visits the chunks in an order drawn from (seed, e), and each
     chunk's documents in an order drawn from (seed, e, position); rank r takes every world_size-th of them,
@@ -333,6 +313,21 @@ class DocumentStream:
         random.Random(f"{self.seed}:{epoch}:{position}").shuffle(docs)
         return docs[self.rank::self.world_size]
 
+    def no_documents(self):
+        """The error for a split, or this rank's share of it, with no documents, naming the cause: no text at all,
+        too few documents for both splits, or fewer documents than ranks."""
+        counts = {name: sum(1 for _ in iter_documents(self.source, name)) for name in ("train", "val")}
+        if not any(counts.values()):
+            return SystemExit(f"{self.source} holds no text (empty or blank files): put documents in it, a blank "
+                              f"line between two in a .txt file")
+        if not counts[self.split]:
+            return SystemExit(f"the {self.split} split of {self.source} has no documents: a document goes to "
+                              f"validation by a hash of its text (about 1 in {VAL_EVERY}) and {self.source} holds only "
+                              f"{sum(counts.values())}; split the text into more documents (a blank line between two "
+                              f"in a .txt file) or pass several files")
+        return SystemExit(f"rank {self.rank} of {self.world_size} has no documents in the {self.split} split of "
+                          f"{self.source} ({counts[self.split]} in all): use more data or fewer ranks")
+
     def iterate(self, epoch=0, position=0, index=0, loop=True):
         """Yield (doc_id, text) from document id (epoch, position, index) on; epoch after epoch if loop."""
         while True:
@@ -346,7 +341,7 @@ class DocumentStream:
             if not loop:
                 return
             if whole_epoch and not found:  # looping over nothing would hang the trainer
-                raise no_documents(self.source, self.split, self.rank, self.world_size)
+                raise self.no_documents()
             epoch, position, index = epoch + 1, 0, 0
 
 # -----------------------------------------------------------------------------
@@ -467,8 +462,7 @@ class DataLoader:
             row = self._pack_row()
             if row is None:
                 if self.batches == 0 and self.arrivals == 0:
-                    raise no_documents(self.stream.source, self.stream.split, self.stream.rank,
-                                       self.stream.world_size)
+                    raise self.stream.no_documents()
                 if self.batches == 0:
                     raise SystemExit(f"the {self.stream.split} split of {self.stream.source} holds less than one batch "
                                      f"({self.batch_size} x {self.seq_len + 1} tokens) for rank {self.stream.rank}: "

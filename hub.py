@@ -439,16 +439,13 @@ def their_backprop_depth(c):
                 warnings.warn(f"config.json gets mean_backprop_depth={depth}, not mu_bwd {c.mu_bwd}, to place their "
                               f"value-embedding gates; only their training reads it (README)")
             return depth
-    why, fix = ((f"mean_backprop_depth={c.mu_bwd}: the other parity their gates need would change their mean depth",
-                 f"train it with a --mu_bwd of at most mu_rec {c.mu_rec}")
-                if any(gated_layers(c, depth) == embedded for depth in (1, 2)) else
-                (f"mean_recurrence={c.mu_rec}: their coda's layer ids, P + {c.n_recur} * mean_recurrence + i, need an "
-                 f"odd one", f"train it with an odd --mu_rec (e.g. {c.mu_rec + 1}), or at a --depth of 6, 12, 18 or 24")
-                if c.n_recur % 2 else
-                (f"n_layers_in_prelude + n_layers_in_coda = {c.n_prelude + c.n_coda}: an even R puts their gates on "
-                 f"odd layer ids only, which needs an even sum", "give the prelude and coda an even number of layers"))
+    why = (f"mean_backprop_depth={c.mu_bwd}: the other parity their gates need would change their mean depth; "
+           f"train with --mu_bwd <= mu_rec" if any(gated_layers(c, depth) == embedded for depth in (1, 2)) else
+           f"mean_recurrence={c.mu_rec}: their coda's layer ids, P + {c.n_recur} * mean_recurrence + i, need an odd "
+           f"one; train with an odd --mu_rec (e.g. {c.mu_rec + 1}) or --depth 6, 12, 18 or 24" if c.n_recur % 2 else
+           f"n_layers_in_prelude + n_layers_in_coda = {c.n_prelude + c.n_coda}: an even R gates odd layer ids only")
     raise ValueError(f"cannot export {why} (their code would gate value embeddings on layers "
-                     f"{gated_layers(c, c.mu_bwd)}, not on {embedded}, and skip those); {fix}")
+                     f"{gated_layers(c, c.mu_bwd)}, not on {embedded}, and skip those)")
 
 
 def authors_config(c):

@@ -69,16 +69,15 @@ class ParcaeConfig:
             self.n_head = self.d_model // self.head_dim
         elif self.n_head * self.head_dim != self.d_model:
             raise ValueError(f"n_head={self.n_head} x head_dim={self.head_dim} != d_model={self.d_model}")
-        if self.mu_rec < 1:
-            raise ValueError(f"mu_rec={self.mu_rec} must be at least 1")
         if self.mu_bwd is None:
             self.mu_bwd = math.ceil(self.mu_rec / 2)  # METHOD.md §2: mu_bwd = ceil(mu_rec / 2)
         if self.injection not in INJECTIONS:
             raise ValueError(f"injection={self.injection!r} is not one of {INJECTIONS}")
         if self.sampling not in SAMPLINGS:
             raise ValueError(f"sampling={self.sampling!r} is not one of {SAMPLINGS}")
-        if self.mu_bwd < 1:
-            raise ValueError(f"mu_bwd={self.mu_bwd} must be at least 1")
+        if self.mu_rec < 1 or self.mu_bwd < 1:  # mu_rec named first: mu_bwd's default comes from it
+            name, value = ("mu_rec", self.mu_rec) if self.mu_rec < 1 else ("mu_bwd", self.mu_bwd)
+            raise ValueError(f"{name}={value} must be at least 1")
         if min(self.n_prelude, self.n_recur, self.n_coda) < 0 or self.n_recur < 1:
             raise ValueError("n_prelude and n_coda must be >= 0 and n_recur >= 1")
 

@@ -154,8 +154,8 @@ def test_bytes_that_are_not_utf8_are_counted_and_named_once(tmp_path, capsys):
     path = tmp_path / "latin1.txt"
     path.write_bytes("caf\xe9 ol\xe9\n\nna\xefve".encode("latin-1") + "\n\nplain 日本".encode())
     assert data.read_text_file(str(path)) == ["caf ol", "nave", "plain 日本"]
-    assert capsys.readouterr().err == (f"warning: {path}: 3 bytes that are not UTF-8 (the first at byte 3) are left out; "
-                                       f"convert the file to UTF-8 to keep them\n")
+    assert capsys.readouterr().err == (f"warning: {path}: 3 bytes that are not UTF-8 (the first at byte 3) are left "
+                                       f"out; convert the file to UTF-8 to keep them\n")
     data.read_text_file(str(path))  # read again (every epoch): said once
     assert capsys.readouterr().err == ""
 

@@ -502,6 +502,7 @@ def test_a_depth_3_model_exports_with_the_backprop_depth_its_gates_need(tmp_path
     with pytest.raises(SystemExit) as err:
         hub.main(["export", str(tmp_path / "cpu_default.pt"), str(tmp_path / "refused")])
     assert str(err.value).startswith("hub.py export: cannot export mean_recurrence=4: ") and "\n" not in str(err.value)
+    assert "need an odd one; train with an odd --mu_rec (e.g. 5) or --depth 6, 12, 18 or 24 (" in str(err.value)
     assert not (tmp_path / "refused").exists()
 
 
@@ -547,7 +548,7 @@ def test_export_refuses_what_their_loader_would_compute_differently(tmp_path):
         hub.authors_config(ParcaeConfig(vocab_size=300, d_model=64, head_dim=32, rope_base=10_000.0))
     refusals = {  # (P, R, C, mu_rec, mu_bwd): the field to blame
         (2, 3, 2, 6, 3): "mean_recurrence=6: their coda's layer ids, P + 3 * mean_recurrence + i, need an odd one",
-        (1, 2, 2, 4, 2): "n_layers_in_prelude + n_layers_in_coda = 3: an even R puts their gates on odd layer ids",
+        (1, 2, 2, 4, 2): "n_layers_in_prelude + n_layers_in_coda = 3: an even R gates odd layer ids only",
         (1, 1, 2, 1, 1): "mean_backprop_depth=1: the other parity their gates need would change their mean depth",
     }
     for (P, R, C, mu_rec, mu_bwd), field in refusals.items():

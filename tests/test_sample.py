@@ -302,6 +302,12 @@ def one_line_error(base, *args):
 
 def test_missing_or_corrupt_checkpoint_gives_one_clear_line(tmp_path, checkpoint):
     assert "no checkpoint under" in one_line_error(tmp_path)
+    (tmp_path / "runs" / "tiny").mkdir(parents=True)
+    assert (f"{tmp_path / 'runs'} is a folder, not a checkpoint file; pass --ckpt with a file, or --run with a run name"
+            in one_line_error(tmp_path, f"--ckpt={tmp_path / 'runs'}"))
+    save_checkpoint(tmp_path / "runs" / "tiny" / "ckpt_000005.pt", tiny_model(), tokenizer_dir=str(tmp_path / "gone"))
+    assert (f"pass --ckpt with a file such as its newest, {tmp_path / 'runs' / 'tiny' / 'ckpt_000005.pt'}, or "
+            f"--run=tiny" in one_line_error(tmp_path, f"--ckpt={tmp_path / 'runs' / 'tiny'}"))
     (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
     assert "corrupt" in one_line_error(tmp_path, f"--ckpt={tmp_path / 'bad.pt'}")
     no_tokenizer = tmp_path / "no_tokenizer.pt"

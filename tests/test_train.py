@@ -107,9 +107,10 @@ def logged_steps(run_dir):
 
 def test_the_same_command_after_a_kill_continues_from_the_checkpoint_and_a_finished_run_stays_done(corpus):
     """Killed from outside once it has logged steps past a checkpoint, the same command again continues from that
-    checkpoint: it is kept until the next save, each step is logged once and in order, and losses and weights are
-    an unbroken run's. The same command once more says the run is done and changes nothing."""
-    flags, run_dir = ["--max_tokens=15360", "--save_every=5"], corpus / "base" / "runs" / "rerun"  # 60 steps
+    checkpoint: it is kept until the next save, each step is logged once and in order, and the steps done twice
+    have the losses the killed run logged, bit for bit. The same command once more says the run is done and
+    changes nothing."""
+    flags, run_dir = ["--max_tokens=10240", "--save_every=5"], corpus / "base" / "runs" / "rerun"  # 40 steps
     killed = subprocess.Popen(train_command(corpus, "--run=rerun", *flags), env=train_env(corpus),
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
@@ -120,23 +121,20 @@ def test_the_same_command_after_a_kill_continues_from_the_checkpoint_and_a_finis
         time.sleep(0.01)
     killed.wait()
     assert killed.returncode == -9, "the run ended before it could be killed past a checkpoint"
-    kept = max(run_dir.glob("ckpt_*.pt"))
+    kept, before = max(run_dir.glob("ckpt_*.pt")), step_losses(corpus, "rerun")
     at = int(kept.stem[5:])
-    assert 0 < at < max(logged_steps(run_dir)) <= 60
+    assert 0 < at < max(before) < 40
     again = train(corpus, "--run=rerun", *flags)
     assert f"resumed rerun at step {at}, from {kept} (a new --run trains afresh)" in again.stdout
     assert re.findall(r"saved .*ckpt_(\d+)\.pt", again.stdout)[0] == f"{at + 5:06d}"  # not step 5 of a restart
-    assert logged_steps(run_dir) == list(range(1, 61))
-    train(corpus, "--run=rerun_whole", *flags)
-    assert step_losses(corpus, "rerun") == step_losses(corpus, "rerun_whole")  # bit for bit
-    weights, reference = (torch.load(corpus / "base" / "runs" / run / "ckpt_000060.pt", weights_only=True)["model"]
-                          for run in ("rerun", "rerun_whole"))
-    assert all(torch.equal(weights[name], reference[name]) for name in reference)
-    metrics, mtime = (run_dir / "metrics.jsonl").read_text(), (run_dir / "ckpt_000060.pt").stat().st_mtime_ns
+    assert logged_steps(run_dir) == list(range(1, 41))
+    after = step_losses(corpus, "rerun")
+    assert {step: after[step] for step in before} == before  # steps at..max(before) done again, the same
+    metrics, mtime = (run_dir / "metrics.jsonl").read_text(), (run_dir / "ckpt_000040.pt").stat().st_mtime_ns
     done = train(corpus, "--run=rerun", *flags)
-    assert f"run rerun is done: {run_dir / 'ckpt_000060.pt'} is past its last step, 60" in done.stdout
+    assert f"run rerun is done: {run_dir / 'ckpt_000040.pt'} is past its last step, 40" in done.stdout
     assert (run_dir / "metrics.jsonl").read_text() == metrics
-    assert (run_dir / "ckpt_000060.pt").stat().st_mtime_ns == mtime
+    assert (run_dir / "ckpt_000040.pt").stat().st_mtime_ns == mtime
 
 
 def test_a_run_whose_files_changed_is_not_continued_on_them(corpus, tmp_path):
