@@ -32,6 +32,7 @@ import random
 import re
 import sys
 import sysconfig
+import tempfile
 import threading
 import time
 import zlib
@@ -58,10 +59,9 @@ def cache_dir():
     base_dir = Path(os.environ.get("NANOPARCAE_BASE_DIR", Path.home() / ".cache" / "nanoparcae")).expanduser()
     try:
         base_dir.mkdir(parents=True, exist_ok=True)
-        if not os.access(base_dir, os.W_OK | os.X_OK):
-            raise PermissionError("not writable")
+        tempfile.TemporaryFile(dir=base_dir).close()  # a write: what a read-only mount or mode refuses
     except OSError as err:
-        raise SystemExit(f"the base folder {base_dir} cannot be written to ({err.strerror or err}): set "
+        raise SystemExit(f"the base folder {base_dir} cannot be written to ({err.strerror}): set "
                          f"NANOPARCAE_BASE_DIR to a writable folder") from None
     return base_dir
 

@@ -196,7 +196,7 @@ resume_from = find_checkpoint(run_dir.parent, run_name) if any(run_dir.glob("ckp
 if args.resume and not args.dry_run and resume_from is None:  # before the tokenizer and data
     fail(f"there is no checkpoint of run {run_name} under {run_dir} to resume; start it without --resume")
 if resume_from and not args.dry_run and int(resume_from.stem.removeprefix("ckpt_")) >= num_steps:
-    log(f"run {run_name} is done: {resume_from} is past its last step, {num_steps}; nothing to train "
+    log(f"run {run_name} is done: {resume_from} holds its last step, {num_steps}; nothing to train "
         f"(a new --run trains afresh)")
     sys.exit(0)
 log(f"model: depth {args.depth} ({config.n_prelude}/{config.n_recur}/{config.n_coda}), d_model {config.d_model}, "

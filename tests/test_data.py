@@ -328,7 +328,8 @@ def test_a_base_folder_that_cannot_be_written_is_one_line(tmp_path, monkeypatch,
         base.mkdir()
         base.chmod(0o555)
         if os.access(base, os.W_OK):
-            pytest.skip("root writes through a read-only mode; the path under a file covers the check here")
+            pytest.skip("root writes through a read-only mode (so the base folder works); a path under a file "
+                        "stands in")
     else:
         (tmp_path / "a_file").write_text("")
         base = tmp_path / "a_file" / "base"

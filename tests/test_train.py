@@ -132,7 +132,7 @@ def test_the_same_command_after_a_kill_continues_from_the_checkpoint_and_a_finis
     assert {step: after[step] for step in before} == before  # steps at..max(before) done again, the same
     metrics, mtime = (run_dir / "metrics.jsonl").read_text(), (run_dir / "ckpt_000040.pt").stat().st_mtime_ns
     done = train(corpus, "--run=rerun", *flags)
-    assert f"run rerun is done: {run_dir / 'ckpt_000040.pt'} is past its last step, 40" in done.stdout
+    assert f"run rerun is done: {run_dir / 'ckpt_000040.pt'} holds its last step, 40" in done.stdout
     assert (run_dir / "metrics.jsonl").read_text() == metrics
     assert (run_dir / "ckpt_000040.pt").stat().st_mtime_ns == mtime
 
