@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from depths import SAMPLINGS, sample_depths, split_depths
+from depths import SAMPLINGS, mean_steps, sample_depths, split_depths
 
 # -----------------------------------------------------------------------------
 # Configuration
@@ -536,14 +536,13 @@ class Parcae(nn.Module):
             active = int((k > step - n_max).sum()) if with_grad else int((n > step).sum())
             if diagnostics:
                 h_prev = torch.cat([h[:active].detach(), h_prev[active:]])
+            # the rows past `active` are done: they keep their state. Sliced with grad on: a view taken under
+            # no_grad still requires grad but has no grad_fn, which FlopCounterMode's module tracker rejects
+            h_in, injected_in, ves_in = (h, injected, ves) if active == h.size(0) else \
+                (h[:active], injected[:active], {i: ve[:active] for i, ve in ves.items()})
             with torch.set_grad_enabled(with_grad and grad_enabled):
-                if active == h.size(0):
-                    h = self.recur_step(h, injected, step, ves, ctx.cos, ctx.sin, cache, A_bar)
-                else:  # the rows past `active` are done: they keep their state
-                    ves_active = {i: ve[:active] for i, ve in ves.items()}
-                    h_active = self.recur_step(h[:active], injected[:active], step, ves_active, ctx.cos, ctx.sin,
-                                               cache, A_bar)
-                    h = torch.cat([h_active, h[active:]])
+                h_active = self.recur_step(h_in, injected_in, step, ves_in, ctx.cos, ctx.sin, cache, A_bar)
+            h = h_active if active == h.size(0) else torch.cat([h_active, h[active:]])
         stats = stability_diagnostics(h, h_prev) if diagnostics else None
         return Recurrence(h[torch.argsort(order_dev)] if permuted else h, stats)
 
@@ -554,8 +553,10 @@ class Parcae(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def flops_per_token(self):
-        """Training FLOPs per token, METHOD.md §2 (the paper's Appendix D). N excludes wte only; N_core is
-        the recurrent blocks' parameters (the value-embedding tables are not inside the blocks)."""
+        """The paper's training compute C per token, METHOD.md §2 (Appendix D), for FLOP budgets (--target_flops,
+        isoFLOP sweeps, fits), not for MFU: N excludes wte only, so the value-embedding lookups count as matmuls
+        and the tied head does not (matmul_flops_per_token counts what runs). N_core is the recurrent blocks'
+        parameters (the value-embedding tables are not inside the blocks)."""
         c = self.config
         d, S = c.d_model, c.seq_len
         N = self.num_params() - self.wte.weight.numel()
@@ -566,6 +567,39 @@ class Parcae(nn.Module):
         return (6 * N_nc + 3 * (c.n_prelude + c.n_coda) * 4 * d * S
                 + c.mu_rec * (2 * N_core + c.n_recur * 4 * d * S)
                 + c.mu_bwd * (4 * N_core + 2 * c.n_recur * 4 * d * S))
+
+    def matmul_flops_per_token(self, n=None, k=None, backward=True):
+        """The matmul FLOPs executed per token by a training forward + backward (backward=False: a forward
+        alone), for MFU and every FLOP/s figure (METHOD.md §2); flops_per_token is the paper's C, for budgets.
+
+        n, k: loop steps per sequence without and with gradient, numbers or per-sequence tensors (their means
+        count: each sequence runs its own steps); None: config.sampling's expected steps (depths.mean_steps).
+        A forward runs 2 FLOPs per token for every nn.Linear weight, 2 d V for the tied head and, in each block,
+        2 S d for QK^T and 2 S d for AV: causal attention counted in full over S, as FlopCounterMode counts SDPA
+        and PaLM's MFU and nanochat's estimate_flops count attention. A backward runs twice its forward (input
+        and weight gradients): the prelude, Bbar e, C_proj, coda and head cost 3x their forward (Bbar e enters
+        every step with gradient, so the prelude is backpropagated in full), a loop step with gradient 3x, one
+        without 1x. backward=False runs all n + k steps 1x. The embedding lookups (wte, value embeddings) are no
+        matmuls. The Transformer runs its blocks once, whatever n and k.
+        """
+        c = self.config
+
+        def forward_flops(modules):
+            parts = [m for module in modules for m in module.modules()]
+            linears = sum(m.weight.numel() for m in parts if isinstance(m, nn.Linear))
+            return 2 * linears + sum(isinstance(m, Block) for m in parts) * 4 * c.seq_len * c.d_model
+
+        # per loop step: the recurrent blocks, and concat's adapter (Parcae's B makes Bbar e once per forward)
+        per_step = [*self.recur, *([self.injection] if c.injection == "concat" else [])] \
+            if self.injection is not None else []
+        step = forward_flops(per_step)
+        once = forward_flops([self]) - step + 2 * self.wte.weight.numel()
+        if self.injection is None:
+            return (3 if backward else 1) * once
+        if n is None:
+            n, k = mean_steps(c)
+        n, k = (torch.as_tensor(x, dtype=torch.float64).mean().item() for x in (n, k))
+        return 3 * once + (n + 3 * k) * step if backward else once + (n + k) * step
 
     def activation_bytes(self, batch_size, bf16=True):
         """Bytes saved for backward by a training forward of batch_size sequences that all backpropagate
