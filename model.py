@@ -598,7 +598,7 @@ class Parcae(nn.Module):
             return (3 if backward else 1) * once
         if n is None:
             n, k = mean_steps(c)
-        n, k = (torch.as_tensor(x, dtype=torch.float64).mean().item() for x in (n, k))
+        n, k = (torch.as_tensor(x, dtype=torch.float64, device="cpu").mean().item() for x in (n, k))
         return 3 * once + (n + 3 * k) * step if backward else once + (n + k) * step
 
     def activation_bytes(self, batch_size, bf16=True):
