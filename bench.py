@@ -408,7 +408,7 @@ def paper_c_rows(args, device, training, figures):
     """Rows 1-3 from the same timings with each step's FLOPs counted by the paper's C (METHOD.md §2) instead of
     the matmuls executed, numbered 1C-3C: a comparison with that accounting, not a rate of this machine."""
     by_c = {name: (t[0], t[3], t[2], t[3]) for name, t in training.items() if name != "count"}
-    by_c["count"] = "the paper's C, not the FLOPs executed"
+    by_c["count"] = "FLOPs by the paper's C"
     return [(f"{number}C", *rest)
             for row in FLOP_RATE_ROWS if row in args.rows
             for number, *rest in ROWS[row](args, device, by_c, dict(figures))]
