@@ -578,9 +578,9 @@ class Parcae(nn.Module):
         2 S d for QK^T and 2 S d for AV: causal attention counted in full over S, as FlopCounterMode counts SDPA
         and PaLM's MFU and nanochat's estimate_flops count attention. A backward runs twice its forward (input
         and weight gradients): the prelude, Bbar e, C_proj, coda and head cost 3x their forward (Bbar e enters
-        every step with gradient, so the prelude is backpropagated in full), a loop step with gradient 3x, one
-        without 1x. backward=False runs all n + k steps 1x. The embedding lookups (wte, value embeddings) are no
-        matmuls. The Transformer runs its blocks once, whatever n and k.
+        every step with gradient, k >= 1 in every sampler, so the prelude is backpropagated in full), a loop step
+        with gradient 3x, one without 1x. backward=False runs all n + k steps 1x. The embedding lookups (wte,
+        value embeddings) are not matmuls. The Transformer runs its blocks once, whatever n and k.
         """
         c = self.config
 
