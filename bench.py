@@ -13,7 +13,7 @@ the noise of a shared machine falls on both; each is the median of --repeats rep
 Training steps run forward + backward + gradient clip + optimiser step (optim.build_optimizer), on
 fixed batches of random tokens, with the depths of every step drawn up front (depths.sample_depths) and
 passed as T, so both sides of a comparison run exactly the same depths. Every FLOP/s figure counts the
-matmul FLOPs executed (Parcae.matmul_flops_per_token), not the paper's C (flops_per_token, for budgets).
+matmul FLOPs executed (common.matmul_flops_per_token), not the paper's C (Parcae.flops_per_token, for budgets).
 """
 
 import argparse
@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common import (find_checkpoint, get_base_dir, load_checkpoint, log, median_seconds, peak_bf16_flops, print_table,
-                    timed, write_atomically)
+from common import (find_checkpoint, get_base_dir, load_checkpoint, log, matmul_flops_per_token, median_seconds,
+                    peak_bf16_flops, print_table, timed, write_atomically)
 from core_tasks import MC, Task
 from data import DataLoader, iter_documents
 from depths import sample_depths
@@ -126,7 +126,7 @@ def sampled_flops_per_token(config, schedule):
     Transformer's counts do not depend on depth."""
     n, k = (torch.cat(steps).double() for steps in zip(*schedule))
     with torch.device("meta"):
-        executed = Parcae(config).matmul_flops_per_token(n, k)
+        executed = matmul_flops_per_token(Parcae(config), n, k)
         paper_c = Parcae(replace(config, mu_rec=(n + k).mean().item(), mu_bwd=k.mean().item())).flops_per_token()
     return executed, paper_c
 

@@ -77,7 +77,7 @@ def split_depths(depths, mu_bwd, training):
 
 def mean_steps(config):
     """The expected (n, k) of one sequence under config.sampling, the means SAMPLINGS states: the loop steps a
-    training forward runs on average without and with gradient (Parcae.matmul_flops_per_token, train.py's MFU)."""
+    training forward runs on average without and with gradient (common.matmul_flops_per_token, train.py's MFU)."""
     scheme, mu_rec, mu_bwd = config.sampling, config.mu_rec, config.mu_bwd
     rest = max(mu_rec - mu_bwd, 0)
     if scheme == "poisson_unbounded":

@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from depths import SAMPLINGS, mean_steps, sample_depths, split_depths
+from depths import SAMPLINGS, sample_depths, split_depths
 
 # -----------------------------------------------------------------------------
 # Configuration
@@ -555,7 +555,7 @@ class Parcae(nn.Module):
     def flops_per_token(self):
         """The paper's training compute C per token, METHOD.md §2 (Appendix D), for FLOP budgets (--target_flops,
         isoFLOP sweeps, fits), not for MFU: N excludes wte only, so the value-embedding lookups count as matmuls
-        and the tied head does not (matmul_flops_per_token counts what runs). N_core is the recurrent blocks'
+        and the tied head does not (common.matmul_flops_per_token counts what runs). N_core is the recurrent blocks'
         parameters (the value-embedding tables are not inside the blocks)."""
         c = self.config
         d, S = c.d_model, c.seq_len
@@ -567,39 +567,6 @@ class Parcae(nn.Module):
         return (6 * N_nc + 3 * (c.n_prelude + c.n_coda) * 4 * d * S
                 + c.mu_rec * (2 * N_core + c.n_recur * 4 * d * S)
                 + c.mu_bwd * (4 * N_core + 2 * c.n_recur * 4 * d * S))
-
-    def matmul_flops_per_token(self, n=None, k=None, backward=True):
-        """The matmul FLOPs executed per token by a training forward + backward (backward=False: a forward
-        alone), for MFU and every FLOP/s figure (METHOD.md §2); flops_per_token is the paper's C, for budgets.
-
-        n, k: loop steps per sequence without and with gradient, numbers or per-sequence tensors (their means
-        count: each sequence runs its own steps); None: config.sampling's expected steps (depths.mean_steps).
-        A forward runs 2 FLOPs per token for every nn.Linear weight, 2 d V for the tied head and, in each block,
-        2 S d for QK^T and 2 S d for AV: causal attention counted in full over S, as FlopCounterMode counts SDPA
-        and PaLM's MFU and nanochat's estimate_flops count attention. A backward runs twice its forward (input
-        and weight gradients): the prelude, Bbar e, C_proj, coda and head cost 3x their forward (Bbar e enters
-        every step with gradient, k >= 1 in every sampler, so the prelude is backpropagated in full), a loop step
-        with gradient 3x, one without 1x. backward=False runs all n + k steps 1x. The embedding lookups (wte,
-        value embeddings) are not matmuls. The Transformer runs its blocks once, whatever n and k.
-        """
-        c = self.config
-
-        def forward_flops(modules):
-            parts = [m for module in modules for m in module.modules()]
-            linears = sum(m.weight.numel() for m in parts if isinstance(m, nn.Linear))
-            return 2 * linears + sum(isinstance(m, Block) for m in parts) * 4 * c.seq_len * c.d_model
-
-        # per loop step: the recurrent blocks, and concat's adapter (Parcae's B makes Bbar e once per forward)
-        per_step = [*self.recur, *([self.injection] if c.injection == "concat" else [])] \
-            if self.injection is not None else []
-        step = forward_flops(per_step)
-        once = forward_flops([self]) - step + 2 * self.wte.weight.numel()
-        if self.injection is None:
-            return (3 if backward else 1) * once
-        if n is None:
-            n, k = mean_steps(c)
-        n, k = (torch.as_tensor(x, dtype=torch.float64, device="cpu").mean().item() for x in (n, k))
-        return 3 * once + (n + 3 * k) * step if backward else once + (n + k) * step
 
     def activation_bytes(self, batch_size, bf16=True):
         """Bytes saved for backward by a training forward of batch_size sequences that all backpropagate
