@@ -5,13 +5,15 @@ bench.py: nanoparcae's performance figures, measured side by side on whatever ma
     python bench.py --rows 1,8 --steps 1  # a quick look at two rows
     python bench.py --depth 6 --d_model 384 --seq_len 512
     python bench.py --json bench.json     # also the rows and the raw figures behind their verdicts, as JSON
+    python bench.py --rows 1,2,3 --paper_c  # and rows 1-3 again with FLOPs by the paper's C (for comparison)
 
 It prints ONE markdown table (progress goes to stderr), the one docs/performance.md quotes.
 Each speed figure is a ratio of two things timed in the same run, interleaved repeat by repeat so that
 the noise of a shared machine falls on both; each is the median of --repeats repeats after a warm-up.
 Training steps run forward + backward + gradient clip + optimiser step (optim.build_optimizer), on
 fixed batches of random tokens, with the depths of every step drawn up front (depths.sample_depths) and
-passed as T, so both sides of a comparison run exactly the same depths.
+passed as T, so both sides of a comparison run exactly the same depths. Every FLOP/s figure counts the
+matmul FLOPs executed (common.matmul_flops_per_token), not the paper's C (Parcae.flops_per_token, for budgets).
 """
 
 import argparse
@@ -27,8 +29,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common import (find_checkpoint, get_base_dir, load_checkpoint, log, median_seconds, peak_bf16_flops, print_table,
-                    timed, write_atomically)
+from common import (find_checkpoint, get_base_dir, load_checkpoint, log, matmul_flops_per_token, median_seconds,
+                    peak_bf16_flops, print_table, timed, write_atomically)
 from core_tasks import MC, Task
 from data import DataLoader, iter_documents
 from depths import sample_depths
@@ -118,14 +120,15 @@ def depth_schedule(config, batch_size, num_steps, seed=0):
 
 
 def sampled_flops_per_token(config, schedule):
-    """Model FLOPs per token of the depths the schedule sampled. flops_per_token() counts mu_rec passes and
-    mu_bwd backpropagated ones (the expected depth); it is linear in both, so evaluated at the mean sampled
-    n_i + k_i and k_i it counts exactly the passes sampled (not those a masked batch wastes).
-    The Transformer's count does not depend on depth."""
+    """(executed matmul FLOPs, the paper's C) per token at the depths the schedule sampled. Both are linear in the
+    steps without and with gradient, so at the mean sampled n_i and k_i they count exactly the passes sampled (not
+    those a masked batch wastes); C takes them as mu_rec = mean n_i + k_i and mu_bwd = mean k_i. The
+    Transformer's counts do not depend on depth."""
     n, k = (torch.cat(steps).double() for steps in zip(*schedule))
-    mean_T, mean_k = (n + k).mean().item(), k.mean().item()
     with torch.device("meta"):
-        return Parcae(replace(config, mu_rec=mean_T, mu_bwd=mean_k)).flops_per_token()
+        executed = matmul_flops_per_token(Parcae(config), n, k)
+        paper_c = Parcae(replace(config, mu_rec=(n + k).mean().item(), mu_bwd=k.mean().item())).flops_per_token()
+    return executed, paper_c
 
 
 class PassCounter:
@@ -153,8 +156,9 @@ class PassCounter:
 # Shared measurement (rows 1, 2, 3, 6): Parcae per-sequence and per-batch against the Transformer
 
 def measure_training(args, device):
-    """{name: (tokens/s, model FLOP/s, mean sampled T)} for Parcae per-sequence, per-batch, and the Transformer."""
-    results = {}
+    """{name: (tokens/s, executed matmul FLOP/s, mean sampled T, FLOP/s by the paper's C)} for Parcae per-sequence,
+    per-batch, and the Transformer; "count" names what the FLOP/s count."""
+    results = {"count": "matmul FLOPs executed"}
     configs = {"per-sequence": model_config(args), "per-batch": model_config(args, sampling="per_batch_split"),
                "Transformer": model_config(args, injection="none")}
     trainers = {name: Trainer(config, args.batch_size, device) for name, config in configs.items()}
@@ -164,9 +168,9 @@ def measure_training(args, device):
                              args.repeats)
     tokens = args.steps * args.batch_size * args.seq_len
     for name, config in configs.items():
-        flops = sampled_flops_per_token(config, schedules[name]) * tokens
+        executed, paper_c = (f * tokens / seconds[name] for f in sampled_flops_per_token(config, schedules[name]))
         mean_T = sum(int(n.sum() + k.sum()) for n, k in schedules[name]) / (args.steps * args.batch_size)
-        results[name] = (tokens / seconds[name], flops / seconds[name], mean_T)
+        results[name] = (tokens / seconds[name], executed, mean_T, paper_c)
     return results
 
 
@@ -188,7 +192,7 @@ def row_throughput(args, device, training, figures):
     parcae, gpt = training["per-sequence"], training["Transformer"]
     ratio = figures["flops_ratio"] = parcae[1] / gpt[1]
     return [("1", f"training throughput: Parcae (mu_rec {args.mu_rec}, per-sequence) vs the Transformer of the "
-             "same depth; model FLOPs of the depths sampled",
+             f"same depth; {training['count']} at the depths sampled",
              f"Parcae {si(parcae[0], 'tok/s')}, {si(parcae[1], 'FLOP/s')} (mean T {parcae[2]:.2f}); "
              f"Transformer {si(gpt[0], 'tok/s')}, {si(gpt[1], 'FLOP/s')}",
              f"FLOP/s {ratio:.2f}x (tok/s {parcae[0] / gpt[0]:.2f}x)",
@@ -197,16 +201,19 @@ def row_throughput(args, device, training, figures):
 
 def row_mfu(args, device, training, figures):
     """MFU against the matmul rate measured here at the model's own shapes, which a training step could reach at
-    best; and against the GPU's listed dense bf16 peak where common.PEAK_BF16_FLOPS has it."""
-    rate = figures["matmul_rate"] = matmul_rate(args, device)
+    best; and against the GPU's listed dense bf16 peak where common.PEAK_BF16_FLOPS has it. A rate already in
+    `figures` is reused (--paper_c's second pass)."""
+    if "matmul_rate" not in figures:
+        figures["matmul_rate"] = matmul_rate(args, device)
+    rate = figures["matmul_rate"]
     peak = peak_bf16_flops(device)
     parcae, gpt = training["per-sequence"][1], training["Transformer"][1]
     figures["mfu"] = parcae / rate
     what = f"the {'bf16' if CUDA else 'float32'} matmul rate measured at the model's shapes"
     measured = f"Parcae {parcae / rate:.1%}, Transformer {gpt / rate:.1%}"
     if peak is None:
-        return [("2", f"achieved model FLOP/s against {what}", si(rate, "FLOP/s"), measured, "")]
-    return [("2", f"achieved model FLOP/s against {what}, and against the GPU's listed bf16 peak",
+        return [("2", f"achieved FLOP/s ({training['count']}) against {what}", si(rate, "FLOP/s"), measured, "")]
+    return [("2", f"achieved FLOP/s ({training['count']}) against {what}, and against the GPU's listed bf16 peak",
              f"measured {si(rate, 'FLOP/s')}, listed peak {si(peak, 'FLOP/s')}",
              f"{measured}; of the peak: Parcae {parcae / peak:.1%}, Transformer {gpt / peak:.1%}", "")]
 
@@ -215,7 +222,7 @@ def row_sampling(args, device, training, figures):
     per_seq, per_batch = training["per-sequence"], training["per-batch"]
     overhead = figures["sampling_overhead"] = per_batch[1] / per_seq[1] - 1
     return [("3", f"per-sequence vs per-batch depth sampling (per_batch_split: the same depths, one per micro-batch), "
-             f"mu_rec {args.mu_rec}, {args.batch_size} sequences per micro-batch: time per model FLOP",
+             f"mu_rec {args.mu_rec}, {args.batch_size} sequences per micro-batch: time per FLOP ({training['count']})",
              f"per-sequence {si(per_seq[1], 'FLOP/s')} ({si(per_seq[0], 'tok/s')}, mean T {per_seq[2]:.2f}); "
              f"per-batch {si(per_batch[1], 'FLOP/s')} ({si(per_batch[0], 'tok/s')}, mean T {per_batch[2]:.2f})",
              f"overhead {overhead:+.1%}", "paper: +1.8%")]
@@ -394,6 +401,17 @@ def row_active_only(args, device, training, figures):
 ROWS = {1: row_throughput, 2: row_mfu, 3: row_sampling, 4: row_memory, 5: row_decode, 6: row_core_and_loader,
         7: row_compile, 8: row_active_only}
 NEEDS_TRAINING = {1, 2, 3, 6}
+FLOP_RATE_ROWS = (1, 2, 3)  # --paper_c repeats these with FLOPs by the paper's C
+
+
+def paper_c_rows(args, device, training, figures):
+    """Rows 1-3 from the same timings with each step's FLOPs counted by the paper's C (METHOD.md §2) instead of
+    the matmuls executed, numbered 1C-3C: a comparison with that accounting, not a rate of this machine."""
+    by_c = {name: (t[0], t[3], t[2], t[3]) for name, t in training.items() if name != "count"}
+    by_c["count"] = "FLOPs by the paper's C"
+    return [(f"{number}C", *rest)
+            for row in FLOP_RATE_ROWS if row in args.rows
+            for number, *rest in ROWS[row](args, device, by_c, dict(figures))]
 
 # -----------------------------------------------------------------------------
 # Command line
@@ -435,6 +453,8 @@ def main(argv=None):
     parser.add_argument("--compile_backend", default="inductor", choices=["inductor", "eager"],
                         help="row 7's torch.compile backend; eager traces and guards as inductor does without "
                         "generating code, so the recompilations count the same in seconds (runs/gpu_check.sh --tiny)")
+    parser.add_argument("--paper_c", action="store_true",
+                        help="also rows 1-3 from the same timings with FLOPs by the paper's C (rows 1C-3C)")
     parser.add_argument("--json", help="also write the table and the raw figures behind its verdicts to this file")
     args = parser.parse_args(argv)
     width_from_depth = args.depth is not None  # --depth alone takes METHOD.md §1's width for that depth
@@ -460,9 +480,12 @@ def main(argv=None):
     training = measure_training(args, device) if NEEDS_TRAINING & set(args.rows) else None
     log(f"training measurement for rows 1, 2, 3, 6 took {time.perf_counter() - t0:.0f} s")
     table, figures = [], {}
+    last_rate_row = max(set(FLOP_RATE_ROWS) & set(args.rows), default=None)
     for row in args.rows:
         t0 = time.perf_counter()
         table += ROWS[row](args, device, training, figures)
+        if args.paper_c and row == last_rate_row:
+            table += paper_c_rows(args, device, training, figures)
         log(f"row {row} ({ROWS[row].__name__}) took {time.perf_counter() - t0:.0f} s")
         if args.json:  # after every row: a row that fails or runs out of time leaves the ones before it
             write_atomically(Path(args.json), lambda path: path.write_text(json.dumps(

@@ -6,7 +6,10 @@ ablation, the authors' other schemes); config.sampling picks one, and Parcae.for
 training (model.py).
 
     n, k = sample_depths(config, batch_size, generator)   # then model(x, y, T=(n, k)) replays the draw
+    mean_n, mean_k = mean_steps(config)                   # what a draw runs on average (executed FLOPs, MFU)
 """
+
+import math
 
 import torch
 
@@ -67,3 +70,29 @@ def split_depths(depths, mu_bwd, training):
     """Per sequence: n no-grad steps then k = min(T, mu_bwd) grad steps. Evaluation: all T without grad."""
     k = depths.clamp(max=mu_bwd) if training else torch.zeros_like(depths)
     return depths - k, k
+
+
+# -----------------------------------------------------------------------------
+# Expected depths
+
+def mean_steps(config):
+    """The expected (n, k) of one sequence under config.sampling, the means SAMPLINGS states: the loop steps a
+    training forward runs on average without and with gradient (common.matmul_flops_per_token, train.py's MFU)."""
+    scheme, mu_rec, mu_bwd = config.sampling, config.mu_rec, config.mu_bwd
+    rest = max(mu_rec - mu_bwd, 0)
+    if scheme == "poisson_unbounded":
+        return float(rest), mu_bwd + 0.5
+    if scheme == "poisson_fill":
+        return float(rest), float(mu_bwd)
+    if scheme == "poisson_full":
+        return 0.0, rest + mu_bwd + math.exp(-(rest + mu_bwd))
+    if scheme == "fixed":
+        return float(mu_rec - min(mu_rec, mu_bwd)), float(min(mu_rec, mu_bwd))
+    T = mu_rec + math.exp(-mu_rec)  # E[max(1, X)], X ~ Poisson(mu_rec)
+    k = 1 + sum(poisson_tail(mu_rec, j) for j in range(2, mu_bwd + 1))  # E[min(max(1, X), mu_bwd)]
+    return (T if scheme == "per_batch" else T - k), k
+
+
+def poisson_tail(rate, j):
+    """P(X >= j), X ~ Poisson(rate)."""
+    return 1 - sum(math.exp(-rate) * rate**i / math.factorial(i) for i in range(j))

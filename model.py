@@ -537,14 +537,13 @@ class Parcae(nn.Module):
             active = int((k > step - n_max).sum()) if with_grad else int((n > step).sum())
             if diagnostics:
                 h_prev = torch.cat([h[:active].detach(), h_prev[active:]])
+            # the rows past `active` are done: they keep their state. Sliced with grad on: a view taken under
+            # no_grad still requires grad but has no grad_fn, which FlopCounterMode's module tracker rejects
+            h_in, injected_in, ves_in = (h, injected, ves) if active == h.size(0) else \
+                (h[:active], injected[:active], {i: ve[:active] for i, ve in ves.items()})
             with torch.set_grad_enabled(with_grad and grad_enabled):
-                if active == h.size(0):
-                    h = self.recur_step(h, injected, step, ves, ctx.cos, ctx.sin, cache, A_bar)
-                else:  # the rows past `active` are done: they keep their state
-                    ves_active = {i: ve[:active] for i, ve in ves.items()}
-                    h_active = self.recur_step(h[:active], injected[:active], step, ves_active, ctx.cos, ctx.sin,
-                                               cache, A_bar)
-                    h = torch.cat([h_active, h[active:]])
+                h_active = self.recur_step(h_in, injected_in, step, ves_in, ctx.cos, ctx.sin, cache, A_bar)
+            h = h_active if active == h.size(0) else torch.cat([h_active, h[active:]])
         stats = stability_diagnostics(h, h_prev) if diagnostics else None
         return Recurrence(h[torch.argsort(order_dev)] if permuted else h, stats)
 
@@ -555,8 +554,10 @@ class Parcae(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def flops_per_token(self):
-        """Training FLOPs per token, METHOD.md §2 (the paper's Appendix D). N excludes wte only; N_core is
-        the recurrent blocks' parameters (the value-embedding tables are not inside the blocks)."""
+        """The paper's training compute C per token, METHOD.md §2 (Appendix D), for FLOP budgets (--target_flops,
+        isoFLOP sweeps, fits), not for MFU: N excludes wte only, so the value-embedding lookups count as matmuls
+        and the tied head does not (common.matmul_flops_per_token counts what runs). N_core is the recurrent blocks'
+        parameters (the value-embedding tables are not inside the blocks)."""
         c = self.config
         d, S = c.d_model, c.seq_len
         N = self.num_params() - self.wte.weight.numel()

@@ -32,13 +32,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common import PEAK_BF16_FLOPS, get_base_dir, write_atomically
+from common import PEAK_BF16_FLOPS, get_base_dir, matmul_flops_per_token, write_atomically
 from model import Parcae, ParcaeConfig
 from scaling_fit import (bootstrap_exponents, fit_unified, interval_verdict, mean_relative_error, paired_interval,
                          parabola_optimum, pooled_spread, power_law, t_interval, unified_predict)
 
 ROOT = Path(__file__).resolve().parent
-H100_BF16, MFU = PEAK_BF16_FLOPS["H100"], 0.4  # GPU-hour estimates: 40% MFU, as in README's size table
+H100_BF16, MFU = PEAK_BF16_FLOPS["H100"], 0.4  # GPU-hour estimates: 40% MFU of the executed FLOPs, as README's table
 
 # -----------------------------------------------------------------------------
 # Sweeps. A sweep is a model (train.py flags), budgets C, mu_rec values and the test-time depths T of the fit.
@@ -47,8 +47,8 @@ PAPER_MODEL = dict(head_dim=128, vocab_size=32768, seq_len=2048)  # train.py's p
 PAPER_BATCH = 524_288
 # The CPU study (docs/scaling.md): the paper's regime, up to 20+ tokens per parameter (its 140M sees 5-25),
 # reached by a 254,720-parameter model: depth 3, d_model 64, a 512-token vocabulary, 128-token rows. Five budgets
-# spanning 16x, mu_rec 1-8, three seeds at the middle budget: 28 runs, 8.8e13 training FLOPs at the ~40 GFLOP/s one
-# core gives this model; 49.5 minutes end to end with evaluation and fit, measured on one core, one thread.
+# spanning 16x, mu_rec 1-8, three seeds at the middle budget: 28 runs, 8.8e13 training FLOPs of C, which one core
+# trains through at about 4e10 of C a second; 49.5 minutes end to end with evaluation and fit, one core, one thread.
 # Learning rates 4x the paper's 8e-3, from a short sweep (docs/scaling.md).
 PRESETS = {
     "cpu": dict(depth=3, flops=[5.625e11, 1.125e12, 2.25e12, 4.5e12, 9e12], mu_rec=[1, 2, 4, 8], seeds=3,
@@ -86,14 +86,17 @@ def seed_budget(sweep):
 
 
 def model_size(sweep, mu_rec):
-    """-> (parameters, training FLOPs per token) from model.py, the numbers train.py's --target_flops uses."""
+    """-> (parameters, the paper's C per token, executed matmul FLOPs per token) from model.py: C is what train.py's
+    --target_flops divides, the executed count what the GPU-hour estimate's MFU applies to (sampling as train_flags
+    runs the point: mu_rec = 1 at fixed depth)."""
     try:
-        config = ParcaeConfig.from_depth(sweep["depth"], mu_rec=mu_rec, **sweep["model"])
+        config = ParcaeConfig.from_depth(sweep["depth"], mu_rec=mu_rec, **sweep["model"],
+                                         sampling="fixed" if mu_rec == 1 else "per_sequence")
     except ValueError as err:
         fail(err)
     with torch.device("meta"):
         model = Parcae(config)
-    return model.num_params(), model.flops_per_token()
+    return model.num_params(), model.flops_per_token(), matmul_flops_per_token(model)
 
 
 def points(sweep):
@@ -103,12 +106,12 @@ def points(sweep):
     grid = [(C, mu, 0) for C in sweep["flops"] for mu in sweep["mu_rec"]]
     grid += [(seed_budget(sweep), mu, seed) for seed in range(1, sweep["seeds"]) for mu in sweep["mu_rec"]]
     for C, mu, seed in grid:
-        params, fpt = model_size(sweep, mu)
+        params, fpt, executed = model_size(sweep, mu)
         tokens = C / fpt
         steps = max(1, int(tokens // sweep["batch"]))  # train.py: int(max_tokens // total_batch_size)
         out.append(dict(name=f"{sweep['name']}_C{C:.3g}_mu{mu}" + (f"_s{seed}" if seed else ""), C=C, mu_rec=mu,
                         seed=seed, params=params, flops_per_token=fpt, tokens=tokens, steps=steps,
-                        trained_tokens=steps * sweep["batch"]))
+                        trained_tokens=steps * sweep["batch"], executed_flops=tokens * executed))
     return out
 
 
@@ -144,7 +147,7 @@ def plan(sweep, gpus):
           "| GPU-hours |")
     print("|---|---|---|---|---|---|---|---|")
     for p in rows:
-        hours = p["C"] / (H100_BF16 * MFU) / 3600
+        hours = p["executed_flops"] / (H100_BF16 * MFU) / 3600
         print(f"| {p['C']:.3g} | {p['mu_rec']} | {p['seed']} | {p['flops_per_token']:.4e} | {p['tokens']:,.0f} "
               f"| {p['steps']:,} | {p['tokens'] / p['params']:.1f} | {hours:.2f} |")
     per_param = [p["tokens"] / p["params"] for p in rows]
@@ -155,7 +158,8 @@ def plan(sweep, gpus):
     out_dir = get_base_dir() / "scaling" / sweep["name"]
     out_dir.mkdir(parents=True, exist_ok=True)
     write_text(out_dir / "commands.sh", "\n".join(commands) + "\n")
-    print(f"\nGPU-hours: C at {MFU:.0%} MFU of an H100's {H100_BF16 / 1e12:.0f} TFLOP/s. One command per point "
+    print(f"\nGPU-hours: the matmul FLOPs the D tokens execute at {MFU:.0%} MFU of an H100's {H100_BF16 / 1e12:.0f} "
+          f"TFLOP/s. One command per point "
           f"(also in {out_dir / 'commands.sh'}, one per line, for a scheduler such as a SLURM array):")
     print("\n".join(commands))
     return rows

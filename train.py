@@ -37,8 +37,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common import (find_checkpoint, first_sentence, get_base_dir, init_distributed, load_optimizer_state,
-                    peak_bf16_flops, rank_and_world, read_checkpoint, save_checkpoint, state_norm_limit,
-                    write_atomically)
+                    matmul_flops_per_token, peak_bf16_flops, rank_and_world, read_checkpoint, save_checkpoint,
+                    state_norm_limit, write_atomically)
 from core_tasks import download_eval_bundle
 from data import DataLoader, get_tokenizer, tokenizer_dir, val_batches
 from depths import SAMPLINGS
@@ -155,7 +155,8 @@ except ValueError as err:
     fail(err)
 with torch.device("meta"):  # sizes and FLOPs without allocating anything
     meta_model = Parcae(config)
-num_params, flops_per_token = meta_model.num_params(), meta_model.flops_per_token()
+num_params, flops_per_token = meta_model.num_params(), meta_model.flops_per_token()  # the paper's C: the horizon
+executed_flops_per_token = matmul_flops_per_token(meta_model)  # at the sampler's mean depths: MFU
 if args.max_tokens:
     max_tokens = args.max_tokens
 elif args.target_flops:
@@ -202,8 +203,9 @@ if resume_from and not args.dry_run and int(resume_from.stem.removeprefix("ckpt_
 log(f"model: depth {args.depth} ({config.n_prelude}/{config.n_recur}/{config.n_coda}), d_model {config.d_model}, "
     f"{config.n_head} heads, injection {config.injection}, mu_rec {config.mu_rec}, mu_bwd {config.mu_bwd}, "
     f"sampling {config.sampling}, prelude_norm {config.prelude_norm}")
-log(f"parameters: {num_params:,} | FLOPs/token: {flops_per_token:.4e} | tokens: {num_steps * args.total_batch_size:,} "
-    f"| total FLOPs: {flops_per_token * num_steps * args.total_batch_size:.4e}")
+log(f"parameters: {num_params:,} | FLOPs/token (paper's C): {flops_per_token:.4e} | tokens: "
+    f"{num_steps * args.total_batch_size:,} | total FLOPs: {flops_per_token * num_steps * args.total_batch_size:.4e} "
+    f"| executed matmul FLOPs/token: {executed_flops_per_token:.4e}")
 log(f"steps: {num_steps} x {args.total_batch_size:,} tokens = {world} process(es) x {grad_accum} micro-batch(es) x "
     f"{args.device_batch_size} x {args.seq_len} | data: {args.data} | output: {run_dir}")
 
@@ -469,7 +471,7 @@ while step < num_steps and (args.stop_at is None or step < args.stop_at):
                   "tokens_per_s": tokens_per_second, "rho": raw_model.spectral_radius(), "skipped_steps": skipped_steps,
                   **{key: None if value is None else value.item() for key, value in diagnostics.items()}}
         if peak_flops and tokens_per_second:
-            record["mfu"] = flops_per_token * tokens_per_second / (peak_flops * world)
+            record["mfu"] = executed_flops_per_token * tokens_per_second / (peak_flops * world)
         if args.compile:  # a count that still grows after the first steps is recompiling (model.compile_blocks)
             record["graphs"] = dynamo_counters["stats"]["unique_graphs"]
         if CUDA:  # against the --dry_run plan (memory_plan)

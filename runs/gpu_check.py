@@ -163,7 +163,7 @@ def tokens_per_second(work, runs_dir, args):
     last = step_records(runs_dir, "train")[-1]
     if last["tokens_per_s"] is None:
         raise Failed("too few steps for a rate")
-    mfu_text = f", MFU {last['mfu']:.1%} of the listed bf16 peak" if last.get("mfu") else ""
+    mfu_text = f", MFU {last['mfu']:.1%} of the listed bf16 peak (matmul FLOPs executed)" if last.get("mfu") else ""
     return ("train.py: tokens/s (moving average at the last step, the first step left out)",
             f"{last['tokens_per_s']:,.0f} tok/s{mfu_text}", "")
 
@@ -211,7 +211,7 @@ def precision(work, runs_dir, args):
 
 ROWS = [  # number, what a failed row says it was, how it is built
     ("1", "versions and the matmul rate", versions),
-    ("2a", "bench.py row 1: FLOP/s, Parcae vs the Transformer", throughput),
+    ("2a", "bench.py row 1: executed FLOP/s, Parcae vs the Transformer", throughput),
     ("2b", "bench.py row 2: MFU against the measured matmul rate", mfu),
     ("2c", "bench.py row 3: per-sequence sampling's overhead", sampling),
     ("2d", "bench.py row 4: memory flat in T", quoted("4")),

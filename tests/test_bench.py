@@ -3,8 +3,10 @@ them the claim that model.py's prefix recurrence gives the masked loop's loss an
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
 
-from bench import PassCounter, masked_reference_loss, model_loss
+from bench import PassCounter, depth_schedule, masked_reference_loss, model_loss, sampled_flops_per_token
 from model import Parcae, ParcaeConfig
 
 DEPTHS = torch.tensor([1, 5, 2, 8])  # mu_bwd 3: n = [0, 2, 0, 5], k = [1, 3, 2, 3]
@@ -58,3 +60,17 @@ def test_pass_counter_counts_sequences_through_the_recurrent_block():
     assert uniform.passes == 12
     model(x, T=2)  # outside the context the hook is gone
     assert uniform.passes == 12
+
+
+@pytest.mark.parametrize("injection", ["diagonal", "none"])
+def test_sampled_flops_are_the_matmul_flops_the_steps_execute(injection):
+    """bench's FLOP/s numerator over a schedule of per-sequence draws is FlopCounterMode's count of those
+    forward + backward passes (attention on SDPA's math path, counted in full, as matmul_flops_per_token)."""
+    model, x, y = tiny_model(injection)
+    schedule = depth_schedule(model.config, 4, 3, seed=2)
+    counter = FlopCounterMode(display=False)
+    with sdpa_kernel(SDPBackend.MATH), counter:
+        for depths in schedule:
+            model_loss(model, x, y, depths).backward()
+    executed, _ = sampled_flops_per_token(model.config, schedule)
+    assert counter.get_total_flops() == pytest.approx(executed * 3 * x.numel(), rel=1e-12)

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from depths import SAMPLINGS, sample_depths
+from depths import SAMPLINGS, mean_steps, sample_depths
 from engine import KVCache
 from model import Context, Parcae, ParcaeConfig, trunc_orthogonal_
 
@@ -185,6 +185,7 @@ def test_each_sampler_has_the_mean_depths_its_help_states(mu_rec, mu_bwd):
             assert n.mean().item() == pytest.approx(rest, abs=0.1), scheme
         assert (n + k).mean().item() == pytest.approx(executed, abs=0.1), scheme
         assert k.mean().item() == pytest.approx(backprop, abs=0.06), scheme
+        assert mean_steps(config) == pytest.approx((executed - backprop, backprop), rel=1e-12), scheme
 
 
 def test_an_n_k_draw_runs_n_then_k_steps():

@@ -130,12 +130,13 @@ def test_plan_tokens_times_flops_per_token_give_back_the_budget(capsys, tmp_path
     commands = (tmp_path / "scaling" / "d6" / "commands.sh").read_text().splitlines()
     assert len(commands) == 8 and all(c.startswith("torchrun ") and " train.py " in c for c in commands)
     for row, command in zip(rows, commands):
-        C, mu, seed, fpt, tokens, steps = (float(cell.replace(",", "")) for cell in row.strip("|").split("|")[:6])
+        C, mu, seed, fpt, tokens, steps, _, hours = (float(cell.replace(",", "")) for cell in row.strip("|").split("|"))
         assert seed == 0 and f"--seed=0" in command  # --seeds defaults to 1
         assert f"--mu_rec={int(mu)} " in command and f"--target_flops={C:g}" in command
-        params, exact_fpt = scaling.model_size(dict(depth=6, model=scaling.PAPER_MODEL), int(mu))
+        params, exact_fpt, executed = scaling.model_size(dict(depth=6, model=scaling.PAPER_MODEL), int(mu))
         assert abs(fpt - exact_fpt) / exact_fpt < 1e-4  # printed to 5 significant digits
         assert abs(tokens * exact_fpt - C) <= exact_fpt  # tokens printed to the unit
+        assert hours == round(C / exact_fpt * executed / (0.4 * 989e12) / 3600, 2)  # MFU of the FLOPs executed
         trained = steps * scaling.PAPER_BATCH * exact_fpt
         assert C - scaling.PAPER_BATCH * exact_fpt < trained <= C  # within one step's tokens
 
