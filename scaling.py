@@ -2,7 +2,7 @@
 scaling.py: the paper's scaling laws for looping (paper §5.2-5.3, Appendices L and O), planned, run, fitted, drawn.
 
     python scaling.py plan --depth=6 --flops=1e18,3e18,1e19 --mu_rec=1,2,4,6,8,12   # tokens, steps, GPU-hours
-    python scaling.py run --preset=cpu && python scaling.py fit --preset=cpu          # the CPU study, ~50 min
+    python scaling.py run --preset=cpu && python scaling.py fit --preset=cpu          # the CPU study, ~1 h
     python scaling.py run --depth=6 --flops=1e18,3e18 --mu_rec=1,2,4,8 --seeds=3      # on a GPU node (torchrun)
     python scaling.py fit --refit figures/scaling_cpu/fit.json                        # recorded runs, fitted anew
 
@@ -48,7 +48,7 @@ PAPER_BATCH = 524_288
 # The CPU study (docs/scaling.md): the paper's regime, up to 20+ tokens per parameter (its 140M sees 5-25),
 # reached by a 254,720-parameter model: depth 3, d_model 64, a 512-token vocabulary, 128-token rows. Five budgets
 # spanning 16x, mu_rec 1-8, three seeds at the middle budget: 28 runs, 8.8e13 training FLOPs of C, which one core
-# trains through at about 4e10 of C a second; 49.5 minutes end to end with evaluation and fit, one core, one thread.
+# trains through at about 4e10 of C a second; 57.6 minutes end to end on one core.
 # Learning rates 4x the paper's 8e-3, from a short sweep (docs/scaling.md).
 PRESETS = {
     "cpu": dict(depth=3, flops=[5.625e11, 1.125e12, 2.25e12, 4.5e12, 9e12], mu_rec=[1, 2, 4, 8], seeds=3,
