@@ -3,7 +3,7 @@ common.py: what every script shares and the model does not need: process setup, 
 checkpoints, the GPU peak table for MFU, and the timing of the benchmarks.
 
 model.py imports only depths.py, and data.py only tokenizer.py and download.py; train.py, eval_core.py,
-core_tasks.py, sample.py, hub.py, bench.py and scaling.py import this file.
+core_tasks.py and sample.py import this file, as do the experiments and interop/.
 """
 
 import os

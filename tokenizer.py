@@ -1,7 +1,7 @@
 """
 tokenizer.py: the tokenizer (METHOD.md §2): a byte-level BPE with the GPT-4 split pattern and the special
 tokens <|bos|>, <|eos|>, <|pad|>, trained with rustbpe and run with tiktoken. data.get_tokenizer trains and
-caches one per data source; hub.py builds one from the authors' tokenizer.json.
+caches one per data source; interop/hub.py builds one from the authors' tokenizer.json.
 
     tokenizer = Tokenizer.train(texts, vocab_size=4096)     # any iterator of strings
     ids = tokenizer.encode("def f(x):", prepend_bos=True)
@@ -31,7 +31,7 @@ class Tokenizer:
     def __init__(self, enc, token_bytes, bos_token="<|bos|>"):
         self.enc = enc
         self.token_bytes = token_bytes  # int32 (vocab_size,): UTF-8 bytes each id decodes to, 0 for specials
-        self.bos_id = enc.encode_single_token(bos_token)  # hub.py: an imported tokenizer names it its own way
+        self.bos_id = enc.encode_single_token(bos_token)  # interop/hub.py: an imported tokenizer names it its own way
         self.vocab_size = enc.n_vocab
 
     @classmethod

@@ -112,10 +112,6 @@ parser.add_argument("--run", help="run name (default d<depth>_<injection>)")
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--dry_run", action="store_true", help="print the resolved configuration and exit")
 parser.add_argument("--stop_at", type=int, help="end this invocation after that step (continue with --resume)")
-parser.add_argument("--fault_nan_step", type=int, help="testing: poison the gradients at this step")
-parser.add_argument("--fault_nan_steps", type=int, default=1, help="testing: and the steps after it, this many in all")
-parser.add_argument("--fault_kill_step", type=int, help="testing: the last rank SIGKILLs itself after this step "
-                    "(first attempt only), for the elastic-restart test")
 PAPER_HELP = {**PAPER, "d_model": "128 * (depth/3 + 4)", "compile": "1 on CUDA", "dtype": "bfloat16 on CUDA",
               "max_tokens": "the paper's for the depth, " + ", ".join(f"{t:.3g}" for t in PAPER_TOKENS.values())}
 for action in parser._actions:  # --help shows what a run will use: the preset's value, or the fixed default
@@ -135,6 +131,21 @@ def fail(message):
     """One clear line instead of a traceback."""
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+def read_faults(text):
+    """The faults the tests inject, from NANOPARCAE_FAULT="nan_step=2,nan_steps=3,kill_step=6": the gradients of
+    nan_steps steps from nan_step made non-finite; the last rank SIGKILLed after kill_step (first attempt only)."""
+    faults = dict(nan_step=None, nan_steps=1, kill_step=None)
+    for item in filter(None, text.split(",")):
+        name, _, value = item.partition("=")
+        if name not in faults or not value.isdigit():
+            fail(f"NANOPARCAE_FAULT: {item!r} is not one of nan_step=N, nan_steps=N, kill_step=N")
+        faults[name] = int(value)
+    return faults
+
+
+fault = read_faults(os.environ.get("NANOPARCAE_FAULT", ""))
 
 
 # -----------------------------------------------------------------------------
@@ -342,12 +353,12 @@ def log_line(record, num_steps):
 
 
 def poison_gradient(param):
-    """Testing (--fault_nan_step): make that step's gradients non-finite; the loop must skip its update."""
-    if 0 <= step - args.fault_nan_step < args.fault_nan_steps:
+    """A test's fault (NANOPARCAE_FAULT nan_step): make that step's gradients non-finite; the loop must skip it."""
+    if 0 <= step - fault["nan_step"] < fault["nan_steps"]:
         param.grad.fill_(float("nan"))
 
 
-if args.fault_nan_step is not None:
+if fault["nan_step"] is not None:
     next(raw_model.parameters()).register_post_accumulate_grad_hook(poison_gradient)
 
 # -----------------------------------------------------------------------------
@@ -463,7 +474,7 @@ while step < num_steps and (args.stop_at is None or step < args.stop_at):
     if save_due and bad_steps == 0:  # during a streak the state may be the diverging one: save after it
         save(step)
         save_due = False
-    if args.fault_kill_step == step and rank == world - 1 and restart_count == 0:
+    if fault["kill_step"] == step and rank == world - 1 and restart_count == 0:
         os.kill(os.getpid(), signal.SIGKILL)  # as a node fault or the OOM killer would
 
 log(f"{'stopped' if diverged_at else 'done'}: {step} steps in {(time.time() - t_run) / 60:.1f} min, "

@@ -1,10 +1,10 @@
 """
 bench.py: nanoparcae's performance figures, measured side by side on whatever machine runs it.
 
-    python bench.py                       # every row; a small model on CPU, the 140M model on CUDA
-    python bench.py --rows 1,8 --steps 1  # a quick look at two rows
-    python bench.py --depth 6 --d_model 384 --seq_len 512
-    python bench.py --json bench.json     # also the rows and the raw figures behind their verdicts, as JSON
+    python -m experiments.bench                       # every row; a small model on CPU, the 140M model on CUDA
+    python -m experiments.bench --rows 1,8 --steps 1  # a quick look at two rows
+    python -m experiments.bench --depth 6 --d_model 384 --seq_len 512
+    python -m experiments.bench --json bench.json     # also the rows and the raw figures behind their verdicts, as JSON
 
 It prints ONE markdown table (progress goes to stderr), the one docs/performance.md quotes.
 Each speed figure is a ratio of two things timed in the same run, interleaved repeat by repeat so that
@@ -32,11 +32,10 @@ from common import (find_checkpoint, get_base_dir, load_checkpoint, log, median_
 from core_tasks import MC, Task
 from data import DataLoader, iter_documents
 from depths import sample_depths
-from eval_core import evaluate_task
-from scoring import initial_state_table
+from eval_core import evaluate_task, initial_state_table
+from experiments.decoding import decoding_rows, stdlib_tokens
 from model import Parcae, ParcaeConfig
 from optim import build_optimizer
-from sample import decoding_rows, stdlib_tokens
 from tokenizer import Tokenizer
 
 CUDA = torch.cuda.is_available()

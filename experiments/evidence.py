@@ -2,9 +2,9 @@
 evidence.py: the paper's claims about Parcae as paired experiments on a laptop CPU, each with a 90% interval and
 a verdict. runs/evidence_cpu.sh runs it end to end (76 runs, about 75 minutes on a 2-core machine).
 
-    python evidence.py plan                  # the runs, their cost, and what each claim can detect
-    python evidence.py run --jobs=2          # train (and evaluate) every run, two at a time, with an ETA
-    python evidence.py report                # judge the claims: figures/evidence_cpu/{*.png, verdicts.json, .md}
+    python -m experiments.evidence plan                  # the runs, their cost, and what each claim can detect
+    python -m experiments.evidence run --jobs=2          # train (and evaluate) every run, two at a time, with an ETA
+    python -m experiments.evidence report                # judge the claims: figures/evidence_cpu/{*.png, verdicts.json, .md}
 
 The setup, the claims, the paired design (the two arms of a pair share the seed: data order, depth draws, h0,
 initial weights), the verdict rules and the results: docs/evidence.md.
@@ -25,11 +25,11 @@ import numpy as np
 from common import find_checkpoint, get_base_dir, load_checkpoint, state_norm_limit, write_atomically
 from data import get_tokenizer, val_batches
 from eval_core import evaluate_bpb, fit_test_time_scaling
-from plot import draw_evidence, read_run
-from scaling_fit import (drift_check, interval_verdict, mean_relative_error, paired_interval, seeds_needed,
-                         t_quantile)
+from experiments.plot import draw_evidence, read_run
+from experiments.scaling_fit import (drift_check, interval_verdict, mean_relative_error, paired_interval,
+                                     seeds_needed, t_quantile)
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent  # the repository: train.py runs from there
 OUT = ROOT / "figures" / "evidence_cpu"
 TABLE = ROOT / "figures/evidence_cpu/verdicts.md"  # README's evidence table
 DETAILS = ROOT / "figures/evidence_cpu/details.md"  # the numbers behind it, linked from docs/evidence.md
@@ -168,7 +168,7 @@ def train_and_evaluate(run, log_path, threads):
     directory.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
         evaluate_cmd = ["evaluate", run["name"], str(run["mu_rec"]), str(int(run["with_curve"]))]
-        for cmd in ([sys.executable, "train.py"] + run["flags"], [sys.executable, "evidence.py"] + evaluate_cmd):
+        for cmd in ([sys.executable, "train.py"] + run["flags"], [sys.executable, "-m", "experiments.evidence"] + evaluate_cmd):
             log.write(f"$ {' '.join(cmd)}\n")
             log.flush()
             code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
@@ -495,7 +495,7 @@ def report(args):
     runs, results = all_results(args.seeds, args.max_seeds)
     missing = [r["name"] for r in runs if r["name"] not in results]
     if missing:
-        print(f"error: {len(missing)} of {len(runs)} runs are unfinished ({missing[0]}, ...); run `python evidence.py "
+        print(f"error: {len(missing)} of {len(runs)} runs are unfinished ({missing[0]}, ...); run `python -m experiments.evidence "
               f"run` first", file=sys.stderr)
         return 2
     verdicts = []
@@ -517,7 +517,7 @@ def report(args):
     table = table_markdown(verdicts)
     write_atomically(TABLE, lambda p: p.write_text(table))
     write_atomically(DETAILS, lambda p: p.write_text("# The laptop evidence suite: the numbers behind its verdicts\n\n"
-                                                     "`python evidence.py report` writes this page.\n\n"
+                                                     "`python -m experiments.evidence report` writes this page.\n\n"
                                                      + details_markdown(verdicts, details)))
     draw_evidence(OUT, figure_data(results, seeds, details, verdicts))
     print(table)

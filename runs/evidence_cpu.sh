@@ -9,6 +9,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
-"$PY" evidence.py plan | tail -n 1
-"$PY" evidence.py run --jobs="${JOBS:-2}"
-"$PY" evidence.py report --readme=README.md
+"$PY" -m experiments.evidence plan | tail -n 1
+"$PY" -m experiments.evidence run --jobs="${JOBS:-2}"
+"$PY" -m experiments.evidence report --readme=README.md
