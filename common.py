@@ -169,7 +169,7 @@ def state_norm_limit(dtype, given=None):
 
 
 # -----------------------------------------------------------------------------
-# Measuring (bench.py, sample.py --benchmark): progress on stderr, interleaved repeats timed and their
+# Measuring (experiments/bench.py and decoding.py): progress on stderr, interleaved repeats timed and their
 # medians, one markdown table
 
 def log(message):

@@ -1,10 +1,10 @@
 """
 bench.py: nanoparcae's performance figures, measured side by side on whatever machine runs it.
 
-    python -m experiments.bench                       # every row; a small model on CPU, the 140M model on CUDA
-    python -m experiments.bench --rows 1,8 --steps 1  # a quick look at two rows
+    python -m experiments.bench                        # every row; a small model on CPU, the 140M model on CUDA
+    python -m experiments.bench --rows 1,8 --steps 1   # a quick look at two rows
     python -m experiments.bench --depth 6 --d_model 384 --seq_len 512
-    python -m experiments.bench --json bench.json     # also the rows and the raw figures behind their verdicts, as JSON
+    python -m experiments.bench --json bench.json      # also the rows and the raw figures behind their verdicts
 
 It prints ONE markdown table (progress goes to stderr), the one docs/performance.md quotes.
 Each speed figure is a ratio of two things timed in the same run, interleaved repeat by repeat so that

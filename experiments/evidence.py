@@ -2,9 +2,9 @@
 evidence.py: the paper's claims about Parcae as paired experiments on a laptop CPU, each with a 90% interval and
 a verdict. runs/evidence_cpu.sh runs it end to end (76 runs, about 75 minutes on a 2-core machine).
 
-    python -m experiments.evidence plan                  # the runs, their cost, and what each claim can detect
-    python -m experiments.evidence run --jobs=2          # train (and evaluate) every run, two at a time, with an ETA
-    python -m experiments.evidence report                # judge the claims: figures/evidence_cpu/{*.png, verdicts.json, .md}
+    python -m experiments.evidence plan          # the runs, their cost, and what each claim can detect
+    python -m experiments.evidence run --jobs=2  # train (and evaluate) every run, two at a time, with an ETA
+    python -m experiments.evidence report        # judge the claims: figures/evidence_cpu/{*.png, verdicts.json, .md}
 
 The setup, the claims, the paired design (the two arms of a pair share the seed: data order, depth draws, h0,
 initial weights), the verdict rules and the results: docs/evidence.md.
@@ -168,7 +168,8 @@ def train_and_evaluate(run, log_path, threads):
     directory.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
         evaluate_cmd = ["evaluate", run["name"], str(run["mu_rec"]), str(int(run["with_curve"]))]
-        for cmd in ([sys.executable, "train.py"] + run["flags"], [sys.executable, "-m", "experiments.evidence"] + evaluate_cmd):
+        for cmd in ([sys.executable, "train.py"] + run["flags"],
+                    [sys.executable, "-m", "experiments.evidence"] + evaluate_cmd):
             log.write(f"$ {' '.join(cmd)}\n")
             log.flush()
             code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
@@ -495,8 +496,8 @@ def report(args):
     runs, results = all_results(args.seeds, args.max_seeds)
     missing = [r["name"] for r in runs if r["name"] not in results]
     if missing:
-        print(f"error: {len(missing)} of {len(runs)} runs are unfinished ({missing[0]}, ...); run `python -m experiments.evidence "
-              f"run` first", file=sys.stderr)
+        print(f"error: {len(missing)} of {len(runs)} runs are unfinished ({missing[0]}, ...); run "
+              f"`python -m experiments.evidence run` first", file=sys.stderr)
         return 2
     verdicts = []
     for claim, optimizer in claim_arms(results):

@@ -1,5 +1,5 @@
 """
-runs/gpu_check.py: the table of runs/gpu_check.sh, built from what its stages left; it runs nothing itself.
+gpu_check.py: the table of runs/gpu_check.sh, built from what its stages left; it runs nothing itself.
 
     python -m experiments.gpu_check WORK RUNS_DIR --gpus N [--tiny]      # as runs/gpu_check.sh calls it
 

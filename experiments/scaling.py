@@ -1,10 +1,11 @@
 """
 scaling.py: the paper's scaling laws for looping (paper §5.2-5.3, Appendices L and O), planned, run, fitted, drawn.
 
-    python -m experiments.scaling plan --depth=6 --flops=1e18,3e18,1e19 --mu_rec=1,2,4,6,8,12   # tokens, steps, GPU-hours
-    python -m experiments.scaling run --preset=cpu && python -m experiments.scaling fit --preset=cpu          # the CPU study, ~50 min
-    python -m experiments.scaling run --depth=6 --flops=1e18,3e18 --mu_rec=1,2,4,8 --seeds=3      # on a GPU node (torchrun)
-    python -m experiments.scaling fit --refit figures/scaling_cpu/fit.json                        # recorded runs, fitted anew
+    python -m experiments.scaling plan --depth=6 --flops=1e18,3e18,1e19 --mu_rec=1,2,4,6,8,12  # tokens, GPU-hours
+    python -m experiments.scaling run --preset=cpu       # the CPU study, ~50 min
+    python -m experiments.scaling fit --preset=cpu       # its fits and figures
+    python -m experiments.scaling run --depth=6 --flops=1e18,3e18 --mu_rec=1,2,4,8 --seeds=3  # on a GPU node (torchrun)
+    python -m experiments.scaling fit --refit figures/scaling_cpu/fit.json                   # recorded runs, refitted
 
 An isoFLOP sweep trains one model size at a few training-FLOP budgets C; inside a budget it trades recurrence
 for data: tokens D = C / FLOPs-per-token(mu_rec), the arithmetic of train.py's --target_flops. The middle budget

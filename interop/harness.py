@@ -136,9 +136,9 @@ def run_harness(model, tokenizer, tasks, Ts, batch_size=8, limit=None):
     -> {"tasks", "T", "results": {T: the harness's results per task}}. limit: documents per task (None: all)."""
     names = [name.strip() for name in tasks.split(",") if name.strip()]
     if tasks in ("core", "extended") or not names:
-        raise ValueError("--eval harness takes the harness's task names, e.g. --tasks lambada_openai,wikitext")
+        raise ValueError("--tasks takes the harness's task names, e.g. --tasks lambada_openai,wikitext")
     if rank_and_world()[1] > 1:
-        raise ValueError("--eval harness runs in one process; start it with python, not torchrun")
+        raise ValueError("the harness runs in one process; start it with python, not torchrun")
     task_manager = TaskManager()
     unknown = [name for name in names if name not in task_manager.all_tasks]
     if unknown:
@@ -167,7 +167,7 @@ def main(argv=None):
     parser.add_argument("--tasks", required=True, help="the harness's task names, e.g. lambada_openai,wikitext")
     parser.add_argument("--T", default=None, help="test-time recurrence(s), e.g. 8 or 1,4,8 (default: mu_rec)")
     parser.add_argument("--batch_size", type=int, default=8, help="sequences of seq_len tokens per forward")
-    parser.add_argument("--max_per_task", type=int, default=-1, help="documents per task, the harness's limit (-1: all)")
+    parser.add_argument("--max_per_task", type=int, default=-1, help="documents per task (-1: all)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     args = parser.parse_args(argv)
     Ts, _ = eval_core.parse_depths_and_seeds("interop.harness", args.T)

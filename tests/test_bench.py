@@ -4,7 +4,7 @@ them the claim that model.py's prefix recurrence gives the masked loop's loss an
 import pytest
 import torch
 
-from bench import PassCounter, masked_reference_loss, model_loss
+from experiments.bench import PassCounter, masked_reference_loss, model_loss
 from model import Parcae, ParcaeConfig
 
 DEPTHS = torch.tensor([1, 5, 2, 8])  # mu_bwd 3: n = [0, 2, 0, 5], k = [1, 3, 2, 3]

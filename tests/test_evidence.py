@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-import evidence
+from experiments import evidence
 
 
 def record(run, loss=2.0, diverged=False, fall=0.0, gap_left=0.0, curve=None):
