@@ -559,7 +559,7 @@ def test_export_refuses_what_their_loader_would_compute_differently(tmp_path):
         with pytest.raises(ValueError, match=re.escape(field)) as err:
             hub.authors_config(config)
         assert "\n" not in str(err.value) and "skip those" in str(err.value)
-    result = subprocess.run([sys.executable, str(Path(hub.__file__)), "export", str(tmp_path / "none.pt"),
-                             str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-m", "interop.hub", "export", str(tmp_path / "none.pt"),
+                             str(tmp_path / "out")], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode != 0 and result.stderr.strip().count("\n") == 0
     assert "none.pt is not a checkpoint file" in result.stderr
