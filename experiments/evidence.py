@@ -31,7 +31,7 @@ from experiments.scaling_fit import (drift_check, interval_verdict, mean_relativ
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository: train.py runs from there
 OUT = ROOT / "figures" / "evidence_cpu"
-TABLE = ROOT / "figures/evidence_cpu/verdicts.md"  # README's evidence table
+TABLE = ROOT / "figures/evidence_cpu/verdicts.md"  # the evidence table of docs/evidence.md
 DETAILS = ROOT / "figures/evidence_cpu/details.md"  # the numbers behind it, linked from docs/evidence.md
 
 # -----------------------------------------------------------------------------
@@ -431,7 +431,7 @@ def test_time_details(results, seeds):
 
 
 # -----------------------------------------------------------------------------
-# Report: verdicts.json, README's table and the figures
+# Report: verdicts.json, the table and the figures
 
 def fmt_interval(j, digits=3):
     ci = "" if j["ci90"] is None else f" [{j['ci90'][0]:+.{digits}f}, {j['ci90'][1]:+.{digits}f}]"
@@ -552,14 +552,14 @@ def figure_data(results, seeds, details, verdicts):
                             y=list(v["drift"]["by_fraction"].values())) for v in verdicts if v["drift"]])
 
 
-def write_readme_table(readme):
-    """README's evidence table, between its two markers, replaced by TABLE."""
-    text, table = readme.read_text(), TABLE.read_text()
+def fill_table(page):
+    """A page's evidence table, between its two markers, replaced by TABLE."""
+    text, table = page.read_text(), TABLE.read_text()
     start, end = "<!-- evidence-table -->\n", "<!-- /evidence-table -->"
     if start not in text or end not in text:
-        raise SystemExit(f"error: {readme} has no {start.strip()} ... {end} block to fill")
+        raise SystemExit(f"error: {page} has no {start.strip()} ... {end} block to fill")
     head, rest = text.split(start, 1)
-    readme.write_text(head + start + table + end + rest.split(end, 1)[1])
+    page.write_text(head + start + table + end + rest.split(end, 1)[1])
 
 
 # -----------------------------------------------------------------------------
@@ -584,15 +584,15 @@ def main(argv=None):
     parser.add_argument("--jobs", type=int, default=2, help="runs at once (one thread each)")
     parser.add_argument("--seeds", type=int, default=3, help="paired seeds of each claim, at least")
     parser.add_argument("--max_seeds", type=int, default=5, help="at most, where the pilot's spread needs more")
-    parser.add_argument("--readme", help="report: also fill this README's evidence table")
+    parser.add_argument("--page", help="report: also fill this page's evidence table, e.g. docs/evidence.md")
     args = parser.parse_args(argv)
     if args.seeds < 2 or args.max_seeds < args.seeds or args.jobs < 1:
         parser.error("--seeds must be >= 2 (an interval needs two pairs), --max_seeds >= --seeds, --jobs >= 1")
     if args.command == "evaluate":
         return evaluate(args.names[0], int(args.names[1]), args.names[2] == "1")
     code = {"plan": plan, "run": run, "report": report}[args.command](args)
-    if args.command == "report" and code == 0 and args.readme:
-        write_readme_table(Path(args.readme))
+    if args.command == "report" and code == 0 and args.page:
+        fill_table(Path(args.page))
     return code
 
 
