@@ -57,7 +57,7 @@ def load_checkpoint_and_tokenizer(ckpt, run, device):
 
 def stream_samples(model, tokenizer, prompt, args, device, allowed=None):
     """Sample after sample, each token printed as it is made; a sample ends early at <|bos|> (a new document).
-    allowed: a mask of the ids that may be sampled (interop.hub.known_ids), None for all."""
+    allowed: a mask of the ids that may be sampled (Tokenizer.known_ids), None for all."""
     ids = tokenizer.encode(prompt, prepend_bos=True)
     for i in range(args.num_samples):
         if args.num_samples > 1:
@@ -105,11 +105,13 @@ def parse_sampling_flags(parser, argv):
     return args
 
 
-def sample(model, tokenizer, args, label, allowed=None, name="sample.py"):
+def sample(model, tokenizer, args, label, name="sample.py"):
     """Samples from a loaded model: of --prompt, of stdin when it is a pipe, else of each line typed. name: the
     command, in front of an error."""
     device = torch.device(args.device)
     c = model.config
+    allowed = tokenizer.known_ids(c.vocab_size)
+    allowed = None if allowed is None else allowed.to(device)
     print(f"{label}: {model.num_params():,} parameters, mu_rec={c.mu_rec}, injection={c.injection}; "
           f"T={args.T or c.mu_rec}", file=sys.stderr)
     with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):

@@ -10,6 +10,7 @@ caches one per data source; interop/hub.py builds one from the authors' tokenize
 
 import base64
 import json
+import warnings
 from pathlib import Path
 
 import rustbpe
@@ -106,3 +107,15 @@ class Tokenizer:
 
     def decode(self, ids):
         return self.enc.decode(ids)
+
+    def known_ids(self, vocab_size):
+        """(vocab_size,) bool mask of the ids this tokenizer can decode (a model with more ids, tried with a smaller
+        tokenizer, must never sample the others), or None when it has them all; warns, naming both sizes."""
+        ids = [i for i in (*self.enc._mergeable_ranks.values(), *self.enc._special_tokens.values()) if i < vocab_size]
+        known = torch.zeros(vocab_size, dtype=torch.bool)
+        known[ids] = True
+        if bool(known.all()):
+            return None
+        warnings.warn(f"the model has {vocab_size} token ids, its tokenizer {len(ids)}: the "
+                      f"{vocab_size - len(ids)} ids the tokenizer lacks are never sampled")
+        return known

@@ -80,8 +80,7 @@ parser.add_argument("--adamw_lr", type=float, help="default 8e-3 (140M, 370M) or
 parser.add_argument("--muon_lr", type=float, default=8e-3)
 parser.add_argument("--weight_decay", type=float, default=0.2, help="Muon's cautious weight decay")
 parser.add_argument("--optimizer", default="muon", choices=["muon", "adamw"],
-                    help="muon: Muon on the blocks' matrices (--muon_lr), AdamW on the rest (--adamw_lr), the "
-                    "recipe; adamw: AdamW on every parameter at --adamw_lr, the setup of the paper's RDM comparison")
+                    help="muon: the recipe, Muon on the blocks' matrices and AdamW on the rest; adamw: AdamW on all")
 parser.add_argument("--grad_clip", type=float, default=1.0)
 parser.add_argument("--warmdown_frac", type=float, default=0.5)
 parser.add_argument("--eval_every", type=int, help="steps between validation evals")
@@ -91,20 +90,13 @@ parser.add_argument("--core_max_per_task", type=int, default=500, help="CORE exa
 parser.add_argument("--save_every", type=int, help="steps between checkpoints")
 parser.add_argument("--log_every", type=int)
 parser.add_argument("--diverge_steps", type=int, default=5,
-                    help="declare the run diverged after this many consecutive bad steps (non-finite loss or "
-                    "gradients, or in bfloat16 ||h_T|| past --diverge_h_norm): one bad batch is skipped and recovers, "
-                    "five in a row are a trend; 0: never, neither this nor the val-loss rule")
+                    help="bad steps in a row that declare the run diverged (0: never, nor by the val loss)")
 parser.add_argument("--diverge_h_norm", type=float,
-                    help="a state norm ||h_T|| past this counts as a bad step, in any dtype. Default: by dtype. In "
-                    "bfloat16 1e4, a bad step: a healthy state stays at 10-300 in the CPU runs, and past ~1e4 (about "
-                    "256 x ||e||, which is ~sqrt(d)) bf16's 8 significant bits no longer resolve the input e beside "
-                    "h in u = Abar h + Bbar e. In float32 (16 more bits) 1e4 * 2^16, logged as a warning only: such "
-                    "a state still resolves its input and trains")
+                    help="a state norm ||h_T|| that is a bad step in any dtype (default: 1e4 in bf16 only)")
 parser.add_argument("--resume", action="store_true", help="continue this run from its last checkpoint")
 parser.add_argument("--compile", type=int, choices=[0, 1], help="torch.compile the blocks")
 parser.add_argument("--compile_backend", default="inductor", choices=["inductor", "eager"],
-                    help="eager traces and guards as inductor does without generating code: recompilations count "
-                    "the same in seconds on a CPU (runs/gpu_check.sh --tiny)")
+                    help="eager: dynamo's tracing and guards without code generation (counts recompilations fast)")
 parser.add_argument("--dtype", choices=["float32", "bfloat16"],
                     help="autocast dtype of the matmuls (bfloat16 on a CPU runs the GPU's numerics)")
 parser.add_argument("--data", help="fineweb-edu, stdlib, or a path / glob of .txt, .jsonl, .parquet files")

@@ -428,12 +428,10 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, help="training steps per timed repeat")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats; each figure is their median")
     parser.add_argument("--mu_rec", type=int, default=8)
-    parser.add_argument("--ckpt", help="row 5 decodes with this checkpoint (default: the newest under the base dir, "
-                                       "else an untrained model)")
+    parser.add_argument("--ckpt", help="row 5's checkpoint (default: the newest, else an untrained model)")
     parser.add_argument("--new_tokens", type=int, default=256, help="row 5: tokens decoded")
     parser.add_argument("--compile_backend", default="inductor", choices=["inductor", "eager"],
-                        help="row 7's torch.compile backend; eager traces and guards as inductor does without "
-                        "generating code, so the recompilations count the same in seconds (runs/gpu_check.sh --tiny)")
+                        help="row 7's backend; eager: dynamo's tracing and guards without code generation")
     parser.add_argument("--json", help="also write the table and the raw figures behind its verdicts to this file")
     args = parser.parse_args(argv)
     width_from_depth = args.depth is not None  # --depth alone takes METHOD.md §1's width for that depth

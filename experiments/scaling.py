@@ -565,8 +565,7 @@ def main(argv=None):
     parser.add_argument("--seeds", type=int, help="seeds at the middle budget, which measure the noise (default 1)")
     parser.add_argument("--sweep", help="sweep name (default: the preset's, or d<depth>)")
     parser.add_argument("--refit", type=Path, metavar="FIT_JSON",
-                        help="fit: fit again the runs a fit.json recorded (no run folders needed) and write the new "
-                        "fit.json and figures beside it, e.g. figures/scaling_cpu/fit.json")
+                        help="fit: refit the runs a fit.json recorded, e.g. figures/scaling_cpu/fit.json")
     parser.add_argument("--gpus", type=int, default=None,
                         help="processes per point (default: every GPU here for run, 8 for plan's commands)")
     args = parser.parse_args(argv)

@@ -31,7 +31,7 @@ from common import first_sentence, print0, rank_and_world
 from core_tasks import Row, common_length, crop_left
 from engine import generate
 from eval_core import bf16_autocast, initial_state_table, score_rows
-from interop.hub import SOURCE_HELP, known_ids, load_pretrained, local_dir
+from interop.hub import SOURCE_HELP, load_pretrained, local_dir
 
 NO_LM_EVAL = "lm-eval is not installed; run `pip install -r requirements-eval.txt`"
 try:
@@ -57,7 +57,7 @@ class HarnessLM(LM):
         self.batch_tokens = batch_size * self.seq_len
         self._device = next(model.parameters()).device
         self.h0_table = initial_state_table(model, self.seq_len, seed, self._device)
-        allowed = known_ids(tokenizer, model.config.vocab_size)
+        allowed = tokenizer.known_ids(model.config.vocab_size)
         self.allowed = None if allowed is None else allowed.to(self._device)
 
     def score(self, rows, count):

@@ -369,20 +369,6 @@ def tokenizer_from_json(path, bos_token=None):
     return Tokenizer.from_ranks(ranks, pattern, specials, bos, name=Path(path).parent.name or "authors")
 
 
-def known_ids(tokenizer, vocab_size):
-    """(vocab_size,) bool mask of the ids `tokenizer` can decode (a model with more ids, tried with a smaller
-    tokenizer.json, must never sample the others), or None when it has them all; warns, naming both sizes."""
-    enc = tokenizer.enc
-    ids = [i for i in (*enc._mergeable_ranks.values(), *enc._special_tokens.values()) if i < vocab_size]
-    known = torch.zeros(vocab_size, dtype=torch.bool)
-    known[ids] = True
-    if bool(known.all()):
-        return None
-    warnings.warn(f"the model has {vocab_size} token ids, its tokenizer {len(ids)}: the "
-                  f"{vocab_size - len(ids)} ids the tokenizer lacks are never sampled")
-    return known
-
-
 # -----------------------------------------------------------------------------
 # Everything together
 
@@ -592,9 +578,7 @@ def sample_main(argv):
         model, tokenizer = load_pretrained(args.source, device, need_tokenizer=True)
     except (FileNotFoundError, ValueError) as err:
         sys.exit(f"interop.hub sample: {err}")
-    allowed = known_ids(tokenizer, model.config.vocab_size)
-    sample.sample(model, tokenizer, args, args.source, None if allowed is None else allowed.to(device),
-                  name="interop.hub sample")
+    sample.sample(model, tokenizer, args, args.source, name="interop.hub sample")
 
 
 def eval_main(argv):
@@ -627,7 +611,7 @@ def summary_main(argv):
           f"mu_rec={c.mu_rec} params={model.num_params():,} vocab={tokenizer.vocab_size} "
           f"rho(Abar)={model.spectral_radius()}")
     ids = tokenizer.encode("The capital of France is", prepend_bos=True)
-    allowed = known_ids(tokenizer, c.vocab_size)
+    allowed = tokenizer.known_ids(c.vocab_size)
     with torch.no_grad():
         logits = model(torch.tensor([ids]))[0, -1]
     logits = logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))

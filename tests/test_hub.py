@@ -387,7 +387,7 @@ def test_a_vocabulary_larger_than_the_tokenizer_is_never_sampled(tmp_path, capsy
     with torch.no_grad():
         assert int(loaded(torch.tensor([ids]))[0, -1].argmax()) >= 271  # unmasked, greedy would pick one
     with pytest.warns(UserWarning, match="the model has 300 token ids, its tokenizer 271"):
-        allowed = hub.known_ids(tokenizer, 300)
+        allowed = tokenizer.known_ids(300)
     assert int(allowed.sum()) == 271 and not allowed[271:].any()
     with pytest.warns(UserWarning, match="the model has 300 token ids, its tokenizer 271"):
         hub.main(["sample", str(folder), "--prompt", "the world and", "--max_new_tokens", "12", "--T", "2",
