@@ -29,15 +29,7 @@ from engine import EXIT_THRESHOLDS, EXITS, generate
 from tokenizer import Tokenizer
 
 # -----------------------------------------------------------------------------
-# Command line
-
-def parse_depth(value):
-    if value == "auto":
-        return value
-    if not value.isdigit() or int(value) < 1:
-        raise argparse.ArgumentTypeError(f"--T must be a positive integer or 'auto', got {value!r}")
-    return int(value)
-
+# Loading a checkpoint, streaming samples
 
 def load_checkpoint_and_tokenizer(ckpt, run, device):
     """A checkpoint file, else the latest of a run -> (model, tokenizer, path); FileNotFoundError / ValueError carry a
@@ -77,6 +69,17 @@ def stream_samples(model, tokenizer, prompt, args, device, allowed=None):
         seconds = time.perf_counter() - t0
         print(f"[{len(depths)} tokens, {len(depths) / seconds:.1f} tokens/s, "
               f"{sum(depths) / max(1, len(depths)):.2f} recurrent steps per token]", file=sys.stderr)
+
+
+# -----------------------------------------------------------------------------
+# Command line
+
+def parse_depth(value):
+    if value == "auto":
+        return value
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"--T must be a positive integer or 'auto', got {value!r}")
+    return int(value)
 
 
 def add_sampling_flags(parser):
