@@ -4,6 +4,6 @@
 #
 #     bash runs/cpu.sh
 set -euo pipefail
-. "$(dirname "$0")/setup.sh"
+. "$(dirname "$0")/setup.sh" requirements.txt
 python train.py
 python sample.py --prompt="class Test" --max_new_tokens=64 --num_samples=3 --seed=42

@@ -1,11 +1,11 @@
 #!/bin/bash
 # runs/setup.sh: the environment runs/cpu.sh and runs/test.sh share, made on the first run and reused after:
 # .venv (created when absent), torch (skipped when it imports), then the requirements (pip returns in seconds when
-# they are satisfied). Sourced by those scripts with the extra requirement files they need:
+# they are satisfied). Sourced by those scripts with the requirement files they need:
 #
-#     . runs/setup.sh                          # .venv with torch and requirements.txt, activated
-#     . runs/setup.sh requirements-eval.txt    # and lm-eval
-#     TORCH_SPEC="torch==2.13.0" . runs/setup.sh   # the torch to install when none imports (default: the tested one)
+#     . runs/setup.sh requirements.txt                          # .venv with torch and the requirements, activated
+#     . runs/setup.sh requirements.txt requirements-eval.txt    # and lm-eval
+#     TORCH_SPEC="torch==2.13.0" . runs/setup.sh requirements.txt   # the torch to install when none imports
 #
 # On Linux torch comes from PyTorch's CPU wheel index, tried with a short timeout; where it cannot be reached,
 # PyPI's wheel, which on Linux is the CUDA build (several GB; it runs on a CPU too). On macOS PyPI's is the CPU build.
@@ -38,7 +38,7 @@ else
 fi
 installed=${installed:-$(torch_version)}
 
-for requirements in requirements.txt "$@"; do
+for requirements in "$@"; do
     echo "setup: $requirements"
     pip install -q -r "$requirements" "torch==$installed"  # torch named: pip keeps this one or fails, never swaps it
 done

@@ -4,5 +4,5 @@
 #
 #     bash runs/test.sh
 set -euo pipefail
-. "$(dirname "$0")/setup.sh" requirements-eval.txt
+. "$(dirname "$0")/setup.sh" requirements.txt requirements-eval.txt
 python -m pytest -q -rs tests
