@@ -137,7 +137,7 @@ def test_the_crossing_is_where_parcae_stays_below():
 def test_the_table_is_replaced_between_its_markers(tmp_path, monkeypatch):
     monkeypatch.setattr(evidence, "TABLE", tmp_path / "table.txt")
     evidence.TABLE.write_text("| new |\n")
-    page = tmp_path / "evidence.md"
+    page = tmp_path / "page.txt"
     page.write_text("a\n<!-- evidence-table -->\n| old |\n<!-- /evidence-table -->\nb\n")
     evidence.fill_table(page)
     assert page.read_text() == "a\n<!-- evidence-table -->\n| new |\n<!-- /evidence-table -->\nb\n"
