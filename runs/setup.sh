@@ -38,7 +38,9 @@ else
 fi
 installed=${installed:-$(torch_version)}
 
+echo "setup: $*"
+files=()
 for requirements in "$@"; do
-    echo "setup: $requirements"
-    pip install -q -r "$requirements" "torch==$installed"  # torch named: pip keeps this one or fails, never swaps it
+    files+=(-r "$requirements")
 done
+pip install -q "${files[@]}" "torch==$installed"  # torch named: pip keeps this one or fails, never swaps it
