@@ -179,6 +179,11 @@ def train_and_evaluate(run, log_path, threads):
     return (directory / "evidence.json").exists()
 
 
+def largest(steps, key):
+    """The largest value of key logged over the steps; None when it was never logged."""
+    return max((step[key] for step in steps if step.get(key) is not None), default=None)
+
+
 def evaluate(name, mu_rec, with_curve):
     """The run's record (evidence.json): its logged curves and divergence, and, if it trained and with_curve, the
     val loss and ||h_T|| at every CURVE_T (eval_core.evaluate_bpb, as train.py's evals: 8,192 tokens, one seeded h0;
@@ -186,12 +191,10 @@ def evaluate(name, mu_rec, with_curve):
     directory = run_dir(name)
     logged = read_run(directory)
     evals = [e for e in logged["evals"] if f"val_loss_T{mu_rec}" in e or "val_loss_T1" in e]
-    record = dict(name=name, diverged_at=logged["diverged_at"],
-                  max_rho=max((s["rho"] for s in logged["steps"] if s.get("rho") is not None), default=None),
-                  max_h_norm=max((s["h_norm"] for s in logged["steps"] if s.get("h_norm") is not None), default=None),
-                  val=[dict(step=e["step"], loss=e.get(f"val_loss_T{mu_rec}", e.get("val_loss_T1")),
-                            loss_T1=e.get("val_loss_T1")) for e in evals],
-                  curve=None)
+    val = [dict(step=e["step"], loss=e.get(f"val_loss_T{mu_rec}", e.get("val_loss_T1")), loss_T1=e.get("val_loss_T1"))
+           for e in evals]
+    record = dict(name=name, diverged_at=logged["diverged_at"], max_rho=largest(logged["steps"], "rho"),
+                  max_h_norm=largest(logged["steps"], "h_norm"), val=val, curve=None)
     if logged["diverged_at"] is None and with_curve:
         model, _ = load_checkpoint(find_checkpoint(directory.parent, name))
         tokenizer = get_tokenizer("stdlib", VOCAB)
@@ -254,7 +257,8 @@ def run(args):
             for future in finished:
                 r = running.pop(future)
                 ok = future.result()
-                failed |= set() if ok else {r["name"]}
+                if not ok:
+                    failed.add(r["name"])
                 done_cost += r["cost"]
                 left = sum(x["cost"] for x in todo) + sum(x["cost"] for x in running.values())
                 elapsed = time.time() - start
@@ -262,7 +266,8 @@ def run(args):
                 status = "done" if ok else f"FAILED, see its log in {OUT / 'logs'}"
                 print(f"[{count}/{len(runs)}] {r['name']}: {status}"
                       f" | elapsed {elapsed / 60:.1f} min | ETA {elapsed / done_cost * left / 60:.1f} min", flush=True)
-    print(f"run: {(time.time() - start) / 60:.1f} min" + (f"; failed: {', '.join(sorted(failed))}" if failed else ""))
+    failures = f"; failed: {', '.join(sorted(failed))}" if failed else ""
+    print(f"run: {(time.time() - start) / 60:.1f} min{failures}")
     return 1 if failed else 0
 
 
