@@ -3,7 +3,7 @@ common.py: what every script shares and the model does not need: process setup, 
 checkpoints, MFU (the GPU peak table and the matmul FLOPs executed), and the timing of the benchmarks.
 
 model.py imports only depths.py, and data.py only tokenizer.py and download.py (this file takes the base directory
-from data.py); train.py, eval_core.py, core_tasks.py, sample.py, hub.py, bench.py and scaling.py import this file.
+from data.py); train.py, eval_core.py, core_tasks.py and sample.py import this file, as do the experiments and interop/.
 """
 
 import os
@@ -205,7 +205,7 @@ def state_norm_limit(dtype, given=None):
 
 
 # -----------------------------------------------------------------------------
-# Measuring (bench.py, sample.py --benchmark): progress on stderr, interleaved repeats timed and their
+# Measuring (experiments/bench.py and decoding.py): progress on stderr, interleaved repeats timed and their
 # medians, one markdown table
 
 def log(message):

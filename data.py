@@ -543,8 +543,7 @@ def val_batches(tokenizer, source, batch_size, seq_len, num_tokens, rank=0, worl
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
-    p = commands.add_parser("download", help="fetch FineWeb-Edu shards: the first N-1 for training, the last one "
-                                             f"({FINEWEB_LAST_SHARD}) for validation")
+    p = commands.add_parser("download", help=f"FineWeb-Edu shards: N-1 for training, shard {FINEWEB_LAST_SHARD} for val")
     p.add_argument("-n", "--num_shards", type=int, default=8, help="shards in all, validation included (default 8)")
     p.add_argument("-w", "--workers", type=int, default=4, help="parallel downloads (default 4)")
     p.add_argument("--base_url", default=FINEWEB_URL, help="where the shard_XXXXX.parquet files live")

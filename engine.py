@@ -237,7 +237,7 @@ def generate(model, tokens, max_new_tokens, T=None, temperature=1.0, top_k=None,
 
     tokens: a list of ids or a (B, S) tensor. T, exit, exit_threshold, T_max, use_cache: see Decoder.
     generator: a torch.Generator on the model's device, or one per row; None uses the global RNG.
-    allowed: None, or a (vocab_size,) bool mask of the ids that may be sampled (hub.known_ids).
+    allowed: None, or a (vocab_size,) bool mask of the ids that may be sampled (Tokenizer.known_ids).
     """
     generators = list(generator) if isinstance(generator, (list, tuple)) else [generator]
     decoder = Decoder(model, tokens, max_new_tokens, T, generators, exit, exit_threshold, T_max, use_cache)

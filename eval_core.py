@@ -8,14 +8,14 @@ scaling law.
     python eval_core.py --max_per_task 50 --compare_batching  # batched scoring against one example per forward
     python eval_core.py --eval bpb --T 1,2,4,8,16,32          # val loss and bits per byte at each T, fit L(T)
     python eval_core.py --eval ppl --T 1,4                    # the paper's val PPL: one document per forward
-    python eval_core.py --eval harness --tasks lambada_openai,wikitext --T 8   # lm-evaluation-harness (harness.py)
     torchrun --nproc_per_node 8 eval_core.py --T 8            # examples striped across ranks (nccl; gloo on CPU)
 
 CORE is DCLM's 22-task ensemble scored the way nanochat scores it; the eval bundle (nanochat's copy of DCLM's task
 files) is downloaded on first use to $NANOPARCAE_BASE_DIR/eval_bundle. Results print as a table and are written as
 JSON next to the checkpoint. train.py calls evaluate_core / evaluate_bpb directly. Two validation losses: --eval bpb
 scores packed BOS-aligned rows (what train.py logs); --eval ppl is the authors' final protocol, the one behind the
-paper's val PPL (19.06 at 140M ...).
+paper's val PPL (19.06 at 140M ...). The authors' release: `python -m interop.hub eval`; the lm-evaluation-harness's
+tasks: `python -m interop.harness`.
 """
 
 import argparse
@@ -30,14 +30,75 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from common import (find_checkpoint, get_base_dir, init_distributed, load_checkpoint, print0, rank_and_world,
                     write_atomically)
 from core_tasks import (CORE_LABELS, EVAL_BUNDLE_URL, LM, build_rows, download_eval_bundle, load_task_data,
                         read_random_baselines, select_tasks)
 from data import iter_documents, val_batches
-from scoring import bf16_autocast, initial_state_table, score_rows
 from tokenizer import Tokenizer
+
+# -----------------------------------------------------------------------------
+# Scoring token rows, many per forward (METHOD.md §3): rows grouped by length and padded on the right, one seeded
+# draw of h0 shared by every row, each row's mean cross-entropy over its scored span (CORE's rows here, the
+# lm-evaluation-harness's requests in interop/harness.py)
+
+def bf16_autocast(device):
+    """bf16 autocast on CUDA, as in training; on a CPU only inside a caller's own CPU autocast (train.py
+    --dtype=bfloat16), which an inner disabled autocast would otherwise switch off."""
+    return torch.autocast(device.type, torch.bfloat16,
+                          enabled=device.type == "cuda" or torch.is_autocast_enabled(device.type))
+
+
+def initial_state_table(model, length, seed, device):
+    """One draw of the Parcae initial state h0 for positions 0..length-1, shared by every sequence of an evaluation.
+    METHOD.md §1 draws h0 afresh per forward; drawing it once per evaluation (seeded) keeps the distribution and makes
+    every sequence's score independent of what else is in its batch and of the number of ranks."""
+    generator = torch.Generator().manual_seed(seed)
+    return model.initial_state((1, length, model.config.d_model), "cpu", torch.float32, generator).to(device)
+
+
+def forward_batches(rows, batch_tokens, one_per_forward):
+    """Lists of row indices, one list per forward. Batched: longest first, as many rows as fit batch_tokens
+    (rows x width). one_per_forward: one item's sequences per forward, the way nanochat runs."""
+    if one_per_forward:
+        by_example = defaultdict(list)
+        for i, row in enumerate(rows):
+            by_example[row.example].append(i)
+        return list(by_example.values())
+    batches, batch = [], []
+    for i in sorted(range(len(rows)), key=lambda i: -len(rows[i].tokens)):
+        if batch and (len(batch) + 1) * len(rows[batch[0]].tokens) > batch_tokens:  # batch[0] sets the width
+            batches.append(batch)
+            batch = []
+        batch.append(i)
+    return batches + [batch] if batch else batches
+
+
+@torch.no_grad()
+def score_rows(model, rows, T, h0_table, batch_tokens=1024, one_per_forward=False):
+    """-> (mean cross-entropy over each row's span, whether greedy argmax reproduces the span), per row."""
+    device = h0_table.device
+    losses, exact = [0.0] * len(rows), [False] * len(rows)
+    for batch in forward_batches(rows, batch_tokens, one_per_forward):
+        width = max(len(rows[i].tokens) for i in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)  # pad id 0: causal attention never looks right
+        for j, i in enumerate(batch):
+            ids[j, :len(rows[i].tokens)] = torch.tensor(rows[i].tokens)
+        ids = ids.to(device)
+        with bf16_autocast(device):
+            logits = model(ids, T=T, h0=h0_table[:, :width].expand(len(batch), -1, -1))
+        batch_losses, batch_exact = [], []
+        for j, i in enumerate(batch):
+            row = rows[i]
+            predicted, targets = logits[j, row.start - 1:row.end - 1], ids[j, row.start:row.end]
+            batch_losses.append(F.cross_entropy(predicted, targets))
+            batch_exact.append((predicted.argmax(-1) == targets).all())
+        for i, loss, hit in zip(batch, torch.stack(batch_losses).tolist(), torch.stack(batch_exact).tolist()):
+            losses[i], exact[i] = loss, hit
+    return losses, exact
+
 
 # -----------------------------------------------------------------------------
 # CORE: accuracy per task, centered by the random baseline, averaged
@@ -337,21 +398,15 @@ def run_ppl(args, model, tokenizer, ckpt, Ts):
     return out
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ckpt", default=None, help="checkpoint file (default: the latest under <base dir>/runs)")
-    parser.add_argument("--run", default=None, help="run name under <base dir>/runs whose latest checkpoint to use")
-    parser.add_argument("--from", dest="from_", default=None, help="the authors' release instead: a Hub repo id "
-                        "(SandyResearch/parcae-140m) or a folder with config.json, model.pt, tokenizer.json")
-    parser.add_argument("--eval", default="core", choices=["core", "bpb", "ppl", "harness"],
-                        help="core: CORE / Core-Extended; bpb: val loss on packed rows (train.py's); ppl: the "
-                        "paper's val PPL, one document per forward (the authors' protocol); harness: "
-                        "lm-evaluation-harness tasks named by --tasks (pip install -r requirements-eval.txt)")
+def eval_parser(description):
+    """The flags of an evaluation, shared by main and `python -m interop.hub eval`."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--eval", default="core", choices=["core", "bpb", "ppl"],
+                        help="core: CORE / Core-Extended; bpb: val loss on packed rows; ppl: one document per forward")
     parser.add_argument("--T", default=None, help="test-time recurrence(s), e.g. 8 or 1,2,4,8 (default: mu_rec)")
     parser.add_argument("--seeds", default="1234", help="few-shot seeds; several print mean and std (METHOD.md §3)")
     parser.add_argument("--max_per_task", type=int, default=-1, help="items per task after shuffling (-1: all)")
-    parser.add_argument("--tasks", default="core", help="core (22), extended (46), or task labels separated by "
-                        "commas; --eval harness: the harness's task names, e.g. lambada_openai,wikitext")
+    parser.add_argument("--tasks", default="core", help="core (22), extended (46), or task labels separated by commas")
     parser.add_argument("--batch_tokens", type=int, default=None,
                         help="sequences x padded length per forward (default 16384 on CUDA, 1024 on CPU)")
     parser.add_argument("--one_per_forward", action="store_true", help="one item per forward (nanochat's way)")
@@ -361,46 +416,55 @@ def main():
     parser.add_argument("--data", default=None,
                         help="bpb, ppl: validation source (default: the checkpoint's training data)")
     parser.add_argument("--val_tokens", type=int, default=1 << 20, help="bpb: validation tokens over all ranks")
-    parser.add_argument("--batch_size", type=int, default=8, help="bpb, harness: sequences per forward")
+    parser.add_argument("--batch_size", type=int, default=8, help="bpb: sequences per forward")
     parser.add_argument("--max_docs", type=int, default=1000, help="ppl: the first N validation documents")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    args = parser.parse_args()
-    try:  # the flags first, before any checkpoint or data is read
-        Ts = parse_ints(args.T, "--T") if args.T else None
-        if Ts and min(Ts) < 1:
-            raise ValueError(f"--T {args.T!r}: every depth must be 1 or more, e.g. --T 1,2,4,8")
-        seeds = parse_ints(args.seeds, "--seeds")
-    except ValueError as err:
-        raise SystemExit(f"eval_core.py: {err}")
+    return parser
+
+
+def parse_depths_and_seeds(name, T, seeds="1234"):
+    """--T (None when not given) and --seeds as lists of ints, checked before any checkpoint or data is read; a bad
+    one ends in one line that starts with name."""
     try:
-        device = init_distributed(torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")))
-        if args.from_:  # the authors' release; results go beside its files
-            from hub import load_pretrained, local_dir  # here only: train.py imports eval_core, never hub
-            model, tokenizer = load_pretrained(args.from_, device, need_tokenizer=True)
-            ckpt, ckpt_path = {}, local_dir(args.from_) / "authors"
-        else:
-            ckpt_path = Path(args.ckpt) if args.ckpt else find_checkpoint(get_base_dir() / "runs", args.run)
-            model, ckpt = load_checkpoint(ckpt_path, device)
-            if "tokenizer_dir" not in ckpt:
-                raise ValueError(f"checkpoint {ckpt_path} names no tokenizer_dir; it was not written by train.py")
-            tokenizer = Tokenizer.load(ckpt["tokenizer_dir"])
-        Ts = Ts or [model.config.mu_rec]
-        print0(f"Checkpoint {ckpt_path} (step {ckpt.get('step')}), {model.num_params():,} parameters, "
-               f"mu_rec {model.config.mu_rec}, on {device} x {rank_and_world()[1]}")
-        if args.eval == "core":
-            out = run_core(args, model, tokenizer, Ts, seeds)
-        elif args.eval == "bpb":
-            out = run_bpb(args, model, tokenizer, ckpt, Ts, device)
-        elif args.eval == "ppl":
-            out = run_ppl(args, model, tokenizer, ckpt, Ts)
-        else:
-            from harness import run_harness  # here only: lm-eval is optional (requirements-eval.txt)
-            out = run_harness(model, tokenizer, args.tasks, Ts, args.batch_size,
-                              args.max_per_task if args.max_per_task > 0 else None)
-    except (FileNotFoundError, ValueError, ImportError) as err:
-        raise SystemExit(f"eval_core.py: {err}")
+        Ts = parse_ints(T, "--T") if T else None
+        if Ts and min(Ts) < 1:
+            raise ValueError(f"--T {T!r}: every depth must be 1 or more, e.g. --T 1,2,4,8")
+        return Ts, parse_ints(seeds, "--seeds")
+    except ValueError as err:
+        raise SystemExit(f"{name}: {err}")
+
+
+def load_ours(ckpt_file, run, device):
+    """A checkpoint file, else the latest of a run -> (model, tokenizer, checkpoint dict, path)."""
+    path = Path(ckpt_file) if ckpt_file else find_checkpoint(get_base_dir() / "runs", run)
+    model, ckpt = load_checkpoint(path, device)
+    if "tokenizer_dir" not in ckpt:
+        raise ValueError(f"checkpoint {path} names no tokenizer_dir; it was not written by train.py")
+    return model, Tokenizer.load(ckpt["tokenizer_dir"]), ckpt, path
+
+
+def start_device(args):
+    return init_distributed(torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")))
+
+
+def evaluate(args, model, tokenizer, ckpt, ckpt_path, Ts, seeds, device):
+    """--eval on a loaded model; the results go beside ckpt_path."""
+    Ts = Ts or [model.config.mu_rec]
+    print0(f"Checkpoint {ckpt_path} (step {ckpt.get('step')}), {model.num_params():,} parameters, "
+           f"mu_rec {model.config.mu_rec}, on {device} x {rank_and_world()[1]}")
+    if args.eval == "core":
+        out = run_core(args, model, tokenizer, Ts, seeds)
+    elif args.eval == "bpb":
+        out = run_bpb(args, model, tokenizer, ckpt, Ts, device)
+    else:
+        out = run_ppl(args, model, tokenizer, ckpt, Ts)
+    write_results(out, args, ckpt, ckpt_path, Ts, args.eval)
+
+
+def write_results(out, args, ckpt, ckpt_path, Ts, kind):
+    """The results as JSON beside the checkpoint (rank 0), and L(T)'s figure when it was fitted."""
     if rank_and_world()[0] == 0:
-        path = ckpt_path.with_name(f"{ckpt_path.stem}_{args.eval}_T{'-'.join(map(str, Ts))}.json")
+        path = ckpt_path.with_name(f"{ckpt_path.stem}_{kind}_T{'-'.join(map(str, Ts))}.json")
         write_json(path, {"ckpt": str(ckpt_path), "step": ckpt.get("step"), "args": vars(args), **out})
         print0(f"Wrote {path}")
         if "fit" in out:
@@ -409,6 +473,20 @@ def main():
             print0(f"Wrote {path.with_suffix('.png')}")
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def main():
+    parser = eval_parser(__doc__)
+    parser.add_argument("--ckpt", default=None, help="checkpoint file (default: the latest under <base dir>/runs)")
+    parser.add_argument("--run", default=None, help="run name under <base dir>/runs whose latest checkpoint to use")
+    args = parser.parse_args()
+    Ts, seeds = parse_depths_and_seeds("eval_core.py", args.T, args.seeds)
+    try:
+        device = start_device(args)
+        model, tokenizer, ckpt, ckpt_path = load_ours(args.ckpt, args.run, device)
+        evaluate(args, model, tokenizer, ckpt, ckpt_path, Ts, seeds, device)
+    except (FileNotFoundError, ValueError) as err:
+        raise SystemExit(f"eval_core.py: {err}")
 
 
 if __name__ == "__main__":

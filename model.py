@@ -356,15 +356,18 @@ class Parcae(nn.Module):
         """METHOD.md §1 "scaled-zero" init, orthogonal as in the authors' code (init_orthogonal=True): every
         matrix that reads the residual stream (q, k, v, the MLP input, wte, C_proj) is truncated
         orthogonal with per-entry std sqrt(2/(5d)); the output projections start at zero; value embeddings,
-        ve_gate and the norms keep PyTorch's default init, as in the authors' code. Each module draws from the
-        CPU generator seeded by init_seed and its own name, so models built at one seed share every initial
-        tensor of the modules they have in common: Parcae, its ablations and the Transformer pair exactly."""
+        ve_gate and the norms keep PyTorch's default init, as in the authors' code.
+
+        Each module draws from the CPU generator seeded by init_seed and its own name, so models built at one
+        seed share every initial tensor of the modules they have in common, whatever else they hold: Parcae,
+        its injection ablations and the Transformer are paired runs (the evidence suite) down to the weights."""
         std = math.sqrt(2 / (5 * self.config.d_model))
         special = {self.wte: lambda m: trunc_orthogonal_(m.weight, std)}  # module -> its init; others: default
         for block in [*self.prelude, *self.recur, *self.coda]:
-            special.update({lin: lambda m: trunc_orthogonal_(m.weight, std)
-                            for lin in (block.attn.c_q, block.attn.c_k, block.attn.c_v, block.mlp.c_fc)})
-            special.update({lin: lambda m: nn.init.zeros_(m.weight) for lin in (block.attn.c_proj, block.mlp.c_proj)})
+            for lin in (block.attn.c_q, block.attn.c_k, block.attn.c_v, block.mlp.c_fc):
+                special[lin] = lambda m: trunc_orthogonal_(m.weight, std)
+            for lin in (block.attn.c_proj, block.mlp.c_proj):
+                special[lin] = lambda m: nn.init.zeros_(m.weight)
         if self.injection is not None:
             special[self.injection] = lambda m: m.reset_parameters(std)
             special[self.C_proj] = lambda m: trunc_orthogonal_(m.weight, std)  # square: every singular value sqrt(2/5)

@@ -1,7 +1,7 @@
 """
 tokenizer.py: the tokenizer (METHOD.md §2): a byte-level BPE with the GPT-4 split pattern and the special
 tokens <|bos|>, <|eos|>, <|pad|>, trained with rustbpe and run with tiktoken. data.get_tokenizer trains and
-caches one per data source; hub.py builds one from the authors' tokenizer.json.
+caches one per data source; interop/hub.py builds one from the authors' tokenizer.json.
 
     tokenizer = Tokenizer.train(texts, vocab_size=4096)     # any iterator of strings
     ids = tokenizer.encode("def f(x):", prepend_bos=True)
@@ -10,6 +10,7 @@ caches one per data source; hub.py builds one from the authors' tokenizer.json.
 
 import base64
 import json
+import warnings
 from pathlib import Path
 
 import rustbpe
@@ -31,7 +32,7 @@ class Tokenizer:
     def __init__(self, enc, token_bytes, bos_token="<|bos|>"):
         self.enc = enc
         self.token_bytes = token_bytes  # int32 (vocab_size,): UTF-8 bytes each id decodes to, 0 for specials
-        self.bos_id = enc.encode_single_token(bos_token)  # hub.py: an imported tokenizer names it its own way
+        self.bos_id = enc.encode_single_token(bos_token)  # interop/hub.py: an imported tokenizer names it its own way
         self.vocab_size = enc.n_vocab
 
     @classmethod
@@ -106,3 +107,15 @@ class Tokenizer:
 
     def decode(self, ids):
         return self.enc.decode(ids)
+
+    def known_ids(self, vocab_size):
+        """(vocab_size,) bool mask of the ids this tokenizer can decode (a model with more ids, tried with a smaller
+        tokenizer, must never sample the others), or None when it has them all; warns, naming both sizes."""
+        ids = [i for i in (*self.enc._mergeable_ranks.values(), *self.enc._special_tokens.values()) if i < vocab_size]
+        known = torch.zeros(vocab_size, dtype=torch.bool)
+        known[ids] = True
+        if bool(known.all()):
+            return None
+        warnings.warn(f"the model has {vocab_size} token ids, its tokenizer {len(ids)}: the "
+                      f"{vocab_size - len(ids)} ids the tokenizer lacks are never sampled")
+        return known

@@ -85,8 +85,7 @@ parser.add_argument("--adamw_lr", type=float, help="default 8e-3 (140M, 370M) or
 parser.add_argument("--muon_lr", type=float, default=8e-3)
 parser.add_argument("--weight_decay", type=float, default=0.2, help="Muon's cautious weight decay")
 parser.add_argument("--optimizer", default="muon", choices=["muon", "adamw"],
-                    help="muon: Muon on the blocks' matrices (--muon_lr), AdamW on the rest (--adamw_lr), the "
-                    "recipe; adamw: AdamW on every parameter at --adamw_lr, the setup of the paper's RDM comparison")
+                    help="muon: the recipe, Muon on the blocks' matrices and AdamW on the rest; adamw: AdamW on all")
 parser.add_argument("--grad_clip", type=float, default=1.0)
 parser.add_argument("--warmdown_frac", type=float, default=0.5)
 parser.add_argument("--eval_every", type=int, help="steps between validation evals")
@@ -96,21 +95,14 @@ parser.add_argument("--core_max_per_task", type=int, default=500, help="CORE exa
 parser.add_argument("--save_every", type=int, help="steps between checkpoints")
 parser.add_argument("--log_every", type=int)
 parser.add_argument("--diverge_steps", type=int, default=5,
-                    help="declare the run diverged after this many consecutive bad steps (non-finite loss or "
-                    "gradients, or in bfloat16 ||h_T|| past --diverge_h_norm): one bad batch is skipped and recovers, "
-                    "five in a row are a trend; 0: never, neither this nor the val-loss rule")
+                    help="bad steps in a row that declare the run diverged (0: never, nor by the val loss)")
 parser.add_argument("--diverge_h_norm", type=float,
-                    help="a state norm ||h_T|| past this counts as a bad step, in any dtype. Default: by dtype. In "
-                    "bfloat16 1e4, a bad step: a healthy state stays at 10-300 in the CPU runs, and past ~1e4 (about "
-                    "256 x ||e||, which is ~sqrt(d)) bf16's 8 significant bits no longer resolve the input e beside "
-                    "h in u = Abar h + Bbar e. In float32 (16 more bits) 1e4 * 2^16, logged as a warning only: such "
-                    "a state still resolves its input and trains")
+                    help="a state norm ||h_T|| that is a bad step in any dtype (default: 1e4 in bf16 only)")
 parser.add_argument("--resume", action="store_true",
                     help="require a checkpoint to continue from (a run folder holding one is continued without it too)")
 parser.add_argument("--compile", type=int, choices=[0, 1], help="torch.compile the blocks")
 parser.add_argument("--compile_backend", default="inductor", choices=["inductor", "eager"],
-                    help="eager traces and guards as inductor does without generating code: recompilations count "
-                    "the same in seconds on a CPU (runs/gpu_check.sh --tiny)")
+                    help="eager: dynamo's tracing and guards without code generation (counts recompilations fast)")
 parser.add_argument("--dtype", choices=["float32", "bfloat16"],
                     help="autocast dtype of the matmuls (bfloat16 on a CPU runs the GPU's numerics)")
 parser.add_argument("--data", help="fineweb-edu, stdlib, or a path / glob of .txt, .jsonl, .parquet files")
@@ -118,10 +110,6 @@ parser.add_argument("--run", help="run name (default d<depth>_<injection>)")
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--dry_run", action="store_true", help="print the resolved configuration and exit")
 parser.add_argument("--stop_at", type=int, help="end this invocation after that step (continue with --resume)")
-parser.add_argument("--fault_nan_step", type=int, help="testing: poison the gradients at this step")
-parser.add_argument("--fault_nan_steps", type=int, default=1, help="testing: and the steps after it, this many in all")
-parser.add_argument("--fault_kill_step", type=int, help="testing: the last rank SIGKILLs itself after this step "
-                    "(first attempt only), for the elastic-restart test")
 PAPER_HELP = {**PAPER, "d_model": "128 * (depth/3 + 4)", "compile": "1 on CUDA", "dtype": "bfloat16 on CUDA",
               "max_tokens": "the paper's for the depth, " + ", ".join(f"{t:.3g}" for t in PAPER_TOKENS.values())}
 for action in parser._actions:  # --help shows what a run will use: the preset's value, or the fixed default
@@ -141,6 +129,21 @@ def fail(message):
     """One clear line instead of a traceback."""
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+def read_faults(text):
+    """The faults the tests inject, from NANOPARCAE_FAULT="nan_step=2,nan_steps=3,kill_step=6": the gradients of
+    nan_steps steps from nan_step made non-finite; the last rank SIGKILLed after kill_step (first attempt only)."""
+    faults = dict(nan_step=None, nan_steps=1, kill_step=None)
+    for item in filter(None, text.split(",")):
+        name, _, value = item.partition("=")
+        if name not in faults or not value.isdigit():
+            fail(f"NANOPARCAE_FAULT: {item!r} is not one of nan_step=N, nan_steps=N, kill_step=N")
+        faults[name] = int(value)
+    return faults
+
+
+fault = read_faults(os.environ.get("NANOPARCAE_FAULT", ""))
 
 
 # -----------------------------------------------------------------------------
@@ -375,12 +378,12 @@ def log_line(record, num_steps):
 
 
 def poison_gradient(param):
-    """Testing (--fault_nan_step): make that step's gradients non-finite; the loop must skip its update."""
-    if 0 <= step - args.fault_nan_step < args.fault_nan_steps:
+    """A test's fault (NANOPARCAE_FAULT nan_step): make that step's gradients non-finite; the loop must skip it."""
+    if 0 <= step - fault["nan_step"] < fault["nan_steps"]:
         param.grad.fill_(float("nan"))
 
 
-if args.fault_nan_step is not None:
+if fault["nan_step"] is not None:
     next(raw_model.parameters()).register_post_accumulate_grad_hook(poison_gradient)
 
 # -----------------------------------------------------------------------------
@@ -514,7 +517,7 @@ while step < num_steps and (args.stop_at is None or step < args.stop_at):
     if save_due and bad_steps == 0:  # during a streak the state may be the diverging one: save after it
         save(step)
         save_due = False
-    if args.fault_kill_step == step and rank == world - 1 and restart_count == 0:
+    if fault["kill_step"] == step and rank == world - 1 and restart_count == 0:
         os.kill(os.getpid(), signal.SIGKILL)  # as a node fault or the OOM killer would
 
 log(f"{'stopped' if diverged_at else 'done'}: {step} steps in {(time.time() - t_run) / 60:.1f} min, "

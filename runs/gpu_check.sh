@@ -85,9 +85,9 @@ if [ "$tiny" = 0 ]; then  # the torchrun run's plan per GPU (no GPU, no peak to 
     stage dry_run "$PY" train.py "${RUN[@]}" --device_batch_size=$micro --dtype=bfloat16 --dry_run
 fi
 ckpt=$(ls "$base/runs/gpu_check_train"/ckpt_*.pt 2>/dev/null | tail -n 1)
-stage bench "$PY" bench.py --rows 1,2,3,4,5,7 "${BENCH[@]}" ${ckpt:+--ckpt "$ckpt"} --json "$work/bench.json"
+stage bench "$PY" -m experiments.bench --rows 1,2,3,4,5,7 "${BENCH[@]}" ${ckpt:+--ckpt "$ckpt"} --json "$work/bench.json"
 
-"$PY" -m runs.gpu_check "$work" "$base/runs" --gpus "$gpus" $([ "$tiny" = 1 ] && echo --tiny) >"$work/table.md"
+"$PY" -m experiments.gpu_check "$work" "$base/runs" --gpus "$gpus" $([ "$tiny" = 1 ] && echo --tiny) >"$work/table.md"
 status=$?
 cat "$work/table.md"
 if [ -n "${OUT:-}" ]; then

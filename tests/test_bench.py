@@ -6,7 +6,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from bench import PassCounter, depth_schedule, masked_reference_loss, model_loss, sampled_flops_per_token
+from experiments.bench import PassCounter, depth_schedule, masked_reference_loss, model_loss, sampled_flops_per_token
 from model import Parcae, ParcaeConfig
 
 DEPTHS = torch.tensor([1, 5, 2, 8])  # mu_bwd 3: n = [0, 2, 0, 5], k = [1, 3, 2, 3]

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-import evidence
+from experiments import evidence
 
 
 def record(run, loss=2.0, diverged=False, fall=0.0, gap_left=0.0, curve=None):
@@ -134,16 +134,16 @@ def test_the_crossing_is_where_parcae_stays_below():
     assert evidence.crossing(runs([3.0, 2.5]), runs([2.8, 2.4])) is None
 
 
-def test_the_readme_table_is_replaced_between_its_markers(tmp_path, monkeypatch):
+def test_the_table_is_replaced_between_its_markers(tmp_path, monkeypatch):
     monkeypatch.setattr(evidence, "TABLE", tmp_path / "table.txt")
     evidence.TABLE.write_text("| new |\n")
-    readme = tmp_path / "README.md"
-    readme.write_text("a\n<!-- evidence-table -->\n| old |\n<!-- /evidence-table -->\nb\n")
-    evidence.write_readme_table(readme)
-    assert readme.read_text() == "a\n<!-- evidence-table -->\n| new |\n<!-- /evidence-table -->\nb\n"
-    readme.write_text("no markers\n")
+    page = tmp_path / "page.txt"
+    page.write_text("a\n<!-- evidence-table -->\n| old |\n<!-- /evidence-table -->\nb\n")
+    evidence.fill_table(page)
+    assert page.read_text() == "a\n<!-- evidence-table -->\n| new |\n<!-- /evidence-table -->\nb\n"
+    page.write_text("no markers\n")
     with pytest.raises(SystemExit, match="no <!-- evidence-table --> ... <!-- /evidence-table --> block"):
-        evidence.write_readme_table(readme)
+        evidence.fill_table(page)
 
 
 def test_a_real_run_its_curve_at_mu_rec_equals_train_pys_own_eval(tmp_path):
@@ -165,7 +165,7 @@ def test_a_real_run_its_curve_at_mu_rec_equals_train_pys_own_eval(tmp_path):
 
 def test_the_report_writes_every_claim_per_optimiser_with_its_drift_numbers(tmp_path, monkeypatch):
     """Synthetic records for every planned run (curves for the runs that have one): report writes verdicts.json
-    with a row per claim and optimiser, README's table, the details page and the six figures."""
+    with a row per claim and optimiser, the evidence table, the details page and the six figures."""
     monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(tmp_path / "base"))
     monkeypatch.setattr(evidence, "OUT", tmp_path / "out")
     monkeypatch.setattr(evidence, "TABLE", tmp_path / "out" / evidence.TABLE.name)

@@ -1,7 +1,7 @@
 """runs/gpu_check.sh --tiny, run as the GPU session would run it but on a CPU with one stage made to fail: every
 row is in the table, the CPU rows have figures, the CUDA-only row says why it did not run, the failed stage's row
 says why in one line and the stages after it still ran, and $OUT/gpu_check.md is the printed table. Then
-runs/gpu_check.py's rows from stage outputs written by hand: a time-out, a missing stage, the bf16 difference."""
+experiments/gpu_check.py's rows from stage outputs written by hand: a time-out, a missing stage, the bf16 difference."""
 
 import json
 import os
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runs import gpu_check
+from experiments import gpu_check
 
 ROOT = Path(__file__).resolve().parent.parent
 NUMBERS = ["1", "2a", "2b", "2c", "2d", "2e", "2f", "2g", "3a", "3b", "3c", "3d", "4", "5"]

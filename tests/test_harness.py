@@ -1,5 +1,5 @@
 """
-Tests for harness.py, the lm-evaluation-harness model, offline: tasks are harness configs over small jsonl
+Tests for interop/harness.py, the lm-evaluation-harness model, offline: tasks are harness configs over small jsonl
 files written here. A rolling task's word perplexity is eval_core.evaluate_bpb's nats over the same words; a
 LAMBADA-style task's accuracy and perplexity are a hand computation's; generate_until is sample.py's greedy text,
 cut at its stop strings. Skipped where lm-eval is not installed (pip install -r requirements-eval.txt; CI has it).
@@ -25,12 +25,11 @@ for flag in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):  # read when datasets is 
 lm_eval = pytest.importorskip("lm_eval", reason="lm_eval does not import; pip install -r requirements-eval.txt adds it")
 from lm_eval.api.instance import Instance  # noqa: E402
 
-import harness  # noqa: E402  (after the skip: it needs lm_eval)
+from interop import harness  # noqa: E402  (after the skip: it needs lm_eval)
 import sample  # noqa: E402
 from common import save_checkpoint  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
-from eval_core import evaluate_bpb  # noqa: E402
-from scoring import initial_state_table  # noqa: E402
+from eval_core import evaluate_bpb, initial_state_table  # noqa: E402
 from model import Parcae, ParcaeConfig  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -181,10 +180,9 @@ def test_generate_until_is_sample_py_greedy_cut_at_stop_strings(model_and_tokeni
     assert [s["resps"][0][0] for s in sorted(samples, key=lambda s: s["doc_id"])] == expected
 
 
-def test_eval_core_runs_a_yaml_task_and_writes_json(model_and_tokenizer, tmp_path, monkeypatch):
-    """eval_core.py --eval harness over a task YAML (the harness's include_path), at two depths, into the JSON
+def test_the_command_runs_a_yaml_task_and_writes_json(model_and_tokenizer, tmp_path, monkeypatch):
+    """python -m interop.harness over a task YAML (the harness's include_path), at two depths, into the JSON
     beside the checkpoint; --help names the evaluation; CORE's task sets are refused with one line."""
-    import eval_core
     from lm_eval.tasks import TaskManager
     model, tokenizer = model_and_tokenizer
     tokenizer.save(tmp_path / "tok")
@@ -197,13 +195,11 @@ def test_eval_core_runs_a_yaml_task_and_writes_json(model_and_tokenizer, tmp_pat
         f"test_split: test\noutput_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{{{text}}}}'\n"
         f"metric_list:\n  - metric: word_perplexity\n")
     monkeypatch.setattr(harness, "TaskManager", lambda: TaskManager(include_path=str(tmp_path / "tasks")))
-    monkeypatch.setattr(sys, "argv", ["eval_core.py", "--ckpt", str(tmp_path / "ckpt.pt"), "--eval", "harness",
-                                      "--tasks", "tiny_yaml", "--T", "1,3", "--device", "cpu"])
-    eval_core.main()
+    harness.main(["--ckpt", str(tmp_path / "ckpt.pt"), "--tasks", "tiny_yaml", "--T", "1,3", "--device", "cpu"])
     written = json.loads((tmp_path / "ckpt_harness_T1-3.json").read_text())
     ppl = [written["results"][T]["tiny_yaml"]["word_perplexity,none"] for T in ("1", "3")]
     assert all(math.isfinite(p) and p > 1 for p in ppl) and ppl[0] != ppl[1]
-    result = subprocess.run([sys.executable, str(ROOT / "eval_core.py"), "--help"], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "interop.harness", "--help"], capture_output=True, text=True,
                             timeout=120, cwd=ROOT)
     assert "harness" in result.stdout and "requirements-eval.txt" in result.stdout
     with pytest.raises(ValueError, match="takes the harness's task names"):

@@ -1,5 +1,5 @@
 """
-Tests for hub.py: the authors' parameter names (a fixture written from their source) map one to one onto
+Tests for interop/hub.py: the authors' parameter names (a fixture written from their source) map one to one onto
 ours; a folder in their format loads, locally and from a 127.0.0.1 server, and gives the logits of the
 model it was written from; tokenizer.json converts to a tiktoken Encoding that agrees with a direct
 reading of its merges; and each bad input fails with one clear line.
@@ -22,11 +22,12 @@ import pytest
 import regex
 import torch
 
-import hub
+from interop import hub
 from tokenizer import SPLIT_PATTERN
 from model import Parcae, ParcaeConfig, apply_rotary
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "authors_params.json").read_text())
+ROOT = Path(__file__).resolve().parent.parent
 PAPER_PARAMS = {"parcae-small-140m": 144_323_136, "gpt-small-140m": 143_141_184}  # METHOD.md §1's table
 
 
@@ -311,9 +312,8 @@ def test_missing_file(tmp_path):
 def test_a_bare_save_pretrained_folder_loads_and_only_text_asks_for_a_tokenizer(tmp_path, injection):
     """Their save_pretrained writes config.json (every field of their config) and model.pt (their state_dict(): the
     tied head, freqs_cis, and for their GPT built without the fused head its own (d, V) lm_head, never read when
-    tied), no tokenizer: the model loads with the same logits; sample.py, which reads text, says in one line what
-    to add."""
-    import sample
+    tied), no tokenizer: the model loads with the same logits; `interop.hub sample`, which reads text, says in one
+    line what to add."""
     original = tiny_model(injection)
     folder = tmp_path / "bare"
     folder.mkdir()
@@ -328,9 +328,10 @@ def test_a_bare_save_pretrained_folder_loads_and_only_text_asks_for_a_tokenizer(
     assert tokenizer is None
     assert_same_logits(original, model)
     with pytest.raises(SystemExit) as err:
-        sample.main(["--from", str(folder), "--prompt", "the", "--max_new_tokens", "1"])
-    assert str(err.value) == (f"sample.py: {folder} has no tokenizer.json, which text needs: add the tokenizer.json "
-                              f"of the tokenizer the model was trained with (their save_pretrained writes none)")
+        hub.main(["sample", str(folder), "--prompt", "the", "--max_new_tokens", "1"])
+    assert str(err.value) == (f"interop.hub sample: {folder} has no tokenizer.json, which text needs: add the "
+                              f"tokenizer.json of the tokenizer the model was trained with (their save_pretrained "
+                              f"writes none)")
 
 
 def test_unmapped_name_shape_mismatch_and_missing_weight(tmp_path):
@@ -354,7 +355,7 @@ def test_unmapped_name_shape_mismatch_and_missing_weight(tmp_path):
 
 
 def test_sample_from_gives_what_the_same_model_gives_from_a_checkpoint(tmp_path, capsys):
-    """sample.py --from=<authors' folder> and sample.py --ckpt=<our checkpoint of the same model> print the same
+    """`interop.hub sample <authors' folder>` and sample.py --ckpt=<our checkpoint of the same model> print the same
     text."""
     import sample
     from common import save_checkpoint
@@ -364,18 +365,19 @@ def test_sample_from_gives_what_the_same_model_gives_from_a_checkpoint(tmp_path,
     save_checkpoint(tmp_path / "ours.pt", original, tokenizer_dir=str(tmp_path / "tok"))
     flags = ["--prompt", "the world and", "--max_new_tokens", "6", "--temperature", "0", "--T", "3", "--device", "cpu"]
     outputs = []
-    for which in (["--from", str(folder)], ["--ckpt", str(tmp_path / "ours.pt")]):
-        sample.main(which + flags)
-        outputs.append(capsys.readouterr().out)
+    hub.main(["sample", str(folder), *flags])
+    outputs.append(capsys.readouterr().out)
+    sample.main(["--ckpt", str(tmp_path / "ours.pt"), *flags])
+    outputs.append(capsys.readouterr().out)
     assert outputs[0] == outputs[1] and outputs[0].startswith("the world and")
     assert len(outputs[0]) > len("the world and\n")
 
 
 def test_a_vocabulary_larger_than_the_tokenizer_is_never_sampled(tmp_path, capsys):
     """A checkpoint folder tried with a smaller tokenizer.json (271 tokens for the model's 300): the ids the
-    tokenizer lacks are masked out of sampling, with a warning naming both sizes, in sample.py and hub.py
+    tokenizer lacks are masked out of sampling, with a warning naming both sizes, in `interop.hub sample` and in its
+    summary
     (tiktoken's decode raised a KeyError on them)."""
-    import sample
     model = tiny_model("diagonal", seed=2)
     with torch.no_grad():
         model.wte.weight[271:] *= 50  # the ids past the tokenizer's take the largest logits
@@ -385,15 +387,15 @@ def test_a_vocabulary_larger_than_the_tokenizer_is_never_sampled(tmp_path, capsy
     with torch.no_grad():
         assert int(loaded(torch.tensor([ids]))[0, -1].argmax()) >= 271  # unmasked, greedy would pick one
     with pytest.warns(UserWarning, match="the model has 300 token ids, its tokenizer 271"):
-        allowed = hub.known_ids(tokenizer, 300)
+        allowed = tokenizer.known_ids(300)
     assert int(allowed.sum()) == 271 and not allowed[271:].any()
     with pytest.warns(UserWarning, match="the model has 300 token ids, its tokenizer 271"):
-        sample.main(["--from", str(folder), "--prompt", "the world and", "--max_new_tokens", "12", "--T", "2",
-                     "--temperature", "0"])
+        hub.main(["sample", str(folder), "--prompt", "the world and", "--max_new_tokens", "12", "--T", "2",
+                  "--temperature", "0"])
     out = capsys.readouterr().out
     assert out.startswith("the world and") and len(out) > len("the world and\n")
-    result = subprocess.run([sys.executable, str(Path(hub.__file__)), str(folder)], capture_output=True,
-                            text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-m", "interop.hub", str(folder)], capture_output=True, text=True,
+                            timeout=120, cwd=ROOT)
     assert result.returncode == 0 and "next token after" in result.stdout, result.stderr
 
 
@@ -501,8 +503,9 @@ def test_a_depth_3_model_exports_with_the_backprop_depth_its_gates_need(tmp_path
     save_checkpoint(tmp_path / "cpu_default.pt", cpu_default, tokenizer_dir=str(tmp_path / "tok"))
     with pytest.raises(SystemExit) as err:
         hub.main(["export", str(tmp_path / "cpu_default.pt"), str(tmp_path / "refused")])
-    assert str(err.value).startswith("hub.py export: cannot export mean_recurrence=4: ") and "\n" not in str(err.value)
-    assert "need an odd one; train with an odd --mu_rec (e.g. 5) or --depth 6, 12, 18 or 24 (" in str(err.value)
+    message = str(err.value)
+    assert message.startswith("interop.hub export: cannot export mean_recurrence=4: ") and "\n" not in message
+    assert "need an odd one; train with an odd --mu_rec (e.g. 5) or --depth 6, 12, 18 or 24 (" in message
     assert not (tmp_path / "refused").exists()
 
 
@@ -557,7 +560,7 @@ def test_export_refuses_what_their_loader_would_compute_differently(tmp_path):
         with pytest.raises(ValueError, match=re.escape(field)) as err:
             hub.authors_config(config)
         assert "\n" not in str(err.value) and "skip those" in str(err.value)
-    result = subprocess.run([sys.executable, str(Path(hub.__file__)), "export", str(tmp_path / "none.pt"),
-                             str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-m", "interop.hub", "export", str(tmp_path / "none.pt"),
+                             str(tmp_path / "out")], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode != 0 and result.stderr.strip().count("\n") == 0
     assert "none.pt is not a checkpoint file" in result.stderr

@@ -1,26 +1,39 @@
-"""The layout's rules, read from the source without importing it: no import cycle among the top-level files
-(an import inside a function counts too), and no top-level file over 600 lines."""
+"""The layout's rules, read from the source without importing it: the root holds the reading path, at most 12 .py
+files, none of which imports from the folders of experiments and adapters (an import inside a function counts too);
+no import cycle among the root's files; one idea per file, none over 800 lines."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MAX_LINES = 600
+MAX_ROOT_FILES = 12
+MAX_LINES = 800
+FOLDERS = ("experiments", "interop")  # the paper's experiments; the adapters to other tools
+
+
+def imported_names(path):
+    """The dotted names a file imports, from every import statement in it (those inside functions too)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+    return names
 
 
 def import_graph(root):
-    """{module: set of the top-level modules it imports}, for every top-level .py file under root."""
+    """{module: set of the root modules it imports}, for every .py file at the root."""
     modules = {path.stem: path for path in root.glob("*.py")}
-    graph = {}
-    for name, path in modules.items():
-        imported = set()
-        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-            if isinstance(node, ast.Import):
-                imported |= {alias.name.split(".")[0] for alias in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                imported.add(node.module.split(".")[0])
-        graph[name] = imported & set(modules)
-    return graph
+    return {name: {n.split(".")[0] for n in imported_names(path)} & set(modules) for name, path in modules.items()}
+
+
+def root_imports_of_folders(root, folders=FOLDERS):
+    """['file: name'] for every import a root file makes from one of the folders."""
+    return sorted(f"{path.name}: {name}" for path in root.glob("*.py") for name in imported_names(path)
+                  if name.split(".")[0] in folders)
 
 
 def find_cycle(graph):
@@ -53,13 +66,40 @@ def test_find_cycle_finds_one_and_only_one():
     assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set(), "d": {"d"}}) == ["d", "d"]
 
 
-def test_no_import_cycle_among_the_top_level_files():
+def test_no_import_cycle_among_the_root_files():
     graph = import_graph(ROOT)
-    assert "engine" in graph["sample"] and "hub" in graph["eval_core"]  # the latter inside a function
+    assert "engine" in graph["sample"] and "eval_core" in graph["train"]
     cycle = find_cycle(graph)
     assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
 
 
-def test_no_top_level_file_over_600_lines():
-    lengths = {path.name: len(path.read_text().splitlines()) for path in ROOT.glob("*.py")}
+def test_the_folder_check_finds_every_kind_of_import(tmp_path):
+    (tmp_path / "experiments").mkdir()
+    (tmp_path / "experiments" / "bench.py").write_text("import train\n")  # a folder may import the root
+    (tmp_path / "train.py").write_text("import model\nfrom experiments.bench import rows\n")
+    (tmp_path / "sample.py").write_text("def main():\n    import interop.hub\n")  # inside a function
+    (tmp_path / "model.py").write_text("from experiments import bench\nimport experimental\n")
+    assert root_imports_of_folders(tmp_path) == ["model.py: experiments", "sample.py: interop.hub",
+                                                 "train.py: experiments.bench"]
+
+
+def test_no_root_file_imports_from_the_folders():
+    assert (ROOT / "experiments" / "bench.py").is_file() and (ROOT / "interop" / "hub.py").is_file()
+    assert root_imports_of_folders(ROOT) == []
+
+
+def test_importing_every_root_file_loads_nothing_from_the_folders():
+    """The same rule at run time: every root module imported, no module of the folders in sys.modules."""
+    modules = sorted(path.stem for path in ROOT.glob("*.py") if path.stem != "train")  # importing train.py trains
+    code = (f"import sys\nfor name in {modules!r}:\n    __import__(name)\n"
+            f"print(sorted(m for m in sys.modules if m.split('.')[0] in {FOLDERS!r}))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr
+
+
+def test_the_root_holds_at_most_12_files_and_no_file_is_over_800_lines():
+    root_files = sorted(path.name for path in ROOT.glob("*.py"))
+    assert len(root_files) <= MAX_ROOT_FILES, root_files
+    files = [*ROOT.glob("*.py"), *(path for folder in (*FOLDERS, "tests") for path in (ROOT / folder).glob("*.py"))]
+    lengths = {str(path.relative_to(ROOT)): len(path.read_text().splitlines()) for path in files}
     assert {name: n for name, n in lengths.items() if n > MAX_LINES} == {}

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-import plot
+from experiments import plot
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -54,9 +54,9 @@ def test_cli_reads_a_run_by_name_and_a_run_that_stopped_mid_line(tmp_path, runs)
     assert [r["step"] for r in plot.read_run(cut)["steps"]] == [1, 2]
     out = tmp_path / "figs" / "out.png"
     env = {**os.environ, "NANOPARCAE_BASE_DIR": str(tmp_path / "base")}
-    result = subprocess.run([sys.executable, str(ROOT / "plot.py"), "stable", str(runs[1]), str(cut),
+    result = subprocess.run([sys.executable, "-m", "experiments.plot", "stable", str(runs[1]), str(cut),
                              "--metrics=loss,h_norm,rho", "-o", str(out), "--table"],
-                            capture_output=True, text=True, env=env, timeout=120)
+                            capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not list(out.parent.glob("*.tmp.png"))
     assert "| exploded | nan |" in result.stdout and "| cut | 5.000 | - |" in result.stdout
@@ -68,8 +68,8 @@ def test_cli_reads_a_run_by_name_and_a_run_that_stopped_mid_line(tmp_path, runs)
 ])
 def test_a_missing_run_or_metric_ends_in_one_line(tmp_path, runs, args, message):
     env = {**os.environ, "NANOPARCAE_BASE_DIR": str(tmp_path / "base")}
-    result = subprocess.run([sys.executable, str(ROOT / "plot.py"), *args, "-o", str(tmp_path / "x.png")],
-                            capture_output=True, text=True, env=env, timeout=120)
+    result = subprocess.run([sys.executable, "-m", "experiments.plot", *args, "-o", str(tmp_path / "x.png")],
+                            capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
     assert result.returncode != 0 and message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert not (tmp_path / "x.png").exists()

@@ -1,7 +1,9 @@
 """The commands of README and docs/ name files that exist and flags that the scripts accept (each script's
---help); every command README shows is run by a test or .ci/run, or says on its line why not; and README's test
-command is the one .ci/run runs."""
+--help, `python -m experiments.NAME` and `python -m interop.NAME` too); every command README shows is run by a test
+or a script of runs/, or is listed here with why not; README's two commands are runs/cpu.sh and runs/test.sh, and
+.ci/run runs the latter."""
 
+import importlib.util
 import re
 import shlex
 import subprocess
@@ -26,24 +28,44 @@ def readme_commands():
                     yield page.relative_to(ROOT), shlex.split(part)
 
 
+FOLDERS = ("experiments", "interop")  # run as python -m FOLDER.NAME
+SUBCOMMANDS = ("data.py", "interop/hub.py")  # scripts whose subcommands have a --help of their own
+
+
 def script_invocation(words):
-    """-> (script, subcommand or None, flags) for a command that runs one of the project's .py files."""
+    """-> (script, subcommand or None, flags) for a command that runs one of the project's .py files, as a path
+    (train.py) or as a module of its folders (python -m experiments.bench: experiments/bench.py)."""
     scripts = [i for i, w in enumerate(words) if w.endswith(".py") and not w.startswith("-")]
-    if not scripts:
+    modules = [i + 1 for i, w in enumerate(words[:-1]) if w == "-m" and words[i + 1].split(".")[0] in FOLDERS]
+    if not scripts and not modules:
         return None
-    i = scripts[0]
+    i = (scripts or modules)[0]
+    script = words[i] if scripts else words[i].replace(".", "/") + ".py"
     rest = [w for w in words[i + 1:] if w != "--"]
     sub = rest[0] if rest and not rest[0].startswith("-") and not rest[0].startswith("<") else None
     flags = [w.split("=")[0] for w in rest if w.startswith("--")]
-    return words[i], sub, flags
+    return script, sub, flags
+
+
+def run_words(script):
+    """How a script is started: its path at the root, `-m FOLDER.NAME` in a folder."""
+    return [str(ROOT / script)] if "/" not in script else ["-m", script[:-3].replace("/", ".")]
 
 
 @lru_cache(maxsize=None)
 def help_text(script, sub):
-    result = subprocess.run([sys.executable, str(ROOT / script), *([sub] if sub else []), "--help"],
+    result = subprocess.run([sys.executable, *run_words(script), *([sub] if sub else []), "--help"],
                             capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 0, f"{script} {sub or ''} --help failed: {result.stderr[-500:]}"
     return result.stdout
+
+
+def test_script_invocation_reads_paths_and_modules():
+    assert script_invocation(["python", "train.py", "--depth=6"]) == ("train.py", None, ["--depth"])
+    assert script_invocation(["python", "-m", "interop.hub", "export", "d12", "out", "--x=1"]) == \
+        ("interop/hub.py", "export", ["--x"])
+    assert script_invocation(["python", "-m", "pytest", "-q", "tests"]) is None
+    assert run_words("experiments/bench.py") == ["-m", "experiments.bench"]
 
 
 def test_readme_commands_name_existing_files_and_accepted_flags():
@@ -54,26 +76,31 @@ def test_readme_commands_name_existing_files_and_accepted_flags():
             continue
         script, sub, flags = invocation
         assert (ROOT / script).is_file(), f"{page} runs {script}, which does not exist"
-        text = help_text(script, sub if sub and script == "data.py" else None)
+        if script == "interop/harness.py" and importlib.util.find_spec("lm_eval") is None:
+            continue  # its --help needs lm-eval, an optional install (requirements-eval.txt)
+        text = help_text(script, sub if script in SUBCOMMANDS else None)
         for flag in flags:
             assert re.search(re.escape(flag) + r"(?![\w-])", text), f"{page}: {script} does not accept {flag}"
         checked += 1
     assert checked >= 10  # README and docs/ really do show the commands
 
 
-def test_readme_test_command_is_what_ci_runs():
-    command = re.search(r"## Tests\n.*?```bash\n(.*?)\n```", README, flags=re.S).group(1).strip()
-    ci_lines = (ROOT / ".ci" / "run").read_text().strip().splitlines()
-    assert ci_lines[-1].strip() == command
-
-
-def test_install_chooses_the_torch_build_after_the_venv_and_before_the_requirements():
-    """Quick start names the CPU-only and the GPU machine before its first command (python train.py), and every
-    block that installs the requirements has first made the venv and installed a chosen torch build (on its own,
-    pip would pull PyPI's default torch, the CUDA build on Linux)."""
+def test_readme_leads_with_the_two_scripts_and_ci_runs_the_second():
+    """Quick start's first block is runs/cpu.sh and runs/test.sh; runs/cpu.sh trains with README's first command and
+    samples with its first sample command; runs/test.sh ends in the test command, and .ci/run in runs/test.sh."""
     quick_start = README.split("## Quick start\n")[1].split("\n## ")[0]
-    before_command_1 = quick_start.split("python train.py")[0]
-    assert "CPU-only machine" in before_command_1 and "machine with an NVIDIA GPU" in before_command_1
+    first_block = re.search(r"```bash\n(.*?)```", quick_start, flags=re.S).group(1)
+    assert [line.split(" #")[0].strip() for line in first_block.splitlines()] == ["bash runs/cpu.sh", "bash runs/test.sh"]
+    cpu = (ROOT / "runs" / "cpu.sh").read_text().splitlines()
+    sample_command = next(c for c in shown_commands(README) if c.startswith("python sample.py"))
+    assert cpu[-2:] == ["python train.py", sample_command]
+    assert (ROOT / "runs" / "test.sh").read_text().strip().splitlines()[-1] == "python -m pytest -q -rs tests"
+    assert (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1] == "bash runs/test.sh"
+
+
+def test_manual_install_chooses_the_torch_build_after_the_venv_and_before_the_requirements():
+    """Every README block that installs the requirements has first made the venv and installed a chosen torch build
+    (on its own, pip would pull PyPI's default torch, the CUDA build on Linux), the version runs/setup.sh pins."""
     chosen = []
     for block in re.findall(r"```bash\n(.*?)```", README, flags=re.S):
         commands = [part.strip() for line in block.splitlines() for part in line.split(" #")[0].split("&&")]
@@ -83,35 +110,43 @@ def test_install_chooses_the_torch_build_after_the_venv_and_before_the_requireme
         assert (commands.index("python3 -m venv .venv") < commands.index(". .venv/bin/activate") < torch_choice
                 < commands.index("pip install -r requirements.txt")), block
         chosen.append(commands[torch_choice])
-    assert chosen == ["pip install torch --index-url https://download.pytorch.org/whl/cpu", "pip install torch"]
+    pinned = re.search(r"TORCH_SPEC:-(torch==[\d.]+)", (ROOT / "runs" / "setup.sh").read_text()).group(1)
+    assert chosen == [f"pip install {pinned} --index-url https://download.pytorch.org/whl/cpu"]
 
 
 # -----------------------------------------------------------------------------
-# Every command README shows is run by a test or by .ci/run, or its line says why not (a comment holding a mark)
+# Every command README shows is run by a test or by a script, or its line says why not (a comment holding a mark),
+# or NOT_RUN lists it with the reason
 
-MARKS = ("GPU only", "needs network", "too long for the tests")
+MARKS = ("GPU only", "needs network")
 FENCE = re.compile(r"^```.*?^```", flags=re.S | re.M)
 INLINE_COMMAND = re.compile(r"`((?:python|python3|bash|torchrun) [^`\n]+)`")  # the project's scripts in prose
 
 # Where each command README shows is run: "<test file>::<test>", a test that runs that script with those flags (on
-# a tiny model or run where README's takes minutes), or ".ci/run". README changes a command: change it here too.
+# a tiny model or run where README's takes minutes), or a script that runs that very line (runs/setup.sh, .ci/run).
+# README changes a command: change it here too.
 RUN_BY = {
-    "python3 -m venv .venv": ".ci/run",
-    ". .venv/bin/activate": ".ci/run",
+    "bash runs/test.sh": ".ci/run",
+    "python3 -m venv .venv": "runs/setup.sh",
+    ". .venv/bin/activate": "runs/setup.sh",
     "python train.py": "tests/test_train.py::test_resumed_run_gives_exactly_the_losses_of_an_uninterrupted_run",
-    "python -m pytest -q -rs tests": ".ci/run",
+    "python -m pytest -q -rs tests": "runs/test.sh",
     'python sample.py --prompt="class Test" --max_new_tokens=64 --num_samples=3 --seed=42':
         "tests/test_sample.py::test_cli_streams_each_sample",
     'python sample.py --T=auto --prompt="import"': "tests/test_sample.py::test_cli_streams_each_sample",
-    'python sample.py --prompt="def fibonacci(n):" --seed=42 --T=4':
-        "tests/test_sample.py::test_cli_streams_each_sample",
     "python eval_core.py --eval bpb --T 1,2,4,8,16,32 --val_tokens 65536 --batch_size 16":
         "tests/test_train.py::test_eval_core_bpb_gives_train_pys_last_eval_and_its_figure",
     "python train.py --depth=24 --mu_rec=8 --dry_run": "tests/test_train.py::test_dry_run_prints_the_paper_size",
-    "torchrun --nproc_per_node=8 -- train.py --depth=6 --run=mine":
+    "torchrun ... -- train.py --run=mine":
         "tests/test_train.py::test_two_processes_give_the_losses_of_one",
     "bash runs/gpu_check.sh":
         "tests/test_gpu_check.py::test_tiny_run_prints_every_row_and_a_failed_stage_stops_only_its_own",
+}
+# The commands no test runs, and why
+NOT_RUN = {
+    "bash runs/cpu.sh": "it trains for minutes: test_readme_leads_with_the_two_scripts... checks that it runs README's "
+                        "train and sample commands, which RUN_BY's tests run",
+    "bash runs/evidence_cpu.sh": "75 minutes; tests/test_evidence.py runs its parts",
 }
 
 
@@ -130,24 +165,25 @@ def shown_commands(text):
     return shown
 
 
-def unaccounted(text, run_by):
-    """The commands of `text` that run_by does not list and whose lines carry no mark, then run_by's commands that
-    `text` does not show (a stale entry would vouch for nothing)."""
+def unaccounted(text, run_by, not_run):
+    """The commands of `text` that neither run_by nor not_run lists and whose lines carry no mark, then the listed
+    commands that `text` does not show (a stale entry would vouch for nothing)."""
     shown = shown_commands(text)
-    unrun = [command for command, comments in shown.items()
-             if command not in run_by and not any(mark in comment for comment in comments for mark in MARKS)]
-    return unrun, [command for command in run_by if command not in shown]
+    unrun = [command for command, comments in shown.items() if command not in run_by and command not in not_run
+             and not any(mark in comment for comment in comments for mark in MARKS)]
+    return unrun, [command for command in [*run_by, *not_run] if command not in shown]
 
 
 def wrong_entries(run_by, root):
-    """'command: why' for every entry whose runner does not run it: .ci/run without that command, a test file
-    without that test, or one that never names the command's script or one of its flags."""
+    """'command: why' for every entry whose runner does not run it: a script without that command line, a test
+    file without that test, or one that never names the command's script or one of its flags."""
     wrong = []
     for command, where in run_by.items():
-        if where == ".ci/run":
-            ci = [part.strip() for line in (root / ".ci" / "run").read_text().splitlines() for part in line.split("&&")]
-            if command not in ci:
-                wrong.append(f"{command}: not in .ci/run")
+        if "::" not in where:
+            path = root / where
+            lines = path.read_text().splitlines() if path.is_file() else []
+            if command not in [part.strip() for line in lines for part in line.split("&&")]:
+                wrong.append(f"{command}: not in {where}")
             continue
         file, _, test = where.partition("::")
         source = (root / file).read_text() if (root / file).is_file() else ""
@@ -173,7 +209,9 @@ def test_the_command_check_finds_unmarked_unrun_and_stale_commands(tmp_path):
     run_by = {"python3 -m venv .venv": ".ci/run", "python train.py --depth=3": "checks/test_x.py::test_x",
               "python other/gone.py": ".ci/run"}
     unrun = [". .venv/bin/activate", "python sample.py --T=8", "bash runs/evidence_cpu.sh"]
-    assert unaccounted(text, run_by) == (unrun, ["python other/gone.py"])
+    assert unaccounted(text, run_by, {}) == (unrun, ["python other/gone.py"])
+    assert unaccounted(text, run_by, {"bash runs/evidence_cpu.sh": "long", "bash gone.sh": "long"}) == \
+        (unrun[:2], ["python other/gone.py", "bash gone.sh"])
     run_by.update({"python train.py --depth=3 --seed=1": "checks/test_x.py::test_x",
                    "python sample.py --T=8": "checks/test_x.py::test_y", ". .venv/bin/activate": ".ci/run"})
     assert wrong_entries(run_by, tmp_path) == [
@@ -183,9 +221,9 @@ def test_the_command_check_finds_unmarked_unrun_and_stale_commands(tmp_path):
 
 
 def test_every_readme_command_is_run_by_a_test_or_says_why_not():
-    unrun, stale = unaccounted(README, RUN_BY)
-    assert not unrun, f"README commands that no test runs and no mark ({', '.join(MARKS)}) explains: {unrun}"
-    assert not stale, f"RUN_BY lists commands README no longer shows: {stale}"
+    unrun, stale = unaccounted(README, RUN_BY, NOT_RUN)
+    assert not unrun, f"README commands that no test runs, no mark ({', '.join(MARKS)}) or NOT_RUN explains: {unrun}"
+    assert not stale, f"RUN_BY or NOT_RUN lists commands README no longer shows: {stale}"
     assert not wrong_entries(RUN_BY, ROOT), wrong_entries(RUN_BY, ROOT)
 
 

@@ -15,6 +15,7 @@ import torch
 
 import sample
 from common import save_checkpoint
+from experiments import decoding
 from engine import KVCache, decode_step, generate, relative_change, sample_next, teacher_forced
 from model import Parcae, ParcaeConfig
 from tokenizer import Tokenizer
@@ -259,15 +260,17 @@ def test_cli_interactive_loop_when_stdin_is_a_terminal(checkpoint, monkeypatch, 
     assert "The dog" in out and "The sun" in out and err.count("tokens/s") == 2
 
 
-def test_cli_benchmark(checkpoint, monkeypatch, capsys):
+def test_decoding_benchmark_cli(checkpoint, monkeypatch, capsys):
+    """python -m experiments.decoding on the checkpoint: both rows, every mode named, and the three caches' losses
+    (preallocated, concatenating, recomputed) those of one model."""
     monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(checkpoint))
-    sample.main(["--benchmark", "--T=2", "--max_new_tokens=6", "--repeats=1"])
+    decoding.main(["--T=2", "--max_new_tokens=6", "--repeats=1"])
     out = capsys.readouterr().out
     depth_row, cache_row = [line for line in out.splitlines() if line.startswith("| 5")]
-    for name in ("T=2:", "T=6:", f"auto (state < {sample.EXIT_THRESHOLDS['state']}):", "auto (kl < 0.0005):"):
+    for name in ("T=2:", "T=6:", f"auto (state < {decoding.EXIT_THRESHOLDS['state']}):", "auto (kl < 0.0005):"):
         assert name in depth_row
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", cache_row)]
-    assert len(losses) == 3 and max(losses) - min(losses) < 1e-4  # cached, first release's, recomputed: one model
+    assert len(losses) == 3 and max(losses) - min(losses) < 1e-4
 
 
 def test_decoding_row_signs_the_time_of_auto_against_T_max(monkeypatch):
@@ -276,9 +279,9 @@ def test_decoding_row_signs_the_time_of_auto_against_T_max(monkeypatch):
     model, ids = tiny_model(), torch.tensor([[5, 17, 42, 8, 91, 3, 60, 11, 2, 7, 30, 19]])
     for auto_seconds, expected in ((2.5, "time +25%"), (1.6, "time -20%")):
         seconds = {"T=3": 1.0, "T=6": 2.0}  # mu_rec and T_max = 2 mu_rec; the rest 1 s, auto's auto_seconds
-        monkeypatch.setattr(sample, "median_seconds", lambda fns, *_, **__: {
+        monkeypatch.setattr(decoding, "median_seconds", lambda fns, *_, **__: {
             name: auto_seconds if name.startswith("auto") else seconds.get(name, 1.0) for name in fns})
-        depth_row, _ = sample.decoding_rows(model, ids, 4, repeats=1)
+        depth_row, _ = decoding.decoding_rows(model, ids, 4, repeats=1)
         result = depth_row[3]
         assert result.startswith(f"auto (state) vs T=6: {expected}, steps "), result
         assert re.match(r"auto \(state\) vs T=6: time [+-]\d+%, steps [+-]\d+%; loss vs T=3 [+-]\d", result), result

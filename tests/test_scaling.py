@@ -16,8 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-import scaling  # noqa: E402
-import scaling_fit  # noqa: E402
+from experiments import scaling, scaling_fit  # noqa: E402
 
 # -----------------------------------------------------------------------------
 # Fitters on synthetic laws
@@ -346,8 +345,8 @@ def test_fit_notes_missing_and_diverged_runs_measures_the_seed_spread_and_draws_
 
 
 def test_bad_flags_end_in_one_line():
-    result = subprocess.run([sys.executable, "scaling.py", "fit", "--mu_rec=1,x"], cwd=ROOT, capture_output=True,
-                            text=True)
+    result = subprocess.run([sys.executable, "-m", "experiments.scaling", "fit", "--mu_rec=1,x"], cwd=ROOT,
+                            capture_output=True, text=True)
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1 and "--mu_rec" in result.stderr
 
 
@@ -357,5 +356,6 @@ def test_fit_with_no_finished_run_names_the_run_command_and_writes_nothing(tmp_p
         scaling.main(["fit", "--preset=cpu"])
     err = capsys.readouterr().err
     assert exit.value.code == 2 and len(err.strip().splitlines()) == 1, err
-    assert "no finished run of sweep 'cpu'" in err and err.strip().endswith("python scaling.py run --preset=cpu")
+    assert "no finished run of sweep 'cpu'" in err
+    assert err.strip().endswith("python -m experiments.scaling run --preset=cpu")
     assert not (tmp_path / "base" / "scaling").exists()  # no empty fit.json, no empty figures

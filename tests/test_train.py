@@ -179,10 +179,10 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_with_the_weights_of_an_unbr
     # the last rank SIGKILLs itself after step 6; torchrun restarts both workers, which resume from the
     # step-4 checkpoint and recompute steps 5 and 6 exactly
     launch = dict(nproc=2, torchrun=("--standalone", "--max_restarts=1"))
-    shared = train(corpus, "--run=shared_store", "--fault_kill_step=1", **launch, expect_ok=False)
+    shared = train(corpus, "--run=shared_store", **launch, env={"NANOPARCAE_FAULT": "kill_step=1"}, expect_ok=False)
     assert shared.returncode != 0 and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in shared.stderr  # a clear line
-    result = train(corpus, "--run=elastic", "--save_every=4", "--fault_kill_step=6", **launch,
-                   env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    result = train(corpus, "--run=elastic", "--save_every=4", **launch,
+                   env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "NANOPARCAE_FAULT": "kill_step=6"})
     assert "resumed elastic at step 4, elastic restart 1" in result.stdout
     reference, weights = final_weights(corpus, "two"), final_weights(corpus, "elastic")
     assert reference.keys() == weights.keys()
@@ -204,7 +204,7 @@ def test_bf16_autocast_on_a_cpu_tracks_float32(corpus, one):
 
 
 def test_non_finite_gradients_are_skipped_and_the_run_goes_on(corpus):
-    result = train(corpus, "--run=nan", "--fault_nan_step=2")
+    result = train(corpus, "--run=nan", env={"NANOPARCAE_FAULT": "nan_step=2"})
     assert "non-finite gradients, update skipped (1 so far)" in result.stdout
     records = [json.loads(line) for line in (corpus / "base" / "runs" / "nan" / "metrics.jsonl").open()]
     steps = [r for r in records if "loss" in r]
@@ -215,8 +215,8 @@ def test_non_finite_gradients_are_skipped_and_the_run_goes_on(corpus):
 
 def test_a_run_non_finite_for_k_steps_is_declared_diverged_and_keeps_its_last_good_checkpoint(corpus):
     # the gradients of steps 3, 4 and 5 are poisoned (the hook counts steps from 0): three bad steps in a row
-    result = train(corpus, "--run=diverged", "--save_every=2", "--fault_nan_step=2", "--fault_nan_steps=3",
-                   "--diverge_steps=3", expect_ok=False)
+    result = train(corpus, "--run=diverged", "--save_every=2", "--diverge_steps=3",
+                   env={"NANOPARCAE_FAULT": "nan_step=2,nan_steps=3"}, expect_ok=False)
     assert result.returncode == 3, result.stderr[-3000:]
     run_dir = corpus / "base" / "runs" / "diverged"
     assert (f"diverged at step 3: non-finite loss or gradients, 3 steps in a row (to step 5); the last checkpoint, "
@@ -331,3 +331,14 @@ def test_authors_per_batch_sampling_trains_and_per_document_ppl_runs(corpus):
     out = json.loads(next((corpus / "base" / "runs" / "per_batch").glob("*_ppl_T1-3.json")).read_text())
     assert out["T"] == [1, 3] and all(1 < ppl < 320 for ppl in out["ppl"])  # better than uniform over the vocab
     assert "one per forward" in result.stdout and "ppl" in result.stdout
+
+
+def test_faults_come_from_the_environment_and_help_lists_only_what_a_user_sets(tmp_path):
+    env = {**os.environ, "NANOPARCAE_BASE_DIR": str(tmp_path), "NANOPARCAE_FAULT": "nan_step=2,kill=3"}
+    result = subprocess.run([sys.executable, str(ROOT / "train.py"), "--dry_run"], capture_output=True, text=True,
+                            timeout=120, env=env)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "NANOPARCAE_FAULT: 'kill=3' is not one of" in result.stderr
+    result = subprocess.run([sys.executable, str(ROOT / "train.py"), "--help"], capture_output=True, text=True,
+                            timeout=120, env={**env, "NANOPARCAE_FAULT": ""})
+    assert result.returncode == 0 and "--mu_rec" in result.stdout and "--fault" not in result.stdout

@@ -1,9 +1,9 @@
 """
 plot.py: draw what train.py logs (metrics.jsonl) against the step, for any runs, into one PNG.
 
-    python plot.py d3_diagonal d3_concat                          # every metric, to plot.png
-    python plot.py d3_concat ~/runs/lr3e-2 --metrics loss,h_norm,rho -o stability.png
-    python plot.py d3_diagonal d3_concat --table                  # and print each run's summary row
+    python -m experiments.plot d3_diagonal d3_concat           # every metric, to plot.png
+    python -m experiments.plot d3_concat ~/runs/lr3e-2 --metrics loss,h_norm,rho -o stability.png
+    python -m experiments.plot d3_diagonal d3_concat --table   # and print each run's summary row
 
 A RUN is a folder holding metrics.jsonl (a path), else a run name under $NANOPARCAE_BASE_DIR/runs, where
 train.py --run=NAME writes. One panel per metric; a metric whose values span more than two decades (an

@@ -1,7 +1,7 @@
 """
-runs/gpu_check.py: the table of runs/gpu_check.sh, built from what its stages left; it runs nothing itself.
+gpu_check.py: the table of runs/gpu_check.sh, built from what its stages left; it runs nothing itself.
 
-    python -m runs.gpu_check WORK RUNS_DIR --gpus N [--tiny]      # as runs/gpu_check.sh calls it
+    python -m experiments.gpu_check WORK RUNS_DIR --gpus N [--tiny]      # as runs/gpu_check.sh calls it
 
 WORK holds each stage's output (NAME.log) and "exit status, time limit" (NAME.rc), and bench.py's --json
 (bench.json); RUNS_DIR holds the train.py runs gpu_check_NAME. Python rather than shell because the rows
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from bench import device_name, si
 from common import first_sentence
+from experiments.bench import device_name, si
 
 WARMUP_STEPS = 10  # train.py's compiled blocks may still compile graphs (the batch dimension going dynamic) until here
 # The targets the first GPU session checks (issue 30), and the CPU test's bf16 bound (tests/test_train.py)

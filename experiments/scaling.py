@@ -1,10 +1,11 @@
 """
 scaling.py: the paper's scaling laws for looping (paper §5.2-5.3, Appendices L and O), planned, run, fitted, drawn.
 
-    python scaling.py plan --depth=6 --flops=1e18,3e18,1e19 --mu_rec=1,2,4,6,8,12   # tokens, steps, GPU-hours
-    python scaling.py run --preset=cpu && python scaling.py fit --preset=cpu          # the CPU study, ~1 h
-    python scaling.py run --depth=6 --flops=1e18,3e18 --mu_rec=1,2,4,8 --seeds=3      # on a GPU node (torchrun)
-    python scaling.py fit --refit figures/scaling_cpu/fit.json                        # recorded runs, fitted anew
+    python -m experiments.scaling plan --depth=6 --flops=1e18,3e18,1e19 --mu_rec=1,2,4,6,8,12  # tokens, GPU-hours
+    python -m experiments.scaling run --preset=cpu       # the CPU study, ~1 h
+    python -m experiments.scaling fit --preset=cpu       # its fits and figures
+    python -m experiments.scaling run --depth=6 --flops=1e18,3e18 --mu_rec=1,2,4,8 --seeds=3  # on a GPU node (torchrun)
+    python -m experiments.scaling fit --refit figures/scaling_cpu/fit.json                   # recorded runs, refitted
 
 An isoFLOP sweep trains one model size at a few training-FLOP budgets C; inside a budget it trades recurrence
 for data: tokens D = C / FLOPs-per-token(mu_rec), the arithmetic of train.py's --target_flops. The middle budget
@@ -33,11 +34,12 @@ import numpy as np
 import torch
 
 from common import PEAK_BF16_FLOPS, get_base_dir, matmul_flops_per_token, write_atomically
+from experiments.scaling_fit import (bootstrap_exponents, fit_unified, interval_verdict, mean_relative_error,
+                                     paired_interval, parabola_optimum, pooled_spread, power_law, t_interval,
+                                     unified_predict)
 from model import Parcae, ParcaeConfig
-from scaling_fit import (bootstrap_exponents, fit_unified, interval_verdict, mean_relative_error, paired_interval,
-                         parabola_optimum, pooled_spread, power_law, t_interval, unified_predict)
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent  # the repository: train.py runs from there
 H100_BF16, MFU = PEAK_BF16_FLOPS["H100"], 0.4  # GPU-hour estimates: 40% MFU of the executed FLOPs, as README's table
 
 # -----------------------------------------------------------------------------
@@ -260,7 +262,7 @@ def collect(sweep, notes):
         record = final_eval(p)
         if record is None:
             notes.append(f"run {p['name']} is missing (no final eval at step {p['steps']} in "
-                         f"{run_dir(p) / 'metrics.jsonl'}); `python scaling.py run` trains or resumes it")
+                         f"{run_dir(p) / 'metrics.jsonl'}); `python -m experiments.scaling run` trains or resumes it")
             continue
         loss = record[f"val_loss_T{p['mu_rec']}"]
         if not math.isfinite(loss):
@@ -567,8 +569,7 @@ def main(argv=None):
     parser.add_argument("--seeds", type=int, help="seeds at the middle budget, which measure the noise (default 1)")
     parser.add_argument("--sweep", help="sweep name (default: the preset's, or d<depth>)")
     parser.add_argument("--refit", type=Path, metavar="FIT_JSON",
-                        help="fit: fit again the runs a fit.json recorded (no run folders needed) and write the new "
-                        "fit.json and figures beside it, e.g. figures/scaling_cpu/fit.json")
+                        help="fit: refit the runs a fit.json recorded, e.g. figures/scaling_cpu/fit.json")
     parser.add_argument("--gpus", type=int, default=None,
                         help="processes per point (default: every GPU here for run, 8 for plan's commands)")
     args = parser.parse_args(argv)
@@ -576,7 +577,7 @@ def main(argv=None):
         try:
             recorded = json.loads(args.refit.read_text())
         except (OSError, ValueError) as err:
-            fail(f"cannot read {args.refit} ({err}): give a fit.json that `python scaling.py fit` wrote")
+            fail(f"cannot read {args.refit} ({err}): give a fit.json that `python -m experiments.scaling fit` wrote")
         return fit(recorded["sweep"], recorded["runs"], args.refit.parent)
     sweep = make_sweep(args)
     if args.command == "plan":
@@ -588,7 +589,7 @@ def main(argv=None):
         if not any(final_eval(p) for p in points(sweep)):  # nothing to fit: one line, nothing written
             flags = [a for a in (sys.argv[1:] if argv is None else argv) if a != "fit"]
             fail(f"no finished run of sweep '{sweep['name']}' under {get_base_dir() / 'runs'}; train them first: "
-                 f"python scaling.py run {' '.join(flags)}")
+                 f"python -m experiments.scaling run {' '.join(flags)}")
         fit(sweep)
 
 

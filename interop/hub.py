@@ -9,9 +9,11 @@ theirs, renames their parameters onto ours with one explicit table, and turns to
 tiktoken Encoding wrapped in tokenizer.Tokenizer. `export` goes the other way: a nanoparcae checkpoint
 becomes such a folder, for their from_pretrained.
 
-    python hub.py SandyResearch/parcae-140m        # download, load, print a summary
-    model, tokenizer = hub.load_pretrained("SandyResearch/parcae-140m")   # or a local folder
-    python hub.py export d12 out/parcae-d12        # a run (or a checkpoint file) -> their format
+    python -m interop.hub SandyResearch/parcae-140m                   # download, load, print a summary
+    python -m interop.hub sample SandyResearch/parcae-140m --T=8 --prompt="The ocean"   # sample.py's flags
+    python -m interop.hub eval SandyResearch/parcae-140m --T 8 --max_per_task 100       # eval_core.py's flags
+    python -m interop.hub export d12 out/parcae-d12                   # a run (or a checkpoint file) -> their format
+    model, tokenizer = interop.hub.load_pretrained("SandyResearch/parcae-140m")   # or a local folder
 """
 
 import argparse
@@ -24,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+import eval_core
+import sample
 from common import find_checkpoint, first_sentence, get_base_dir, load_checkpoint, write_atomically
 from depths import SAMPLINGS
 from download import download_file
@@ -32,6 +36,7 @@ from tokenizer import Tokenizer
 
 HUB_URL = os.environ.get("NANOPARCAE_HUB_URL", "https://huggingface.co")  # tests point it at 127.0.0.1
 WEIGHT_FILES = ("pytorch_model.bin", "model.pt")  # the order their from_pretrained tries
+SOURCE_HELP = "a Hub repo id (SandyResearch/parcae-140m) or a local folder with config.json, model.pt, tokenizer.json"
 
 # -----------------------------------------------------------------------------
 # Download: {HUB_URL}/{repo_id}/resolve/main/{file} -> get_base_dir()/hub/<repo_id>/<file>
@@ -78,7 +83,7 @@ def fetch_files(source, need_tokenizer=False):
     weights_path = next((p for p in map(get, names) if p is not None), None)
     for name, found in (("config.json", config_path), (" or ".join(WEIGHT_FILES), weights_path)):
         if found is None:
-            raise FileNotFoundError(f"{where} has no {name}; --from takes a Hub repo id such as "
+            raise FileNotFoundError(f"{where} has no {name}; the source is a Hub repo id such as "
                                     f"SandyResearch/parcae-140m or a folder holding config.json and model.pt")
     if tokenizer_path is None and need_tokenizer:
         raise FileNotFoundError(f"{where} has no tokenizer.json, which text needs: add the tokenizer.json of the "
@@ -261,7 +266,7 @@ def map_names(their_shapes, our_shapes, config):
         ours = our_name(name, config)
         if ours is None or ours not in our_shapes:
             raise ValueError(f"the checkpoint's parameter {name} has no place in nanoparcae's model "
-                             f"({'no entry in hub.py table' if ours is None else f'no {ours} in our model'})")
+                             f"({'no entry in the name table' if ours is None else f'no {ours} in our model'})")
         if ours in mapping.values():
             raise ValueError(f"the checkpoint's parameter {name} maps onto {ours}, which another name already filled")
         if tuple(shape) != tuple(our_shapes[ours]):
@@ -362,20 +367,6 @@ def tokenizer_from_json(path, bos_token=None):
     if bos not in specials:
         raise ValueError(f"{path} has no BOS among its special tokens {sorted(specials)[:8]}; looked for {BOS_NAMES}")
     return Tokenizer.from_ranks(ranks, pattern, specials, bos, name=Path(path).parent.name or "authors")
-
-
-def known_ids(tokenizer, vocab_size):
-    """(vocab_size,) bool mask of the ids `tokenizer` can decode (a model with more ids, tried with a smaller
-    tokenizer.json, must never sample the others), or None when it has them all; warns, naming both sizes."""
-    enc = tokenizer.enc
-    ids = [i for i in (*enc._mergeable_ranks.values(), *enc._special_tokens.values()) if i < vocab_size]
-    known = torch.zeros(vocab_size, dtype=torch.bool)
-    known[ids] = True
-    if bool(known.all()):
-        return None
-    warnings.warn(f"the model has {vocab_size} token ids, its tokenizer {len(ids)}: the "
-                  f"{vocab_size - len(ids)} ids the tokenizer lacks are never sampled")
-    return known
 
 
 # -----------------------------------------------------------------------------
@@ -553,47 +544,86 @@ def export(model, tokenizer, out_dir):
     return out_dir
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["export"]:
-        parser = argparse.ArgumentParser(prog="hub.py export", description="Write a nanoparcae checkpoint as a "
-                                         "folder the authors' parcae_lm.from_pretrained reads")
-        parser.add_argument("source", help="a checkpoint file, or a run under <base dir>/runs (its latest checkpoint)")
-        parser.add_argument("out_dir", help="the folder to write (upload it with `hf upload`)")
-        args = parser.parse_args(argv[1:])
-        warnings.formatwarning = lambda message, *_, **__: f"hub.py export: {message}\n"
-        try:
-            path, runs = Path(args.source), get_base_dir() / "runs"
-            if not path.is_file() and (path.suffix == ".pt" or len(path.parts) > 1):
-                raise FileNotFoundError(f"{path} is not a checkpoint file; pass one, or a run name under {runs}")
-            path = path if path.is_file() else find_checkpoint(runs, args.source)
-            model, ckpt = load_checkpoint(path)
-            if "tokenizer_dir" not in ckpt:
-                raise ValueError(f"checkpoint {path} names no tokenizer_dir; it was not written by train.py")
-            out = export(model, Tokenizer.load(ckpt["tokenizer_dir"]), args.out_dir)
-        except (FileNotFoundError, ValueError) as err:
-            sys.exit(f"hub.py export: {err}")
-        print(f"{path} -> {out}: config.json ({model.config.injection}), model.pt, tokenizer.json, "
-              f"tokenizer_config.json")
-        return
-    parser = argparse.ArgumentParser(description="Download and load an authors' Parcae checkpoint (or: "
-                                     "hub.py export RUN_OR_CKPT OUT_DIR, to write one of ours in their format)")
-    parser.add_argument("source", help="Hub repo id (SandyResearch/parcae-140m) or a local folder")
+def export_main(argv):
+    parser = argparse.ArgumentParser(prog="python -m interop.hub export",
+                                     description="Write a nanoparcae checkpoint as a folder the authors' "
+                                     "parcae_lm.from_pretrained reads")
+    parser.add_argument("source", help="a checkpoint file, or a run under <base dir>/runs (its latest checkpoint)")
+    parser.add_argument("out_dir", help="the folder to write (upload it with `hf upload`)")
+    args = parser.parse_args(argv)
+    warnings.formatwarning = lambda message, *_, **__: f"interop.hub export: {message}\n"
+    try:
+        path, runs = Path(args.source), get_base_dir() / "runs"
+        if not path.is_file() and (path.suffix == ".pt" or len(path.parts) > 1):
+            raise FileNotFoundError(f"{path} is not a checkpoint file; pass one, or a run name under {runs}")
+        path = path if path.is_file() else find_checkpoint(runs, args.source)
+        model, ckpt = load_checkpoint(path)
+        if "tokenizer_dir" not in ckpt:
+            raise ValueError(f"checkpoint {path} names no tokenizer_dir; it was not written by train.py")
+        out = export(model, Tokenizer.load(ckpt["tokenizer_dir"]), args.out_dir)
+    except (FileNotFoundError, ValueError) as err:
+        sys.exit(f"interop.hub export: {err}")
+    print(f"{path} -> {out}: config.json ({model.config.injection}), model.pt, tokenizer.json, tokenizer_config.json")
+
+
+def sample_main(argv):
+    """sample.py's sampling, on the authors' release."""
+    parser = argparse.ArgumentParser(prog="python -m interop.hub sample", description="Sample from the authors' "
+                                     "release with sample.py's flags")
+    parser.add_argument("source", help=SOURCE_HELP)
+    sample.add_sampling_flags(parser)
+    args = sample.parse_sampling_flags(parser, argv)
+    device = torch.device(args.device)
+    try:
+        model, tokenizer = load_pretrained(args.source, device, need_tokenizer=True)
+    except (FileNotFoundError, ValueError) as err:
+        sys.exit(f"interop.hub sample: {err}")
+    sample.sample(model, tokenizer, args, args.source, name="interop.hub sample")
+
+
+def eval_main(argv):
+    """eval_core.py's evaluations, on the authors' release; the results go beside its files."""
+    parser = eval_core.eval_parser("Evaluate the authors' release with eval_core.py's flags")
+    parser.prog = "python -m interop.hub eval"
+    parser.add_argument("source", help=SOURCE_HELP)
+    args = parser.parse_args(argv)
+    Ts, seeds = eval_core.parse_depths_and_seeds("interop.hub eval", args.T, args.seeds)
+    try:
+        device = eval_core.start_device(args)
+        model, tokenizer = load_pretrained(args.source, device, need_tokenizer=True)
+        eval_core.evaluate(args, model, tokenizer, {}, local_dir(args.source) / "authors", Ts, seeds, device)
+    except (FileNotFoundError, ValueError) as err:
+        raise SystemExit(f"interop.hub eval: {err}")
+
+
+def summary_main(argv):
+    parser = argparse.ArgumentParser(prog="python -m interop.hub", description="Download and load an authors' "
+                                     "Parcae checkpoint and print a summary; the subcommands sample, eval and export "
+                                     "take their own --help")
+    parser.add_argument("source", help=SOURCE_HELP)
     args = parser.parse_args(argv)
     try:
         model, tokenizer = load_pretrained(args.source, need_tokenizer=True)
     except (FileNotFoundError, ValueError) as err:
-        sys.exit(f"hub.py: {err}")
+        sys.exit(f"interop.hub: {err}")
     c = model.config
     print(f"{args.source}: injection={c.injection} layers={c.n_prelude}/{c.n_recur}/{c.n_coda} d={c.d_model} "
           f"mu_rec={c.mu_rec} params={model.num_params():,} vocab={tokenizer.vocab_size} "
           f"rho(Abar)={model.spectral_radius()}")
     ids = tokenizer.encode("The capital of France is", prepend_bos=True)
-    allowed = known_ids(tokenizer, c.vocab_size)
+    allowed = tokenizer.known_ids(c.vocab_size)
     with torch.no_grad():
         logits = model(torch.tensor([ids]))[0, -1]
     logits = logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))
     print("next token after 'The capital of France is':", repr(tokenizer.decode([int(logits.argmax())])))
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    commands = {"export": export_main, "sample": sample_main, "eval": eval_main}
+    if argv[:1] and argv[0] in commands:
+        return commands[argv[0]](argv[1:])
+    summary_main(argv)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,11 @@
 """
 bench.py: nanoparcae's performance figures, measured side by side on whatever machine runs it.
 
-    python bench.py                       # every row; a small model on CPU, the 140M model on CUDA
-    python bench.py --rows 1,8 --steps 1  # a quick look at two rows
-    python bench.py --depth 6 --d_model 384 --seq_len 512
-    python bench.py --json bench.json     # also the rows and the raw figures behind their verdicts, as JSON
-    python bench.py --rows 1,2,3 --paper_c  # and rows 1-3 again with FLOPs by the paper's C (for comparison)
+    python -m experiments.bench                        # every row; a small model on CPU, the 140M model on CUDA
+    python -m experiments.bench --rows 1,8 --steps 1   # a quick look at two rows
+    python -m experiments.bench --depth 6 --d_model 384 --seq_len 512
+    python -m experiments.bench --json bench.json      # also the rows and the raw figures behind their verdicts
+    python -m experiments.bench --rows 1,2,3 --paper_c  # and rows 1-3 with FLOPs by the paper's C, to compare
 
 It prints ONE markdown table (progress goes to stderr), the one docs/performance.md quotes.
 Each speed figure is a ratio of two things timed in the same run, interleaved repeat by repeat so that
@@ -34,11 +34,10 @@ from common import (find_checkpoint, get_base_dir, load_checkpoint, log, matmul_
 from core_tasks import MC, Task
 from data import DataLoader, iter_documents
 from depths import sample_depths
-from eval_core import evaluate_task
-from scoring import initial_state_table
+from eval_core import evaluate_task, initial_state_table
+from experiments.decoding import decoding_rows, stdlib_tokens
 from model import Parcae, ParcaeConfig
 from optim import build_optimizer
-from sample import decoding_rows, stdlib_tokens
 from tokenizer import Tokenizer
 
 CUDA = torch.cuda.is_available()
@@ -447,12 +446,10 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, help="training steps per timed repeat")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats; each figure is their median")
     parser.add_argument("--mu_rec", type=int, default=8)
-    parser.add_argument("--ckpt", help="row 5 decodes with this checkpoint (default: the newest under the base dir, "
-                                       "else an untrained model)")
+    parser.add_argument("--ckpt", help="row 5's checkpoint (default: the newest, else an untrained model)")
     parser.add_argument("--new_tokens", type=int, default=256, help="row 5: tokens decoded")
     parser.add_argument("--compile_backend", default="inductor", choices=["inductor", "eager"],
-                        help="row 7's torch.compile backend; eager traces and guards as inductor does without "
-                        "generating code, so the recompilations count the same in seconds (runs/gpu_check.sh --tiny)")
+                        help="row 7's backend; eager: dynamo's tracing and guards without code generation")
     parser.add_argument("--paper_c", action="store_true",
                         help="also rows 1-3 from the same timings with FLOPs by the paper's C (rows 1C-3C)")
     parser.add_argument("--json", help="also write the table and the raw figures behind its verdicts to this file")

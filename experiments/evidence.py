@@ -2,9 +2,9 @@
 evidence.py: the paper's claims about Parcae as paired experiments on a laptop CPU, each with a 90% interval and
 a verdict. runs/evidence_cpu.sh runs it end to end (76 runs, about 75 minutes on a 2-core machine).
 
-    python evidence.py plan                  # the runs, their cost, and what each claim can detect
-    python evidence.py run --jobs=2          # train (and evaluate) every run, two at a time, with an ETA
-    python evidence.py report                # judge the claims: figures/evidence_cpu/{*.png, verdicts.json, .md}
+    python -m experiments.evidence plan          # the runs, their cost, and what each claim can detect
+    python -m experiments.evidence run --jobs=2  # train (and evaluate) every run, two at a time, with an ETA
+    python -m experiments.evidence report        # judge the claims: figures/evidence_cpu/{*.png, verdicts.json, .md}
 
 The setup, the claims, the paired design (the two arms of a pair share the seed: data order, depth draws, h0,
 initial weights), the verdict rules and the results: docs/evidence.md.
@@ -25,13 +25,13 @@ import numpy as np
 from common import find_checkpoint, get_base_dir, load_checkpoint, state_norm_limit, write_atomically
 from data import get_tokenizer, val_batches
 from eval_core import evaluate_bpb, fit_test_time_scaling
-from plot import draw_evidence, read_run
-from scaling_fit import (drift_check, interval_verdict, mean_relative_error, paired_interval, seeds_needed,
-                         t_quantile)
+from experiments.plot import draw_evidence, read_run
+from experiments.scaling_fit import (drift_check, interval_verdict, mean_relative_error, paired_interval,
+                                     seeds_needed, t_quantile)
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent  # the repository: train.py runs from there
 OUT = ROOT / "figures" / "evidence_cpu"
-TABLE = ROOT / "figures/evidence_cpu/verdicts.md"  # README's evidence table
+TABLE = ROOT / "figures/evidence_cpu/verdicts.md"  # the evidence table of docs/evidence.md
 DETAILS = ROOT / "figures/evidence_cpu/details.md"  # the numbers behind it, linked from docs/evidence.md
 
 # -----------------------------------------------------------------------------
@@ -168,7 +168,8 @@ def train_and_evaluate(run, log_path, threads):
     directory.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
         evaluate_cmd = ["evaluate", run["name"], str(run["mu_rec"]), str(int(run["with_curve"]))]
-        for cmd in ([sys.executable, "train.py"] + run["flags"], [sys.executable, "evidence.py"] + evaluate_cmd):
+        for cmd in ([sys.executable, "train.py"] + run["flags"],
+                    [sys.executable, "-m", "experiments.evidence"] + evaluate_cmd):
             log.write(f"$ {' '.join(cmd)}\n")
             log.flush()
             code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
@@ -178,6 +179,11 @@ def train_and_evaluate(run, log_path, threads):
     return (directory / "evidence.json").exists()
 
 
+def largest(steps, key):
+    """The largest value of key logged over the steps; None when it was never logged."""
+    return max((step[key] for step in steps if step.get(key) is not None), default=None)
+
+
 def evaluate(name, mu_rec, with_curve):
     """The run's record (evidence.json): its logged curves and divergence, and, if it trained and with_curve, the
     val loss and ||h_T|| at every CURVE_T (eval_core.evaluate_bpb, as train.py's evals: 8,192 tokens, one seeded h0;
@@ -185,12 +191,10 @@ def evaluate(name, mu_rec, with_curve):
     directory = run_dir(name)
     logged = read_run(directory)
     evals = [e for e in logged["evals"] if f"val_loss_T{mu_rec}" in e or "val_loss_T1" in e]
-    record = dict(name=name, diverged_at=logged["diverged_at"],
-                  max_rho=max((s["rho"] for s in logged["steps"] if s.get("rho") is not None), default=None),
-                  max_h_norm=max((s["h_norm"] for s in logged["steps"] if s.get("h_norm") is not None), default=None),
-                  val=[dict(step=e["step"], loss=e.get(f"val_loss_T{mu_rec}", e.get("val_loss_T1")),
-                            loss_T1=e.get("val_loss_T1")) for e in evals],
-                  curve=None)
+    val = [dict(step=e["step"], loss=e.get(f"val_loss_T{mu_rec}", e.get("val_loss_T1")), loss_T1=e.get("val_loss_T1"))
+           for e in evals]
+    record = dict(name=name, diverged_at=logged["diverged_at"], max_rho=largest(logged["steps"], "rho"),
+                  max_h_norm=largest(logged["steps"], "h_norm"), val=val, curve=None)
     if logged["diverged_at"] is None and with_curve:
         model, _ = load_checkpoint(find_checkpoint(directory.parent, name))
         tokenizer = get_tokenizer("stdlib", VOCAB)
@@ -253,7 +257,8 @@ def run(args):
             for future in finished:
                 r = running.pop(future)
                 ok = future.result()
-                failed |= set() if ok else {r["name"]}
+                if not ok:
+                    failed.add(r["name"])
                 done_cost += r["cost"]
                 left = sum(x["cost"] for x in todo) + sum(x["cost"] for x in running.values())
                 elapsed = time.time() - start
@@ -261,7 +266,8 @@ def run(args):
                 status = "done" if ok else f"FAILED, see its log in {OUT / 'logs'}"
                 print(f"[{count}/{len(runs)}] {r['name']}: {status}"
                       f" | elapsed {elapsed / 60:.1f} min | ETA {elapsed / done_cost * left / 60:.1f} min", flush=True)
-    print(f"run: {(time.time() - start) / 60:.1f} min" + (f"; failed: {', '.join(sorted(failed))}" if failed else ""))
+    failures = f"; failed: {', '.join(sorted(failed))}" if failed else ""
+    print(f"run: {(time.time() - start) / 60:.1f} min{failures}")
     return 1 if failed else 0
 
 
@@ -430,7 +436,7 @@ def test_time_details(results, seeds):
 
 
 # -----------------------------------------------------------------------------
-# Report: verdicts.json, README's table and the figures
+# Report: verdicts.json, the table and the figures
 
 def fmt_interval(j, digits=3):
     ci = "" if j["ci90"] is None else f" [{j['ci90'][0]:+.{digits}f}, {j['ci90'][1]:+.{digits}f}]"
@@ -495,8 +501,8 @@ def report(args):
     runs, results = all_results(args.seeds, args.max_seeds)
     missing = [r["name"] for r in runs if r["name"] not in results]
     if missing:
-        print(f"error: {len(missing)} of {len(runs)} runs are unfinished ({missing[0]}, ...); run `python evidence.py "
-              f"run` first", file=sys.stderr)
+        print(f"error: {len(missing)} of {len(runs)} runs are unfinished ({missing[0]}, ...); run "
+              f"`python -m experiments.evidence run` first", file=sys.stderr)
         return 2
     verdicts = []
     for claim, optimizer in claim_arms(results):
@@ -517,7 +523,7 @@ def report(args):
     table = table_markdown(verdicts)
     write_atomically(TABLE, lambda p: p.write_text(table))
     write_atomically(DETAILS, lambda p: p.write_text("# The laptop evidence suite: the numbers behind its verdicts\n\n"
-                                                     "`python evidence.py report` writes this page.\n\n"
+                                                     "`python -m experiments.evidence report` writes this page.\n\n"
                                                      + details_markdown(verdicts, details)))
     draw_evidence(OUT, figure_data(results, seeds, details, verdicts))
     print(table)
@@ -551,14 +557,14 @@ def figure_data(results, seeds, details, verdicts):
                             y=list(v["drift"]["by_fraction"].values())) for v in verdicts if v["drift"]])
 
 
-def write_readme_table(readme):
-    """README's evidence table, between its two markers, replaced by TABLE."""
-    text, table = readme.read_text(), TABLE.read_text()
+def fill_table(page):
+    """A page's evidence table, between its two markers, replaced by TABLE."""
+    text, table = page.read_text(), TABLE.read_text()
     start, end = "<!-- evidence-table -->\n", "<!-- /evidence-table -->"
     if start not in text or end not in text:
-        raise SystemExit(f"error: {readme} has no {start.strip()} ... {end} block to fill")
+        raise SystemExit(f"error: {page} has no {start.strip()} ... {end} block to fill")
     head, rest = text.split(start, 1)
-    readme.write_text(head + start + table + end + rest.split(end, 1)[1])
+    page.write_text(head + start + table + end + rest.split(end, 1)[1])
 
 
 # -----------------------------------------------------------------------------
@@ -583,15 +589,15 @@ def main(argv=None):
     parser.add_argument("--jobs", type=int, default=2, help="runs at once (one thread each)")
     parser.add_argument("--seeds", type=int, default=3, help="paired seeds of each claim, at least")
     parser.add_argument("--max_seeds", type=int, default=5, help="at most, where the pilot's spread needs more")
-    parser.add_argument("--readme", help="report: also fill this README's evidence table")
+    parser.add_argument("--page", help="report: also fill this page's evidence table, e.g. docs/evidence.md")
     args = parser.parse_args(argv)
     if args.seeds < 2 or args.max_seeds < args.seeds or args.jobs < 1:
         parser.error("--seeds must be >= 2 (an interval needs two pairs), --max_seeds >= --seeds, --jobs >= 1")
     if args.command == "evaluate":
         return evaluate(args.names[0], int(args.names[1]), args.names[2] == "1")
     code = {"plan": plan, "run": run, "report": report}[args.command](args)
-    if args.command == "report" and code == 0 and args.readme:
-        write_readme_table(Path(args.readme))
+    if args.command == "report" and code == 0 and args.page:
+        fill_table(Path(args.page))
     return code
 
 

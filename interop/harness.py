@@ -4,13 +4,14 @@ that every task of the harness runs on it (the authors evaluate LAMBADA this way
 perplexity, §5.1).
 
     pip install -r requirements-eval.txt                    # lm-eval is optional: not in requirements.txt
-    python eval_core.py --eval harness --tasks lambada_openai,wikitext --T 8
-    python eval_core.py --from SandyResearch/parcae-140m --eval harness --tasks lambada_openai --T 8
+    python -m interop.harness --tasks lambada_openai,wikitext --T 8       # the latest checkpoint, or --ckpt / --run
+    python -m interop.harness --from SandyResearch/parcae-140m --tasks lambada_openai --T 8
 
 From Python, with the harness's own evaluator:
 
-    import lm_eval, harness
-    lm = harness.HarnessLM(model, tokenizer, T=8)           # e.g. from hub.load_pretrained or common.load_checkpoint
+    import lm_eval
+    from interop import harness
+    lm = harness.HarnessLM(model, tokenizer, T=8)   # e.g. from interop.hub.load_pretrained or common.load_checkpoint
     results = lm_eval.simple_evaluate(model=lm, tasks=["lambada_openai", "wikitext"])
 
 The harness downloads each task's data set on first use (Hugging Face datasets, cached under ~/.cache/huggingface).
@@ -19,23 +20,29 @@ first, cropped from the left, many per forward, one seeded h0 for every row (so 
 batch). Generation is engine.py's greedy decoding, as sample.py runs it.
 """
 
+import argparse
 import itertools
+import sys
 
 import torch
 
+import eval_core
 from common import first_sentence, print0, rank_and_world
 from core_tasks import Row, common_length, crop_left
 from engine import generate
-from hub import known_ids
-from scoring import bf16_autocast, initial_state_table, score_rows
+from eval_core import bf16_autocast, initial_state_table, score_rows
+from interop.hub import SOURCE_HELP, load_pretrained, local_dir
 
+NO_LM_EVAL = "lm-eval is not installed; run `pip install -r requirements-eval.txt`"
 try:
     import lm_eval
     from lm_eval.api.model import LM
     from lm_eval.tasks import TaskManager
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, make_table
 except ImportError:
-    raise ImportError("lm-eval is not installed; run `pip install -r requirements-eval.txt`") from None
+    if __name__ == "__main__":  # the command ends in one line; an importer gets the error
+        sys.exit(f"interop.harness: {NO_LM_EVAL}")
+    raise ImportError(NO_LM_EVAL) from None
 
 
 class HarnessLM(LM):
@@ -50,7 +57,7 @@ class HarnessLM(LM):
         self.batch_tokens = batch_size * self.seq_len
         self._device = next(model.parameters()).device
         self.h0_table = initial_state_table(model, self.seq_len, seed, self._device)
-        allowed = known_ids(tokenizer, model.config.vocab_size)
+        allowed = tokenizer.known_ids(model.config.vocab_size)
         self.allowed = None if allowed is None else allowed.to(self._device)
 
     def score(self, rows, count):
@@ -125,13 +132,13 @@ class HarnessLM(LM):
 
 
 def run_harness(model, tokenizer, tasks, Ts, batch_size=8, limit=None):
-    """eval_core.py --eval harness: the harness's tasks (names separated by commas) at each T, tables printed.
+    """The harness's tasks (names separated by commas) at each T, tables printed.
     -> {"tasks", "T", "results": {T: the harness's results per task}}. limit: documents per task (None: all)."""
     names = [name.strip() for name in tasks.split(",") if name.strip()]
     if tasks in ("core", "extended") or not names:
-        raise ValueError("--eval harness takes the harness's task names, e.g. --tasks lambada_openai,wikitext")
+        raise ValueError("--tasks takes the harness's task names, e.g. --tasks lambada_openai,wikitext")
     if rank_and_world()[1] > 1:
-        raise ValueError("--eval harness runs in one process; start it with python, not torchrun")
+        raise ValueError("the harness runs in one process; start it with python, not torchrun")
     task_manager = TaskManager()
     unknown = [name for name in names if name not in task_manager.all_tasks]
     if unknown:
@@ -148,3 +155,36 @@ def run_harness(model, tokenizer, tasks, Ts, batch_size=8, limit=None):
         print0(make_table(results))
         out["results"][T] = results["results"]
     return out
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m interop.harness", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--ckpt", help="a checkpoint file (default: the latest of --run)")
+    which.add_argument("--run", help="a run under <base dir>/runs (default: the most recently written)")
+    which.add_argument("--from", dest="from_", help="the authors' release: " + SOURCE_HELP)
+    parser.add_argument("--tasks", required=True, help="the harness's task names, e.g. lambada_openai,wikitext")
+    parser.add_argument("--T", default=None, help="test-time recurrence(s), e.g. 8 or 1,4,8 (default: mu_rec)")
+    parser.add_argument("--batch_size", type=int, default=8, help="sequences of seq_len tokens per forward")
+    parser.add_argument("--max_per_task", type=int, default=-1, help="documents per task (-1: all)")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    args = parser.parse_args(argv)
+    Ts, _ = eval_core.parse_depths_and_seeds("interop.harness", args.T)
+    try:
+        device = eval_core.start_device(args)
+        if args.from_:
+            model, tokenizer = load_pretrained(args.from_, device, need_tokenizer=True)
+            ckpt, ckpt_path = {}, local_dir(args.from_) / "authors"
+        else:
+            model, tokenizer, ckpt, ckpt_path = eval_core.load_ours(args.ckpt, args.run, device)
+        Ts = Ts or [model.config.mu_rec]
+        out = run_harness(model, tokenizer, args.tasks, Ts, args.batch_size,
+                          args.max_per_task if args.max_per_task > 0 else None)
+        eval_core.write_results(out, args, ckpt, ckpt_path, Ts, "harness")
+    except (FileNotFoundError, ValueError) as err:
+        raise SystemExit(f"interop.harness: {err}")
+
+
+if __name__ == "__main__":
+    main()
