@@ -71,8 +71,7 @@ parser.add_argument("--mu_bwd", type=int, help="backpropagated depth (default ce
 parser.add_argument("--injection", default="diagonal", choices=["diagonal", "concat", "add", "none"],
                     help="diagonal = Parcae, concat = RDM, add, none = fixed-depth Transformer")
 parser.add_argument("--sampling", default="per_sequence", choices=list(SAMPLINGS), metavar="SCHEME",
-                    help="recurrence-depth sampler; mean executed / backpropagated steps at mu_rec 8, mu_bwd 4 in "
-                    "parentheses. " + "; ".join(f"{name}: {what}" for name, what in SAMPLINGS.items()))
+                    help=f"recurrence-depth sampler, one of {', '.join(SAMPLINGS)} (depths.py says what each draws)")
 parser.add_argument("--prelude_norm", type=int, default=1, choices=[0, 1])
 parser.add_argument("--vocab_size", type=int)
 parser.add_argument("--seq_len", type=int)
