@@ -144,7 +144,7 @@ def first_sentence(err, limit=300):
 
 
 # -----------------------------------------------------------------------------
-# MFU: the matmul FLOPs executed (Parcae.matmul_flops_per_token) against the GPU's peak
+# MFU: the matmul FLOPs executed (matmul_flops_per_token) against the GPU's peak
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense, per GPU
 
