@@ -1,15 +1,12 @@
 """
 common.py: what every script shares and the model does not need: process setup, the base directory,
-checkpoints, MFU (the GPU peak table and the matmul FLOPs executed), and the timing of the benchmarks.
+checkpoints, MFU (the GPU peak table and the matmul FLOPs executed).
 
 model.py imports only depths.py, and data.py only tokenizer.py and download.py (this file takes the base directory
 from data.py); train.py, eval_core.py, core_tasks.py and sample.py import this file, as do the experiments and interop/.
 """
 
 import os
-import statistics
-import sys
-import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -202,43 +199,3 @@ def state_norm_limit(dtype, given=None):
     if given is not None:
         return given, True
     return (1e4, True) if dtype == "bfloat16" else (1e4 * 2 ** 16, False)
-
-
-# -----------------------------------------------------------------------------
-# Measuring (experiments/bench.py and decoding.py): progress on stderr, interleaved repeats timed and their
-# medians, one markdown table
-
-def log(message):
-    print(message, file=sys.stderr, flush=True)
-
-
-def synchronize():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def timed(fn):
-    synchronize()
-    t0 = time.perf_counter()
-    fn()
-    synchronize()
-    return time.perf_counter() - t0
-
-
-def median_seconds(fns, repeats, warmup=1):
-    """{name: fn} -> {name: median seconds of fn()}; warm-up calls first, then the fns take turns each repeat."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    seconds = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            seconds[name].append(timed(fn))
-    return {name: statistics.median(s) for name, s in seconds.items()}
-
-
-def print_table(rows, what):
-    print(f"| # | {what} | result | ratio | target |")
-    print("|---|---|---|---|---|")
-    for cells in rows:
-        print("| " + " | ".join(cells) + " |")

@@ -29,13 +29,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common import (find_checkpoint, get_base_dir, load_checkpoint, log, matmul_flops_per_token, median_seconds,
-                    peak_bf16_flops, print_table, timed, write_atomically)
+from common import find_checkpoint, get_base_dir, load_checkpoint, matmul_flops_per_token, peak_bf16_flops, write_atomically
 from core_tasks import MC, Task
 from data import DataLoader, iter_documents
 from depths import sample_depths
 from eval_core import evaluate_task, initial_state_table
 from experiments.decoding import decoding_rows, stdlib_tokens
+from experiments.timing import log, median_seconds, print_table, timed
 from model import Parcae, ParcaeConfig
 from optim import build_optimizer
 from tokenizer import Tokenizer

@@ -13,9 +13,9 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from common import log, median_seconds, print_table
 from data import iter_documents
 from engine import EXIT_THRESHOLDS, EXITS, teacher_forced
+from experiments.timing import log, median_seconds, print_table
 from sample import load_checkpoint_and_tokenizer
 
 PROMPT = 16  # tokens of prompt before the max_new_tokens decoded
