@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common import find_checkpoint, get_base_dir, load_checkpoint, matmul_flops_per_token, peak_bf16_flops, write_atomically
+from common import (find_checkpoint, get_base_dir, load_checkpoint, matmul_flops_per_token, peak_bf16_flops,
+                    write_atomically)
 from core_tasks import MC, Task
 from data import DataLoader, iter_documents
 from depths import sample_depths
