@@ -5,7 +5,6 @@ bench.py: nanoparcae's performance figures, measured side by side on whatever ma
     python -m experiments.bench --rows 1,8 --steps 1   # a quick look at two rows
     python -m experiments.bench --depth 6 --d_model 384 --seq_len 512
     python -m experiments.bench --json bench.json      # also the rows and the raw figures behind their verdicts
-    python -m experiments.bench --rows 1,2,3 --paper_c  # and rows 1-3 with FLOPs by the paper's C, to compare
 
 It prints ONE markdown table (progress goes to stderr), the one docs/performance.md quotes.
 Each speed figure is a ratio of two things timed in the same run, interleaved repeat by repeat so that
@@ -13,7 +12,7 @@ the noise of a shared machine falls on both; each is the median of --repeats rep
 Training steps run forward + backward + gradient clip + optimiser step (optim.build_optimizer), on
 fixed batches of random tokens, with the depths of every step drawn up front (depths.sample_depths) and
 passed as T, so both sides of a comparison run exactly the same depths. Every FLOP/s figure counts the
-matmul FLOPs executed (common.matmul_flops_per_token), not the paper's C (Parcae.flops_per_token, for budgets).
+matmul FLOPs executed (common.matmul_flops_per_token); the paper's C (Parcae.flops_per_token) is for budgets.
 """
 
 import argparse
@@ -23,7 +22,6 @@ import random
 import string
 import time
 from contextlib import nullcontext
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -45,10 +43,13 @@ CUDA = torch.cuda.is_available()
 # Defaults: a small model on CPU (minutes on two cores), the 140M model (METHOD.md §1, depth 6) on CUDA
 CPU_SIZES = dict(depth=3, d_model=128, head_dim=64, vocab_size=4096, seq_len=128, batch_size=8, steps=2)
 CUDA_SIZES = dict(depth=6, d_model=None, head_dim=128, vocab_size=32768, seq_len=2048, batch_size=16, steps=3)
-# Row 7 compiles on CPU at a tiny size: inductor's C++ compile of bigger blocks costs minutes there
+# Row 7 compiles on CPU at a tiny size: inductor's C++ compile grows with the blocks
 CPU_COMPILE_SIZES, CPU_COMPILE_BATCH = dict(depth=3, d_model=64, head_dim=32, vocab_size=512, seq_len=64), 4
 COMPILE_STEPS, COMPILE_CHUNK = 50, 10
 MICRO_BATCHES = (4, 8, 16, 32)
+PAPER_MICRO_BATCH = 32  # row 3b: the sequences per device of the paper's runs
+TRAINING_MODELS = {"per-sequence": {}, "per-batch": {"sampling": "per_batch_split"},
+                   "Transformer": {"injection": "none"}}
 DECODE_PROMPT = 16  # row 5: tokens of prompt before the decoded ones
 
 
@@ -120,15 +121,12 @@ def depth_schedule(config, batch_size, num_steps, seed=0):
 
 
 def sampled_flops_per_token(config, schedule):
-    """(executed matmul FLOPs, the paper's C) per token at the depths the schedule sampled. Both are linear in the
-    steps without and with gradient, so at the mean sampled n_i and k_i they count exactly the passes sampled (not
-    those a masked batch wastes); C takes them as mu_rec = mean n_i + k_i and mu_bwd = mean k_i. The
-    Transformer's counts do not depend on depth."""
+    """Executed matmul FLOPs per token at the depths the schedule sampled: linear in the steps without and with
+    gradient, so at the mean sampled n_i and k_i it counts exactly the passes sampled (not those a masked batch
+    wastes). The Transformer's count does not depend on depth."""
     n, k = (torch.cat(steps).double() for steps in zip(*schedule))
     with torch.device("meta"):
-        executed = matmul_flops_per_token(Parcae(config), n, k)
-        paper_c = Parcae(replace(config, mu_rec=(n + k).mean().item(), mu_bwd=k.mean().item())).flops_per_token()
-    return executed, paper_c
+        return matmul_flops_per_token(Parcae(config), n, k)
 
 
 class PassCounter:
@@ -155,22 +153,23 @@ class PassCounter:
 # -----------------------------------------------------------------------------
 # Shared measurement (rows 1, 2, 3, 6): Parcae per-sequence and per-batch against the Transformer
 
-def measure_training(args, device):
-    """{name: (tokens/s, executed matmul FLOP/s, mean sampled T, FLOP/s by the paper's C)} for Parcae per-sequence,
-    per-batch, and the Transformer; "count" names what the FLOP/s count."""
-    results = {"count": "matmul FLOPs executed"}
-    configs = {"per-sequence": model_config(args), "per-batch": model_config(args, sampling="per_batch_split"),
-               "Transformer": model_config(args, injection="none")}
-    trainers = {name: Trainer(config, args.batch_size, device) for name, config in configs.items()}
-    schedules = {name: depth_schedule(config, args.batch_size, args.steps) for name, config in configs.items()}
-    log(f"training throughput: {args.repeats} repeats of {args.steps} steps x {args.batch_size} x {args.seq_len}")
+def measure_training(args, device, batch_size, names=tuple(TRAINING_MODELS)):
+    """{name: (tokens/s, executed matmul FLOP/s, mean sampled T)} for the models of TRAINING_MODELS named, timed
+    in turn; about --steps x --batch_size sequences per repeat, in micro-batches of batch_size."""
+    num_steps = max(1, args.steps * args.batch_size // batch_size)
+    configs = {name: model_config(args, **TRAINING_MODELS[name]) for name in names}
+    trainers = {name: Trainer(config, batch_size, device) for name, config in configs.items()}
+    schedules = {name: depth_schedule(config, batch_size, num_steps) for name, config in configs.items()}
+    log(f"training throughput, {', '.join(names)}: {args.repeats} repeats of {num_steps} steps x {batch_size} x "
+        f"{args.seq_len}")
     seconds = median_seconds({name: (lambda t=t, s=schedules[name]: t.run(s)) for name, t in trainers.items()},
                              args.repeats)
-    tokens = args.steps * args.batch_size * args.seq_len
+    tokens = num_steps * batch_size * args.seq_len
+    results = {}
     for name, config in configs.items():
-        executed, paper_c = (f * tokens / seconds[name] for f in sampled_flops_per_token(config, schedules[name]))
-        mean_T = sum(int(n.sum() + k.sum()) for n, k in schedules[name]) / (args.steps * args.batch_size)
-        results[name] = (tokens / seconds[name], executed, mean_T, paper_c)
+        executed = sampled_flops_per_token(config, schedules[name]) * tokens / seconds[name]
+        mean_T = sum(int(n.sum() + k.sum()) for n, k in schedules[name]) / (num_steps * batch_size)
+        results[name] = (tokens / seconds[name], executed, mean_T)
     return results
 
 
@@ -192,7 +191,7 @@ def row_throughput(args, device, training, figures):
     parcae, gpt = training["per-sequence"], training["Transformer"]
     ratio = figures["flops_ratio"] = parcae[1] / gpt[1]
     return [("1", f"training throughput: Parcae (mu_rec {args.mu_rec}, per-sequence) vs the Transformer of the "
-             f"same depth; {training['count']} at the depths sampled",
+             "same depth; matmul FLOPs executed at the depths sampled",
              f"Parcae {si(parcae[0], 'tok/s')}, {si(parcae[1], 'FLOP/s')} (mean T {parcae[2]:.2f}); "
              f"Transformer {si(gpt[0], 'tok/s')}, {si(gpt[1], 'FLOP/s')}",
              f"FLOP/s {ratio:.2f}x (tok/s {parcae[0] / gpt[0]:.2f}x)",
@@ -201,31 +200,37 @@ def row_throughput(args, device, training, figures):
 
 def row_mfu(args, device, training, figures):
     """MFU against the matmul rate measured here at the model's own shapes, which a training step could reach at
-    best; and against the GPU's listed dense bf16 peak where common.PEAK_BF16_FLOPS has it. A rate already in
-    `figures` is reused (--paper_c's second pass)."""
-    if "matmul_rate" not in figures:
-        figures["matmul_rate"] = matmul_rate(args, device)
-    rate = figures["matmul_rate"]
+    best; and against the GPU's listed dense bf16 peak where common.PEAK_BF16_FLOPS has it."""
+    rate = figures["matmul_rate"] = matmul_rate(args, device)
     peak = peak_bf16_flops(device)
     parcae, gpt = training["per-sequence"][1], training["Transformer"][1]
     figures["mfu"] = parcae / rate
     what = f"the {'bf16' if CUDA else 'float32'} matmul rate measured at the model's shapes"
     measured = f"Parcae {parcae / rate:.1%}, Transformer {gpt / rate:.1%}"
     if peak is None:
-        return [("2", f"achieved FLOP/s ({training['count']}) against {what}", si(rate, "FLOP/s"), measured, "")]
-    return [("2", f"achieved FLOP/s ({training['count']}) against {what}, and against the GPU's listed bf16 peak",
+        return [("2", f"achieved FLOP/s (matmul FLOPs executed) against {what}", si(rate, "FLOP/s"), measured, "")]
+    return [("2", f"achieved FLOP/s (matmul FLOPs executed) against {what}, and against the GPU's listed bf16 peak",
              f"measured {si(rate, 'FLOP/s')}, listed peak {si(peak, 'FLOP/s')}",
              f"{measured}; of the peak: Parcae {parcae / peak:.1%}, Transformer {gpt / peak:.1%}", "")]
 
 
 def row_sampling(args, device, training, figures):
-    per_seq, per_batch = training["per-sequence"], training["per-batch"]
-    overhead = figures["sampling_overhead"] = per_batch[1] / per_seq[1] - 1
-    return [("3", f"per-sequence vs per-batch depth sampling (per_batch_split: the same depths, one per micro-batch), "
-             f"mu_rec {args.mu_rec}, {args.batch_size} sequences per micro-batch: time per FLOP ({training['count']})",
-             f"per-sequence {si(per_seq[1], 'FLOP/s')} ({si(per_seq[0], 'tok/s')}, mean T {per_seq[2]:.2f}); "
-             f"per-batch {si(per_batch[1], 'FLOP/s')} ({si(per_batch[0], 'tok/s')}, mean T {per_batch[2]:.2f})",
-             f"overhead {overhead:+.1%}", "paper: +1.8%")]
+    """3a at --batch_size sequences per micro-batch, from the shared measurement; 3b at the paper's 32, timed here
+    (the overhead depends on how many sequences share a step's matmuls). figures["sampling_overhead"] is 3b's."""
+    sizes = [("3a", args.batch_size)] if args.batch_size != PAPER_MICRO_BATCH else []
+    rows = []
+    for number, batch_size in sizes + [("3b", PAPER_MICRO_BATCH)]:
+        models = training if batch_size == args.batch_size else \
+            measure_training(args, device, batch_size, ("per-sequence", "per-batch"))
+        per_seq, per_batch = models["per-sequence"], models["per-batch"]
+        overhead = figures["sampling_overhead"] = per_batch[1] / per_seq[1] - 1
+        rows.append((number, f"per-sequence vs per-batch depth sampling (per_batch_split: the same depths, one per "
+                     f"micro-batch), mu_rec {args.mu_rec}, {batch_size} sequences per micro-batch: time per FLOP "
+                     "(matmul FLOPs executed)",
+                     f"per-sequence {si(per_seq[1], 'FLOP/s')} ({si(per_seq[0], 'tok/s')}, mean T {per_seq[2]:.2f}); "
+                     f"per-batch {si(per_batch[1], 'FLOP/s')} ({si(per_batch[0], 'tok/s')}, "
+                     f"mean T {per_batch[2]:.2f})", f"overhead {overhead:+.1%}", "paper: +1.8%"))
+    return rows
 
 
 def row_memory(args, device, training, figures):
@@ -335,7 +340,7 @@ def row_compile(args, device, training, figures):
         config, batch_size = model_config(args), args.batch_size
     else:
         config, batch_size = ParcaeConfig.from_depth(**CPU_COMPILE_SIZES, mu_rec=args.mu_rec), CPU_COMPILE_BATCH
-    from torch._dynamo.utils import counters as dynamo_counters  # only this row needs dynamo (seconds to import)
+    from torch._dynamo.utils import counters as dynamo_counters  # only this row needs dynamo, slow to import
     schedule = depth_schedule(config, batch_size, COMPILE_STEPS + 1)
     eager, compiled = Trainer(config, batch_size, device), Trainer(config, batch_size, device)
     compiled.model.compile_blocks(backend=args.compile_backend)
@@ -401,17 +406,6 @@ def row_active_only(args, device, training, figures):
 ROWS = {1: row_throughput, 2: row_mfu, 3: row_sampling, 4: row_memory, 5: row_decode, 6: row_core_and_loader,
         7: row_compile, 8: row_active_only}
 NEEDS_TRAINING = {1, 2, 3, 6}
-FLOP_RATE_ROWS = (1, 2, 3)  # --paper_c repeats these with FLOPs by the paper's C
-
-
-def paper_c_rows(args, device, training, figures):
-    """Rows 1-3 from the same timings with each step's FLOPs counted by the paper's C (METHOD.md §2) instead of
-    the matmuls executed, numbered 1C-3C: a comparison with that accounting, not a rate of this machine."""
-    by_c = {name: (t[0], t[3], t[2], t[3]) for name, t in training.items() if name != "count"}
-    by_c["count"] = "FLOPs by the paper's C"
-    return [(f"{number}C", *rest)
-            for row in FLOP_RATE_ROWS if row in args.rows
-            for number, *rest in ROWS[row](args, device, by_c, dict(figures))]
 
 # -----------------------------------------------------------------------------
 # Command line
@@ -436,7 +430,8 @@ def parse_rows(text):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("--rows", type=parse_rows, default=sorted(ROWS), help="e.g. 1,3,8 (default: all)")
     parser.add_argument("--depth", type=int, help="layers, a multiple of 3")
     parser.add_argument("--d_model", type=int, help="width (default: 128 on CPU, 128 * (depth/3 + 4) on CUDA)")
@@ -451,20 +446,20 @@ def main(argv=None):
     parser.add_argument("--new_tokens", type=int, default=256, help="row 5: tokens decoded")
     parser.add_argument("--compile_backend", default="inductor", choices=["inductor", "eager"],
                         help="row 7's backend; eager: dynamo's tracing and guards without code generation")
-    parser.add_argument("--paper_c", action="store_true",
-                        help="also rows 1-3 from the same timings with FLOPs by the paper's C (rows 1C-3C)")
     parser.add_argument("--json", help="also write the table and the raw figures behind its verdicts to this file")
     args = parser.parse_args(argv)
     width_from_depth = args.depth is not None  # --depth alone takes METHOD.md §1's width for that depth
     for name, value in (CUDA_SIZES if CUDA else CPU_SIZES).items():
         if getattr(args, name) is None and not (name == "d_model" and width_from_depth):
             setattr(args, name, value)
+    for name in ("depth", "d_model", "head_dim", "vocab_size", "seq_len", "batch_size", "steps", "repeats", "mu_rec",
+                 "new_tokens"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     try:
         config = model_config(args)
     except ValueError as err:
         parser.error(str(err))
-    if min(args.steps, args.repeats, args.batch_size, args.seq_len, args.new_tokens) < 1:
-        parser.error("--steps, --repeats, --batch_size, --seq_len and --new_tokens must be at least 1")
     args.d_model = config.d_model
     device = torch.device("cuda" if CUDA else "cpu")
     if CUDA:
@@ -475,15 +470,12 @@ def main(argv=None):
              f"mu_bwd {config.mu_bwd}")
     header = f"nanoparcae bench, torch {torch.__version__}: {sizes}; medians of {args.repeats} repeats after a warm-up"
     t0 = time.perf_counter()
-    training = measure_training(args, device) if NEEDS_TRAINING & set(args.rows) else None
+    training = measure_training(args, device, args.batch_size) if NEEDS_TRAINING & set(args.rows) else None
     log(f"training measurement for rows 1, 2, 3, 6 took {time.perf_counter() - t0:.0f} s")
     table, figures = [], {}
-    last_rate_row = max(set(FLOP_RATE_ROWS) & set(args.rows), default=None)
     for row in args.rows:
         t0 = time.perf_counter()
         table += ROWS[row](args, device, training, figures)
-        if args.paper_c and row == last_rate_row:
-            table += paper_c_rows(args, device, training, figures)
         log(f"row {row} ({ROWS[row].__name__}) took {time.perf_counter() - t0:.0f} s")
         if args.json:  # after every row: a row that fails or runs out of time leaves the ones before it
             write_atomically(Path(args.json), lambda path: path.write_text(json.dumps(

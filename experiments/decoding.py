@@ -104,7 +104,7 @@ def decoding_rows(model, ids, prompt_len, T=None, exit_threshold=None, repeats=3
     if model.injection is None:
         return [cache_row]
     auto = next(name for name in modes if name.startswith("auto (state"))
-    # auto against T_max, signed: time -33% where it saves, +7% where its exit tests cost more than they save
+    # auto against T_max, signed: negative where it saves time, positive where its exit tests cost more than they save
     time_change = rate[f"T={T_max}"] / rate[auto] - 1
     steps_change = results[auto][1] / T_max - 1
     loss_up = results[auto][0] / results[f"T={T}"][0] - 1
@@ -135,7 +135,8 @@ def cost_split(rate, T, T_max, auto, auto_steps):
 # Command line
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--ckpt", help="a checkpoint file (default: the latest of --run)")
     which.add_argument("--run", help="a run under <base dir>/runs (default: the most recently written)")
@@ -146,8 +147,11 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats; the median is shown")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
-    if min(args.T or 1, args.max_new_tokens, args.repeats) < 1:
-        parser.error("--T, --max_new_tokens and --repeats must be >= 1")
+    for name in ("T", "max_new_tokens", "repeats"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.exit_threshold is not None and args.exit_threshold <= 0:
+        parser.error(f"--exit_threshold must be above 0, got {args.exit_threshold}")
     device = torch.device(args.device)
     try:
         model, tokenizer, path = load_checkpoint_and_tokenizer(args.ckpt, args.run, device)

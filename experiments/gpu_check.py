@@ -22,7 +22,7 @@ from common import first_sentence
 from experiments.bench import device_name, si
 
 WARMUP_STEPS = 10  # train.py's compiled blocks may still compile graphs (the batch dimension going dynamic) until here
-# The targets the first GPU session checks (issue 30), and the CPU test's bf16 bound (tests/test_train.py)
+# FLOP/s against the Transformer, per-sequence sampling's overhead (paper: +1.8%), MFU, memory against the plan, bf16
 TARGETS = {"flops_ratio": 1.0, "sampling_overhead": 0.02, "mfu": 0.40, "memory": 0.15, "bf16": 0.01}
 CUDA = torch.cuda.is_available()
 
@@ -121,9 +121,9 @@ def mfu(work, runs_dir, args):
 
 
 def sampling(work, runs_dir, args):
-    what, result, ratio, _ = bench_row(work, "3")
+    what, result, ratio, _ = bench_row(work, "3b")
     overhead = bench_figure(work, "sampling_overhead")
-    return (f"bench.py row 3: {what}", f"{result}; {ratio}",
+    return (f"bench.py row 3b: {what}", f"{result}; {ratio}",
             f"<= {TARGETS['sampling_overhead']:.0%}: {verdict(overhead <= TARGETS['sampling_overhead'])}")
 
 
@@ -206,14 +206,14 @@ def precision(work, runs_dir, args):
             f"bf16 {', '.join(f'{bf16[s]:.4f}' for s in sorted(bf16))}; float32 "
             f"{', '.join(f'{fp32[s]:.4f}' for s in sorted(fp32))}; relative difference step 1 "
             f"{differences[0]:.3%}, largest {max(differences):.3%}",
-            f"<= {TARGETS['bf16']:.0%} (the CPU test's bound): {verdict(max(differences) <= TARGETS['bf16'])}")
+            f"<= {TARGETS['bf16']:.0%}: {verdict(max(differences) <= TARGETS['bf16'])}")
 
 
 ROWS = [  # number, what a failed row says it was, how it is built
     ("1", "versions and the matmul rate", versions),
     ("2a", "bench.py row 1: executed FLOP/s, Parcae vs the Transformer", throughput),
     ("2b", "bench.py row 2: MFU against the measured matmul rate", mfu),
-    ("2c", "bench.py row 3: per-sequence sampling's overhead", sampling),
+    ("2c", "bench.py row 3b: per-sequence sampling's overhead at the paper's 32 sequences per device", sampling),
     ("2d", "bench.py row 4: memory flat in T", quoted("4")),
     ("2e", "bench.py row 5a: decoding depth", quoted("5a")),
     ("2f", "bench.py row 5b: KV-cache decoding", quoted("5b")),
@@ -231,12 +231,15 @@ ROWS = [  # number, what a failed row says it was, how it is built
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("work", type=Path, help="the folder of the stages' logs, exit statuses and bench.json")
     parser.add_argument("runs_dir", type=Path, help="the runs folder holding gpu_check_* (base dir / runs)")
     parser.add_argument("--gpus", type=int, required=True, help="the processes torchrun started")
     parser.add_argument("--tiny", action="store_true", help="the runs were runs/gpu_check.sh --tiny's")
     args = parser.parse_args(argv)
+    if args.gpus < 1:
+        parser.error(f"--gpus must be at least 1, got {args.gpus}")
     size = "--tiny: a tiny model, figures that test the script, not the claims" if args.tiny else \
         "the 140M (depth 6)"
     where = torch.cuda.get_device_name(0) if CUDA else "a CPU"

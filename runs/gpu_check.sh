@@ -6,8 +6,8 @@
 #
 #   1. versions: torch, CUDA, the GPU, and its bf16 matmul rate at the 140M's shapes (bench.py's row 2);
 #   2. bench.py at the 140M (its CUDA default), rows 1-5 and 7: FLOP/s Parcae vs the Transformer and MFU against
-#      the measured matmul rate (both of the matmul FLOPs executed), per-sequence sampling's overhead, memory flat
-#      in T, decoding, torch.compile;
+#      the measured matmul rate (both of the matmul FLOPs executed), per-sequence sampling's overhead at 32
+#      sequences per GPU, memory flat in T, decoding, torch.compile;
 #   3. train.py --depth=6 --mu_rec=8, bf16 and compiled, 50 steps of one 32 x 2048 micro-batch on the stdlib
 #      corpus (no download): the loss falls, no recompilation after step 10, tokens/s; then 10 steps of the
 #      same under torchrun with one process per GPU present (NCCL), ending in a checkpoint;

@@ -1,12 +1,17 @@
 """Tests for bench.py's helpers, the masked reference recurrence and the executed-pass counter, and through
-them the claim that model.py's prefix recurrence gives the masked loop's loss and gradients."""
+them the claim that model.py's prefix recurrence gives the masked loop's loss and gradients; then row 3's two
+batch sizes, and the benchmarks' command lines refusing bad sizes and abbreviated flags."""
+
+import json
 
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from experiments.bench import PassCounter, depth_schedule, masked_reference_loss, model_loss, sampled_flops_per_token
+from experiments import decoding, gpu_check
+from experiments.bench import (PassCounter, depth_schedule, main, masked_reference_loss, model_loss,
+                               sampled_flops_per_token)
 from model import Parcae, ParcaeConfig
 
 DEPTHS = torch.tensor([1, 5, 2, 8])  # mu_bwd 3: n = [0, 2, 0, 5], k = [1, 3, 2, 3]
@@ -72,5 +77,38 @@ def test_sampled_flops_are_the_matmul_flops_the_steps_execute(injection):
     with sdpa_kernel(SDPBackend.MATH), counter:
         for depths in schedule:
             model_loss(model, x, y, depths).backward()
-    executed, _ = sampled_flops_per_token(model.config, schedule)
+    executed = sampled_flops_per_token(model.config, schedule)
     assert counter.get_total_flops() == pytest.approx(executed * 3 * x.numel(), rel=1e-12)
+
+
+def test_row_3_at_the_batch_size_given_and_at_the_papers_32(tmp_path, capsys):
+    """Row 3 prints 3a at --batch_size and 3b at 32 sequences per micro-batch; --json's sampling_overhead is 3b's."""
+    main(["--rows", "3", "--depth", "3", "--d_model", "64", "--head_dim", "32", "--vocab_size", "97", "--seq_len", "16",
+          "--batch_size", "4", "--steps", "1", "--repeats", "1", "--json", str(tmp_path / "bench.json")])
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| 3")]
+    assert [row[0] for row in rows] == ["| 3a", "| 3b"]
+    assert "4 sequences per micro-batch" in rows[0][1] and "32 sequences per micro-batch" in rows[1][1]
+    written = json.loads((tmp_path / "bench.json").read_text())
+    assert f"overhead {written['figures']['sampling_overhead']:+.1%}" == rows[1][3]
+
+
+@pytest.mark.parametrize("cli, argv, message", [
+    (main, ["--steps", "0"], "--steps must be at least 1, got 0"),
+    (main, ["--seq_len", "-1"], "--seq_len must be at least 1, got -1"),
+    (main, ["--depth", "0"], "--depth must be at least 1, got 0"),
+    (decoding.main, ["--repeats", "0"], "--repeats must be at least 1, got 0"),
+    (decoding.main, ["--exit_threshold", "0"], "--exit_threshold must be above 0, got 0.0"),
+    (gpu_check.main, [".", ".", "--gpus", "0"], "--gpus must be at least 1, got 0")])
+def test_a_size_or_count_below_one_ends_in_one_line_naming_its_flag(capsys, cli, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        cli(argv)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(f"error: {message}")
+
+
+@pytest.mark.parametrize("cli, argv", [(main, ["--step", "1"]), (decoding.main, ["--max_new", "8"]),
+                                       (gpu_check.main, [".", ".", "--gpus", "1", "--tin", "x"])])
+def test_an_abbreviated_flag_is_unknown(capsys, cli, argv):
+    with pytest.raises(SystemExit):
+        cli(argv)
+    assert f"unrecognized arguments: {argv[-2]}" in capsys.readouterr().err
