@@ -107,7 +107,7 @@ def load_checkpoint(path, device="cpu"):
                                  ", or --run with a run name"))
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist; pass --ckpt with an existing file")
-    try:  # a file torch reads can still hold something else than a Parcae: one message for both
+    try:  # an unreadable file and one that holds no Parcae get the same advice
         ckpt = torch.load(path, map_location=device, weights_only=True)
         model = Parcae(ParcaeConfig(**ckpt["config"]))
         model.load_state_dict(ckpt["model"])

@@ -560,12 +560,14 @@ def main(argv=None):
     p.add_argument("-n", "--num_shards", type=int, default=8, help="shards in all, validation included (default 8)")
     p.add_argument("-w", "--workers", type=int, default=4, help="parallel downloads (default 4)")
     p.add_argument("--base_url", default=FINEWEB_URL, help="where the shard_XXXXX.parquet files live")
-    p = commands.add_parser("tokenizer", allow_abbrev=False, help="train (once) and cache the tokenizer of a data source")
+    p = commands.add_parser("tokenizer", allow_abbrev=False,
+                            help="train (once) and cache the tokenizer of a data source")
     p.add_argument("--data", default="fineweb-edu", help="fineweb-edu, stdlib, or a path/folder/glob of your files")
     p.add_argument("--vocab_size", type=int, default=32768, help="special tokens included (default 32768)")
     p.add_argument("--max_chars", type=int, default=2_000_000_000, help="characters to train on (default 2B)")
     p.add_argument("--doc_cap", type=int, default=10_000, help="characters kept per document (default 10k)")
-    p = commands.add_parser("loader", allow_abbrev=False, help="measure the loader: tokens per second and the share cropped by packing")
+    p = commands.add_parser("loader", allow_abbrev=False,
+                            help="measure the loader: tokens per second and the share cropped by packing")
     p.add_argument("--data", default="stdlib", help="fineweb-edu, stdlib, or a path/folder/glob of your files")
     p.add_argument("--vocab_size", type=int, default=4096)
     p.add_argument("--batch_size", type=int, default=8)
