@@ -59,16 +59,15 @@ def run_dir(run):
 def read_test_time(run=None):
     """eval_core.py --eval bpb's JSON -> (its path, its results): RUN itself when it is a .json file, else the newest
     in RUN's folder (a path, else a run name under the base dir); no RUN: the newest of every run."""
-    path = Path(run or "")
-    if path.suffix == ".json":
-        found = [path] if path.is_file() else []
+    if run and run.endswith(".json"):
+        where, found = Path(run), [Path(run)] if Path(run).is_file() else []
     else:
-        folder = path if run and path.is_dir() else runs_dir() / run if run else runs_dir()
-        found = sorted(folder.glob("*_bpb_T*.json" if run else "*/*_bpb_T*.json"),
+        where = (Path(run) if Path(run).is_dir() else runs_dir() / run) if run else runs_dir()
+        found = sorted(where.glob("*_bpb_T*.json" if run else "*/*_bpb_T*.json"),
                        key=lambda p: (p.stat().st_mtime, p.name))
     if not found:
-        raise FileNotFoundError(f"no results of `python eval_core.py --eval bpb` for {run or 'any run'} "
-                                f"({path if path.suffix == '.json' else folder}); run it first, e.g. --T 1,2,4,8")
+        raise FileNotFoundError(f"no results of `python eval_core.py --eval bpb` for {run or 'any run'} ({where}); "
+                                f"run it first, e.g. with --T 1,2,4,8")
     results = json.loads(found[-1].read_text())
     if "fit" not in results:
         raise ValueError(f"{found[-1]} holds no fit of L(T): evaluate at 3 or more depths, e.g. --T 1,2,4,8")
