@@ -1,19 +1,18 @@
 """
 common.py: what every script shares and the model does not need: process setup, the base directory,
-checkpoints, MFU (the GPU peak table and the matmul FLOPs executed).
-
-model.py imports only depths.py, and data.py only tokenizer.py and download.py (this file takes the base directory
-from data.py); train.py, eval_core.py, core_tasks.py and sample.py import this file, as do the experiments and interop/.
+checkpoints and MFU (the GPU peak table and the matmul FLOPs executed).
+A library, not a script: train.py, sample.py, eval_core.py, data.py and core_tasks.py import it, as do
+experiments/ and interop/.
 """
 
 import os
+import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from data import cache_dir
 from depths import mean_steps
 from model import Block, Parcae, ParcaeConfig
 
@@ -45,7 +44,17 @@ def print0(*args, **kwargs):
 # -----------------------------------------------------------------------------
 # The base directory: runs, tokenizers, data, the eval bundle and hub downloads live under it
 
-get_base_dir = cache_dir  # $NANOPARCAE_BASE_DIR (default ~/.cache/nanoparcae), kept in data.py, which needs it too
+def get_base_dir():
+    """$NANOPARCAE_BASE_DIR (default ~/.cache/nanoparcae), created on first use. A folder that cannot be written
+    raises ValueError naming it and the variable."""
+    base_dir = Path(os.environ.get("NANOPARCAE_BASE_DIR", Path.home() / ".cache" / "nanoparcae")).expanduser()
+    try:
+        base_dir.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=base_dir).close()  # a write: what a read-only mount or mode refuses
+    except OSError as err:
+        raise ValueError(f"the base folder {base_dir} cannot be written to ({err.strerror}): set "
+                         f"NANOPARCAE_BASE_DIR to a writable folder") from None
+    return base_dir
 
 
 # -----------------------------------------------------------------------------
@@ -72,34 +81,17 @@ def find_checkpoint(runs_dir, run=None):
     return found[-1]
 
 
-# Checkpoints written before the injection was a submodule of Parcae hold its parameters under bare names
-OLD_INJECTION_NAMES = ("A_log", "dt_bias", "B.weight", "adapter.weight")
-
-
 def read_checkpoint(path, device="cpu"):
-    """torch.load of a checkpoint (weights_only=True), its parameters under today's names: what every loader
-    of our checkpoints reads (load_checkpoint, train.py's resume). An old checkpoint's A_log, dt_bias,
-    B.weight and adapter.weight become injection.A_log ..., in the weights and in the optimiser's names."""
-    ckpt = torch.load(path, map_location=device, weights_only=True)
-
-    def renamed(name):
-        return f"injection.{name}" if name in OLD_INJECTION_NAMES else name
-
-    ckpt["model"] = {renamed(name): tensor for name, tensor in ckpt["model"].items()}
-    for group in ckpt.get("optimizer", {}).get("param_groups", []):
-        group["names"] = [renamed(name) for name in group["names"]]
-    return ckpt
-
-
-def load_optimizer_state(optimizer, saved):
-    """optimizer.load_state_dict(saved), each saved parameter's state matched to ours by name (the groups'
-    "names", optim.build_optimizer), not by position: an old checkpoint lists the injection's parameters
-    elsewhere in the order. A name we lack raises KeyError."""
-    for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
-        index = dict(zip(saved_group["names"], saved_group["params"]))
-        saved_group["params"] = [index[name] for name in group["names"]]
-        saved_group["names"] = group["names"]
-    optimizer.load_state_dict(saved)
+    """torch.load of a checkpoint (weights_only=True) for train.py's resume. Raises FileNotFoundError when it is
+    absent and ValueError naming it when torch cannot read it."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    try:
+        return torch.load(path, map_location=device, weights_only=True)
+    except Exception as err:
+        raise ValueError(f"checkpoint {path} is truncated or unreadable ({first_sentence(err)}): remove it to "
+                         f"continue from the run's previous checkpoint (or start over), or restore it") from None
 
 
 def load_checkpoint(path, device="cpu"):
@@ -112,8 +104,8 @@ def load_checkpoint(path, device="cpu"):
                                  ", or --run with a run name"))
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist; pass --ckpt with an existing file")
-    try:
-        ckpt = read_checkpoint(path, device)
+    try:  # an unreadable file and one that holds no Parcae get the same advice
+        ckpt = torch.load(path, map_location=device, weights_only=True)
         model = Parcae(ParcaeConfig(**ckpt["config"]))
         model.load_state_dict(ckpt["model"])
     except Exception as err:

@@ -15,7 +15,8 @@ A data source (`--data`) is one of
                   or .parquet (column "text") files, or a folder holding them
 For stdlib and your own files, a fixed ~5% of documents (chosen by a hash of their text) is validation.
 
-Everything is cached under $NANOPARCAE_BASE_DIR (default ~/.cache/nanoparcae).
+Everything is cached under $NANOPARCAE_BASE_DIR (default ~/.cache/nanoparcae). The library functions raise
+FileNotFoundError, ValueError or OSError; only the command line turns them into one line and an exit status.
 """
 
 import argparse
@@ -32,7 +33,6 @@ import random
 import re
 import sys
 import sysconfig
-import tempfile
 import threading
 import time
 import zlib
@@ -43,6 +43,7 @@ from typing import NamedTuple
 import pyarrow.parquet as pq
 import torch
 
+from common import get_base_dir
 from download import download_file
 from tokenizer import Tokenizer
 
@@ -53,35 +54,28 @@ FILES_PER_CHUNK = 64  # text files are read (and shared across ranks) in groups 
 NOT_UTF8 = set()  # the files already reported to hold bytes that are not UTF-8 (each is read once per epoch)
 
 
-def cache_dir():
-    """$NANOPARCAE_BASE_DIR (default ~/.cache/nanoparcae), created on first use: where runs, tokenizers, downloads
-    and the eval bundle live (common.get_base_dir is this function). A folder that cannot be written is one line."""
-    base_dir = Path(os.environ.get("NANOPARCAE_BASE_DIR", Path.home() / ".cache" / "nanoparcae")).expanduser()
-    try:
-        base_dir.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=base_dir).close()  # a write: what a read-only mount or mode refuses
-    except OSError as err:
-        raise SystemExit(f"the base folder {base_dir} cannot be written to ({err.strerror}): set "
-                         f"NANOPARCAE_BASE_DIR to a writable folder") from None
-    return base_dir
-
-
 def fineweb_dir():
-    path = cache_dir() / "fineweb-edu"
+    path = get_base_dir() / "fineweb-edu"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
 # -----------------------------------------------------------------------------
 # The tokenizer of a data source: trained on its train split on first use, then cached
 
-def tokenizer_dir(source, vocab_size):
-    if source in ("fineweb-edu", "stdlib"):
-        # a different interpreter has a different standard library, hence a different corpus
-        name = source if source == "fineweb-edu" else f"stdlib-py{sys.version_info.major}{sys.version_info.minor}"
+def tokenizer_key(source, vocab_size):
+    """What identifies a source's tokenizer and corpus, whatever the base folder: the name of its cache folder."""
+    if source == "fineweb-edu":
+        name = source
+    elif source == "stdlib":  # another Python version has another standard library; where it lives does not count
+        name = f"stdlib-py{sys.version_info.major}{sys.version_info.minor}"
     else:  # the files' sizes and modification times are in the key: a changed corpus trains a new tokenizer
         files = [(str(Path(p).resolve()), os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in user_files(source)]
         name = "files-" + hashlib.sha1(json.dumps(files).encode()).hexdigest()[:10]
-    return cache_dir() / "tokenizers" / f"{name}-{vocab_size}"
+    return f"{name}-{vocab_size}"
+
+
+def tokenizer_dir(source, vocab_size):
+    return get_base_dir() / "tokenizers" / tokenizer_key(source, vocab_size)
 
 
 def get_tokenizer(source, vocab_size, max_chars=2_000_000_000, doc_cap=10_000):
@@ -123,17 +117,19 @@ def download_shard(index, base_url=FINEWEB_URL, max_attempts=5, retry_delay=1.0)
     try:
         download_file(url, unchecked, max_attempts, retry_delay)
     except FileNotFoundError as e:
-        raise SystemExit(f"{e}: check --base_url and that the shard index is in 0..{FINEWEB_LAST_SHARD}") from None
+        raise FileNotFoundError(f"{e}: check --base_url and that the shard index is in 0..{FINEWEB_LAST_SHARD}") \
+            from None
     except OSError as e:
-        raise SystemExit(f"{e}; check the network or --base_url") from None
+        raise OSError(f"{e}; check the network or --base_url") from None
     try:
         columns = pq.read_metadata(unchecked).schema.names
     except Exception as e:
         unchecked.unlink()
-        raise SystemExit(f"{url} is not a valid parquet file ({e}); deleted it, check --base_url and download again")
+        raise ValueError(f"{url} is not a valid parquet file ({e}); deleted it, check --base_url and download again") \
+            from None
     if "text" not in columns:
         unchecked.unlink()
-        raise SystemExit(f"{url} has no 'text' column (columns: {columns}); deleted it, check --base_url")
+        raise ValueError(f"{url} has no 'text' column (columns: {columns}); deleted it, check --base_url")
     unchecked.rename(path)
     print(f"Downloaded {path.name}")
     return path
@@ -151,6 +147,7 @@ class Chunk(NamedTuple):
     paths: tuple  # the files read together
     row_group: int  # parquet row group, -1 for text files
     keep: str | None  # keep only documents of this split by the hash rule ("train"/"val"), None: keep all
+    quiet: bool = False  # bytes that are not UTF-8 are expected (the standard library's test files in other encodings)
 
 
 def is_val_document(text):
@@ -168,7 +165,7 @@ def user_files(pattern):
     found = glob.glob(str(path / "**" / "*"), recursive=True) if path.is_dir() else glob.glob(str(path), recursive=True)
     files = sorted(f for f in found if Path(f).suffix in (".txt", ".jsonl", ".parquet", ".py") and Path(f).is_file())
     if not files:
-        raise SystemExit(f"no .txt, .jsonl or .parquet files match '{pattern}': pass --data=stdlib, "
+        raise FileNotFoundError(f"no .txt, .jsonl or .parquet files match '{pattern}': pass --data=stdlib, "
                          f"--data=fineweb-edu, or a path, folder or glob of your own files")
     return files
 
@@ -176,14 +173,15 @@ def user_files(pattern):
 def parquet_chunks(path, keep):
     metadata = pq.read_metadata(path)
     if "text" not in metadata.schema.names:
-        raise SystemExit(f"{path} has no 'text' column (columns: {metadata.schema.names}); rename the column to 'text'")
+        raise ValueError(f"{path} has no 'text' column (columns: {metadata.schema.names}); rename the column to 'text'")
     return [Chunk((path,), rg, keep) for rg in range(metadata.num_row_groups)]
 
 
-def files_chunks(paths, keep):
+def files_chunks(paths, keep, quiet=False):
     """Parquet files by row group, other files FILES_PER_CHUNK at a time."""
     texts = [p for p in paths if not p.endswith(".parquet")]
-    chunks = [Chunk(tuple(texts[i:i + FILES_PER_CHUNK]), -1, keep) for i in range(0, len(texts), FILES_PER_CHUNK)]
+    chunks = [Chunk(tuple(texts[i:i + FILES_PER_CHUNK]), -1, keep, quiet)
+              for i in range(0, len(texts), FILES_PER_CHUNK)]
     return chunks + [c for p in paths if p.endswith(".parquet") for c in parquet_chunks(p, keep)]
 
 
@@ -193,21 +191,25 @@ def list_chunks(source, split):
     if source == "fineweb-edu":
         shards = sorted(str(p) for p in fineweb_dir().glob("shard_*.parquet"))
         if len(shards) < 2:
-            raise SystemExit(f"found {len(shards)} FineWeb-Edu shards in {fineweb_dir()}, need at least 2 (the last is "
-                             f"validation): run `python data.py download -n 8`")
+            raise FileNotFoundError(f"found {len(shards)} FineWeb-Edu shards in {fineweb_dir()}, need at least 2 (the "
+                                    f"last is validation): run `python data.py download -n 8`")
         # METHOD.md §5: the last shard is validation
         return [c for p in (shards[:-1] if split == "train" else shards[-1:]) for c in parquet_chunks(p, None)]
-    return files_chunks(stdlib_files() if source == "stdlib" else user_files(source), split)
+    if source == "stdlib":
+        return files_chunks(stdlib_files(), split, quiet=True)
+    return files_chunks(user_files(source), split)
 
 
-def read_text_file(path):
+def read_text_file(path, quiet=False):
+    """The documents of a text file. Bytes that are not UTF-8 are left out, with a warning once per file unless
+    quiet."""
     with open(path, "rb") as f:
         raw = f.read()
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
         text = raw.decode("utf-8", errors="ignore")
-        if path not in NOT_UTF8:
+        if not quiet and path not in NOT_UTF8:
             NOT_UTF8.add(path)
             print(f"warning: {path}: {len(raw) - len(text.encode('utf-8')):,} bytes that are not UTF-8 (the first at "
                   f"byte {err.start}) are left out; convert the file to UTF-8 to keep them", file=sys.stderr)
@@ -217,10 +219,9 @@ def read_text_file(path):
         try:
             return [json.loads(line)["text"] for line in text.splitlines() if line.strip()]
         except (ValueError, KeyError, TypeError) as e:
-            raise SystemExit(f"{path}: every line must be a JSON object with a 'text' field ({e!r})")
-    # .py: one document per block of a module or class body (a blank line, then a line indented by at
-    # most 4 spaces). Whole stdlib files (median ~2k tokens) lose 96% of their tokens to cropping at the
-    # CPU preset's 256-token rows, leaving ~0.4M distinct tokens, which the default run memorised.
+            raise ValueError(f"{path}: every line must be a JSON object with a 'text' field ({e!r})") from None
+    # .py: one document per block of a module or class body (a blank line, then a line indented by at most 4
+    # spaces): whole stdlib files (median ~2k tokens) would lose most of their tokens to cropping at 256-token rows
     return re.split(r"\n\s*\n(?=(?: {4})?\S)", text)
 
 
@@ -232,7 +233,7 @@ def read_units(chunk):
         return [[doc] for doc in table.column("text").to_pylist()]
     units = []
     for path in chunk.paths:
-        docs = read_text_file(path)
+        docs = read_text_file(path, chunk.quiet)
         units += [docs] if path.endswith(".py") else [[doc] for doc in docs]
     return units
 
@@ -256,7 +257,7 @@ class ChunkReader:
     def __init__(self, max_kept=64):
         self.kept, self.lock = {}, threading.Lock()  # (chunk, epoch) -> [documents, loaders still to take it]
         self.max_kept = max_kept
-        self.reads = self.chars_read = 0  # chunks read from disk and their characters, for the tests
+        self.reads = self.chars_read = 0  # chunks read from disk and their characters
 
     def documents(self, chunk, epoch, sharers):
         """The chunk's documents (a shared list: copy before changing it)."""
@@ -318,14 +319,14 @@ class DocumentStream:
         too few documents for both splits, or fewer documents than ranks."""
         counts = {name: sum(1 for _ in iter_documents(self.source, name)) for name in ("train", "val")}
         if not any(counts.values()):
-            return SystemExit(f"{self.source} holds no text (empty or blank files): put documents in it, a blank "
+            return ValueError(f"{self.source} holds no text (empty or blank files): put documents in it, a blank "
                               f"line between two in a .txt file")
         if not counts[self.split]:
-            return SystemExit(f"the {self.split} split of {self.source} has no documents: a document goes to "
+            return ValueError(f"the {self.split} split of {self.source} has no documents: a document goes to "
                               f"validation by a hash of its text (about 1 in {VAL_EVERY}) and {self.source} holds only "
                               f"{sum(counts.values())}; split the text into more documents (a blank line between two "
                               f"in a .txt file) or pass several files")
-        return SystemExit(f"rank {self.rank} of {self.world_size} has no documents in the {self.split} split of "
+        return ValueError(f"rank {self.rank} of {self.world_size} has no documents in the {self.split} split of "
                           f"{self.source} ({counts[self.split]} in all): use more data or fewer ranks")
 
     def iterate(self, epoch=0, position=0, index=0, loop=True):
@@ -464,7 +465,7 @@ class DataLoader:
                 if self.batches == 0 and self.arrivals == 0:
                     raise self.stream.no_documents()
                 if self.batches == 0:
-                    raise SystemExit(f"the {self.stream.split} split of {self.stream.source} holds less than one batch "
+                    raise ValueError(f"the {self.stream.split} split of {self.stream.source} holds less than one batch "
                                      f"({self.batch_size} x {self.seq_len + 1} tokens) for rank {self.stream.rank}: "
                                      f"use a smaller batch size or sequence length, or more data")
                 raise StopIteration
@@ -540,31 +541,43 @@ def val_batches(tokenizer, source, batch_size, seq_len, num_tokens, rank=0, worl
 # -----------------------------------------------------------------------------
 # Command line
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def check_flags(args):
+    """Counts and sizes below 1, and -n beyond the shards there are, are refused before any work."""
+    if args.command == "download" and not 2 <= args.num_shards <= FINEWEB_LAST_SHARD + 1:
+        raise ValueError(f"-n={args.num_shards} must be in 2..{FINEWEB_LAST_SHARD + 1} (at least one train shard and "
+                         f"the validation shard)")
+    for flag in ("workers", "vocab_size", "max_chars", "doc_cap", "batch_size", "seq_len", "tokens"):
+        if getattr(args, flag, 1) < 1:
+            raise ValueError(f"--{flag}={getattr(args, flag)} must be 1 or more")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     commands = parser.add_subparsers(dest="command", required=True)
-    p = commands.add_parser("download", help=f"FineWeb-Edu shards: N-1 for training, shard {FINEWEB_LAST_SHARD} for val")
+    p = commands.add_parser("download", allow_abbrev=False,
+                            help=f"FineWeb-Edu shards: N-1 for training, shard {FINEWEB_LAST_SHARD} for val")
     p.add_argument("-n", "--num_shards", type=int, default=8, help="shards in all, validation included (default 8)")
     p.add_argument("-w", "--workers", type=int, default=4, help="parallel downloads (default 4)")
     p.add_argument("--base_url", default=FINEWEB_URL, help="where the shard_XXXXX.parquet files live")
-    p = commands.add_parser("tokenizer", help="train (once) and cache the tokenizer of a data source")
+    p = commands.add_parser("tokenizer", allow_abbrev=False,
+                            help="train (once) and cache the tokenizer of a data source")
     p.add_argument("--data", default="fineweb-edu", help="fineweb-edu, stdlib, or a path/folder/glob of your files")
     p.add_argument("--vocab_size", type=int, default=32768, help="special tokens included (default 32768)")
     p.add_argument("--max_chars", type=int, default=2_000_000_000, help="characters to train on (default 2B)")
     p.add_argument("--doc_cap", type=int, default=10_000, help="characters kept per document (default 10k)")
-    p = commands.add_parser("loader", help="measure the loader: tokens per second and the share cropped by packing")
+    p = commands.add_parser("loader", allow_abbrev=False,
+                            help="measure the loader: tokens per second and the share cropped by packing")
     p.add_argument("--data", default="stdlib", help="fineweb-edu, stdlib, or a path/folder/glob of your files")
     p.add_argument("--vocab_size", type=int, default=4096)
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument("--seq_len", type=int, default=2048)
     p.add_argument("--tokens", type=int, default=4_000_000, help="tokens to time after the first batch")
-    args = parser.parse_args()
-    print(f"Base directory: {cache_dir()}")
+    args = parser.parse_args(argv)
+    check_flags(args)
+    print(f"Base directory: {get_base_dir()}")
 
     if args.command == "download":
-        if not 2 <= args.num_shards <= FINEWEB_LAST_SHARD + 1:
-            parser.error(f"-n must be in 2..{FINEWEB_LAST_SHARD + 1} "
-                         f"(at least one train shard and the validation shard)")
         download_shards(list(range(args.num_shards - 1)) + [FINEWEB_LAST_SHARD], args.base_url, args.workers)
     elif args.command == "tokenizer":
         tokenizer = get_tokenizer(args.data, args.vocab_size, args.max_chars, args.doc_cap)
@@ -595,5 +608,5 @@ def main():
 if __name__ == "__main__":
     try:
         main()
-    except ValueError as err:  # e.g. a vocab_size too small for the byte tokens and the specials
+    except (OSError, ValueError) as err:  # bad flags or data, a failed download, a base folder that cannot be written
         sys.exit(f"data.py: {err}")

@@ -7,6 +7,7 @@ scaling law.
     python eval_core.py --tasks extended --seeds 1234,2345,3456   # Core-Extended, mean and std over 3 few-shot seeds
     python eval_core.py --max_per_task 50 --compare_batching  # batched scoring against one example per forward
     python eval_core.py --eval bpb --T 1,2,4,8,16,32          # val loss and bits per byte at each T, fit L(T)
+    python -m experiments.plot --test_time                    # draw the newest L(T) fit beside its JSON
     python eval_core.py --eval ppl --T 1,4                    # the paper's val PPL: one document per forward
     torchrun --nproc_per_node 8 eval_core.py --T 8            # examples striped across ranks (nccl; gloo on CPU)
 
@@ -140,8 +141,7 @@ def evaluate_core(model, tokenizer, bundle_dir, T=None, max_per_task=-1, tasks="
     """
     t_start = time.time()
     device = next(model.parameters()).device
-    # (sequences x width) per forward. A GPU wants big batches; on a CPU the elementwise ops of a big batch spill
-    # out of cache, and small batches measured faster (1024: 12.0s, 8192: 20.2s on the same items)
+    # (sequences x width) per forward: a GPU wants big batches; a CPU's cache holds a small batch's elementwise ops
     batch_tokens = batch_tokens or (16384 if device.type == "cuda" else 1024)
     was_training = model.training
     model.eval()
@@ -278,27 +278,6 @@ def fit_test_time_scaling(Ts, losses):
 # -----------------------------------------------------------------------------
 # Command line
 
-def draw_test_time(out, title, path):
-    """--eval bpb's L(T): the measured losses, the fitted law and the loss at T = mu_rec, as a PNG at `path`."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fit, Ts = out["fit"], np.array(out["T"], dtype=np.float64)
-    grid = np.geomspace(Ts.min(), Ts.max(), 200)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(Ts, out["loss"], "o", color="black", label="val loss")
-    ax.plot(grid, fit["L_inf"] + fit["Z"] * np.exp(-fit["z"] * grid), "-",
-            label=f"L_inf + Z exp(-z T): L_inf {fit['L_inf']:.4f}, z {fit['z']:.2f}, RMS error {fit['rms']:.1e}")
-    ax.axhline(fit["loss_at_mu_rec"], color="gray", linestyle="--", label=f"loss at T = mu_rec = {fit['mu_rec']}")
-    ax.set(xscale="log", xlabel="test-time recurrence T", ylabel="val loss (nats)", title=title)
-    ax.set_xticks(Ts, [str(int(T)) for T in Ts])
-    ax.minorticks_off()
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    write_atomically(path, lambda partial: fig.savefig(partial, format="png", dpi=110))
-    plt.close(fig)
-
-
 def parse_ints(text, flag):
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
@@ -400,7 +379,8 @@ def run_ppl(args, model, tokenizer, ckpt, Ts):
 
 def eval_parser(description):
     """The flags of an evaluation, shared by main and `python -m interop.hub eval`."""
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("--eval", default="core", choices=["core", "bpb", "ppl"],
                         help="core: CORE / Core-Extended; bpb: val loss on packed rows; ppl: one document per forward")
     parser.add_argument("--T", default=None, help="test-time recurrence(s), e.g. 8 or 1,2,4,8 (default: mu_rec)")
@@ -422,16 +402,18 @@ def eval_parser(description):
     return parser
 
 
-def parse_depths_and_seeds(name, T, seeds="1234"):
-    """--T (None when not given) and --seeds as lists of ints, checked before any checkpoint or data is read; a bad
-    one ends in one line that starts with name."""
-    try:
-        Ts = parse_ints(T, "--T") if T else None
-        if Ts and min(Ts) < 1:
-            raise ValueError(f"--T {T!r}: every depth must be 1 or more, e.g. --T 1,2,4,8")
-        return Ts, parse_ints(seeds, "--seeds")
-    except ValueError as err:
-        raise SystemExit(f"{name}: {err}")
+def check_flags(args):
+    """An evaluation's flags, checked before any checkpoint or data is read -> (--T as a list of ints or None,
+    --seeds as a list of ints). A bad one raises ValueError naming it."""
+    Ts = parse_ints(args.T, "--T") if args.T else None
+    if Ts and min(Ts) < 1:
+        raise ValueError(f"--T {args.T!r}: every depth must be 1 or more, e.g. --T 1,2,4,8")
+    for flag in ("batch_tokens", "val_tokens", "batch_size", "max_docs"):
+        if getattr(args, flag, None) is not None and getattr(args, flag) < 1:
+            raise ValueError(f"--{flag}={getattr(args, flag)} must be 1 or more")
+    if args.max_per_task == 0 or args.max_per_task < -1:
+        raise ValueError(f"--max_per_task={args.max_per_task} must be 1 or more, or -1 for every item")
+    return Ts, parse_ints(getattr(args, "seeds", "1234"), "--seeds")
 
 
 def load_ours(ckpt_file, run, device):
@@ -462,31 +444,28 @@ def evaluate(args, model, tokenizer, ckpt, ckpt_path, Ts, seeds, device):
 
 
 def write_results(out, args, ckpt, ckpt_path, Ts, kind):
-    """The results as JSON beside the checkpoint (rank 0), and L(T)'s figure when it was fitted."""
+    """The results as JSON beside the checkpoint (rank 0); experiments/plot.py --test_time draws L(T) from it."""
     if rank_and_world()[0] == 0:
         path = ckpt_path.with_name(f"{ckpt_path.stem}_{kind}_T{'-'.join(map(str, Ts))}.json")
         write_json(path, {"ckpt": str(ckpt_path), "step": ckpt.get("step"), "args": vars(args), **out})
         print0(f"Wrote {path}")
-        if "fit" in out:
-            draw_test_time(out, f"L(T) of {ckpt_path.parent.name}/{ckpt_path.name} on {out['data']}",
-                           path.with_suffix(".png"))
-            print0(f"Wrote {path.with_suffix('.png')}")
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
-def main():
+def main(argv=None):
     parser = eval_parser(__doc__)
     parser.add_argument("--ckpt", default=None, help="checkpoint file (default: the latest under <base dir>/runs)")
     parser.add_argument("--run", default=None, help="run name under <base dir>/runs whose latest checkpoint to use")
-    args = parser.parse_args()
-    Ts, seeds = parse_depths_and_seeds("eval_core.py", args.T, args.seeds)
+    args = parser.parse_args(argv)
     try:
+        Ts, seeds = check_flags(args)
         device = start_device(args)
         model, tokenizer, ckpt, ckpt_path = load_ours(args.ckpt, args.run, device)
         evaluate(args, model, tokenizer, ckpt, ckpt_path, Ts, seeds, device)
     except (FileNotFoundError, ValueError) as err:
         raise SystemExit(f"eval_core.py: {err}")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

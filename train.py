@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common import (find_checkpoint, first_sentence, get_base_dir, init_distributed, load_optimizer_state,
+from common import (find_checkpoint, first_sentence, get_base_dir, init_distributed,
                     matmul_flops_per_token, peak_bf16_flops, rank_and_world, read_checkpoint, save_checkpoint,
                     state_norm_limit, write_atomically)
 from core_tasks import download_eval_bundle
@@ -277,7 +277,7 @@ if resume_from:
     try:
         ckpt = read_checkpoint(resume_from, device)
         raw_model.load_state_dict(ckpt["model"])
-        load_optimizer_state(optimizer, ckpt["optimizer"])
+        optimizer.load_state_dict(ckpt["optimizer"])
         for micro, loader in enumerate(loaders):
             loader.load_state_dict(ckpt["loader"][rank * grad_accum + micro])
         start_step, skipped_steps = ckpt["step"], ckpt["skipped_steps"]

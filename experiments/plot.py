@@ -1,9 +1,12 @@
 """
-plot.py: draw what train.py logs (metrics.jsonl) against the step, for any runs, into one PNG.
+plot.py: draw what train.py logs (metrics.jsonl) against the step, for any runs, into one PNG; or the test-time
+scaling law L(T) that `eval_core.py --eval bpb` fitted, beside its JSON.
 
     python -m experiments.plot d3_diagonal d3_concat           # every metric, to plot.png
     python -m experiments.plot d3_concat ~/runs/lr3e-2 --metrics loss,h_norm,rho -o stability.png
     python -m experiments.plot d3_diagonal d3_concat --table   # and print each run's summary row
+    python -m experiments.plot --test_time                     # L(T) of the newest eval_core.py --eval bpb
+    python -m experiments.plot --test_time d3_diagonal         # ... of that run (or a path to the JSON)
 
 A RUN is a folder holding metrics.jsonl (a path), else a run name under $NANOPARCAE_BASE_DIR/runs, where
 train.py --run=NAME writes. One panel per metric; a metric whose values span more than two decades (an
@@ -33,24 +36,42 @@ METRICS = {
 LOG_SPAN = 100  # a panel whose positive values span more than this factor gets a log axis
 
 
-def fail(message):
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
 # -----------------------------------------------------------------------------
 # Reading runs
+
+def runs_dir():
+    from common import get_base_dir  # imports torch: only when a name has to be resolved
+    return get_base_dir() / "runs"
+
 
 def run_dir(run):
     """RUN -> its folder: the path itself if it holds metrics.jsonl, else base dir / runs / RUN."""
     if (Path(run) / "metrics.jsonl").is_file():
         return Path(run)
-    from common import get_base_dir  # imports torch: only when a name has to be resolved
-    named = get_base_dir() / "runs" / run
+    named = runs_dir() / run
     if not (named / "metrics.jsonl").is_file():
-        fail(f"no metrics for run {run!r}: neither {Path(run) / 'metrics.jsonl'} nor {named / 'metrics.jsonl'} "
-             f"exists; pass a run folder or a train.py --run name (NANOPARCAE_BASE_DIR={named.parent.parent})")
+        raise FileNotFoundError(f"no metrics for run {run!r}: neither {Path(run) / 'metrics.jsonl'} nor "
+                                f"{named / 'metrics.jsonl'} exists; pass a run folder or a train.py --run name "
+                                f"(NANOPARCAE_BASE_DIR={named.parent.parent})")
     return named
+
+
+def read_test_time(run=None):
+    """eval_core.py --eval bpb's JSON -> (its path, its results): RUN itself when it is a .json file, else the newest
+    in RUN's folder (a path, else a run name under the base dir); no RUN: the newest of every run."""
+    if run and run.endswith(".json"):
+        where, found = Path(run), [Path(run)] if Path(run).is_file() else []
+    else:
+        where = (Path(run) if Path(run).is_dir() else runs_dir() / run) if run else runs_dir()
+        found = sorted(where.glob("*_bpb_T*.json" if run else "*/*_bpb_T*.json"),
+                       key=lambda p: (p.stat().st_mtime, p.name))
+    if not found:
+        raise FileNotFoundError(f"no results of `python eval_core.py --eval bpb` for {run or 'any run'} ({where}); "
+                                f"run it first, e.g. with --T 1,2,4,8")
+    results = json.loads(found[-1].read_text())
+    if "fit" not in results:
+        raise ValueError(f"{found[-1]} holds no fit of L(T): evaluate at 3 or more depths, e.g. --T 1,2,4,8")
+    return found[-1], results
 
 
 def read_run(path):
@@ -142,6 +163,28 @@ def summary_row(label, run):
     return f"| {label} | {final:.3f} | {val} | {largest('rho')} | {largest('h_norm')} | {run['diverged_at'] or '-'} |"
 
 
+def draw_test_time(results, title):
+    """eval_core.py --eval bpb's results -> a figure: the measured losses, the fitted L(T) = L_inf + Z exp(-z T)
+    (METHOD.md §3) and the loss at T = mu_rec."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    fit, Ts = results["fit"], np.array(results["T"], dtype=np.float64)
+    grid = np.geomspace(Ts.min(), Ts.max(), 200)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(Ts, results["loss"], "o", color="black", label="val loss")
+    ax.plot(grid, fit["L_inf"] + fit["Z"] * np.exp(-fit["z"] * grid), "-",
+            label=f"L_inf + Z exp(-z T): L_inf {fit['L_inf']:.4f}, z {fit['z']:.2f}, RMS error {fit['rms']:.1e}")
+    ax.axhline(fit["loss_at_mu_rec"], color="gray", linestyle="--", label=f"loss at T = mu_rec = {fit['mu_rec']}")
+    ax.set(xscale="log", xlabel="test-time recurrence T", ylabel="val loss (nats)", title=title)
+    ax.set_xticks(Ts, [str(int(T)) for T in Ts])
+    ax.minorticks_off()
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
 def save_png(fig, path):
     """fig as a PNG at path, written whole under a temporary name, then renamed."""
     partial = path.with_name(path.stem + ".tmp.png")
@@ -231,18 +274,35 @@ def draw_evidence(out, data):
     save(fig, axes, "drift", xscale="linear", xlabel="fraction of training")
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", nargs="+", metavar="RUN", help="a run folder, or a run name under the base dir")
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
+    parser.add_argument("runs", nargs="*", metavar="RUN", help="a run folder, or a run name under the base dir")
     parser.add_argument("--metrics", default=",".join(METRICS), help=f"comma-separated, of: {', '.join(METRICS)}")
-    parser.add_argument("-o", "--out", default="plot.png", help="the PNG to write")
+    parser.add_argument("--test_time", nargs="?", const="", metavar="RUN",
+                        help="draw L(T) from eval_core.py --eval bpb's JSON instead: a .json file, a run (its newest) "
+                             "or, with no RUN, the newest of every run; the PNG goes beside it unless -o")
+    parser.add_argument("-o", "--out", help="the PNG to write (default plot.png)")
     parser.add_argument("--title", help="a title above the panels")
     parser.add_argument("--table", action="store_true", help="also print a markdown row per run")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.test_time is not None:
+        if args.runs:
+            raise ValueError(f"--test_time draws one evaluation; pass its run as --test_time={args.runs[0]}")
+        path, results = read_test_time(args.test_time)
+        fig = draw_test_time(results, args.title or f"L(T) of {Path(results['ckpt']).parent.name}/"
+                                                    f"{Path(results['ckpt']).name} on {results['data']}")
+        out = Path(args.out or path.with_suffix(".png"))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        save_png(fig, out)
+        print(f"wrote {out}: L(T) of {path}")
+        return
+    if not args.runs:
+        raise ValueError("name a RUN to plot, or pass --test_time")
     metrics = args.metrics.split(",")
     unknown = [m for m in metrics if m not in METRICS]
     if unknown:
-        fail(f"unknown metric(s) {', '.join(unknown)}; choose from {', '.join(METRICS)}")
+        raise ValueError(f"unknown metric(s) {', '.join(unknown)}; choose from {', '.join(METRICS)}")
     runs = {}
     for run in args.runs:
         path = run_dir(run)
@@ -251,7 +311,7 @@ def main():
     if args.title:
         fig.suptitle(args.title, fontsize=9)
         fig.tight_layout()
-    out = Path(args.out)
+    out = Path(args.out or "plot.png")
     out.parent.mkdir(parents=True, exist_ok=True)
     save_png(fig, out)
     print(f"wrote {out}: {', '.join(runs)}")
@@ -263,4 +323,8 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (FileNotFoundError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)

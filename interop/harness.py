@@ -25,6 +25,7 @@ import itertools
 import sys
 
 import torch
+import torch.distributed as dist
 
 import eval_core
 from common import first_sentence, print0, rank_and_world
@@ -158,7 +159,7 @@ def run_harness(model, tokenizer, tasks, Ts, batch_size=8, limit=None):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m interop.harness", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m interop.harness", description=__doc__, allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--ckpt", help="a checkpoint file (default: the latest of --run)")
@@ -170,8 +171,8 @@ def main(argv=None):
     parser.add_argument("--max_per_task", type=int, default=-1, help="documents per task (-1: all)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     args = parser.parse_args(argv)
-    Ts, _ = eval_core.parse_depths_and_seeds("interop.harness", args.T)
     try:
+        Ts, _ = eval_core.check_flags(args)
         device = eval_core.start_device(args)
         if args.from_:
             model, tokenizer = load_pretrained(args.from_, device, need_tokenizer=True)
@@ -184,6 +185,9 @@ def main(argv=None):
         eval_core.write_results(out, args, ckpt, ckpt_path, Ts, "harness")
     except (FileNotFoundError, ValueError) as err:
         raise SystemExit(f"interop.harness: {err}")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

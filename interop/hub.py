@@ -25,6 +25,7 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 import eval_core
 import sample
@@ -545,7 +546,7 @@ def export(model, tokenizer, out_dir):
 
 
 def export_main(argv):
-    parser = argparse.ArgumentParser(prog="python -m interop.hub export",
+    parser = argparse.ArgumentParser(prog="python -m interop.hub export", allow_abbrev=False,
                                      description="Write a nanoparcae checkpoint as a folder the authors' "
                                      "parcae_lm.from_pretrained reads")
     parser.add_argument("source", help="a checkpoint file, or a run under <base dir>/runs (its latest checkpoint)")
@@ -568,8 +569,8 @@ def export_main(argv):
 
 def sample_main(argv):
     """sample.py's sampling, on the authors' release."""
-    parser = argparse.ArgumentParser(prog="python -m interop.hub sample", description="Sample from the authors' "
-                                     "release with sample.py's flags")
+    parser = argparse.ArgumentParser(prog="python -m interop.hub sample", allow_abbrev=False,
+                                     description="Sample from the authors' release with sample.py's flags")
     parser.add_argument("source", help=SOURCE_HELP)
     sample.add_sampling_flags(parser)
     args = sample.parse_sampling_flags(parser, argv)
@@ -587,19 +588,22 @@ def eval_main(argv):
     parser.prog = "python -m interop.hub eval"
     parser.add_argument("source", help=SOURCE_HELP)
     args = parser.parse_args(argv)
-    Ts, seeds = eval_core.parse_depths_and_seeds("interop.hub eval", args.T, args.seeds)
     try:
+        Ts, seeds = eval_core.check_flags(args)
         device = eval_core.start_device(args)
         model, tokenizer = load_pretrained(args.source, device, need_tokenizer=True)
         eval_core.evaluate(args, model, tokenizer, {}, local_dir(args.source) / "authors", Ts, seeds, device)
     except (FileNotFoundError, ValueError) as err:
         raise SystemExit(f"interop.hub eval: {err}")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def summary_main(argv):
-    parser = argparse.ArgumentParser(prog="python -m interop.hub", description="Download and load an authors' "
-                                     "Parcae checkpoint and print a summary; the subcommands sample, eval and export "
-                                     "take their own --help")
+    parser = argparse.ArgumentParser(prog="python -m interop.hub", allow_abbrev=False,
+                                     description="Download and load an authors' Parcae checkpoint and print a "
+                                     "summary; the subcommands sample, eval and export take their own --help")
     parser.add_argument("source", help=SOURCE_HELP)
     args = parser.parse_args(argv)
     try:

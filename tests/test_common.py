@@ -1,5 +1,5 @@
-"""Tests for common.py: the base directory rule data.py repeats, the GPU peak table, the matmul FLOPs executed
-(against FlopCounterMode), checkpoints written under the injection's old parameter names."""
+"""Tests for common.py: the base directory, the GPU peak table, the matmul FLOPs executed (against
+FlopCounterMode), reading a checkpoint that is missing or damaged."""
 
 import pytest
 import torch
@@ -7,20 +7,18 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 import common
-import data
 from common import matmul_flops_per_token
 from depths import sample_depths
 from model import Parcae, ParcaeConfig
-from optim import build_optimizer
 
 
-def test_data_caches_under_the_base_directory(tmp_path, monkeypatch):
+def test_the_base_directory_is_the_variable_else_under_home(tmp_path, monkeypatch):
     monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(tmp_path / "custom"))
-    assert data.cache_dir() == common.get_base_dir() == tmp_path / "custom"
+    assert common.get_base_dir() == tmp_path / "custom"
     assert (tmp_path / "custom").is_dir()
     monkeypatch.delenv("NANOPARCAE_BASE_DIR")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert data.cache_dir() == common.get_base_dir() == tmp_path / "home" / ".cache" / "nanoparcae"
+    assert common.get_base_dir() == tmp_path / "home" / ".cache" / "nanoparcae"
 
 
 def test_peak_flops_only_for_listed_gpus(monkeypatch):
@@ -80,37 +78,21 @@ def test_matmul_flops_differ_from_the_papers_c_by_lookups_vectors_and_the_head()
         - 6 * c.d_model * c.padded_vocab_size
 
 
-def test_a_checkpoint_with_the_old_parameter_names_loads_and_resumes(tmp_path):
-    """Before the injection was a submodule, its parameters were Parcae's own: A_log and dt_bias first in the
-    parameter order (so first in the AdamW group), B.weight among the last. Such a checkpoint loads with the
-    same logits, and its optimiser state lands on the same parameters."""
-    torch.manual_seed(0)
-    config = ParcaeConfig(vocab_size=97, seq_len=16, n_prelude=1, n_recur=1, n_coda=1, d_model=64, head_dim=32,
-                          mu_rec=2)
-    model = Parcae(config)
-    optimizer = build_optimizer(model, adamw_lr=1e-2)
-    idx = torch.randint(0, 97, (2, 16))
-    model(idx, idx).backward()
-    optimizer.step()
-    old = {name.removeprefix("injection."): tensor for name, tensor in model.state_dict().items()}
-    assert list(old).count("A_log") == list(old).count("B.weight") == 1
-    saved = optimizer.state_dict()
-    adamw = saved["param_groups"][0]
-    moved = [i for i, name in enumerate(adamw["names"]) if name in ("injection.A_log", "injection.dt_bias")]
-    order = moved + [i for i in range(len(adamw["names"])) if i not in moved]  # the old order: those two first
-    adamw["params"] = [adamw["params"][i] for i in order]
-    adamw["names"] = [adamw["names"][i].removeprefix("injection.") for i in order]
-    torch.save({"config": vars(config), "model": old, "optimizer": saved}, tmp_path / "ckpt_000001.pt")
-
-    loaded, ckpt = common.load_checkpoint(tmp_path / "ckpt_000001.pt")
-    h0 = torch.randn(2, 16, 64)
-    assert torch.equal(loaded(idx, h0=h0), model.eval()(idx, h0=h0))
-    resumed = build_optimizer(loaded, adamw_lr=1e-2)
-    common.load_optimizer_state(resumed, common.read_checkpoint(tmp_path / "ckpt_000001.pt")["optimizer"])
-    ours = dict(loaded.named_parameters())
-    for name, param in model.named_parameters():
-        for key, value in optimizer.state[param].items():
-            assert torch.equal(torch.as_tensor(resumed.state[ours[name]][key]), torch.as_tensor(value)), (name, key)
+def test_a_missing_or_damaged_checkpoint_is_named_with_what_to_do(tmp_path):
+    config = ParcaeConfig(vocab_size=97, seq_len=16, n_prelude=1, n_recur=1, n_coda=1, d_model=64, head_dim=32)
+    whole = tmp_path / "ckpt_000002.pt"
+    common.save_checkpoint(whole, Parcae(config), step=2)
+    assert common.read_checkpoint(whole)["step"] == 2
+    with pytest.raises(FileNotFoundError, match="ckpt_000001.pt does not exist"):
+        common.read_checkpoint(tmp_path / "ckpt_000001.pt")
+    for damaged, content in (("truncated.pt", whole.read_bytes()[:1000]), ("noise.pt", b"not a checkpoint")):
+        (tmp_path / damaged).write_bytes(content)
+        with pytest.raises(ValueError) as err:
+            common.read_checkpoint(tmp_path / damaged)
+        message = str(err.value)
+        assert message.startswith(f"checkpoint {tmp_path / damaged} is truncated or unreadable (") and \
+            message.endswith("remove it to continue from the run's previous checkpoint (or start over), or restore it")
+        assert "\n" not in message
 
 
 def test_the_state_norm_limit_stops_a_run_only_where_the_dtype_loses_the_input():

@@ -4,13 +4,17 @@ data sources and the loader (METHOD.md §2).
 Run: python -m pytest -q tests/test_data.py   (no network beyond 127.0.0.1, nothing written outside tmp_path)
 """
 
+import errno
 import http.server
 import json
 import os
 import random
 import re
+import runpy
 import subprocess
 import sys
+import sysconfig
+import tempfile
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -160,6 +164,34 @@ def test_bytes_that_are_not_utf8_are_counted_and_named_once(tmp_path, capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_the_standard_library_is_read_without_warnings_and_a_users_file_with_one(tmp_path, monkeypatch, capsys):
+    """The stdlib corpus holds a few files in other encodings (test/encoded_modules): expected, so quiet; the
+    same file passed as --data is the user's and gets its warning."""
+    path = tmp_path / "module_koi8_r.py"
+    path.write_bytes("x = 1\n\n".encode() + "s = 'Привет'\n".encode("koi8_r"))
+    monkeypatch.setattr(data, "stdlib_files", lambda: [str(path)])
+    monkeypatch.setattr(data, "NOT_UTF8", set())
+    stdlib = [doc for split in ("train", "val") for doc in data.iter_documents("stdlib", split)]
+    assert capsys.readouterr().err == ""
+    assert [doc for split in ("train", "val") for doc in data.iter_documents(str(path), split)] == stdlib
+    assert capsys.readouterr().err.startswith(f"warning: {path}: 6 bytes that are not UTF-8")
+
+
+def test_the_tokenizer_key_names_the_content_not_the_place(tmp_path, monkeypatch):
+    """The key of a tokenizer and its corpus: the same under a moved base folder and, for stdlib, under another
+    installation of the same Python version; another file content is another key."""
+    key = data.tokenizer_key("stdlib", 512)
+    assert data.tokenizer_dir("stdlib", 512) == tmp_path / "base" / "tokenizers" / key
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("one\n\ntwo")
+    mine = data.tokenizer_key(str(corpus), 512)
+    monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(tmp_path / "moved"))
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"stdlib": str(tmp_path / "reinstalled" / "lib")})
+    assert data.tokenizer_dir("stdlib", 512).name == key and data.tokenizer_dir(str(corpus), 512).name == mine
+    corpus.write_text("one\n\ntwo\n\nthree")
+    assert data.tokenizer_key(str(corpus), 512) != mine
+
+
 @pytest.mark.parametrize("text,cause", [
     ("", "holds no text (empty or blank files)"),
     (" \n\n\t\n", "holds no text (empty or blank files)"),
@@ -168,7 +200,7 @@ def test_bytes_that_are_not_utf8_are_counted_and_named_once(tmp_path, capsys):
 def test_a_source_without_documents_for_a_split_names_the_cause(tmp_path, text, cause):
     path = tmp_path / "corpus.txt"
     path.write_text(text)
-    with pytest.raises(SystemExit) as err:
+    with pytest.raises(ValueError) as err:
         tokenizer = data.get_tokenizer(str(path), 300)
         list(data.val_batches(tokenizer, str(path), batch_size=1, seq_len=8, num_tokens=8))
     message = str(err.value)
@@ -246,20 +278,20 @@ def test_download_retries_server_errors(server):
 def test_failed_download_leaves_no_partial_file(server):
     serve_shards(server, [0])
     server.truncate = True
-    with pytest.raises(SystemExit, match="after 2 attempts"):
+    with pytest.raises(OSError, match="after 2 attempts"):
         data.download_shards([0], base_url=server.url, max_attempts=2, retry_delay=0.01)
     assert local_files() == []
 
 
 def test_corrupt_shard_is_deleted_and_named(server):
     (server.root / data.shard_name(0)).write_bytes(b"<html>not parquet</html>" * 10)
-    with pytest.raises(SystemExit, match=r"shard_00000\.parquet is not a valid parquet file"):
+    with pytest.raises(ValueError, match=r"shard_00000\.parquet is not a valid parquet file"):
         data.download_shards([0], base_url=server.url, retry_delay=0.01)
     assert local_files() == []
 
 
 def test_missing_shard_fails_fast(server):
-    with pytest.raises(SystemExit, match="HTTP 404"):
+    with pytest.raises(FileNotFoundError, match="HTTP 404"):
         data.download_shards([7], base_url=server.url)
     assert server.requests == 1
 
@@ -308,37 +340,64 @@ def test_download_file_resumes_with_range(tmp_path):
 
 
 def test_missing_shards_say_how_to_download():
-    with pytest.raises(SystemExit, match=re.escape("python data.py download -n 8")):
+    with pytest.raises(FileNotFoundError, match=re.escape("python data.py download -n 8")):
         data.DocumentStream("fineweb-edu", "train")
 
 # -----------------------------------------------------------------------------
 # Data sources
 
-def test_the_tokenizer_command_without_shards_fails_before_announcing_training(tmp_path):
-    result = subprocess.run([sys.executable, str(REPO / "data.py"), "tokenizer", "--data=fineweb-edu"],
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode != 0 and "Training" not in result.stdout
-    assert result.stderr.strip().count("\n") == 0 and "found 0 FineWeb-Edu shards" in result.stderr
+def run_cli(monkeypatch, *argv):
+    """`python data.py ARGV`, run in this process -> its exit status (a message: the one line on stderr)."""
+    monkeypatch.setattr(sys, "argv", ["data.py", *argv])
+    with pytest.raises(SystemExit) as exit:
+        runpy.run_path(str(REPO / "data.py"), run_name="__main__")
+    return exit.value.code
 
 
-@pytest.mark.parametrize("kind", ["read-only folder", "path under a file"])
-def test_a_base_folder_that_cannot_be_written_is_one_line(tmp_path, monkeypatch, kind):
-    if kind == "read-only folder":
-        base = tmp_path / "read_only"
+def test_the_tokenizer_command_without_shards_fails_before_announcing_training(monkeypatch, capsys):
+    message = run_cli(monkeypatch, "tokenizer", "--data=fineweb-edu")
+    assert "Training" not in capsys.readouterr().out
+    assert message.startswith("data.py: found 0 FineWeb-Edu shards") and "\n" not in message
+
+
+@pytest.mark.parametrize("kind", ["read-only mount", "path under a file"])
+def test_a_base_folder_that_cannot_be_written_is_one_line(tmp_path, monkeypatch, capsys, kind):
+    """A read-only mount refuses the write probe with EROFS whoever runs it, root too; a path under a file fails at
+    mkdir."""
+    if kind == "read-only mount":
+        base = tmp_path / "mounted"
         base.mkdir()
-        base.chmod(0o555)
-        if os.access(base, os.W_OK):
-            pytest.skip("root writes through a read-only mode (so the base folder works); a path under a file "
-                        "stands in")
+
+        def read_only(*args, **kwargs):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(base))
+
+        monkeypatch.setattr(tempfile, "TemporaryFile", read_only)
     else:
         (tmp_path / "a_file").write_text("")
         base = tmp_path / "a_file" / "base"
     monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(base))
-    result = subprocess.run([sys.executable, str(REPO / "data.py"), "tokenizer", "--data=stdlib"],
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode != 0 and result.stdout == "" and result.stderr.strip().count("\n") == 0
-    assert result.stderr.startswith(f"the base folder {base} cannot be written to (")
-    assert result.stderr.strip().endswith("set NANOPARCAE_BASE_DIR to a writable folder")
+    message = run_cli(monkeypatch, "tokenizer", "--data=stdlib")
+    strerror = os.strerror(errno.EROFS if kind == "read-only mount" else errno.ENOTDIR)
+    assert message == (f"data.py: the base folder {base} cannot be written to ({strerror}): set NANOPARCAE_BASE_DIR "
+                       f"to a writable folder")
+    assert capsys.readouterr().out == "" and list(base.iterdir() if base.is_dir() else []) == []
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["loader", "--seq_len=0"], "data.py: --seq_len=0 must be 1 or more"),
+    (["loader", "--batch_size=-2"], "data.py: --batch_size=-2 must be 1 or more"),
+    (["tokenizer", "--vocab_size=0"], "data.py: --vocab_size=0 must be 1 or more"),
+    (["download", "-n", "1"], "data.py: -n=1 must be in 2..1823 (at least one train shard and the validation shard)"),
+    (["download", "--workers=0"], "data.py: --workers=0 must be 1 or more"),
+])
+def test_sizes_and_counts_below_one_end_in_one_line_before_any_work(monkeypatch, capsys, argv, message):
+    assert run_cli(monkeypatch, *argv) == message
+    assert capsys.readouterr().out == ""  # not even the base directory
+
+
+def test_a_flag_is_never_taken_for_a_prefix_of_another(monkeypatch, capsys):
+    assert run_cli(monkeypatch, "loader", "--seq=8") == 2
+    assert "unrecognized arguments: --seq=8" in capsys.readouterr().err
 
 
 def test_user_files_txt_jsonl_parquet(tmp_path):
@@ -355,14 +414,14 @@ def test_user_files_txt_jsonl_parquet(tmp_path):
 
 
 def test_bad_user_sources_say_what_to_do(tmp_path):
-    with pytest.raises(SystemExit, match="no .txt, .jsonl or .parquet files match"):
+    with pytest.raises(FileNotFoundError, match="no .txt, .jsonl or .parquet files match"):
         data.list_chunks(str(tmp_path / "nothing*.txt"), "train")
     (tmp_path / "bad.jsonl").write_text('{"content": "no text field"}\n')
-    with pytest.raises(SystemExit, match="'text' field"):
+    with pytest.raises(ValueError, match="'text' field"):
         list(data.iter_documents(str(tmp_path / "bad.jsonl"), "train"))
     loader = data.DataLoader(None, str(tmp_path / "bad.jsonl"), "train", batch_size=1, seq_len=8)
     for _ in range(2):  # raised from the tokenizing thread, and again on every later call rather than hanging
-        with pytest.raises(SystemExit, match="'text' field"):
+        with pytest.raises(ValueError, match="'text' field"):
             next(loader)
     with pytest.raises(ValueError, match="split must be"):
         data.list_chunks("stdlib", "test")
@@ -466,7 +525,7 @@ def test_val_batches_are_bounded_and_repeatable(tokenizer, corpus):
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(first, second))
     # the val split is read once: the loader ends, and a split too small for one batch says so
     assert len(list(data.DataLoader(tokenizer, corpus, "val", batch_size=2, seq_len=16))) > 3
-    with pytest.raises(SystemExit, match="less than one batch"):
+    with pytest.raises(ValueError, match="less than one batch"):
         next(data.DataLoader(tokenizer, corpus, "val", batch_size=64, seq_len=4096))
 
 

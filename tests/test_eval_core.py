@@ -415,24 +415,21 @@ def test_fit_recovers_the_law():
         fit_test_time_scaling([1, 2], [3.0, 2.9])
 
 
-def test_bad_depths_end_in_one_line_before_any_checkpoint_or_data_is_read(tmp_path, monkeypatch):
+def test_bad_flags_end_in_one_line_before_any_checkpoint_or_data_is_read(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(tmp_path))
-    for name in ("find_checkpoint", "load_checkpoint", "val_batches"):
+    for name in ("find_checkpoint", "load_checkpoint", "val_batches", "start_device"):
         monkeypatch.setattr(eval_core, name, lambda *a, **k: pytest.fail("read before the flags were checked"))
-    for T, problem in (("0", "every depth must be 1 or more"), ("1,x", "must be integers")):
-        monkeypatch.setattr(sys, "argv", ["eval_core.py", "--eval", "bpb", "--T", T])
+    for flags, message in ((["--T", "0"], "--T '0': every depth must be 1 or more"),
+                           (["--T", "1,x"], "--T '1,x' must be integers"),
+                           (["--val_tokens=0"], "--val_tokens=0 must be 1 or more"),
+                           (["--batch_size=-1"], "--batch_size=-1 must be 1 or more"),
+                           (["--batch_tokens=0"], "--batch_tokens=0 must be 1 or more"),
+                           (["--max_docs=0"], "--max_docs=0 must be 1 or more"),
+                           (["--max_per_task=0"], "--max_per_task=0 must be 1 or more, or -1 for every item")):
         with pytest.raises(SystemExit) as exit:
-            eval_core.main()
-        message = str(exit.value.code)
-        assert message.startswith("eval_core.py: --T") and problem in message and len(message.splitlines()) == 1
-
-
-def test_test_time_figure_is_written_beside_the_json(tmp_path):
-    Ts = [1, 2, 4, 8, 16, 32]
-    losses = [3.0 + 0.5 * math.exp(-0.9 * T) for T in Ts]
-    out = {"T": Ts, "loss": losses, "fit": {**fit_test_time_scaling(Ts, losses), "loss_at_mu_rec": losses[2],
-                                            "mu_rec": 4}}
-    path = tmp_path / "ckpt_000390_bpb_T1-2-4-8-16-32.png"
-    eval_core.draw_test_time(out, "L(T)", path)
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
-    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # the temporary file was renamed
+            eval_core.main(["--eval", "bpb", *flags])
+        assert str(exit.value.code).startswith(f"eval_core.py: {message}")
+        assert len(str(exit.value.code).splitlines()) == 1
+    with pytest.raises(SystemExit) as exit:  # a prefix of --batch_size is not taken for it
+        eval_core.main(["--eval", "bpb", "--batch=4"])
+    assert exit.value.code == 2 and "unrecognized arguments: --batch=4" in capsys.readouterr().err

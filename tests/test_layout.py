@@ -1,6 +1,6 @@
-"""The layout's rules, read from the source without importing it: the root holds the reading path, at most 12 .py
-files, none of which imports from the folders of experiments and adapters (an import inside a function counts too);
-no import cycle among the root's files; one idea per file, none over 800 lines."""
+"""The layout's rules, read from the source without importing it: no root file imports from the folders of
+experiments and adapters (an import inside a function counts too), and the root's files import one another
+without a cycle."""
 
 import ast
 import subprocess
@@ -8,8 +8,6 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MAX_ROOT_FILES = 12
-MAX_LINES = 800
 FOLDERS = ("experiments", "interop")  # the paper's experiments; the adapters to other tools
 
 
@@ -68,7 +66,7 @@ def test_find_cycle_finds_one_and_only_one():
 
 def test_no_import_cycle_among_the_root_files():
     graph = import_graph(ROOT)
-    assert "engine" in graph["sample"] and "eval_core" in graph["train"]
+    assert "engine" in graph["sample"] and "eval_core" in graph["train"] and "common" in graph["data"]
     cycle = find_cycle(graph)
     assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
 
@@ -95,11 +93,3 @@ def test_importing_every_root_file_loads_nothing_from_the_folders():
             f"print(sorted(m for m in sys.modules if m.split('.')[0] in {FOLDERS!r}))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr
-
-
-def test_the_root_holds_at_most_12_files_and_no_file_is_over_800_lines():
-    root_files = sorted(path.name for path in ROOT.glob("*.py"))
-    assert len(root_files) <= MAX_ROOT_FILES, root_files
-    files = [*ROOT.glob("*.py"), *(path for folder in (*FOLDERS, "tests") for path in (ROOT / folder).glob("*.py"))]
-    lengths = {str(path.relative_to(ROOT)): len(path.read_text().splitlines()) for path in files}
-    assert {name: n for name, n in lengths.items() if n > MAX_LINES} == {}

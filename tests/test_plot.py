@@ -1,8 +1,11 @@
 """Tests for plot.py: it draws from a metrics file as train.py writes it (log axis for a quantity spanning
-decades, the diverged run marked), reads a run that stopped mid-line, and a missing run ends in one line."""
+decades, the diverged run marked), reads a run that stopped mid-line, and a missing run ends in one line; it draws
+L(T) from eval_core.py --eval bpb's JSON."""
 
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -73,3 +76,47 @@ def test_a_missing_run_or_metric_ends_in_one_line(tmp_path, runs, args, message)
     assert result.returncode != 0 and message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert not (tmp_path / "x.png").exists()
+
+
+def write_test_time(folder, name, Ts, with_fit=True):
+    """A JSON as eval_core.py --eval bpb writes it beside a checkpoint of mu_rec 4."""
+    from eval_core import fit_test_time_scaling
+    losses = [3.0 + 0.5 * math.exp(-0.9 * T) for T in Ts]
+    out = {"ckpt": str(folder / "ckpt_000390.pt"), "step": 390, "T": Ts, "loss": losses, "data": "stdlib"}
+    if with_fit:
+        out["fit"] = {**fit_test_time_scaling(Ts, losses), "loss_at_mu_rec": losses[Ts.index(4)], "mu_rec": 4}
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_text(json.dumps(out))
+    return folder / name
+
+
+def test_test_time_draws_the_newest_fit_beside_its_json(tmp_path, monkeypatch, capsys):
+    """python -m experiments.plot --test_time: no RUN takes the newest evaluation of every run, a RUN its newest,
+    a .json that file; the PNG goes beside the JSON, or to -o."""
+    monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(tmp_path / "base"))
+    runs = tmp_path / "base" / "runs"
+    older = write_test_time(runs / "a", "ckpt_000390_bpb_T1-2-4-8-16-32.json", [1, 2, 4, 8, 16, 32])
+    os.utime(older, (1, 1))
+    newest = write_test_time(runs / "b", "ckpt_000390_bpb_T1-2-4.json", [1, 2, 4])
+    plot.main(["--test_time"])
+    png = newest.with_suffix(".png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    assert capsys.readouterr().out == f"wrote {png}: L(T) of {newest}\n"
+    plot.main(["--test_time", "a"])
+    assert older.with_suffix(".png").is_file() and sorted(p.name for p in (runs / "a").iterdir()) == \
+        [older.name, older.with_suffix(".png").name]  # the temporary file was renamed
+    plot.main(["--test_time", str(older), "-o", str(tmp_path / "figs" / "L.png")])
+    assert (tmp_path / "figs" / "L.png").is_file()
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda runs: None, "no results of `python eval_core.py --eval bpb` for c"),
+    (lambda runs: write_test_time(runs / "c", "ckpt_000390_bpb_T1-2-4.json", [1, 2, 4], with_fit=False),
+     "holds no fit of L(T): evaluate at 3 or more depths"),
+])
+def test_test_time_without_a_fit_ends_in_one_line(tmp_path, monkeypatch, make, message):
+    monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(tmp_path / "base"))
+    make(tmp_path / "base" / "runs")
+    with pytest.raises((FileNotFoundError, ValueError), match=re.escape(message)) as err:
+        plot.main(["--test_time", "c"])
+    assert "\n" not in str(err.value)

@@ -135,7 +135,8 @@ RUN_BY = {
         "tests/test_sample.py::test_cli_streams_each_sample",
     'python sample.py --T=auto --prompt="import"': "tests/test_sample.py::test_cli_streams_each_sample",
     "python eval_core.py --eval bpb --T 1,2,4,8,16,32 --val_tokens 65536 --batch_size 16":
-        "tests/test_train.py::test_eval_core_bpb_gives_train_pys_last_eval_and_its_figure",
+        "tests/test_train.py::test_eval_core_bpb_gives_train_pys_last_eval",
+    "python -m experiments.plot --test_time": "tests/test_plot.py::test_test_time_draws_the_newest_fit_beside_its_json",
     "python train.py --depth=24 --mu_rec=8 --dry_run": "tests/test_train.py::test_dry_run_prints_the_paper_size",
     "torchrun ... -- train.py --run=mine":
         "tests/test_train.py::test_two_processes_give_the_losses_of_one",
