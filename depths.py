@@ -5,7 +5,7 @@ into n_i = T_i - k_i and k_i = min(T_i, mu_bwd). SAMPLINGS names the other sampl
 ablation, the authors' other schemes); config.sampling picks one, and Parcae.forward draws from it in
 training (model.py).
 
-    n, k = sample_depths(config, batch_size, generator)   # then model(x, y, T=(n, k)) replays the draw
+    n, k = sample_depths(config, batch_size, generator)   # then model(x, y, depths=(n, k)) replays the draw
     mean_n, mean_k = mean_steps(config)                   # what a draw runs on average (executed FLOPs, MFU)
 """
 
@@ -77,7 +77,7 @@ def split_depths(depths, mu_bwd, training):
 
 def mean_steps(config):
     """The expected (n, k) of one sequence under config.sampling, the means SAMPLINGS states: the loop steps a
-    training forward runs on average without and with gradient (common.matmul_flops_per_token, train.py's MFU)."""
+    training forward runs on average without and with gradient (Parcae.matmul_flops_per_token, train.py's MFU)."""
     scheme, mu_rec, mu_bwd = config.sampling, config.mu_rec, config.mu_bwd
     rest = max(mu_rec - mu_bwd, 0)
     if scheme == "poisson_unbounded":
