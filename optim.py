@@ -228,6 +228,20 @@ def build_optimizer(model: torch.nn.Module, adamw_lr: float, muon_lr: float = 8e
     return MuonAdamW(groups)
 
 
+def optimizer_state_bytes(model: torch.nn.Module, muon: bool = True) -> int:
+    """Bytes of the state build_optimizer's optimiser keeps for model: AdamW's two float32 moments per parameter;
+    Muon's float32 momentum per parameter and its factored second moment, one float32 per row or column of
+    each matrix, whichever is longer (normuon). Works on a model built on the meta device."""
+    total = 0
+    for group in build_optimizer(model, adamw_lr=1.0, muon=muon).param_groups:
+        numel = sum(p.numel() for p in group['params'])
+        if group['kind'] == 'adamw':
+            total += 8 * numel
+        else:
+            total += 4 * numel + 4 * len(group['params']) * max(group['params'][0].shape)
+    return total
+
+
 # -----------------------------------------------------------------------------
 # Schedules (METHOD.md §2), pure functions of the step the training loop applies before each
 # optimizer.step(). The forms are the authors' scripts/train.py and nanochat's scripts/base_train.py.
