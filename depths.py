@@ -32,8 +32,8 @@ SAMPLINGS = {
                     "backprops mu_bwd (4)",
     "poisson_full": "per micro-batch n = 0, k = max(1, Poisson(mu_rec)): full backprop, memory grows with T; "
                     "executes and backprops mu_rec + exp(-mu_rec) (8.00)",
-    "fixed": "T = mu_rec always, n = T - k, k = min(T, mu_bwd) (the paper's mu_rec = 1 fixed-depth Parcae, "
-             "and tests); executes mu_rec (8), backprops min(mu_rec, mu_bwd) (4)",
+    "fixed": "T = mu_rec always, n = T - k, k = min(T, mu_bwd) (the paper's mu_rec = 1 fixed-depth Parcae); "
+             "executes mu_rec (8), backprops min(mu_rec, mu_bwd) (4)",
 }
 
 

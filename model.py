@@ -321,6 +321,8 @@ class Slot(NamedTuple):
 
 
 class Parcae(nn.Module):
+    """The looped language model of METHOD.md §1 (config.injection="none": the fixed-depth Transformer)."""
+
     def __init__(self, config):
         super().__init__()
         self.config = c = config
@@ -454,12 +456,13 @@ class Parcae(nn.Module):
         A_bar = self.injection.A_bar()  # (d,) for Parcae, None for the baselines; the same at every step
         n_max, k_max, grad = int(n[0]), int(k[0]), torch.is_grad_enabled()
         for step in range(n_max + k_max):
+            # the sequences looping at this step, the first a: n_i >= the no-grad steps left, or k_i >= the grad ones
             a = int((n >= n_max - step).sum()) if step < n_max else int((k >= n_max + k_max - step).sum())
             h_a, Bbar_e_a, ves_a = h[:a], Bbar_e[:a], {i: ve[:a] for i, ve in ves.items()}
             with torch.set_grad_enabled(grad and step >= n_max):  # gradient through the last k_i steps only
                 u = self.injection(h_a, Bbar_e_a, A_bar)  # u = A_bar h + Bbar_e
                 h_a = self.recurrent_block(u, step, ves_a, cos, sin, cache)  # h = R(u)
-            h_prev, h = h, h_a if a == len(h) else torch.cat([h_a, h[a:]])  # the rows past a wait their turn
+            h_prev, h = h, (h_a if a == len(h) else torch.cat([h_a, h[a:]]))  # the rows past a keep their state
         return h, h_prev
 
     def recurrence_longest_first(self, h, Bbar_e, n, k, ves, cos, sin, cache=None):

@@ -1,7 +1,6 @@
 """Tests for common.py: the base directory rule data.py repeats, the GPU peak table, checkpoints written under the
 injection's old parameter names."""
 
-import pytest
 import torch
 
 import common
