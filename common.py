@@ -1,6 +1,6 @@
 """
 common.py: what every script shares and the model does not need: process setup, the base directory,
-checkpoints and MFU (the GPU peak table and the matmul FLOPs executed).
+checkpoints and the GPU peak table that MFU divides by.
 A library, not a script: train.py, sample.py, eval_core.py, data.py and core_tasks.py import it, as do
 experiments/ and interop/.
 """
@@ -13,8 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from depths import mean_steps
-from model import Block, Parcae, ParcaeConfig
+from model import Parcae, ParcaeConfig
 
 # -----------------------------------------------------------------------------
 # Processes: torchrun sets RANK; NCCL on CUDA, gloo on CPU. A plain `python` run is one process.
@@ -133,7 +132,7 @@ def first_sentence(err, limit=300):
 
 
 # -----------------------------------------------------------------------------
-# MFU: the matmul FLOPs executed (matmul_flops_per_token) against the GPU's peak
+# MFU: the matmul FLOPs executed (Parcae.matmul_flops_per_token) against the GPU's peak
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense, per GPU
 
@@ -142,41 +141,6 @@ def peak_bf16_flops(device):
     """The GPU's dense bf16 peak, the denominator of MFU; None on a CPU or an unlisted GPU."""
     name = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else ""
     return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
-
-
-def matmul_flops_per_token(model, n=None, k=None, backward=True):
-    """The matmul FLOPs a Parcae model executes per token in a training forward + backward (backward=False: a
-    forward alone): the numerator of MFU and of every FLOP/s figure (METHOD.md §2). Parcae.flops_per_token is the
-    paper's C, for budgets.
-
-    n, k: loop steps per sequence without and with gradient, numbers or per-sequence tensors (their means
-    count: each sequence runs its own steps); None: config.sampling's expected steps (depths.mean_steps).
-    A forward runs 2 FLOPs per token for every nn.Linear weight, 2 d V for the tied head and, in each block,
-    2 S d for QK^T and 2 S d for AV: causal attention counted in full over S, as FlopCounterMode counts SDPA
-    and PaLM's MFU and nanochat's estimate_flops count attention. A backward runs twice its forward (input
-    and weight gradients): the prelude, Bbar e, C_proj, coda and head cost 3x their forward (Bbar e enters
-    every step with gradient, k >= 1 in every sampler, so the prelude is backpropagated in full), a loop step
-    with gradient 3x, one without 1x. backward=False runs all n + k steps 1x. The embedding lookups (wte,
-    value embeddings) are not matmuls. The Transformer runs its blocks once, whatever n and k.
-    """
-    c = model.config
-
-    def forward_flops(modules):
-        parts = [m for module in modules for m in module.modules()]
-        linears = sum(m.weight.numel() for m in parts if isinstance(m, torch.nn.Linear))
-        return 2 * linears + sum(isinstance(m, Block) for m in parts) * 4 * c.seq_len * c.d_model
-
-    # per loop step: the recurrent blocks, and concat's adapter (Parcae's B makes Bbar e once per forward)
-    per_step = [*model.recur, *([model.injection] if c.injection == "concat" else [])] \
-        if model.injection is not None else []
-    step = forward_flops(per_step)
-    once = forward_flops([model]) - step + 2 * model.wte.weight.numel()
-    if model.injection is None:
-        return (3 if backward else 1) * once
-    if n is None:
-        n, k = mean_steps(c)
-    n, k = (torch.as_tensor(x, dtype=torch.float64, device="cpu").mean().item() for x in (n, k))
-    return 3 * once + (n + 3 * k) * step if backward else once + (n + k) * step
 
 
 # -----------------------------------------------------------------------------

@@ -5,7 +5,7 @@ into n_i = T_i - k_i and k_i = min(T_i, mu_bwd). SAMPLINGS names the other sampl
 ablation, the authors' other schemes); config.sampling picks one, and Parcae.forward draws from it in
 training (model.py).
 
-    n, k = sample_depths(config, batch_size, generator)   # then model(x, y, T=(n, k)) replays the draw
+    n, k = sample_depths(config, batch_size, generator)   # then model(x, y, depths=(n, k)) replays the draw
     mean_n, mean_k = mean_steps(config)                   # what a draw runs on average (executed FLOPs, MFU)
 """
 
@@ -32,8 +32,8 @@ SAMPLINGS = {
                     "backprops mu_bwd (4)",
     "poisson_full": "per micro-batch n = 0, k = max(1, Poisson(mu_rec)): full backprop, memory grows with T; "
                     "executes and backprops mu_rec + exp(-mu_rec) (8.00)",
-    "fixed": "T = mu_rec always, n = T - k, k = min(T, mu_bwd) (the paper's mu_rec = 1 fixed-depth Parcae, "
-             "and tests); executes mu_rec (8), backprops min(mu_rec, mu_bwd) (4)",
+    "fixed": "T = mu_rec always, n = T - k, k = min(T, mu_bwd) (the paper's mu_rec = 1 fixed-depth Parcae); "
+             "executes mu_rec (8), backprops min(mu_rec, mu_bwd) (4)",
 }
 
 
@@ -77,7 +77,7 @@ def split_depths(depths, mu_bwd, training):
 
 def mean_steps(config):
     """The expected (n, k) of one sequence under config.sampling, the means SAMPLINGS states: the loop steps a
-    training forward runs on average without and with gradient (common.matmul_flops_per_token, train.py's MFU)."""
+    training forward runs on average without and with gradient (Parcae.matmul_flops_per_token, train.py's MFU)."""
     scheme, mu_rec, mu_bwd = config.sampling, config.mu_rec, config.mu_bwd
     rest = max(mu_rec - mu_bwd, 0)
     if scheme == "poisson_unbounded":

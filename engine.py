@@ -27,6 +27,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from model import initial_state
+
 # -----------------------------------------------------------------------------
 # The KV cache
 
@@ -42,7 +44,7 @@ class KVCache:
 
     def __init__(self, max_len, depth=None):
         self.max_len, self.depth = max_len, depth
-        self.slots = {}  # slot -> (k, v) buffers, each (B, H, max_len, D)
+        self.slots = {}  # model.Slot -> (k, v) buffers, each (B, H, max_len, D)
         self.stacks = {}  # recurrent layer i -> (depth, 2, B, H, max_len, D), when depth is given
         self.pos = 0  # positions claimed so far, those of the forward under way included
 
@@ -57,11 +59,10 @@ class KVCache:
         """The slot's (k, v) buffers, allocated like `like` (B, H, S, D) at the first call."""
         if slot not in self.slots:
             B, H, _, D = like.shape
-            if slot[0] == "recur" and self.depth is not None and slot[1] < self.depth:
-                i = slot[2]
-                if i not in self.stacks:
-                    self.stacks[i] = like.new_zeros(self.depth, 2, B, H, self.max_len, D)
-                self.slots[slot] = tuple(self.stacks[i][slot[1]])
+            if slot.part == "recur" and self.depth is not None and slot.step < self.depth:
+                if slot.layer not in self.stacks:
+                    self.stacks[slot.layer] = like.new_zeros(self.depth, 2, B, H, self.max_len, D)
+                self.slots[slot] = tuple(self.stacks[slot.layer][slot.step])
             else:
                 self.slots[slot] = tuple(like.new_zeros(B, H, self.max_len, D) for _ in range(2))
         return self.slots[slot]
@@ -75,12 +76,11 @@ class KVCache:
         return k_buf[:, :, :self.pos], v_buf[:, :, :self.pos]
 
 # -----------------------------------------------------------------------------
-# One token from the logits; h0 for every position up front
+# One token from the logits
 
 def sample_next(logits, temperature, top_k, generators):
-    """logits (B, V) -> (B,) ids: argmax when temperature is 0, else a draw from the top_k most likely. The
-    draw runs over those k alone (as nanochat's engine does): a multinomial over the whole vocabulary costs
-    more than a recurrent step of a small model, one over k candidates a tenth of that."""
+    """logits (B, V) -> (B,) ids: argmax when temperature is 0, else a draw from the top_k most likely, over
+    those k alone (as nanochat's engine does: far cheaper than a multinomial over the whole vocabulary)."""
     if temperature == 0:
         return logits.argmax(dim=-1)
     ids = None
@@ -91,19 +91,12 @@ def sample_next(logits, temperature, top_k, generators):
     return choice if ids is None else ids.gather(1, choice[:, None]).squeeze(1)
 
 
-def draw_h0(model, length, generators, device):
-    """METHOD.md §1's h0 for `length` positions, one row per generator: drawn before any sampling, so the
-    initial states of a run do not depend on the tokens sampled (greedy and top-k 1 see the same h0)."""
-    d = model.config.d_model
-    return torch.cat([model.initial_state((1, length, d), device, torch.float32, generator=g) for g in generators])
-
 # -----------------------------------------------------------------------------
 # One new position: the recurrence at a fixed depth, or stopped per row when it settles
 
 EXITS = ("state", "kl")
-# --T=auto's default thresholds. "state": the relative change of the recurrent state, calibrated on the CPU
-# default checkpoint (mu_rec 4, T_max 8) for a teacher-forced loss within 0.5% of fixed T = mu_rec: 0.05 / 0.1 /
-# 0.15 / 0.3 gave 4.01 / 3.38 / 3.00 / 2.02 steps per token at +0.00 / +0.00 / -0.01 / +0.07% loss.
+# --T=auto's default thresholds. "state" (the recurrent state's relative change): the largest that keeps the CPU
+# default checkpoint's teacher-forced loss within 0.5% of fixed T = mu_rec (docs/performance.md)
 EXIT_THRESHOLDS = {"state": 0.15, "kl": 5e-4}
 
 
@@ -121,18 +114,19 @@ def decode_step(model, idx, cache, h0, T, exit=None, threshold=0.0, A_bar=None):
     the coda and the head after every step. A stopped row's state stays put while the others run on; the
     bookkeeping is Python lists, not tensor ops, since every op costs as much as a small matmul at B = 1.
     Cached keys and values are written in place, so the coda's slot, rewritten after every step under "kl",
-    ends up holding each row's final state's. A_bar: the injection's state_weight(), when the caller has it.
+    ends up holding each row's final state's. A_bar: the injection's A_bar(), when the caller has it.
     """
-    e, (ves, cos, sin) = model.run_prelude(idx, cache)
-    A_bar = model.injection.state_weight() if A_bar is None else A_bar
+    e, ves, cos, sin = model.run_prelude(idx, cache)
+    A_bar = model.injection.A_bar() if A_bar is None else A_bar
+    Bbar_e = model.injection.Bbar_e(e)
     h, B = h0.to(e.dtype), idx.size(0)
     if exit is None:
         for step in range(T):
-            h = model.recur_step(h, e, step, ves, cos, sin, cache, A_bar)
+            h = model.recurrent_block(model.injection(h, Bbar_e, A_bar), step, ves, cos, sin, cache)
         return model.run_coda(h, ves, cos, sin, cache), torch.full((B,), T)
     steps, done, logits, prev_logp = [T] * B, [False] * B, None, None
     for step in range(T):
-        u = model.recur_step(h, e, step, ves, cos, sin, cache, A_bar)
+        u = model.recurrent_block(model.injection(h, Bbar_e, A_bar), step, ves, cos, sin, cache)
         change = relative_change(u, h) if exit == "state" and step > 0 else None
         h = torch.where(torch.tensor(done, device=h.device)[:, None, None], h, u) if any(done) else u
         if exit == "kl":
@@ -200,13 +194,16 @@ class Decoder:
         self.model, self.T = model, (T_max or 2 * c.mu_rec) if adaptive else (T or c.mu_rec)
         self.exit = exit if adaptive else None
         self.threshold = EXIT_THRESHOLDS[exit] if exit_threshold is None else exit_threshold
-        self.h0 = draw_h0(model, num_positions, list(generators) * (idx.size(0) // len(generators)), device)
+        # h0 for every position up front, one draw per row: a run's initial states do not depend on the tokens it
+        # samples (greedy and top-k 1 see the same h0)
+        rows = list(generators) * (idx.size(0) // len(generators))
+        self.h0 = initial_state((len(rows), num_positions, c.d_model), device, rows)
         self.tokens = torch.zeros(idx.size(0), num_positions, dtype=torch.long, device=device)
         self.tokens[:, :idx.size(1)], self.length = idx, idx.size(1)
         # depth for --T=auto alone: its early exits fill the skipped steps' slots (fill_skipped_steps)
         self.cache = KVCache(num_positions, depth=self.T if adaptive else None) if use_cache else None
         with torch.inference_mode():
-            self.A_bar = model.injection.state_weight() if model.injection is not None else None  # once per run
+            self.A_bar = model.injection.A_bar() if model.injection is not None else None  # once per run
             if self.cache is not None and self.length > 1:  # the prompt but its last token, decoded like any
                 model(idx[:, :-1], T=self.T, h0=self.h0[:, :self.length - 1], cache=self.cache)
 

@@ -38,6 +38,7 @@ from common import (find_checkpoint, get_base_dir, init_distributed, load_checkp
 from core_tasks import (CORE_LABELS, EVAL_BUNDLE_URL, LM, build_rows, download_eval_bundle, load_task_data,
                         read_random_baselines, select_tasks)
 from data import iter_documents, val_batches
+from model import initial_state
 from tokenizer import Tokenizer
 
 # -----------------------------------------------------------------------------
@@ -56,8 +57,7 @@ def initial_state_table(model, length, seed, device):
     """One draw of the Parcae initial state h0 for positions 0..length-1, shared by every sequence of an evaluation.
     METHOD.md §1 draws h0 afresh per forward; drawing it once per evaluation (seeded) keeps the distribution and makes
     every sequence's score independent of what else is in its batch and of the number of ranks."""
-    generator = torch.Generator().manual_seed(seed)
-    return model.initial_state((1, length, model.config.d_model), "cpu", torch.float32, generator).to(device)
+    return initial_state((1, length, model.config.d_model), "cpu", torch.Generator().manual_seed(seed)).to(device)
 
 
 def forward_batches(rows, batch_tokens, one_per_forward):
@@ -192,11 +192,11 @@ def evaluate_bpb(model, tokenizer, batches, T=None, seed=1234, state_norm=False)
         x, y = x.to(device), y.to(device)
         if h0_table is None or h0_table.size(1) < x.size(1):
             h0_table = initial_state_table(model, x.size(1), seed, device)
+        stats = {}
         with bf16_autocast(device):
-            out = model(x, targets=y, T=T, h0=h0_table[:, :x.size(1)].expand(x.size(0), -1, -1), reduction="none",
-                        return_diagnostics=state_norm)
-        nats, h_norm = (out[0], out[1]["h_norm"]) if state_norm else (out, None)
-        nats = nats.double()
+            nats = model(x, targets=y, T=T, h0=h0_table[:, :x.size(1)].expand(x.size(0), -1, -1), reduction="none",
+                         diagnostics=stats).double()
+        h_norm = stats["h_norm"] if state_norm else None
         valid = y >= 0
         num_bytes = torch.where(valid, token_bytes[y.clamp(min=0)], 0)
         sums[:4] += torch.stack([nats[valid].sum(), valid.sum().double(), nats[num_bytes > 0].sum(),

@@ -1,29 +1,29 @@
 """
 model.py: Parcae, the stable looped language model, and its baselines (METHOD.md §1).
 
-    x  = wte(ids); x = Prelude(x); e = RMSNorm(x)
-    h0 ~ TruncNormal(0, sqrt(2/(5d)))
-    repeat T times: h = R(Abar * h + Bbar(e))            # the recurrent block R, looped
+    x = wte(ids); e = RMSNorm(Prelude(x))
+    h = h0 ~ TruncNormal(0, sqrt(2/(5d)))
+    repeat T times: h = R(A_bar h + Bbar_e)             # the recurrent block R, looped; Bbar_e = Bbar(e)
     logits = RMSNorm(Coda(C_proj(h))) @ wte^T
 
-The injection, u = Abar h + Bbar e, is a small module that config.injection picks: DiagonalInjection
-(Parcae: Abar = exp(-Delta exp(A_log)), rho < 1 always), ConcatInjection (RDM / Huginn: a Linear(2d -> d)
-adapter) or AddInjection (u = h + e, rho = 1); "none" is the fixed-depth Transformer baseline, the same
-blocks run once, in order.
+The injection u = A_bar h + Bbar_e is a small module that config.injection picks: DiagonalInjection (Parcae:
+A_bar = exp(-Delta exp(A_log)), rho < 1 always), ConcatInjection (RDM / Huginn: a Linear(2d -> d) adapter) or
+AddInjection (u = h + e, rho = 1); "none" is the fixed-depth Transformer baseline, whose "loop" is its recurrent
+blocks run once, in order, with no injection and no h0.
 
-Training samples a recurrence depth per sequence, T_i = max(1, Poisson(mu_rec)), runs the first
-n_i = T_i - k_i steps without gradient and the last k_i = min(T_i, mu_bwd) with it (METHOD.md §2).
-Other samplers (the per-batch ablation, the authors' other schemes): depths.py.
-The caller owns the randomness (forward's depth_generator, torch's global RNG for h0), and the model keeps
-no state between forwards: the stability diagnostics come back when asked for (return_diagnostics).
+Training draws per-sequence depths from config.sampling (depths.py): sequence i runs n_i loop steps without
+gradient, then k_i with it (METHOD.md §2). Parcae.recurrence is that loop.
 
-torch.compile: `model.compile_blocks()` compiles each transformer block on its own; the loop over a
-depth that changes every batch stays in Python, so changing depths cause no recompilation.
+    model = Parcae(ParcaeConfig.from_depth(6))
+    loss = model(idx, targets)                      # training: depths drawn (depth_generator=, or torch's RNG)
+    logits = model(idx, T=16)                       # every sequence loops 16 times
+    loss = model(idx, targets, depths=(n, k))       # a draw of depths.sample_depths, replayed
+    stats = {}; model(idx, targets, diagnostics=stats)   # stats: ||h_T|| and the update ratio
 
-Use: model = Parcae(ParcaeConfig.from_depth(6)); loss = model(idx, targets); logits = model(idx, T=16)
-
-The call path of one forward: forward -> run_prelude (e, the injection's input term) -> recurrence (depths
-sorted, loop) -> recur_step (injection, then the blocks R) -> run_coda.
+The caller owns the randomness (depth_generator, torch's global RNG for h0); the model keeps no state between
+forwards. The accounting section sizes a run: the paper's C, the matmul FLOPs executed, the memory per GPU.
+torch.compile: `model.compile_blocks()` compiles each block alone, so a depth that changes every batch never
+recompiles.
 """
 
 import math
@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from depths import SAMPLINGS, sample_depths, split_depths
+from depths import SAMPLINGS, mean_steps, sample_depths, split_depths
 
 # -----------------------------------------------------------------------------
 # Configuration
@@ -75,9 +75,9 @@ class ParcaeConfig:
             raise ValueError(f"injection={self.injection!r} is not one of {INJECTIONS}")
         if self.sampling not in SAMPLINGS:
             raise ValueError(f"sampling={self.sampling!r} is not one of {SAMPLINGS}")
-        if self.mu_rec < 1 or self.mu_bwd < 1:  # mu_rec named first: mu_bwd's default comes from it
-            name, value = ("mu_rec", self.mu_rec) if self.mu_rec < 1 else ("mu_bwd", self.mu_bwd)
-            raise ValueError(f"{name}={value} must be at least 1")
+        for name in ("mu_rec", "mu_bwd"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
         if min(self.n_prelude, self.n_recur, self.n_coda) < 0 or self.n_recur < 1:
             raise ValueError("n_prelude and n_coda must be >= 0 and n_recur >= 1")
 
@@ -118,7 +118,7 @@ def apply_rotary(x, cos, sin):
 class Attention(nn.Module):
     def __init__(self, config, has_value_embed):
         super().__init__()
-        # qk norm eps None = the dtype's epsilon, as the authors' F.rms_norm(q) (parcae_lm/modules/mixer.py)
+        # q/k norm eps None: the dtype's epsilon, as the authors' F.rms_norm(q)
         d, self.n_head, self.head_dim, self.eps = config.d_model, config.n_head, config.head_dim, None
         self.c_q = nn.Linear(d, d, bias=False)
         self.c_k = nn.Linear(d, d, bias=False)
@@ -135,9 +135,7 @@ class Attention(nn.Module):
         if self.ve_gate is not None:
             gate = 2 * torch.sigmoid(self.ve_gate(x[..., :self.ve_gate_channels]))  # (B, S, H)
             v = v + gate.unsqueeze(-1) * ve.view(B, S, H, D)
-        # METHOD.md §1: parameter-free RMS norm on q and k after RoPE, both in one pass: per head, so the
-        # forward gives the numbers of two passes (the backward sums in another order), with half the
-        # kernels, which is what one decoded token's time is made of
+        # METHOD.md §1: RoPE, then a parameter-free RMS norm per head, on q and k together
         qk = torch.cat([self.c_q(x).view(B, S, H, D), self.c_k(x).view(B, S, H, D)], dim=2)  # (B, S, 2H, D)
         q, k = rms_norm(apply_rotary(qk, cos, sin), self.eps).transpose(1, 2).split(H, dim=1)  # (B, H, S, D)
         v = v.transpose(1, 2)
@@ -180,9 +178,9 @@ class Block(nn.Module):
 
 
 # -----------------------------------------------------------------------------
-# Injections: how each loop step mixes the state h with the prelude's output e (METHOD.md §1).
-# Each owns its parameters and their init. The loop calls input_term(e) and state_weight() once per
-# forward (neither changes over the loop), then the injection itself at every step.
+# Injections: how each loop step mixes the state h with the prelude's output e (METHOD.md §1), u = A_bar h + Bbar_e.
+# Each owns its parameters and their init. A_bar() and Bbar_e(e) do not change over the loop: the loop forms them
+# once per forward and the injection itself at every step.
 
 def trunc_normal_(weight, std, generator=None):
     return nn.init.trunc_normal_(weight, std=std, a=-3 * std, b=3 * std, generator=generator)
@@ -195,7 +193,7 @@ def trunc_orthogonal_(weight, std):
     Every entry then has std `std`, as an i.i.d. draw would, but all singular values equal that gain
     (a rectangular matrix is semi-orthogonal) instead of spreading out."""
     rows, cols = weight.shape
-    if weight.is_meta:  # train.py sizes the model on the meta device: nothing to fill
+    if weight.is_meta:  # a model sized on the meta device has nothing to fill
         return weight
     a = torch.empty(max(rows, cols), min(rows, cols), device=weight.device, dtype=torch.float32)
     q, r = torch.linalg.qr(nn.init.trunc_normal_(a, a=-2.0, b=2.0))
@@ -204,16 +202,16 @@ def trunc_orthogonal_(weight, std):
 
 
 class Injection(nn.Module):
-    """u = inject(h, input_term): the baselines inject e itself and have no Abar to precompute; Parcae
-    overrides both."""
+    """The baselines' defaults: the input term is e itself (add: Bbar = I; concat mixes e inside its adapter) and
+    there is no A_bar to form ahead of the loop. Parcae overrides both."""
 
     def reset_parameters(self, std):
         pass
 
-    def input_term(self, e):
+    def Bbar_e(self, e):
         return e
 
-    def state_weight(self):
+    def A_bar(self):
         return None
 
 
@@ -223,7 +221,7 @@ class Discretized(NamedTuple):
 
 
 class DiagonalInjection(Injection):
-    """Parcae: u = Abar h + Bbar e with Abar = exp(-Delta exp(A_log)), Bbar = Delta B, so rho(Abar) < 1."""
+    """Parcae: u = A_bar h + Bbar_e with A_bar = exp(-Delta exp(A_log)), Bbar = Delta B, so rho(A_bar) < 1."""
 
     def __init__(self, d):
         super().__init__()
@@ -233,7 +231,7 @@ class DiagonalInjection(Injection):
 
     @torch.no_grad()
     def reset_parameters(self, std):
-        """A_log = 0 and Delta = softplus(dt_bias) = -ln(sqrt(1/5)), so Abar = sqrt(1/5) = 0.4472; B = I."""
+        """A_log = 0 and Delta = softplus(dt_bias) = -ln(sqrt(1/5)), so A_bar = sqrt(1/5) = 0.4472; B = I."""
         self.A_log.zero_()
         self.dt_bias.fill_(math.log(math.expm1(-math.log(math.sqrt(1 / 5)))))
         self.B.weight.copy_(torch.eye(self.B.weight.size(0)))
@@ -242,22 +240,22 @@ class DiagonalInjection(Injection):
         """Zero-order hold of A = Diag(-exp(A_log)) with step Delta.
 
         The rate Delta exp(A_log) is formed as exp(A_log + ln Delta), so no extreme pair gives 0 * inf,
-        and floored at 1e-6: below that float32 rounds Abar to exactly 1 and rho < 1 would hold only on
-        paper. Abar stays float32 (bf16 would round anything above 0.998 to 1).
+        and floored at 1e-6: below that float32 rounds A_bar to exactly 1 and rho < 1 would hold only on
+        paper. A_bar stays float32 (bf16 would round anything above 0.998 to 1).
         """
         delta = F.softplus(self.dt_bias)
         rate = torch.exp(self.A_log + torch.log(delta)).clamp(min=1e-6)
         return Discretized(A_bar=torch.exp(-rate), delta=delta)
 
-    def input_term(self, e):
-        """Bbar e = Delta (e @ B^T) (Euler: Bbar = Delta B), float32 like Abar."""
+    def Bbar_e(self, e):
+        """Bbar e = Delta (e @ B^T) (Euler: Bbar = Delta B), float32 like A_bar."""
         return self.discretize().delta * self.B(e)
 
-    def state_weight(self):
+    def A_bar(self):
         return self.discretize().A_bar
 
-    def forward(self, h, input_term, A_bar=None):
-        return (self.state_weight() if A_bar is None else A_bar) * h + input_term
+    def forward(self, h, Bbar_e, A_bar=None):
+        return (self.A_bar() if A_bar is None else A_bar) * h + Bbar_e
 
     @torch.no_grad()
     def spectral_radius(self):
@@ -265,7 +263,7 @@ class DiagonalInjection(Injection):
 
 
 class ConcatInjection(Injection):
-    """RDM / Huginn: u = W [h; e], W a Linear(2d -> d) adapter whose state half is an unconstrained Abar."""
+    """RDM / Huginn: u = W [h; e], W a Linear(2d -> d) adapter whose state half is an unconstrained A_bar."""
 
     def __init__(self, d):
         super().__init__()
@@ -276,8 +274,8 @@ class ConcatInjection(Injection):
         # the authors' "adapter" rule: i.i.d. truncated normal even when the other matrices are orthogonal
         trunc_normal_(self.adapter.weight, std)
 
-    def forward(self, h, input_term, A_bar=None):
-        return self.adapter(torch.cat([h, input_term], dim=-1)).to(h.dtype)  # the state stays float32 (autocast)
+    def forward(self, h, e, A_bar=None):
+        return self.adapter(torch.cat([h, e], dim=-1)).to(h.dtype)  # the state stays float32 under autocast
 
     @torch.no_grad()
     def spectral_radius(self):
@@ -286,13 +284,13 @@ class ConcatInjection(Injection):
 
 
 class AddInjection(Injection):
-    """u = h + e: Abar = I, rho = 1 (marginally stable). No parameters."""
+    """u = h + e: A_bar = I, rho = 1 (marginally stable). No parameters."""
 
     def __init__(self, d):
         super().__init__()
 
-    def forward(self, h, input_term, A_bar=None):
-        return h + input_term
+    def forward(self, h, e, A_bar=None):
+        return h + e
 
     def spectral_radius(self):
         return 1.0
@@ -301,22 +299,30 @@ class AddInjection(Injection):
 INJECTION_CLASSES = {"diagonal": DiagonalInjection, "concat": ConcatInjection, "add": AddInjection, "none": None}
 
 
+def initial_state(shape, device=None, generator=None):
+    """METHOD.md §1's h0 ~ TruncNormal(0, s, -3s..3s), s = sqrt(2 / (5 d)), d = shape[-1]: a float32 tensor of
+    `shape` (B, S, d) on `device`. generator: None for torch's global RNG, a torch.Generator on `device`, or a list
+    of them, one per row (decoding: a row's h0 does not depend on the other rows)."""
+    if isinstance(generator, (list, tuple)):
+        return torch.cat([initial_state((1, *shape[1:]), device, g) for g in generator])
+    sigma = math.sqrt(2 / (5 * shape[-1]))
+    return trunc_normal_(torch.empty(shape, device=device, dtype=torch.float32), sigma, generator)
+
+
 # -----------------------------------------------------------------------------
 # The model
 
-class Context(NamedTuple):
-    """What every block of one forward reads besides its input: value embeddings by layer index, RoPE."""
-    ves: dict
-    cos: torch.Tensor
-    sin: torch.Tensor
-
-
-class Recurrence(NamedTuple):
-    h: torch.Tensor  # the final state h_T of every sequence
-    diagnostics: dict | None  # stability_diagnostics, when asked for
+class Slot(NamedTuple):
+    """A KV-cache slot: one attention call site. A recurrent layer has one per loop step (the same weights see
+    other inputs at every step); the prelude's and the coda's layers have step 0."""
+    part: str  # "prelude", "recur" or "coda"
+    layer: int  # the layer's index within its part
+    step: int = 0
 
 
 class Parcae(nn.Module):
+    """The looped language model of METHOD.md §1 (config.injection="none": the fixed-depth Transformer)."""
+
     def __init__(self, config):
         super().__init__()
         self.config = c = config
@@ -362,31 +368,31 @@ class Parcae(nn.Module):
         seed share every initial tensor of the modules they have in common, whatever else they hold: Parcae,
         its injection ablations and the Transformer are paired runs (the evidence suite) down to the weights."""
         std = math.sqrt(2 / (5 * self.config.d_model))
-        special = {self.wte: lambda m: trunc_orthogonal_(m.weight, std)}  # module -> its init; others: default
+        inits = {self.wte: lambda m: trunc_orthogonal_(m.weight, std)}  # module -> its init; the rest: PyTorch's
         for block in [*self.prelude, *self.recur, *self.coda]:
             for lin in (block.attn.c_q, block.attn.c_k, block.attn.c_v, block.mlp.c_fc):
-                special[lin] = lambda m: trunc_orthogonal_(m.weight, std)
+                inits[lin] = lambda m: trunc_orthogonal_(m.weight, std)
             for lin in (block.attn.c_proj, block.mlp.c_proj):
-                special[lin] = lambda m: nn.init.zeros_(m.weight)
+                inits[lin] = lambda m: nn.init.zeros_(m.weight)
         if self.injection is not None:
-            special[self.injection] = lambda m: m.reset_parameters(std)
-            special[self.C_proj] = lambda m: trunc_orthogonal_(m.weight, std)  # square: every singular value sqrt(2/5)
-        covered = set()  # the submodules of a module whose init covers them (the injection's B or adapter)
+            inits[self.injection] = lambda m: m.reset_parameters(std)
+            inits[self.C_proj] = lambda m: trunc_orthogonal_(m.weight, std)  # square: every singular value sqrt(2/5)
+        initialised = set()  # a module's submodules are set by its own init (the injection's B or adapter)
         with torch.random.fork_rng(devices=[]):  # the caller's global RNG stream is left as it was
             for name, module in self.named_modules():
-                init = special.get(module)
-                if init is None and (module in covered or not hasattr(module, "reset_parameters")
+                init = inits.get(module)
+                if init is None and (module in initialised or not hasattr(module, "reset_parameters")
                                      or next(module.parameters(recurse=False), None) is None):
                     continue
-                covered.update(module.modules())
+                initialised.update(module.modules())
                 torch.default_generator.manual_seed(self.init_seed + zlib.crc32(name.encode()))
                 init(module) if init else module.reset_parameters()
 
     def compile_blocks(self, backend="inductor"):
         """Compile each block alone and keep the loop in Python, so a depth that changes every step never
-        recompiles. The recurrent blocks see a shrinking prefix of the batch (see recurrence), so their
-        batch dimension is left to dynamo's automatic dynamic shapes: at most a static, a dynamic and a
-        size-1 graph. backend="eager" traces and guards the same without generating code (tests)."""
+        recompiles. The recurrent blocks see a prefix of the batch (recurrence), so their batch dimension is
+        left to dynamo's automatic dynamic shapes: at most a static, a dynamic and a size-1 graph.
+        backend="eager" traces and guards the same without generating code."""
         for block in [*self.prelude, *self.coda]:
             block.compile(dynamic=False, backend=backend)
         for block in self.recur:
@@ -394,7 +400,7 @@ class Parcae(nn.Module):
 
     @torch.no_grad()
     def spectral_radius(self):
-        """rho(Abar): max(Abar) for Parcae, the adapter's state half for concat, 1 for add, None unlooped."""
+        """rho(A_bar): max(A_bar) for Parcae, the adapter's state half for concat, 1 for add, None unlooped."""
         return self.injection.spectral_radius() if self.injection is not None else None
 
     # --- forward
@@ -403,152 +409,123 @@ class Parcae(nn.Module):
     #   The matmuls (Linear, attention, the head) take bf16 copies and return bf16, which is added into
     #   the float32 stream, so rounding does not accumulate over the T loop steps and every RMSNorm sees a
     #   float32 input with its float32 weight: the fused kernel, no dtype-mismatch fallback.
-    # - Abar and Bbar e: float32 (DiagonalInjection.discretize, input_term); C_proj's and the concat
+    # - A_bar and Bbar_e: float32 (DiagonalInjection.discretize, Bbar_e); C_proj's and the concat
     #   adapter's bf16 outputs are cast back to the state's float32 (ConcatInjection, run_coda).
     # - RoPE: float32 angle tables applied in q and k's bf16 (apply_rotary); q, k, v enter attention in bf16.
     # - the head: bf16 logits, cast to float32 before the float32 cross-entropy.
 
-    def forward(self, idx, targets=None, T=None, h0=None, cache=None, reduction="mean", depth_generator=None,
-                return_diagnostics=False):
-        """idx (B, S) -> logits (B, S, vocab), or the cross-entropy with targets (-1 = ignore; per
-        token as (B, S) with reduction="none").
+    def forward(self, idx, targets=None, T=None, depths=None, h0=None, cache=None, reduction="mean",
+                depth_generator=None, diagnostics=None):
+        """idx (B, S) -> logits (B, S, vocab), or with targets (-1 = ignore) the mean cross-entropy ((B, S) per
+        token with reduction="none").
 
-        T: None samples depths in training (from depth_generator; the global RNG when None) and runs
-        mu_rec in eval; an int runs T steps for every sequence; a (B,) tensor T_i steps for sequence i; a
-        pair (n, k) exactly n_i steps without grad then k_i with it (a sample_depths draw, replayed).
-        h0 (B, S, d) fixes the initial state. cache: decoding's engine.KVCache, which the S new positions
-        extend. return_diagnostics=True returns (output, diagnostics), the paper's stability diagnostics:
-        ||h_T|| and the update ratio ||h_T - h_{T-1}|| / ||h_T||, batch means.
+        The loop's depths (loop_depths): T, an int, runs every sequence T steps (None: mu_rec, or in training a
+        draw of config.sampling from depth_generator); depths = (n, k), two (B,) tensors, replays a draw: sequence
+        i runs n_i steps without gradient, then k_i with it. h0 (B, S, d) fixes the initial state. cache: decoding's
+        engine.KVCache, which the S new positions extend. diagnostics: a dict filled with the paper's stability
+        diagnostics, ||h_T|| and the update ratio ||h_T - h_{T-1}|| / ||h_T|| (0-d tensors, None unlooped).
         """
         B, S = idx.shape
-        injected, ctx = self.run_prelude(idx, cache)
-        if self.injection is None:
-            x, diagnostics = injected, stability_diagnostics(None, None)
-            for i, block in enumerate(self.recur):
-                x = block(x, ctx.ves.get(self.config.n_prelude + i), ctx.cos, ctx.sin, cache, ("recur", 0, i))
+        e, ves, cos, sin = self.run_prelude(idx, cache)
+        if self.injection is None:  # the Transformer: its recurrent blocks run once, no injection, no h0
+            h, h_prev = self.recurrent_block(e, 0, ves, cos, sin, cache), None
         else:
-            steps = self.resolve_steps(T, B, depth_generator)
-            x, diagnostics = self.recurrence(injected, steps, h0, ctx, cache, diagnostics=return_diagnostics)
-        logits = self.run_coda(x, *ctx, cache)
-        output = logits
-        if targets is not None:
-            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1,
-                                   reduction=reduction)
-            output = loss.view(B, S) if reduction == "none" else loss
-        return (output, diagnostics) if return_diagnostics else output
+            n, k = self.loop_depths(B, T, depths, depth_generator)
+            if cache is not None and ((n != n[0]).any() or (k != k[0]).any()):
+                raise ValueError("decoding with a KV cache runs one depth for the whole batch: give T, not depths")
+            h0 = initial_state(e.shape, e.device) if h0 is None else h0
+            h, h_prev = self.recurrence_longest_first(h0.to(e.dtype), self.injection.Bbar_e(e), n, k, ves, cos, sin,
+                                                      cache)
+        if diagnostics is not None:
+            diagnostics.update(stability_diagnostics(h, h_prev))
+        logits = self.run_coda(h, ves, cos, sin, cache)
+        if targets is None:
+            return logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1,
+                               reduction=reduction)
+        return loss.view(B, S) if reduction == "none" else loss
 
-    # The three pieces of a forward, apart so that engine.py can read the coda's prediction after any
-    # recurrent step (adaptive depth) and loop the steps itself.
+    def recurrence(self, h, Bbar_e, n, k, ves, cos, sin, cache=None):
+        """The loop (METHOD.md §1) with truncated backprop (§2): sequence i runs n_i steps without gradient, then
+        k_i with it. h: h0 (B, S, d); Bbar_e (B, S, d); n, k: (B,) CPU tensors; ves, cos, sin: run_prelude's.
+
+        The batch comes sorted longest first (recurrence_longest_first), n and k both falling, and each
+        sequence's steps of a phase end with the phase: so the sequences looping at any step are the first `a`,
+        each step runs the blocks on those alone (sum(n_i + k_i) sequence-passes, not B * max), and every
+        sequence takes its last step in the final iteration. -> (h_T, h_{T-1}), each sequence at its own T."""
+        A_bar = self.injection.A_bar()  # (d,) for Parcae, None for the baselines; the same at every step
+        n_max, k_max, grad = int(n[0]), int(k[0]), torch.is_grad_enabled()
+        for step in range(n_max + k_max):
+            # the sequences looping at this step, the first a: n_i >= the no-grad steps left, or k_i >= the grad ones
+            a = int((n >= n_max - step).sum()) if step < n_max else int((k >= n_max + k_max - step).sum())
+            h_a, Bbar_e_a, ves_a = h[:a], Bbar_e[:a], {i: ve[:a] for i, ve in ves.items()}
+            with torch.set_grad_enabled(grad and step >= n_max):  # gradient through the last k_i steps only
+                u = self.injection(h_a, Bbar_e_a, A_bar)  # u = A_bar h + Bbar_e
+                h_a = self.recurrent_block(u, step, ves_a, cos, sin, cache)  # h = R(u)
+            h_prev, h = h, (h_a if a == len(h) else torch.cat([h_a, h[a:]]))  # the rows past a keep their state
+        return h, h_prev
+
+    def recurrence_longest_first(self, h, Bbar_e, n, k, ves, cos, sin, cache=None):
+        """recurrence on the batch sorted by depth, longest first, and put back in order -> (h_T, h_{T-1})."""
+        order = torch.argsort(n + k, descending=True, stable=True)
+        if (order == torch.arange(len(order))).all():
+            return self.recurrence(h, Bbar_e, n, k, ves, cos, sin, cache)
+        rows = order.to(h.device, non_blocking=True)
+        h, h_prev = self.recurrence(h[rows], Bbar_e[rows], n[order], k[order], {i: ve[rows] for i, ve in ves.items()},
+                                    cos, sin, cache)
+        back = torch.argsort(rows)
+        return h[back], h_prev[back]
+
+    def loop_depths(self, batch_size, T=None, depths=None, generator=None):
+        """forward's T or depths -> (n, k), (B,) CPU long tensors: each sequence's loop steps without gradient,
+        then with it (METHOD.md §2). T: every sequence loops T times (mu_rec when None), the last min(T, mu_bwd)
+        with gradient in training; with neither T nor depths, training draws them (depths.sample_depths)."""
+        if depths is not None and T is not None:
+            raise ValueError("give the loop's depth as T or as depths = (n, k), not both")
+        if depths is None and T is None and self.training:
+            depths = sample_depths(self.config, batch_size, generator)
+        elif depths is None:
+            T = self.config.mu_rec if T is None else int(T)
+            if T < 1:
+                raise ValueError(f"recurrence depth T must be >= 1, got {T}")
+            depths = split_depths(torch.full((batch_size,), T), self.config.mu_bwd, self.training)
+        return checked_depths(depths, batch_size)
+
+    # The pieces of a forward, apart so that engine.py can read the coda's prediction after any recurrent step
+    # (adaptive depth) and loop the steps itself.
 
     def run_prelude(self, idx, cache=None):
-        """ids (B, S) -> (injected, ctx). injected: the prelude's output e = RMSNorm(P(x)) as the loop adds
-        it at every step (the injection's input term, Bbar e for Parcae; e itself, un-normed, for the
-        Transformer, whose "loop" is one pass). ctx: the Context of the later pieces. Claims the S positions
-        in the cache."""
+        """ids (B, S) -> (e, ves, cos, sin): the prelude's output e (B, S, d), RMS-normed for the loop
+        (METHOD.md §1's prelude norm); the value embeddings of the ids by layer index; the RoPE tables of the S
+        positions, which it claims in the cache."""
         pos = cache.pos if cache is not None else 0
         S = idx.size(1)
         if pos + S > self.rope_cos.size(1):
             raise ValueError(f"sequence of {pos + S} positions exceeds the RoPE table of {self.rope_cos.size(1)}")
         if cache is not None:
             cache.claim(S)
-        ctx = Context({i: self.value_embeds[str(i)](idx) for i in self.ve_layers},
-                      self.rope_cos[:, pos:pos + S], self.rope_sin[:, pos:pos + S])
+        ves = {i: self.value_embeds[str(i)](idx) for i in self.ve_layers}
+        cos, sin = self.rope_cos[:, pos:pos + S], self.rope_sin[:, pos:pos + S]
         x = self.wte(idx)
         for i, block in enumerate(self.prelude):
-            x = block(x, ctx.ves.get(i), ctx.cos, ctx.sin, cache, ("prelude", i))
-        if self.injection is None:
-            return x, ctx
-        e = self.prelude_norm(x) if self.prelude_norm is not None else x
-        return self.injection.input_term(e), ctx
+            x = block(x, ves.get(i), cos, sin, cache, Slot("prelude", i))
+        return (self.prelude_norm(x) if self.prelude_norm is not None else x), ves, cos, sin
 
-    def recur_step(self, h, injected, step, ves, cos, sin, cache=None, A_bar=None):
-        """One loop step h -> R(u), u = the injection of (h, injected), for every row of h; `step` names
-        its cache slots. A_bar: the injection's state_weight() when the caller has it already."""
-        u = self.injection(h, injected, A_bar)
+    def recurrent_block(self, u, step, ves, cos, sin, cache=None):
+        """R: the n_recur recurrent layers on u (B, S, d), at loop step `step` (which names its cache slots)."""
         for i, block in enumerate(self.recur):
-            u = block(u, ves.get(self.config.n_prelude + i), cos, sin, cache, ("recur", step, i))
+            u = block(u, ves.get(self.config.n_prelude + i), cos, sin, cache, Slot("recur", i, step))
         return u
 
     def run_coda(self, h, ves, cos, sin, cache=None):
-        """The recurrence's output (B, S, d) -> logits (B, S, vocab): C_proj, coda, norm, tied head. The logits are
+        """The loop's output (B, S, d) -> logits (B, S, vocab): C_proj, coda, norm, tied head. The logits are
         float32, or the weights' dtype when wider (a float64 model's are float64), whatever autocast computed."""
         c = self.config
         x = self.C_proj(h).to(h.dtype) if self.C_proj is not None else h  # float32 stream (see forward)
         for i, block in enumerate(self.coda):
-            x = block(x, ves.get(c.n_prelude + c.n_recur + i), cos, sin, cache, ("coda", i))
+            x = block(x, ves.get(c.n_prelude + c.n_recur + i), cos, sin, cache, Slot("coda", i))
         logits = (self.norm_f(x) @ self.wte.weight.t())[..., :c.vocab_size]
         return logits.to(torch.promote_types(self.wte.weight.dtype, torch.float32))
-
-    def resolve_steps(self, T, batch_size, generator=None):
-        """forward's T -> (n, k), (B,) CPU long tensors: each sequence's loop steps without gradient, then with
-        it. Training with T None draws them (sample_depths); an eval depth runs all T steps without grad."""
-        if T is None and self.training:
-            return sample_depths(self.config, batch_size, generator)
-        if isinstance(T, tuple):
-            n, k = (torch.as_tensor(x).long().cpu().expand(batch_size).clone() for x in T)
-            if (n < 0).any() or (k < 0).any() or (n + k < 1).any():
-                raise ValueError(f"steps (n, k) = {T} must be >= 0 with n + k >= 1 for every sequence")
-            return n, k
-        depths = torch.as_tensor(self.config.mu_rec if T is None else T).long().cpu().expand(batch_size).clone()
-        if (depths < 1).any():
-            raise ValueError(f"recurrence depth T must be >= 1, got {T}")
-        return split_depths(depths, self.config.mu_bwd, self.training)
-
-    def initial_state(self, shape, device, dtype, generator=None):
-        """METHOD.md §1: h0 ~ TruncNormal(0, sigma, +-3 sigma), sigma = sqrt(2 / (5 d)), drawn every forward
-        (from `generator`, which lives on `device`, when given: engine.py's reproducible decoding)."""
-        sigma = math.sqrt(2 / (5 * self.config.d_model))
-        return trunc_normal_(torch.empty(shape, device=device, dtype=torch.float32), sigma, generator).to(dtype)
-
-    def recurrence(self, injected, steps, h0, ctx, cache=None, diagnostics=False):
-        """Run sequence i for steps = (n, k): n_i loop steps without gradient, then k_i with it (METHOD.md §2)
-        -> Recurrence(h, stability_diagnostics or None).
-
-        The paper's formulation (bench.masked_reference_loss; tests/test_bench.py checks the two agree)
-        steps the whole batch and masks the sequences whose count is used up:
-
-            for step in range(max(n) + max(k)):
-                active = n > step if step < max(n) else k > step - max(n)
-                with torch.set_grad_enabled(step >= max(n)):
-                    h = torch.where(active, R(inject(h, e)), h)
-
-        which costs B * (max(n) + max(k)) sequence-passes. Here the batch is sorted by depth, longest
-        first: n_i and k_i both grow with T_i, so the sequences still running at any step are a prefix
-        of the sorted batch, and each step runs the block on that prefix alone, sum(n_i + k_i) passes in
-        all (a per-batch draw gives every sequence the same n and k).
-        Each sequence gets exactly its own steps, loss and gradients.
-        """
-        n, k = steps
-        h = self.initial_state(injected.shape, injected.device, injected.dtype) if h0 is None else h0.to(injected.dtype)
-        ves = ctx.ves
-        order = torch.argsort(n + k, descending=True, stable=True)
-        if (n[order].diff() > 0).any() or (k[order].diff() > 0).any():
-            raise ValueError("per-sequence steps (n, k) must grow together (longer T: no fewer n and k steps)")
-        permuted = bool((order != torch.arange(len(order))).any())
-        if permuted:
-            if cache is not None:
-                raise ValueError("decoding with a KV cache needs one depth T for the whole batch")
-            order_dev = order.to(injected.device, non_blocking=True)
-            injected, h = injected[order_dev], h[order_dev]
-            ves = {i: ve[order_dev] for i, ve in ves.items()}
-            n, k = n[order], k[order]
-        A_bar = self.injection.state_weight()  # once per forward, not per step
-        h_prev = h if diagnostics else None  # each sequence's state before its latest step
-        n_max, grad_enabled = int(n[0]), torch.is_grad_enabled()
-        for step in range(n_max + int(k[0])):
-            with_grad = step >= n_max
-            active = int((k > step - n_max).sum()) if with_grad else int((n > step).sum())
-            if diagnostics:
-                h_prev = torch.cat([h[:active].detach(), h_prev[active:]])
-            # the rows past `active` are done: they keep their state. Sliced with grad on: a view taken under
-            # no_grad still requires grad but has no grad_fn, which FlopCounterMode's module tracker rejects
-            h_in, injected_in, ves_in = (h, injected, ves) if active == h.size(0) else \
-                (h[:active], injected[:active], {i: ve[:active] for i, ve in ves.items()})
-            with torch.set_grad_enabled(with_grad and grad_enabled):
-                h_active = self.recur_step(h_in, injected_in, step, ves_in, ctx.cos, ctx.sin, cache, A_bar)
-            h = h_active if active == h.size(0) else torch.cat([h_active, h[active:]])
-        stats = stability_diagnostics(h, h_prev) if diagnostics else None
-        return Recurrence(h[torch.argsort(order_dev)] if permuted else h, stats)
 
     # --- accounting
 
@@ -559,7 +536,7 @@ class Parcae(nn.Module):
     def flops_per_token(self):
         """The paper's training compute C per token, METHOD.md §2 (Appendix D), for FLOP budgets (--target_flops,
         isoFLOP sweeps, fits), not for MFU: N excludes wte only, so the value-embedding lookups count as matmuls
-        and the tied head does not (common.matmul_flops_per_token counts what runs). N_core is the recurrent blocks'
+        and the tied head does not (matmul_flops_per_token counts what runs). N_core is the recurrent blocks'
         parameters (the value-embedding tables are not inside the blocks)."""
         c = self.config
         d, S = c.d_model, c.seq_len
@@ -572,13 +549,46 @@ class Parcae(nn.Module):
                 + c.mu_rec * (2 * N_core + c.n_recur * 4 * d * S)
                 + c.mu_bwd * (4 * N_core + 2 * c.n_recur * 4 * d * S))
 
+    def matmul_flops_per_token(self, n=None, k=None, backward=True):
+        """The matmul FLOPs executed per token by a training forward + backward (backward=False: a forward alone):
+        the numerator of MFU and of every FLOP/s figure (METHOD.md §2). flops_per_token is the paper's C, for budgets.
+
+        n, k: loop steps per sequence without and with gradient, numbers or per-sequence tensors (their means
+        count: each sequence runs its own steps); None: config.sampling's expected steps (depths.mean_steps).
+        A forward runs 2 FLOPs per token for every nn.Linear weight, 2 d V for the tied head and, in each block,
+        2 S d for QK^T and 2 S d for AV: causal attention counted in full over S, as FlopCounterMode counts SDPA
+        and PaLM's MFU and nanochat's estimate_flops count attention. A backward runs twice its forward (input
+        and weight gradients): the prelude, Bbar_e, C_proj, coda and head cost 3x their forward (Bbar_e enters
+        every step with gradient, k >= 1 in every sampler, so the prelude is backpropagated in full), a loop step
+        with gradient 3x, one without 1x. backward=False runs all n + k steps 1x. The embedding lookups (wte,
+        value embeddings) are not matmuls. The Transformer runs its blocks once, whatever n and k.
+        """
+        c = self.config
+
+        def forward_flops(modules):
+            parts = [m for module in modules for m in module.modules()]
+            linears = sum(m.weight.numel() for m in parts if isinstance(m, nn.Linear))
+            return 2 * linears + sum(isinstance(m, Block) for m in parts) * 4 * c.seq_len * c.d_model
+
+        # per loop step: the recurrent blocks, and concat's adapter (Parcae's B makes Bbar_e once per forward)
+        per_step = [*self.recur, *([self.injection] if c.injection == "concat" else [])] \
+            if self.injection is not None else []
+        step = forward_flops(per_step)
+        once = forward_flops([self]) - step + 2 * self.wte.weight.numel()
+        if self.injection is None:
+            return (3 if backward else 1) * once
+        if n is None:
+            n, k = mean_steps(c)
+        n, k = (torch.as_tensor(x, dtype=torch.float64, device="cpu").mean().item() for x in (n, k))
+        return 3 * once + (n + 3 * k) * step if backward else once + (n + k) * step
+
     def activation_bytes(self, batch_size, bf16=True):
         """Bytes saved for backward by a training forward of batch_size sequences that all backpropagate
         through mu_bwd loop steps (the most any can: memory follows mu_bwd, not the sampled depth). Per
-        token, counted from eager saved tensors (tests/test_memory.py measures them again): each block run
-        with grad saves 80 d bytes in float32 and 56 d under bf16 autocast; a value embedding 4 d; the loop
-        4 (4 + mu_bwd) d (prelude norm, B, Abar h per step, C_proj); the head 12 d and the float32
-        log-softmax 4 vocab. bf16 also keeps one bf16 copy of every matrix (autocast's weight cache)."""
+        token, counted from eager saved tensors: each block run with grad saves 80 d bytes in float32 and 56 d
+        under bf16 autocast; a value embedding 4 d; the loop 4 (4 + mu_bwd) d (prelude norm, B, A_bar h per step,
+        C_proj); the head 12 d and the float32 log-softmax 4 vocab. bf16 also keeps one bf16 copy of every matrix
+        (autocast's weight cache)."""
         c = self.config
         d = c.d_model
         looped = self.injection is not None
@@ -593,12 +603,43 @@ class Parcae(nn.Module):
                        if p.ndim == 2 and not name.startswith("value_embeds"))  # embeddings are read, not cast
         return batch_size * c.seq_len * per_token + (2 * matrices if bf16 else 0)
 
+    def memory_plan(self, device_batch_size, bf16, optimizer_bytes):
+        """Estimated bytes per GPU of training at device_batch_size sequences: float32 weights and gradients, DDP's
+        gradient buckets (another copy), the optimiser's state (optim.optimizer_state_bytes) and activations at
+        mu_bwd (activation_bytes). "largest_batch": the most sequences per GPU that fit in 90% of 80 GB and 141 GB,
+        the rest left for the backward's transient buffers, the CUDA context and fragmentation."""
+        weights = 4 * self.num_params()
+        static = 3 * weights + optimizer_bytes
+        per_sequence = self.activation_bytes(2, bf16) - self.activation_bytes(1, bf16)
+        activations = self.activation_bytes(device_batch_size, bf16)
+        fixed = activations - device_batch_size * per_sequence  # bf16's weight copies
+        largest = {gb: int((0.9 * gb * 1e9 - static - fixed) // per_sequence) for gb in (80, 141)}
+        return {"weights": weights, "grads": weights, "ddp_buckets": weights, "optimizer": optimizer_bytes,
+                "activations": activations, "total": static + activations, "largest_batch": largest}
+
+
+def checked_depths(depths, batch_size):
+    """The loop's (n, k) -> two (B,) CPU long tensors, or ValueError where recurrence cannot run them: every
+    sequence loops at least once, a longer sequence has no fewer steps of either kind (so the sequences looping
+    at any step are a prefix of the longest-first batch) and every k_i is >= 1, or all are 0 (so every sequence
+    takes its last step in the loop's final iteration)."""
+    n, k = (torch.as_tensor(x).long().cpu().expand(batch_size).clone() for x in depths)
+    if (n < 0).any() or (k < 0).any() or (n + k < 1).any():
+        raise ValueError(f"depths (n, k) = ({n.tolist()}, {k.tolist()}) must be >= 0 with n + k >= 1 for every "
+                         f"sequence")
+    order = torch.argsort(n + k, descending=True, stable=True)
+    if (n[order].diff() > 0).any() or (k[order].diff() > 0).any():
+        raise ValueError("per-sequence depths (n, k) must grow together (longer T: no fewer n and k steps)")
+    if (k == 0).any() and (k > 0).any():
+        raise ValueError("depths (n, k): k must be >= 1 for every sequence or 0 for all")
+    return n, k
+
 
 @torch.no_grad()
 def stability_diagnostics(h, h_prev):
     """The paper's stability diagnostics of a forward: ||h_T|| and ||h_T - h_{T-1}|| / ||h_T||, means over
     the batch's positions (None without a loop: the Transformer)."""
-    if h is None:
+    if h_prev is None:
         return {"h_norm": None, "update_ratio": None}
     h_norm = h.float().norm(dim=-1).mean()
     return {"h_norm": h_norm, "update_ratio": (h - h_prev).float().norm(dim=-1).mean() / h_norm}

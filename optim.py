@@ -10,7 +10,11 @@ holding two kinds of parameter groups.
   Polar-Express orthogonalisation in bf16, NorMuon's factored second moment, cautious weight decay.
 
 Plus the schedules the training loop applies each step (learning rate, Muon momentum, weight
-decay) as small pure functions, and the per-size AdamW learning rate.
+decay) as small pure functions, the per-size AdamW learning rate, and the bytes of the optimiser's state.
+
+    optimizer = build_optimizer(model, adamw_lr=learning_rate_for_depth(6))
+    for group in optimizer.param_groups:                  # before each optimizer.step()
+        group['lr'] = group['initial_lr'] * lr_multiplier(step, total_steps)
 
 Sources: the authors' recpre/optim/muon_adamw.py and scripts/train.py (sandyresearch/parcae),
 which follow nanochat's nanochat/optim.py (karpathy/nanochat), itself from modded-nanogpt.
@@ -192,8 +196,7 @@ class MuonAdamW(torch.optim.Optimizer):
 # B.weight, C_proj.weight, and adapter.weight of the concat baseline), which the authors keep on
 # AdamW for stability. The authors match substrings of their own module names ('embed', 'norm',
 # 'a_log', 'adapter.b', 'transformer.c.', ...) and send every other matrix to Muon; in this
-# project's naming the rule here selects the same parameters by role. The injection names are
-# also excluded inside the blocks, in case a model nests them there.
+# project's naming the rule here selects the same parameters by role.
 
 MUON_PREFIXES = ('prelude.', 'recur.', 'coda.')
 ADAMW_LEAVES = {'A_log', 'dt_bias', 'B.weight', 'C_proj.weight', 'adapter.weight'}
@@ -226,6 +229,20 @@ def build_optimizer(model: torch.nn.Module, adamw_lr: float, muon_lr: float = 8e
     groups = [dict(adamw, kind='adamw', lr=adamw_lr, **ADAMW_DEFAULTS)]
     groups += [dict(g, kind='muon', lr=muon_lr, weight_decay=weight_decay) for g in matrices.values()]
     return MuonAdamW(groups)
+
+
+def optimizer_state_bytes(model: torch.nn.Module, muon: bool = True) -> int:
+    """Bytes of the state build_optimizer's optimiser keeps for model: AdamW's two float32 moments per parameter;
+    Muon's float32 momentum per parameter and its factored second moment, one float32 per row or column of
+    each matrix, whichever is longer (normuon). Works on a model built on the meta device."""
+    total = 0
+    for group in build_optimizer(model, adamw_lr=1.0, muon=muon).param_groups:
+        numel = sum(p.numel() for p in group['params'])
+        if group['kind'] == 'adamw':
+            total += 8 * numel
+        else:
+            total += 4 * numel + 4 * len(group['params']) * max(group['params'][0].shape)
+    return total
 
 
 # -----------------------------------------------------------------------------

@@ -36,9 +36,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common import (find_checkpoint, first_sentence, get_base_dir, init_distributed,
-                    matmul_flops_per_token, peak_bf16_flops, rank_and_world, read_checkpoint, save_checkpoint,
-                    state_norm_limit, write_atomically)
+from common import (find_checkpoint, first_sentence, get_base_dir, init_distributed, peak_bf16_flops, rank_and_world,
+                    read_checkpoint, save_checkpoint, state_norm_limit, write_atomically)
 from core_tasks import download_eval_bundle
 from data import DataLoader, get_tokenizer, tokenizer_dir, val_batches
 from depths import SAMPLINGS
@@ -158,7 +157,7 @@ except ValueError as err:
 with torch.device("meta"):  # sizes and FLOPs without allocating anything
     meta_model = Parcae(config)
 num_params, flops_per_token = meta_model.num_params(), meta_model.flops_per_token()  # the paper's C: the horizon
-executed_flops_per_token = matmul_flops_per_token(meta_model)  # at the sampler's mean depths: MFU
+executed_flops_per_token = meta_model.matmul_flops_per_token()  # at the sampler's mean depths: MFU
 if args.max_tokens:
     max_tokens = args.max_tokens
 elif args.target_flops:
@@ -435,7 +434,8 @@ while step < num_steps and (args.stop_at is None or step < args.stop_at):
         last = micro == grad_accum - 1
         with (model.no_sync() if ddp and not last else nullcontext()), autocast:
             if last:  # ||h_T|| and the update ratio, for the divergence rule and the log line, from one micro-batch
-                loss, diagnostics = model(x, y, depth_generator=depth_generator, return_diagnostics=True)
+                diagnostics = {}
+                loss = model(x, y, depth_generator=depth_generator, diagnostics=diagnostics)
             else:
                 loss = model(x, y, depth_generator=depth_generator)
         (loss / grad_accum).backward()

@@ -11,8 +11,8 @@ Each speed figure is a ratio of two things timed in the same run, interleaved re
 the noise of a shared machine falls on both; each is the median of --repeats repeats after a warm-up.
 Training steps run forward + backward + gradient clip + optimiser step (optim.build_optimizer), on
 fixed batches of random tokens, with the depths of every step drawn up front (depths.sample_depths) and
-passed as T, so both sides of a comparison run exactly the same depths. Every FLOP/s figure counts the
-matmul FLOPs executed (common.matmul_flops_per_token); the paper's C (Parcae.flops_per_token) is for budgets.
+replayed as forward's depths, so both sides of a comparison run exactly the same depths. Every FLOP/s figure counts the
+matmul FLOPs executed (Parcae.matmul_flops_per_token), not the paper's C (Parcae.flops_per_token, for budgets).
 """
 
 import argparse
@@ -27,15 +27,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common import (find_checkpoint, get_base_dir, load_checkpoint, matmul_flops_per_token, peak_bf16_flops,
-                    write_atomically)
+from common import find_checkpoint, get_base_dir, load_checkpoint, peak_bf16_flops, write_atomically
 from core_tasks import MC, Task
 from data import DataLoader, iter_documents
 from depths import sample_depths
 from eval_core import evaluate_task, initial_state_table
 from experiments.decoding import decoding_rows, stdlib_tokens
 from experiments.timing import log, median_seconds, print_table, timed
-from model import Parcae, ParcaeConfig
+from model import Parcae, ParcaeConfig, initial_state
 from optim import build_optimizer
 from tokenizer import Tokenizer
 
@@ -73,21 +72,21 @@ def autocast():
 
 
 def model_loss(model, x, y, depths):
-    return model(x, y, T=depths)
+    return model(x, y, depths=depths)
 
 
 def masked_reference_loss(model, x, y, depths):
     """Per-sequence depths the way the paper runs them (METHOD.md §2): the whole batch steps max(n) times without
     grad and max(k) times with it, and torch.where keeps the state of a sequence whose count is used up.
     Built from the model's pieces; row 8 measures model.py against it, tests/test_bench.py checks it."""
-    e, (ves, cos, sin) = model.run_prelude(x)
-    n, k = model.resolve_steps(depths, x.size(0))
-    h = model.initial_state(e.shape, e.device, e.dtype)
+    e, ves, cos, sin = model.run_prelude(x)
+    n, k = model.loop_depths(x.size(0), depths=depths)
+    h, Bbar_e = initial_state(e.shape, e.device).to(e.dtype), model.injection.Bbar_e(e)
     n_max = int(n.max())
     for step in range(n_max + int(k.max())):
         active = n > step if step < n_max else k > step - n_max
         with torch.set_grad_enabled(step >= n_max):
-            u = model.recur_step(h, e, step, ves, cos, sin)
+            u = model.recurrent_block(model.injection(h, Bbar_e), step, ves, cos, sin)
             h = torch.where(active.to(h.device)[:, None, None], u, h)
     logits = model.run_coda(h, ves, cos, sin)
     return F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-1)
@@ -105,7 +104,7 @@ class Trainer:
         self.x, self.y = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
 
     def run(self, schedule, loss_fn=model_loss):
-        """One training step per entry of schedule: a (B,) tensor of depths or an (n, k) draw each."""
+        """One training step per entry of schedule: an (n, k) draw each (depths.sample_depths)."""
         for depths in schedule:
             with autocast():
                 loss = loss_fn(self.model, self.x, self.y, depths)
@@ -126,7 +125,7 @@ def sampled_flops_per_token(config, schedule):
     wastes). The Transformer's count does not depend on depth."""
     n, k = (torch.cat(steps).double() for steps in zip(*schedule))
     with torch.device("meta"):
-        return matmul_flops_per_token(Parcae(config), n, k)
+        return Parcae(config).matmul_flops_per_token(n, k)
 
 
 class PassCounter:

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common import PEAK_BF16_FLOPS, get_base_dir, matmul_flops_per_token, write_atomically
+from common import PEAK_BF16_FLOPS, get_base_dir, write_atomically
 from experiments.scaling_fit import (bootstrap_exponents, fit_unified, interval_verdict, mean_relative_error,
                                      paired_interval, parabola_optimum, pooled_spread, power_law, t_interval,
                                      unified_predict)
@@ -98,7 +98,7 @@ def model_size(sweep, mu_rec):
         fail(err)
     with torch.device("meta"):
         model = Parcae(config)
-    return model.num_params(), model.flops_per_token(), matmul_flops_per_token(model)
+    return model.num_params(), model.flops_per_token(), model.matmul_flops_per_token()
 
 
 def points(sweep):

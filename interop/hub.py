@@ -192,7 +192,7 @@ def gated_layers(config, mean_backprop_depth):
 #
 # Where the authors' forward could differ from ours, and how we match it (read from parcae_lm):
 # - h0: their state_init "like-init" draws TruncNormal(0, std, +-3 std), std their init table's embedding
-#   std (sqrt(2/(5d)) for scaled-zero) times emb_scale = 1: our initial_state, on another random stream
+#   std (sqrt(2/(5d)) for scaled-zero) times emb_scale = 1: model.initial_state, on another random stream
 #   (pass h0 to compare the two on one draw).
 # - value embeddings: ResFormer v += 2 sigmoid(ve_gate(x[..., :32])) * ve, x the block's normed input, in
 #   both, the recurrent layers reusing theirs at every step; which layers carry them: gated_layers.

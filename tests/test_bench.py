@@ -9,12 +9,14 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+from depths import split_depths
 from experiments import decoding, gpu_check
 from experiments.bench import (PassCounter, depth_schedule, main, masked_reference_loss, model_loss,
                                sampled_flops_per_token)
 from model import Parcae, ParcaeConfig
 
-DEPTHS = torch.tensor([1, 5, 2, 8])  # mu_bwd 3: n = [0, 2, 0, 5], k = [1, 3, 2, 3]
+DEPTHS = split_depths(torch.tensor([1, 5, 2, 8]), 3, training=True)  # mu_bwd 3: n = [0, 2, 0, 5], k = [1, 3, 2, 3]
+UNIFORM = split_depths(torch.tensor([4, 4, 4, 4]), 3, training=True)
 
 
 def tiny_model(injection="diagonal"):
@@ -39,7 +41,7 @@ def loss_and_grads(loss_fn, model, x, y, depths):
 PER_BATCH = (torch.tensor([4, 4, 4, 4]), torch.tensor([3, 3, 3, 3]))  # an (n, k) draw of --sampling=per_batch
 
 
-@pytest.mark.parametrize("depths", [DEPTHS, torch.tensor([4, 4, 4, 4]), PER_BATCH])
+@pytest.mark.parametrize("depths", [DEPTHS, UNIFORM, PER_BATCH])
 @pytest.mark.parametrize("injection", ["diagonal", "concat"])
 def test_masked_reference_equals_the_model(injection, depths):
     model, x, y = tiny_model(injection)
@@ -59,9 +61,9 @@ def test_pass_counter_counts_sequences_through_the_recurrent_block():
     assert masked.passes == 4 * (5 + 3)  # every sequence runs max(n) + max(k) steps
     with PassCounter(model) as ours:
         model_loss(model, x, y, DEPTHS).backward()
-    assert ours.passes == int(DEPTHS.sum())  # model.py runs each sequence its own T_i steps
+    assert ours.passes == int(sum(DEPTHS).sum())  # model.py runs each sequence its own T_i steps
     with PassCounter(model) as uniform:
-        model_loss(model, x, y, torch.tensor([3, 3, 3, 3]))
+        model_loss(model, x, y, split_depths(torch.tensor([3, 3, 3, 3]), 3, training=True))
     assert uniform.passes == 12
     model(x, T=2)  # outside the context the hook is gone
     assert uniform.passes == 12

@@ -1,14 +1,9 @@
-"""Tests for common.py: the base directory, the GPU peak table, the matmul FLOPs executed (against
-FlopCounterMode), reading a checkpoint that is missing or damaged."""
+"""Tests for common.py: the base directory, the GPU peak table, reading a checkpoint that is missing or damaged."""
 
 import pytest
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils.flop_counter import FlopCounterMode
 
 import common
-from common import matmul_flops_per_token
-from depths import sample_depths
 from model import Parcae, ParcaeConfig
 
 
@@ -27,55 +22,6 @@ def test_peak_flops_only_for_listed_gpus(monkeypatch):
     assert common.peak_bf16_flops(torch.device("cuda", 0)) == 989e12
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA GeForce RTX 3090")
     assert common.peak_bf16_flops(torch.device("cuda", 0)) is None
-
-
-def counted_flops_per_token(model, x, T, backward):
-    """FlopCounterMode's count per token. Attention runs on SDPA's math path: the CPU flash kernel has no FLOP
-    formula (it counts 0); the math path's bmm are counted in full over S x S, the causal mask not halving them."""
-    counter = FlopCounterMode(display=False)
-    with sdpa_kernel(SDPBackend.MATH), counter:
-        if backward:
-            model(x, x, T=T).backward()
-        else:
-            with torch.no_grad():
-                model(x, T=T)
-    return counter.get_total_flops() / x.numel()
-
-
-@pytest.mark.parametrize("injection", ["diagonal", "concat", "add", "none"])
-def test_matmul_flops_per_token_is_what_flop_counter_mode_counts(injection):
-    """Exact, with causal attention counted in full (the function's convention): a training forward +
-    backward at a fixed (n, k) and at a per-sequence draw (the loop on a shrinking prefix of the batch), and an
-    eval forward at T."""
-    torch.manual_seed(0)
-    config = ParcaeConfig(vocab_size=97, seq_len=32, n_prelude=1, n_recur=2, n_coda=1, d_model=64, head_dim=32,
-                          mu_rec=4, injection=injection)
-    model = Parcae(config).train()
-    x = torch.randint(0, 97, (6, 32))
-    draw = sample_depths(model.config, 6, torch.Generator().manual_seed(3))
-    assert len((draw[0] + draw[1]).unique()) > 2  # the sequences loop different depths
-    for n, k in [(2, 2), draw]:
-        assert counted_flops_per_token(model, x, (n, k), True) == matmul_flops_per_token(model, n, k), (n, k)
-    model.eval()
-    assert counted_flops_per_token(model, x, 5, False) == matmul_flops_per_token(model, 5, 0, backward=False)
-
-
-def test_matmul_flops_differ_from_the_papers_c_by_lookups_vectors_and_the_head():
-    """At the 140M and T = (mu_rec - mu_bwd, mu_bwd), the paper's C (METHOD.md §2) less the executed count is
-    exactly what C counts as matmuls that are not (the value-embedding tables, the norm and A_log / dt_bias
-    vectors) less the tied head's 6 d V, which C leaves out."""
-    with torch.device("meta"):
-        model = Parcae(ParcaeConfig.from_depth(6, mu_rec=8))
-    c = model.config
-    n, k = c.mu_rec - c.mu_bwd, c.mu_bwd
-
-    def vectors(module):
-        return sum(p.numel() for p in module.parameters() if p.ndim == 1)
-
-    tables, core_vectors = sum(p.numel() for p in model.value_embeds.parameters()), vectors(model.recur)
-    assert model.flops_per_token() - matmul_flops_per_token(model, n, k) == \
-        6 * (tables + vectors(model) - core_vectors) + (2 * (n + k) + 4 * k) * core_vectors \
-        - 6 * c.d_model * c.padded_vocab_size
 
 
 def test_a_missing_or_damaged_checkpoint_is_named_with_what_to_do(tmp_path):

@@ -69,10 +69,7 @@ class BigramModel(nn.Module):
         self.table = nn.Parameter(table)
         self.widths = []  # the padded width of every forward
 
-    def initial_state(self, shape, device, dtype, generator=None):
-        return torch.zeros(shape, device=device, dtype=dtype)
-
-    def forward(self, idx, targets=None, T=None, h0=None, reduction="mean"):
+    def forward(self, idx, targets=None, T=None, h0=None, reduction="mean", diagnostics=None):
         assert h0 is not None and h0.shape[:2] == idx.shape
         self.widths.append(idx.size(1))
         logits = self.table[idx]

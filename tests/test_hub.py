@@ -24,7 +24,7 @@ import torch
 
 from interop import hub
 from tokenizer import SPLIT_PATTERN
-from model import Parcae, ParcaeConfig, apply_rotary
+from model import Parcae, ParcaeConfig, apply_rotary, initial_state
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "authors_params.json").read_text())
 ROOT = Path(__file__).resolve().parent.parent
@@ -183,7 +183,7 @@ def assert_same_logits(original, loaded):
         if original.config.injection == "none":
             torch.testing.assert_close(loaded(idx), original(idx), rtol=0, atol=1e-5)
             return
-        h0 = original.initial_state((2, 12, original.config.d_model), "cpu", torch.float32)
+        h0 = initial_state((2, 12, original.config.d_model))
         for T in (1, 4):
             torch.testing.assert_close(loaded(idx, T=T, h0=h0), original(idx, T=T, h0=h0), rtol=0, atol=1e-5)
 
@@ -430,7 +430,7 @@ def test_export_then_load_gives_the_same_logits(tmp_path, injection):
                                                         "tokenizer_config.json"]
     loaded, tokenizer = hub.load_pretrained(str(folder))
     idx = torch.randint(0, 300, (2, 12))
-    h0 = original.initial_state((2, 12, original.config.d_model), "cpu", torch.float32)
+    h0 = initial_state((2, 12, original.config.d_model))
     with torch.no_grad():
         for T in (1, 4, 8):
             torch.testing.assert_close(loaded(idx, T=T, h0=h0), original(idx, T=T, h0=h0), rtol=0, atol=1e-5)
@@ -495,7 +495,7 @@ def test_a_depth_3_model_exports_with_the_backprop_depth_its_gates_need(tmp_path
     assert json.loads((folder / "config.json").read_text())["mean_backprop_depth"] == 1
     loaded, _ = hub.load_pretrained(str(folder))
     idx = torch.randint(0, 300, (2, 12))
-    h0 = original.initial_state((2, 12, 64), "cpu", torch.float32)
+    h0 = initial_state((2, 12, 64))
     with torch.no_grad():
         for T in (1, 2, 5, 8):
             torch.testing.assert_close(loaded(idx, T=T, h0=h0), original(idx, T=T, h0=h0), rtol=0, atol=1e-5)

@@ -1,10 +1,12 @@
-"""The --dry_run memory plan's activation estimate (Parcae.activation_bytes) against the bytes a training
-forward really saves for backward, measured with saved-tensor hooks on small CPU models."""
+"""The memory plan of a training run (Parcae.memory_plan, optim.optimizer_state_bytes): its activation estimate
+(Parcae.activation_bytes) against the bytes a training forward really saves for backward, measured with
+saved-tensor hooks on small CPU models, and its sum."""
 
 import pytest
 import torch
 
 from model import Parcae, ParcaeConfig
+from optim import optimizer_state_bytes
 
 
 def saved_bytes(model, batch_size, bf16):
@@ -40,3 +42,23 @@ def test_activation_estimate_within_20_percent_of_the_saved_tensors(depth, d_mod
     assert estimated == pytest.approx(measured, rel=0.2)
     assert (model.activation_bytes(1, bf16) > estimated) == bf16  # a fixed part: bf16's weight copies
     assert model.activation_bytes(2, bf16) - model.activation_bytes(1, bf16) == estimated
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_memory_plan_adds_up_and_its_largest_batch_is_the_largest_that_fits(bf16):
+    """The paper's 1.3B (depth 24, mu_rec 8) on the meta device: float32 weights 5.4 GB, each copy of them
+    (gradients, DDP buckets) as large, MuonAdamW's state 8.0 GB; one more sequence than "largest_batch" would
+    pass 90% of the GPU's memory."""
+    with torch.device("meta"):
+        model = Parcae(ParcaeConfig.from_depth(24, mu_rec=8))
+    optimizer_bytes = optimizer_state_bytes(model)
+    assert optimizer_bytes < optimizer_state_bytes(model, muon=False)  # Muon's second moment is factored
+    plan = model.memory_plan(32, bf16, optimizer_bytes)
+    assert round(plan["weights"] / 1e9, 1) == 5.4 and round(plan["optimizer"] / 1e9, 1) == 8.0
+    assert plan["weights"] == plan["grads"] == plan["ddp_buckets"] == 4 * model.num_params()
+    assert plan["activations"] == model.activation_bytes(32, bf16)
+    assert plan["total"] == 3 * plan["weights"] + plan["optimizer"] + plan["activations"]
+    for gb, largest in plan["largest_batch"].items():
+        assert model.memory_plan(largest, bf16, optimizer_bytes)["total"] <= 0.9 * gb * 1e9
+        assert model.memory_plan(largest + 1, bf16, optimizer_bytes)["total"] > 0.9 * gb * 1e9
+    assert 0 < plan["largest_batch"][80] < plan["largest_batch"][141]

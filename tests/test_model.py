@@ -4,10 +4,12 @@ import math
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
 
-from depths import SAMPLINGS, mean_steps, sample_depths
+from depths import SAMPLINGS, mean_steps, sample_depths, split_depths
 from engine import KVCache
-from model import Context, Parcae, ParcaeConfig, trunc_orthogonal_
+from model import Parcae, ParcaeConfig, stability_diagnostics, trunc_orthogonal_
 
 # METHOD.md §1: (depth, Transformer params, Parcae params), vocab 32,768
 PAPER_SIZES = [
@@ -193,11 +195,16 @@ def test_an_n_k_draw_runs_n_then_k_steps():
     model = randomized(Parcae(tiny_config(mu_rec=4))).eval()
     idx, h0 = torch.randint(0, 97, (3, 8)), torch.randn(3, 8, 64) * 0.1
     pair = (torch.tensor([5, 2, 0]), torch.tensor([2, 2, 1]))
-    torch.testing.assert_close(model(idx, T=pair, h0=h0), model(idx, T=torch.tensor([7, 4, 1]), h0=h0))
+    all_without_grad = (torch.tensor([7, 4, 1]), torch.tensor([0, 0, 0]))
+    torch.testing.assert_close(model(idx, depths=pair, h0=h0), model(idx, depths=all_without_grad, h0=h0))
     with pytest.raises(ValueError, match="grow together"):
-        model(idx, T=(torch.tensor([5, 0, 0]), torch.tensor([1, 3, 3])), h0=h0)
+        model(idx, depths=(torch.tensor([5, 0, 0]), torch.tensor([1, 3, 3])), h0=h0)
     with pytest.raises(ValueError, match="n \\+ k >= 1"):
-        model(idx, T=(0, 0))
+        model(idx, depths=(0, 0))
+    with pytest.raises(ValueError, match="or 0 for all"):
+        model(idx, depths=(torch.tensor([5, 5, 1]), torch.tensor([1, 0, 0])))
+    with pytest.raises(ValueError, match="not both"):
+        model(idx, T=3, depths=pair)
 
 
 @pytest.mark.parametrize("training", [False, True])
@@ -209,7 +216,7 @@ def test_per_sequence_depths_equal_running_each_sequence_alone(injection, traini
     idx = torch.randint(0, 97, (4, 16))
     h0 = torch.randn(4, 16, 64) * 0.1
     depths = torch.tensor([1, 3, 7, 2])  # mixed no-grad (n) and grad (k <= mu_bwd = 2) phases
-    batched = model(idx, T=depths, h0=h0)
+    batched = model(idx, depths=split_depths(depths, model.config.mu_bwd, training), h0=h0)
     for i in range(4):
         alone = model(idx[i:i + 1], T=int(depths[i]), h0=h0[i:i + 1])
         torch.testing.assert_close(batched[i:i + 1], alone, rtol=1e-5, atol=1e-5)
@@ -267,31 +274,35 @@ def test_stability_diagnostics():
     idx = torch.randint(0, 97, (3, 8))
     h0 = torch.randn(3, 8, 64) * 0.1
     e = torch.randn(3, 8, 64)
-    ctx = Context({}, model.rope_cos[:, :8], model.rope_sin[:, :8])
+    cos, sin = model.rope_cos[:, :8], model.rope_sin[:, :8]
 
-    def steps(depths):  # training's split of each depth into no-grad and grad steps
-        return model.resolve_steps(torch.tensor(depths), 3)
+    def run(depths):  # -> (h_T, h_{T-1}) at training's split of each depth into no-grad and grad steps
+        n, k = split_depths(torch.tensor(depths), model.config.mu_bwd, training=True)
+        return model.recurrence_longest_first(h0, e, n, k, {}, cos, sin)
 
     with torch.no_grad():
-        h2 = model.recurrence(e, steps([2, 2, 2]), h0, ctx).h
-        h3, stats = model.recurrence(e, steps([3, 3, 3]), h0, ctx, diagnostics=True)
-        mixed = model.recurrence(e, steps([2, 3, 1]), h0, ctx, diagnostics=True).diagnostics
-        h1 = model.recurrence(e, steps([1, 1, 1]), h0, ctx).h
+        h2 = run([2, 2, 2])[0]
+        h3, h3_prev = run([3, 3, 3])
+        stats = stability_diagnostics(h3, h3_prev)
+        mixed = stability_diagnostics(*run([2, 3, 1]))
+        h1 = run([1, 1, 1])[0]
     norm3 = h3.norm(dim=-1).mean()
     assert stats["h_norm"].item() == pytest.approx(norm3.item(), rel=1e-5)
     assert stats["update_ratio"].item() == pytest.approx(((h3 - h2).norm(dim=-1).mean() / norm3).item(), rel=1e-5)
     # per-sequence depths: each sequence's own last update (h_T - h_{T-1} at its own T)
     h_T = torch.stack([h2[0], h3[1], h1[2]])
-    h_before = torch.stack([model.recurrence(e, steps([1, 1, 1]), h0, ctx).h[0], h2[1], h0[2]])
+    h_before = torch.stack([h1[0], h2[1], h0[2]])
     norm = h_T.norm(dim=-1).mean()
     assert mixed["h_norm"].item() == pytest.approx(norm.item(), rel=1e-5)
     assert mixed["update_ratio"].item() == pytest.approx(((h_T - h_before).norm(dim=-1).mean() / norm).item(),
                                                          rel=1e-5)
-    loss, stats = model(idx, idx, return_diagnostics=True)
+    stats = {}
+    loss = model(idx, idx, h0=h0, depth_generator=torch.Generator().manual_seed(0), diagnostics=stats)
     assert math.isfinite(stats["h_norm"].item()) and loss.requires_grad
-    assert torch.is_tensor(model(idx, idx))  # only when asked for; nothing is kept on the model
-    transformer = Parcae(tiny_config(injection="none"))
-    assert transformer(idx, return_diagnostics=True)[1] == {"h_norm": None, "update_ratio": None}
+    assert torch.equal(loss, model(idx, idx, h0=h0, depth_generator=torch.Generator().manual_seed(0)))
+    stats = {}
+    Parcae(tiny_config(injection="none"))(idx, diagnostics=stats)
+    assert stats == {"h_norm": None, "update_ratio": None}
 
 
 def test_injection_is_a_plain_submodule_and_follows_conversion():
@@ -318,7 +329,7 @@ def test_depth_generator_decides_the_sampled_depths():
     loss = model(idx, idx, h0=h0, depth_generator=torch.Generator().manual_seed(3))
     n, k = sample_depths(model.config, 8, torch.Generator().manual_seed(3))
     assert len((n + k).unique()) > 1
-    assert loss.item() == model(idx, idx, h0=h0, T=(n, k)).item()
+    assert loss.item() == model(idx, idx, h0=h0, depths=(n, k)).item()
     assert loss.item() == model(idx, idx, h0=h0, depth_generator=torch.Generator().manual_seed(3)).item()
 
 
@@ -337,6 +348,8 @@ def test_kv_cache_decoding_equals_full_recompute():
             parts.append(model(idx[:, t:t + 1], T=3, h0=h0[:, t:t + 1], cache=cache))
         with pytest.raises(ValueError, match="13 positions exceed the KV cache's 12"):
             model(idx[:, :1], T=3, cache=cache)
+        with pytest.raises(ValueError, match="one depth for the whole batch"):
+            model(idx[:, :1], depths=(torch.tensor([2, 1]), torch.tensor([0, 0])), cache=KVCache(max_len=12))
     torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=1e-5, atol=1e-5)
     assert len(cache.slots) == 1 + 3 + 1 and cache.pos == 12  # prelude, 3 loop steps, coda
     # written in place: every slot is still the buffer allocated at the first forward, sized for all 12
@@ -391,3 +404,51 @@ def test_checkpoint_round_trip_and_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="corrupt"):
         load_checkpoint(tmp_path / "bad.pt")
 
+
+
+def counted_flops_per_token(model, x, backward, **depth):
+    """FlopCounterMode's count per token. Attention runs on SDPA's math path: the CPU flash kernel has no FLOP
+    formula (it counts 0); the math path's bmm are counted in full over S x S, the causal mask not halving them."""
+    counter = FlopCounterMode(display=False)
+    with sdpa_kernel(SDPBackend.MATH), counter:
+        if backward:
+            model(x, x, **depth).backward()
+        else:
+            with torch.no_grad():
+                model(x, **depth)
+    return counter.get_total_flops() / x.numel()
+
+
+@pytest.mark.parametrize("injection", ["diagonal", "concat", "add", "none"])
+def test_matmul_flops_per_token_is_what_flop_counter_mode_counts(injection):
+    """Exact, with causal attention counted in full (the method's convention): a training forward + backward at a
+    fixed (n, k) and at a per-sequence draw (the loop on a prefix of the batch), and an eval forward at T."""
+    torch.manual_seed(0)
+    config = ParcaeConfig(vocab_size=97, seq_len=32, n_prelude=1, n_recur=2, n_coda=1, d_model=64, head_dim=32,
+                          mu_rec=4, injection=injection)
+    model = Parcae(config).train()
+    x = torch.randint(0, 97, (6, 32))
+    draw = sample_depths(model.config, 6, torch.Generator().manual_seed(3))
+    assert len((draw[0] + draw[1]).unique()) > 2  # the sequences loop different depths
+    for n, k in [(2, 2), draw]:
+        assert counted_flops_per_token(model, x, True, depths=(n, k)) == model.matmul_flops_per_token(n, k), (n, k)
+    model.eval()
+    assert counted_flops_per_token(model, x, False, T=5) == model.matmul_flops_per_token(5, 0, backward=False)
+
+
+def test_matmul_flops_differ_from_the_papers_c_by_lookups_vectors_and_the_head():
+    """At the 140M and T = (mu_rec - mu_bwd, mu_bwd), the paper's C (METHOD.md §2) less the executed count is
+    exactly what C counts as matmuls that are not (the value-embedding tables, the norm and A_log / dt_bias
+    vectors) less the tied head's 6 d V, which C leaves out."""
+    with torch.device("meta"):
+        model = Parcae(ParcaeConfig.from_depth(6, mu_rec=8))
+    c = model.config
+    n, k = c.mu_rec - c.mu_bwd, c.mu_bwd
+
+    def vectors(module):
+        return sum(p.numel() for p in module.parameters() if p.ndim == 1)
+
+    tables, core_vectors = sum(p.numel() for p in model.value_embeds.parameters()), vectors(model.recur)
+    assert model.flops_per_token() - model.matmul_flops_per_token(n, k) == \
+        6 * (tables + vectors(model) - core_vectors) + (2 * (n + k) + 4 * k) * core_vectors \
+        - 6 * c.d_model * c.padded_vocab_size

@@ -11,7 +11,8 @@ import torch._dynamo
 import torch.nn as nn
 
 from eval_core import evaluate_bpb
-from model import Parcae, ParcaeConfig
+from depths import split_depths
+from model import Parcae, ParcaeConfig, initial_state
 from engine import generate
 
 BF16 = dict(device_type="cpu", dtype=torch.bfloat16)
@@ -80,7 +81,7 @@ def test_the_stream_and_every_norm_stay_float32_under_bf16_autocast(injection):
 def test_bf16_forward_tracks_float32():
     model = tiny().eval()
     x = torch.randint(0, 257, (2, 32))
-    h0 = model.initial_state((2, 32, 64), "cpu", torch.float32)
+    h0 = initial_state((2, 32, 64))
     reference = model(x, x, T=4, h0=h0)
     with torch.autocast(**BF16):
         bf16 = model(x, x, T=4, h0=h0)
@@ -117,7 +118,7 @@ def compiled_graphs(model, depths, autocast, reset=True):
     x = torch.randint(0, 257, (4, 32))
     for T in depths:
         with autocast:
-            loss = model(x, x, T=torch.tensor(T))
+            loss = model(x, x, depths=split_depths(torch.tensor(T), model.config.mu_bwd, training=True))
         loss.backward()
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 

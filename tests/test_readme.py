@@ -233,7 +233,6 @@ def test_readme_sizes_table_is_what_the_code_computes():
     train.py's paper preset (vocab 32,768, head_dim 128, seq_len 2048, batch 524,288, mu_rec 8) built on the meta
     device; GPU-hours: the matmul FLOPs executed at 40% MFU of an H100's 989 TFLOP/s."""
     import torch
-    from common import matmul_flops_per_token
     from model import Parcae, ParcaeConfig
 
     number = r" \| ([\d.e,]+)"
@@ -253,5 +252,5 @@ def test_readme_sizes_table_is_what_the_code_computes():
         assert int(parcae.replace(",", "")) == models["diagonal"].num_params(), depth
         assert float(flops) == float(f"{models['diagonal'].flops_per_token():.3e}"), depth
         assert float(total) == float(f"{total_flops:.3e}"), depth
-        executed = matmul_flops_per_token(models["diagonal"]) * trained_tokens
+        executed = models["diagonal"].matmul_flops_per_token() * trained_tokens
         assert int(gpu_hours.replace(",", "")) == round(executed / (0.4 * 989e12) / 3600), depth

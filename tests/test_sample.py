@@ -17,7 +17,7 @@ import sample
 from common import save_checkpoint
 from experiments import decoding
 from engine import KVCache, decode_step, generate, relative_change, sample_next, teacher_forced
-from model import Parcae, ParcaeConfig
+from model import Parcae, ParcaeConfig, Slot, initial_state
 from tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,7 +57,7 @@ def test_cached_greedy_equals_full_recompute(T):
     tokens, steps = run(model, PROMPT, n, T=T, temperature=0)
     # the reference: the whole sequence through the model for every token, the same h0 for every position
     seq = torch.tensor(PROMPT)
-    h0 = model.initial_state((1, seq.size(1) + n, 64), "cpu", torch.float32, torch.Generator().manual_seed(0))
+    h0 = initial_state((1, seq.size(1) + n, 64), "cpu", torch.Generator().manual_seed(0))
     with torch.no_grad():
         for _ in range(n):
             logits = model(seq, T=T, h0=h0[:, :seq.size(1)])
@@ -136,7 +136,7 @@ def test_auto_with_threshold_zero_equals_fixed_T_max():
 def prefilled(model, T=4):
     """The tiny model with PROMPT in a KV cache sized for one more position, and h0 for all 8."""
     cache = KVCache(max_len=8, depth=T)
-    h0 = model.initial_state((1, 8, 64), "cpu", torch.float32, torch.Generator().manual_seed(0))
+    h0 = initial_state((1, 8, 64), "cpu", torch.Generator().manual_seed(0))
     with torch.no_grad():
         model(torch.tensor(PROMPT), T=T, h0=h0[:, :7], cache=cache)
     return cache, h0
@@ -154,13 +154,13 @@ def test_auto_exit_predicts_like_the_shallower_depth_and_fills_skipped_slots(exi
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
     assert cache.pos == 8
     for slot in shallow.slots:  # what the exit computed is what fixed T=2 caches, the coda's slot included
-        end = -1 if slot[0] == "recur" and slot[1] >= 2 else None  # but the skipped steps' new entry: below
+        end = -1 if slot.part == "recur" and slot.step >= 2 else None  # but the skipped steps' new entry: below
         for ours, ref in zip(cache.slots[slot], shallow.slots[slot]):
             torch.testing.assert_close(ours[:, :, :end], ref[:, :, :end], rtol=1e-5, atol=1e-5, msg=str(slot))
     for i in range(2):
-        k1, v1 = cache.slots[("recur", 1, i)]
+        k1, v1 = cache.slots[Slot("recur", i, step=1)]
         for s in (2, 3):
-            k, v = cache.slots[("recur", s, i)]
+            k, v = cache.slots[Slot("recur", i, step=s)]
             assert torch.equal(k[:, :, -1], k1[:, :, -1]) and torch.equal(v[:, :, -1], v1[:, :, -1])
             assert not torch.equal(k[:, :, -2], k1[:, :, -2])  # the prompt's entries ran all 4 steps
 
@@ -171,10 +171,11 @@ def test_state_exit_stops_at_the_first_small_relative_change():
     idx = torch.tensor([[11]])
     with torch.no_grad():  # the full-depth trajectory of the new position's state, step by step
         reference = copy.deepcopy(cache)
-        e, (ves, cos, sin) = model.run_prelude(idx, reference)
+        e, ves, cos, sin = model.run_prelude(idx, reference)
         states = [h0[:, 7:]]
         for step in range(6):
-            states.append(model.recur_step(states[-1], e, step, ves, cos, sin, reference))
+            u = model.injection(states[-1], model.injection.Bbar_e(e))
+            states.append(model.recurrent_block(u, step, ves, cos, sin, reference))
     changes = [float(relative_change(new, old)) for old, new in zip(states[1:], states[2:])]  # at t = 2..6
     assert len(set(changes)) == 5
     for threshold in sorted(changes)[1:4]:
@@ -187,7 +188,7 @@ def test_teacher_forced_loss_is_the_cross_entropy_of_the_recomputed_sequence():
     model = tiny_model()
     ids = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(3))
     generator = torch.Generator().manual_seed(0)  # teacher_forced's: the rows draw their h0 from it in turn
-    h0 = torch.cat([model.initial_state((1, 20, 64), "cpu", torch.float32, generator) for _ in range(2)])
+    h0 = torch.cat([initial_state((1, 20, 64), "cpu", generator) for _ in range(2)])
     with torch.no_grad():
         expected = model(ids[:, :-1], ids[:, 1:].clone().masked_fill_(torch.arange(19) < 5, -1), T=3,
                          h0=h0[:, :19])
