@@ -1,12 +1,16 @@
-"""Tests for train.py, run as users run it (subprocesses): exact resume, the same command again after a kill, two
-processes and two "nodes" against one, an elastic restart after a killed rank, the non-finite-gradient skip, the
-divergence rule, README's L(T) command against the run's own last eval, and one-line errors for bad input."""
+"""Tests for train.py, run as users run it (subprocesses): exact resume, also from a moved base folder, the same
+command again after a kill, a run's identity (other run-defining flags are refused, nothing written), two processes
+and two "nodes" against one, an elastic restart after a killed rank, the non-finite-gradient skip, the divergence
+rule, README's L(T) command against the run's own last eval; in-process, where no training is needed: one-line
+errors for every bad flag value, --dry_run and --help. Faults come from tests/faulty_train.py."""
 
 import json
 import math
 import os
 import random
 import re
+import runpy
+import shutil
 import socket
 import subprocess
 import sys
@@ -19,7 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--depth=3", "--d_model=64", "--head_dim=32", "--mu_rec=3", "--vocab_size=320", "--seq_len=32",
         "--device_batch_size=4", "--total_batch_size=256", "--max_tokens=2048", "--eval_every=1000",
-        "--eval_tokens=256", "--save_every=1000", "--log_every=1", "--core_every=-1"]
+        "--eval_tokens=256", "--save_every=1000", "--log_every=1", "--core_every=-1", "--dtype=float32", "--compile=0"]
 
 
 @pytest.fixture(scope="module")
@@ -34,22 +38,24 @@ def corpus(tmp_path_factory):
     return root
 
 
-def train_command(corpus, *flags, nproc=1, torchrun=None):
+def train_command(corpus, *flags, nproc=1, torchrun=None, fault=None):
     """Plain python for one process without torchrun flags; torchrun otherwise (standalone unless `torchrun`
-    gives the launcher's rendezvous flags, as the two-node test does for one process per node)."""
+    gives the launcher's rendezvous flags, as the two-node test does for one process per node). fault: run
+    tests/faulty_train.py with that fault in place of train.py."""
     launcher = [sys.executable] if nproc == 1 and torchrun is None else \
         [sys.executable, "-m", "torch.distributed.run", *(torchrun or ["--standalone"]), f"--nproc_per_node={nproc}",
          "--"]
-    return launcher + [str(ROOT / "train.py"), f"--data={corpus / 'corpus.txt'}", *TINY, *flags]
+    script = [str(ROOT / "tests" / "faulty_train.py"), fault] if fault else [str(ROOT / "train.py")]
+    return launcher + script + [f"--data={corpus / 'corpus.txt'}", *TINY, *flags]
 
 
-def train_env(corpus, **extra):
-    return {**os.environ, "NANOPARCAE_BASE_DIR": str(corpus / "base"), "OMP_NUM_THREADS": "1", **extra}
+def train_env(corpus, base=None, **extra):
+    return {**os.environ, "NANOPARCAE_BASE_DIR": str(base or corpus / "base"), "OMP_NUM_THREADS": "1", **extra}
 
 
-def train(corpus, *flags, nproc=1, torchrun=None, env=None, expect_ok=True):
-    result = subprocess.run(train_command(corpus, *flags, nproc=nproc, torchrun=torchrun), capture_output=True,
-                            text=True, env=train_env(corpus, **(env or {})), timeout=300)
+def train(corpus, *flags, nproc=1, torchrun=None, env=None, expect_ok=True, fault=None, base=None):
+    result = subprocess.run(train_command(corpus, *flags, nproc=nproc, torchrun=torchrun, fault=fault),
+                            capture_output=True, text=True, env=train_env(corpus, base, **(env or {})), timeout=300)
     if expect_ok:
         assert result.returncode == 0, result.stderr[-3000:]
     return result
@@ -57,7 +63,7 @@ def train(corpus, *flags, nproc=1, torchrun=None, env=None, expect_ok=True):
 
 @pytest.fixture(scope="module")
 def one(corpus):
-    """One process, 2 micro-batches of 4 per step: the reference the multi-process runs must equal."""
+    """One process, 2 micro-batches of 4 per step: the reference the multi-process and resumed runs must equal."""
     train(corpus, "--run=one")
     return step_losses(corpus, "one")
 
@@ -69,28 +75,57 @@ def two(corpus):
     return step_losses(corpus, "two")
 
 
+@pytest.fixture(scope="module")
+def first_two(corpus):
+    """Run `halves` stopped after step 2 -> the weights of its step-2 checkpoint, read before anything continues it."""
+    train(corpus, "--run=halves", "--stop_at=2")
+    return torch.load(corpus / "base" / "runs" / "halves" / "ckpt_000002.pt", weights_only=True)["model"]
+
+
 def final_weights(corpus, run):
     path = corpus / "base" / "runs" / run / "ckpt_000008.pt"
     return torch.load(path, map_location="cpu", weights_only=True)["model"]
 
 
-def step_losses(corpus, run):
-    lines = (corpus / "base" / "runs" / run / "metrics.jsonl").read_text().splitlines()
+def step_losses(corpus, run, base=None):
+    lines = ((base or corpus / "base") / "runs" / run / "metrics.jsonl").read_text().splitlines()
     return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
 
 
-def test_resumed_run_gives_exactly_the_losses_of_an_uninterrupted_run(corpus):
-    train(corpus, "--run=whole")
-    train(corpus, "--run=halves", "--stop_at=4")
-    assert list(step_losses(corpus, "halves")) == [1, 2, 3, 4]
-    changed = train(corpus, "--run=halves", "--resume", "--d_model=96", expect_ok=False)
-    assert changed.returncode != 0 and len(changed.stderr.strip().splitlines()) == 1
-    assert "cannot resume halves with these flags" in changed.stderr and "size mismatch" in changed.stderr
-    train(corpus, "--run=halves", "--resume")
-    whole, halves = step_losses(corpus, "whole"), step_losses(corpus, "halves")
-    assert list(whole) == list(range(1, 9))
-    assert halves == whole  # bit for bit
-    assert whole[8] < whole[1]
+def untouched(run_dir):
+    """{file name: (bytes, mtime)} of a run folder, to show that a refused command wrote nothing there."""
+    return {path.name: (path.read_bytes(), path.stat().st_mtime_ns) for path in sorted(run_dir.iterdir())}
+
+
+def refused(result):
+    """The one line of a refused command, after checking that it is one line with status 2."""
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    return result.stderr
+
+
+def test_resumed_run_gives_exactly_the_losses_of_an_uninterrupted_run_from_a_moved_base_folder(corpus, one,
+                                                                                              first_two):
+    """Stopped after step 2, the run is refused under another --d_model and --mu_rec (one line naming both, its
+    files untouched); then continued from a copy of the base folder elsewhere (the tokenizer and the corpus are
+    keyed by content, not by where they lie), with a changed --save_every, which the log names: its losses are the
+    uninterrupted run's, bit for bit."""
+    run_dir = corpus / "base" / "runs" / "halves"
+    assert list(step_losses(corpus, "halves")) == [1, 2]
+    before = untouched(run_dir)
+    message = refused(train(corpus, "--run=halves", "--resume", "--d_model=96", "--mu_rec=4", expect_ok=False))
+    assert f"run halves ({run_dir / 'ckpt_000002.pt'}) was started with other flags: " in message
+    assert "d_model 64 there, 96 here; mu_rec 3 there, 4 here;" in message and "--run=NAME" in message
+    assert untouched(run_dir) == before
+    moved = corpus / "moved"
+    shutil.copytree(corpus / "base", moved)
+    resumed = train(corpus, "--run=halves", "--resume", "--save_every=500", base=moved)
+    assert f"resumed halves at step 2, from {moved / 'runs' / 'halves' / 'ckpt_000002.pt'}" in resumed.stdout
+    assert "changed: --save_every 1000 -> 500" in resumed.stdout
+    halves = step_losses(corpus, "halves", base=moved)
+    assert list(one) == list(range(1, 9))
+    assert halves == one  # bit for bit
+    assert one[8] < one[1]
 
 
 def logged_steps(run_dir):
@@ -106,10 +141,10 @@ def logged_steps(run_dir):
 
 
 def test_the_same_command_after_a_kill_continues_from_the_checkpoint_and_a_finished_run_stays_done(corpus):
-    """Killed from outside once it has logged steps past a checkpoint, the same command again continues from that
-    checkpoint: it is kept until the next save, each step is logged once and in order, and the steps done twice
-    have the losses the killed run logged, bit for bit. The same command once more says the run is done and
-    changes nothing."""
+    """Killed from outside once it has logged steps past a checkpoint, the run refuses another --seed (its files
+    untouched), and the same command again continues from that checkpoint: it is kept until the next save, each step
+    is logged once and in order, and the steps done twice have the losses the killed run logged, bit for bit. The
+    same command once more says the run is done and changes nothing; another --mu_rec is refused, not "done"."""
     flags, run_dir = ["--max_tokens=10240", "--save_every=5"], corpus / "base" / "runs" / "rerun"  # 40 steps
     killed = subprocess.Popen(train_command(corpus, "--run=rerun", *flags), env=train_env(corpus),
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -124,17 +159,22 @@ def test_the_same_command_after_a_kill_continues_from_the_checkpoint_and_a_finis
     kept, before = max(run_dir.glob("ckpt_*.pt")), step_losses(corpus, "rerun")
     at = int(kept.stem[5:])
     assert 0 < at < max(before) < 40
+    files = untouched(run_dir)
+    message = refused(train(corpus, "--run=rerun", *flags, "--seed=1", expect_ok=False))
+    assert "seed 0 there, 1 here" in message and "--run=NAME to start another" in message
+    assert untouched(run_dir) == files
     again = train(corpus, "--run=rerun", *flags)
-    assert f"resumed rerun at step {at}, from {kept} (a new --run trains afresh)" in again.stdout
+    assert f"resumed rerun at step {at}, from {kept} (--run=NAME trains another)" in again.stdout
     assert re.findall(r"saved .*ckpt_(\d+)\.pt", again.stdout)[0] == f"{at + 5:06d}"  # not step 5 of a restart
     assert logged_steps(run_dir) == list(range(1, 41))
     after = step_losses(corpus, "rerun")
     assert {step: after[step] for step in before} == before  # steps at..max(before) done again, the same
-    metrics, mtime = (run_dir / "metrics.jsonl").read_text(), (run_dir / "ckpt_000040.pt").stat().st_mtime_ns
+    files = untouched(run_dir)
     done = train(corpus, "--run=rerun", *flags)
     assert f"run rerun is done: {run_dir / 'ckpt_000040.pt'} holds its last step, 40" in done.stdout
-    assert (run_dir / "metrics.jsonl").read_text() == metrics
-    assert (run_dir / "ckpt_000040.pt").stat().st_mtime_ns == mtime
+    message = refused(train(corpus, "--run=rerun", *flags, "--mu_rec=8", expect_ok=False))
+    assert "mu_rec 3 there, 8 here; mu_bwd 2 there, 4 here" in message
+    assert untouched(run_dir) == files
 
 
 def test_a_run_whose_files_changed_is_not_continued_on_them(corpus, tmp_path):
@@ -142,10 +182,24 @@ def test_a_run_whose_files_changed_is_not_continued_on_them(corpus, tmp_path):
     changed.write_text((corpus / "corpus.txt").read_text())
     train(corpus, "--run=changed", f"--data={changed}", "--stop_at=2")
     changed.write_text(changed.read_text() + "\n\nthe loop learns a stable state.")
-    result = train(corpus, "--run=changed", f"--data={changed}", expect_ok=False)
-    assert result.returncode != 0 and len(result.stderr.strip().splitlines()) == 1, result.stderr
-    assert f"the files of --data={changed} are not the ones run changed was trained on" in result.stderr
+    message = refused(train(corpus, "--run=changed", f"--data={changed}", expect_ok=False))
+    assert re.search(r"data files-\w+ there, files-\w+ here \(data: the key of --data's files", message), message
     assert logged_steps(corpus / "base" / "runs" / "changed") == [1, 2]
+
+
+def test_a_damaged_newest_checkpoint_is_named_and_left_as_it_is(corpus, tmp_path, first_two):
+    """A truncated checkpoint: one line naming the file, that it is truncated or unreadable, what to do; the folder
+    stays as it was."""
+    run_dir = tmp_path / "base" / "runs" / "damaged"
+    run_dir.mkdir(parents=True)
+    whole = (corpus / "base" / "runs" / "halves" / "ckpt_000002.pt").read_bytes()
+    (run_dir / "ckpt_000002.pt").write_bytes(whole[:len(whole) // 2])
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    files = untouched(run_dir)
+    message = refused(train(corpus, "--run=damaged", base=tmp_path / "base", expect_ok=False))
+    assert f"checkpoint {run_dir / 'ckpt_000002.pt'} is truncated or unreadable" in message
+    assert "remove it" in message and "restore it" in message
+    assert untouched(run_dir) == files
 
 
 def test_two_processes_give_the_losses_of_one(one, two):
@@ -179,10 +233,10 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_with_the_weights_of_an_unbr
     # the last rank SIGKILLs itself after step 6; torchrun restarts both workers, which resume from the
     # step-4 checkpoint and recompute steps 5 and 6 exactly
     launch = dict(nproc=2, torchrun=("--standalone", "--max_restarts=1"))
-    shared = train(corpus, "--run=shared_store", **launch, env={"NANOPARCAE_FAULT": "kill_step=1"}, expect_ok=False)
+    shared = train(corpus, "--run=shared_store", **launch, fault="kill_step=1", expect_ok=False)
     assert shared.returncode != 0 and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in shared.stderr  # a clear line
-    result = train(corpus, "--run=elastic", "--save_every=4", **launch,
-                   env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "NANOPARCAE_FAULT": "kill_step=6"})
+    result = train(corpus, "--run=elastic", "--save_every=4", **launch, fault="kill_step=6",
+                   env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     assert "resumed elastic at step 4, elastic restart 1" in result.stdout
     reference, weights = final_weights(corpus, "two"), final_weights(corpus, "elastic")
     assert reference.keys() == weights.keys()
@@ -204,7 +258,7 @@ def test_bf16_autocast_on_a_cpu_tracks_float32(corpus, one):
 
 
 def test_non_finite_gradients_are_skipped_and_the_run_goes_on(corpus):
-    result = train(corpus, "--run=nan", env={"NANOPARCAE_FAULT": "nan_step=2"})
+    result = train(corpus, "--run=nan", fault="nan_step=2")
     assert "non-finite gradients, update skipped (1 so far)" in result.stdout
     records = [json.loads(line) for line in (corpus / "base" / "runs" / "nan" / "metrics.jsonl").open()]
     steps = [r for r in records if "loss" in r]
@@ -213,10 +267,10 @@ def test_non_finite_gradients_are_skipped_and_the_run_goes_on(corpus):
     assert [r for r in records if "val_loss_T1" in r][-1]["val_loss_T1"] < 100
 
 
-def test_a_run_non_finite_for_k_steps_is_declared_diverged_and_keeps_its_last_good_checkpoint(corpus):
-    # the gradients of steps 3, 4 and 5 are poisoned (the hook counts steps from 0): three bad steps in a row
-    result = train(corpus, "--run=diverged", "--save_every=2", "--diverge_steps=3",
-                   env={"NANOPARCAE_FAULT": "nan_step=2,nan_steps=3"}, expect_ok=False)
+def test_a_run_non_finite_for_k_steps_is_declared_diverged_and_keeps_its_last_good_checkpoint(corpus, first_two):
+    # the gradients of steps 3, 4 and 5 are poisoned (the fault counts steps from 0): three bad steps in a row
+    result = train(corpus, "--run=diverged", "--save_every=2", "--diverge_steps=3", fault="nan_step=2,nan_steps=3",
+                   expect_ok=False)
     assert result.returncode == 3, result.stderr[-3000:]
     run_dir = corpus / "base" / "runs" / "diverged"
     assert (f"diverged at step 3: non-finite loss or gradients, 3 steps in a row (to step 5); the last checkpoint, "
@@ -226,12 +280,10 @@ def test_a_run_non_finite_for_k_steps_is_declared_diverged_and_keeps_its_last_go
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5]
     # step 4's checkpoint waited for a good step that never came: step 2's stays, the state before the streak
     assert [path.name for path in run_dir.glob("ckpt_*.pt")] == ["ckpt_000002.pt"]
-    train(corpus, "--run=before_streak", "--stop_at=2")
-    kept, reference = (torch.load(corpus / "base" / "runs" / run / "ckpt_000002.pt", weights_only=True)["model"]
-                       for run in ("diverged", "before_streak"))
-    assert kept.keys() == reference.keys()
-    for name in reference:
-        assert torch.equal(kept[name], reference[name]), name
+    kept = torch.load(run_dir / "ckpt_000002.pt", weights_only=True)["model"]
+    assert kept.keys() == first_two.keys()
+    for name in first_two:
+        assert torch.equal(kept[name], first_two[name]), name
 
 
 def test_a_state_past_the_bound_for_k_steps_is_declared_diverged(corpus):
@@ -244,7 +296,8 @@ def test_a_state_past_the_bound_for_k_steps_is_declared_diverged(corpus):
 
 def test_a_val_loss_far_above_a_uniform_guess_is_declared_diverged_at_that_eval(corpus):
     """At a rate of 3 the first eval (step 2) is far above ln 320: the run stops there, before any checkpoint. The
-    same command at the recipe's rate then starts afresh: its evals stay below ln 320, each step logged once."""
+    same command at the recipe's rate is another run: refused, its files untouched; under another --run it trains
+    with its evals below ln 320, each step logged once."""
     result = train(corpus, "--run=hot", "--adamw_lr=3", "--muon_lr=3", "--eval_every=2", expect_ok=False)
     assert result.returncode == 3, result.stderr[-3000:]
     assert "diverged at step 2: val loss far above a uniform guess" in result.stdout
@@ -252,56 +305,33 @@ def test_a_val_loss_far_above_a_uniform_guess_is_declared_diverged_at_that_eval(
     records = [json.loads(line) for line in (corpus / "base" / "runs" / "hot" / "metrics.jsonl").open()]
     assert records[-1] == {"step": 2, "diverged_at": 2, "reason": "val loss far above a uniform guess"}
     assert records[-2]["val_loss_T3"] > math.log(320) + 1
-    calm = train(corpus, "--run=hot", "--eval_every=2")  # the recipe's rate: evals below ln 320, no stop
+    calm = train(corpus, "--run=calm", "--eval_every=2")  # the recipe's rate: evals below ln 320, no stop
     assert "diverged" not in calm.stdout
-    assert logged_steps(corpus / "base" / "runs" / "hot") == list(range(1, 9))
+    assert logged_steps(corpus / "base" / "runs" / "calm") == list(range(1, 9))
 
 
-def test_a_run_at_its_initial_weights_is_not_declared_diverged_by_an_eval_at_a_uniform_guess(corpus):
+def test_an_eval_at_a_uniform_guess_stops_a_run_only_after_it_had_learned_and_across_a_resume(corpus):
     """A 4-step concat run that barely moves its initial weights (a rate of 1e-9) scores about ln 320 at its step-2
-    eval, a little above: it has not learned yet, so it has nothing to have lost, and it ends with its checkpoint."""
-    result = train(corpus, "--run=initial", "--injection=concat", "--max_tokens=1024", "--adamw_lr=1e-9",
-                   "--muon_lr=1e-9", "--eval_every=2")
+    eval, a little above: it has not learned yet, so it has nothing to have lost, and it ends with its checkpoint.
+    The same step-2 checkpoint recording a lowest val loss 2 nats below ln 320 (a run that had learned), continued:
+    its step-4 eval, back at ln 320, stops it, so the lowest val loss came through the resume."""
+    flags = ["--injection=concat", "--max_tokens=1024", "--adamw_lr=1e-9", "--muon_lr=1e-9", "--eval_every=2"]
+    train(corpus, "--run=initial", *flags, "--stop_at=2")
+    learned = corpus / "base" / "runs" / "learned"
+    learned.mkdir()
+    ckpt = torch.load(corpus / "base" / "runs" / "initial" / "ckpt_000002.pt", weights_only=True)
+    ckpt["lowest_val_loss"] = math.log(320) - 2
+    torch.save(ckpt, learned / "ckpt_000002.pt")
+    result = train(corpus, "--run=initial", *flags)
     assert "diverged" not in result.stdout
     records = [json.loads(line) for line in (corpus / "base" / "runs" / "initial" / "metrics.jsonl").open()]
     first_eval = next(r for r in records if "val_loss_T3" in r)
     assert first_eval["step"] == 2 and math.log(320) <= first_eval["val_loss_T3"] < math.log(320) + 1
     assert (corpus / "base" / "runs" / "initial" / "ckpt_000004.pt").is_file()
-
-
-@pytest.mark.parametrize("flags,message", [
-    (["--depth=4"], "multiple of 3"),
-    (["--total_batch_size=300"], "not divisible by device_batch_size"),
-    (["--data=/nonexistent/corpus/*.txt"], "no .txt, .jsonl or .parquet files match"),
-    (["--mu_rec=0"], "error: mu_rec=0 must be at least 1"),
-])
-def test_bad_input_ends_with_one_clear_line(corpus, flags, message):
-    env = {**os.environ, "NANOPARCAE_BASE_DIR": str(corpus / "base")}
-    result = subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY, f"--data={corpus / 'corpus.txt'}",
-                             *flags], capture_output=True, text=True, env=env, timeout=120)
-    assert result.returncode != 0
-    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
-
-
-def test_resume_without_a_checkpoint_ends_in_one_line_before_any_work(corpus, tmp_path):
-    env = {**os.environ, "NANOPARCAE_BASE_DIR": str(tmp_path / "base")}
-    result = subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY, f"--data={corpus / 'corpus.txt'}",
-                             "--run=never", "--resume"], capture_output=True, text=True, env=env, timeout=120)
-    assert result.returncode != 0 and len(result.stderr.strip().splitlines()) == 1, result.stderr
-    assert f"no checkpoint of run never under {tmp_path / 'base' / 'runs' / 'never'}" in result.stderr
-    assert "start it without --resume" in result.stderr
-    assert list((tmp_path / "base").iterdir()) == []  # no tokenizer trained, no run folder made
-
-
-def test_dry_run_prints_the_paper_size(tmp_path):
-    env = {**os.environ, "NANOPARCAE_BASE_DIR": str(tmp_path)}
-    result = subprocess.run([sys.executable, str(ROOT / "train.py"), "--depth=24", "--mu_rec=8", "--dry_run"],
-                            capture_output=True, text=True, timeout=120, env=env)
-    assert result.returncode == 0, result.stderr
-    assert "parameters: 1,338,591,744" in result.stdout and "tokens: 103,999," in result.stdout
-    assert "memory per GPU (GB): weights 5.4 + grads 5.4 + DDP buckets 5.4 + optimizer 8.0" in result.stdout
-    fits = re.search(r"largest device batch: (\d+) in 80 GB, (\d+) in 141 GB", result.stdout)
-    assert fits and 0 < int(fits[1]) < int(fits[2])
+    lost = train(corpus, "--run=learned", *flags, expect_ok=False)
+    assert lost.returncode == 3, lost.stderr[-3000:]
+    assert "diverged at step 4: val loss back above a uniform guess, " in lost.stdout
+    assert f", lowest before {math.log(320) - 2:.4f}; the last checkpoint" in lost.stdout
 
 
 def test_eval_core_bpb_gives_train_pys_last_eval_and_its_figure(corpus, one):
@@ -324,21 +354,90 @@ def test_eval_core_bpb_gives_train_pys_last_eval_and_its_figure(corpus, one):
 
 def test_authors_per_batch_sampling_trains_and_per_document_ppl_runs(corpus):
     train(corpus, "--run=per_batch", "--sampling=per_batch", "--max_tokens=512")
-    env = {**os.environ, "NANOPARCAE_BASE_DIR": str(corpus / "base"), "OMP_NUM_THREADS": "1"}
     result = subprocess.run([sys.executable, str(ROOT / "eval_core.py"), "--eval=ppl", "--T=1,3", "--max_docs=20",
-                             "--run=per_batch"], capture_output=True, text=True, env=env, timeout=300)
+                             "--run=per_batch"], capture_output=True, text=True, env=train_env(corpus), timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(next((corpus / "base" / "runs" / "per_batch").glob("*_ppl_T1-3.json")).read_text())
     assert out["T"] == [1, 3] and all(1 < ppl < 320 for ppl in out["ppl"])  # better than uniform over the vocab
     assert "one per forward" in result.stdout and "ppl" in result.stdout
 
 
-def test_faults_come_from_the_environment_and_help_lists_only_what_a_user_sets(tmp_path):
-    env = {**os.environ, "NANOPARCAE_BASE_DIR": str(tmp_path), "NANOPARCAE_FAULT": "nan_step=2,kill=3"}
-    result = subprocess.run([sys.executable, str(ROOT / "train.py"), "--dry_run"], capture_output=True, text=True,
-                            timeout=120, env=env)
-    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
-    assert "NANOPARCAE_FAULT: 'kill=3' is not one of" in result.stderr
-    result = subprocess.run([sys.executable, str(ROOT / "train.py"), "--help"], capture_output=True, text=True,
-                            timeout=120, env={**env, "NANOPARCAE_FAULT": ""})
-    assert result.returncode == 0 and "--mu_rec" in result.stdout and "--fault" not in result.stdout
+# -----------------------------------------------------------------------------
+# In-process: what train.py does before it trains anything
+
+
+def run_train(monkeypatch, capsys, *flags):
+    """train.py run in this process with these flags (it must exit before training) -> (status, stdout, stderr)."""
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "train.py"), *flags])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+    out, err = capsys.readouterr()
+    return exit_info.value.code, out, err
+
+
+BAD_VALUES = {  # flag -> values train.py refuses before any work, each in one line naming the flag
+    **{flag: ["0", "-1"] for flag in ("depth", "d_model", "head_dim", "mu_rec", "mu_bwd", "vocab_size", "seq_len",
+                                     "device_batch_size", "total_batch_size", "eval_every", "eval_tokens",
+                                     "core_max_per_task", "save_every", "log_every", "stop_at")},
+    **{flag: ["0", "-1", "nan", "inf"] for flag in ("max_tokens", "param_data_ratio", "target_flops", "adamw_lr",
+                                                   "muon_lr", "grad_clip", "diverge_h_norm")},
+    "weight_decay": ["-0.1", "nan"], "diverge_steps": ["-1"], "seed": ["-1"], "warmdown_frac": ["-0.5", "1.5"],
+    "core_every": ["0", "-2"], "device": ["gpu"] + ([] if torch.cuda.is_available() else ["cuda"]),
+    "injection": ["loop"], "data": ["/nonexistent/corpus/*.txt"],
+}
+
+
+@pytest.mark.parametrize("flag", list(BAD_VALUES))
+def test_every_bad_flag_value_ends_in_one_line_naming_it_and_writes_nothing(flag, tmp_path, monkeypatch, capsys):
+    base = tmp_path / "base"
+    monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(base))
+    for value in BAD_VALUES[flag]:
+        status, _, err = run_train(monkeypatch, capsys, *TINY, f"--{flag}={value}")
+        assert status == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, (value, err)
+        assert err.startswith("error: ") and f"--{flag}" in err, err
+        assert not base.exists() or not any(base.rglob("*")), list(base.rglob("*"))
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--depth=4"], "multiple of 3"),
+    (["--d_model=100"], "d_model=100 is not a multiple of head_dim=32"),
+    (["--total_batch_size=300"], "not divisible by device_batch_size"),
+    (["--dev=cuda"], "unrecognized arguments: --dev=cuda"),  # no prefix matching: not --device, not --device_batch_size
+    (["--seq_len=0"], "--seq_len=0 must be a positive number"),
+])
+def test_bad_input_ends_with_one_clear_line(flags, message, monkeypatch, capsys):
+    status, _, err = run_train(monkeypatch, capsys, *TINY, "--data=stdlib", *flags)
+    assert status == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_no_fineweb_shards_name_the_download_and_the_cpu_run(tmp_path, monkeypatch, capsys):
+    """Bare `python train.py` (the paper's 140M on FineWeb-Edu) on a machine without the shards."""
+    status, _, err = run_train(monkeypatch, capsys)
+    assert status == 2 and len(err.strip().splitlines()) == 1, err
+    assert "python data.py download" in err and "bash runs/cpu.sh" in err
+
+
+def test_resume_without_a_checkpoint_ends_in_one_line_before_any_work(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(tmp_path / "base"))
+    status, _, err = run_train(monkeypatch, capsys, *TINY, "--data=stdlib", "--run=never", "--resume")
+    assert status == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"no checkpoint of run never under {tmp_path / 'base' / 'runs' / 'never'}" in err
+    assert "start it without --resume" in err
+    assert list((tmp_path / "base").iterdir()) == []  # no tokenizer trained, no run folder made
+
+
+def test_dry_run_prints_the_paper_size(monkeypatch, capsys):
+    status, out, err = run_train(monkeypatch, capsys, "--depth=24", "--mu_rec=8", "--dry_run")
+    assert status == 0, err
+    assert "parameters: 1,338,591,744" in out and "tokens: 103,999," in out
+    assert "memory per GPU (GB): weights 5.4 + grads 5.4 + DDP buckets 5.4 + optimizer 8.0" in out
+    fits = re.search(r"largest device batch: (\d+) in 80 GB, (\d+) in 141 GB", out)
+    assert fits and 0 < int(fits[1]) < int(fits[2])
+
+
+def test_help_lists_every_default_and_only_what_a_user_sets(monkeypatch, capsys):
+    status, out, _ = run_train(monkeypatch, capsys, "--help")
+    assert status == 0 and "--mu_rec" in out and "--fault" not in out and "NANOPARCAE_FAULT" not in out
+    words = " ".join(out.split())  # argparse wraps the help text
+    for default in ("(default: 6)", "(default: 32768)", "(default: fineweb-edu)", "(default: bfloat16)"):
+        assert default in words, default
