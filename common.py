@@ -195,16 +195,18 @@ def matmul_flops_per_token(model, n=None, k=None, backward=True):
 # train.py's divergence rule (docs/troubleshooting.md states it for users)
 
 STATE_NORM_LIMIT = 1e4  # ~256 ||e|| (||e|| ~ sqrt(d)): bf16's 8 significant bits no longer resolve e beside h
-VAL_LOSS_MARGIN = 1.0  # nats; initial weights score ln V + ~0.2: the tied head's logits start with variance 2/5
+VAL_LOSS_MARGIN = 1.0  # nats below a uniform guess ln V that show a run has learned
 
 
 class Divergence:
     """The divergence rule, step by step. A run diverged at the first of `patience` bad steps in a row (a
     non-finite loss or gradients; ||h_T|| past h_norm_limit where that stops a run), or at an eval whose val loss
-    is non-finite, more than VAL_LOSS_MARGIN above a uniform guess ln V, or back at ln V after an eval that margin
-    below it (learned, then lost). patience 0: never. The state-norm limit stops a run in bfloat16 (past it the
-    input no longer registers, u = Abar h + Bbar e) or when given; in float32, which resolves 2^16 times finer,
-    a state past 2^16 x the limit is a warning once. lowest_val_loss: the lowest eval so far, kept across a resume."""
+    is non-finite, or back at a uniform guess ln V after an eval VAL_LOSS_MARGIN below it (learned, then lost). A
+    run that has not learned is not judged by its val loss: initial weights can score far above ln V (the
+    Transformer's tied head predicts the current token). patience 0: never. The state-norm limit stops a run in
+    bfloat16 (past it the input no longer registers in u = Abar h + Bbar e) or when given; in float32, which
+    resolves 2^16 times finer, a state past 2^16 x the limit is a warning, once. lowest_val_loss: the lowest eval
+    so far, carried across a resume."""
 
     def __init__(self, vocab_size, dtype, patience, h_norm_limit=None, lowest_val_loss=math.inf):
         self.vocab_size, self.uniform, self.patience = vocab_size, math.log(vocab_size), patience
@@ -222,24 +224,18 @@ class Divergence:
         if 0 < self.patience <= self.bad_steps:
             return {"diverged_at": step - self.bad_steps + 1, "reason": reason,
                     "detail": f"{self.bad_steps} steps in a row (to step {step})"}
-        if val_loss is not None and self.patience > 0 and (lost := self.val_loss_lost(val_loss)):
-            lowest = f", lowest before {self.lowest_val_loss:.4f}" if math.isfinite(self.lowest_val_loss) else ""
-            return {"diverged_at": step, "reason": lost,
-                    "detail": f"{val_loss:.4f} against ln {self.vocab_size} = {self.uniform:.4f}{lowest}"}
+        if val_loss is not None and self.patience > 0:
+            learned = self.lowest_val_loss < self.uniform - VAL_LOSS_MARGIN
+            lost = "non-finite val loss" if not math.isfinite(val_loss) else \
+                "val loss back above a uniform guess" if learned and val_loss >= self.uniform else None
+            if lost:
+                return {"diverged_at": step, "reason": lost, "detail": f"{val_loss:.4f} against ln {self.vocab_size} "
+                        f"= {self.uniform:.4f}, lowest before {self.lowest_val_loss:.4f}"}
         if val_loss is not None:
             self.lowest_val_loss = min(self.lowest_val_loss, val_loss)
         if past and not self.h_norm_stops and not self.warned:
             self.warned = True
             return {"warning": "h_norm", "h_norm": h_norm, "limit": self.h_norm_limit}
-        return None
-
-    def val_loss_lost(self, val_loss):
-        if not math.isfinite(val_loss):
-            return "non-finite val loss"
-        if val_loss > self.uniform + VAL_LOSS_MARGIN:  # confidently wrong, which initial weights are not
-            return "val loss far above a uniform guess"
-        if val_loss >= self.uniform and self.lowest_val_loss < self.uniform - VAL_LOSS_MARGIN:
-            return "val loss back above a uniform guess"
         return None
 
 

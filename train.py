@@ -60,16 +60,16 @@ parser.error = fail  # an unknown flag or a value of the wrong type: one line to
 # the model
 parser.add_argument("--depth", type=int, default=6, help="layers, L_P = L_R = L_C = depth/3; 6/12/18/24 = 140M..1.3B")
 parser.add_argument("--d_model", type=int, default=None, help="width (None: 128 * (depth/3 + 4))")
-parser.add_argument("--head_dim", type=int, default=128)
+parser.add_argument("--head_dim", type=int, default=128, help="attention head width")
 parser.add_argument("--mu_rec", type=int, default=8, help="mean recurrence depth")
 parser.add_argument("--mu_bwd", type=int, default=None, help="backpropagated depth (None: ceil(mu_rec/2))")
 parser.add_argument("--injection", default="diagonal", choices=["diagonal", "concat", "add", "none"],
                     help="diagonal = Parcae, concat = RDM, add, none = fixed-depth Transformer")
 parser.add_argument("--sampling", default="per_sequence", choices=list(SAMPLINGS), metavar="SCHEME",
                     help=f"recurrence-depth sampler, one of {', '.join(SAMPLINGS)} (depths.py says what each draws)")
-parser.add_argument("--prelude_norm", type=int, default=1, choices=[0, 1])
-parser.add_argument("--vocab_size", type=int, default=32768)
-parser.add_argument("--seq_len", type=int, default=2048)
+parser.add_argument("--prelude_norm", type=int, default=1, choices=[0, 1], help="RMSNorm on the prelude's output e")
+parser.add_argument("--vocab_size", type=int, default=32768, help="tokens, the specials included")
+parser.add_argument("--seq_len", type=int, default=2048, help="tokens per row")
 # the data and the horizon
 parser.add_argument("--data", default="fineweb-edu", help="fineweb-edu, stdlib, or a path / glob of .txt, .jsonl, "
                                                           ".parquet files")
@@ -84,13 +84,13 @@ parser.add_argument("--total_batch_size", type=int, default=524_288, help="token
 parser.add_argument("--optimizer", default="muon", choices=["muon", "adamw"],
                     help="muon: the recipe, Muon on the blocks' matrices and AdamW on the rest; adamw: AdamW on all")
 parser.add_argument("--adamw_lr", type=float, default=None, help="None: 8e-3 (140M, 370M) or 6e-3 (770M, 1.3B)")
-parser.add_argument("--muon_lr", type=float, default=8e-3)
+parser.add_argument("--muon_lr", type=float, default=8e-3, help="Muon's rate on the blocks' matrices")
 parser.add_argument("--weight_decay", type=float, default=0.2, help="Muon's cautious weight decay")
-parser.add_argument("--grad_clip", type=float, default=1.0)
-parser.add_argument("--warmdown_frac", type=float, default=0.5)
+parser.add_argument("--grad_clip", type=float, default=1.0, help="gradient norm clip")
+parser.add_argument("--warmdown_frac", type=float, default=0.5, help="last fraction of steps decaying the rate to 0")
 parser.add_argument("--seed", type=int, default=0, help="initial weights, data order, depths and h0")
 # how it runs, evaluates, logs and saves: free to change when a run is continued
-parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
 parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
                     help="autocast dtype of the matmuls (bfloat16 on a CPU runs the GPU's numerics)")
 parser.add_argument("--compile", type=int, default=1, choices=[0, 1], help="torch.compile the blocks")
@@ -98,10 +98,10 @@ parser.add_argument("--compile_backend", default="inductor", choices=["inductor"
                     help="eager: dynamo's tracing and guards without code generation (counts recompilations fast)")
 parser.add_argument("--eval_every", type=int, default=250, help="steps between validation evals")
 parser.add_argument("--eval_tokens", type=int, default=10 * 524_288, help="validation tokens per eval")
-parser.add_argument("--core_every", type=int, default=2000, help="steps between CORE evals (-1: never), also at the end")
+parser.add_argument("--core_every", type=int, default=2000, help="steps between CORE evals, and at the end (-1: never)")
 parser.add_argument("--core_max_per_task", type=int, default=500, help="CORE examples per task during training")
 parser.add_argument("--save_every", type=int, default=1000, help="steps between checkpoints")
-parser.add_argument("--log_every", type=int, default=1)
+parser.add_argument("--log_every", type=int, default=1, help="steps between log lines")
 parser.add_argument("--diverge_steps", type=int, default=5,
                     help="bad steps in a row that declare the run diverged (0: never, nor by the val loss)")
 parser.add_argument("--diverge_h_norm", type=float, default=None,
