@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import sample
 from common import Divergence
 from model import Parcae, ParcaeConfig
 
@@ -448,6 +449,26 @@ def test_every_bad_flag_value_ends_in_one_line_naming_it_and_writes_nothing(flag
         assert status == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, (value, err)
         assert err.startswith("error: ") and f"--{flag}" in err, err
         assert not base.exists() or not any(base.rglob("*")), list(base.rglob("*"))
+
+
+SAMPLE_BAD_VALUES = {  # sample.py's flags and values it refuses before loading anything
+    "num_samples": ["0", "-1"], "max_new_tokens": ["0"], "T_max": ["0"], "temperature": ["-1", "nan"],
+    "top_k": ["-1"], "exit_threshold": ["0", "-1"], "T": ["0", "-3", "deep"], "exit": ["never"], "temp": ["0.5"],
+    "device": ["gpu"] + ([] if torch.cuda.is_available() else ["cuda"]),
+}
+
+
+def test_every_bad_sample_flag_value_ends_in_one_line_naming_it(tmp_path, monkeypatch, capsys):
+    base = tmp_path / "base"
+    monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(base))
+    for flag, values in SAMPLE_BAD_VALUES.items():
+        for value in values:
+            with pytest.raises(SystemExit) as exit_info:
+                sample.main(["--prompt=hi", f"--{flag}={value}"])
+            err = capsys.readouterr().err
+            assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1, (flag, value, err)
+            assert ": error: " in err and f"--{flag}" in err and "Traceback" not in err, err
+    assert not base.exists() or not any(base.rglob("*"))
 
 
 @pytest.mark.parametrize("flags,message", [
