@@ -233,14 +233,15 @@ if resume_from:
     differ = [f"{name} {recorded.get(name, 'unrecorded')} there, {value} here" for name, value in run_flags.items()
               if recorded.get(name) != value]
     if differ:
-        data = " (data: the key of --data's files, from their names, sizes and modification times)" \
-            if recorded.get("data") != data_key else ""
+        data = " (data: --data's content key, from its files' names, sizes and modification times, or stdlib's " \
+            "Python version)" if recorded.get("data") != data_key else ""
         fail(f"run {run_name} ({resume_from}) was started with other flags: {'; '.join(differ)}{data}; "
              f"pass its flags to continue it, or --run=NAME to start another")
     if ckpt["step"] >= num_steps:
         log(f"run {run_name} is done: {resume_from} holds its last step, {num_steps}; nothing to train "
             f"(--run=NAME trains another)")
         sys.exit(0)
+log(f"output: {run_dir}")
 
 # -----------------------------------------------------------------------------
 # Tokenizer, data (one loader per virtual rank), the model and the optimiser

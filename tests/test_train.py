@@ -186,7 +186,7 @@ def test_a_run_whose_files_changed_is_not_continued_on_them(corpus, tmp_path):
     train(corpus, "--run=changed", f"--data={changed}", "--stop_at=2")
     changed.write_text(changed.read_text() + "\n\nthe loop learns a stable state.")
     message = refused(train(corpus, "--run=changed", f"--data={changed}", expect_ok=False))
-    assert re.search(r"data files-\w+ there, files-\w+ here \(data: the key of --data's files", message), message
+    assert re.search(r"data files-\w+ there, files-\w+ here \(data: --data's content key", message), message
     assert logged_steps(corpus / "base" / "runs" / "changed") == [1, 2]
 
 
