@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common import (Divergence, find_checkpoint, get_base_dir, init_distributed, matmul_flops_per_token,
-                    peak_bf16_flops, rank_and_world, read_checkpoint, save_checkpoint, write_atomically)
+from common import (Divergence, find_checkpoint, get_base_dir, init_distributed, peak_bf16_flops, rank_and_world,
+                    read_checkpoint, save_checkpoint, write_atomically)
 from core_tasks import download_eval_bundle
 from data import DataLoader, get_tokenizer, tokenizer_dir, val_batches
 from depths import SAMPLINGS
@@ -151,7 +151,7 @@ except ValueError as err:
 with torch.device("meta"):  # sizes and FLOPs without allocating anything
     meta_model = Parcae(config)
 num_params, flops_per_token = meta_model.num_params(), meta_model.flops_per_token()  # the paper's C: the horizon
-executed_flops_per_token = matmul_flops_per_token(meta_model)  # at the sampler's mean depths: MFU
+executed_flops_per_token = meta_model.matmul_flops_per_token()  # at the sampler's mean depths: MFU
 if args.max_tokens:
     max_tokens = args.max_tokens
 elif args.target_flops:
