@@ -18,7 +18,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]  # README an
 
 def joined(text):
     """Shell text with each line continued by a backslash joined to the next."""
-    return re.sub(r"\\\n\s*", " ", text)
+    return re.sub(r"\s*\\\n\s*", " ", text)
 
 
 def readme_commands():
@@ -146,6 +146,7 @@ RUN_BY = {
     "python eval_core.py --eval bpb --T 1,2,4,8,16,32 --val_tokens 65536 --batch_size 16":
         "tests/test_train.py::test_eval_core_bpb_gives_train_pys_last_eval",
     "python train.py --depth=24 --mu_rec=8 --dry_run": "tests/test_train.py::test_dry_run_prints_the_paper_size",
+    "python train.py --help": "tests/test_train.py::test_help_lists_every_default_and_only_what_a_user_sets",
     "torchrun ... -- train.py --run=mine":
         "tests/test_train.py::test_two_processes_give_the_losses_of_one",
     "bash runs/gpu_check.sh":
