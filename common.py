@@ -5,6 +5,7 @@ A library, not a script: train.py, sample.py, eval_core.py, data.py and core_tas
 experiments/ and interop/.
 """
 
+import math
 import os
 import tempfile
 from dataclasses import asdict
@@ -144,14 +145,48 @@ def peak_bf16_flops(device):
 
 
 # -----------------------------------------------------------------------------
-# train.py's divergence rule: the limit on the state norm, by dtype
+# train.py's divergence rule (docs/troubleshooting.md states it for users)
 
-def state_norm_limit(dtype, given=None):
-    """train.py's state-norm rule -> (limit on ||h_T||, whether passing it is a bad step of the divergence streak).
-    bfloat16: 1e4, a bad step: that is ~256 x ||e|| (||e|| ~ sqrt(d)), where bf16's 8 significant bits no longer
-    resolve the input e beside h in u = Abar h + Bbar e. float32 has 16 more bits, so its limit is 1e4 * 2^16 and
-    only a warning: a float32 state of 1e4 still resolves its input and trains. A limit given is a stop in any
-    dtype."""
-    if given is not None:
-        return given, True
-    return (1e4, True) if dtype == "bfloat16" else (1e4 * 2 ** 16, False)
+STATE_NORM_LIMIT = 1e4  # ~256 ||e|| (||e|| ~ sqrt(d)): bf16's 8 significant bits no longer resolve e beside h
+VAL_LOSS_MARGIN = 1.0  # nats below a uniform guess ln V that show a run has learned
+
+
+class Divergence:
+    """The divergence rule, step by step. A run diverged at the first of `patience` bad steps in a row (a
+    non-finite loss or gradients; ||h_T|| past h_norm_limit where that stops a run), or at an eval whose val loss
+    is non-finite, or back at a uniform guess ln V after an eval VAL_LOSS_MARGIN below it (learned, then lost). A
+    run that has not learned is not judged by its val loss: initial weights can score far above ln V (the
+    Transformer's tied head predicts the current token). patience 0: never. The state-norm limit stops a run in
+    bfloat16 (past it the input no longer registers in u = Abar h + Bbar e) or when given; in float32, which
+    resolves 2^16 times finer, a state past 2^16 x the limit is a warning, once. lowest_val_loss: the lowest eval
+    so far, carried across a resume."""
+
+    def __init__(self, vocab_size, dtype, patience, h_norm_limit=None, lowest_val_loss=math.inf):
+        self.vocab_size, self.uniform, self.patience = vocab_size, math.log(vocab_size), patience
+        self.h_norm_stops = h_norm_limit is not None or dtype == "bfloat16"
+        self.h_norm_limit = h_norm_limit or STATE_NORM_LIMIT * (1 if self.h_norm_stops else 2 ** 16)
+        self.bad_steps, self.lowest_val_loss, self.warned = 0, lowest_val_loss, False
+
+    def check(self, step, finite, h_norm=None, val_loss=None):
+        """After `step`: finite, whether its loss and gradients were; h_norm, its ||h_T|| (None: unlooped); val_loss,
+        the eval at this step (None: none) -> None, {"diverged_at", "reason", "detail"}, or {"warning": "h_norm"}."""
+        past = h_norm is not None and h_norm > self.h_norm_limit
+        reason = "non-finite loss or gradients" if not finite else \
+            f"||h_T|| > {self.h_norm_limit:g}" if past and self.h_norm_stops else None
+        self.bad_steps = self.bad_steps + 1 if reason else 0
+        if 0 < self.patience <= self.bad_steps:
+            return {"diverged_at": step - self.bad_steps + 1, "reason": reason,
+                    "detail": f"{self.bad_steps} steps in a row (to step {step})"}
+        if val_loss is not None and self.patience > 0:
+            learned = self.lowest_val_loss < self.uniform - VAL_LOSS_MARGIN
+            lost = "non-finite val loss" if not math.isfinite(val_loss) else \
+                "val loss back above a uniform guess" if learned and val_loss >= self.uniform else None
+            if lost:
+                return {"diverged_at": step, "reason": lost, "detail": f"{val_loss:.4f} against ln {self.vocab_size} "
+                        f"= {self.uniform:.4f}, lowest before {self.lowest_val_loss:.4f}"}
+        if val_loss is not None:
+            self.lowest_val_loss = min(self.lowest_val_loss, val_loss)
+        if past and not self.h_norm_stops and not self.warned:
+            self.warned = True
+            return {"warning": "h_norm", "h_norm": h_norm, "limit": self.h_norm_limit}
+        return None

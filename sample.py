@@ -37,6 +37,8 @@ def load_checkpoint_and_tokenizer(ckpt, run, device):
     path = Path(ckpt) if ckpt else find_checkpoint(get_base_dir() / "runs", run)
     model, checkpoint = load_checkpoint(path, device)
     tokenizer_dir = Path(checkpoint.get("tokenizer_dir", ""))
+    if not tokenizer_dir.is_dir():  # a moved base folder: the same tokenizer under this one's tokenizers/
+        tokenizer_dir = get_base_dir() / "tokenizers" / tokenizer_dir.name
     if not (tokenizer_dir / "tokenizer.tiktoken").is_file():
         raise FileNotFoundError(f"the tokenizer of checkpoint {path} is not at {tokenizer_dir}; recreate it with "
                                 f"`python data.py tokenizer` and the run's --data and --vocab_size")
@@ -100,9 +102,23 @@ def add_sampling_flags(parser):
 
 
 def parse_sampling_flags(parser, argv):
+    """The flags, each checked before any work: a bad value, like an unknown flag, ends in one line naming it."""
+    parser.error = lambda message: parser.exit(2, f"{parser.prog}: error: {message}\n")
     args = parser.parse_args(argv)
-    if min(args.num_samples, args.max_new_tokens, args.T_max or 1) < 1 or args.temperature < 0 or args.top_k < 0:
-        parser.error("--num_samples, --max_new_tokens and --T_max must be >= 1, --temperature and --top_k >= 0")
+    for name in ("num_samples", "max_new_tokens", "T_max"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name}={getattr(args, name)} must be at least 1")
+    for name in ("temperature", "top_k"):
+        if not getattr(args, name) >= 0:
+            parser.error(f"--{name}={getattr(args, name)} must be 0 or more")
+    if args.exit_threshold is not None and not args.exit_threshold > 0:
+        parser.error(f"--exit_threshold={args.exit_threshold} must be positive")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        parser.error(f"--device={args.device} is not a device; pass cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device={args.device}, but this machine has no CUDA GPU; pass --device=cpu")
     args.top_k = args.top_k or None
     warnings.formatwarning = lambda message, *_, **__: f"warning: {message}\n"
     return args
@@ -134,7 +150,8 @@ def sample(model, tokenizer, args, label, name="sample.py"):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--ckpt", help="a checkpoint file (default: the latest of --run)")
     which.add_argument("--run", help="a run under <base dir>/runs (default: the most recently written)")

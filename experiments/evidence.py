@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import find_checkpoint, get_base_dir, load_checkpoint, state_norm_limit, write_atomically
+from common import STATE_NORM_LIMIT, find_checkpoint, get_base_dir, load_checkpoint, write_atomically
 from data import get_tokenizer, val_batches
 from eval_core import evaluate_bpb, fit_test_time_scaling
 from experiments.plot import draw_evidence, read_run
@@ -38,7 +38,7 @@ DETAILS = ROOT / "figures/evidence_cpu/details.md"  # the numbers behind it, lin
 # The setup and the experiments
 
 VOCAB, STEPS, BATCH = 259, 300, 2048
-UNIFORM_LOSS = math.log(VOCAB)  # a diverged run counts as a uniform guess
+UNIFORM_LOSS = math.log(VOCAB)  # a diverged run, or one that ends no better, counts as a uniform guess
 MAIN = ["--depth=3", "--d_model=128", "--head_dim=64", f"--vocab_size={VOCAB}", "--seq_len=128",
         "--device_batch_size=16", f"--total_batch_size={BATCH}", "--data=stdlib", "--compile=0", "--dtype=float32",
         "--core_every=-1", "--log_every=1", "--save_every=1000000", "--eval_tokens=8192"]
@@ -54,7 +54,7 @@ INJECTIONS = ["concat", "add", "diagonal"]  # concat = the RDM baseline (Geiping
 # (train.py --optimizer), the setup of the paper's RDM comparison. Claims 1, 4 and 5 run under both.
 OPTIMIZERS = ["muon", "adamw"]
 FRACTIONS = [0.6, 0.7, 0.8, 0.9, 1.0]  # the evals of the drift rule (scaling_fit.drift_check)
-BF16_STATE_LIMIT = state_norm_limit("bfloat16")[0]  # a float32 run past it is marked, not stopped
+BF16_STATE_LIMIT = STATE_NORM_LIMIT  # train.py stops a bf16 run past it; a float32 run past it is marked
 
 
 def make_run(injection="diagonal", rate=SHARED_RATE, seed=0, mu_rec=8, sampling="per_sequence", prelude_norm=1,
@@ -206,7 +206,9 @@ def evaluate(name, mu_rec, with_curve):
 
 def load_results(runs):
     """{name: record} of the finished runs, each with `loss` (final val loss at T = mu_rec, a uniform guess's if
-    it diverged) and `diverged`."""
+    it diverged) and `diverged`. The suite counts as diverged what train.py stopped (common.Divergence) and also a
+    run that ends no better than a uniform guess, which train.py lets finish (it never learned, or lost it between
+    evals): the claims compare final losses, and such a run has learned nothing to compare."""
     results = {}
     for run in runs:
         path = run_dir(run["name"]) / "evidence.json"
@@ -583,7 +585,8 @@ def plan(args):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("command", choices=["plan", "run", "report", "evaluate"])
     parser.add_argument("names", nargs="*", help="evaluate: a run name, its mu_rec and 1 for the T curve (internal)")
     parser.add_argument("--jobs", type=int, default=2, help="runs at once (one thread each)")

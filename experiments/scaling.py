@@ -45,7 +45,7 @@ H100_BF16, MFU = PEAK_BF16_FLOPS["H100"], 0.4  # GPU-hour estimates: 40% MFU of 
 # -----------------------------------------------------------------------------
 # Sweeps. A sweep is a model (train.py flags), budgets C, mu_rec values and the test-time depths T of the fit.
 
-PAPER_MODEL = dict(head_dim=128, vocab_size=32768, seq_len=2048)  # train.py's paper preset fills the rest
+PAPER_MODEL = dict(head_dim=128, vocab_size=32768, seq_len=2048)  # train.py's defaults, the paper's, fill the rest
 PAPER_BATCH = 524_288
 # The CPU study (docs/scaling.md): the paper's regime, up to 20+ tokens per parameter (its 140M sees 5-25),
 # reached by a 254,720-parameter model: depth 3, d_model 64, a 512-token vocabulary, 128-token rows. Five budgets
@@ -57,7 +57,8 @@ PRESETS = {
                 T=[1, 2, 3, 4, 5, 6, 8, 10, 12, 16],
                 model=dict(d_model=64, head_dim=32, vocab_size=512, seq_len=128), batch=2048,
                 train_args=["--device_batch_size=16", "--eval_every=1000000", "--eval_tokens=32768",
-                            "--core_every=-1", "--save_every=500", "--log_every=100", "--compile=0", "--data=stdlib",
+                            "--core_every=-1", "--save_every=500", "--log_every=100", "--compile=0", "--dtype=float32",
+                            "--data=stdlib",
                             "--adamw_lr=3.2e-2", "--muon_lr=3.2e-2"],
                 eval_args=["--val_tokens=32768"]),
 }
@@ -559,7 +560,8 @@ def parse_list(text, kind, flag):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("command", choices=["plan", "run", "fit"])
     parser.add_argument("--preset", choices=sorted(PRESETS), help="a ready sweep: cpu = the CPU study")
     parser.add_argument("--depth", type=int, help="model size (train.py --depth; default 6, the 140M)")

@@ -45,7 +45,7 @@ if [ "$tiny" = 1 ]; then
            --new_tokens 16 --compile_backend eager)
     declare -A LIMIT=([train]=300 [fp32]=300 [bf16]=300 [ddp]=300 [bench]=300)  # loose: a shared CPU can crawl
 else
-    MODEL=(--depth=6 --mu_rec=8)  # train.py's paper preset fills in the rest: d_model 768, vocab 32768, seq 2048
+    MODEL=(--depth=6 --mu_rec=8)  # train.py's defaults, the paper's, fill in the rest: d_model 768, vocab 32768
     seq=2048; micro=32; steps=50; ddp_steps=10; precision_micro=8; precision_steps=5
     COMPILE=(--compile=1)
     BENCH=(--repeats 3)  # bench.py's CUDA default is the 140M, 16 x 2048 per step

@@ -16,11 +16,16 @@ README = (ROOT / "README.md").read_text()
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]  # README and the pages it links
 
 
+def joined(text):
+    """Shell text with each line continued by a backslash joined to the next."""
+    return re.sub(r"\s*\\\n\s*", " ", text)
+
+
 def readme_commands():
     """(page, command) for every shell command in the bash blocks of README and docs/, split at &&, | and ;,
     comments dropped."""
     for page in PAGES:
-        blocks = re.findall(r"```bash\n(.*?)```", page.read_text(), flags=re.S)
+        blocks = re.findall(r"```bash\n(.*?)```", joined(page.read_text()), flags=re.S)
         for line in "\n".join(blocks).splitlines():
             line = line.split(" #")[0].strip()
             for part in re.split(r"&&|\||;", line):
@@ -91,9 +96,10 @@ def test_readme_leads_with_the_two_scripts_and_ci_runs_the_second():
     quick_start = README.split("## Quick start\n")[1].split("\n## ")[0]
     first_block = re.search(r"```bash\n(.*?)```", quick_start, flags=re.S).group(1)
     assert [line.split(" #")[0].strip() for line in first_block.splitlines()] == ["bash runs/cpu.sh", "bash runs/test.sh"]
-    cpu = (ROOT / "runs" / "cpu.sh").read_text().splitlines()
+    cpu = joined((ROOT / "runs" / "cpu.sh").read_text()).splitlines()
+    train_command = next(c for c in shown_commands(README) if c.startswith("python train.py"))
     sample_command = next(c for c in shown_commands(README) if c.startswith("python sample.py"))
-    assert cpu[-2:] == ["python train.py", sample_command]
+    assert cpu[-2:] == [train_command, sample_command]
     assert (ROOT / "runs" / "test.sh").read_text().strip().splitlines()[-1] == "python -m pytest -q -rs tests"
     assert (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1] == "bash runs/test.sh"
 
@@ -129,7 +135,10 @@ RUN_BY = {
     "bash runs/test.sh": ".ci/run",
     "python3 -m venv .venv": "runs/setup.sh",
     ". .venv/bin/activate": "runs/setup.sh",
-    "python train.py": "tests/test_train.py::test_resumed_run_gives_exactly_the_losses_of_an_uninterrupted_run",
+    "python train.py --depth=3 --d_model=128 --head_dim=64 --mu_rec=4 --vocab_size=4096 --seq_len=256 --data=stdlib "
+    "--device_batch_size=16 --total_batch_size=8192 --max_tokens=3.2e6 --dtype=float32 --compile=0 --eval_every=130 "
+    "--eval_tokens=65536 --save_every=130 --log_every=20 --core_every=-1":
+        "tests/test_train.py::test_resumed_run_gives_exactly_the_losses_of_an_uninterrupted_run",
     "python -m pytest -q -rs tests": "runs/test.sh",
     'python sample.py --prompt="class Test" --max_new_tokens=64 --num_samples=3 --seed=42':
         "tests/test_sample.py::test_cli_streams_each_sample",
@@ -138,6 +147,7 @@ RUN_BY = {
         "tests/test_train.py::test_eval_core_bpb_gives_train_pys_last_eval",
     "python -m experiments.plot --test_time": "tests/test_plot.py::test_test_time_draws_the_newest_fit_beside_its_json",
     "python train.py --depth=24 --mu_rec=8 --dry_run": "tests/test_train.py::test_dry_run_prints_the_paper_size",
+    "python train.py --help": "tests/test_train.py::test_help_lists_every_default_and_only_what_a_user_sets",
     "torchrun ... -- train.py --run=mine":
         "tests/test_train.py::test_two_processes_give_the_losses_of_one",
     "bash runs/gpu_check.sh":
@@ -155,7 +165,7 @@ def shown_commands(text):
     """{command: the comments on its lines} for every command of a page: each line of its bash blocks, split at
     &&, | and ; (a line's comment belongs to each of its commands), and each inline span that runs a script."""
     shown = {}
-    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+    for block in re.findall(r"```bash\n(.*?)```", joined(text), flags=re.S):
         for line in block.splitlines():
             command, _, comment = line.partition(" #")
             for part in re.split(r"&&|\||;", command):

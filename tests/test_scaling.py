@@ -235,7 +235,7 @@ def test_paired_spread_cancels_what_a_seed_shares_across_mu_rec():
 TOY = dict(depth=3, flops=[1.2e9, 2.4e9, 4.8e9], mu_rec=[1, 2, 3], seeds=1, T=[1, 2, 3, 4], batch=256,
            model=dict(d_model=64, head_dim=32, vocab_size=320, seq_len=32),
            train_args=["--device_batch_size=4", "--eval_every=1000", "--eval_tokens=256", "--save_every=1",
-                       "--log_every=1", "--core_every=-1", "--compile=0"],
+                       "--log_every=1", "--core_every=-1", "--compile=0", "--dtype=float32"],
            eval_args=["--val_tokens=256", "--batch_size=4"], name="toy")
 
 

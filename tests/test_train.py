@@ -1,12 +1,16 @@
-"""Tests for train.py, run as users run it (subprocesses): exact resume, the same command again after a kill, two
-processes and two "nodes" against one, an elastic restart after a killed rank, the non-finite-gradient skip, the
-divergence rule, README's L(T) command against the run's own last eval, and one-line errors for bad input."""
+"""Tests for train.py, run as users run it (subprocesses): exact resume, also from a moved base folder, the same
+command again after a kill, a run's identity (other run-defining flags are refused, nothing written), two processes
+and two "nodes" against one, an elastic restart after a killed rank, the non-finite-gradient skip, the divergence
+rule, README's L(T) command against the run's own last eval; in-process, where no training is needed: one-line
+errors for every bad flag value, --dry_run and --help. Faults come from tests/faulty_train.py."""
 
 import json
 import math
 import os
 import random
 import re
+import runpy
+import shutil
 import socket
 import subprocess
 import sys
@@ -16,10 +20,14 @@ from pathlib import Path
 import pytest
 import torch
 
+import sample
+from common import Divergence
+from model import Parcae, ParcaeConfig
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--depth=3", "--d_model=64", "--head_dim=32", "--mu_rec=3", "--vocab_size=320", "--seq_len=32",
         "--device_batch_size=4", "--total_batch_size=256", "--max_tokens=2048", "--eval_every=1000",
-        "--eval_tokens=256", "--save_every=1000", "--log_every=1", "--core_every=-1"]
+        "--eval_tokens=256", "--save_every=1000", "--log_every=1", "--core_every=-1", "--dtype=float32", "--compile=0"]
 
 
 @pytest.fixture(scope="module")
@@ -34,22 +42,24 @@ def corpus(tmp_path_factory):
     return root
 
 
-def train_command(corpus, *flags, nproc=1, torchrun=None):
+def train_command(corpus, *flags, nproc=1, torchrun=None, fault=None):
     """Plain python for one process without torchrun flags; torchrun otherwise (standalone unless `torchrun`
-    gives the launcher's rendezvous flags, as the two-node test does for one process per node)."""
+    gives the launcher's rendezvous flags, as the two-node test does for one process per node). fault: run
+    tests/faulty_train.py with that fault in place of train.py."""
     launcher = [sys.executable] if nproc == 1 and torchrun is None else \
         [sys.executable, "-m", "torch.distributed.run", *(torchrun or ["--standalone"]), f"--nproc_per_node={nproc}",
          "--"]
-    return launcher + [str(ROOT / "train.py"), f"--data={corpus / 'corpus.txt'}", *TINY, *flags]
+    script = [str(ROOT / "tests" / "faulty_train.py"), fault] if fault else [str(ROOT / "train.py")]
+    return launcher + script + [f"--data={corpus / 'corpus.txt'}", *TINY, *flags]
 
 
-def train_env(corpus, **extra):
-    return {**os.environ, "NANOPARCAE_BASE_DIR": str(corpus / "base"), "OMP_NUM_THREADS": "1", **extra}
+def train_env(corpus, base=None, **extra):
+    return {**os.environ, "NANOPARCAE_BASE_DIR": str(base or corpus / "base"), "OMP_NUM_THREADS": "1", **extra}
 
 
-def train(corpus, *flags, nproc=1, torchrun=None, env=None, expect_ok=True):
-    result = subprocess.run(train_command(corpus, *flags, nproc=nproc, torchrun=torchrun), capture_output=True,
-                            text=True, env=train_env(corpus, **(env or {})), timeout=300)
+def train(corpus, *flags, nproc=1, torchrun=None, env=None, expect_ok=True, fault=None, base=None):
+    result = subprocess.run(train_command(corpus, *flags, nproc=nproc, torchrun=torchrun, fault=fault),
+                            capture_output=True, text=True, env=train_env(corpus, base, **(env or {})), timeout=300)
     if expect_ok:
         assert result.returncode == 0, result.stderr[-3000:]
     return result
@@ -57,7 +67,7 @@ def train(corpus, *flags, nproc=1, torchrun=None, env=None, expect_ok=True):
 
 @pytest.fixture(scope="module")
 def one(corpus):
-    """One process, 2 micro-batches of 4 per step: the reference the multi-process runs must equal."""
+    """One process, 2 micro-batches of 4 per step: the reference the multi-process and resumed runs must equal."""
     train(corpus, "--run=one")
     return step_losses(corpus, "one")
 
@@ -69,28 +79,56 @@ def two(corpus):
     return step_losses(corpus, "two")
 
 
+@pytest.fixture(scope="module")
+def first_two(corpus):
+    """Run `halves` stopped after step 2 -> the weights of its step-2 checkpoint, read before anything continues it."""
+    train(corpus, "--run=halves", "--stop_at=2")
+    return torch.load(corpus / "base" / "runs" / "halves" / "ckpt_000002.pt", weights_only=True)["model"]
+
+
 def final_weights(corpus, run):
     path = corpus / "base" / "runs" / run / "ckpt_000008.pt"
     return torch.load(path, map_location="cpu", weights_only=True)["model"]
 
 
-def step_losses(corpus, run):
-    lines = (corpus / "base" / "runs" / run / "metrics.jsonl").read_text().splitlines()
+def step_losses(corpus, run, base=None):
+    lines = ((base or corpus / "base") / "runs" / run / "metrics.jsonl").read_text().splitlines()
     return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
 
 
-def test_resumed_run_gives_exactly_the_losses_of_an_uninterrupted_run(corpus):
-    train(corpus, "--run=whole")
-    train(corpus, "--run=halves", "--stop_at=4")
-    assert list(step_losses(corpus, "halves")) == [1, 2, 3, 4]
-    changed = train(corpus, "--run=halves", "--resume", "--d_model=96", expect_ok=False)
-    assert changed.returncode != 0 and len(changed.stderr.strip().splitlines()) == 1
-    assert "cannot resume halves with these flags" in changed.stderr and "size mismatch" in changed.stderr
-    train(corpus, "--run=halves", "--resume")
-    whole, halves = step_losses(corpus, "whole"), step_losses(corpus, "halves")
-    assert list(whole) == list(range(1, 9))
-    assert halves == whole  # bit for bit
-    assert whole[8] < whole[1]
+def untouched(run_dir):
+    """{file name: (bytes, mtime)} of a run folder, to show that a refused command wrote nothing there."""
+    return {path.name: (path.read_bytes(), path.stat().st_mtime_ns) for path in sorted(run_dir.iterdir())}
+
+
+def refused(result):
+    """The one line of a refused command, after checking that it is one line with status 2."""
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    return result.stderr
+
+
+def test_resumed_run_gives_exactly_the_losses_of_an_uninterrupted_run(corpus, one, first_two):
+    """Stopped after step 2, the run is refused under another --d_model and --mu_rec (one line naming both, its
+    files untouched); then continued from a copy of the base folder elsewhere (the tokenizer and the corpus are
+    keyed by content, not by where they lie), with a changed --save_every, which the log names: its losses are the
+    uninterrupted run's, bit for bit."""
+    run_dir = corpus / "base" / "runs" / "halves"
+    assert list(step_losses(corpus, "halves")) == [1, 2]
+    before = untouched(run_dir)
+    message = refused(train(corpus, "--run=halves", "--resume", "--d_model=96", "--mu_rec=4", expect_ok=False))
+    assert f"run halves ({run_dir / 'ckpt_000002.pt'}) was started with other flags: " in message
+    assert "d_model 64 there, 96 here; mu_rec 3 there, 4 here;" in message and "--run=NAME" in message
+    assert untouched(run_dir) == before
+    moved = corpus / "moved"
+    shutil.copytree(corpus / "base", moved)
+    resumed = train(corpus, "--run=halves", "--resume", "--save_every=500", base=moved)
+    assert f"resumed halves at step 2, from {moved / 'runs' / 'halves' / 'ckpt_000002.pt'}" in resumed.stdout
+    assert "changed: --save_every 1000 -> 500" in resumed.stdout
+    halves = step_losses(corpus, "halves", base=moved)
+    assert list(one) == list(range(1, 9))
+    assert halves == one  # bit for bit
+    assert one[8] < one[1]
 
 
 def logged_steps(run_dir):
@@ -106,10 +144,10 @@ def logged_steps(run_dir):
 
 
 def test_the_same_command_after_a_kill_continues_from_the_checkpoint_and_a_finished_run_stays_done(corpus):
-    """Killed from outside once it has logged steps past a checkpoint, the same command again continues from that
-    checkpoint: it is kept until the next save, each step is logged once and in order, and the steps done twice
-    have the losses the killed run logged, bit for bit. The same command once more says the run is done and
-    changes nothing."""
+    """Killed from outside once it has logged steps past a checkpoint, the run refuses another --seed (its files
+    untouched), and the same command again continues from that checkpoint: it is kept until the next save, each step
+    is logged once and in order, and the steps done twice have the losses the killed run logged, bit for bit. The
+    same command once more says the run is done and changes nothing; another --mu_rec is refused, not "done"."""
     flags, run_dir = ["--max_tokens=10240", "--save_every=5"], corpus / "base" / "runs" / "rerun"  # 40 steps
     killed = subprocess.Popen(train_command(corpus, "--run=rerun", *flags), env=train_env(corpus),
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -124,17 +162,22 @@ def test_the_same_command_after_a_kill_continues_from_the_checkpoint_and_a_finis
     kept, before = max(run_dir.glob("ckpt_*.pt")), step_losses(corpus, "rerun")
     at = int(kept.stem[5:])
     assert 0 < at < max(before) < 40
+    files = untouched(run_dir)
+    message = refused(train(corpus, "--run=rerun", *flags, "--seed=1", expect_ok=False))
+    assert "seed 0 there, 1 here" in message and "--run=NAME to start another" in message
+    assert untouched(run_dir) == files
     again = train(corpus, "--run=rerun", *flags)
-    assert f"resumed rerun at step {at}, from {kept} (a new --run trains afresh)" in again.stdout
+    assert f"resumed rerun at step {at}, from {kept} (--run=NAME trains another)" in again.stdout
     assert re.findall(r"saved .*ckpt_(\d+)\.pt", again.stdout)[0] == f"{at + 5:06d}"  # not step 5 of a restart
     assert logged_steps(run_dir) == list(range(1, 41))
     after = step_losses(corpus, "rerun")
     assert {step: after[step] for step in before} == before  # steps at..max(before) done again, the same
-    metrics, mtime = (run_dir / "metrics.jsonl").read_text(), (run_dir / "ckpt_000040.pt").stat().st_mtime_ns
+    files = untouched(run_dir)
     done = train(corpus, "--run=rerun", *flags)
     assert f"run rerun is done: {run_dir / 'ckpt_000040.pt'} holds its last step, 40" in done.stdout
-    assert (run_dir / "metrics.jsonl").read_text() == metrics
-    assert (run_dir / "ckpt_000040.pt").stat().st_mtime_ns == mtime
+    message = refused(train(corpus, "--run=rerun", *flags, "--mu_rec=8", expect_ok=False))
+    assert "mu_rec 3 there, 8 here; mu_bwd 2 there, 4 here" in message
+    assert untouched(run_dir) == files
 
 
 def test_a_run_whose_files_changed_is_not_continued_on_them(corpus, tmp_path):
@@ -142,10 +185,24 @@ def test_a_run_whose_files_changed_is_not_continued_on_them(corpus, tmp_path):
     changed.write_text((corpus / "corpus.txt").read_text())
     train(corpus, "--run=changed", f"--data={changed}", "--stop_at=2")
     changed.write_text(changed.read_text() + "\n\nthe loop learns a stable state.")
-    result = train(corpus, "--run=changed", f"--data={changed}", expect_ok=False)
-    assert result.returncode != 0 and len(result.stderr.strip().splitlines()) == 1, result.stderr
-    assert f"the files of --data={changed} are not the ones run changed was trained on" in result.stderr
+    message = refused(train(corpus, "--run=changed", f"--data={changed}", expect_ok=False))
+    assert re.search(r"data files-\w+ there, files-\w+ here \(data: --data's content key", message), message
     assert logged_steps(corpus / "base" / "runs" / "changed") == [1, 2]
+
+
+def test_a_damaged_newest_checkpoint_is_named_and_left_as_it_is(corpus, tmp_path, first_two):
+    """A truncated checkpoint: one line naming the file, that it is truncated or unreadable, what to do; the folder
+    stays as it was."""
+    run_dir = tmp_path / "base" / "runs" / "damaged"
+    run_dir.mkdir(parents=True)
+    whole = (corpus / "base" / "runs" / "halves" / "ckpt_000002.pt").read_bytes()
+    (run_dir / "ckpt_000002.pt").write_bytes(whole[:len(whole) // 2])
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    files = untouched(run_dir)
+    message = refused(train(corpus, "--run=damaged", base=tmp_path / "base", expect_ok=False))
+    assert f"checkpoint {run_dir / 'ckpt_000002.pt'} is truncated or unreadable" in message
+    assert "remove it" in message and "restore it" in message
+    assert untouched(run_dir) == files
 
 
 def test_two_processes_give_the_losses_of_one(one, two):
@@ -179,10 +236,10 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_with_the_weights_of_an_unbr
     # the last rank SIGKILLs itself after step 6; torchrun restarts both workers, which resume from the
     # step-4 checkpoint and recompute steps 5 and 6 exactly
     launch = dict(nproc=2, torchrun=("--standalone", "--max_restarts=1"))
-    shared = train(corpus, "--run=shared_store", **launch, env={"NANOPARCAE_FAULT": "kill_step=1"}, expect_ok=False)
+    shared = train(corpus, "--run=shared_store", **launch, fault="kill_step=1", expect_ok=False)
     assert shared.returncode != 0 and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in shared.stderr  # a clear line
-    result = train(corpus, "--run=elastic", "--save_every=4", **launch,
-                   env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "NANOPARCAE_FAULT": "kill_step=6"})
+    result = train(corpus, "--run=elastic", "--save_every=4", **launch, fault="kill_step=6",
+                   env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     assert "resumed elastic at step 4, elastic restart 1" in result.stdout
     reference, weights = final_weights(corpus, "two"), final_weights(corpus, "elastic")
     assert reference.keys() == weights.keys()
@@ -204,7 +261,7 @@ def test_bf16_autocast_on_a_cpu_tracks_float32(corpus, one):
 
 
 def test_non_finite_gradients_are_skipped_and_the_run_goes_on(corpus):
-    result = train(corpus, "--run=nan", env={"NANOPARCAE_FAULT": "nan_step=2"})
+    result = train(corpus, "--run=nan", fault="nan_step=2")
     assert "non-finite gradients, update skipped (1 so far)" in result.stdout
     records = [json.loads(line) for line in (corpus / "base" / "runs" / "nan" / "metrics.jsonl").open()]
     steps = [r for r in records if "loss" in r]
@@ -213,10 +270,10 @@ def test_non_finite_gradients_are_skipped_and_the_run_goes_on(corpus):
     assert [r for r in records if "val_loss_T1" in r][-1]["val_loss_T1"] < 100
 
 
-def test_a_run_non_finite_for_k_steps_is_declared_diverged_and_keeps_its_last_good_checkpoint(corpus):
-    # the gradients of steps 3, 4 and 5 are poisoned (the hook counts steps from 0): three bad steps in a row
-    result = train(corpus, "--run=diverged", "--save_every=2", "--diverge_steps=3",
-                   env={"NANOPARCAE_FAULT": "nan_step=2,nan_steps=3"}, expect_ok=False)
+def test_a_run_non_finite_for_k_steps_is_declared_diverged_and_keeps_its_last_good_checkpoint(corpus, first_two):
+    # the gradients of steps 3, 4 and 5 are poisoned (the fault counts steps from 0): three bad steps in a row
+    result = train(corpus, "--run=diverged", "--save_every=2", "--diverge_steps=3", fault="nan_step=2,nan_steps=3",
+                   expect_ok=False)
     assert result.returncode == 3, result.stderr[-3000:]
     run_dir = corpus / "base" / "runs" / "diverged"
     assert (f"diverged at step 3: non-finite loss or gradients, 3 steps in a row (to step 5); the last checkpoint, "
@@ -226,12 +283,10 @@ def test_a_run_non_finite_for_k_steps_is_declared_diverged_and_keeps_its_last_go
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5]
     # step 4's checkpoint waited for a good step that never came: step 2's stays, the state before the streak
     assert [path.name for path in run_dir.glob("ckpt_*.pt")] == ["ckpt_000002.pt"]
-    train(corpus, "--run=before_streak", "--stop_at=2")
-    kept, reference = (torch.load(corpus / "base" / "runs" / run / "ckpt_000002.pt", weights_only=True)["model"]
-                       for run in ("diverged", "before_streak"))
-    assert kept.keys() == reference.keys()
-    for name in reference:
-        assert torch.equal(kept[name], reference[name]), name
+    kept = torch.load(run_dir / "ckpt_000002.pt", weights_only=True)["model"]
+    assert kept.keys() == first_two.keys()
+    for name in first_two:
+        assert torch.equal(kept[name], first_two[name]), name
 
 
 def test_a_state_past_the_bound_for_k_steps_is_declared_diverged(corpus):
@@ -242,66 +297,95 @@ def test_a_state_past_the_bound_for_k_steps_is_declared_diverged(corpus):
     assert not any((corpus / "base" / "runs" / "exploded").glob("ckpt_*.pt"))
 
 
-def test_a_val_loss_far_above_a_uniform_guess_is_declared_diverged_at_that_eval(corpus):
-    """At a rate of 3 the first eval (step 2) is far above ln 320: the run stops there, before any checkpoint. The
-    same command at the recipe's rate then starts afresh: its evals stay below ln 320, each step logged once."""
-    result = train(corpus, "--run=hot", "--adamw_lr=3", "--muon_lr=3", "--eval_every=2", expect_ok=False)
-    assert result.returncode == 3, result.stderr[-3000:]
-    assert "diverged at step 2: val loss far above a uniform guess" in result.stdout
-    assert result.stdout.splitlines()[-2].endswith("; no checkpoint was saved before it")
+def test_a_run_that_never_learned_is_not_stopped_by_its_val_loss_and_another_rate_is_another_run(corpus):
+    """At a rate of 3 every eval is far above ln 320, from the first (step 2): the run never learned, so it has
+    nothing to have lost and trains to its end. The same --run at the recipe's rates is refused, naming both."""
+    result = train(corpus, "--run=hot", "--adamw_lr=3", "--muon_lr=3", "--eval_every=2")
+    assert "diverged" not in result.stdout
     records = [json.loads(line) for line in (corpus / "base" / "runs" / "hot" / "metrics.jsonl").open()]
-    assert records[-1] == {"step": 2, "diverged_at": 2, "reason": "val loss far above a uniform guess"}
-    assert records[-2]["val_loss_T3"] > math.log(320) + 1
-    calm = train(corpus, "--run=hot", "--eval_every=2")  # the recipe's rate: evals below ln 320, no stop
-    assert "diverged" not in calm.stdout
-    assert logged_steps(corpus / "base" / "runs" / "hot") == list(range(1, 9))
+    evals = [r for r in records if "val_loss_T3" in r]
+    assert [r["step"] for r in evals] == [2, 4, 6, 8] and all(r["val_loss_T3"] > math.log(320) + 1 for r in evals)
+    assert (corpus / "base" / "runs" / "hot" / "ckpt_000008.pt").is_file()
+    message = refused(train(corpus, "--run=hot", "--eval_every=2", expect_ok=False))
+    assert "adamw_lr 3.0 there, 0.008 here; muon_lr 3.0 there, 0.008 here" in message
 
 
-def test_a_run_at_its_initial_weights_is_not_declared_diverged_by_an_eval_at_a_uniform_guess(corpus):
+def test_an_eval_back_at_a_uniform_guess_stops_a_run_that_had_learned_also_across_a_resume(corpus):
     """A 4-step concat run that barely moves its initial weights (a rate of 1e-9) scores about ln 320 at its step-2
-    eval, a little above: it has not learned yet, so it has nothing to have lost, and it ends with its checkpoint."""
-    result = train(corpus, "--run=initial", "--injection=concat", "--max_tokens=1024", "--adamw_lr=1e-9",
-                   "--muon_lr=1e-9", "--eval_every=2")
+    eval, a little above: it has not learned yet, so it has nothing to have lost, and it ends with its checkpoint.
+    The same step-2 checkpoint recording a lowest val loss 2 nats below ln 320 (a run that had learned), continued:
+    its step-4 eval, back at ln 320, stops it, so the lowest val loss came through the resume."""
+    flags = ["--injection=concat", "--max_tokens=1024", "--adamw_lr=1e-9", "--muon_lr=1e-9", "--eval_every=2"]
+    train(corpus, "--run=initial", *flags, "--stop_at=2")
+    learned = corpus / "base" / "runs" / "learned"
+    learned.mkdir()
+    ckpt = torch.load(corpus / "base" / "runs" / "initial" / "ckpt_000002.pt", weights_only=True)
+    ckpt["lowest_val_loss"] = math.log(320) - 2
+    torch.save(ckpt, learned / "ckpt_000002.pt")
+    result = train(corpus, "--run=initial", *flags)
     assert "diverged" not in result.stdout
     records = [json.loads(line) for line in (corpus / "base" / "runs" / "initial" / "metrics.jsonl").open()]
     first_eval = next(r for r in records if "val_loss_T3" in r)
     assert first_eval["step"] == 2 and math.log(320) <= first_eval["val_loss_T3"] < math.log(320) + 1
     assert (corpus / "base" / "runs" / "initial" / "ckpt_000004.pt").is_file()
+    lost = train(corpus, "--run=learned", *flags, expect_ok=False)
+    assert lost.returncode == 3, lost.stderr[-3000:]
+    assert "diverged at step 4: val loss back above a uniform guess, " in lost.stdout
+    assert f", lowest before {math.log(320) - 2:.4f}; the last checkpoint" in lost.stdout
+    assert json.loads((learned / "metrics.jsonl").read_text().splitlines()[-1]) == \
+        {"step": 4, "diverged_at": 4, "reason": "val loss back above a uniform guess"}
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--depth=4"], "multiple of 3"),
-    (["--total_batch_size=300"], "not divisible by device_batch_size"),
-    (["--data=/nonexistent/corpus/*.txt"], "no .txt, .jsonl or .parquet files match"),
-    (["--mu_rec=0"], "error: mu_rec=0 must be at least 1"),
-])
-def test_bad_input_ends_with_one_clear_line(corpus, flags, message):
-    env = {**os.environ, "NANOPARCAE_BASE_DIR": str(corpus / "base")}
-    result = subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY, f"--data={corpus / 'corpus.txt'}",
-                             *flags], capture_output=True, text=True, env=env, timeout=120)
-    assert result.returncode != 0
-    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+def test_the_divergence_rule_step_by_step():
+    """common.Divergence as train.py calls it after every step."""
+    uniform = math.log(320)
+    rule = Divergence(320, "float32", patience=3)
+    assert rule.check(1, True, 5.0, uniform + 30) is None  # far above, but it never learned
+    assert rule.check(2, True, 5.0, uniform - 0.5) is None  # not a margin below: not learned yet
+    assert rule.check(3, True, 5.0, uniform + 0.1) is None
+    assert rule.check(4, True, 5.0, uniform - 1.5) is None and rule.lowest_val_loss == uniform - 1.5  # learned
+    assert rule.check(5, True, 5.0, uniform - 0.1) is None  # worse, still below ln V
+    assert rule.check(6, True, 5.0, uniform) == {"diverged_at": 6, "reason": "val loss back above a uniform guess",
+                                                 "detail": f"{uniform:.4f} against ln 320 = {uniform:.4f}, lowest "
+                                                           f"before {uniform - 1.5:.4f}"}
+    resumed = Divergence(320, "float32", patience=3, lowest_val_loss=rule.lowest_val_loss)
+    assert resumed.check(8, True, None, uniform + 0.2)["reason"] == "val loss back above a uniform guess"
+    assert Divergence(320, "float32", 3).check(2, True, None, math.nan)["reason"] == "non-finite val loss"
+    assert Divergence(320, "float32", 0, lowest_val_loss=0.0).check(2, False, None, math.nan) is None  # switched off
+    streak = Divergence(320, "float32", patience=3)
+    assert [streak.check(step, step == 3, None) for step in (1, 2, 3, 4, 5)] == [None] * 5  # step 3 breaks it
+    assert streak.check(6, False, None) == {"diverged_at": 4, "reason": "non-finite loss or gradients",
+                                            "detail": "3 steps in a row (to step 6)"}
+    assert streak.bad_steps == 3
+    bf16 = Divergence(320, "bfloat16", patience=2)  # past 1e4 bf16 loses the input: bad steps
+    assert bf16.check(1, True, 2e4) is None and bf16.check(2, True, 2e4)["reason"] == "||h_T|| > 10000"
+    fp32 = Divergence(320, "float32", patience=2)  # float32 resolves 2^16 times finer: a warning, once, past that
+    assert [fp32.check(step, True, 2e4) for step in (1, 2)] == [None, None]
+    assert fp32.check(3, True, 1e9) == {"warning": "h_norm", "h_norm": 1e9, "limit": 1e4 * 2 ** 16}
+    assert fp32.check(4, True, 1e9) is None and fp32.check(5, True, 1e9) is None
+    given = Divergence(320, "float32", patience=1, h_norm_limit=50.0)  # a limit given stops in any dtype
+    assert given.check(1, True, 51.0)["reason"] == "||h_T|| > 50"
 
 
-def test_resume_without_a_checkpoint_ends_in_one_line_before_any_work(corpus, tmp_path):
-    env = {**os.environ, "NANOPARCAE_BASE_DIR": str(tmp_path / "base")}
-    result = subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY, f"--data={corpus / 'corpus.txt'}",
-                             "--run=never", "--resume"], capture_output=True, text=True, env=env, timeout=120)
-    assert result.returncode != 0 and len(result.stderr.strip().splitlines()) == 1, result.stderr
-    assert f"no checkpoint of run never under {tmp_path / 'base' / 'runs' / 'never'}" in result.stderr
-    assert "start it without --resume" in result.stderr
-    assert list((tmp_path / "base").iterdir()) == []  # no tokenizer trained, no run folder made
-
-
-def test_dry_run_prints_the_paper_size(tmp_path):
-    env = {**os.environ, "NANOPARCAE_BASE_DIR": str(tmp_path)}
-    result = subprocess.run([sys.executable, str(ROOT / "train.py"), "--depth=24", "--mu_rec=8", "--dry_run"],
-                            capture_output=True, text=True, timeout=120, env=env)
-    assert result.returncode == 0, result.stderr
-    assert "parameters: 1,338,591,744" in result.stdout and "tokens: 103,999," in result.stdout
-    assert "memory per GPU (GB): weights 5.4 + grads 5.4 + DDP buckets 5.4 + optimizer 8.0" in result.stdout
-    fits = re.search(r"largest device batch: (\d+) in 80 GB, (\d+) in 141 GB", result.stdout)
-    assert fits and 0 < int(fits[1]) < int(fits[2])
+def test_initial_weights_are_not_stopped_by_their_val_loss_for_any_injection_or_vocabulary():
+    """Each injection at two widths and three vocabularies, at its initial weights, on random tokens: the
+    divergence rule lets its eval pass. Parcae's and the baselines' loops score about ln V + 0.2; the Transformer's
+    tied head predicts the current token at init, far above ln V once it is wide, which is why the rule does not
+    judge a run that has not learned."""
+    torch.manual_seed(0)
+    scores = {}
+    for d_model, vocab_size in ((64, 320), (64, 4096), (64, 32768), (256, 320)):
+        for injection in ("diagonal", "concat", "add", "none"):
+            config = ParcaeConfig.from_depth(3, d_model=d_model, head_dim=32, vocab_size=vocab_size, seq_len=64,
+                                             mu_rec=4, injection=injection)
+            tokens = torch.randint(vocab_size, (4, 65))
+            with torch.no_grad():
+                loss = Parcae(config).eval()(tokens[:, :-1], tokens[:, 1:]).item()
+            scores[injection, d_model, vocab_size] = loss - math.log(vocab_size)
+            assert Divergence(vocab_size, "float32", 5).check(2, True, None, loss) is None
+    looped = [excess for (injection, *_), excess in scores.items() if injection != "none"]
+    assert all(0 < excess < 0.5 for excess in looped), scores
+    assert scores["none", 256, 320] > 1, scores
 
 
 def test_eval_core_bpb_gives_train_pys_last_eval(corpus, one):
@@ -323,21 +407,110 @@ def test_eval_core_bpb_gives_train_pys_last_eval(corpus, one):
 
 def test_authors_per_batch_sampling_trains_and_per_document_ppl_runs(corpus):
     train(corpus, "--run=per_batch", "--sampling=per_batch", "--max_tokens=512")
-    env = {**os.environ, "NANOPARCAE_BASE_DIR": str(corpus / "base"), "OMP_NUM_THREADS": "1"}
     result = subprocess.run([sys.executable, str(ROOT / "eval_core.py"), "--eval=ppl", "--T=1,3", "--max_docs=20",
-                             "--run=per_batch"], capture_output=True, text=True, env=env, timeout=300)
+                             "--run=per_batch"], capture_output=True, text=True, env=train_env(corpus), timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(next((corpus / "base" / "runs" / "per_batch").glob("*_ppl_T1-3.json")).read_text())
     assert out["T"] == [1, 3] and all(1 < ppl < 320 for ppl in out["ppl"])  # better than uniform over the vocab
     assert "one per forward" in result.stdout and "ppl" in result.stdout
 
 
-def test_faults_come_from_the_environment_and_help_lists_only_what_a_user_sets(tmp_path):
-    env = {**os.environ, "NANOPARCAE_BASE_DIR": str(tmp_path), "NANOPARCAE_FAULT": "nan_step=2,kill=3"}
-    result = subprocess.run([sys.executable, str(ROOT / "train.py"), "--dry_run"], capture_output=True, text=True,
-                            timeout=120, env=env)
-    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
-    assert "NANOPARCAE_FAULT: 'kill=3' is not one of" in result.stderr
-    result = subprocess.run([sys.executable, str(ROOT / "train.py"), "--help"], capture_output=True, text=True,
-                            timeout=120, env={**env, "NANOPARCAE_FAULT": ""})
-    assert result.returncode == 0 and "--mu_rec" in result.stdout and "--fault" not in result.stdout
+# -----------------------------------------------------------------------------
+# In-process: what train.py does before it trains anything
+
+
+def run_train(monkeypatch, capsys, *flags):
+    """train.py run in this process with these flags (it must exit before training) -> (status, stdout, stderr)."""
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "train.py"), *flags])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+    out, err = capsys.readouterr()
+    return exit_info.value.code, out, err
+
+
+BAD_VALUES = {  # flag -> values train.py refuses before any work, each in one line naming the flag
+    **{flag: ["0", "-1"] for flag in ("depth", "d_model", "head_dim", "mu_rec", "mu_bwd", "vocab_size", "seq_len",
+                                     "device_batch_size", "total_batch_size", "eval_every", "eval_tokens",
+                                     "core_max_per_task", "save_every", "log_every", "stop_at")},
+    **{flag: ["0", "-1", "nan", "inf"] for flag in ("max_tokens", "param_data_ratio", "target_flops", "adamw_lr",
+                                                   "muon_lr", "grad_clip", "diverge_h_norm")},
+    "weight_decay": ["-0.1", "nan"], "diverge_steps": ["-1"], "seed": ["-1"], "warmdown_frac": ["-0.5", "1.5"],
+    "core_every": ["0", "-2"], "device": ["gpu"] + ([] if torch.cuda.is_available() else ["cuda"]),
+    "injection": ["loop"], "data": ["/nonexistent/corpus/*.txt"],
+}
+
+
+@pytest.mark.parametrize("flag", list(BAD_VALUES))
+def test_every_bad_flag_value_ends_in_one_line_naming_it_and_writes_nothing(flag, tmp_path, monkeypatch, capsys):
+    base = tmp_path / "base"
+    monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(base))
+    for value in BAD_VALUES[flag]:
+        status, _, err = run_train(monkeypatch, capsys, *TINY, f"--{flag}={value}")
+        assert status == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, (value, err)
+        assert err.startswith("error: ") and f"--{flag}" in err, err
+        assert not base.exists() or not any(base.rglob("*")), list(base.rglob("*"))
+
+
+SAMPLE_BAD_VALUES = {  # sample.py's flags and values it refuses before loading anything
+    "num_samples": ["0", "-1"], "max_new_tokens": ["0"], "T_max": ["0"], "temperature": ["-1", "nan"],
+    "top_k": ["-1"], "exit_threshold": ["0", "-1"], "T": ["0", "-3", "deep"], "exit": ["never"], "temp": ["0.5"],
+    "device": ["gpu"] + ([] if torch.cuda.is_available() else ["cuda"]),
+}
+
+
+def test_every_bad_sample_flag_value_ends_in_one_line_naming_it(tmp_path, monkeypatch, capsys):
+    base = tmp_path / "base"
+    monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(base))
+    for flag, values in SAMPLE_BAD_VALUES.items():
+        for value in values:
+            with pytest.raises(SystemExit) as exit_info:
+                sample.main(["--prompt=hi", f"--{flag}={value}"])
+            err = capsys.readouterr().err
+            assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1, (flag, value, err)
+            assert ": error: " in err and f"--{flag}" in err and "Traceback" not in err, err
+    assert not base.exists() or not any(base.rglob("*"))
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--depth=4"], "multiple of 3"),
+    (["--d_model=100"], "d_model=100 is not a multiple of head_dim=32"),
+    (["--total_batch_size=300"], "not divisible by device_batch_size"),
+    (["--dev=cuda"], "unrecognized arguments: --dev=cuda"),  # no prefix matching: not --device, not --device_batch_size
+    (["--seq_len=0"], "--seq_len=0 must be a positive number"),
+])
+def test_bad_input_ends_with_one_clear_line(flags, message, monkeypatch, capsys):
+    status, _, err = run_train(monkeypatch, capsys, *TINY, "--data=stdlib", *flags)
+    assert status == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_no_fineweb_shards_name_the_download_and_the_cpu_run(tmp_path, monkeypatch, capsys):
+    """Bare `python train.py` (the paper's 140M on FineWeb-Edu) on a machine without the shards."""
+    status, _, err = run_train(monkeypatch, capsys)
+    assert status == 2 and len(err.strip().splitlines()) == 1, err
+    assert "python data.py download" in err and "bash runs/cpu.sh" in err
+
+
+def test_resume_without_a_checkpoint_ends_in_one_line_before_any_work(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(tmp_path / "base"))
+    status, _, err = run_train(monkeypatch, capsys, *TINY, "--data=stdlib", "--run=never", "--resume")
+    assert status == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"no checkpoint of run never under {tmp_path / 'base' / 'runs' / 'never'}" in err
+    assert "start it without --resume" in err
+    assert list((tmp_path / "base").iterdir()) == []  # no tokenizer trained, no run folder made
+
+
+def test_dry_run_prints_the_paper_size(monkeypatch, capsys):
+    status, out, err = run_train(monkeypatch, capsys, "--depth=24", "--mu_rec=8", "--dry_run")
+    assert status == 0, err
+    assert "parameters: 1,338,591,744" in out and "tokens: 103,999," in out
+    assert "memory per GPU (GB): weights 5.4 + grads 5.4 + DDP buckets 5.4 + optimizer 8.0" in out
+    fits = re.search(r"largest device batch: (\d+) in 80 GB, (\d+) in 141 GB", out)
+    assert fits and 0 < int(fits[1]) < int(fits[2])
+
+
+def test_help_lists_every_default_and_only_what_a_user_sets(monkeypatch, capsys):
+    status, out, _ = run_train(monkeypatch, capsys, "--help")
+    assert status == 0 and "--mu_rec" in out and "--fault" not in out and "NANOPARCAE_FAULT" not in out
+    words = " ".join(out.split())  # argparse wraps the help text
+    for default in ("(default: 6)", "(default: 32768)", "(default: fineweb-edu)", "(default: bfloat16)"):
+        assert default in words, default

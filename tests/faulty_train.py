@@ -1,0 +1,49 @@
+"""
+faulty_train.py: train.py with faults injected from outside, for the tests of what train.py does about them.
+
+    python tests/faulty_train.py nan_step=2,nan_steps=3 [train.py flags]      # steps 3-5's gradients non-finite
+    torchrun --nproc_per_node=2 --max_restarts=1 tests/faulty_train.py kill_step=6 [train.py flags]
+
+nan_step=N: the gradients of nan_steps steps (default 1) from step index N (the Nth step is index N-1) are made
+non-finite just before train.py clips them. kill_step=N: the last rank SIGKILLs itself once it reaches the clip of
+the step after step N, as a node fault or the OOM killer would, in torchrun's first attempt only. Steps are counted
+from this process's first; then train.py runs as `python train.py` would run it.
+"""
+
+import os
+import runpy
+import signal
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+faults = dict(nan_step=-1, nan_steps=1, kill_step=-1)
+for item in filter(None, sys.argv[1].split(",")):
+    name, _, value = item.partition("=")
+    if name not in faults or not value.isdigit():
+        sys.exit(f"faulty_train.py: {item!r} is not one of nan_step=N, nan_steps=N, kill_step=N")
+    faults[name] = int(value)
+last_rank = int(os.environ.get("RANK", 0)) == int(os.environ.get("WORLD_SIZE", 1)) - 1
+first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0
+clip_grad_norm = torch.nn.utils.clip_grad_norm_
+steps = 0
+
+
+def faulty_clip_grad_norm(parameters, *args, **kwargs):
+    """train.py clips once a step, after the backward: the step's gradients are all there."""
+    global steps
+    parameters = list(parameters)
+    if steps == faults["kill_step"] and last_rank and first_attempt:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if 0 <= steps - faults["nan_step"] < faults["nan_steps"]:
+        parameters[0].grad.fill_(float("nan"))
+    steps += 1
+    return clip_grad_norm(parameters, *args, **kwargs)
+
+
+torch.nn.utils.clip_grad_norm_ = faulty_clip_grad_norm
+sys.argv = [str(ROOT / "train.py"), *sys.argv[2:]]
+sys.path.insert(0, str(ROOT))
+runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
