@@ -167,7 +167,7 @@ def test_bytes_that_are_not_utf8_are_counted_and_named_once(tmp_path, capsys):
 def test_the_standard_library_is_read_without_warnings_and_a_users_file_with_one(tmp_path, monkeypatch, capsys):
     """The stdlib corpus holds a few files in other encodings (test/encoded_modules): expected, so quiet; the
     same file passed as --data is the user's and gets its warning."""
-    path = tmp_path / "module_koi8_r.py"
+    path = (tmp_path / "module_koi8_r").with_suffix(".py")  # a name as in the standard library
     path.write_bytes("x = 1\n\n".encode() + "s = 'Привет'\n".encode("koi8_r"))
     monkeypatch.setattr(data, "stdlib_files", lambda: [str(path)])
     monkeypatch.setattr(data, "NOT_UTF8", set())

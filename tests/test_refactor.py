@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 REFERENCE_FILE = Path(__file__).resolve().parent / "refactor_reference.json"
 FLAGS = ["--depth=3", "--d_model=64", "--head_dim=32", "--mu_rec=3", "--vocab_size=320", "--seq_len=32",
          "--device_batch_size=4", "--total_batch_size=256", "--eval_every=1000", "--eval_tokens=256",
-         "--save_every=1000", "--log_every=1", "--seed=7"]
+         "--save_every=1000", "--log_every=1", "--seed=7", "--dtype=float32", "--compile=0", "--core_every=-1"]
 RUNS = {"diagonal": 20, "concat": 4, "add": 4, "none": 4}  # injection -> optimiser steps
 STEP_KEYS = ("loss", "grad_norm", "rho", "h_norm", "update_ratio")
 
