@@ -210,6 +210,7 @@ if args.dry_run:  # the memory per GPU a batch needs (model.py's accounting), th
 
 try:
     data_key = tokenizer_dir(args.data, args.vocab_size).name.removesuffix(f"-{args.vocab_size}")  # content, not path
+    run_dir = get_base_dir() / "runs" / (args.run or f"d{args.depth}_{args.injection}")
 except (FileNotFoundError, ValueError) as err:
     fail(err)
 run_flags = dict(depth=args.depth, d_model=config.d_model, head_dim=config.head_dim, injection=config.injection,
@@ -218,8 +219,7 @@ run_flags = dict(depth=args.depth, d_model=config.d_model, head_dim=config.head_
                  optimizer=args.optimizer, adamw_lr=adamw_lr, muon_lr=args.muon_lr, weight_decay=args.weight_decay,
                  grad_clip=args.grad_clip, warmdown_frac=args.warmdown_frac, total_batch_size=args.total_batch_size,
                  device_batch_size=args.device_batch_size, seed=args.seed)
-run_name = args.run or f"d{args.depth}_{args.injection}"
-run_dir = get_base_dir() / "runs" / run_name
+run_name = run_dir.name
 resume_from = find_checkpoint(run_dir.parent, run_name) if any(run_dir.glob("ckpt_*.pt")) else None
 if args.resume and resume_from is None:
     fail(f"there is no checkpoint of run {run_name} under {run_dir} to resume; start it without --resume")
@@ -313,7 +313,7 @@ def evaluate_core_subset(step):
     if master:
         try:
             bundle_dir[0] = str(download_eval_bundle())
-        except (OSError, ValueError, SystemExit) as err:
+        except (OSError, ValueError) as err:
             log(f"CORE skipped: the eval bundle is not available ({err})")
     if ddp:
         dist.broadcast_object_list(bundle_dir)
