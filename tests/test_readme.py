@@ -240,7 +240,7 @@ def test_every_readme_command_is_run_by_a_test_or_says_why_not():
 
 def test_readme_sizes_table_is_what_the_code_computes():
     """README's table of the paper's sizes, recomputed as train.py --dry_run computes each row: the models of
-    train.py's paper preset (vocab 32,768, head_dim 128, seq_len 2048, batch 524,288, mu_rec 8) built on the meta
+    train.py's defaults (vocab 32,768, head_dim 128, seq_len 2048, batch 524,288, mu_rec 8) built on the meta
     device; GPU-hours: the matmul FLOPs executed at 40% MFU of an H100's 989 TFLOP/s."""
     import torch
     from model import Parcae, ParcaeConfig
