@@ -78,7 +78,7 @@ def model_loss(model, x, y, depths):
 def masked_reference_loss(model, x, y, depths):
     """Per-sequence depths the way the paper runs them (METHOD.md §2): the whole batch steps max(n) times without
     grad and max(k) times with it, and torch.where keeps the state of a sequence whose count is used up.
-    Built from the model's pieces; row 8 measures model.py against it, tests/test_bench.py checks it."""
+    Built from the model's pieces: the reference row 8 measures model.py's loop against, loss and gradients alike."""
     e, ves, cos, sin = model.run_prelude(x)
     n, k = model.loop_depths(x.size(0), depths=depths)
     h, Bbar_e = initial_state(e.shape, e.device).to(e.dtype), model.injection.Bbar_e(e)

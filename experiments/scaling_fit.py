@@ -6,7 +6,7 @@ scaling_fit.py: the fitters of scaling.py (paper §5.2-5.3, Appendix L), with th
 - a parametric bootstrap of the exponents g_mu and g_D: every budget's losses are redrawn with the measured
   seed-to-seed spread, the parabolas and power laws refitted, and the 5th and 95th percentiles kept;
 - the unified law L(T | mu, D) = E + X mu^-x + Y D^-y + Z exp(-z T / mu), Huber loss and L-BFGS.
-numpy does the fits; torch only the unified law's gradients. `python -m pytest tests/test_scaling.py` tests them.
+numpy does the fits; torch only the unified law's gradients.
 """
 
 import math

@@ -37,6 +37,7 @@ def test_a_missing_or_damaged_checkpoint_is_named_with_what_to_do(tmp_path):
             common.read_checkpoint(tmp_path / damaged)
         message = str(err.value)
         assert message.startswith(f"checkpoint {tmp_path / damaged} is truncated or unreadable (") and \
-            message.endswith("remove it to start the run over (a run keeps its newest checkpoint only), or restore it from a copy")
+            message.endswith("remove it to start the run over (a run keeps its newest checkpoint only), or restore it "
+                             "from a copy")
         assert "\n" not in message
 

@@ -95,7 +95,8 @@ def test_readme_leads_with_the_two_scripts_and_ci_runs_the_second():
     samples with its first sample command; runs/test.sh ends in the test command, and .ci/run in runs/test.sh."""
     quick_start = README.split("## Quick start\n")[1].split("\n## ")[0]
     first_block = re.search(r"```bash\n(.*?)```", quick_start, flags=re.S).group(1)
-    assert [line.split(" #")[0].strip() for line in first_block.splitlines()] == ["bash runs/cpu.sh", "bash runs/test.sh"]
+    commands = [line.split(" #")[0].strip() for line in first_block.splitlines()]
+    assert commands == ["bash runs/cpu.sh", "bash runs/test.sh"]
     cpu = joined((ROOT / "runs" / "cpu.sh").read_text()).splitlines()
     train_command = next(c for c in shown_commands(README) if c.startswith("python train.py"))
     sample_command = next(c for c in shown_commands(README) if c.startswith("python sample.py"))

@@ -206,7 +206,8 @@ def test_paired_interval_covers_a_known_difference_at_its_nominal_rate():
 
 def test_a_zero_difference_is_not_called_shown():
     """With no true difference, 'shown' (either sign) must come up in at most ~10% of experiments, as a 90%
-    interval's two tails allow; a real difference with enough pairs is shown, and one of the other sign is 'opposite'."""
+    interval's two tails allow; a real difference with enough pairs is shown, and one of the other sign is
+    'opposite'."""
     rng = np.random.default_rng(1)
     calls = [scaling_fit.interval_verdict(scaling_fit.paired_interval(rng.normal(0, 0.03, 4))["ci90"], +1)
              for _ in range(2000)]
