@@ -91,7 +91,8 @@ def read_checkpoint(path, device="cpu"):
         return torch.load(path, map_location=device, weights_only=True)
     except Exception as err:
         raise ValueError(f"checkpoint {path} is truncated or unreadable ({first_sentence(err)}): remove it to "
-                         f"start the run over (a run keeps its newest checkpoint only), or restore it from a copy") from None
+                         f"start the run over (a run keeps its newest checkpoint only), or restore it from a "
+                         f"copy") from None
 
 
 def load_checkpoint(path, device="cpu"):
