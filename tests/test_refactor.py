@@ -61,14 +61,16 @@ def weights_summary(checkpoint):
 def run_numbers(root):
     """Train every run of RUNS under root -> {injection: {"steps": [...], "val": {...}, "weights": [...]}}."""
     write_corpus(root / "corpus.txt")
-    env = {**os.environ, "NANOPARCAE_BASE_DIR": str(root / "base"), "OMP_NUM_THREADS": "1"}
-    numbers = {}
-    for injection, steps in RUNS.items():
+    numbers, runs = {}, {}
+    for injection, steps in RUNS.items():  # all at once: each is one thread, and each trains its own tokenizer copy
         cmd = [sys.executable, str(ROOT / "train.py"), f"--data={root / 'corpus.txt'}", *FLAGS,
                f"--injection={injection}", f"--max_tokens={256 * steps}", f"--run={injection}"]
-        result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-        assert result.returncode == 0, result.stderr[-3000:]
-        run_dir = root / "base" / "runs" / injection
+        env = {**os.environ, "NANOPARCAE_BASE_DIR": str(root / "base" / injection), "OMP_NUM_THREADS": "1"}
+        runs[injection] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    for injection, process in runs.items():
+        _, stderr = process.communicate(timeout=600)
+        assert process.returncode == 0, stderr[-3000:]
+        run_dir = root / "base" / injection / "runs" / injection
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         numbers[injection] = {
             "steps": [[r[key] for key in STEP_KEYS] for r in records if "loss" in r],
