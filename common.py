@@ -20,6 +20,20 @@ from model import Parcae, ParcaeConfig
 # Processes: torchrun sets RANK; NCCL on CUDA, gloo on CPU. A plain `python` run is one process.
 
 
+def parse_device(name):
+    """--device's value -> torch.device; ValueError naming the flag when it is no device this code runs on, or CUDA
+    where there is none."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device={name} is not a device this code runs on; pass cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device={name}, but this machine has no CUDA GPU; pass --device=cpu")
+    return device
+
+
 def init_distributed(device):
     """Join torchrun's process group when RANK is set -> the device this process uses (its local GPU)."""
     if "RANK" not in os.environ:

@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from common import (find_checkpoint, get_base_dir, init_distributed, load_checkpoint, print0, rank_and_world,
-                    write_atomically)
+from common import (find_checkpoint, get_base_dir, init_distributed, load_checkpoint, parse_device, print0,
+                    rank_and_world, write_atomically)
 from core_tasks import (CORE_LABELS, EVAL_BUNDLE_URL, LM, build_rows, download_eval_bundle, load_task_data,
                         read_random_baselines, select_tasks)
 from data import iter_documents, val_batches
@@ -426,7 +426,7 @@ def load_ours(ckpt_file, run, device):
 
 
 def start_device(args):
-    return init_distributed(torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")))
+    return init_distributed(parse_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")))
 
 
 def evaluate(args, model, tokenizer, ckpt, ckpt_path, Ts, seeds, device):

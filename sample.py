@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from common import find_checkpoint, get_base_dir, load_checkpoint
+from common import find_checkpoint, get_base_dir, load_checkpoint, parse_device
 from engine import EXIT_THRESHOLDS, EXITS, generate
 from tokenizer import Tokenizer
 
@@ -114,11 +114,9 @@ def parse_sampling_flags(parser, argv):
     if args.exit_threshold is not None and not args.exit_threshold > 0:
         parser.error(f"--exit_threshold={args.exit_threshold} must be positive")
     try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        parser.error(f"--device={args.device} is not a device; pass cpu or cuda")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error(f"--device={args.device}, but this machine has no CUDA GPU; pass --device=cpu")
+        parse_device(args.device)
+    except ValueError as err:
+        parser.error(str(err))
     args.top_k = args.top_k or None
     warnings.formatwarning = lambda message, *_, **__: f"warning: {message}\n"
     return args

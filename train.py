@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common import (Divergence, find_checkpoint, get_base_dir, init_distributed, peak_bf16_flops, rank_and_world,
-                    read_checkpoint, save_checkpoint, write_atomically)
+from common import (Divergence, find_checkpoint, get_base_dir, init_distributed, parse_device, peak_bf16_flops,
+                    rank_and_world, read_checkpoint, save_checkpoint, write_atomically)
 from core_tasks import download_eval_bundle
 from data import DataLoader, get_tokenizer, tokenizer_dir, val_batches
 from depths import SAMPLINGS
@@ -129,14 +129,9 @@ if not 0 <= args.warmdown_frac <= 1:
 if args.core_every == 0 or args.core_every < -1:
     fail(f"--core_every={args.core_every} must be a number of steps, or -1 for never")
 try:
-    device = torch.device(args.device)
-except RuntimeError:
-    fail(f"--device={args.device} is not a device; pass cpu or cuda")
-if device.type == "cuda" and not torch.cuda.is_available():
-    fail(f"--device={args.device}, but this machine has no CUDA GPU; pass --device=cpu (and runs/cpu.sh's flags "
-         f"for a model a CPU trains)")
-if device.type not in ("cpu", "cuda"):
-    fail(f"--device={args.device}: train.py runs on cpu or cuda")
+    device = parse_device(args.device)
+except ValueError as err:
+    fail(err)
 
 # -----------------------------------------------------------------------------
 # Model configuration and the training horizon

@@ -13,6 +13,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from common import parse_device
 from data import iter_documents
 from engine import EXIT_THRESHOLDS, EXITS, teacher_forced
 from experiments.timing import log, median_seconds, print_table
@@ -153,8 +154,8 @@ def main(argv=None):
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     if args.exit_threshold is not None and args.exit_threshold <= 0:
         parser.error(f"--exit_threshold must be above 0, got {args.exit_threshold}")
-    device = torch.device(args.device)
     try:
+        device = parse_device(args.device)
         model, tokenizer, path = load_checkpoint_and_tokenizer(args.ckpt, args.run, device)
         ids = stdlib_tokens(tokenizer, PROMPT + args.max_new_tokens, device)
     except (FileNotFoundError, ValueError) as err:

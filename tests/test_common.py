@@ -41,3 +41,13 @@ def test_a_missing_or_damaged_checkpoint_is_named_with_what_to_do(tmp_path):
                              "from a copy")
         assert "\n" not in message
 
+
+
+def test_a_device_is_checked_once_for_every_cli():
+    assert common.parse_device("cpu") == torch.device("cpu")
+    for name in ("gpu", "mps"):
+        with pytest.raises(ValueError, match=f"--device={name} is not a device this code runs on; pass cpu or cuda"):
+            common.parse_device(name)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="--device=cuda, but this machine has no CUDA GPU; pass --device=cpu"):
+            common.parse_device("cuda")
