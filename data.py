@@ -166,7 +166,7 @@ def user_files(pattern):
     files = sorted(f for f in found if Path(f).suffix in (".txt", ".jsonl", ".parquet", ".py") and Path(f).is_file())
     if not files:
         raise FileNotFoundError(f"no .txt, .jsonl or .parquet files match '{pattern}': pass --data=stdlib, "
-                         f"--data=fineweb-edu, or a path, folder or glob of your own files")
+                                f"--data=fineweb-edu, or a path, folder or glob of your own files")
     return files
 
 

@@ -204,7 +204,8 @@ if args.dry_run:  # the memory per GPU a batch needs (model.py's accounting), th
 # The run: what defines it, and its last checkpoint, checked before any work
 
 try:
-    data_key = tokenizer_dir(args.data, args.vocab_size).name.removesuffix(f"-{args.vocab_size}")  # content, not path
+    tokenizer_path = tokenizer_dir(args.data, args.vocab_size)  # recorded in every checkpoint, for sample.py
+    data_key = tokenizer_path.name.removesuffix(f"-{args.vocab_size}")  # content, not path
     run_dir = get_base_dir() / "runs" / (args.run or f"d{args.depth}_{args.injection}")
 except (FileNotFoundError, ValueError) as err:
     fail(err)
@@ -331,8 +332,7 @@ def save(step):
         path = run_dir / f"ckpt_{step:06d}.pt"
         old = sorted(run_dir.glob("ckpt_*.pt"))
         save_checkpoint(path, raw_model, step=step, skipped_steps=skipped_steps, optimizer=optimizer.state_dict(),
-                        loader=loader_states, run=run_flags, args=vars(args), seed=args.seed,
-                        tokenizer_dir=str(tokenizer_dir(args.data, args.vocab_size)),
+                        loader=loader_states, run=run_flags, args=vars(args), tokenizer_dir=str(tokenizer_path),
                         lowest_val_loss=divergence.lowest_val_loss)
         for stale in old:  # a 1.3B checkpoint with optimiser state is ~16 GB
             if stale != path:

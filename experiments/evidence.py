@@ -54,7 +54,6 @@ INJECTIONS = ["concat", "add", "diagonal"]  # concat = the RDM baseline (Geiping
 # (train.py --optimizer), the setup of the paper's RDM comparison. Claims 1, 4 and 5 run under both.
 OPTIMIZERS = ["muon", "adamw"]
 FRACTIONS = [0.6, 0.7, 0.8, 0.9, 1.0]  # the evals of the drift rule (scaling_fit.drift_check)
-BF16_STATE_LIMIT = STATE_NORM_LIMIT  # train.py stops a bf16 run past it; a float32 run past it is marked
 
 
 def make_run(injection="diagonal", rate=SHARED_RATE, seed=0, mu_rec=8, sampling="per_sequence", prelude_norm=1,
@@ -382,7 +381,7 @@ def sweep_details(results, optimizer):
         table[f"{injection}{'' if norm else '_nonorm'}"] = dict(
             rates=RATES, loss=[r["loss"] for r in rows], diverged=[r["diverged"] for r in rows],
             max_rho=[r["max_rho"] for r in rows], max_h_norm=[r["max_h_norm"] for r in rows],
-            past_bf16_limit=[(r["max_h_norm"] or 0) > BF16_STATE_LIMIT for r in rows],
+            past_bf16_limit=[(r["max_h_norm"] or 0) > STATE_NORM_LIMIT for r in rows],
             highest_trained=max((rate for rate, r in zip(RATES, rows) if not r["diverged"]), default=None))
     return table
 
@@ -476,7 +475,7 @@ def details_markdown(verdicts, details):
             if v["drift"] else ("-",) * (len(FRACTIONS) + 1)) for v in verdicts])
     for optimizer, sweep in details["sweep"].items():
         out += f"\n## The sweep under {optimizer}, seed 0 (final val loss / max rho / max ||h_T||; x: diverged; " \
-               f"!: ||h_T|| past bf16's {BF16_STATE_LIMIT:g}, a warning in float32)\n\n" + markdown_table(
+               f"!: ||h_T|| past bf16's {STATE_NORM_LIMIT:g}, a warning in float32)\n\n" + markdown_table(
                    ["model"] + [f"lr {r:g}" for r in RATES] + ["highest rate that trained"],
                    [[label] + [f"{'x ' * bad}{loss:.3f} / {rho or 0:.2f} / {h or 0:.3g}{' !' * big}"
                                for loss, rho, h, bad, big in zip(row["loss"], row["max_rho"], row["max_h_norm"],
@@ -542,7 +541,7 @@ def figure_data(results, seeds, details, verdicts):
         fit = fit_test_time(r["curve"]["T"], r["curve"]["loss"])
         return dict(r["curve"], fit=[fit["L_inf"], fit["Z"], fit["z"]], stop=gains_stop(r))
 
-    return dict(rates=RATES, uniform=UNIFORM_LOSS, bf16_limit=BF16_STATE_LIMIT, shared_rate=SHARED_RATE,
+    return dict(rates=RATES, uniform=UNIFORM_LOSS, bf16_limit=STATE_NORM_LIMIT, shared_rate=SHARED_RATE,
                 sweep=details["sweep"], max_T=max(CURVE_T),
                 depth={i: [r["curve"] for r in trained(lambda s, i=i: make_run(i, seed=s))] for i in INJECTIONS},
                 sampling={o: {m: [r["curve"] for r in trained(lambda s, m=m, o=o: make_run(sampling=m, seed=s,
