@@ -1,8 +1,71 @@
-"""Every test gets its own empty base directory, so no test reads or writes ~/.cache/nanoparcae."""
+"""What the tests share: every test gets its own empty base directory (no test reads or writes
+~/.cache/nanoparcae); TINY, the flags of a train.py run that takes seconds on a CPU; the tiny corpus it trains on;
+and train.py run as users run it, in a subprocess."""
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["--depth=3", "--d_model=64", "--head_dim=32", "--mu_rec=3", "--vocab_size=320", "--seq_len=32",
+        "--device_batch_size=4", "--total_batch_size=256", "--max_tokens=2048", "--eval_every=1000",
+        "--eval_tokens=256", "--save_every=1000", "--log_every=1", "--core_every=-1", "--dtype=float32", "--compile=0"]
 
 
 @pytest.fixture(autouse=True)
 def private_base_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(tmp_path / "nanoparcae_base"))
+
+
+def write_corpus(path):
+    """A small text corpus at `path`: 400 paragraphs (each a document) of 20 words drawn at seed 0."""
+    rng = random.Random(0)
+    words = ["loop", "state", "depth", "token", "model", "stable", "radius", "prelude", "coda", "sample", "the",
+             "a", "of", "is", "and", "runs", "learns", "every", "step", "with"]
+    paragraphs = [" ".join(rng.choice(words) for _ in range(rng.randint(20, 80))) + "." for _ in range(400)]
+    path.write_text("\n\n".join(paragraphs))
+    return path
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A folder holding corpus.txt (write_corpus) and, under base/, the base dir shared by the module's runs."""
+    root = tmp_path_factory.mktemp("train")
+    write_corpus(root / "corpus.txt")
+    return root
+
+
+def train_command(corpus, *flags, nproc=1, torchrun=None, fault=None):
+    """Plain python for one process without torchrun flags; torchrun otherwise (standalone unless `torchrun`
+    gives the launcher's rendezvous flags, as the two-node test does for one process per node). fault: run
+    tests/faulty_train.py with that fault in place of train.py."""
+    launcher = [sys.executable] if nproc == 1 and torchrun is None else \
+        [sys.executable, "-m", "torch.distributed.run", *(torchrun or ["--standalone"]), f"--nproc_per_node={nproc}",
+         "--"]
+    script = [str(ROOT / "tests" / "faulty_train.py"), fault] if fault else [str(ROOT / "train.py")]
+    return launcher + script + [f"--data={corpus / 'corpus.txt'}", *TINY, *flags]
+
+
+def train_env(corpus, base=None, **extra):
+    return {**os.environ, "NANOPARCAE_BASE_DIR": str(base or corpus / "base"), "OMP_NUM_THREADS": "1", **extra}
+
+
+def train(corpus, *flags, nproc=1, torchrun=None, env=None, expect_ok=True, fault=None, base=None):
+    """train.py on the tiny corpus with TINY and `flags` -> the finished subprocess (status 0 asserted unless
+    expect_ok=False)."""
+    result = subprocess.run(train_command(corpus, *flags, nproc=nproc, torchrun=torchrun, fault=fault),
+                            capture_output=True, text=True, env=train_env(corpus, base, **(env or {})), timeout=300)
+    if expect_ok:
+        assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def refused(result):
+    """The one line of a refused command, after checking that it is one line with status 2."""
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    return result.stderr

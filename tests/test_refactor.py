@@ -27,7 +27,6 @@ which prints fresh numbers and writes them to that file; then check the refactor
 
 import json
 import os
-import random
 import subprocess
 import sys
 import tempfile
@@ -35,21 +34,13 @@ from pathlib import Path
 
 import torch
 
+from conftest import TINY, write_corpus
+
 ROOT = Path(__file__).resolve().parent.parent
 REFERENCE_FILE = Path(__file__).resolve().parent / "refactor_reference.json"
-FLAGS = ["--depth=3", "--d_model=64", "--head_dim=32", "--mu_rec=3", "--vocab_size=320", "--seq_len=32",
-         "--device_batch_size=4", "--total_batch_size=256", "--eval_every=1000", "--eval_tokens=256",
-         "--save_every=1000", "--log_every=1", "--seed=7", "--dtype=float32", "--compile=0", "--core_every=-1"]
+FLAGS = [flag for flag in TINY if not flag.startswith("--max_tokens")] + ["--seed=7"]  # each run sets its horizon
 RUNS = {"diagonal": 20, "concat": 4, "add": 4, "none": 4}  # injection -> optimiser steps
 STEP_KEYS = ("loss", "grad_norm", "rho", "h_norm", "update_ratio")
-
-
-def write_corpus(path):
-    rng = random.Random(0)
-    words = ["loop", "state", "depth", "token", "model", "stable", "radius", "prelude", "coda", "sample", "the",
-             "a", "of", "is", "and", "runs", "learns", "every", "step", "with"]
-    paragraphs = [" ".join(rng.choice(words) for _ in range(rng.randint(20, 80))) + "." for _ in range(400)]
-    path.write_text("\n\n".join(paragraphs))
 
 
 def weights_summary(checkpoint):

@@ -6,8 +6,6 @@ errors for every bad flag value, --dry_run and --help. Faults come from tests/fa
 
 import json
 import math
-import os
-import random
 import re
 import runpy
 import shutil
@@ -15,55 +13,14 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
 import sample
 from common import Divergence
+from conftest import ROOT, TINY, refused, train, train_command, train_env
 from model import Parcae, ParcaeConfig
-
-ROOT = Path(__file__).resolve().parent.parent
-TINY = ["--depth=3", "--d_model=64", "--head_dim=32", "--mu_rec=3", "--vocab_size=320", "--seq_len=32",
-        "--device_batch_size=4", "--total_batch_size=256", "--max_tokens=2048", "--eval_every=1000",
-        "--eval_tokens=256", "--save_every=1000", "--log_every=1", "--core_every=-1", "--dtype=float32", "--compile=0"]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """A small text corpus (paragraphs are documents) and a base dir shared by the module's runs."""
-    root = tmp_path_factory.mktemp("train")
-    rng = random.Random(0)
-    words = ["loop", "state", "depth", "token", "model", "stable", "radius", "prelude", "coda", "sample", "the",
-             "a", "of", "is", "and", "runs", "learns", "every", "step", "with"]
-    paragraphs = [" ".join(rng.choice(words) for _ in range(rng.randint(20, 80))) + "." for _ in range(400)]
-    (root / "corpus.txt").write_text("\n\n".join(paragraphs))
-    return root
-
-
-def train_command(corpus, *flags, nproc=1, torchrun=None, fault=None):
-    """Plain python for one process without torchrun flags; torchrun otherwise (standalone unless `torchrun`
-    gives the launcher's rendezvous flags, as the two-node test does for one process per node). fault: run
-    tests/faulty_train.py with that fault in place of train.py."""
-    launcher = [sys.executable] if nproc == 1 and torchrun is None else \
-        [sys.executable, "-m", "torch.distributed.run", *(torchrun or ["--standalone"]), f"--nproc_per_node={nproc}",
-         "--"]
-    script = [str(ROOT / "tests" / "faulty_train.py"), fault] if fault else [str(ROOT / "train.py")]
-    return launcher + script + [f"--data={corpus / 'corpus.txt'}", *TINY, *flags]
-
-
-def train_env(corpus, base=None, **extra):
-    return {**os.environ, "NANOPARCAE_BASE_DIR": str(base or corpus / "base"), "OMP_NUM_THREADS": "1", **extra}
-
-
-def train(corpus, *flags, nproc=1, torchrun=None, env=None, expect_ok=True, fault=None, base=None):
-    result = subprocess.run(train_command(corpus, *flags, nproc=nproc, torchrun=torchrun, fault=fault),
-                            capture_output=True, text=True, env=train_env(corpus, base, **(env or {})), timeout=300)
-    if expect_ok:
-        assert result.returncode == 0, result.stderr[-3000:]
-    return result
-
 
 @pytest.fixture(scope="module")
 def one(corpus):
@@ -99,13 +56,6 @@ def step_losses(corpus, run, base=None):
 def untouched(run_dir):
     """{file name: (bytes, mtime)} of a run folder, to show that a refused command wrote nothing there."""
     return {path.name: (path.read_bytes(), path.stat().st_mtime_ns) for path in sorted(run_dir.iterdir())}
-
-
-def refused(result):
-    """The one line of a refused command, after checking that it is one line with status 2."""
-    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr[-3000:]
-    assert "Traceback" not in result.stderr
-    return result.stderr
 
 
 def test_resumed_run_gives_exactly_the_losses_of_an_uninterrupted_run(corpus, one, first_two):
