@@ -205,6 +205,8 @@ class Injection(nn.Module):
     """The baselines' defaults: the input term is e itself (add: Bbar = I; concat mixes e inside its adapter) and
     there is no A_bar to form ahead of the loop. Parcae overrides both."""
 
+    rho_on_host = False  # spectral_radius is a few ops on the weights' device, free to log with every step
+
     def reset_parameters(self, std):
         pass
 
@@ -259,11 +261,15 @@ class DiagonalInjection(Injection):
 
     @torch.no_grad()
     def spectral_radius(self):
-        return self.discretize().A_bar.max().item()
+        return self.discretize().A_bar.max()
 
 
 class ConcatInjection(Injection):
     """RDM / Huginn: u = W [h; e], W a Linear(2d -> d) adapter whose state half is an unconstrained A_bar."""
+
+    # rho is an eigendecomposition of the d x d state half, which LAPACK runs on the host (on CUDA, after a sync):
+    # train.py logs it at a cadence of its own (--rho_every) so that it never stalls the training step
+    rho_on_host = True
 
     def __init__(self, d):
         super().__init__()
@@ -280,7 +286,7 @@ class ConcatInjection(Injection):
     @torch.no_grad()
     def spectral_radius(self):
         state_half = self.adapter.weight[:, :self.adapter.out_features].float()
-        return torch.linalg.eigvals(state_half).abs().max().item()
+        return torch.linalg.eigvals(state_half).abs().max()
 
 
 class AddInjection(Injection):
@@ -400,8 +406,13 @@ class Parcae(nn.Module):
 
     @torch.no_grad()
     def spectral_radius(self):
-        """rho(A_bar): max(A_bar) for Parcae, the adapter's state half for concat, 1 for add, None unlooped."""
-        return self.injection.spectral_radius() if self.injection is not None else None
+        """rho(A_bar) as a 0-d float32 tensor on the weights' device, None unlooped: max(A_bar) for Parcae and 1 for
+        add, formed there without a host sync; for concat the largest |eigenvalue| of the adapter's state half
+        (computed on the host: injection.rho_on_host)."""
+        if self.injection is None:
+            return None
+        rho = self.injection.spectral_radius()
+        return rho if torch.is_tensor(rho) else torch.full((), rho, device=self.wte.weight.device)
 
     # --- forward
     # Precision under bf16 autocast (every CUDA run; train.py --dtype=bfloat16 runs the same on a CPU):
@@ -534,10 +545,17 @@ class Parcae(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def flops_per_token(self):
-        """The paper's training compute C per token, METHOD.md §2 (Appendix D), for FLOP budgets (--target_flops,
-        isoFLOP sweeps, fits), not for MFU: N excludes wte only, so the value-embedding lookups count as matmuls
-        and the tied head does not (matmul_flops_per_token counts what runs). N_core is the recurrent blocks'
-        parameters (the value-embedding tables are not inside the blocks)."""
+        """The paper's training compute C per token, METHOD.md §2 (Appendix D). Used for FLOP budgets, so that they
+        compare with the paper's: train.py's --target_flops horizon and its total FLOPs, the isoFLOP sweeps and
+        their fits (experiments/scaling.py), README's sizes table. Not for MFU or FLOP/s: that is
+        matmul_flops_per_token, what runs. N excludes wte only, so the value-embedding lookups count as matmuls
+        and the tied head does not. N_core is the recurrent blocks' parameters (the value-embedding tables are not
+        inside the blocks).
+
+        At the paper's 140M (depth 6, mu_rec 8) C is 1.360e9 and the executed count 1.053e9: C is 29.2% more.
+        Of the 3.07e8 gap, the value embeddings' 75.5M parameters, which C counts 6 FLOPs each, give +4.53e8; the
+        tied head, which C leaves out, -1.51e8 (6 d V); the sampler's mean depths +5.0e6 (C takes mu_rec and
+        mu_bwd steps, per_sequence's mean k is 3.94 < mu_bwd = 4). At the 1.3B C is 27.2% more."""
         c = self.config
         d, S = c.d_model, c.seq_len
         N = self.num_params() - self.wte.weight.numel()
@@ -551,7 +569,9 @@ class Parcae(nn.Module):
 
     def matmul_flops_per_token(self, n=None, k=None, backward=True):
         """The matmul FLOPs executed per token by a training forward + backward (backward=False: a forward alone):
-        the numerator of MFU and of every FLOP/s figure (METHOD.md §2). flops_per_token is the paper's C, for budgets.
+        the numerator of MFU and of every FLOP/s figure (METHOD.md §2): train.py's mfu, experiments/bench.py,
+        runs/gpu_check.sh. flops_per_token is the paper's C, for budgets: 29.2% more than this at the 140M, most
+        of it the value-embedding lookups that C counts as matmuls (flops_per_token says what makes the gap).
 
         n, k: loop steps per sequence without and with gradient, numbers or per-sequence tensors (their means
         count: each sequence runs its own steps); None: config.sampling's expected steps (depths.mean_steps).
@@ -603,19 +623,27 @@ class Parcae(nn.Module):
                        if p.ndim == 2 and not name.startswith("value_embeds"))  # embeddings are read, not cast
         return batch_size * c.seq_len * per_token + (2 * matrices if bf16 else 0)
 
-    def memory_plan(self, device_batch_size, bf16, optimizer_bytes):
+    def memory_plan(self, device_batch_size, bf16, optimizer_bytes, gpu_gb=(80, 141)):
         """Estimated bytes per GPU of training at device_batch_size sequences: float32 weights and gradients, DDP's
         gradient buckets (another copy), the optimiser's state (optim.optimizer_state_bytes) and activations at
-        mu_bwd (activation_bytes). "largest_batch": the most sequences per GPU that fit in 90% of 80 GB and 141 GB,
-        the rest left for the backward's transient buffers, the CUDA context and fragmentation."""
+        mu_bwd (activation_bytes). An estimate until a GPU measures it (runs/gpu_check.sh compares the two).
+        "largest_batch": {gb: the most sequences per GPU that fit in 90% of gb GB} for each of gpu_gb, the rest
+        left for the backward's transient buffers, the CUDA context and fragmentation (0: not even one)."""
         weights = 4 * self.num_params()
         static = 3 * weights + optimizer_bytes
         per_sequence = self.activation_bytes(2, bf16) - self.activation_bytes(1, bf16)
         activations = self.activation_bytes(device_batch_size, bf16)
         fixed = activations - device_batch_size * per_sequence  # bf16's weight copies
-        largest = {gb: int((0.9 * gb * 1e9 - static - fixed) // per_sequence) for gb in (80, 141)}
+        largest = {gb: max(0, int((0.9 * gb * 1e9 - static - fixed) // per_sequence)) for gb in gpu_gb}
         return {"weights": weights, "grads": weights, "ddp_buckets": weights, "optimizer": optimizer_bytes,
                 "activations": activations, "total": static + activations, "largest_batch": largest}
+
+    def largest_fitting_batch(self, sequences, gpu_gb, bf16, optimizer_bytes):
+        """The device batch train.py picks on a GPU of gpu_gb GB: the largest divisor of `sequences` (the sequences
+        one process runs per optimiser step, so that gradient accumulation keeps the batch whole) whose
+        memory_plan fits in 90% of it; None when not even one sequence does."""
+        most = self.memory_plan(1, bf16, optimizer_bytes, (gpu_gb,))["largest_batch"][gpu_gb]
+        return max((size for size in range(1, min(most, sequences) + 1) if sequences % size == 0), default=None)
 
 
 def checked_depths(depths, batch_size):

@@ -57,73 +57,91 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter, allow_abbrev=False)
 parser.error = fail  # an unknown flag or a value of the wrong type: one line too (--help shows the usage)
-# the model
-parser.add_argument("--depth", type=int, default=6, help="layers, L_P = L_R = L_C = depth/3; 6/12/18/24 = 140M..1.3B")
-parser.add_argument("--d_model", type=int, default=None, help="width (None: 128 * (depth/3 + 4))")
-parser.add_argument("--head_dim", type=int, default=128, help="attention head width")
-parser.add_argument("--mu_rec", type=int, default=8, help="mean recurrence depth")
-parser.add_argument("--mu_bwd", type=int, default=None, help="backpropagated depth (None: ceil(mu_rec/2))")
-parser.add_argument("--injection", default="diagonal", choices=["diagonal", "concat", "add", "none"],
-                    help="diagonal = Parcae, concat = RDM, add, none = fixed-depth Transformer")
-parser.add_argument("--sampling", default="per_sequence", choices=list(SAMPLINGS), metavar="SCHEME",
-                    help=f"recurrence-depth sampler, one of {', '.join(SAMPLINGS)} (depths.py says what each draws)")
-parser.add_argument("--prelude_norm", type=int, default=1, choices=[0, 1], help="RMSNorm on the prelude's output e")
-parser.add_argument("--vocab_size", type=int, default=32768, help="tokens, the specials included")
-parser.add_argument("--seq_len", type=int, default=2048, help="tokens per row")
-# the data and the horizon
-parser.add_argument("--data", default="fineweb-edu", help="fineweb-edu, stdlib, or a path / glob of .txt, .jsonl, "
-                                                          ".parquet files")
-parser.add_argument("--max_tokens", type=float, default=None,
-                    help="training horizon in tokens (None: the paper's for the depth, "
-                         + ", ".join(f"{t:.3g}" for t in PAPER_TOKENS.values()) + ")")
-parser.add_argument("--param_data_ratio", type=float, default=None, help="horizon as tokens per parameter")
-parser.add_argument("--target_flops", type=float, default=None, help="horizon as total training FLOPs (the paper's C)")
-# the recipe
-parser.add_argument("--device_batch_size", type=int, default=32, help="sequences per micro-batch per process")
-parser.add_argument("--total_batch_size", type=int, default=524_288, help="tokens per optimiser step")
-parser.add_argument("--optimizer", default="muon", choices=["muon", "adamw"],
-                    help="muon: the recipe, Muon on the blocks' matrices and AdamW on the rest; adamw: AdamW on all")
-parser.add_argument("--adamw_lr", type=float, default=None, help="None: 8e-3 (140M, 370M) or 6e-3 (770M, 1.3B)")
-parser.add_argument("--muon_lr", type=float, default=8e-3, help="Muon's rate on the blocks' matrices")
-parser.add_argument("--weight_decay", type=float, default=0.2, help="Muon's cautious weight decay")
-parser.add_argument("--grad_clip", type=float, default=1.0, help="gradient norm clip")
-parser.add_argument("--warmdown_frac", type=float, default=0.5, help="last fraction of steps decaying the rate to 0")
-parser.add_argument("--seed", type=int, default=0, help="initial weights, data order, depths and h0")
-# how it runs, evaluates, logs and saves: free to change when a run is continued
-parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
-parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
-                    help="autocast dtype of the matmuls (bfloat16 on a CPU runs the GPU's numerics)")
-parser.add_argument("--compile", type=int, default=1, choices=[0, 1], help="torch.compile the blocks")
-parser.add_argument("--compile_backend", default="inductor", choices=["inductor", "eager"],
-                    help="eager: dynamo's tracing and guards without code generation (counts recompilations fast)")
-parser.add_argument("--eval_every", type=int, default=250, help="steps between validation evals")
-parser.add_argument("--eval_tokens", type=int, default=10 * 524_288, help="validation tokens per eval")
-parser.add_argument("--core_every", type=int, default=2000, help="steps between CORE evals, and at the end (-1: never)")
-parser.add_argument("--core_max_per_task", type=int, default=500, help="CORE examples per task during training")
-parser.add_argument("--save_every", type=int, default=1000, help="steps between checkpoints")
-parser.add_argument("--log_every", type=int, default=1, help="steps between log lines")
-parser.add_argument("--diverge_steps", type=int, default=5,
-                    help="bad steps in a row that declare the run diverged (0: never, nor by the val loss)")
-parser.add_argument("--diverge_h_norm", type=float, default=None,
-                    help="a state norm ||h_T|| that is a bad step in any dtype (None: 1e4 in bf16 only)")
-parser.add_argument("--run", default=None, help="run name (None: d<depth>_<injection>)")
-parser.add_argument("--resume", action="store_true",
-                    help="require a checkpoint to continue from (a run folder holding one is continued without it too)")
-parser.add_argument("--stop_at", type=int, default=None, help="end this invocation after that step (continue later)")
-parser.add_argument("--dry_run", action="store_true", help="print the resolved configuration and exit")
-args = parser.parse_args()
+# Every flag is declared once, as one of two kinds. Run-defining flags are recorded in the run's checkpoints
+# (run_flags), and a command that continues the run with another value is refused; free flags may change when a
+# run is continued. check: "positive" or "zero or more" (a None default, where there is one, lets the default stand).
+RUN_FLAGS, FREE_FLAGS, CHECKS = [], [], {}
 
-POSITIVE = ["depth", "d_model", "head_dim", "mu_rec", "mu_bwd", "vocab_size", "seq_len", "max_tokens",
-            "param_data_ratio", "target_flops", "device_batch_size", "total_batch_size", "adamw_lr", "muon_lr",
-            "grad_clip", "eval_every", "eval_tokens", "core_max_per_task", "save_every", "log_every",
-            "diverge_h_norm", "stop_at"]  # None where allowed: the default stands in
-for name in POSITIVE:
+
+def run_flag(name, check=None, **kwargs):
+    RUN_FLAGS.append(name)
+    CHECKS[name] = check
+    parser.add_argument(f"--{name}", **kwargs)
+
+
+def free_flag(name, check=None, **kwargs):
+    FREE_FLAGS.append(name)
+    CHECKS[name] = check
+    parser.add_argument(f"--{name}", **kwargs)
+
+
+# the model
+run_flag("depth", "positive", type=int, default=6, help="layers, L_P = L_R = L_C = depth/3; 6/12/18/24 = 140M..1.3B")
+run_flag("d_model", "positive", type=int, default=None, help="width (None: 128 * (depth/3 + 4))")
+run_flag("head_dim", "positive", type=int, default=128, help="attention head width")
+run_flag("mu_rec", "positive", type=int, default=8, help="mean recurrence depth")
+run_flag("mu_bwd", "positive", type=int, default=None, help="backpropagated depth (None: ceil(mu_rec/2))")
+run_flag("injection", default="diagonal", choices=["diagonal", "concat", "add", "none"],
+         help="diagonal = Parcae, concat = RDM, add, none = fixed-depth Transformer")
+run_flag("sampling", default="per_sequence", choices=list(SAMPLINGS), metavar="SCHEME",
+         help=f"recurrence-depth sampler, one of {', '.join(SAMPLINGS)} (depths.py says what each draws)")
+run_flag("prelude_norm", type=int, default=1, choices=[0, 1], help="RMSNorm on the prelude's output e")
+run_flag("vocab_size", "positive", type=int, default=32768, help="tokens, the specials included")
+run_flag("seq_len", "positive", type=int, default=2048, help="tokens per row")
+# the data and the horizon
+run_flag("data", default="fineweb-edu", help="fineweb-edu, stdlib, or a path / glob of .txt, .jsonl, .parquet files")
+run_flag("max_tokens", "positive", type=float, default=None,
+         help="training horizon in tokens (None: the paper's for the depth, "
+              + ", ".join(f"{t:.3g}" for t in PAPER_TOKENS.values()) + ")")
+run_flag("param_data_ratio", "positive", type=float, default=None, help="horizon as tokens per parameter")
+run_flag("target_flops", "positive", type=float, default=None, help="horizon as total training FLOPs (the paper's C)")
+# the recipe
+run_flag("device_batch_size", "positive", type=int, default=None,
+         help="sequences per micro-batch per process (None: on a GPU the largest whose memory plan fits it, on a CPU "
+              "the largest up to 32, among those that divide total_batch_size / (seq_len x processes))")
+run_flag("total_batch_size", "positive", type=int, default=524_288, help="tokens per optimiser step")
+run_flag("optimizer", default="muon", choices=["muon", "adamw"],
+         help="muon: the recipe, Muon on the blocks' matrices and AdamW on the rest; adamw: AdamW on all")
+run_flag("adamw_lr", "positive", type=float, default=None, help="None: 8e-3 (140M, 370M) or 6e-3 (770M, 1.3B)")
+run_flag("muon_lr", "positive", type=float, default=8e-3, help="Muon's rate on the blocks' matrices")
+run_flag("weight_decay", "zero or more", type=float, default=0.2, help="Muon's cautious weight decay")
+run_flag("grad_clip", "positive", type=float, default=1.0, help="gradient norm clip")
+run_flag("warmdown_frac", type=float, default=0.5, help="last fraction of steps decaying the rate to 0")
+run_flag("seed", "zero or more", type=int, default=0, help="initial weights, data order, depths and h0")
+# how it runs, evaluates, logs and saves
+free_flag("device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
+free_flag("dtype", default="bfloat16", choices=["float32", "bfloat16"],
+          help="autocast dtype of the matmuls (bfloat16 on a CPU runs the GPU's numerics)")
+free_flag("compile", type=int, default=1, choices=[0, 1], help="torch.compile the blocks")
+free_flag("compile_backend", default="inductor", choices=["inductor", "eager"],
+          help="eager: dynamo's tracing and guards without code generation (counts recompilations fast)")
+free_flag("eval_every", "positive", type=int, default=250, help="steps between validation evals")
+free_flag("eval_tokens", "positive", type=int, default=10 * 524_288, help="validation tokens per eval")
+free_flag("core_every", type=int, default=2000, help="steps between CORE evals, and at the end (-1: never)")
+free_flag("core_max_per_task", "positive", type=int, default=500, help="CORE examples per task during training")
+free_flag("save_every", "positive", type=int, default=1000, help="steps between checkpoints")
+free_flag("log_every", "positive", type=int, default=1, help="steps between log lines")
+free_flag("rho_every", "positive", type=int, default=None,
+          help="steps between the concat (RDM) baseline's rho, an eigendecomposition on the host (None: "
+               "--eval_every); the other injections' rho is on every log line")
+free_flag("diverge_steps", "zero or more", type=int, default=5,
+          help="bad steps in a row that declare the run diverged (0: never, nor by the val loss)")
+free_flag("diverge_h_norm", "positive", type=float, default=None,
+          help="a state norm ||h_T|| that is a bad step in any dtype (None: 1e4 in bf16 only)")
+free_flag("run", default=None, help="run name (None: d<depth>_<injection>)")
+free_flag("resume", action="store_true",
+          help="require a checkpoint to continue from (a run folder holding one is continued without it too)")
+free_flag("stop_at", "positive", type=int, default=None, help="end this invocation after that step (continue later)")
+free_flag("dry_run", action="store_true", help="print the resolved configuration and the memory plan, and exit")
+args = parser.parse_args()
+assert set(vars(args)) == set(CHECKS), f"declare {sorted(set(vars(args)) - set(CHECKS))} by run_flag or free_flag"
+
+for name, check in CHECKS.items():
     value = getattr(args, name)
-    if value is not None and not 0 < value < math.inf:
+    if check == "positive" and value is not None and not 0 < value < math.inf:
         fail(f"--{name}={value} must be a positive number")
-for name in ["weight_decay", "diverge_steps", "seed"]:
-    if not 0 <= getattr(args, name) < math.inf:
-        fail(f"--{name}={getattr(args, name)} must be zero or more")
+    if check == "zero or more" and not 0 <= value < math.inf:
+        fail(f"--{name}={value} must be zero or more")
 if not 0 <= args.warmdown_frac <= 1:
     fail(f"--warmdown_frac={args.warmdown_frac} must be between 0 and 1")
 if args.core_every == 0 or args.core_every < -1:
@@ -175,11 +193,6 @@ if device.type == "cuda":
     torch.backends.cuda.matmul.allow_tf32 = True
 log = (lambda *a: print(*a, flush=True)) if master else (lambda *a: None)
 
-rows_per_step = args.device_batch_size * args.seq_len * world
-if args.total_batch_size % rows_per_step != 0:
-    fail(f"--total_batch_size={args.total_batch_size} is not divisible by device_batch_size x seq_len x world = "
-         f"{args.device_batch_size} x {args.seq_len} x {world} = {rows_per_step}; change one of them")
-grad_accum = args.total_batch_size // rows_per_step
 num_steps = max(1, int(max_tokens // args.total_batch_size))
 log(f"model: depth {args.depth} ({config.n_prelude}/{config.n_recur}/{config.n_coda}), d_model {config.d_model}, "
     f"{config.n_head} heads, injection {config.injection}, mu_rec {config.mu_rec}, mu_bwd {config.mu_bwd}, "
@@ -187,17 +200,51 @@ log(f"model: depth {args.depth} ({config.n_prelude}/{config.n_recur}/{config.n_c
 log(f"parameters: {num_params:,} | FLOPs/token (paper's C): {flops_per_token:.4e} | tokens: "
     f"{num_steps * args.total_batch_size:,} | total FLOPs: {flops_per_token * num_steps * args.total_batch_size:.4e} "
     f"| executed matmul FLOPs/token: {executed_flops_per_token:.4e}")
-log(f"steps: {num_steps} x {args.total_batch_size:,} tokens = {world} process(es) x {grad_accum} micro-batch(es) x "
-    f"{args.device_batch_size} x {args.seq_len} | data: {args.data} | device: {device}, {args.dtype}")
 
-if args.dry_run:  # the memory per GPU a batch needs (model.py's accounting), then stop
-    plan = meta_model.memory_plan(args.device_batch_size, args.dtype == "bfloat16",
-                                  optimizer_state_bytes(meta_model, muon=args.optimizer == "muon"))
+# -----------------------------------------------------------------------------
+# The device batch and its memory plan (model.py's accounting), settled before anything is built or compiled
+
+given_batch = args.device_batch_size
+if given_batch and args.total_batch_size % (given_batch * args.seq_len * world):
+    fail(f"--total_batch_size={args.total_batch_size} is not divisible by device_batch_size x seq_len x world = "
+         f"{given_batch} x {args.seq_len} x {world} = {given_batch * args.seq_len * world}; change one of them")
+if args.total_batch_size % (args.seq_len * world):
+    fail(f"--total_batch_size={args.total_batch_size} is not divisible by seq_len x world = {args.seq_len} x "
+         f"{world}; change one of them")
+sequences = args.total_batch_size // (args.seq_len * world)  # each process's share of an optimiser step
+bf16 = args.dtype == "bfloat16"
+optimizer_bytes = optimizer_state_bytes(meta_model, muon=args.optimizer == "muon")
+if device.type == "cuda":
+    gpu_name, gpu_gb = torch.cuda.get_device_name(device), torch.cuda.mem_get_info(device)[1] / 1e9
+    if ddp:  # every rank must pick the same batch: the smallest GPU decides
+        smallest = torch.tensor(gpu_gb, device=device)
+        dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
+        gpu_gb = smallest.item()
+    gpus, gpu = (gpu_gb,), f"this GPU's {gpu_gb:.1f} GB ({gpu_name})"
+    fitting = meta_model.largest_fitting_batch(sequences, gpu_gb, bf16, optimizer_bytes)
+    asked = meta_model.memory_plan(given_batch or 1, bf16, optimizer_bytes, gpus)  # the user's size, or one sequence
+    if asked["largest_batch"][gpu_gb] < (given_batch or 1):
+        fail(f"{f'--device_batch_size={given_batch}' if given_batch else 'one sequence per GPU'} plans "
+             f"{asked['total'] / 1e9:.1f} GB, over 90% of {gpu}; "
+             + (f"the largest device batch that fits is {fitting}" if fitting else "train a smaller --depth"))
+    how = f"whose memory plan fits in 90% of {gpu}"
+else:  # no GPU memory to plan for: the plans for the two GPUs the paper's runs are sized for
+    gpus = (80, 141)
+    how = "up to 32 (no GPU; a GPU would get " + ", ".join(
+        f"{meta_model.largest_fitting_batch(sequences, gb, bf16, optimizer_bytes)} in {gb} GB" for gb in gpus) + ")"
+    fitting = max(size for size in range(1, min(32, sequences) + 1) if sequences % size == 0)
+args.device_batch_size = given_batch or fitting
+plan = meta_model.memory_plan(args.device_batch_size, bf16, optimizer_bytes, gpus)
+if device.type == "cuda" or args.dry_run:
     log(f"memory per GPU (GB): weights {plan['weights'] / 1e9:.1f} + grads {plan['grads'] / 1e9:.1f} + DDP buckets "
         f"{plan['ddp_buckets'] / 1e9:.1f} + optimizer {plan['optimizer'] / 1e9:.1f} + activations "
         f"{plan['activations'] / 1e9:.1f} ({args.device_batch_size} x {args.seq_len} at mu_bwd {config.mu_bwd}, "
-        f"{args.dtype}) = {plan['total'] / 1e9:.1f} | largest device batch: {plan['largest_batch'][80]} in 80 GB, "
-        f"{plan['largest_batch'][141]} in 141 GB")
+        f"{args.dtype}) = {plan['total'] / 1e9:.1f} | largest device batch: "
+        + ", ".join(f"{n} in {gb:.4g} GB" for gb, n in plan["largest_batch"].items())
+        + " | an estimate until a GPU measures it (runs/gpu_check.sh)")
+log(f"device batch: {args.device_batch_size}, " + ("as given" if given_batch else
+    f"the largest divisor of the {sequences} sequences a process runs per step {how}"))
+if args.dry_run:
     sys.exit(0)
 
 # -----------------------------------------------------------------------------
@@ -209,12 +256,6 @@ try:
     run_dir = get_base_dir() / "runs" / (args.run or f"d{args.depth}_{args.injection}")
 except (FileNotFoundError, ValueError) as err:
     fail(err)
-run_flags = dict(depth=args.depth, d_model=config.d_model, head_dim=config.head_dim, injection=config.injection,
-                 mu_rec=config.mu_rec, mu_bwd=config.mu_bwd, sampling=config.sampling, prelude_norm=args.prelude_norm,
-                 vocab_size=args.vocab_size, seq_len=args.seq_len, data=data_key, max_tokens=max_tokens,
-                 optimizer=args.optimizer, adamw_lr=adamw_lr, muon_lr=args.muon_lr, weight_decay=args.weight_decay,
-                 grad_clip=args.grad_clip, warmdown_frac=args.warmdown_frac, total_batch_size=args.total_batch_size,
-                 device_batch_size=args.device_batch_size, seed=args.seed)
 run_name = run_dir.name
 resume_from = find_checkpoint(run_dir.parent, run_name) if any(run_dir.glob("ckpt_*.pt")) else None
 if args.resume and resume_from is None:
@@ -226,6 +267,15 @@ if resume_from:
     except ValueError as err:  # truncated or unreadable: the message names the file and what to do
         fail(err)
     recorded = ckpt.get("run", {})
+    if not given_batch and recorded.get("device_batch_size", fitting) != fitting:  # it fixes the run's data order
+        args.device_batch_size = recorded["device_batch_size"]
+        log(f"device batch: {args.device_batch_size}, as run {run_name} recorded (it fixes the run's data order)"
+            + (f"; its plan no longer fits {gpu}, where {fitting} does" if device.type == "cuda"
+               and args.device_batch_size > plan["largest_batch"][gpu_gb] else ""))
+run_flags = {name: getattr(args, name) for name in RUN_FLAGS}  # with what the defaults resolved to, and the data's
+run_flags.update(d_model=config.d_model, mu_bwd=config.mu_bwd, data=data_key, max_tokens=max_tokens,  # content key
+                 adamw_lr=adamw_lr)
+if ckpt:
     differ = [f"{name} {recorded.get(name, 'unrecorded')} there, {value} here" for name, value in run_flags.items()
               if recorded.get(name) != value]
     if differ:
@@ -237,6 +287,12 @@ if resume_from:
         log(f"run {run_name} is done: {resume_from} holds its last step, {num_steps}; nothing to train "
             f"(--run=NAME trains another)")
         sys.exit(0)
+if sequences % args.device_batch_size:  # a recorded batch on another number of processes
+    fail(f"run {run_name}'s device batch {args.device_batch_size} does not divide the {sequences} sequences each of "
+         f"{world} process(es) runs per step; continue it on a number of processes it divides")
+grad_accum = sequences // args.device_batch_size
+log(f"steps: {num_steps} x {args.total_batch_size:,} tokens = {world} process(es) x {grad_accum} micro-batch(es) x "
+    f"{args.device_batch_size} x {args.seq_len} | data: {args.data} | device: {device}, {args.dtype}")
 log(f"output: {run_dir}")
 
 # -----------------------------------------------------------------------------
@@ -282,7 +338,7 @@ if ckpt:  # also when torchrun --max_restarts restarted the workers
         loader.load_state_dict(ckpt["loader"][rank * grad_accum + micro])
     start_step, skipped_steps, lowest_val_loss = ckpt["step"], ckpt["skipped_steps"], ckpt["lowest_val_loss"]
     changed = [f"--{name} {value} -> {getattr(args, name)}" for name, value in ckpt["args"].items()
-               if name not in run_flags and name not in ("resume", "dry_run") and getattr(args, name, value) != value]
+               if name in FREE_FLAGS and name not in ("resume", "dry_run") and getattr(args, name) != value]
     log(f"resumed {run_name} at step {start_step}" + (f", elastic restart {restart_count}" if restart_count else "")
         + f", from {resume_from} (--run=NAME trains another)" + (f"; changed: {', '.join(changed)}" if changed else ""))
     del ckpt
@@ -383,6 +439,7 @@ peak_flops = peak_bf16_flops(device)
 depth_generator = torch.Generator()  # METHOD.md §2: each virtual rank samples depths with its own generator
 divergence = Divergence(args.vocab_size, args.dtype, args.diverge_steps, args.diverge_h_norm, lowest_val_loss)
 val_key = f"val_loss_T{1 if config.injection == 'none' else config.mu_rec}"  # the val loss the rule watches
+host_rho = getattr(raw_model.injection, "rho_on_host", False)  # concat's rho: every --rho_every steps, not each line
 if master:
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics_up_to(run_dir / "metrics.jsonl", start_step)
@@ -431,15 +488,22 @@ while step < num_steps and (args.stop_at is None or step < args.stop_at):
         tokens_per_second = args.total_batch_size / dt if tokens_per_second is None \
             else 0.9 * tokens_per_second + 0.1 * args.total_batch_size / dt
     if step % args.log_every == 0 or step == num_steps:
-        entry = {"step": step, "loss": loss_sum.item() / grad_accum, "lr_mult": lrm, "grad_norm": grad_norm.item(),
+        # the line's values are 0-d tensors on the device, read in one transfer: the only wait for the device
+        # beyond the skip rule's (rho after the update, so that wait includes it; concat's rho: every --rho_every)
+        rho_due = not host_rho or step % (args.rho_every or args.eval_every) == 0 or step == num_steps
+        logged = {"loss": loss_sum, "grad_norm": grad_norm, "rho": raw_model.spectral_radius() if rho_due else None,
+                  **stats}
+        present = [key for key, value in logged.items() if value is not None]
+        logged.update(zip(present, torch.stack([logged[key].float() for key in present]).tolist()))
+        entry = {"step": step, "loss": logged["loss"] / grad_accum, "lr_mult": lrm, "grad_norm": logged["grad_norm"],
                  **{f"{group['kind']}_lr": group["lr"] for group in optimizer.param_groups},  # adamw_lr, muon_lr
-                 "tokens_per_s": tokens_per_second, "rho": raw_model.spectral_radius(), "skipped_steps": skipped_steps,
-                 **{key: None if value is None else value.item() for key, value in stats.items()}}
+                 "tokens_per_s": tokens_per_second, "rho": logged["rho"], "skipped_steps": skipped_steps,
+                 **{key: logged[key] for key in stats}}
         if peak_flops and tokens_per_second:
             entry["mfu"] = executed_flops_per_token * tokens_per_second / (peak_flops * world)
         if args.compile:  # a count that still grows after the first steps is recompiling (model.compile_blocks)
             entry["graphs"] = dynamo_counters["stats"]["unique_graphs"]
-        if device.type == "cuda":  # against the --dry_run plan
+        if device.type == "cuda":  # against the memory plan printed at the start
             entry["peak_memory"] = torch.cuda.max_memory_allocated(device)
         log(log_line(entry))
         record(entry)
