@@ -38,7 +38,8 @@ from conftest import TINY, write_corpus
 
 ROOT = Path(__file__).resolve().parent.parent
 REFERENCE_FILE = Path(__file__).resolve().parent / "refactor_reference.json"
-FLAGS = [flag for flag in TINY if not flag.startswith("--max_tokens")] + ["--seed=7"]  # each run sets its horizon
+# each run sets its horizon; concat's rho at every step (--rho_every=1), as every other injection's
+FLAGS = [flag for flag in TINY if not flag.startswith("--max_tokens")] + ["--seed=7", "--rho_every=1"]
 RUNS = {"diagonal": 20, "concat": 4, "add": 4, "none": 4}  # injection -> optimiser steps
 STEP_KEYS = ("loss", "grad_norm", "rho", "h_norm", "update_ratio")
 

@@ -1,0 +1,170 @@
+"""The device batch train.py runs (Parcae.largest_fitting_batch against the GPU's memory, the run's recorded size on
+resume), its declared run flags, and concat's rho at a cadence of its own. The GPU is faked: torch.cuda reports
+80 GB, and train.py stops at its memory plan, before it would touch the device.
+
+    python -m pytest tests/test_device_batch.py
+"""
+
+import argparse
+import json
+import re
+import runpy
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, TINY, train, train_command, train_env
+from model import Parcae, ParcaeConfig
+from optim import optimizer_state_bytes
+
+
+def run_train(monkeypatch, capsys, *flags):
+    """train.py in this process with these flags (it must exit before training) -> (status, stdout, stderr,
+    train.py's globals as they were when it parsed its flags)."""
+    seen = {}
+    parse_args = argparse.ArgumentParser.parse_args
+
+    def watched(parser, *args, **kwargs):
+        seen.update(sys._getframe(1).f_globals)
+        return parse_args(parser, *args, **kwargs)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", watched)
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "train.py"), *flags])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+    out, err = capsys.readouterr()
+    return exit_info.value.code, out, err, seen
+
+
+@pytest.fixture
+def gpu_80gb(monkeypatch):
+    """torch.cuda as train.py sees it on one 80 GB GPU."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Faked GPU 80GB")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (79e9, 80e9))
+
+
+def paper_1p3b():
+    with torch.device("meta"):
+        model = Parcae(ParcaeConfig.from_depth(24, mu_rec=8))
+    return model, optimizer_state_bytes(model)
+
+
+def test_the_largest_fitting_batch_divides_the_batch_and_fits():
+    model, optimizer_bytes = paper_1p3b()
+    for gb, sequences in [(80, 256), (80, 32), (141, 32), (141, 24), (40, 32)]:
+        size = model.largest_fitting_batch(sequences, gb, True, optimizer_bytes)
+        fits = [b for b in range(1, sequences + 1) if sequences % b == 0
+                and model.memory_plan(b, True, optimizer_bytes)["total"] <= 0.9 * gb * 1e9]
+        assert size == fits[-1], (gb, sequences)
+    assert model.largest_fitting_batch(32, 20, True, optimizer_bytes) is None  # 1.3B at one sequence: 41.7 GB
+
+
+def test_a_faked_80gb_gpu_gets_a_plan_within_it_and_a_size_over_it_is_refused(gpu_80gb, monkeypatch, capsys):
+    status, out, err, _ = run_train(monkeypatch, capsys, "--depth=24", "--mu_rec=8", "--device=cuda", "--dry_run")
+    assert status == 0, err
+    planned = float(re.search(r"memory per GPU \(GB\): .* = ([\d.]+) \|", out)[1])
+    size = int(re.search(r"device batch: (\d+), the largest divisor of the 256 sequences", out)[1])
+    model, optimizer_bytes = paper_1p3b()
+    assert size == 4 == model.largest_fitting_batch(256, 80, True, optimizer_bytes)
+    assert planned <= 0.9 * 80 and model.memory_plan(8, True, optimizer_bytes)["total"] > 0.9 * 80e9
+    assert "(4 x 2048 at mu_bwd 4, bfloat16)" in out and "an estimate until a GPU measures it" in out
+
+    status, out, err, _ = run_train(monkeypatch, capsys, "--depth=24", "--mu_rec=8", "--device=cuda", "--dry_run",
+                                    "--device_batch_size=32")
+    assert status == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith("error: --device_batch_size=32 ") and "the largest device batch that fits is 4" in err
+    assert "memory per GPU" not in out  # refused before any plan or work
+
+
+def test_without_a_gpu_the_batch_is_the_largest_divisor_up_to_32(monkeypatch, capsys):
+    tiny = [flag for flag in TINY if not flag.startswith("--device_batch_size")]
+    status, out, err, _ = run_train(monkeypatch, capsys, *tiny, "--device=cpu", "--dry_run")  # 256 / 32 = 8 rows
+    assert status == 0 and "device batch: 8, the largest divisor of the 8 sequences" in out, err
+
+
+def test_every_flag_is_run_defining_or_free_and_an_unclassified_one_fails(monkeypatch, capsys):
+    status, _, err, flags = run_train(monkeypatch, capsys, "--depth=24", "--dry_run", "--device=cpu")
+    assert status == 0, err
+    run, free = flags["RUN_FLAGS"], flags["FREE_FLAGS"]
+    assert not set(run) & set(free) and {"depth", "seed", "device_batch_size"} <= set(run) and "log_every" in free
+    options = {action.dest for action in flags["parser"]._actions if action.dest != "help"}
+    assert options == set(run) | set(free)
+
+    parse_args = argparse.ArgumentParser.parse_args
+
+    def with_a_stray_flag(parser, *args, **kwargs):  # a flag added by add_argument, not by run_flag or free_flag
+        parser.add_argument("--stray", default=0)
+        return parse_args(parser, *args, **kwargs)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", with_a_stray_flag)
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "train.py"), "--dry_run", "--device=cpu"])
+    with pytest.raises(AssertionError, match="stray"):
+        runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+
+
+def test_a_resume_keeps_the_recorded_batch_and_records_every_run_flag(corpus, monkeypatch, capsys):
+    """Started at --device_batch_size=2, continued without the flag: the CPU's own choice would be 8."""
+    train(corpus, "--device_batch_size=2", "--max_tokens=512", "--stop_at=1", "--run=kept")
+    command = [flag for flag in train_command(corpus, "--max_tokens=512", "--run=kept")
+               if not flag.startswith("--device_batch_size")]
+    result = subprocess.run(command, capture_output=True, text=True, env=train_env(corpus), timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "device batch: 2, as run kept recorded" in result.stdout and "4 micro-batch(es) x 2 x 32" in result.stdout
+    checkpoint = torch.load(next((corpus / "base" / "runs" / "kept").glob("ckpt_*.pt")), weights_only=True)
+    assert checkpoint["step"] == 2 and checkpoint["run"]["device_batch_size"] == 2
+    _, _, _, flags = run_train(monkeypatch, capsys, "--dry_run", "--device=cpu")
+    assert list(checkpoint["run"]) == flags["RUN_FLAGS"]
+
+
+def test_concat_rho_is_logged_every_rho_every_steps_and_is_the_weights_radius(corpus):
+    train(corpus, "--injection=concat", "--max_tokens=1024", "--eval_every=2", "--run=concat")  # 4 steps
+    run_dir = corpus / "base" / "runs" / "concat"
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rho = {entry["step"]: entry["rho"] for entry in steps if "loss" in entry}
+    assert list(rho) == [1, 2, 3, 4] and rho[1] is None and rho[3] is None  # --rho_every: --eval_every's 2
+    adapter = torch.load(run_dir / "ckpt_000004.pt", weights_only=True)["model"]["injection.adapter.weight"]
+    radius = torch.linalg.eigvals(adapter[:, :adapter.shape[0]].double()).abs().max().item()
+    assert rho[2] > 0 and rho[4] == pytest.approx(radius, rel=1e-4)
+
+
+def test_every_flag_with_a_positivity_check_refuses_what_it_rules_out(monkeypatch, capsys):
+    _, _, _, flags = run_train(monkeypatch, capsys, "--dry_run", "--device=cpu")
+    for name, check in flags["CHECKS"].items():
+        if check:
+            status, _, err, _ = run_train(monkeypatch, capsys, *TINY, f"--{name}={0 if check == 'positive' else -1}")
+            assert status == 2 and err.startswith(f"error: --{name}=") and len(err.strip().splitlines()) == 1, err
+
+
+def test_readme_and_docs_commands_fit_their_plan_and_the_readme_table_is_the_choice():
+    """Every train.py command of README and docs that gives --device_batch_size fits in 80 GB by the plan (the others
+    let train.py choose); README's table of the paper's runs is what 8 processes pick on 80 and 141 GB."""
+    defaults = dict(depth="6", mu_rec="8", vocab_size="32768", seq_len="2048", head_dim="128", dtype="bfloat16")
+    text = "\n".join(path.read_text() for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
+    commands = [line for line in text.replace("\\\n", " ").splitlines()
+                if "train.py" in line and "--device_batch_size=" in line]
+    assert commands
+    for command in commands:
+        flags = {**defaults, **dict(re.findall(r"--(\w+)=(\S+)", command))}
+        config = ParcaeConfig.from_depth(int(flags["depth"]), mu_rec=int(flags["mu_rec"]),
+                                         vocab_size=int(flags["vocab_size"]), seq_len=int(flags["seq_len"]),
+                                         head_dim=int(flags["head_dim"]),
+                                         **({"d_model": int(flags["d_model"])} if "d_model" in flags else {}))
+        with torch.device("meta"):
+            model = Parcae(config)
+        plan = model.memory_plan(int(flags["device_batch_size"]), flags["dtype"] == "bfloat16",
+                                 optimizer_state_bytes(model))
+        assert plan["total"] <= 0.9 * 80e9, command
+    readme = (ROOT / "README.md").read_text()
+    rows = re.findall(r"^\| ([\d.]+[MB]) \| (\d+), ([\d.]+) GB \| (\d+), ([\d.]+) GB \|$", readme, flags=re.M)
+    assert [row[0] for row in rows] == ["140M", "370M", "770M", "1.3B"]
+    for (_, *row), depth in zip(rows, (6, 12, 18, 24)):
+        with torch.device("meta"):
+            model = Parcae(ParcaeConfig.from_depth(depth, mu_rec=8))
+        optimizer_bytes = optimizer_state_bytes(model)
+        for gb, size, total in zip((80, 141), row[::2], row[1::2]):
+            assert int(size) == model.largest_fitting_batch(32, gb, True, optimizer_bytes), (depth, gb)
+            assert float(total) == round(model.memory_plan(int(size), True, optimizer_bytes)["total"] / 1e9, 1)
