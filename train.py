@@ -197,9 +197,10 @@ num_steps = max(1, int(max_tokens // args.total_batch_size))
 log(f"model: depth {args.depth} ({config.n_prelude}/{config.n_recur}/{config.n_coda}), d_model {config.d_model}, "
     f"{config.n_head} heads, injection {config.injection}, mu_rec {config.mu_rec}, mu_bwd {config.mu_bwd}, "
     f"sampling {config.sampling}, prelude_norm {config.prelude_norm}")
-log(f"parameters: {num_params:,} | FLOPs/token (paper's C): {flops_per_token:.4e} | tokens: "
+log(f"parameters: {num_params:,} | FLOPs/token (paper's C, the horizon's unit): {flops_per_token:.4e} | tokens: "
     f"{num_steps * args.total_batch_size:,} | total FLOPs: {flops_per_token * num_steps * args.total_batch_size:.4e} "
-    f"| executed matmul FLOPs/token: {executed_flops_per_token:.4e}")
+    f"| executed matmul FLOPs/token (MFU's): {executed_flops_per_token:.4e}, C / executed "
+    f"{flops_per_token / executed_flops_per_token:.2f}")
 
 # -----------------------------------------------------------------------------
 # The device batch and its memory plan (model.py's accounting), settled before anything is built or compiled

@@ -41,7 +41,7 @@ VOCAB, STEPS, BATCH = 259, 300, 2048
 UNIFORM_LOSS = math.log(VOCAB)  # a diverged run, or one that ends no better, counts as a uniform guess
 MAIN = ["--depth=3", "--d_model=128", "--head_dim=64", f"--vocab_size={VOCAB}", "--seq_len=128",
         "--device_batch_size=16", f"--total_batch_size={BATCH}", "--data=stdlib", "--compile=0", "--dtype=float32",
-        "--core_every=-1", "--log_every=1", "--save_every=1000000", "--eval_tokens=8192"]
+        "--core_every=-1", "--log_every=1", "--rho_every=1", "--save_every=1000000", "--eval_tokens=8192"]
 # claim 6 needs >= 10 tokens per parameter: a narrower model (217,856 parameters) for 1,064 steps (10.0 per param)
 SMALL = [flag for flag in MAIN if not flag.startswith(("--d_model", "--head_dim"))] + ["--d_model=64", "--head_dim=32"]
 SMALL_STEPS, SMALL_PARAMS = 1064, 217_856
