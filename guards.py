@@ -53,22 +53,24 @@ def run_holder(run_dir):
         try:
             fcntl.lockf(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except OSError as err:
-            if err.errno not in HELD:
-                raise
-            return handle.read().strip() or "another process"
+            if err.errno in HELD:
+                return handle.read().strip() or "another process"
     return None
 
 
 def lock_run(run_dir):
     """Take the run's lock for this process -> the open lock file, which holds it until the process ends (keep a
-    reference). ValueError naming the holder when another process has it."""
+    reference). ValueError naming the holder when another process has it. A filesystem without locks (Lustre
+    mounted without its flock option) gets a warning, and the run goes on unguarded."""
     run_dir.mkdir(parents=True, exist_ok=True)
     handle = open(run_dir / "lock", "a+")  # "a+": opened without emptying what the holder wrote
     try:
         fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as err:
         if err.errno not in HELD:
-            raise
+            print(f"warning: {run_dir / 'lock'} cannot be locked ({err.strerror}); nothing stops a second command "
+                  f"on run {run_dir.name} while this one trains", flush=True)
+            return handle
         handle.seek(0)
         holder = handle.read().strip() or "another process"
         handle.close()

@@ -1,8 +1,10 @@
 """Tests of what keeps a run whole (guards.py, as train.py uses it): two "nodes" that would start from different
 checkpoints both refuse and train nothing; a second command on a live run is refused naming the holder, and the
-live run ends as it would have alone; replicas whose weights drift apart stop the run at the checkpoint; CORE's
-eval bundle is on every rank or skipped on every rank. The runs are train.py in subprocesses, as users run it."""
+live run ends as it would have alone, and a filesystem without locks is trained on with a warning; replicas whose
+weights drift apart stop the run at the checkpoint; CORE's eval bundle is on every rank or skipped on every rank.
+The runs are train.py in subprocesses, as users run it; faults come from tests/faulty_train.py."""
 
+import errno
 import functools
 import http.server
 import io
@@ -18,12 +20,14 @@ import zipfile
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import guards
 from conftest import refused, train, train_command, train_env
-from guards import run_holder, shared_eval_bundle
+from guards import lock_run, run_holder, shared_eval_bundle
 
 
 def free_port():
@@ -47,18 +51,25 @@ def errors(stderr):
     return [line for line in stderr.splitlines() if line.startswith("error: ")]
 
 
-def test_two_nodes_that_would_start_from_different_checkpoints_both_refuse(corpus, tmp_path):
+@pytest.fixture(scope="module")
+def alone(corpus):
+    """The tiny run, trained to its end by one command on its own -> its folder."""
+    train(corpus, "--run=alone")
+    return corpus / "base" / "runs" / "alone"
+
+
+def test_two_nodes_that_would_start_from_different_checkpoints_both_refuse(corpus, alone, tmp_path):
     """Two one-process "nodes" through a c10d rendezvous, each with its own base folder, only the first holding
-    the run's step-2 checkpoint (checkpoints kept on one node): each ends in one line naming both starts, within
-    the timeout, and neither trains a step nor writes anything."""
-    train(corpus, "--run=split", "--stop_at=2")
+    the run's last checkpoint (checkpoints kept on one node): each ends in one line naming both starts, within
+    the timeout (the node whose run is done does not leave alone either), and neither trains a step nor writes
+    anything."""
     bases = [tmp_path / "node0", tmp_path / "node1"]
     shutil.copytree(corpus / "base", bases[0])
     bases[1].mkdir()
-    run_dir = bases[0] / "runs" / "split"
+    run_dir = bases[0] / "runs" / "alone"
     before = untouched(run_dir)
     torchrun = ["--nnodes=2", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", "--rdzv_id=split"]
-    nodes = [subprocess.Popen(train_command(corpus, "--run=split", nproc=1, torchrun=torchrun),
+    nodes = [subprocess.Popen(train_command(corpus, "--run=alone", nproc=1, torchrun=torchrun),
                               env=train_env(corpus, base), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for base in bases]
     try:
@@ -69,14 +80,14 @@ def test_two_nodes_that_would_start_from_different_checkpoints_both_refuse(corpu
     for node, (stdout, stderr) in zip(nodes, outputs):
         assert node.returncode != 0 and len(errors(stderr)) == 1, stderr[-3000:]
         line = errors(stderr)[0]
-        assert "the ranks would start run split from different checkpoints: " in line, line
-        assert "step 2 (weights " in line and "step 0 (no checkpoint) on rank " in line, line
+        assert "the ranks would start run alone from different checkpoints: " in line, line
+        assert "step 8 (weights " in line and "step 0 (no checkpoint) on rank " in line, line
         assert "copy the run folder to each node" in line and "step 1/" not in stdout
     assert untouched(run_dir) == before
     assert list(bases[1].iterdir()) == []
 
 
-def test_a_second_command_on_a_live_run_is_refused_and_the_run_ends_as_it_would_alone(corpus):
+def test_a_second_command_on_a_live_run_is_refused_and_the_run_ends_as_it_would_alone(corpus, alone):
     """The first command pauses at its first step, holding the run's lock; the same command meanwhile ends in one
     line naming the holder's process and host. Released, the first run ends with the weights and losses of the
     same run trained alone, and its lock is free again."""
@@ -99,14 +110,26 @@ def test_a_second_command_on_a_live_run_is_refused_and_the_run_ends_as_it_would_
         first.kill()
     assert first.returncode == 0, stderr[-3000:]
     assert run_holder(run_dir) is None
-    train(corpus, "--run=alone")
-    alone = corpus / "base" / "runs" / "alone"
     assert step_losses(run_dir) == step_losses(alone)
     weights, reference = (torch.load(folder / "ckpt_000008.pt", weights_only=True)["model"] for folder in (run_dir,
                                                                                                           alone))
     assert weights.keys() == reference.keys()
     for name in reference:
         assert torch.equal(weights[name], reference[name]), name
+
+
+def test_a_filesystem_without_locks_warns_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
+    def no_locks(*args):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    run_dir = tmp_path / "runs" / "unlocked"
+    run_dir.mkdir(parents=True)
+    (run_dir / "lock").write_text("process 1 on host elsewhere\n")
+    monkeypatch.setattr(guards.fcntl, "lockf", no_locks)
+    assert run_holder(run_dir) is None
+    lock_run(run_dir).close()
+    assert capsys.readouterr().out == f"warning: {run_dir / 'lock'} cannot be locked (No locks available); nothing " \
+                                      f"stops a second command on run unlocked while this one trains\n"
 
 
 def test_replicas_that_drift_apart_stop_the_run_at_the_checkpoint(corpus):
