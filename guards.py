@@ -165,6 +165,8 @@ def agree_to_start(run_name, refusal, step, digest):
 def drift(state):
     """At a checkpoint: every rank's weight_sums gathered -> None when every replica equals rank 0's, else what
     differs, for the line that stops the run."""
+    if not dist.is_initialized():
+        return None
     names, sums = list(state), gather(weight_sums(state))
     off = [rank for rank, other in enumerate(sums) if other != sums[0]]
     if not off:

@@ -217,7 +217,7 @@ run_flags = dict(depth=args.depth, d_model=config.d_model, head_dim=config.head_
                  grad_clip=args.grad_clip, warmdown_frac=args.warmdown_frac, total_batch_size=args.total_batch_size,
                  device_batch_size=args.device_batch_size, seed=args.seed)
 run_name = run_dir.name
-resume_from, ckpt, refusal = None, None, None
+resume_from, ckpt, refusal, start = None, None, None, (0, None)  # start: the checkpoint's step and weights digest
 try:  # on every rank; each keeps its refusal for the agreement below rather than stopping alone
     if holder := run_holder(run_dir):  # before a live run's checkpoint is read onto its GPUs
         raise ValueError(being_trained(run_dir, holder))
@@ -235,11 +235,12 @@ try:  # on every rank; each keeps its refusal for the agreement below rather tha
                 "stdlib's Python version)" if recorded.get("data") != data_key else ""
             raise ValueError(f"run {run_name} ({resume_from}) was started with other flags: {'; '.join(differ)}"
                              f"{data}; pass its flags to continue it, or --run=NAME to start another")
+        start = ckpt["step"], checkpoint_digest(ckpt["model"])
 except ValueError as err:
     refusal = str(err)
 try:  # every rank starts from the same checkpoint (none: step 0), then one trainer per run
-    agree_to_start(run_name, refusal, ckpt["step"] if ckpt else 0, ckpt and checkpoint_digest(ckpt["model"]))
-    if ckpt and ckpt["step"] >= num_steps:
+    agree_to_start(run_name, refusal, *start)
+    if start[0] >= num_steps:
         log(f"run {run_name} is done: {resume_from} holds its last step, {num_steps}; nothing to train "
             f"(--run=NAME trains another)")
         sys.exit(0)
