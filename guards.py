@@ -20,7 +20,6 @@ import torch.distributed as dist
 from core_tasks import EVAL_BUNDLE_URL, download_eval_bundle, eval_bundle_dir
 
 
-
 def stop(line, status):
     """End this rank with `status` and each node's log with `line`, written once there (by its local rank 0): the
     guards below decide alike on every rank, so every rank stops, for one reason."""
