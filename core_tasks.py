@@ -127,12 +127,18 @@ def extract_zip_safely(zip_path, target):
         archive.extractall(target)
 
 
+def eval_bundle_dir(base_dir=None):
+    """base_dir/eval_bundle (default base dir: get_base_dir()) when a bundle is extracted there, else None."""
+    bundle_dir = (Path(base_dir) if base_dir is not None else get_base_dir()) / "eval_bundle"
+    return bundle_dir if (bundle_dir / "eval_meta_data.csv").is_file() else None
+
+
 def download_eval_bundle(url=EVAL_BUNDLE_URL, base_dir=None):
     """-> base_dir/eval_bundle (default base dir: get_base_dir()), downloaded and extracted on first use."""
     base_dir = Path(base_dir) if base_dir is not None else get_base_dir()
     base_dir.mkdir(parents=True, exist_ok=True)
     bundle_dir = base_dir / "eval_bundle"
-    if (bundle_dir / "eval_meta_data.csv").is_file():
+    if eval_bundle_dir(base_dir):
         return bundle_dir
     zip_path = base_dir / "eval_bundle.zip"
     if not zip_path.is_file():

@@ -31,10 +31,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common import (Divergence, find_checkpoint, get_base_dir, init_distributed, parse_device, peak_bf16_flops,
                     rank_and_world, read_checkpoint, save_checkpoint, write_atomically)
-from core_tasks import download_eval_bundle
 from data import DataLoader, get_tokenizer, tokenizer_dir, val_batches
 from depths import SAMPLINGS
 from eval_core import evaluate_bpb, evaluate_core
+from guards import (agree_to_start, being_trained, checkpoint_digest, drift, lock_for_every_rank, run_holder,
+                    shared_eval_bundle, stop)
 from model import Parcae, ParcaeConfig
 from optim import (build_optimizer, learning_rate_for_depth, lr_multiplier, muon_momentum, optimizer_state_bytes,
                    weight_decay_at)
@@ -258,39 +259,50 @@ try:
 except (FileNotFoundError, ValueError) as err:
     fail(err)
 run_name = run_dir.name
-resume_from = find_checkpoint(run_dir.parent, run_name) if any(run_dir.glob("ckpt_*.pt")) else None
-if args.resume and resume_from is None:
-    fail(f"there is no checkpoint of run {run_name} under {run_dir} to resume; start it without --resume")
-ckpt = None
-if resume_from:
-    try:
-        ckpt = read_checkpoint(resume_from, device)
-    except ValueError as err:  # truncated or unreadable: the message names the file and what to do
-        fail(err)
-    recorded = ckpt.get("run", {})
-    if not given_batch and recorded.get("device_batch_size", fitting) != fitting:  # it fixes the run's data order
-        args.device_batch_size = recorded["device_batch_size"]
-        log(f"device batch: {args.device_batch_size}, as run {run_name} recorded (it fixes the run's data order)"
-            + (f"; its plan no longer fits {gpu}, where {fitting} does" if device.type == "cuda"
-               and args.device_batch_size > plan["largest_batch"][gpu_gb] else ""))
-run_flags = {name: getattr(args, name) for name in RUN_FLAGS}  # with what the defaults resolved to, and the data's
-run_flags.update(d_model=config.d_model, mu_bwd=config.mu_bwd, data=data_key, max_tokens=max_tokens,  # content key
-                 adamw_lr=adamw_lr)
-if ckpt:
-    differ = [f"{name} {recorded.get(name, 'unrecorded')} there, {value} here" for name, value in run_flags.items()
-              if recorded.get(name) != value]
-    if differ:
-        data = " (data: --data's content key, from its files' names, sizes and modification times, or stdlib's " \
-            "Python version)" if recorded.get("data") != data_key else ""
-        fail(f"run {run_name} ({resume_from}) was started with other flags: {'; '.join(differ)}{data}; "
-             f"pass its flags to continue it, or --run=NAME to start another")
-    if ckpt["step"] >= num_steps:
+resume_from, ckpt, refusal, start = None, None, None, (0, None)  # start: the checkpoint's step and weights digest
+try:  # on every rank; each keeps its refusal for the agreement below rather than stopping alone
+    if holder := run_holder(run_dir):  # before a live run's checkpoint is read onto its GPUs
+        raise ValueError(being_trained(run_dir, holder))
+    resume_from = find_checkpoint(run_dir.parent, run_name) if any(run_dir.glob("ckpt_*.pt")) else None
+    if args.resume and resume_from is None:
+        raise ValueError(f"there is no checkpoint of run {run_name} under {run_dir} to resume; start it without "
+                         f"--resume")
+    if resume_from:
+        ckpt = read_checkpoint(resume_from, device)  # unreadable: the message names the file and what to do
+        recorded = ckpt.get("run", {})
+        if not given_batch and recorded.get("device_batch_size", fitting) != fitting:  # it fixes the data order
+            args.device_batch_size = recorded["device_batch_size"]
+            log(f"device batch: {args.device_batch_size}, as run {run_name} recorded (it fixes the run's data "
+                f"order)" + (f"; its plan no longer fits {gpu}, where {fitting} does" if device.type == "cuda"
+                              and args.device_batch_size > plan["largest_batch"][gpu_gb] else ""))
+    # recorded with what the defaults resolved to, and the data's content key
+    run_flags = {name: getattr(args, name) for name in RUN_FLAGS}
+    run_flags.update(d_model=config.d_model, mu_bwd=config.mu_bwd, data=data_key, max_tokens=max_tokens,
+                     adamw_lr=adamw_lr)
+    if ckpt:
+        differ = [f"{name} {recorded.get(name, 'unrecorded')} there, {value} here"
+                  for name, value in run_flags.items() if recorded.get(name) != value]
+        if differ:
+            data = " (data: --data's content key, from its files' names, sizes and modification times, or " \
+                "stdlib's Python version)" if recorded.get("data") != data_key else ""
+            raise ValueError(f"run {run_name} ({resume_from}) was started with other flags: {'; '.join(differ)}"
+                             f"{data}; pass its flags to continue it, or --run=NAME to start another")
+        start = ckpt["step"], checkpoint_digest(ckpt["model"])
+    if sequences % args.device_batch_size:  # a recorded batch on another number of processes
+        raise ValueError(f"run {run_name}'s device batch {args.device_batch_size} does not divide the {sequences} "
+                         f"sequences each of {world} process(es) runs per step; continue it on a number of processes "
+                         f"it divides")
+except ValueError as err:
+    refusal = str(err)
+try:  # every rank starts from the same checkpoint (none: step 0), then one trainer per run
+    agree_to_start(run_name, refusal, *start)
+    if start[0] >= num_steps:
         log(f"run {run_name} is done: {resume_from} holds its last step, {num_steps}; nothing to train "
             f"(--run=NAME trains another)")
         sys.exit(0)
-if sequences % args.device_batch_size:  # a recorded batch on another number of processes
-    fail(f"run {run_name}'s device batch {args.device_batch_size} does not divide the {sequences} sequences each of "
-         f"{world} process(es) runs per step; continue it on a number of processes it divides")
+    run_lock = lock_for_every_rank(run_dir)  # held until this process ends, before anything is written there
+except ValueError as err:
+    stop(err, 2)  # every rank stops alike; each node logs the line once
 grad_accum = sequences // args.device_batch_size
 log(f"steps: {num_steps} x {args.total_batch_size:,} tokens = {world} process(es) x {grad_accum} micro-batch(es) x "
     f"{args.device_batch_size} x {args.seq_len} | data: {args.data} | device: {device}, {args.dtype}")
@@ -362,24 +374,22 @@ def evaluate(step):
 
 def evaluate_core_subset(step):
     """METHOD.md §3 CORE on the first --core_max_per_task examples of each task, at T = mu_rec."""
-    bundle_dir = [None]
-    if master:
-        try:
-            bundle_dir[0] = str(download_eval_bundle())
-        except (OSError, ValueError) as err:
-            log(f"CORE skipped: the eval bundle is not available ({err})")
-    if ddp:
-        dist.broadcast_object_list(bundle_dir)
-    if bundle_dir[0] is None:
+    bundle_dir, why = shared_eval_bundle(device)  # on every rank, or CORE skipped on every rank
+    if bundle_dir is None:
+        log(f"CORE skipped: {why}")
         return None
-    result = evaluate_core(raw_model, tokenizer, bundle_dir[0], max_per_task=args.core_max_per_task, verbose=False)
+    result = evaluate_core(raw_model, tokenizer, bundle_dir, max_per_task=args.core_max_per_task, verbose=False)
     log(f"CORE {result['core']:.4f} at T={result['T']} ({result['seconds']:.0f}s)")
     return {"step": step, "core": result["core"], "core_T": result["T"]}
 
 
 def save(step):
     """Model, optimiser, every virtual rank's loader position, the run's flags; the RNG state is a function of
-    (seed, step, virtual rank), reseeded every micro-step, so nothing else is needed. Keeps the newest only."""
+    (seed, step, virtual rank), reseeded every micro-step, so nothing else is needed. Keeps the newest only.
+    Saves nothing, and stops the run, when the ranks' weights have drifted apart (guards.drift)."""
+    if drifted := drift(raw_model.state_dict()):
+        stop(f"at step {step} the ranks' weights have drifted apart: {drifted}; nothing saved: the run's last "
+             f"checkpoint stays, and the same command resumes every rank from it", 1)
     loader_states = [loader.state_dict() for loader in loaders]
     if ddp:
         gathered = [None] * world

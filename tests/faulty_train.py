@@ -6,8 +6,10 @@ faulty_train.py: train.py with faults injected from outside, for the tests of wh
 
 nan_step=N: the gradients of nan_steps steps (default 1) from step index N (the Nth step is index N-1) are made
 non-finite just before train.py clips them. kill_step=N: the last rank SIGKILLs itself once it reaches the clip of
-the step after step N, as a node fault or the OOM killer would, in torchrun's first attempt only. Steps are counted
-from this process's first; then train.py runs as `python train.py` would run it.
+the step after step N, as a node fault or the OOM killer would, in torchrun's first attempt only. drift_step=N: the
+last rank adds 1e-3 to its first weight tensor at that clip, so its replica drifts from the others' (a fault DDP
+never sees). pause_step=N: the process waits there for a SIGUSR1 (one sent earlier waits, blocked, until then).
+Steps are counted from this process's first; then train.py runs as `python train.py` would run it.
 """
 
 import os
@@ -16,14 +18,15 @@ import signal
 import sys
 from pathlib import Path
 
-import torch
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})  # before any thread starts: each inherits the mask
+import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-faults = dict(nan_step=-1, nan_steps=1, kill_step=-1)
+faults = dict(nan_step=-1, nan_steps=1, kill_step=-1, drift_step=-1, pause_step=-1)
 for item in filter(None, sys.argv[1].split(",")):
     name, _, value = item.partition("=")
     if name not in faults or not value.isdigit():
-        sys.exit(f"faulty_train.py: {item!r} is not one of nan_step=N, nan_steps=N, kill_step=N")
+        sys.exit(f"faulty_train.py: {item!r} is not one of {', '.join(f'{name}=N' for name in faults)}")
     faults[name] = int(value)
 last_rank = int(os.environ.get("RANK", 0)) == int(os.environ.get("WORLD_SIZE", 1)) - 1
 first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0
@@ -39,6 +42,11 @@ def faulty_clip_grad_norm(parameters, *args, **kwargs):
         os.kill(os.getpid(), signal.SIGKILL)
     if 0 <= steps - faults["nan_step"] < faults["nan_steps"]:
         parameters[0].grad.fill_(float("nan"))
+    if steps == faults["drift_step"] and last_rank:
+        with torch.no_grad():
+            parameters[0].add_(1e-3)
+    if steps == faults["pause_step"]:
+        signal.sigwait({signal.SIGUSR1})
     steps += 1
     return clip_grad_norm(parameters, *args, **kwargs)
 

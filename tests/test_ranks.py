@@ -1,0 +1,204 @@
+"""Tests of what keeps a run whole (guards.py, as train.py uses it): two "nodes" that would start from different
+checkpoints both refuse and train nothing; a second command on a live run is refused naming the holder, and the
+live run ends as it would have alone, and a filesystem without locks is trained on with a warning; replicas whose
+weights drift apart stop the run at the checkpoint; CORE's eval bundle is on every rank or skipped on every rank.
+The runs are train.py in subprocesses, as users run it; faults come from tests/faulty_train.py."""
+
+import errno
+import functools
+import http.server
+import io
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+import zipfile
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import guards
+from conftest import refused, train, train_command, train_env
+from guards import lock_run, run_holder, shared_eval_bundle
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def untouched(run_dir):
+    """{file name: (bytes, mtime)} of a run folder, to show that a refused command wrote nothing there."""
+    return {path.name: (path.read_bytes(), path.stat().st_mtime_ns) for path in sorted(run_dir.iterdir())}
+
+
+def step_losses(run_dir):
+    return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r}
+
+
+def errors(stderr):
+    """The `error: ` lines of a process's stderr (torchrun adds its own report of a failed worker)."""
+    return [line for line in stderr.splitlines() if line.startswith("error: ")]
+
+
+@pytest.fixture(scope="module")
+def alone(corpus):
+    """The tiny run, trained to its end by one command on its own -> its folder."""
+    train(corpus, "--run=alone")
+    return corpus / "base" / "runs" / "alone"
+
+
+def test_two_nodes_that_would_start_from_different_checkpoints_both_refuse(corpus, alone, tmp_path):
+    """Two one-process "nodes" through a c10d rendezvous, each with its own base folder, only the first holding
+    the run's last checkpoint (checkpoints kept on one node): each ends in one line naming both starts, within
+    the timeout (the node whose run is done does not leave alone either), and neither trains a step nor writes
+    anything."""
+    bases = [tmp_path / "node0", tmp_path / "node1"]
+    shutil.copytree(corpus / "base", bases[0])
+    bases[1].mkdir()
+    run_dir = bases[0] / "runs" / "alone"
+    before = untouched(run_dir)
+    torchrun = ["--nnodes=2", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", "--rdzv_id=split"]
+    nodes = [subprocess.Popen(train_command(corpus, "--run=alone", nproc=1, torchrun=torchrun),
+                              env=train_env(corpus, base), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for base in bases]
+    try:
+        outputs = [node.communicate(timeout=120) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    for node, (stdout, stderr) in zip(nodes, outputs):
+        assert node.returncode != 0 and len(errors(stderr)) == 1, stderr[-3000:]
+        line = errors(stderr)[0]
+        assert "the ranks would start run alone from different checkpoints: " in line, line
+        assert "step 8 (weights " in line and "step 0 (no checkpoint) on rank " in line, line
+        assert "copy the run folder to each node" in line and "step 1/" not in stdout
+    assert untouched(run_dir) == before
+    assert list(bases[1].iterdir()) == []
+
+
+def test_a_second_command_on_a_live_run_is_refused_and_the_run_ends_as_it_would_alone(corpus, alone):
+    """The first command pauses at its first step, holding the run's lock; the same command meanwhile ends in one
+    line naming the holder's process and host. Released, the first run ends with the weights and losses of the
+    same run trained alone, and its lock is free again."""
+    run_dir = corpus / "base" / "runs" / "live"
+    first = subprocess.Popen(train_command(corpus, "--run=live", fault="pause_step=0"), env=train_env(corpus),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        holder = f"process {first.pid} on host {socket.gethostname()}"
+        deadline = time.time() + 120
+        while first.poll() is None and time.time() < deadline and run_holder(run_dir) != holder:
+            time.sleep(0.05)
+        assert run_holder(run_dir) == holder, first.communicate()[1][-3000:]
+        message = refused(train(corpus, "--run=live", expect_ok=False))
+        assert f"error: run live is being trained by {holder}, which holds {run_dir / 'lock'}; wait for it to end, " \
+               f"or pass --run=NAME to train another" in message
+        assert run_holder(run_dir) == holder
+        first.send_signal(signal.SIGUSR1)
+        _, stderr = first.communicate(timeout=120)
+    finally:
+        first.kill()
+    assert first.returncode == 0, stderr[-3000:]
+    assert run_holder(run_dir) is None
+    assert step_losses(run_dir) == step_losses(alone)
+    weights, reference = (torch.load(folder / "ckpt_000008.pt", weights_only=True)["model"] for folder in (run_dir,
+                                                                                                          alone))
+    assert weights.keys() == reference.keys()
+    for name in reference:
+        assert torch.equal(weights[name], reference[name]), name
+
+
+def test_a_filesystem_without_locks_warns_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
+    def no_locks(*args):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    run_dir = tmp_path / "runs" / "unlocked"
+    run_dir.mkdir(parents=True)
+    (run_dir / "lock").write_text("process 1 on host elsewhere\n")
+    monkeypatch.setattr(guards.fcntl, "lockf", no_locks)
+    assert run_holder(run_dir) is None
+    lock_run(run_dir).close()
+    assert capsys.readouterr().out == f"warning: {run_dir / 'lock'} cannot be locked (No locks available); nothing " \
+                                      f"stops a second command on run unlocked while this one trains\n"
+
+
+def test_replicas_that_drift_apart_stop_the_run_at_the_checkpoint(corpus):
+    """Two processes; after the second step's clip, rank 1 nudges its first weight tensor: at the step-4
+    checkpoint the run stops with one line naming rank 1 and the tensor, and nothing is saved."""
+    result = train(corpus, "--run=drift", "--save_every=4", nproc=2, fault="drift_step=1", expect_ok=False)
+    lines = errors(result.stderr)
+    assert result.returncode != 0 and len(lines) == 1, result.stderr[-3000:]
+    assert lines[0].startswith("error: at step 4 the ranks' weights have drifted apart: on rank 1, 1 of ")
+    assert "tensors differ from rank 0's (wte.weight); nothing saved" in lines[0], lines[0]
+    run_dir = corpus / "base" / "runs" / "drift"
+    assert list(step_losses(run_dir)) == [1, 2, 3, 4] and not any(run_dir.glob("ckpt_*.pt"))
+
+
+def bundle_zip():
+    """The least download_eval_bundle takes for a bundle: eval_bundle/eval_meta_data.csv."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        archive.writestr("eval_bundle/eval_meta_data.csv", "Eval Task,Random baseline\n")
+    return buffer.getvalue()
+
+
+def bundle_worker(rank, port, root, url):
+    """One "node" of two (each its own local rank 0 and base folder, node 0's holding the bundle): the bundle
+    asked for where node 1 cannot fetch it, then where it can, then from one base folder the two share."""
+    torch.set_num_threads(1)
+    os.environ["LOCAL_RANK"] = "0"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))  # a rank left waiting fails the test rather than hang it
+    results = []
+    for base, path in ((f"node{rank}", "missing.zip"), (f"node{rank}", "eval_bundle.zip"),
+                       ("shared", "eval_bundle.zip")):
+        os.environ["NANOPARCAE_BASE_DIR"] = str(Path(root) / base)
+        bundle_dir, why = shared_eval_bundle(torch.device("cpu"), f"{url}/{path}")
+        results.append([bundle_dir and str(bundle_dir), why])
+    Path(root, f"rank{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def test_the_eval_bundle_is_on_every_rank_or_core_is_skipped_on_every_rank(tmp_path):
+    (tmp_path / "www").mkdir()
+    (tmp_path / "www" / "eval_bundle.zip").write_bytes(bundle_zip())
+    requests = []
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def do_GET(self):
+            requests.append(self.path)
+            super().do_GET()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0),
+                                             functools.partial(Handler, directory=str(tmp_path / "www")))
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    (tmp_path / "node0" / "eval_bundle").mkdir(parents=True)
+    (tmp_path / "node0" / "eval_bundle" / "eval_meta_data.csv").write_text("Eval Task,Random baseline\n")
+    try:
+        mp.spawn(bundle_worker, args=(free_port(), str(tmp_path), f"http://127.0.0.1:{server.server_address[1]}"),
+                 nprocs=2, join=True)
+    finally:
+        server.shutdown()
+        server.server_close()
+    results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    (lacking0, *_), (lacking1, *_) = results  # node 0 has the bundle, node 1 cannot fetch it: neither runs CORE
+    assert lacking0 == [None, "a node has no eval bundle (its local rank 0 could not fetch it), so no rank runs CORE"]
+    assert lacking1[0] is None and lacking1[1].startswith("the eval bundle is not available (") and \
+        "missing.zip answered HTTP 404" in lacking1[1], lacking1
+    for rank, (_, fetched, shared) in enumerate(results):
+        assert fetched == [str(tmp_path / f"node{rank}" / "eval_bundle"), None]
+        assert shared == [str(tmp_path / "shared" / "eval_bundle"), None]
+    assert requests == ["/missing.zip", "/eval_bundle.zip", "/eval_bundle.zip"]  # the shared folder fetched once
