@@ -150,14 +150,14 @@ def plan_figures(text):
 
 
 def planned_batch(text, memory_bytes):
-    """The device batch the check runs the depth-24 step at: the dry run's own when it fits this GPU's memory (train.py
-    plans the batch it picks), else the largest size dividing the default step's sequences (train.py's rule) that its
-    plan says fits the biggest GPU size it lists within this one."""
-    planned, _, largest = plan_figures(text)
+    """The device batch the check runs the depth-24 step at: the dry run's own when its plan fits this GPU's memory
+    (train.py plans the batch it picks), else the largest size dividing the default step's sequences (train.py's
+    rule) that its plan says fits the biggest GPU size it lists within this one."""
+    planned, total, largest = plan_figures(text)
+    if planned is not None and total is not None and total * 1e9 <= memory_bytes:
+        return planned
     sizes = [gb for gb in largest if gb * 1e9 <= memory_bytes * 1.0001]
     fits = largest[max(sizes)] if sizes else None
-    if planned is not None and (fits is None or planned <= fits):
-        return planned
     return max((n for n in range(1, (fits or 0) + 1) if DEFAULT_STEP_SEQUENCES % n == 0), default=None)
 
 
