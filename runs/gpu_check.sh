@@ -69,8 +69,6 @@ else
     START=20; COMPILE_S=60; COMPILE24_S=150; STEP=1; STEP24=10; EVAL=15; CORE=30; TOKENIZER=60; BENCH_S=120
     WHOLE=570  # 10 minutes, less the table's 30 s
 fi
-# the validation batches per rank: one micro-batch each, which the stdlib's validation split holds for 8 ranks
-# (it holds less than 8 x 32 x 2049 tokens, so not the paper's micro-batch of 32)
 RUN=("${MODEL[@]}" --data=stdlib --log_every=1)
 
 stage() {  # stage NAME LIMIT [--kill_after=STEP] COMMAND...: output to $work/NAME.log, "status limit" to NAME.rc.
@@ -164,7 +162,7 @@ if [ "$tiny" = 1 ]; then
     memory=$FAKE_GPU_BYTES
 else
     stage plan $START "$PY" train.py --depth=24 --mu_rec=8 --dry_run
-    memory=$("$PY" -c "import torch; print(torch.cuda.mem_get_info()[1])")
+    memory=$("$PY" -c "import torch; print(torch.cuda.mem_get_info()[1])" 2>/dev/null || echo 0)
 fi
 batch24=$("$PY" -c "import sys; from experiments.gpu_check import planned_batch
 print(planned_batch(open(sys.argv[1]).read(), int(sys.argv[2])) or '')" "$work/plan.log" "$memory" 2>/dev/null)
@@ -189,6 +187,8 @@ if [ -n "$batch24" ]; then
             --core_every=-1 --save_every=100000
     fi
 fi
+# the validation batches: one micro-batch per rank, which the stdlib's validation split holds for 8 ranks (it holds
+# less than 8 x 32 x 2049 tokens, so not at the paper's micro-batch of 32)
 DDP_FLAGS=(--dtype=bfloat16 "${COMPILE[@]}" --save_every=$save_every --eval_every=$steps
            --eval_tokens=$((micro * seq * gpus)) --core_every=$steps --core_max_per_task=8)
 train ddp $((START + COMPILE_S + kill_at * 2 * STEP)) "$gpus" $micro 2 $steps --kill_after=$kill_at "${DDP_FLAGS[@]}"
