@@ -78,8 +78,11 @@ def forward_batches(rows, batch_tokens, one_per_forward):
 
 
 @torch.no_grad()
+@torch.compiler.set_stance("force_eager")
 def score_rows(model, rows, T, h0_table, batch_tokens=1024, one_per_forward=False):
-    """-> (mean cross-entropy over each row's span, whether greedy argmax reproduces the span), per row."""
+    """-> (mean cross-entropy over each row's span, whether greedy argmax reproduces the span), per row.
+    Eager even when the model's blocks are compiled (train.py): each forward has its own width and number of rows,
+    so compiled blocks would build a graph for nearly every one (model.compile_blocks)."""
     device = h0_table.device
     losses, exact = [0.0] * len(rows), [False] * len(rows)
     for batch in forward_batches(rows, batch_tokens, one_per_forward):

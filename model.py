@@ -397,12 +397,28 @@ class Parcae(nn.Module):
     def compile_blocks(self, backend="inductor"):
         """Compile each block alone and keep the loop in Python, so a depth that changes every step never
         recompiles. The recurrent blocks see a prefix of the batch (recurrence), so their batch dimension is
-        left to dynamo's automatic dynamic shapes: at most a static, a dynamic and a size-1 graph.
-        backend="eager" traces and guards the same without generating code."""
+        left to dynamo's automatic dynamic shapes: a static, a dynamic and a size-1 graph at most, with and without
+        gradient (the loop's n_i steps), and once more for the evals' full batch: 7. A prelude or coda block meets 2
+        (training, evals). Forwards of shapes that change with every batch (CORE's rows, eval_core.score_rows) run
+        eagerly by choice. backend="eager" traces and guards the same without generating code.
+
+        Two dynamo settings go with it, process-wide. Every block's graphs live in one cache, that of the code of
+        Block.forward, whose limit (dynamo's recompile_limit, 8) is meant for one function: it is raised to 8
+        per block, so each block keeps dynamo's own budget and none falls back to eager silently. And DDP's graph
+        splitting (dynamo's optimize_ddp) is turned off: it splits a graph compiled inside DDP's forward at DDP's
+        bucket sizes so that gradient all-reduces overlap the backward, but a block is already one small graph whose
+        backward finishes before the next block's starts, so the buckets fill and overlap block by block anyway,
+        and the split would only make a DDP run compile other graphs than one process does."""
+        blocks = [*self.prelude, *self.recur, *self.coda]
         for block in [*self.prelude, *self.coda]:
             block.compile(dynamic=False, backend=backend)
         for block in self.recur:
             block.compile(dynamic=None, backend=backend)
+        budget = 8 * len(blocks)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, budget)
+        torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit,
+                                                               budget)
+        torch._dynamo.config.optimize_ddp = False
 
     @torch.no_grad()
     def spectral_radius(self):

@@ -526,8 +526,8 @@ while step < num_steps and (args.stop_at is None or step < args.stop_at):
             results.append(evaluate(step))
         if args.core_every > 0 and (step % args.core_every == 0 or step == num_steps):
             results.append(evaluate_core_subset(step))
-    for result in filter(None, results):
-        record(result)
+    for result in filter(None, results):  # the graph count after evals: they compile their own (compile_blocks)
+        record({**result, "graphs": dynamo_counters["stats"]["unique_graphs"]} if args.compile else result)
 
     # --- every step: the divergence rule (docs/troubleshooting.md)
     val_loss = next((r[val_key] for r in filter(None, results) if val_key in r), None)

@@ -1,8 +1,9 @@
 """
 gpu_check.py: the table of runs/gpu_check.sh, built from what its stages left; it runs nothing itself.
 
-    python -m experiments.gpu_check WORK RUNS_DIR --gpus N [--tiny]      # as runs/gpu_check.sh calls it
+    python -m experiments.gpu_check WORK RUNS_DIR --gpus N --memory BYTES [--tiny]   # as runs/gpu_check.sh calls it
 
+runs/gpu_check.sh also reads the device batch of the depth-24 step from here (planned_batch).
 WORK holds each stage's output (NAME.log) and "exit status, time limit" (NAME.rc), and bench.py's --json
 (bench.json); RUNS_DIR holds the train.py runs gpu_check_NAME. Python rather than shell because the rows
 read JSON and apply targets. Every row is built on its own: one that cannot be built says "failed: " and why
@@ -11,6 +12,7 @@ in one line, the others still print, and the exit status is 1.
 
 import argparse
 import json
+import math
 import re
 import statistics
 import sys
@@ -25,6 +27,7 @@ WARMUP_STEPS = 10  # train.py's compiled blocks may still compile graphs (the ba
 # FLOP/s against the Transformer, per-sequence sampling's overhead (paper: +1.8%), MFU, memory against the plan, bf16
 TARGETS = {"flops_ratio": 1.0, "sampling_overhead": 0.02, "mfu": 0.40, "memory": 0.15, "bf16": 0.01}
 CUDA = torch.cuda.is_available()
+DEFAULT_STEP_SEQUENCES = 524_288 // 2048  # train.py's --total_batch_size in sequences of --seq_len
 
 
 class Failed(Exception):
@@ -135,63 +138,139 @@ def quoted(number):
     return build
 
 
+def plan_figures(text):
+    """train.py --dry_run's output -> (the device batch it planned, its total GB, {GPU GB: largest batch that fits});
+    a figure it does not print is None (or {}). Lenient: the plan's line may change wording around its numbers."""
+    lines = [line for line in text.splitlines() if "memory" in line.lower() and "GB" in line]
+    totals = [re.findall(r"=\s*([\d.]+)", line) for line in lines]
+    total = float(next((t[-1] for t in reversed(totals) if t), "nan"))
+    planned = re.search(r"\((\d+) x \d+ at mu_bwd", text) or re.search(r"device[_ ]batch(?:_size)?\D{0,3}(\d+)", text)
+    largest = {int(gb): int(n) for n, gb in re.findall(r"(\d+) in (\d+) GB", text)}
+    return (int(planned[1]) if planned else None), (None if math.isnan(total) else total), largest
+
+
+def planned_batch(text, memory_bytes):
+    """The device batch the check runs the depth-24 step at: the dry run's own when its plan fits this GPU's memory
+    (train.py plans the batch it picks), else the largest size dividing the default step's sequences (train.py's
+    rule) that its plan says fits the biggest GPU size it lists within this one."""
+    planned, total, largest = plan_figures(text)
+    if planned is not None and total is not None and total * 1e9 <= memory_bytes:
+        return planned
+    sizes = [gb for gb in largest if gb * 1e9 <= memory_bytes * 1.0001]
+    fits = largest[max(sizes)] if sizes else None
+    return max((n for n in range(1, (fits or 0) + 1) if DEFAULT_STEP_SEQUENCES % n == 0), default=None)
+
+
+def plan(work, runs_dir, args):
+    stage(work, "plan")
+    stage(work, "plan_at")
+    batch = planned_batch((work / "plan.log").read_text(), args.memory)
+    _, total, _ = plan_figures((work / "plan_at.log").read_text())
+    if batch is None or total is None:
+        raise Failed("train.py --dry_run printed no device batch or memory plan")
+    where = "a GPU faked to report" if args.tiny else "this GPU's"
+    return ("train.py --depth=24 --mu_rec=8 --dry_run: the device batch it picks and its memory plan",
+            f"device batch {batch}: plan {total:.1f} GB per GPU, {where} {args.memory / 1e9:.0f} GB",
+            f"fits: {verdict(total * 1e9 <= args.memory)}")
+
+
+def step24(work, runs_dir, args):
+    stage(work, "step24")
+    first = step_records(runs_dir, "step24")[0]
+    if args.tiny or not CUDA:
+        return ("one compiled step under torchrun, its workers killed after it (the tiny model stands in for the "
+                "depth-24)", f"step 1: loss {first['loss']:.3f}; peak memory: no GPU", "")
+    _, plan_total, _ = plan_figures((work / "plan_at.log").read_text())
+    peak = first["peak_memory"] / 1e9
+    batch = planned_batch((work / "plan.log").read_text(), args.memory)
+    return (f"one compiled step of the depth-24 at device batch {batch} under torchrun (DDP's buckets): peak "
+            "torch.cuda.max_memory_allocated against the plan",
+            f"step 1: loss {first['loss']:.3f}; peak {peak:.1f} GB, plan {plan_total:.1f} GB "
+            f"({peak / plan_total - 1:+.0%})",
+            f"within {TARGETS['memory']:.0%}: {verdict(abs(peak / plan_total - 1) <= TARGETS['memory'])}")
+
+
+def torchrun_title(args):
+    backend = "NCCL" if CUDA else "gloo"
+    return f"torchrun --nproc_per_node={args.gpus} train.py ({backend}, {'tiny' if args.tiny else 'depth 6'})"
+
+
+def resumed_at(work):
+    """The step the resuming command continued from, from its log line."""
+    found = re.search(r"resumed gpu_check_ddp at step (\d+)", (work / "ddp_resume.log").read_text())
+    if found is None:
+        raise Failed("the second torchrun command did not resume")
+    return int(found[1])
+
+
 def train_run(work, runs_dir, args):
-    stage(work, "train")
-    records = step_records(runs_dir, "train")
+    stage(work, "ddp")
+    stage(work, "ddp_resume")
+    records = step_records(runs_dir, "ddp")
+    accum = re.search(r"x (\d+) micro-batch", (work / "ddp.log").read_text())
     first = statistics.mean(r["loss"] for r in records[:5])
     last = statistics.mean(r["loss"] for r in records[-5:])
     n = records[-1]["step"]
-    return (f"train.py, bf16 and compiled, {n} steps on the stdlib corpus: the loss falls",
-            f"loss {first:.3f} -> {last:.3f} (means of steps 1-5 and {n - 4}-{n})", f"falls: {verdict(last < first)}")
+    return (f"{torchrun_title(args)}, bf16 and compiled, {accum[1] if accum else '?'} micro-batches per step, "
+            f"{n} steps on the stdlib corpus: the loss falls",
+            f"loss {first:.3f} -> {last:.3f} (means of steps 1-5 and {n - 4}-{n})",
+            f"falls: {verdict(last < first and accum is not None and int(accum[1]) >= 2)}")
 
 
 def recompilation(work, runs_dir, args):
-    stage(work, "train")
-    records = step_records(runs_dir, "train")
+    stage(work, "ddp_resume")
+    start = resumed_at(work)
+    records = [r for r in step_records(runs_dir, "ddp") if r["step"] > start]
     if "graphs" not in records[-1]:
         raise Failed("train.py logged no graph count (not compiled?)")
     graphs = {r["step"]: r["graphs"] for r in records}
-    n = records[-1]["step"]
-    settled = graphs[n] == graphs[WARMUP_STEPS]
-    return ("train.py, compiled: the graphs torch.compile built (dynamo's unique_graphs)",
-            f"{graphs[1]} after step 1, {graphs[WARMUP_STEPS]} after step {WARMUP_STEPS}, {graphs[n]} after step {n}",
-            f"none after step {WARMUP_STEPS}: {verdict(settled)}")
+    warm, n = start + WARMUP_STEPS, records[-1]["step"]
+    if warm >= n:
+        raise Failed(f"the run resumed at step {start}: no step after its warm-up to compare")
+    return (f"{torchrun_title(args)} after the resume: the graphs torch.compile built (dynamo's unique_graphs)",
+            f"{graphs[start + 1]} after step {start + 1}, {graphs[warm]} after step {warm}, {graphs[n]} after step {n}",
+            f"none after step {warm}: {verdict(graphs[n] == graphs[warm])}")
 
 
 def tokens_per_second(work, runs_dir, args):
-    stage(work, "train")
-    last = step_records(runs_dir, "train")[-1]
+    stage(work, "ddp_resume")
+    last = step_records(runs_dir, "ddp")[-1]
     if last["tokens_per_s"] is None:
         raise Failed("too few steps for a rate")
     mfu_text = f", MFU {last['mfu']:.1%} of the listed bf16 peak (matmul FLOPs executed)" if last.get("mfu") else ""
-    return ("train.py: tokens/s (moving average at the last step, the first step left out)",
+    return (f"{torchrun_title(args)}: tokens/s over all processes (moving average at the last step)",
             f"{last['tokens_per_s']:,.0f} tok/s{mfu_text}", "")
 
 
-def torchrun(work, runs_dir, args):
+def kill_and_resume(work, runs_dir, args):
     stage(work, "ddp")
-    n = step_records(runs_dir, "ddp")[-1]["step"]
+    stage(work, "ddp_resume")
+    killed = re.search(r"killed the workers at step (\d+)", (work / "ddp.log").read_text())
+    start = resumed_at(work)
+    steps = [r["step"] for r in step_records(runs_dir, "ddp")]
+    n = steps[-1]
     checkpoint = runs_dir / "gpu_check_ddp" / f"ckpt_{n:06d}.pt"
-    backend = "NCCL" if CUDA else "gloo (no GPU: NCCL not exercised)"
-    return (f"torchrun --nproc_per_node={args.gpus} train.py, the same flags: the process group starts, steps "
-            "and saves", f"{args.gpus} process(es), {backend}: {n} steps, "
-            f"{checkpoint.name} {'saved' if checkpoint.exists() else 'missing'}",
-            f"starts, steps, saves: {verdict(checkpoint.exists())}")
+    once = steps == list(range(1, n + 1))
+    return (f"{torchrun_title(args)}: its workers killed mid-run (SIGKILL), then the same command",
+            f"killed at step {killed[1] if killed else '?'}; resumed at step {start}, ended at step {n}; "
+            f"steps 1-{n} logged {'once each' if once else 'out of order or twice'}; {checkpoint.name} "
+            f"{'saved' if checkpoint.exists() else 'missing'}",
+            f"resumes, each step once, saves: {verdict(killed is not None and once and checkpoint.exists())}")
 
 
-def memory(work, runs_dir, args):
-    check = "peak torch.cuda.max_memory_allocated of the torchrun run against train.py --dry_run's plan per GPU"
-    if not CUDA:
-        return (check, "not run: no GPU", "")
-    stage(work, "ddp")
-    peak = step_records(runs_dir, "ddp")[-1]["peak_memory"] / 1e9
-    stage(work, "dry_run")
-    plan = re.search(r"= ([\d.]+) \| largest device batch", (work / "dry_run.log").read_text())
-    if plan is None:
-        raise Failed("train.py --dry_run printed no memory plan")
-    plan = float(plan[1])
-    return (check, f"peak {peak:.1f} GB, plan {plan:.1f} GB ({peak / plan - 1:+.0%})",
-            f"within {TARGETS['memory']:.0%}: {verdict(abs(peak / plan - 1) <= TARGETS['memory'])}")
+def evals(work, runs_dir, args):
+    stage(work, "ddp_resume")
+    path = runs_dir / "gpu_check_ddp" / "metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    val = next((r for r in records if any(key.startswith("val_loss_T") for key in r)), None)
+    core = next((r for r in records if "core" in r), None)
+    if val is None or core is None:
+        raise Failed(f"the run logged {'no eval' if val is None else 'no CORE'}")
+    losses = ", ".join(f"T={key[10:]} {value:.3f}" for key, value in val.items() if key.startswith("val_loss_T"))
+    return (f"{torchrun_title(args)}: an eval and a CORE subset (a made-up bundle of 3 tasks, 8 items each)",
+            f"step {val['step']}: val loss {losses}; step {core['step']}: CORE {core['core']:.3f} at "
+            f"T={core['core_T']}",
+            "")
 
 
 def precision(work, runs_dir, args):
@@ -218,11 +297,13 @@ ROWS = [  # number, what a failed row says it was, how it is built
     ("2e", "bench.py row 5a: decoding depth", quoted("5a")),
     ("2f", "bench.py row 5b: KV-cache decoding", quoted("5b")),
     ("2g", "bench.py row 7: torch.compile's speed-up and recompilations", quoted("7")),
-    ("3a", "train.py: the loss falls", train_run),
-    ("3b", "train.py: no recompilation after warm-up", recompilation),
-    ("3c", "train.py: tokens/s", tokens_per_second),
-    ("3d", "torchrun: starts, steps, saves", torchrun),
-    ("4", "peak memory against the plan", memory),
+    ("3a", "train.py --depth=24 --mu_rec=8 --dry_run: the device batch and its plan", plan),
+    ("3b", "one compiled depth-24 step: peak memory against the plan", step24),
+    ("4a", "torchrun: the loss falls, with gradient accumulation", train_run),
+    ("4b", "torchrun: no recompilation after warm-up", recompilation),
+    ("4c", "torchrun: tokens/s", tokens_per_second),
+    ("4d", "torchrun: killed, then resumed", kill_and_resume),
+    ("4e", "torchrun: an eval and a CORE subset", evals),
     ("5", "bf16 against float32", precision),
 ]
 
@@ -236,12 +317,13 @@ def main(argv=None):
     parser.add_argument("work", type=Path, help="the folder of the stages' logs, exit statuses and bench.json")
     parser.add_argument("runs_dir", type=Path, help="the runs folder holding gpu_check_* (base dir / runs)")
     parser.add_argument("--gpus", type=int, required=True, help="the processes torchrun started")
+    parser.add_argument("--memory", type=int, required=True, help="the GPU's memory in bytes (--tiny: the faked one)")
     parser.add_argument("--tiny", action="store_true", help="the runs were runs/gpu_check.sh --tiny's")
     args = parser.parse_args(argv)
     if args.gpus < 1:
         parser.error(f"--gpus must be at least 1, got {args.gpus}")
     size = "--tiny: a tiny model, figures that test the script, not the claims" if args.tiny else \
-        "the 140M (depth 6)"
+        "the 140M (depth 6) and the 1.3B (depth 24)"
     where = torch.cuda.get_device_name(0) if CUDA else "a CPU"
     print(f"| # | runs/gpu_check.sh, {size}, on {where} | result | target |")
     print("|---|---|---|---|")

@@ -1,27 +1,35 @@
 #!/bin/bash
-# runs/gpu_check.sh: the CUDA path checked in one command, about 5 minutes on one H100 or H200 (not yet measured).
-# It prints one markdown table, the one for docs/performance.md, and writes it to $OUT/gpu_check.md
-# when $OUT is set (with every stage's output in $OUT/gpu_check.log). Each row says met / not met against its
-# target where it has one; a row that cannot run says why in one line, and the rest go on.
+# runs/gpu_check.sh: the CUDA path checked in one command before a long run, 10 minutes at most on one H100 or H200
+# node (its stages' limits; how long it takes is not yet measured). It prints one markdown table, the one for
+# docs/performance.md, and writes it to $OUT/gpu_check.md when $OUT is set (with every stage's output in
+# $OUT/gpu_check.log). Each row says met / not met against its target where it has one; a row that cannot run
+# says why in one line, and the rest go on.
 #
-#   1. versions: torch, CUDA, the GPU, and its bf16 matmul rate at the 140M's shapes (bench.py's row 2);
+#   1. versions: torch, CUDA, the GPUs, and the bf16 matmul rate at the 140M's shapes (bench.py's row 2);
 #   2. bench.py at the 140M (its CUDA default), rows 1-5 and 7: FLOP/s Parcae vs the Transformer and MFU against
 #      the measured matmul rate (both of the matmul FLOPs executed), per-sequence sampling's overhead at 32
 #      sequences per GPU, memory flat in T, decoding, torch.compile;
-#   3. train.py --depth=6 --mu_rec=8, bf16 and compiled, 50 steps of one 32 x 2048 micro-batch on the stdlib
-#      corpus (no download): the loss falls, no recompilation after step 10, tokens/s; then 10 steps of the
-#      same under torchrun with one process per GPU present (NCCL), ending in a checkpoint;
-#   4. that torchrun run's peak torch.cuda.max_memory_allocated against train.py --dry_run's plan;
+#   3. the paper's 1.3B as users type it: `train.py --depth=24 --mu_rec=8 --dry_run`, the device batch it picks
+#      for this GPU and its memory plan; then one compiled step of that model at that batch under torchrun (DDP's
+#      buckets included), its peak torch.cuda.max_memory_allocated against the plan;
+#   4. train.py --depth=6 --mu_rec=8 under torchrun on every GPU torch sees (NCCL), bf16 and compiled, 2
+#      micro-batches per step on the stdlib corpus (no download): the workers are killed after step 7 and the same
+#      command resumes from the checkpoint of step 5 to step 20, where it evaluates (one validation batch per
+#      rank at T = 1, 2, 4, 8) and scores a CORE subset from a bundle the check makes up (three tasks, offline):
+#      the loss falls, no recompilation after warm-up, tokens/s, each step logged once;
 #   5. bf16 against float32: the losses of 5 identical eager steps (8 x 2048), their relative difference.
 #
 #     bash runs/gpu_check.sh            # PYTHON=... to pick the interpreter (default python, else python3)
-#     bash runs/gpu_check.sh --tiny     # the same rows on a tiny model on a CPU, ~40 s on 2 cores (a test runs it)
+#     bash runs/gpu_check.sh --tiny     # every stage on a CPU: a tiny model, gloo, 2 processes (runs/test.sh runs it)
 #
+# --tiny runs the same stages with a tiny model (dynamo's eager backend, bf16 autocast, 2 processes over gloo),
+# and the depth-24 plan against a GPU faked to report 80 GB; figures that test the script, not the claims.
 # On a GPU machine without internet, install the requirements from wheel files fetched elsewhere first
 # (docs/performance.md says how).
 #
-# Runs are named gpu_check_* under $NANOPARCAE_BASE_DIR/runs (default ~/.cache/nanoparcae/runs), replaced each time.
-# Every stage has a time limit, 8.5 minutes in all on a GPU, so the table is always written.
+# Everything it writes is under $NANOPARCAE_BASE_DIR/gpu_check (default ~/.cache/nanoparcae/gpu_check): its runs
+# gpu_check_*, replaced each time, the stdlib tokenizer, and the made-up CORE bundle, which there stands where
+# train.py looks for the real one and so never takes its place in your own base folder.
 set -uo pipefail  # no -e: a stage that fails becomes its rows' "failed: ..." and the next stage runs
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$(command -v python || command -v python3)}
@@ -31,63 +39,172 @@ case "${1:-}" in
     --tiny) tiny=1 ;;
     *) echo "runs/gpu_check.sh: unknown argument '$1'; run it with no argument, or --tiny on a CPU" >&2; exit 2 ;;
 esac
-base=${NANOPARCAE_BASE_DIR:-$HOME/.cache/nanoparcae}
+export NANOPARCAE_BASE_DIR=${NANOPARCAE_BASE_DIR:-$HOME/.cache/nanoparcae}/gpu_check
+base=$NANOPARCAE_BASE_DIR
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
-[ "$gpus" -ge 1 ] || gpus=1
+FAKE_GPU_BYTES=80000000000  # --tiny: the depth-24 plan against an 80 GB GPU, an H100's
 
+# Each stage's time limit: process start-up + compilation + its steps x a per-step bound, cut to what is left of
+# the whole check's limit. The GPU bounds are estimates, several times what an H100 should need.
 if [ "$tiny" = 1 ]; then
+    gpus=2
     MODEL=(--depth=3 --d_model=64 --head_dim=32 --mu_rec=8 --vocab_size=320 --seq_len=64)
-    seq=64; micro=4; steps=20; ddp_steps=3; precision_micro=4; precision_steps=3
+    seq=64; vocab=320; micro=4; precision_micro=4; precision_steps=3
+    steps=18; save_every=2; kill_at=3  # resumed from step 2 or 4: 10 steps of warm-up, then some without recompiling
     COMPILE=(--compile=1 --compile_backend=eager)  # dynamo's tracing and guards without inductor's C++ (minutes)
     BENCH=(--depth 3 --d_model 64 --head_dim 32 --vocab_size 320 --seq_len 64 --batch_size 4 --steps 1 --repeats 1
            --new_tokens 16 --compile_backend eager)
-    declare -A LIMIT=([train]=300 [fp32]=300 [bf16]=300 [ddp]=300 [bench]=300)  # loose: a shared CPU can crawl
+    START=30; COMPILE_S=60; COMPILE24_S=60; STEP=5; STEP24=5; EVAL=30; CORE=60; TOKENIZER=120; BENCH_S=300
+    WHOLE=1800  # a shared CPU can crawl
 else
+    gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null)  # CUDA_VISIBLE_DEVICES counts
+    [ "${gpus:-0}" -ge 1 ] || gpus=1
     MODEL=(--depth=6 --mu_rec=8)  # train.py's defaults, the paper's, fill in the rest: d_model 768, vocab 32768
-    seq=2048; micro=32; steps=50; ddp_steps=10; precision_micro=8; precision_steps=5
+    seq=2048; vocab=32768; micro=8; precision_micro=8; precision_steps=5
+    steps=20; save_every=5; kill_at=7  # the resumed leg: steps 6-20, 10 of warm-up, then five without recompiling
     COMPILE=(--compile=1)
     BENCH=(--repeats 3)  # bench.py's CUDA default is the 140M, 16 x 2048 per step
-    declare -A LIMIT=([train]=160 [fp32]=40 [bf16]=40 [ddp]=70 [dry_run]=20 [bench]=180)  # 8.5 minutes
+    # a 140M micro-batch of 8 x 2048 runs in well under a second; the 1.3B's at the plan's batch in a few
+    START=20; COMPILE_S=60; COMPILE24_S=150; STEP=1; STEP24=10; EVAL=15; CORE=30; TOKENIZER=60; BENCH_S=120
+    WHOLE=570  # 10 minutes, less the table's 30 s
 fi
-# evals and CORE kept out of the way: one eval batch at the end
-RUN=("${MODEL[@]}" --data=stdlib --eval_every=100000 --eval_tokens=$((micro * seq)) --core_every=-1
-     --save_every=100000 --log_every=1)
+RUN=("${MODEL[@]}" --data=stdlib --log_every=1)
 
-stage() {  # stage NAME COMMAND...: its output to $work/NAME.log, "exit status, time limit" to $work/NAME.rc
-    local name=$1 start=$SECONDS status
-    shift
-    echo "== $name: $*" | tee "$work/$name.log" >&2
-    PYTHONUNBUFFERED=1 timeout --kill-after=10 "${LIMIT[$name]}" "$@" >>"$work/$name.log" 2>&1
-    status=$?
-    echo "$status ${LIMIT[$name]}" >"$work/$name.rc"
+stage() {  # stage NAME LIMIT [--kill_after=STEP] COMMAND...: output to $work/NAME.log, "status limit" to NAME.rc.
+           # --kill_after: SIGKILL the torchrun workers once run gpu_check_NAME has logged STEP; status 0 if so
+    local name=$1 limit=$2 start=$SECONDS status kill_after="" pid launcher
+    shift 2
+    case "$1" in --kill_after=*) kill_after=${1#*=}; shift ;; esac
+    local left=$((WHOLE - SECONDS))
+    [ "$limit" -le "$left" ] || limit=$((left > 1 ? left : 1))
+    echo "== $name (limit $limit s): $*" | tee "$work/$name.log" >&2
+    PYTHONUNBUFFERED=1 timeout --kill-after=10 "$limit" "$@" >>"$work/$name.log" 2>&1 &
+    pid=$!
+    if [ -n "$kill_after" ]; then
+        local metrics="$base/runs/gpu_check_$name/metrics.jsonl"
+        until grep -qs "^{\"step\": $kill_after, \"loss\"" "$metrics" || ! kill -0 "$pid" 2>/dev/null; do
+            sleep 0.1
+        done
+        launcher=$(pgrep -P "$pid")  # timeout -> torchrun -> the workers, each in its own session
+        if [ -n "$launcher" ] && pkill -KILL -P "$launcher"; then
+            wait "$pid"
+            echo "== $name: killed the workers at step $(grep -c '"loss"' "$metrics")" | tee -a "$work/$name.log" >&2
+            status=0
+        else
+            wait "$pid"
+            status=$?
+            echo "== $name: ended before step $kill_after" >>"$work/$name.log"
+            [ "$status" != 0 ] || status=1
+        fi
+    else
+        wait "$pid"
+        status=$?
+    fi
+    echo "$status $limit" >"$work/$name.rc"
     echo "== $name: exit status $status after $((SECONDS - start)) s" | tee -a "$work/$name.log" >&2
 }
 
-train() {  # train NAME PROCESSES MICRO_BATCH STEPS FLAGS...: train.py as run gpu_check_NAME, started afresh;
-           # PROCESSES 0 is a plain python process, N > 0 torchrun's N processes
-    local name=$1 procs=$2 batch=$3 num_steps=$4 launch=()
-    shift 4
+train() {  # train NAME LIMIT PROCESSES MICRO_BATCH ACCUM STEPS [--kill_after=STEP] FLAGS...: train.py as run
+           # gpu_check_NAME (NAME_resume continues it); PROCESSES 0 is a plain python process, N torchrun's N
+    local name=$1 limit=$2 procs=$3 batch=$4 accum=$5 num_steps=$6 launch=() kill=()
+    shift 6
+    case "${1:-}" in --kill_after=*) kill=("$1"); shift ;; esac
     # "--" ends torchrun's own flags: without it, it takes train.py's --run for an abbreviation of its --run_path
     [ "$procs" -gt 0 ] && launch=(-m torch.distributed.run --standalone --nproc_per_node="$procs" --)
-    local tokens=$((batch * seq * (procs > 0 ? procs : 1)))
-    rm -rf "$base/runs/gpu_check_$name"
-    stage "$name" "$PY" "${launch[@]}" train.py "${RUN[@]}" --device_batch_size="$batch" --total_batch_size="$tokens" \
-        --max_tokens=$((tokens * num_steps)) --run="gpu_check_$name" "$@"
+    local tokens=$((batch * seq * (procs > 0 ? procs : 1) * accum))
+    [[ "$name" == *_resume ]] || rm -rf "$base/runs/gpu_check_$name"
+    stage "$name" "$limit" "${kill[@]}" "$PY" "${launch[@]}" train.py "${RUN[@]}" --device_batch_size="$batch" \
+        --total_batch_size="$tokens" --max_tokens=$((tokens * num_steps)) --run="gpu_check_${name%_resume}" "$@"
 }
 
-train train 0 $micro $steps --dtype=bfloat16 "${COMPILE[@]}"
-train fp32 0 $precision_micro $precision_steps --dtype=float32 --compile=0
-train bf16 0 $precision_micro $precision_steps --dtype=bfloat16 --compile=0
-train ddp "$gpus" $micro $ddp_steps --dtype=bfloat16 "${COMPILE[@]}"
-if [ "$tiny" = 0 ]; then  # the torchrun run's plan per GPU (no GPU, no peak to hold it against)
-    stage dry_run "$PY" train.py "${RUN[@]}" --device_batch_size=$micro --dtype=bfloat16 --dry_run
-fi
-ckpt=$(ls "$base/runs/gpu_check_train"/ckpt_*.pt 2>/dev/null | tail -n 1)
-stage bench "$PY" -m experiments.bench --rows 1,2,3,4,5,7 "${BENCH[@]}" ${ckpt:+--ckpt "$ckpt"} --json "$work/bench.json"
+make_bundle() {  # a CORE bundle in the real layout (core_tasks.py) with three made-up tasks, one of each kind
+    "$PY" - "$base/eval_bundle" <<'EOF'
+import csv, json, sys
+from pathlib import Path
+from core_tasks import CORE_TASKS
+root, tasks = Path(sys.argv[1]), {task.label: task for task in CORE_TASKS}
+items = {"copa": [{"query": f"Item {i}: the loop", "choices": ["runs", "stops"], "gold": i % 2} for i in range(16)],
+         "winograd": [{"context_options": [f"The state {i}", f"The depth {i}"], "continuation": "grows.",
+                       "gold": i % 2} for i in range(16)],
+         "lambada_openai": [{"context": f"def f{i}(x):\n    return", "continuation": " x"} for i in range(16)]}
+for label, records in items.items():
+    path = root / "eval_data" / tasks[label].path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+with open(root / "eval_meta_data.csv", "w", newline="") as f:
+    writer = csv.writer(f)
+    writer.writerow(["Eval Task", "Random baseline"])
+    writer.writerows([["copa", 50], ["winograd", 50], ["lambada_openai", 0]])
+EOF
+}
 
-"$PY" -m experiments.gpu_check "$work" "$base/runs" --gpus "$gpus" $([ "$tiny" = 1 ] && echo --tiny) >"$work/table.md"
+# python -c "$FAKE_GPU" SCRIPT ARGS...: the script, with torch.cuda reporting one GPU of $FAKE_GPU_BYTES
+FAKE_GPU="import runpy, sys, types
+import torch
+memory = $FAKE_GPU_BYTES
+torch.cuda.is_available = lambda: True
+torch.cuda.device_count = lambda: 1
+torch.cuda.mem_get_info = lambda device=None: (memory, memory)
+torch.cuda.get_device_name = lambda device=None: f'a GPU faked to report {memory / 1e9:.0f} GB'
+torch.cuda.get_device_properties = lambda device=None: types.SimpleNamespace(
+    name=torch.cuda.get_device_name(), total_memory=memory)
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name='__main__')"
+
+rm -rf "$base/eval_bundle"
+mkdir -p "$base"
+make_bundle
+# the tokenizer first, under a limit of its own (trained once, then cached under $base)
+stage tokenizer $TOKENIZER "$PY" data.py tokenizer --data=stdlib --vocab_size=$vocab
+if [ "$tiny" = 1 ]; then
+    stage plan $START "$PY" -c "$FAKE_GPU" train.py --depth=24 --mu_rec=8 --device=cuda --dry_run
+    memory=$FAKE_GPU_BYTES
+else
+    stage plan $START "$PY" train.py --depth=24 --mu_rec=8 --dry_run
+    memory=$("$PY" -c "import torch; print(torch.cuda.mem_get_info()[1])" 2>/dev/null || echo 0)
+fi
+batch24=$("$PY" -c "import sys; from experiments.gpu_check import planned_batch
+print(planned_batch(open(sys.argv[1]).read(), int(sys.argv[2])) or '')" "$work/plan.log" "$memory" 2>/dev/null)
+echo "== plan: device batch ${batch24:-none} for $memory bytes" >>"$work/plan.log"
+if [ -n "$batch24" ]; then
+    if [ "$tiny" = 1 ]; then
+        stage plan_at $START "$PY" -c "$FAKE_GPU" train.py --depth=24 --mu_rec=8 --device=cuda \
+            --device_batch_size="$batch24" --total_batch_size=$((batch24 * 2048)) --dry_run
+        # one step of the tiny model stands in for the 1.3B's: the same launch, a CPU's worth of model
+        train step24 $((START + COMPILE24_S + STEP24)) 1 $micro 1 2 --kill_after=1 --dtype=bfloat16 "${COMPILE[@]}" \
+            --eval_every=100000 --eval_tokens=$((micro * seq)) --core_every=-1 --save_every=100000
+    else
+        stage plan_at $START "$PY" train.py --depth=24 --mu_rec=8 --device_batch_size="$batch24" \
+            --total_batch_size=$((batch24 * 2048)) --dry_run
+        # under torchrun for DDP's buckets, which the plan counts; killed after its first step: the 1.3B's
+        # checkpoint would take longer to write than the step
+        rm -rf "$base/runs/gpu_check_step24"
+        stage step24 $((START + COMPILE24_S + STEP24)) --kill_after=1 "$PY" -m torch.distributed.run --standalone \
+            --nproc_per_node=1 -- train.py --depth=24 --mu_rec=8 --data=stdlib --device_batch_size="$batch24" \
+            --total_batch_size=$((batch24 * 2048)) --max_tokens=$((batch24 * 2048 * 2)) --run=gpu_check_step24 \
+            --dtype=bfloat16 --compile=1 --log_every=1 --eval_every=100000 --eval_tokens=$((batch24 * 2048)) \
+            --core_every=-1 --save_every=100000
+    fi
+fi
+# the validation batches: one micro-batch per rank, which the stdlib's validation split holds for 8 ranks (it holds
+# less than 8 x 32 x 2049 tokens, so not at the paper's micro-batch of 32)
+DDP_FLAGS=(--dtype=bfloat16 "${COMPILE[@]}" --save_every=$save_every --eval_every=$steps
+           --eval_tokens=$((micro * seq * gpus)) --core_every=$steps --core_max_per_task=8)
+train ddp $((START + COMPILE_S + kill_at * 2 * STEP)) "$gpus" $micro 2 $steps --kill_after=$kill_at "${DDP_FLAGS[@]}"
+train ddp_resume $((START + COMPILE_S + (steps - save_every) * 2 * STEP + EVAL + CORE)) "$gpus" $micro 2 $steps \
+    "${DDP_FLAGS[@]}"
+precision_limit=$((START + precision_steps * STEP))
+train fp32 $precision_limit 0 $precision_micro 1 $precision_steps --dtype=float32 --compile=0 --eval_every=100000 \
+    --eval_tokens=$((precision_micro * seq)) --core_every=-1 --save_every=100000
+train bf16 $precision_limit 0 $precision_micro 1 $precision_steps --dtype=bfloat16 --compile=0 --eval_every=100000 \
+    --eval_tokens=$((precision_micro * seq)) --core_every=-1 --save_every=100000
+ckpt=$(ls "$base/runs/gpu_check_ddp"/ckpt_*.pt 2>/dev/null | tail -n 1)
+stage bench $BENCH_S "$PY" -m experiments.bench --rows 1,2,3,4,5,7 "${BENCH[@]}" ${ckpt:+--ckpt "$ckpt"} \
+    --json "$work/bench.json"
+
+"$PY" -m experiments.gpu_check "$work" "$base/runs" --gpus "$gpus" --memory "$memory" \
+    $([ "$tiny" = 1 ] && echo --tiny) >"$work/table.md"
 status=$?
 cat "$work/table.md"
 if [ -n "${OUT:-}" ]; then

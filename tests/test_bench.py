@@ -100,7 +100,7 @@ def test_row_3_at_the_batch_size_given_and_at_the_papers_32(tmp_path, capsys):
     (main, ["--depth", "0"], "--depth must be at least 1, got 0"),
     (decoding.main, ["--repeats", "0"], "--repeats must be at least 1, got 0"),
     (decoding.main, ["--exit_threshold", "0"], "--exit_threshold must be above 0, got 0.0"),
-    (gpu_check.main, [".", ".", "--gpus", "0"], "--gpus must be at least 1, got 0")])
+    (gpu_check.main, [".", ".", "--gpus", "0", "--memory", "1"], "--gpus must be at least 1, got 0")])
 def test_a_size_or_count_below_one_ends_in_one_line_naming_its_flag(capsys, cli, argv, message):
     with pytest.raises(SystemExit) as exit_info:
         cli(argv)
@@ -109,7 +109,7 @@ def test_a_size_or_count_below_one_ends_in_one_line_naming_its_flag(capsys, cli,
 
 
 @pytest.mark.parametrize("cli, argv", [(main, ["--step", "1"]), (decoding.main, ["--max_new", "8"]),
-                                       (gpu_check.main, [".", ".", "--gpus", "1", "--tin", "x"])])
+                                       (gpu_check.main, [".", ".", "--gpus", "1", "--memory", "1", "--tin", "x"])])
 def test_an_abbreviated_flag_is_unknown(capsys, cli, argv):
     with pytest.raises(SystemExit):
         cli(argv)

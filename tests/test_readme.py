@@ -154,14 +154,13 @@ RUN_BY = {
     "python train.py --help": "tests/test_train.py::test_help_lists_every_default_and_only_what_a_user_sets",
     "torchrun ... -- train.py --run=mine":
         "tests/test_train.py::test_two_processes_give_the_losses_of_one",
-    "bash runs/gpu_check.sh":
-        "tests/test_gpu_check.py::test_tiny_run_prints_every_row_and_a_failed_stage_stops_only_its_own",
 }
 # The commands no test runs, and why
 NOT_RUN = {
     "bash runs/cpu.sh": "it trains for minutes: test_readme_leads_with_the_two_scripts... checks that it runs README's "
                         "train and sample commands, which RUN_BY's tests run",
     "bash runs/evidence_cpu.sh": "75 minutes; tests/test_evidence.py runs its parts",
+    "bash runs/gpu_check.sh": "GPU only; runs/test.sh runs its rehearsal on a CPU, bash runs/gpu_check.sh --tiny",
 }
 
 
