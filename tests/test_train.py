@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -22,9 +23,40 @@ from common import Divergence
 from conftest import ROOT, TINY, carries, refused, train, train_command, train_env
 from model import Parcae, ParcaeConfig
 
+# a concat run that barely moves its initial weights: it never learns
+UNLEARNED = ["--injection=concat", "--max_tokens=1024", "--adamw_lr=1e-9", "--muon_lr=1e-9", "--eval_every=2"]
+# The runs that later tests read, each started as its test would start it: run -> (flags, train's options). They
+# train on a thread of their own beside the runs the first tests make and wait for: each process is one thread
+# (OMP_NUM_THREADS=1) and the suite has two cores.
+BESIDE = {
+    "halves": (["--stop_at=2"], {}),
+    "bf16": (["--dtype=bfloat16"], {}),
+    "nan": ([], dict(fault="nan_step=2")),
+    # the gradients of steps 3, 4 and 5 are poisoned (the fault counts steps from 0): three bad steps in a row
+    "diverged": (["--save_every=2", "--diverge_steps=3"], dict(fault="nan_step=2,nan_steps=3", expect_ok=False)),
+    "exploded": (["--diverge_h_norm=1e-3", "--diverge_steps=2"], dict(expect_ok=False)),
+    "hot": (["--adamw_lr=3", "--muon_lr=3", "--eval_every=2"], {}),
+    "initial": ([*UNLEARNED, "--stop_at=2"], {}),
+    "per_batch": (["--sampling=per_batch", "--max_tokens=512"], {}),
+}
+
+
 @pytest.fixture(scope="module")
-def one(corpus):
-    """One process, 2 micro-batches of 4 per step: the reference the multi-process and resumed runs must equal."""
+def beside(corpus):
+    """run -> the future of BESIDE's train.py of that run (its finished subprocess), all started at once, one at a
+    time on a thread of their own."""
+    with ThreadPoolExecutor(1) as pool:
+        futures = {run: pool.submit(train, corpus, f"--run={run}", *flags, **options)
+                   for run, (flags, options) in BESIDE.items()}
+        yield futures
+        for future in futures.values():
+            future.cancel()  # not started: no test that ran reads it
+
+
+@pytest.fixture(scope="module")
+def one(corpus, beside):
+    """One process, 2 micro-batches of 4 per step: the reference the multi-process and resumed runs must equal.
+    (beside first: its runs train while this one does.)"""
     train(corpus, "--run=one")
     return step_losses(corpus, "one")
 
@@ -37,9 +69,9 @@ def two(corpus):
 
 
 @pytest.fixture(scope="module")
-def first_two(corpus):
+def first_two(corpus, beside):
     """Run `halves` stopped after step 2 -> the weights of its step-2 checkpoint, read before anything continues it."""
-    train(corpus, "--run=halves", "--stop_at=2")
+    beside["halves"].result()
     return torch.load(corpus / "base" / "runs" / "halves" / "ckpt_000002.pt", weights_only=True)["model"]
 
 
@@ -66,13 +98,16 @@ def test_resumed_run_gives_exactly_the_losses_of_an_uninterrupted_run(corpus, on
     run_dir = corpus / "base" / "runs" / "halves"
     assert list(step_losses(corpus, "halves")) == [1, 2]
     before = untouched(run_dir)
-    message = refused(train(corpus, "--run=halves", "--resume", "--d_model=96", "--mu_rec=4", expect_ok=False))
+    moved = corpus / "moved"
+    for part in ("tokenizers", "runs/halves"):  # the base folder's, less the runs other tests are writing
+        shutil.copytree(corpus / "base" / part, moved / part)
+    with ThreadPoolExecutor(1) as pool:  # the refusal reads the run, the continuation its copy: one thread each
+        refusal = pool.submit(train, corpus, "--run=halves", "--resume", "--d_model=96", "--mu_rec=4", expect_ok=False)
+        resumed = train(corpus, "--run=halves", "--resume", "--save_every=500", base=moved)
+    message = refused(refusal.result())
     assert carries(message, "halves", str(run_dir / "ckpt_000002.pt")), message
     assert carries(message, "d_model", "64", "96", "mu_rec", "3", "4") and carries(message, "--run"), message
     assert untouched(run_dir) == before
-    moved = corpus / "moved"
-    shutil.copytree(corpus / "base", moved)
-    resumed = train(corpus, "--run=halves", "--resume", "--save_every=500", base=moved)
     assert carries(resumed.stdout, "resumed", "halves", "2", str(moved / "runs" / "halves" / "ckpt_000002.pt"))
     assert carries(resumed.stdout, "--save_every", "1000", "500"), resumed.stdout
     halves = step_losses(corpus, "halves", base=moved)
@@ -186,10 +221,12 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_with_the_weights_of_an_unbr
     # the last rank SIGKILLs itself after step 6; torchrun restarts both workers, which resume from the
     # step-4 checkpoint and recompute steps 5 and 6 exactly
     launch = dict(nproc=2, torchrun=("--standalone", "--max_restarts=1"))
-    shared = train(corpus, "--run=shared_store", **launch, fault="kill_step=1", expect_ok=False)
+    with ThreadPoolExecutor(1) as pool:  # two jobs that share nothing, side by side
+        sharing = pool.submit(train, corpus, "--run=shared_store", **launch, fault="kill_step=1", expect_ok=False)
+        result = train(corpus, "--run=elastic", "--save_every=4", **launch, fault="kill_step=6",
+                       env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    shared = sharing.result()
     assert shared.returncode != 0 and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in shared.stderr  # a clear line
-    result = train(corpus, "--run=elastic", "--save_every=4", **launch, fault="kill_step=6",
-                   env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     assert carries(result.stdout, "resumed", "elastic", "4", "restart", "1"), result.stdout
     reference, weights = final_weights(corpus, "two"), final_weights(corpus, "elastic")
     assert reference.keys() == weights.keys()
@@ -197,9 +234,9 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_with_the_weights_of_an_unbr
         assert torch.equal(weights[name], reference[name]), name  # bit for bit
 
 
-def test_bf16_autocast_on_a_cpu_tracks_float32(corpus, one):
+def test_bf16_autocast_on_a_cpu_tracks_float32(corpus, one, beside):
     # --dtype=bfloat16 runs the GPU's autocast on a CPU; after 8 steps the losses differ by ~0.2% here
-    result = train(corpus, "--run=bf16", "--dtype=bfloat16")
+    result = beside["bf16"].result()
     assert "Mismatch dtype" not in result.stderr  # every RMSNorm took its fused path
     bf16 = step_losses(corpus, "bf16")
     assert list(bf16) == list(one) and bf16 != one
@@ -210,8 +247,8 @@ def test_bf16_autocast_on_a_cpu_tracks_float32(corpus, one):
     assert evals["bf16"]["val_loss_T3"] == pytest.approx(evals["one"]["val_loss_T3"], rel=1e-2)
 
 
-def test_non_finite_gradients_are_skipped_and_the_run_goes_on(corpus):
-    result = train(corpus, "--run=nan", fault="nan_step=2")
+def test_non_finite_gradients_are_skipped_and_the_run_goes_on(corpus, beside):
+    result = beside["nan"].result()  # step 3's gradients poisoned
     assert carries(result.stdout, "non-finite", "skipped", "1"), result.stdout
     records = [json.loads(line) for line in (corpus / "base" / "runs" / "nan" / "metrics.jsonl").open()]
     steps = [r for r in records if "loss" in r]
@@ -220,10 +257,9 @@ def test_non_finite_gradients_are_skipped_and_the_run_goes_on(corpus):
     assert [r for r in records if "val_loss_T1" in r][-1]["val_loss_T1"] < 100
 
 
-def test_a_run_non_finite_for_k_steps_is_declared_diverged_and_keeps_its_last_good_checkpoint(corpus, first_two):
-    # the gradients of steps 3, 4 and 5 are poisoned (the fault counts steps from 0): three bad steps in a row
-    result = train(corpus, "--run=diverged", "--save_every=2", "--diverge_steps=3", fault="nan_step=2,nan_steps=3",
-                   expect_ok=False)
+def test_a_run_non_finite_for_k_steps_is_declared_diverged_and_keeps_its_last_good_checkpoint(corpus, first_two,
+                                                                                                beside):
+    result = beside["diverged"].result()  # steps 3 to 5 poisoned, 3 allowed
     assert result.returncode == 3, result.stderr[-3000:]
     run_dir = corpus / "base" / "runs" / "diverged"
     assert carries(result.stdout, "diverged", "3", "non-finite", "5", str(run_dir / "ckpt_000002.pt")), result.stdout
@@ -238,17 +274,17 @@ def test_a_run_non_finite_for_k_steps_is_declared_diverged_and_keeps_its_last_go
         assert torch.equal(kept[name], first_two[name]), name
 
 
-def test_a_state_past_the_bound_for_k_steps_is_declared_diverged(corpus):
-    result = train(corpus, "--run=exploded", "--diverge_h_norm=1e-3", "--diverge_steps=2", expect_ok=False)
+def test_a_state_past_the_bound_for_k_steps_is_declared_diverged(corpus, beside):
+    result = beside["exploded"].result()  # a bound of 1e-3 on ||h_T||, 2 steps allowed
     assert result.returncode == 3
     assert carries(result.stdout, "diverged", "1", "||h_T||", "0.001", "2"), result.stdout
     assert not any((corpus / "base" / "runs" / "exploded").glob("ckpt_*.pt"))
 
 
-def test_a_run_that_never_learned_is_not_stopped_by_its_val_loss_and_another_rate_is_another_run(corpus):
+def test_a_run_that_never_learned_is_not_stopped_by_its_val_loss_and_another_rate_is_another_run(corpus, beside):
     """At a rate of 3 every eval is far above ln 320, from the first (step 2): the run never learned, so it has
     nothing to have lost and trains to its end. The same --run at the recipe's rates is refused, naming both."""
-    result = train(corpus, "--run=hot", "--adamw_lr=3", "--muon_lr=3", "--eval_every=2")
+    result = beside["hot"].result()
     assert "diverged" not in result.stdout
     records = [json.loads(line) for line in (corpus / "base" / "runs" / "hot" / "metrics.jsonl").open()]
     evals = [r for r in records if "val_loss_T3" in r]
@@ -258,25 +294,26 @@ def test_a_run_that_never_learned_is_not_stopped_by_its_val_loss_and_another_rat
     assert carries(message, "adamw_lr", "3.0", "0.008", "muon_lr", "3.0", "0.008"), message
 
 
-def test_an_eval_back_at_a_uniform_guess_stops_a_run_that_had_learned_also_across_a_resume(corpus):
+def test_an_eval_back_at_a_uniform_guess_stops_a_run_that_had_learned_also_across_a_resume(corpus, beside):
     """A 4-step concat run that barely moves its initial weights (a rate of 1e-9) scores about ln 320 at its step-2
     eval, a little above: it has not learned yet, so it has nothing to have lost, and it ends with its checkpoint.
     The same step-2 checkpoint recording a lowest val loss 2 nats below ln 320 (a run that had learned), continued:
     its step-4 eval, back at ln 320, stops it, so the lowest val loss came through the resume."""
-    flags = ["--injection=concat", "--max_tokens=1024", "--adamw_lr=1e-9", "--muon_lr=1e-9", "--eval_every=2"]
-    train(corpus, "--run=initial", *flags, "--stop_at=2")
+    beside["initial"].result()  # UNLEARNED, stopped after step 2
     learned = corpus / "base" / "runs" / "learned"
     learned.mkdir()
     ckpt = torch.load(corpus / "base" / "runs" / "initial" / "ckpt_000002.pt", weights_only=True)
     ckpt["lowest_val_loss"] = math.log(320) - 2
     torch.save(ckpt, learned / "ckpt_000002.pt")
-    result = train(corpus, "--run=initial", *flags)
+    with ThreadPoolExecutor(1) as pool:  # two runs that share nothing from here: one thread each
+        losing = pool.submit(train, corpus, "--run=learned", *UNLEARNED, expect_ok=False)
+        result = train(corpus, "--run=initial", *UNLEARNED)
     assert "diverged" not in result.stdout
     records = [json.loads(line) for line in (corpus / "base" / "runs" / "initial" / "metrics.jsonl").open()]
     first_eval = next(r for r in records if "val_loss_T3" in r)
     assert first_eval["step"] == 2 and math.log(320) <= first_eval["val_loss_T3"] < math.log(320) + 1
     assert (corpus / "base" / "runs" / "initial" / "ckpt_000004.pt").is_file()
-    lost = train(corpus, "--run=learned", *flags, expect_ok=False)
+    lost = losing.result()
     assert lost.returncode == 3, lost.stderr[-3000:]
     assert carries(lost.stdout, "diverged", "4", f"{math.log(320) - 2:.4f}"), lost.stdout
     assert json.loads((learned / "metrics.jsonl").read_text().splitlines()[-1]) == \
@@ -354,8 +391,8 @@ def test_eval_core_bpb_gives_train_pys_last_eval(corpus, one):
     assert trained == pytest.approx({T: last_eval[f"val_loss_T{T}"] for T in trained}, rel=1e-6)
 
 
-def test_authors_per_batch_sampling_trains_and_per_document_ppl_runs(corpus):
-    train(corpus, "--run=per_batch", "--sampling=per_batch", "--max_tokens=512")
+def test_authors_per_batch_sampling_trains_and_per_document_ppl_runs(corpus, beside):
+    beside["per_batch"].result()
     result = subprocess.run([sys.executable, str(ROOT / "eval_core.py"), "--eval=ppl", "--T=1,3", "--max_docs=20",
                              "--run=per_batch"], capture_output=True, text=True, env=train_env(corpus), timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
