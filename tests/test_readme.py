@@ -96,14 +96,15 @@ def test_split_commands_and_script_invocation_read_shell_lines():
         [["python3", "-m", "venv", ".venv"], [".", ".venv/bin/activate"]]
     assert split_commands('python -c "import torch; print(1)" | tail -n 1') == \
         [["python", "-c", "import torch; print(1)"], ["tail", "-n", "1"]]
-    assert shown_commands("Run `bash runs/x.sh --tiny`.\n```bash\npython a.py \\\n    --b=1\n```\n") == \
-        [["python", "a.py", "--b=1"], ["bash", "runs/x.sh", "--tiny"]]
+    assert shown_commands("Run `bash runs/x.sh --tiny`.\n```bash\npython train.py \\\n    --b=1\n```\n") == \
+        [["python", "train.py", "--b=1"], ["bash", "runs/x.sh", "--tiny"]]
     assert script_invocation(["python", "train.py", "--depth=6"]) == ("train.py", None, ["--depth"])
     assert script_invocation(["python", "-m", "interop.hub", "export", "d12", "out", "--x=1"]) == \
         ("interop/hub.py", "export", ["--x"])
     assert script_invocation(["bash", "runs/gpu_check.sh", "--tiny"]) == ("runs/gpu_check.sh", None, ["--tiny"])
     assert script_invocation(["python", "-m", "pytest", "-q", "tests"]) is None
-    assert placeholder("experiments/NAME.py") and not placeholder("experiments/bench.py")
+    assert placeholder(script_invocation(["python", "-m", "experiments.NAME"])[0])
+    assert not placeholder("experiments/bench.py")
 
 
 def test_readme_commands_name_existing_files_and_accepted_flags():
