@@ -108,7 +108,8 @@ def test_resumed_run_gives_exactly_the_losses_of_an_uninterrupted_run(corpus, on
     assert carries(message, "halves", str(run_dir / "ckpt_000002.pt")), message
     assert carries(message, "d_model", "64", "96", "mu_rec", "3", "4") and carries(message, "--run"), message
     assert untouched(run_dir) == before
-    assert carries(resumed.stdout, "resumed", "halves", "2", str(moved / "runs" / "halves" / "ckpt_000002.pt"))
+    assert carries(resumed.stdout, "resumed", "halves", "2", str(moved / "runs" / "halves" / "ckpt_000002.pt")), \
+        resumed.stdout
     assert carries(resumed.stdout, "--save_every", "1000", "500"), resumed.stdout
     halves = step_losses(corpus, "halves", base=moved)
     assert list(one) == list(range(1, 9))
