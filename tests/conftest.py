@@ -79,7 +79,7 @@ def carries(message, *words):
     a message fails no test."""
     position = 0
     for word in words:
-        found = re.compile(r"(?<![\w.])" + re.escape(word) + r"(?![\w-]|\.\d)").search(message, position)
+        found = re.compile(r"(?<![\w.])" + re.escape(word) + r"(?![\w-]|\.\w)").search(message, position)
         if found is None:
             return False
         position = found.end()
