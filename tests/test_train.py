@@ -30,6 +30,7 @@ UNLEARNED = ["--injection=concat", "--max_tokens=1024", "--adamw_lr=1e-9", "--mu
 # (OMP_NUM_THREADS=1) and the suite has two cores.
 BESIDE = {
     "halves": (["--stop_at=2"], {}),
+    "changed": (["--data={corpus}/changed.txt", "--stop_at=2"], {}),  # a copy of the corpus, which its test changes
     "bf16": (["--dtype=bfloat16"], {}),
     "nan": ([], dict(fault="nan_step=2")),
     # the gradients of steps 3, 4 and 5 are poisoned (the fault counts steps from 0): three bad steps in a row
@@ -45,9 +46,10 @@ BESIDE = {
 def beside(corpus):
     """run -> the future of BESIDE's train.py of that run (its finished subprocess), all started at once, one at a
     time on a thread of their own."""
+    (corpus / "changed.txt").write_text((corpus / "corpus.txt").read_text())
     with ThreadPoolExecutor(1) as pool:
-        futures = {run: pool.submit(train, corpus, f"--run={run}", *flags, **options)
-                   for run, (flags, options) in BESIDE.items()}
+        futures = {run: pool.submit(train, corpus, f"--run={run}", *(flag.format(corpus=corpus) for flag in flags),
+                                    **options) for run, (flags, options) in BESIDE.items()}
         yield futures
         for future in futures.values():
             future.cancel()  # not started: no test that ran reads it
@@ -166,10 +168,9 @@ def test_the_same_command_after_a_kill_continues_from_the_checkpoint_and_a_finis
     assert untouched(run_dir) == files
 
 
-def test_a_run_whose_files_changed_is_not_continued_on_them(corpus, tmp_path):
-    changed = tmp_path / "corpus.txt"
-    changed.write_text((corpus / "corpus.txt").read_text())
-    train(corpus, "--run=changed", f"--data={changed}", "--stop_at=2")
+def test_a_run_whose_files_changed_is_not_continued_on_them(corpus, beside):
+    beside["changed"].result()  # stopped after step 2
+    changed = corpus / "changed.txt"
     changed.write_text(changed.read_text() + "\n\nthe loop learns a stable state.")
     message = refused(train(corpus, "--run=changed", f"--data={changed}", expect_ok=False))
     keys = re.findall(r"files-\w+", message)  # the content keys of the corpus then and now
