@@ -1,9 +1,11 @@
 """What the tests share: every test gets its own empty base directory (no test reads or writes
 ~/.cache/nanoparcae); TINY, the flags of a train.py run that takes seconds on a CPU; the tiny corpus it trains on;
-and train.py run as users run it, in a subprocess."""
+train.py run as users run it, in a subprocess; and what a message must carry (its flags, values and paths, not its
+sentence)."""
 
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -69,3 +71,16 @@ def refused(result):
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     return result.stderr
+
+
+def carries(message, *words):
+    """Whether message names each of words (a flag, a value, a path) as a word of its own, in this order: a flag
+    before its values, old before new. The words a test asks for, not the sentence around them, so that rewording
+    a message fails no test."""
+    position = 0
+    for word in words:
+        found = re.compile(r"(?<![\w.])" + re.escape(word) + r"(?![\w-]|\.\w)").search(message, position)
+        if found is None:
+            return False
+        position = found.end()
+    return True

@@ -1,20 +1,27 @@
-"""The commands of README and docs/ name files that exist and flags that the scripts accept (each script's
---help, `python -m experiments.NAME` and `python -m interop.NAME` too); every command README shows is run by a test
-or a script of runs/, or is listed here with why not; README's two commands are runs/cpu.sh and runs/test.sh, and
-.ci/run runs the latter."""
+"""README's and docs/' commands checked against what they run: each names a file that exists, and each flag it
+passes is one its script accepts (the script's --help, run in this process, `python -m experiments.NAME` and
+`python -m interop.NAME` too; a runs/ script's own text); the runs/ scripts that README names run only commands
+README shows; Quick start leads with runs/cpu.sh and runs/test.sh, and .ci/run runs the latter; the manual install
+chooses the torch build first; README's table of sizes is what the code computes."""
 
+import contextlib
 import importlib.util
+import io
 import re
+import runpy
 import shlex
-import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
-from functools import lru_cache
+import warnings
 from pathlib import Path
+from unittest import mock
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]  # README and the pages it links
+FENCE = re.compile(r"^```.*?^```", flags=re.S | re.M)
+INLINE_COMMAND = re.compile(r"`((?:python|python3|bash|torchrun) [^`\n]+)`")  # the project's scripts in prose
 
 
 def joined(text):
@@ -22,16 +29,25 @@ def joined(text):
     return re.sub(r"\s*\\\n\s*", " ", text)
 
 
-def readme_commands():
-    """(page, command) for every shell command in the bash blocks of README and docs/, split at &&, | and ;,
-    comments dropped."""
-    for page in PAGES:
-        blocks = re.findall(r"```bash\n(.*?)```", joined(page.read_text()), flags=re.S)
-        for line in "\n".join(blocks).splitlines():
-            line = line.split(" #")[0].strip()
-            for part in re.split(r"&&|\||;", line):
-                if part.strip():
-                    yield page.relative_to(ROOT), shlex.split(part)
+def split_commands(line):
+    """The commands of one shell line, each as its words: split at &&, | and ; outside quotes, a comment dropped."""
+    lexer = shlex.shlex(line.split(" #")[0], posix=True, punctuation_chars="&|;")
+    lexer.whitespace_split, lexer.commenters = True, ""
+    commands = [[]]
+    for word in lexer:
+        if set(word) <= set("&|;"):
+            commands.append([])
+        else:
+            commands[-1].append(word)
+    return [words for words in commands if words]
+
+
+def shown_commands(text):
+    """Every command a page shows, as its words: each line of its bash blocks and each inline span that runs a
+    script."""
+    lines = "\n".join(re.findall(r"```bash\n(.*?)```", joined(text), flags=re.S)).splitlines()
+    lines += INLINE_COMMAND.findall(FENCE.sub("", text))
+    return [words for line in lines for words in split_commands(line)]
 
 
 FOLDERS = ("experiments", "interop")  # run as python -m FOLDER.NAME
@@ -39,9 +55,9 @@ SUBCOMMANDS = ("data.py", "interop/hub.py")  # scripts whose subcommands have a 
 
 
 def script_invocation(words):
-    """-> (script, subcommand or None, flags) for a command that runs one of the project's .py files, as a path
-    (train.py) or as a module of its folders (python -m experiments.bench: experiments/bench.py)."""
-    scripts = [i for i, w in enumerate(words) if w.endswith(".py") and not w.startswith("-")]
+    """-> (script, subcommand or None, flags) for a command that runs one of the project's scripts, as a path
+    (train.py, runs/cpu.sh) or as a module of its folders (python -m experiments.bench: experiments/bench.py)."""
+    scripts = [i for i, w in enumerate(words) if w.endswith((".py", ".sh")) and not w.startswith("-")]
     modules = [i + 1 for i, w in enumerate(words[:-1]) if w == "-m" and words[i + 1].split(".")[0] in FOLDERS]
     if not scripts and not modules:
         return None
@@ -53,58 +69,84 @@ def script_invocation(words):
     return script, sub, flags
 
 
-def run_words(script):
-    """How a script is started: its path at the root, `-m FOLDER.NAME` in a folder."""
-    return [str(ROOT / script)] if "/" not in script else ["-m", script[:-3].replace("/", ".")]
+def placeholder(script):
+    """A name in capitals stands for any script (`python -m experiments.NAME`)."""
+    return Path(script).stem.isupper()
 
 
-@lru_cache(maxsize=None)
 def help_text(script, sub):
-    result = subprocess.run([sys.executable, *run_words(script), *([sub] if sub else []), "--help"],
-                            capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert result.returncode == 0, f"{script} {sub or ''} --help failed: {result.stderr[-500:]}"
-    return result.stdout
+    """The script's --help (its subcommand's, for SUBCOMMANDS), run in this process as `python SCRIPT` or
+    `python -m FOLDER.NAME` runs it."""
+    out = io.StringIO()
+    argv = [script, *([sub] if sub else []), "--help"]
+    with (mock.patch.object(sys, "argv", argv), contextlib.redirect_stdout(out), warnings.catch_warnings(),
+          pytest.raises(SystemExit) as exit_info):
+        # runpy warns that a module another one imported runs again as __main__: --help only parses its flags
+        warnings.filterwarnings("ignore", "'.*' found in sys.modules", RuntimeWarning)
+        if "/" in script:
+            runpy.run_module(script[:-3].replace("/", "."), run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(str(ROOT / script), run_name="__main__")
+    assert exit_info.value.code == 0, f"{script} {sub or ''} --help failed: {exit_info.value.code}"
+    return out.getvalue()
 
 
-def test_script_invocation_reads_paths_and_modules():
+def test_split_commands_and_script_invocation_read_shell_lines():
+    assert split_commands('python3 -m venv .venv && . .venv/bin/activate   # a comment') == \
+        [["python3", "-m", "venv", ".venv"], [".", ".venv/bin/activate"]]
+    assert split_commands('python -c "import torch; print(1)" | tail -n 1') == \
+        [["python", "-c", "import torch; print(1)"], ["tail", "-n", "1"]]
+    assert shown_commands("Run `bash runs/x.sh --tiny`.\n```bash\npython train.py \\\n    --b=1\n```\n") == \
+        [["python", "train.py", "--b=1"], ["bash", "runs/x.sh", "--tiny"]]
     assert script_invocation(["python", "train.py", "--depth=6"]) == ("train.py", None, ["--depth"])
     assert script_invocation(["python", "-m", "interop.hub", "export", "d12", "out", "--x=1"]) == \
         ("interop/hub.py", "export", ["--x"])
+    assert script_invocation(["bash", "runs/gpu_check.sh", "--tiny"]) == ("runs/gpu_check.sh", None, ["--tiny"])
     assert script_invocation(["python", "-m", "pytest", "-q", "tests"]) is None
-    assert run_words("experiments/bench.py") == ["-m", "experiments.bench"]
+    assert placeholder(script_invocation(["python", "-m", "experiments.NAME"])[0])
+    assert not placeholder("experiments/bench.py")
 
 
 def test_readme_commands_name_existing_files_and_accepted_flags():
-    invocations = [(page, invocation) for page, words in readme_commands()
-                   if (invocation := script_invocation(words)) is not None]
-    for page, (script, _, _) in invocations:
-        assert (ROOT / script).is_file(), f"{page} runs {script}, which does not exist"
-    if importlib.util.find_spec("lm_eval") is None:  # interop.harness's --help needs lm-eval, an optional install
-        invocations = [(page, i) for page, i in invocations if i[0] != "interop/harness.py"]
-    helps = {(script, sub if script in SUBCOMMANDS else None) for _, (script, sub, _) in invocations}
-    with ThreadPoolExecutor(4) as pool:  # each --help is mostly an interpreter starting: several at once
-        list(pool.map(lambda key: help_text(*key), sorted(helps, key=str)))
-    checked = 0
+    invocations = [(page.relative_to(ROOT), invocation) for page in PAGES for words in shown_commands(page.read_text())
+                   if (invocation := script_invocation(words)) is not None and not placeholder(invocation[0])]
+    helps = {}
     for page, (script, sub, flags) in invocations:
-        text = help_text(script, sub if script in SUBCOMMANDS else None)
+        assert (ROOT / script).is_file(), f"{page} runs {script}, which does not exist"
+        if script.endswith(".sh"):  # a script of runs/ reads its own arguments: its text names each it takes
+            text = (ROOT / script).read_text()
+        elif script == "interop/harness.py" and importlib.util.find_spec("lm_eval") is None:
+            continue  # its --help needs lm-eval, an optional install
+        else:
+            key = (script, sub if script in SUBCOMMANDS else None)
+            if key not in helps:
+                helps[key] = help_text(*key)
+            text = helps[key]
         for flag in flags:
             assert re.search(re.escape(flag) + r"(?![\w-])", text), f"{page}: {script} does not accept {flag}"
-        checked += 1
-    assert checked >= 10  # README and docs/ really do show the commands
+    assert len(invocations) >= 10 and len(helps) >= 5  # README and docs/ really do show the commands
+
+
+def test_the_runs_scripts_readme_names_run_only_readmes_commands():
+    """Each project command (a `python ...` line) of the runs/ scripts README tells users to run is one README shows,
+    flags and all: README's commands are the ones these scripts run, not a copy that can drift."""
+    shown = shown_commands(README)
+    scripts = sorted({words[1] for words in shown if words[0] == "bash" and words[1].startswith("runs/")})
+    assert "runs/cpu.sh" in scripts and "runs/test.sh" in scripts
+    checked = 0
+    for script in scripts:
+        for line in joined((ROOT / script).read_text()).splitlines():
+            for words in split_commands(line) if line.startswith("python ") else []:
+                assert words in shown, f"{script} runs `{shlex.join(words)}`, which README does not show"
+                checked += 1
+    assert checked >= 3  # runs/cpu.sh trains and samples, runs/test.sh tests
 
 
 def test_readme_leads_with_the_two_scripts_and_ci_runs_the_second():
-    """Quick start's first block is runs/cpu.sh and runs/test.sh; runs/cpu.sh trains with README's first command and
-    samples with its first sample command; runs/test.sh ends in the test command, and .ci/run in runs/test.sh."""
     quick_start = README.split("## Quick start\n")[1].split("\n## ")[0]
     first_block = re.search(r"```bash\n(.*?)```", quick_start, flags=re.S).group(1)
-    commands = [line.split(" #")[0].strip() for line in first_block.splitlines()]
-    assert commands == ["bash runs/cpu.sh", "bash runs/test.sh"]
-    cpu = joined((ROOT / "runs" / "cpu.sh").read_text()).splitlines()
-    train_command = next(c for c in shown_commands(README) if c.startswith("python train.py"))
-    sample_command = next(c for c in shown_commands(README) if c.startswith("python sample.py"))
-    assert cpu[-2:] == [train_command, sample_command]
-    assert (ROOT / "runs" / "test.sh").read_text().strip().splitlines()[-1] == "python -m pytest -q -rs tests"
+    assert [words for line in first_block.splitlines() for words in split_commands(line)] == \
+        [["bash", "runs/cpu.sh"], ["bash", "runs/test.sh"]]
     assert (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1] == "bash runs/test.sh"
 
 
@@ -122,123 +164,6 @@ def test_manual_install_chooses_the_torch_build_after_the_venv_and_before_the_re
         chosen.append(commands[torch_choice])
     pinned = re.search(r"TORCH_SPEC:-(torch==[\d.]+)", (ROOT / "runs" / "setup.sh").read_text()).group(1)
     assert chosen == [f"pip install {pinned} --index-url https://download.pytorch.org/whl/cpu"]
-
-
-# -----------------------------------------------------------------------------
-# Every command README shows is run by a test or by a script, or its line says why not (a comment holding a mark),
-# or NOT_RUN lists it with the reason
-
-MARKS = ("GPU only", "needs network")
-FENCE = re.compile(r"^```.*?^```", flags=re.S | re.M)
-INLINE_COMMAND = re.compile(r"`((?:python|python3|bash|torchrun) [^`\n]+)`")  # the project's scripts in prose
-
-# Where each command README shows is run: "<test file>::<test>", a test that runs that script with those flags (on
-# a tiny model or run where README's takes minutes), or a script that runs that very line (runs/setup.sh, .ci/run).
-# README changes a command: change it here too.
-RUN_BY = {
-    "bash runs/test.sh": ".ci/run",
-    "python3 -m venv .venv": "runs/setup.sh",
-    ". .venv/bin/activate": "runs/setup.sh",
-    "python train.py --depth=3 --d_model=128 --head_dim=64 --mu_rec=4 --vocab_size=4096 --seq_len=256 --data=stdlib "
-    "--device_batch_size=16 --total_batch_size=8192 --max_tokens=3.2e6 --dtype=float32 --compile=0 --eval_every=130 "
-    "--eval_tokens=65536 --save_every=130 --log_every=20 --core_every=-1":
-        "tests/test_train.py::test_resumed_run_gives_exactly_the_losses_of_an_uninterrupted_run",
-    "python -m pytest -q -rs tests": "runs/test.sh",
-    'python sample.py --prompt="class Test" --max_new_tokens=64 --num_samples=3 --seed=42':
-        "tests/test_sample.py::test_cli_streams_each_sample",
-    'python sample.py --T=auto --prompt="import"': "tests/test_sample.py::test_cli_streams_each_sample",
-    "python eval_core.py --eval bpb --T 1,2,4,8,16,32 --val_tokens 65536 --batch_size 16":
-        "tests/test_train.py::test_eval_core_bpb_gives_train_pys_last_eval",
-    "python -m experiments.plot --test_time": "tests/test_plot.py::test_test_time_draws_the_newest_fit_beside_its_json",
-    "python train.py --depth=24 --mu_rec=8 --dry_run": "tests/test_train.py::test_dry_run_prints_the_paper_size",
-    "python train.py --help": "tests/test_train.py::test_help_lists_every_default_and_only_what_a_user_sets",
-    "torchrun ... -- train.py --run=mine":
-        "tests/test_train.py::test_two_processes_give_the_losses_of_one",
-}
-# The commands no test runs, and why
-NOT_RUN = {
-    "bash runs/cpu.sh": "it trains for minutes: test_readme_leads_with_the_two_scripts... checks that it runs README's "
-                        "train and sample commands, which RUN_BY's tests run",
-    "bash runs/evidence_cpu.sh": "75 minutes; tests/test_evidence.py runs its parts",
-    "bash runs/gpu_check.sh": "GPU only; runs/test.sh runs its rehearsal on a CPU, bash runs/gpu_check.sh --tiny",
-}
-
-
-def shown_commands(text):
-    """{command: the comments on its lines} for every command of a page: each line of its bash blocks, split at
-    &&, | and ; (a line's comment belongs to each of its commands), and each inline span that runs a script."""
-    shown = {}
-    for block in re.findall(r"```bash\n(.*?)```", joined(text), flags=re.S):
-        for line in block.splitlines():
-            command, _, comment = line.partition(" #")
-            for part in re.split(r"&&|\||;", command):
-                if part.strip():
-                    shown.setdefault(part.strip(), []).append(comment)
-    for command in INLINE_COMMAND.findall(FENCE.sub("", text)):
-        shown.setdefault(command.strip(), []).append("")
-    return shown
-
-
-def unaccounted(text, run_by, not_run):
-    """The commands of `text` that neither run_by nor not_run lists and whose lines carry no mark, then the listed
-    commands that `text` does not show (a stale entry would vouch for nothing)."""
-    shown = shown_commands(text)
-    unrun = [command for command, comments in shown.items() if command not in run_by and command not in not_run
-             and not any(mark in comment for comment in comments for mark in MARKS)]
-    return unrun, [command for command in [*run_by, *not_run] if command not in shown]
-
-
-def wrong_entries(run_by, root):
-    """'command: why' for every entry whose runner does not run it: a script without that command line, a test
-    file without that test, or one that never names the command's script or one of its flags."""
-    wrong = []
-    for command, where in run_by.items():
-        if "::" not in where:
-            path = root / where
-            lines = path.read_text().splitlines() if path.is_file() else []
-            if command not in [part.strip() for line in lines for part in line.split("&&")]:
-                wrong.append(f"{command}: not in {where}")
-            continue
-        file, _, test = where.partition("::")
-        source = (root / file).read_text() if (root / file).is_file() else ""
-        if not re.search(rf"^def {re.escape(test)}\(", source, flags=re.M):
-            wrong.append(f"{command}: {where} does not exist")
-            continue
-        words = shlex.split(command)
-        script = next((w for w in words if w.endswith((".py", ".sh"))), words[0])
-        for name in [Path(script).name, *(w.split("=")[0] for w in words if w.startswith("--") and w != "--")]:
-            if not re.search(re.escape(name) + r"(?![\w-])", source):
-                wrong.append(f"{command}: {file} never names {name}")
-    return wrong
-
-
-def test_the_command_check_finds_unmarked_unrun_and_stale_commands(tmp_path):
-    (tmp_path / ".ci").mkdir()
-    (tmp_path / ".ci" / "run").write_text("python3 -m venv .venv\n")
-    (tmp_path / "checks").mkdir()
-    (tmp_path / "checks/test_x.py").write_text("def test_x():\n    run(['train.py', '--depth=3'])\n")
-    text = ("```bash\npython3 -m venv .venv && . .venv/bin/activate\npip install torch   # needs network\n"
-            "python train.py --depth=3\ntorchrun train.py --depth=24   # GPU only: 1.3B\n```\n"
-            "Then `python sample.py --T=8` and `bash runs/evidence_cpu.sh`.\n")
-    run_by = {"python3 -m venv .venv": ".ci/run", "python train.py --depth=3": "checks/test_x.py::test_x",
-              "python other/gone.py": ".ci/run"}
-    unrun = [". .venv/bin/activate", "python sample.py --T=8", "bash runs/evidence_cpu.sh"]
-    assert unaccounted(text, run_by, {}) == (unrun, ["python other/gone.py"])
-    assert unaccounted(text, run_by, {"bash runs/evidence_cpu.sh": "long", "bash gone.sh": "long"}) == \
-        (unrun[:2], ["python other/gone.py", "bash gone.sh"])
-    run_by.update({"python train.py --depth=3 --seed=1": "checks/test_x.py::test_x",
-                   "python sample.py --T=8": "checks/test_x.py::test_y", ". .venv/bin/activate": ".ci/run"})
-    assert wrong_entries(run_by, tmp_path) == [
-        "python other/gone.py: not in .ci/run",
-        "python train.py --depth=3 --seed=1: checks/test_x.py never names --seed",
-        "python sample.py --T=8: checks/test_x.py::test_y does not exist", ". .venv/bin/activate: not in .ci/run"]
-
-
-def test_every_readme_command_is_run_by_a_test_or_says_why_not():
-    unrun, stale = unaccounted(README, RUN_BY, NOT_RUN)
-    assert not unrun, f"README commands that no test runs, no mark ({', '.join(MARKS)}) or NOT_RUN explains: {unrun}"
-    assert not stale, f"RUN_BY or NOT_RUN lists commands README no longer shows: {stale}"
-    assert not wrong_entries(RUN_BY, ROOT), wrong_entries(RUN_BY, ROOT)
 
 
 def test_readme_sizes_table_is_what_the_code_computes():

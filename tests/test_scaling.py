@@ -3,9 +3,9 @@ bootstrap's intervals cover a known exponent, the plan's arithmetic gives back C
 paper's regime, a killed sweep resumes without retraining finished points and prints its progress, a looped win
 counts only above twice the seed spread, fit survives missing and diverged runs."""
 
+import functools
 import json
 import math
-import random
 import shutil
 import subprocess
 import sys
@@ -16,6 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from conftest import TINY, carries  # noqa: E402
 from experiments import scaling, scaling_fit  # noqa: E402
 
 # -----------------------------------------------------------------------------
@@ -191,7 +192,13 @@ def test_t_quantile_matches_tables():
         assert scaling_fit.t_quantile(p, dof) == pytest.approx(table, abs=1e-4)
 
 
-def test_paired_interval_covers_a_known_difference_at_its_nominal_rate():
+@pytest.fixture
+def t_quantile_once(monkeypatch):
+    """scaling_fit.t_quantile, each (p, dof) computed once: 2,000 experiments of 4 pairs ask for the same quantile."""
+    monkeypatch.setattr(scaling_fit, "t_quantile", functools.lru_cache(scaling_fit.t_quantile))
+
+
+def test_paired_interval_covers_a_known_difference_at_its_nominal_rate(t_quantile_once):
     """2,000 synthetic experiments of 4 pairs: a true difference of 0.05 with noise 0.03 per pair (plus a per-seed
     offset that both arms share and pairing cancels). The 90% interval must hold 0.05 in 90% +- 2% of them."""
     rng = np.random.default_rng(0)
@@ -204,7 +211,7 @@ def test_paired_interval_covers_a_known_difference_at_its_nominal_rate():
     assert abs(covered / 2000 - 0.9) < 0.02
 
 
-def test_a_zero_difference_is_not_called_shown():
+def test_a_zero_difference_is_not_called_shown(t_quantile_once):
     """With no true difference, 'shown' (either sign) must come up in at most ~10% of experiments, as a 90%
     interval's two tails allow; a real difference with enough pairs is shown, and one of the other sign is
     'opposite'."""
@@ -233,22 +240,18 @@ def test_paired_spread_cancels_what_a_seed_shares_across_mu_rec():
 # -----------------------------------------------------------------------------
 # A toy sweep: resume, and fit with a missing and a diverged run
 
+TINY_VALUES = dict(flag[2:].split("=") for flag in TINY)
 TOY = dict(depth=3, flops=[1.2e9, 2.4e9, 4.8e9], mu_rec=[1, 2, 3], seeds=1, T=[1, 2, 3, 4], batch=256,
-           model=dict(d_model=64, head_dim=32, vocab_size=320, seq_len=32),
-           train_args=["--device_batch_size=4", "--eval_every=1000", "--eval_tokens=256", "--save_every=1",
-                       "--log_every=1", "--core_every=-1", "--compile=0", "--dtype=float32"],
-           eval_args=["--val_tokens=256", "--batch_size=4"], name="toy")
+           model={name: int(TINY_VALUES[name]) for name in ("d_model", "head_dim", "vocab_size", "seq_len")},
+           train_args=[flag for flag in TINY if flag.split("=")[0][2:] in (
+               "device_batch_size", "eval_every", "eval_tokens", "log_every", "core_every", "compile", "dtype")]
+           + ["--save_every=1"],  # the sweep's own: the model, batch and horizon come from each point
+           eval_args=[f"--val_tokens={TINY_VALUES['eval_tokens']}", "--batch_size=4"], name="toy")
 
 
 @pytest.fixture(scope="module")
-def toy(tmp_path_factory):
-    root = tmp_path_factory.mktemp("scaling")
-    rng = random.Random(0)
-    words = ["loop", "state", "depth", "token", "model", "stable", "the", "a", "of", "is", "and", "runs", "step"]
-    (root / "corpus.txt").write_text("\n\n".join(" ".join(rng.choice(words) for _ in range(rng.randint(20, 80)))
-                                                 for _ in range(300)))
-    sweep = dict(TOY, train_args=TOY["train_args"] + [f"--data={root / 'corpus.txt'}"])
-    return root, sweep
+def toy(corpus):
+    return corpus, dict(TOY, train_args=TOY["train_args"] + [f"--data={corpus / 'corpus.txt'}"])
 
 
 def in_base(root, monkeypatch):
@@ -263,9 +266,10 @@ def test_killed_sweep_resumes_without_retraining_finished_points(toy, monkeypatc
     first, second = scaling.points(small)
     assert first["steps"] >= 3 and second["steps"] >= 3
     # the sweep was killed inside its second point: the first finished, the second left a checkpoint at step 2
-    scaling.run(dict(small, mu_rec=[1]), gpus=0)
     cmd = [sys.executable, "train.py"] + scaling.train_flags(small, second) + ["--stop_at=2"]
-    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
+    with subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) as killed:
+        scaling.run(dict(small, mu_rec=[1]), gpus=0)  # beside it: each is one thread
+        assert killed.wait(timeout=300) == 0, killed.stderr.read()[-3000:]
     finished_ckpt = next(scaling.run_dir(first).glob("ckpt_*.pt"))
     mtime = finished_ckpt.stat().st_mtime_ns
     capsys.readouterr()
@@ -357,6 +361,5 @@ def test_fit_with_no_finished_run_names_the_run_command_and_writes_nothing(tmp_p
         scaling.main(["fit", "--preset=cpu"])
     err = capsys.readouterr().err
     assert exit.value.code == 2 and len(err.strip().splitlines()) == 1, err
-    assert "no finished run of sweep 'cpu'" in err
-    assert err.strip().endswith("python -m experiments.scaling run --preset=cpu")
+    assert carries(err, "cpu", "python -m experiments.scaling run --preset=cpu"), err  # the sweep, the command
     assert not (tmp_path / "base" / "scaling").exists()  # no empty fit.json, no empty figures

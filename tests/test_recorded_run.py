@@ -1,6 +1,5 @@
-"""Regression guard: a fixed-seed CPU training run of train.py must give the reference numbers, recorded from
-the code before a refactor that was meant to change no behaviour, within the rounding that another CPU's
-kernels (AVX2, AVX-512, scalar) can cause.
+"""A fixed-seed CPU training run of train.py must give the numbers recorded in tests/recorded_run.json, within the
+rounding that another CPU's kernels (AVX2, AVX-512, scalar) can cause: a change meant to keep behaviour keeps them.
 
 The run: train.py on a small generated corpus, 20 optimiser steps of a tiny diagonal (Parcae) model with a
 log line every step, then the short runs of the three other injections. Compared: every step's loss,
@@ -17,12 +16,12 @@ gradient norms up to 5e-2 (so they are compared at step 1 only). Each tolerance 
 drift seen, and a real change lands far outside them: a 5% larger Muon learning rate moves the weight norms
 by 5% and the short runs' validation losses by 0.4-1%.
 
-The reference lives in tests/refactor_reference.json. Any intended change of numbers (a new init, another
-depth sampler) changes it too: check out the code whose numbers are the reference and run
+Any intended change of numbers (a new init, another depth sampler) records them again: check out the code whose
+numbers are to be recorded and run
 
-    python tests/test_refactor.py
+    python tests/test_recorded_run.py
 
-which prints fresh numbers and writes them to that file; then check the refactored code against them.
+which prints fresh numbers and writes them to tests/recorded_run.json; then check the changed code against them.
 """
 
 import json
@@ -34,10 +33,9 @@ from pathlib import Path
 
 import torch
 
-from conftest import TINY, write_corpus
+from conftest import ROOT, TINY, write_corpus
 
-ROOT = Path(__file__).resolve().parent.parent
-REFERENCE_FILE = Path(__file__).resolve().parent / "refactor_reference.json"
+RECORD = Path(__file__).resolve().parent / "recorded_run.json"
 # each run sets its horizon; concat's rho at every step (--rho_every=1), as every other injection's
 FLAGS = [flag for flag in TINY if not flag.startswith("--max_tokens")] + ["--seed=7", "--rho_every=1"]
 RUNS = {"diagonal": 20, "concat": 4, "add": 4, "none": 4}  # injection -> optimiser steps
@@ -108,7 +106,7 @@ def differences(numbers, reference):
 
 
 def test_differences_catch_a_change_and_pass_rounding():
-    reference = json.loads(REFERENCE_FILE.read_text())
+    reference = json.loads(RECORD.read_text())
     assert differences(reference, reference) == []
     rounded = json.loads(json.dumps(reference))
     rounded["diagonal"]["steps"][0][0] *= 1 + 1e-7  # what another CPU's kernels do to step 1
@@ -122,8 +120,8 @@ def test_differences_catch_a_change_and_pass_rounding():
     assert len(found) == 3 and "diagonal step 1 loss" in found[0] and "add val_loss_T1" in found[1], found
 
 
-def test_training_run_matches_the_reference(tmp_path):
-    reference = json.loads(REFERENCE_FILE.read_text())
+def test_training_run_gives_the_recorded_numbers(tmp_path):
+    reference = json.loads(RECORD.read_text())
     numbers = run_numbers(tmp_path)
     assert len(numbers["diagonal"]["steps"]) == RUNS["diagonal"]
     assert differences(numbers, reference) == []
@@ -132,7 +130,7 @@ def test_training_run_matches_the_reference(tmp_path):
 if __name__ == "__main__":
     with tempfile.TemporaryDirectory() as tmp:
         text = json.dumps(run_numbers(Path(tmp)), indent=1) + "\n"
-    partial = REFERENCE_FILE.with_name(REFERENCE_FILE.name + ".tmp")
+    partial = RECORD.with_name(RECORD.name + ".tmp")
     partial.write_text(text)
-    os.replace(partial, REFERENCE_FILE)
+    os.replace(partial, RECORD)
     print(text, end="")
