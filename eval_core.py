@@ -38,26 +38,19 @@ from common import (find_checkpoint, get_base_dir, init_distributed, load_checkp
 from core_tasks import (CORE_LABELS, EVAL_BUNDLE_URL, LM, build_rows, download_eval_bundle, load_task_data,
                         read_random_baselines, select_tasks)
 from data import iter_documents, val_batches
-from model import initial_state
+from model import evaluation_initial_state
 from tokenizer import Tokenizer
 
 # -----------------------------------------------------------------------------
 # Scoring token rows, many per forward (METHOD.md §3): rows grouped by length and padded on the right, one seeded
-# draw of h0 shared by every row, each row's mean cross-entropy over its scored span (CORE's rows here, the
-# lm-evaluation-harness's requests in interop/harness.py)
+# draw of h0 shared by every row (evaluation's policy, model.initial_state), each row's mean cross-entropy over its
+# scored span (CORE's rows here, the lm-evaluation-harness's requests in interop/harness.py)
 
 def bf16_autocast(device):
     """bf16 autocast on CUDA, as in training; on a CPU only inside a caller's own CPU autocast (train.py
     --dtype=bfloat16), which an inner disabled autocast would otherwise switch off."""
     return torch.autocast(device.type, torch.bfloat16,
                           enabled=device.type == "cuda" or torch.is_autocast_enabled(device.type))
-
-
-def initial_state_table(model, length, seed, device):
-    """One draw of the Parcae initial state h0 for positions 0..length-1, shared by every sequence of an evaluation.
-    METHOD.md §1 draws h0 afresh per forward; drawing it once per evaluation (seeded) keeps the distribution and makes
-    every sequence's score independent of what else is in its batch and of the number of ranks."""
-    return initial_state((1, length, model.config.d_model), "cpu", torch.Generator().manual_seed(seed)).to(device)
 
 
 def forward_batches(rows, batch_tokens, one_per_forward):
@@ -146,7 +139,7 @@ def evaluate_core(model, tokenizer, bundle_dir, T=None, max_per_task=-1, tasks="
     was_training = model.training
     model.eval()
     baselines = read_random_baselines(bundle_dir)
-    h0_table = initial_state_table(model, model.config.seq_len, seed, device)
+    h0_table = evaluation_initial_state(model.config.d_model, model.config.seq_len, seed, device)
     accuracy, centered, skipped = {}, {}, {}
     for task in select_tasks(tasks) if isinstance(tasks, str) else tasks:
         if not (Path(bundle_dir) / "eval_data" / task.path).is_file():
@@ -191,7 +184,7 @@ def evaluate_bpb(model, tokenizer, batches, T=None, seed=1234, state_norm=False)
     for x, y in batches:
         x, y = x.to(device), y.to(device)
         if h0_table is None or h0_table.size(1) < x.size(1):
-            h0_table = initial_state_table(model, x.size(1), seed, device)
+            h0_table = evaluation_initial_state(model.config.d_model, x.size(1), seed, device)
         stats = {}
         with bf16_autocast(device):
             nats = model(x, targets=y, T=T, h0=h0_table[:, :x.size(1)].expand(x.size(0), -1, -1), reduction="none",
@@ -227,7 +220,7 @@ def evaluate_ppl(model, tokenizer, docs, T=None, seed=1234):
     rank, world = rank_and_world()
     seq_len = model.config.seq_len
     token_bytes = tokenizer.token_bytes.to(device)
-    h0_table = initial_state_table(model, seq_len, seed, device)
+    h0_table = evaluation_initial_state(model.config.d_model, seq_len, seed, device)
     sums = torch.zeros(4, dtype=torch.float64, device=device)  # nats of byte tokens, their count, bytes, documents
     for ids in tokenizer.encode(docs[rank::world]):
         ids = ids[:seq_len + 1]

@@ -31,7 +31,7 @@ import eval_core
 from common import first_sentence, print0, rank_and_world
 from core_tasks import Row, common_length, crop_left
 from engine import generate
-from eval_core import bf16_autocast, initial_state_table, score_rows
+from eval_core import bf16_autocast, score_rows
 from interop.hub import SOURCE_HELP, load_pretrained, local_dir
 
 NO_LM_EVAL = "lm-eval is not installed; run `pip install -r requirements-eval.txt`"
@@ -57,7 +57,7 @@ class HarnessLM(LM):
         self.seq_len = model.config.seq_len
         self.batch_tokens = batch_size * self.seq_len
         self._device = next(model.parameters()).device
-        self.h0_table = initial_state_table(model, self.seq_len, seed, self._device)
+        self.h0_table = evaluation_initial_state(model.config.d_model, self.seq_len, seed, self._device)
         allowed = tokenizer.known_ids(model.config.vocab_size)
         self.allowed = None if allowed is None else allowed.to(self._device)
 
