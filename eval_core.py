@@ -33,13 +33,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from common import (find_checkpoint, get_base_dir, init_distributed, load_checkpoint, parse_device, print0,
-                    rank_and_world, write_atomically)
+from common import get_base_dir, init_distributed, load_run, parse_device, print0, rank_and_world, write_atomically
 from core_tasks import (CORE_LABELS, EVAL_BUNDLE_URL, LM, build_rows, download_eval_bundle, load_task_data,
                         read_random_baselines, select_tasks)
 from data import iter_documents, val_batches
 from model import evaluation_initial_state
-from tokenizer import Tokenizer
 
 # -----------------------------------------------------------------------------
 # Scoring token rows, many per forward (METHOD.md §3): rows grouped by length and padded on the right, one seeded
@@ -409,15 +407,6 @@ def check_flags(args):
     return Ts, parse_ints(getattr(args, "seeds", "1234"), "--seeds")
 
 
-def load_ours(ckpt_file, run, device):
-    """A checkpoint file, else the latest of a run -> (model, tokenizer, checkpoint dict, path)."""
-    path = Path(ckpt_file) if ckpt_file else find_checkpoint(get_base_dir() / "runs", run)
-    model, ckpt = load_checkpoint(path, device)
-    if "tokenizer_dir" not in ckpt:
-        raise ValueError(f"checkpoint {path} names no tokenizer_dir; it was not written by train.py")
-    return model, Tokenizer.load(ckpt["tokenizer_dir"]), ckpt, path
-
-
 def start_device(args):
     return init_distributed(parse_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")))
 
@@ -452,7 +441,7 @@ def main(argv=None):
     try:
         Ts, seeds = check_flags(args)
         device = start_device(args)
-        model, tokenizer, ckpt, ckpt_path = load_ours(args.ckpt, args.run, device)
+        model, tokenizer, ckpt, ckpt_path = load_run(args.ckpt or args.run, device)
         evaluate(args, model, tokenizer, ckpt, ckpt_path, Ts, seeds, device)
     except (FileNotFoundError, ValueError) as err:
         raise SystemExit(f"eval_core.py: {err}")

@@ -479,8 +479,9 @@ class Parcae(nn.Module):
 
         The batch comes sorted longest first (recurrence_longest_first), n and k both falling, and each
         sequence's steps of a phase end with the phase: so the sequences looping at any step are a prefix of the
-        batch (still_looping counts them), each step runs the blocks on those alone (sum(n_i + k_i) sequence-passes, not B * max), and every
-        sequence takes its last step in the final iteration. -> (h_T, h_{T-1}), each sequence at its own T."""
+        batch (still_looping counts them), each step runs the blocks on those alone (sum(n_i + k_i) sequence-passes,
+        not B * max), and every sequence takes its last step in the final iteration. -> (h_T, h_{T-1}), each
+        sequence at its own T."""
         A_bar = self.injection.A_bar()  # (d,) for Parcae, None for the baselines; the same at every step
         n_max, grad = int(n[0]), torch.is_grad_enabled()
         for step in range(n_max + int(k[0])):

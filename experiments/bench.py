@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common import find_checkpoint, get_base_dir, load_checkpoint, peak_bf16_flops, write_atomically
+from common import load_run, peak_bf16_flops, write_atomically
 from core_tasks import MC, Task
 from data import DataLoader, iter_documents
 from depths import sample_depths
@@ -272,12 +272,10 @@ def row_decode(args, device, training, figures):
     """Row 5 on a trained checkpoint (--ckpt, else the newest under the base dir) and the stdlib's text; on
     an untrained model of the bench's size and random tokens when there is none."""
     try:
-        path = Path(args.ckpt) if args.ckpt else find_checkpoint(get_base_dir() / "runs")
-        model, ckpt = load_checkpoint(path, device)
-        tokenizer = Tokenizer.load(ckpt["tokenizer_dir"])
+        model, tokenizer, _, path = load_run(args.ckpt, device)
         ids = stdlib_tokens(tokenizer, DECODE_PROMPT + args.new_tokens, device)
         where = f"checkpoint {path.parent.name}/{path.name}"
-    except (FileNotFoundError, KeyError) as err:
+    except (FileNotFoundError, ValueError) as err:
         if args.ckpt:
             raise SystemExit(f"bench.py: {err}") from None
         torch.manual_seed(0)

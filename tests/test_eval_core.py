@@ -414,7 +414,7 @@ def test_fit_recovers_the_law():
 
 def test_bad_flags_end_in_one_line_before_any_checkpoint_or_data_is_read(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(tmp_path))
-    for name in ("find_checkpoint", "load_checkpoint", "val_batches", "start_device"):
+    for name in ("load_run", "val_batches", "start_device"):
         monkeypatch.setattr(eval_core, name, lambda *a, **k: pytest.fail("read before the flags were checked"))
     for flags, message in ((["--T", "0"], "--T '0': every depth must be 1 or more"),
                            (["--T", "1,x"], "--T '1,x' must be integers"),

@@ -307,16 +307,17 @@ def one_line_error(base, *args):
 def test_missing_or_corrupt_checkpoint_gives_one_clear_line(tmp_path, checkpoint):
     assert "no checkpoint under" in one_line_error(tmp_path)
     (tmp_path / "runs" / "tiny").mkdir(parents=True)
-    assert (f"{tmp_path / 'runs'} is a folder, not a checkpoint file; pass --ckpt with a file, or --run with a run name"
+    assert (f"{tmp_path / 'runs'} is a folder, not a checkpoint file; pass a checkpoint file, or a run's name"
             in one_line_error(tmp_path, f"--ckpt={tmp_path / 'runs'}"))
     save_checkpoint(tmp_path / "runs" / "tiny" / "ckpt_000005.pt", tiny_model(), tokenizer_dir=str(tmp_path / "gone"))
-    assert (f"pass --ckpt with a file such as its newest, {tmp_path / 'runs' / 'tiny' / 'ckpt_000005.pt'}, or "
-            f"--run=tiny" in one_line_error(tmp_path, f"--ckpt={tmp_path / 'runs' / 'tiny'}"))
+    assert (f"pass a checkpoint file such as its newest, {tmp_path / 'runs' / 'tiny' / 'ckpt_000005.pt'}, or the "
+            f"run's name, tiny" in one_line_error(tmp_path, f"--ckpt={tmp_path / 'runs' / 'tiny'}"))
     (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
-    assert "corrupt" in one_line_error(tmp_path, f"--ckpt={tmp_path / 'bad.pt'}")
+    assert f"checkpoint {tmp_path / 'bad.pt'} is truncated or unreadable" in \
+        one_line_error(tmp_path, f"--ckpt={tmp_path / 'bad.pt'}")
     no_tokenizer = tmp_path / "no_tokenizer.pt"
     save_checkpoint(no_tokenizer, tiny_model(), tokenizer_dir=str(tmp_path / "gone"))
-    assert "python data.py tokenizer" in one_line_error(tmp_path, f"--ckpt={no_tokenizer}")
+    assert "python dataset.py tokenizer" in one_line_error(tmp_path, f"--ckpt={no_tokenizer}")
 
 
 def test_truncated_checkpoint_gives_one_whole_line_with_the_fix(tmp_path):
@@ -327,7 +328,8 @@ def test_truncated_checkpoint_gives_one_whole_line_with_the_fix(tmp_path):
     message = one_line_error(tmp_path, f"--ckpt={truncated}").strip()
     assert f"checkpoint {truncated} is truncated" in message
     assert "(RuntimeError: PytorchStreamReader failed reading zip archive: failed finding central directory)" in message
-    assert message.endswith("pass --ckpt with another one (an earlier ckpt_*.pt of the run) or train again")
+    assert message.endswith("remove it to start the run over (a run keeps its newest checkpoint only), or restore it "
+                            "from a copy")
 
 
 def test_transformer_baseline_decodes_once_per_token_and_refuses_auto():
