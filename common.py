@@ -1,7 +1,7 @@
 """
 common.py: what every script shares and the model does not need: process setup, the base directory,
 checkpoints (read, written, and a run loaded with its tokenizer: load_run) and the GPU peak table that MFU divides by.
-A library, not a script: train.py, sample.py, eval_core.py, data.py and core_tasks.py import it, as do
+A library, not a script: train.py, sample.py, eval_core.py, dataset.py, data.py and core_tasks.py import it, as do
 experiments/ and interop/.
 """
 

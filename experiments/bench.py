@@ -29,7 +29,8 @@ import torch.nn.functional as F
 
 from common import load_run, peak_bf16_flops, write_atomically
 from core_tasks import MC, Task
-from data import DataLoader, iter_documents
+from data import DataLoader
+from dataset import iter_documents
 from depths import sample_depths
 from eval_core import evaluate_task
 from experiments.decoding import decoding_rows, stdlib_tokens

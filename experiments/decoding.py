@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from common import load_run, parse_device
-from data import iter_documents
+from dataset import iter_documents
 from engine import EXIT_THRESHOLDS, EXITS, teacher_forced
 from experiments.timing import log, median_seconds, print_table
 from model import decoding_initial_state
