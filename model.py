@@ -486,9 +486,9 @@ class Parcae(nn.Module):
         n_max, grad = int(n[0]), torch.is_grad_enabled()
         for step in range(n_max + int(k[0])):
             looping = still_looping(n, k, step)  # the first `looping` rows; the rest start their phase later
-            ves_now = {i: ve[:looping] for i, ve in ves.items()}
+            h_now, Bbar_e_now, ves_now = h[:looping], Bbar_e[:looping], {i: ve[:looping] for i, ve in ves.items()}
             with torch.set_grad_enabled(grad and step >= n_max):  # gradient through the last k_i steps only
-                h_now = self.loop_step(h[:looping], Bbar_e[:looping], A_bar, step, ves_now, cos, sin, cache)
+                h_now = self.loop_step(h_now, Bbar_e_now, A_bar, step, ves_now, cos, sin, cache)
             h_prev, h = h, (h_now if looping == len(h) else torch.cat([h_now, h[looping:]]))  # the rest keep theirs
         return h, h_prev
 
