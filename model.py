@@ -485,7 +485,7 @@ class Parcae(nn.Module):
         A_bar = self.injection.A_bar()  # (d,) for Parcae, None for the baselines; the same at every step
         n_max, grad = int(n[0]), torch.is_grad_enabled()
         for step in range(n_max + int(k[0])):
-            looping = still_looping(n, k, step)  # the first `looping` rows; the rest start their phase later
+            looping = still_looping(n, k, step)  # the first `looping` rows; the rest start this phase later
             h_now, Bbar_e_now, ves_now = h[:looping], Bbar_e[:looping], {i: ve[:looping] for i, ve in ves.items()}
             with torch.set_grad_enabled(grad and step >= n_max):  # gradient through the last k_i steps only
                 h_now = self.loop_step(h_now, Bbar_e_now, A_bar, step, ves_now, cos, sin, cache)
@@ -652,8 +652,8 @@ class Parcae(nn.Module):
 
 
 def still_looping(n, k, step):
-    """The number of sequences that take loop step `step` of recurrence: a longest-first batch's first `a`.
-    Each sequence's steps of a phase end with the phase, so in the no-grad phase (step < max n) sequence i
+    """The number of sequences still looping at loop step `step` of recurrence, the first ones of its longest-first
+    batch. Each sequence's steps of a phase end with the phase, so in the no-grad phase (step < max n) sequence i
     loops iff n_i >= the no-grad steps left, max n - step; in the grad phase iff k_i >= max n + max k - step."""
     n_max, k_max = int(n[0]), int(k[0])
     return int((n >= n_max - step).sum()) if step < n_max else int((k >= n_max + k_max - step).sum())
