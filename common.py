@@ -1,7 +1,7 @@
 """
 common.py: what every script shares and the model does not need: process setup, the base directory,
-checkpoints and the GPU peak table that MFU divides by.
-A library, not a script: train.py, sample.py, eval_core.py, data.py and core_tasks.py import it, as do
+checkpoints (read, written, and a run loaded with its tokenizer: load_run) and the GPU peak table that MFU divides by.
+A library, not a script: train.py, sample.py, eval_core.py, dataset.py, data.py and core_tasks.py import it, as do
 experiments/ and interop/.
 """
 
@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from model import Parcae, ParcaeConfig
+from tokenizer import Tokenizer
 
 # -----------------------------------------------------------------------------
 # Processes: torchrun sets RANK; NCCL on CUDA, gloo on CPU. A plain `python` run is one process.
@@ -96,8 +97,8 @@ def find_checkpoint(runs_dir, run=None):
 
 
 def read_checkpoint(path, device="cpu"):
-    """torch.load of a checkpoint (weights_only=True) for train.py's resume. Raises FileNotFoundError when it is
-    absent and ValueError naming it when torch cannot read it."""
+    """torch.load of a checkpoint (weights_only=True), the one reader: train.py's resume and load_run. Raises
+    FileNotFoundError when it is absent and ValueError naming it when torch cannot read it."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
@@ -109,25 +110,45 @@ def read_checkpoint(path, device="cpu"):
                          f"copy") from None
 
 
-def load_checkpoint(path, device="cpu"):
-    """-> (model in eval mode, the checkpoint dict). Never unpickles code (weights_only=True)."""
-    path = Path(path)
-    if path.is_dir():
+def load_run(ckpt_or_run=None, device="cpu"):
+    """A checkpoint file, a run's name (its newest checkpoint under <base dir>/runs) or None (the newest of the run
+    written last) -> (model in eval mode, its tokenizer, the checkpoint dict, the checkpoint's path).
+
+    The tokenizer is the one the checkpoint records; where that folder is gone (a moved NANOPARCAE_BASE_DIR), the
+    one of the same key, its folder's name, under this base folder's tokenizers/. One whose vocabulary outgrows the
+    model's is refused. FileNotFoundError and ValueError carry one line."""
+    path = Path(ckpt_or_run) if ckpt_or_run else None
+    if path is not None and path.is_dir():
         inside = sorted(path.glob("ckpt_*.pt"))
-        raise FileNotFoundError(f"{path} is a folder, not a checkpoint file; pass --ckpt with a file" +
-                                (f" such as its newest, {inside[-1]}, or --run={path.name}" if inside else
-                                 ", or --run with a run name"))
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {path} does not exist; pass --ckpt with an existing file")
-    try:  # an unreadable file and one that holds no Parcae get the same advice
-        ckpt = torch.load(path, map_location=device, weights_only=True)
+        raise FileNotFoundError(f"{path} is a folder, not a checkpoint file; pass a checkpoint file" +
+                                (f" such as its newest, {inside[-1]}, or the run's name, {path.name}" if inside else
+                                 ", or a run's name"))
+    if path is None or not (path.is_file() or path.suffix == ".pt" or len(path.parts) > 1):
+        path = find_checkpoint(get_base_dir() / "runs", ckpt_or_run)
+    ckpt = read_checkpoint(path, device)
+    try:  # torch read it, but it may hold no Parcae
         model = Parcae(ParcaeConfig(**ckpt["config"]))
         model.load_state_dict(ckpt["model"])
     except Exception as err:
-        raise ValueError(f"checkpoint {path} is truncated, corrupt or not a nanoparcae checkpoint "
-                         f"({first_sentence(err)}); pass --ckpt with another one (an earlier ckpt_*.pt of the run) "
-                         f"or train again") from None
-    return model.to(device).eval(), ckpt
+        raise ValueError(f"checkpoint {path} is not a nanoparcae checkpoint ({first_sentence(err)}); pass one that "
+                         f"train.py wrote") from None
+    if "tokenizer_dir" not in ckpt:
+        raise ValueError(f"checkpoint {path} names no tokenizer_dir; it was not written by train.py")
+    recorded = Path(ckpt["tokenizer_dir"])
+    places = list(dict.fromkeys((recorded, get_base_dir() / "tokenizers" / recorded.name)))  # its path, its key here
+    directory = next((place for place in places if (place / "tokenizer.tiktoken").is_file()), None)
+    if directory is None:
+        run = ckpt.get("args", {})
+        command = f"`python dataset.py tokenizer --data={run['data']} --vocab_size={run['vocab_size']}`" \
+            if {"data", "vocab_size"} <= run.keys() else \
+            "`python dataset.py tokenizer` and the run's --data and --vocab_size"
+        where = f"neither at {places[0]} nor at {places[1]}" if len(places) > 1 else f"not at {places[0]}"
+        raise FileNotFoundError(f"the tokenizer of checkpoint {path} is {where}; recreate it with {command}")
+    tokenizer = Tokenizer.load(directory)
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise ValueError(f"the tokenizer at {directory} has {tokenizer.vocab_size} tokens, the model "
+                         f"{model.config.vocab_size}: they are not from the same run")
+    return model.to(device).eval(), tokenizer, ckpt, path
 
 
 def write_atomically(path, write):

@@ -1,6 +1,6 @@
 """
 download.py: one streamed, resumable, retried HTTP download, the one every download uses: FineWeb-Edu's shards
-(data.py), the eval bundle (core_tasks.py) and the authors' release (interop/hub.py).
+(dataset.py), the eval bundle (core_tasks.py) and the authors' release (interop/hub.py).
 
     download_file(url, path)    # path appears only once every byte is there
 """

@@ -27,7 +27,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from model import initial_state
+from model import decoding_initial_state
 
 # -----------------------------------------------------------------------------
 # The KV cache
@@ -122,13 +122,13 @@ def decode_step(model, idx, cache, h0, T, exit=None, threshold=0.0, A_bar=None):
     h, B = h0.to(e.dtype), idx.size(0)
     if exit is None:
         for step in range(T):
-            h = model.recurrent_block(model.injection(h, Bbar_e, A_bar), step, ves, cos, sin, cache)
+            h = model.loop_step(h, Bbar_e, A_bar, step, ves, cos, sin, cache)
         return model.run_coda(h, ves, cos, sin, cache), torch.full((B,), T)
     steps, done, logits, prev_logp = [T] * B, [False] * B, None, None
     for step in range(T):
-        u = model.recurrent_block(model.injection(h, Bbar_e, A_bar), step, ves, cos, sin, cache)
-        change = relative_change(u, h) if exit == "state" and step > 0 else None
-        h = torch.where(torch.tensor(done, device=h.device)[:, None, None], h, u) if any(done) else u
+        stepped = model.loop_step(h, Bbar_e, A_bar, step, ves, cos, sin, cache)
+        change = relative_change(stepped, h) if exit == "state" and step > 0 else None
+        h = torch.where(torch.tensor(done, device=h.device)[:, None, None], h, stepped) if any(done) else stepped
         if exit == "kl":
             logits = model.run_coda(h, ves, cos, sin, cache)
             logp = logits[:, -1].log_softmax(dim=-1)
@@ -197,7 +197,7 @@ class Decoder:
         # h0 for every position up front, one draw per row: a run's initial states do not depend on the tokens it
         # samples (greedy and top-k 1 see the same h0)
         rows = list(generators) * (idx.size(0) // len(generators))
-        self.h0 = initial_state((len(rows), num_positions, c.d_model), device, rows)
+        self.h0 = decoding_initial_state((len(rows), num_positions, c.d_model), device, rows)
         self.tokens = torch.zeros(idx.size(0), num_positions, dtype=torch.long, device=device)
         self.tokens[:, :idx.size(1)], self.length = idx, idx.size(1)
         # depth for --T=auto alone: its early exits fill the skipped steps' slots (fill_skipped_steps)

@@ -33,31 +33,23 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from common import (find_checkpoint, get_base_dir, init_distributed, load_checkpoint, parse_device, print0,
-                    rank_and_world, write_atomically)
+from common import get_base_dir, init_distributed, load_run, parse_device, print0, rank_and_world, write_atomically
 from core_tasks import (CORE_LABELS, EVAL_BUNDLE_URL, LM, build_rows, download_eval_bundle, load_task_data,
                         read_random_baselines, select_tasks)
-from data import iter_documents, val_batches
-from model import initial_state
-from tokenizer import Tokenizer
+from data import val_batches
+from dataset import iter_documents
+from model import evaluation_initial_state
 
 # -----------------------------------------------------------------------------
 # Scoring token rows, many per forward (METHOD.md §3): rows grouped by length and padded on the right, one seeded
-# draw of h0 shared by every row, each row's mean cross-entropy over its scored span (CORE's rows here, the
-# lm-evaluation-harness's requests in interop/harness.py)
+# draw of h0 shared by every row (evaluation's policy, model.initial_state), each row's mean cross-entropy over its
+# scored span (CORE's rows here, the lm-evaluation-harness's requests in interop/harness.py)
 
 def bf16_autocast(device):
     """bf16 autocast on CUDA, as in training; on a CPU only inside a caller's own CPU autocast (train.py
     --dtype=bfloat16), which an inner disabled autocast would otherwise switch off."""
     return torch.autocast(device.type, torch.bfloat16,
                           enabled=device.type == "cuda" or torch.is_autocast_enabled(device.type))
-
-
-def initial_state_table(model, length, seed, device):
-    """One draw of the Parcae initial state h0 for positions 0..length-1, shared by every sequence of an evaluation.
-    METHOD.md §1 draws h0 afresh per forward; drawing it once per evaluation (seeded) keeps the distribution and makes
-    every sequence's score independent of what else is in its batch and of the number of ranks."""
-    return initial_state((1, length, model.config.d_model), "cpu", torch.Generator().manual_seed(seed)).to(device)
 
 
 def forward_batches(rows, batch_tokens, one_per_forward):
@@ -149,7 +141,7 @@ def evaluate_core(model, tokenizer, bundle_dir, T=None, max_per_task=-1, tasks="
     was_training = model.training
     model.eval()
     baselines = read_random_baselines(bundle_dir)
-    h0_table = initial_state_table(model, model.config.seq_len, seed, device)
+    h0_table = evaluation_initial_state(model.config.d_model, model.config.seq_len, seed, device)
     accuracy, centered, skipped = {}, {}, {}
     for task in select_tasks(tasks) if isinstance(tasks, str) else tasks:
         if not (Path(bundle_dir) / "eval_data" / task.path).is_file():
@@ -194,7 +186,7 @@ def evaluate_bpb(model, tokenizer, batches, T=None, seed=1234, state_norm=False)
     for x, y in batches:
         x, y = x.to(device), y.to(device)
         if h0_table is None or h0_table.size(1) < x.size(1):
-            h0_table = initial_state_table(model, x.size(1), seed, device)
+            h0_table = evaluation_initial_state(model.config.d_model, x.size(1), seed, device)
         stats = {}
         with bf16_autocast(device):
             nats = model(x, targets=y, T=T, h0=h0_table[:, :x.size(1)].expand(x.size(0), -1, -1), reduction="none",
@@ -230,7 +222,7 @@ def evaluate_ppl(model, tokenizer, docs, T=None, seed=1234):
     rank, world = rank_and_world()
     seq_len = model.config.seq_len
     token_bytes = tokenizer.token_bytes.to(device)
-    h0_table = initial_state_table(model, seq_len, seed, device)
+    h0_table = evaluation_initial_state(model.config.d_model, seq_len, seed, device)
     sums = torch.zeros(4, dtype=torch.float64, device=device)  # nats of byte tokens, their count, bytes, documents
     for ids in tokenizer.encode(docs[rank::world]):
         ids = ids[:seq_len + 1]
@@ -419,15 +411,6 @@ def check_flags(args):
     return Ts, parse_ints(getattr(args, "seeds", "1234"), "--seeds")
 
 
-def load_ours(ckpt_file, run, device):
-    """A checkpoint file, else the latest of a run -> (model, tokenizer, checkpoint dict, path)."""
-    path = Path(ckpt_file) if ckpt_file else find_checkpoint(get_base_dir() / "runs", run)
-    model, ckpt = load_checkpoint(path, device)
-    if "tokenizer_dir" not in ckpt:
-        raise ValueError(f"checkpoint {path} names no tokenizer_dir; it was not written by train.py")
-    return model, Tokenizer.load(ckpt["tokenizer_dir"]), ckpt, path
-
-
 def start_device(args):
     return init_distributed(parse_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")))
 
@@ -462,7 +445,7 @@ def main(argv=None):
     try:
         Ts, seeds = check_flags(args)
         device = start_device(args)
-        model, tokenizer, ckpt, ckpt_path = load_ours(args.ckpt, args.run, device)
+        model, tokenizer, ckpt, ckpt_path = load_run(args.ckpt or args.run, device)
         evaluate(args, model, tokenizer, ckpt, ckpt_path, Ts, seeds, device)
     except (FileNotFoundError, ValueError) as err:
         raise SystemExit(f"eval_core.py: {err}")

@@ -20,8 +20,9 @@ gradient, then k_i with it (METHOD.md §2). Parcae.recurrence is that loop.
     loss = model(idx, targets, depths=(n, k))       # a draw of depths.sample_depths, replayed
     stats = {}; model(idx, targets, diagnostics=stats)   # stats: ||h_T|| and the update ratio
 
-The caller owns the randomness (depth_generator, torch's global RNG for h0); the model keeps no state between
-forwards. The accounting section sizes a run: the paper's C, the matmul FLOPs executed, the memory per GPU.
+The caller owns the randomness (depth_generator; torch's global RNG for h0, or an h0 drawn under evaluation's or
+decoding's policy: initial_state); the model keeps no state between forwards. The accounting section sizes a run:
+the paper's C, the matmul FLOPs executed, the memory per GPU.
 torch.compile: `model.compile_blocks()` compiles each block alone, so a depth that changes every batch never
 recompiles.
 """
@@ -308,11 +309,38 @@ INJECTION_CLASSES = {"diagonal": DiagonalInjection, "concat": ConcatInjection, "
 def initial_state(shape, device=None, generator=None):
     """METHOD.md §1's h0 ~ TruncNormal(0, s, -3s..3s), s = sqrt(2 / (5 d)), d = shape[-1]: a float32 tensor of
     `shape` (B, S, d) on `device`. generator: None for torch's global RNG, a torch.Generator on `device`, or a list
-    of them, one per row (decoding: a row's h0 does not depend on the other rows)."""
+    of them, one per row.
+
+    The draw is always this one; which randomness it reads is one of three policies, each a function below that
+    its callers name:
+    - training_initial_state: afresh inside every forward, from torch's global RNG, as the paper draws it.
+      train.py reseeds that RNG per micro-batch, so a step's h0 does not depend on the number of processes.
+    - evaluation_initial_state: one seeded table of positions, shared by every row of an evaluation: a score
+      depends on neither what else is in its batch, nor the number of ranks, nor the device.
+    - decoding_initial_state: one generator per row: a sample does not depend on how many others are drawn
+      beside it."""
     if isinstance(generator, (list, tuple)):
         return torch.cat([initial_state((1, *shape[1:]), device, g) for g in generator])
     sigma = math.sqrt(2 / (5 * shape[-1]))
     return trunc_normal_(torch.empty(shape, device=device, dtype=torch.float32), sigma, generator)
+
+
+def training_initial_state(shape, device):
+    """Training's h0 (B, S, d): from torch's global RNG, drawn inside every forward (initial_state)."""
+    return initial_state(shape, device)
+
+
+def evaluation_initial_state(d_model, length, seed, device):
+    """Evaluation's h0 (1, length, d): one table of positions 0..length-1 drawn on the CPU from `seed`, every row
+    of an evaluation reading its first positions (initial_state). METHOD.md §1 draws h0 afresh per forward; one
+    draw per evaluation keeps the distribution and makes every score reproducible."""
+    return initial_state((1, length, d_model), "cpu", torch.Generator().manual_seed(seed)).to(device)
+
+
+def decoding_initial_state(shape, device, generators):
+    """Decoding's h0 (B, S, d): row i drawn from generators[i], a torch.Generator on `device` or None for the
+    global RNG (initial_state)."""
+    return initial_state(shape, device, list(generators))
 
 
 # -----------------------------------------------------------------------------
@@ -460,7 +488,7 @@ class Parcae(nn.Module):
             n, k = self.loop_depths(B, T, depths, depth_generator)
             if cache is not None and ((n != n[0]).any() or (k != k[0]).any()):
                 raise ValueError("decoding with a KV cache runs one depth for the whole batch: give T, not depths")
-            h0 = initial_state(e.shape, e.device) if h0 is None else h0
+            h0 = training_initial_state(e.shape, e.device) if h0 is None else h0
             h, h_prev = self.recurrence_longest_first(h0.to(e.dtype), self.injection.Bbar_e(e), n, k, ves, cos, sin,
                                                       cache)
         if diagnostics is not None:
@@ -477,20 +505,25 @@ class Parcae(nn.Module):
         k_i with it. h: h0 (B, S, d); Bbar_e (B, S, d); n, k: (B,) CPU tensors; ves, cos, sin: run_prelude's.
 
         The batch comes sorted longest first (recurrence_longest_first), n and k both falling, and each
-        sequence's steps of a phase end with the phase: so the sequences looping at any step are the first `a`,
-        each step runs the blocks on those alone (sum(n_i + k_i) sequence-passes, not B * max), and every
-        sequence takes its last step in the final iteration. -> (h_T, h_{T-1}), each sequence at its own T."""
+        sequence's steps of a phase end with the phase: so the sequences looping at any step are a prefix of the
+        batch (still_looping counts them), each step runs the blocks on those alone (sum(n_i + k_i) sequence-passes,
+        not B * max), and every sequence takes its last step in the final iteration. -> (h_T, h_{T-1}), each
+        sequence at its own T."""
         A_bar = self.injection.A_bar()  # (d,) for Parcae, None for the baselines; the same at every step
-        n_max, k_max, grad = int(n[0]), int(k[0]), torch.is_grad_enabled()
-        for step in range(n_max + k_max):
-            # the sequences looping at this step, the first a: n_i >= the no-grad steps left, or k_i >= the grad ones
-            a = int((n >= n_max - step).sum()) if step < n_max else int((k >= n_max + k_max - step).sum())
-            h_a, Bbar_e_a, ves_a = h[:a], Bbar_e[:a], {i: ve[:a] for i, ve in ves.items()}
+        n_max, grad = int(n[0]), torch.is_grad_enabled()
+        for step in range(n_max + int(k[0])):
+            looping = still_looping(n, k, step)  # the first `looping` rows; the rest start this phase later
+            h_now, Bbar_e_now, ves_now = h[:looping], Bbar_e[:looping], {i: ve[:looping] for i, ve in ves.items()}
             with torch.set_grad_enabled(grad and step >= n_max):  # gradient through the last k_i steps only
-                u = self.injection(h_a, Bbar_e_a, A_bar)  # u = A_bar h + Bbar_e
-                h_a = self.recurrent_block(u, step, ves_a, cos, sin, cache)  # h = R(u)
-            h_prev, h = h, (h_a if a == len(h) else torch.cat([h_a, h[a:]]))  # the rows past a keep their state
+                h_now = self.loop_step(h_now, Bbar_e_now, A_bar, step, ves_now, cos, sin, cache)
+            h_prev, h = h, (h_now if looping == len(h) else torch.cat([h_now, h[looping:]]))  # the rest keep theirs
         return h, h_prev
+
+    def loop_step(self, h, Bbar_e, A_bar, step, ves, cos, sin, cache=None):
+        """One step of the loop (METHOD.md §1): u = A_bar h + Bbar_e, then h = R(u), R the recurrent block at loop
+        step `step`. The one place both are applied: recurrence, engine.py's decoding and experiments/bench.py's
+        masked reference all step through it. A_bar: injection.A_bar(), formed once per forward."""
+        return self.recurrent_block(self.injection(h, Bbar_e, A_bar), step, ves, cos, sin, cache)
 
     def recurrence_longest_first(self, h, Bbar_e, n, k, ves, cos, sin, cache=None):
         """recurrence on the batch sorted by depth, longest first, and put back in order -> (h_T, h_{T-1})."""
@@ -660,6 +693,14 @@ class Parcae(nn.Module):
         memory_plan fits in 90% of it; None when not even one sequence does."""
         most = self.memory_plan(1, bf16, optimizer_bytes, (gpu_gb,))["largest_batch"][gpu_gb]
         return max((size for size in range(1, min(most, sequences) + 1) if sequences % size == 0), default=None)
+
+
+def still_looping(n, k, step):
+    """The number of sequences still looping at loop step `step` of recurrence, the first ones of its longest-first
+    batch. Each sequence's steps of a phase end with the phase, so in the no-grad phase (step < max n) sequence i
+    loops iff n_i >= the no-grad steps left, max n - step; in the grad phase iff k_i >= max n + max k - step."""
+    n_max, k_max = int(n[0]), int(k[0])
+    return int((n >= n_max - step).sum()) if step < n_max else int((k >= n_max + k_max - step).sum())
 
 
 def checked_depths(depths, batch_size):

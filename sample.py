@@ -20,34 +20,14 @@ import codecs
 import sys
 import time
 import warnings
-from pathlib import Path
 
 import torch
 
-from common import find_checkpoint, get_base_dir, load_checkpoint, parse_device
+from common import load_run, parse_device
 from engine import EXIT_THRESHOLDS, EXITS, generate
-from tokenizer import Tokenizer
 
 # -----------------------------------------------------------------------------
-# Loading a checkpoint, streaming samples
-
-def load_checkpoint_and_tokenizer(ckpt, run, device):
-    """A checkpoint file, else the latest of a run -> (model, tokenizer, path); FileNotFoundError / ValueError carry a
-    one-line message."""
-    path = Path(ckpt) if ckpt else find_checkpoint(get_base_dir() / "runs", run)
-    model, checkpoint = load_checkpoint(path, device)
-    tokenizer_dir = Path(checkpoint.get("tokenizer_dir", ""))
-    if not tokenizer_dir.is_dir():  # a moved base folder: the same tokenizer under this one's tokenizers/
-        tokenizer_dir = get_base_dir() / "tokenizers" / tokenizer_dir.name
-    if not (tokenizer_dir / "tokenizer.tiktoken").is_file():
-        raise FileNotFoundError(f"the tokenizer of checkpoint {path} is not at {tokenizer_dir}; recreate it with "
-                                f"`python data.py tokenizer` and the run's --data and --vocab_size")
-    tokenizer = Tokenizer.load(tokenizer_dir)
-    if tokenizer.vocab_size > model.config.vocab_size:
-        raise ValueError(f"the tokenizer at {tokenizer_dir} has {tokenizer.vocab_size} tokens, the model "
-                         f"{model.config.vocab_size}: they are not from the same run")
-    return model, tokenizer, path
-
+# Streaming samples
 
 def stream_samples(model, tokenizer, prompt, args, device, allowed=None):
     """Sample after sample, each token printed as it is made; a sample ends early at <|bos|> (a new document).
@@ -156,7 +136,7 @@ def main(argv=None):
     add_sampling_flags(parser)
     args = parse_sampling_flags(parser, argv)
     try:
-        model, tokenizer, path = load_checkpoint_and_tokenizer(args.ckpt, args.run, torch.device(args.device))
+        model, tokenizer, _, path = load_run(args.ckpt or args.run, torch.device(args.device))
     except (FileNotFoundError, ValueError) as err:
         sys.exit(f"sample.py: {err}")
     sample(model, tokenizer, args, path)

@@ -1,6 +1,6 @@
 """
 tokenizer.py: the tokenizer (METHOD.md §2): a byte-level BPE with the GPT-4 split pattern and the special
-tokens <|bos|>, <|eos|>, <|pad|>, trained with rustbpe and run with tiktoken. data.get_tokenizer trains and
+tokens <|bos|>, <|eos|>, <|pad|>, trained with rustbpe and run with tiktoken. dataset.get_tokenizer trains and
 caches one per data source; interop/hub.py builds one from the authors' tokenizer.json.
 
     tokenizer = Tokenizer.train(texts, vocab_size=4096)     # any iterator of strings

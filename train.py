@@ -31,7 +31,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common import (Divergence, find_checkpoint, get_base_dir, init_distributed, parse_device, peak_bf16_flops,
                     rank_and_world, read_checkpoint, save_checkpoint, write_atomically)
-from data import DataLoader, get_tokenizer, tokenizer_dir, val_batches
+from data import DataLoader, val_batches
+from dataset import ChunkReader, get_tokenizer, tokenizer_dir
 from depths import SAMPLINGS
 from eval_core import evaluate_bpb, evaluate_core
 from guards import (agree_to_start, being_trained, checkpoint_digest, drift, lock_for_every_rank, run_holder,
@@ -318,15 +319,16 @@ try:
         dist.barrier()
     tokenizer = get_tokenizer(args.data, args.vocab_size)
     virtual_world = world * grad_accum
+    reader = ChunkReader()  # one read of each chunk for this process's loaders
     loaders = [DataLoader(tokenizer, args.data, "train", args.device_batch_size, args.seq_len,
                           rank=rank * grad_accum + micro, world_size=virtual_world, seed=args.seed, device=device,
-                          sharers=grad_accum)  # one read of each chunk for this process's loaders
+                          reader=reader, sharers=grad_accum)
                for micro in range(grad_accum)]
     val_data = list(val_batches(tokenizer, args.data, args.device_batch_size, args.seq_len, args.eval_tokens, rank,
-                                world, device))  # read and tokenized once, the same batches at every eval and T
+                                world, device, reader))  # read and tokenized once, the same batches at every eval and T
 except (FileNotFoundError, ValueError) as err:
     if args.data == "fineweb-edu":
-        fail(f"{err} (the 140M run reads about 240: `python data.py download -n 240`); without a GPU, "
+        fail(f"{err} (the 140M run reads about 240: `python dataset.py download -n 240`); without a GPU, "
              f"`bash runs/cpu.sh` trains a small model on this Python's standard library, no download needed")
     fail(err)
 

@@ -27,14 +27,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common import find_checkpoint, get_base_dir, load_checkpoint, peak_bf16_flops, write_atomically
+from common import load_run, peak_bf16_flops, write_atomically
 from core_tasks import MC, Task
-from data import DataLoader, iter_documents
+from data import DataLoader
+from dataset import iter_documents
 from depths import sample_depths
-from eval_core import evaluate_task, initial_state_table
+from eval_core import evaluate_task
 from experiments.decoding import decoding_rows, stdlib_tokens
 from experiments.timing import log, median_seconds, print_table, timed
-from model import Parcae, ParcaeConfig, initial_state
+from model import Parcae, ParcaeConfig, evaluation_initial_state, training_initial_state
 from optim import build_optimizer
 from tokenizer import Tokenizer
 
@@ -81,13 +82,13 @@ def masked_reference_loss(model, x, y, depths):
     Built from the model's pieces: the reference row 8 measures model.py's loop against, loss and gradients alike."""
     e, ves, cos, sin = model.run_prelude(x)
     n, k = model.loop_depths(x.size(0), depths=depths)
-    h, Bbar_e = initial_state(e.shape, e.device).to(e.dtype), model.injection.Bbar_e(e)
-    n_max = int(n.max())
+    h, Bbar_e = training_initial_state(e.shape, e.device).to(e.dtype), model.injection.Bbar_e(e)
+    A_bar, n_max = model.injection.A_bar(), int(n.max())
     for step in range(n_max + int(k.max())):
         active = n > step if step < n_max else k > step - n_max
         with torch.set_grad_enabled(step >= n_max):
-            u = model.recurrent_block(model.injection(h, Bbar_e), step, ves, cos, sin)
-            h = torch.where(active.to(h.device)[:, None, None], u, h)
+            stepped = model.loop_step(h, Bbar_e, A_bar, step, ves, cos, sin)
+            h = torch.where(active.to(h.device)[:, None, None], stepped, h)
     logits = model.run_coda(h, ves, cos, sin)
     return F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-1)
 
@@ -272,12 +273,10 @@ def row_decode(args, device, training, figures):
     """Row 5 on a trained checkpoint (--ckpt, else the newest under the base dir) and the stdlib's text; on
     an untrained model of the bench's size and random tokens when there is none."""
     try:
-        path = Path(args.ckpt) if args.ckpt else find_checkpoint(get_base_dir() / "runs")
-        model, ckpt = load_checkpoint(path, device)
-        tokenizer = Tokenizer.load(ckpt["tokenizer_dir"])
+        model, tokenizer, _, path = load_run(args.ckpt, device)
         ids = stdlib_tokens(tokenizer, DECODE_PROMPT + args.new_tokens, device)
         where = f"checkpoint {path.parent.name}/{path.name}"
-    except (FileNotFoundError, KeyError) as err:
+    except (FileNotFoundError, ValueError) as err:
         if args.ckpt:
             raise SystemExit(f"bench.py: {err}") from None
         torch.manual_seed(0)
@@ -309,7 +308,7 @@ def row_core_and_loader(args, device, training, figures):
     torch.manual_seed(0)
     model = Parcae(config).to(device).eval()
     task, data = synthetic_task(256 if CUDA else 32)
-    h0_table = initial_state_table(model, config.seq_len, 0, device)
+    h0_table = evaluation_initial_state(model.config.d_model, config.seq_len, 0, device)
     seconds = median_seconds({
         name: lambda one=one: evaluate_task(model, tokenizer, task, data, config.mu_rec, 1234, h0_table,
                                             one_per_forward=one)

@@ -13,12 +13,11 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from common import parse_device
-from data import iter_documents
+from common import load_run, parse_device
+from dataset import iter_documents
 from engine import EXIT_THRESHOLDS, EXITS, teacher_forced
 from experiments.timing import log, median_seconds, print_table
-from model import initial_state
-from sample import load_checkpoint_and_tokenizer
+from model import decoding_initial_state
 
 PROMPT = 16  # tokens of prompt before the max_new_tokens decoded
 
@@ -47,7 +46,7 @@ def forward_per_token(model, ids, prompt_len, T, seed=0):
     """Row 5b's "concat": teacher-forced like engine.teacher_forced, but the prompt in one model() call into a
     ConcatKVCache, then model() on each position. -> mean loss."""
     generator = torch.Generator(ids.device).manual_seed(seed)
-    h0 = initial_state((1, ids.size(1), model.config.d_model), ids.device, generator)
+    h0 = decoding_initial_state((1, ids.size(1), model.config.d_model), ids.device, [generator])
     cache, losses = ConcatKVCache(), []
     with torch.no_grad():
         logits = model(ids[:, :prompt_len], T=T, h0=h0[:, :prompt_len], cache=cache)
@@ -156,7 +155,7 @@ def main(argv=None):
         parser.error(f"--exit_threshold must be above 0, got {args.exit_threshold}")
     try:
         device = parse_device(args.device)
-        model, tokenizer, path = load_checkpoint_and_tokenizer(args.ckpt, args.run, device)
+        model, tokenizer, _, path = load_run(args.ckpt or args.run, device)
         ids = stdlib_tokens(tokenizer, PROMPT + args.max_new_tokens, device)
     except (FileNotFoundError, ValueError) as err:
         sys.exit(f"experiments.decoding: {err}")

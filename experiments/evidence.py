@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from common import STATE_NORM_LIMIT, find_checkpoint, get_base_dir, load_checkpoint, write_atomically
-from data import get_tokenizer, val_batches
+from common import STATE_NORM_LIMIT, get_base_dir, load_run, write_atomically
+from data import val_batches
 from eval_core import evaluate_bpb, fit_test_time_scaling
 from experiments.plot import draw_evidence, read_run
 from experiments.scaling_fit import (drift_check, interval_verdict, mean_relative_error, paired_interval,
@@ -195,8 +195,7 @@ def evaluate(name, mu_rec, with_curve):
     record = dict(name=name, diverged_at=logged["diverged_at"], max_rho=largest(logged["steps"], "rho"),
                   max_h_norm=largest(logged["steps"], "h_norm"), val=val, curve=None)
     if logged["diverged_at"] is None and with_curve:
-        model, _ = load_checkpoint(find_checkpoint(directory.parent, name))
-        tokenizer = get_tokenizer("stdlib", VOCAB)
+        model, tokenizer, _, _ = load_run(name)
         batches = list(val_batches(tokenizer, "stdlib", 16, model.config.seq_len, 8192))
         rows = [evaluate_bpb(model, tokenizer, batches, T, state_norm=True) for T in CURVE_T]
         record["curve"] = dict(T=CURVE_T, loss=[r[0] for r in rows], h_norm=[r[2] for r in rows])

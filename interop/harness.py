@@ -11,7 +11,7 @@ From Python, with the harness's own evaluator:
 
     import lm_eval
     from interop import harness
-    lm = harness.HarnessLM(model, tokenizer, T=8)   # e.g. from interop.hub.load_pretrained or common.load_checkpoint
+    lm = harness.HarnessLM(model, tokenizer, T=8)   # e.g. from interop.hub.load_pretrained or common.load_run
     results = lm_eval.simple_evaluate(model=lm, tasks=["lambada_openai", "wikitext"])
 
 The harness downloads each task's data set on first use (Hugging Face datasets, cached under ~/.cache/huggingface).
@@ -28,11 +28,12 @@ import torch
 import torch.distributed as dist
 
 import eval_core
-from common import first_sentence, print0, rank_and_world
+from common import first_sentence, load_run, print0, rank_and_world
 from core_tasks import Row, common_length, crop_left
 from engine import generate
-from eval_core import bf16_autocast, initial_state_table, score_rows
+from eval_core import bf16_autocast, score_rows
 from interop.hub import SOURCE_HELP, load_pretrained, local_dir
+from model import evaluation_initial_state
 
 NO_LM_EVAL = "lm-eval is not installed; run `pip install -r requirements-eval.txt`"
 try:
@@ -57,7 +58,7 @@ class HarnessLM(LM):
         self.seq_len = model.config.seq_len
         self.batch_tokens = batch_size * self.seq_len
         self._device = next(model.parameters()).device
-        self.h0_table = initial_state_table(model, self.seq_len, seed, self._device)
+        self.h0_table = evaluation_initial_state(model.config.d_model, self.seq_len, seed, self._device)
         allowed = tokenizer.known_ids(model.config.vocab_size)
         self.allowed = None if allowed is None else allowed.to(self._device)
 
@@ -178,7 +179,7 @@ def main(argv=None):
             model, tokenizer = load_pretrained(args.from_, device, need_tokenizer=True)
             ckpt, ckpt_path = {}, local_dir(args.from_) / "authors"
         else:
-            model, tokenizer, ckpt, ckpt_path = eval_core.load_ours(args.ckpt, args.run, device)
+            model, tokenizer, ckpt, ckpt_path = load_run(args.ckpt or args.run, device)
         Ts = Ts or [model.config.mu_rec]
         out = run_harness(model, tokenizer, args.tasks, Ts, args.batch_size,
                           args.max_per_task if args.max_per_task > 0 else None)

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 import eval_core
 import sample
-from common import find_checkpoint, first_sentence, get_base_dir, load_checkpoint, write_atomically
+from common import first_sentence, get_base_dir, load_run, write_atomically
 from depths import SAMPLINGS
 from download import download_file
 from model import Parcae, ParcaeConfig
@@ -554,14 +554,8 @@ def export_main(argv):
     args = parser.parse_args(argv)
     warnings.formatwarning = lambda message, *_, **__: f"interop.hub export: {message}\n"
     try:
-        path, runs = Path(args.source), get_base_dir() / "runs"
-        if not path.is_file() and (path.suffix == ".pt" or len(path.parts) > 1):
-            raise FileNotFoundError(f"{path} is not a checkpoint file; pass one, or a run name under {runs}")
-        path = path if path.is_file() else find_checkpoint(runs, args.source)
-        model, ckpt = load_checkpoint(path)
-        if "tokenizer_dir" not in ckpt:
-            raise ValueError(f"checkpoint {path} names no tokenizer_dir; it was not written by train.py")
-        out = export(model, Tokenizer.load(ckpt["tokenizer_dir"]), args.out_dir)
+        model, tokenizer, _, path = load_run(args.source)
+        out = export(model, tokenizer, args.out_dir)
     except (FileNotFoundError, ValueError) as err:
         sys.exit(f"interop.hub export: {err}")
     print(f"{path} -> {out}: config.json ({model.config.injection}), model.pt, tokenizer.json, tokenizer_config.json")

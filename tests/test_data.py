@@ -1,5 +1,5 @@
-"""Tests for data.py, tokenizer.py and download.py: the tokenizer, shard downloads against a local server, the
-data sources and the loader (METHOD.md §2).
+"""Tests for dataset.py, data.py, tokenizer.py and download.py: the tokenizer, shard downloads against a local
+server, the data sources and the loader (METHOD.md §2).
 
 Run: python -m pytest -q tests/test_data.py   (no network beyond 127.0.0.1, nothing written outside tmp_path)
 """
@@ -16,6 +16,7 @@ import sys
 import sysconfig
 import tempfile
 import threading
+import types
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -26,6 +27,7 @@ import tiktoken.load
 import torch
 
 import data
+import dataset
 from download import download_file
 from tokenizer import SPECIAL_TOKENS, Tokenizer
 
@@ -134,33 +136,34 @@ def test_train_rejects_tiny_vocab():
 
 def test_get_tokenizer_trains_once_then_loads(tmp_path, capsys):
     corpus = write_jsonl(tmp_path / "corpus.jsonl", make_documents(200))
-    first = data.get_tokenizer(str(corpus), 300)
+    first = dataset.get_tokenizer(str(corpus), 300)
     assert "Training" in capsys.readouterr().out
-    second = data.get_tokenizer(str(corpus), 300)
+    second = dataset.get_tokenizer(str(corpus), 300)
     assert "Training" not in capsys.readouterr().out
     assert second.encode(WEIRD_STRINGS) == first.encode(WEIRD_STRINGS)
-    assert data.tokenizer_dir(str(corpus), 300).is_relative_to(tmp_path / "base")
+    assert dataset.tokenizer_dir(str(corpus), 300).is_relative_to(tmp_path / "base")
 
 
 def test_a_changed_corpus_at_the_same_path_trains_its_own_tokenizer(tmp_path, capsys):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n\n".join(f"alpha beta {i} alpha beta" for i in range(300)))
-    before, before_dir = data.get_tokenizer(str(corpus), 300), data.tokenizer_dir(str(corpus), 300)
+    before, before_dir = dataset.get_tokenizer(str(corpus), 300), dataset.tokenizer_dir(str(corpus), 300)
     corpus.write_text("\n\n".join(f"gamma delta {i} gamma delta" for i in range(300)))
     capsys.readouterr()
-    after, after_dir = data.get_tokenizer(str(corpus), 300), data.tokenizer_dir(str(corpus), 300)
+    after, after_dir = dataset.get_tokenizer(str(corpus), 300), dataset.tokenizer_dir(str(corpus), 300)
     assert "Training" in capsys.readouterr().out and after_dir != before_dir
     assert len(after.encode(" gamma delta")) < len(before.encode(" gamma delta"))  # learned from the new text
-    assert data.get_tokenizer(str(corpus), 300).encode(" alpha beta gamma") == after.encode(" alpha beta gamma")
+    assert dataset.get_tokenizer(str(corpus), 300).encode(" alpha beta gamma") == after.encode(" alpha beta gamma")
 
 
 def test_bytes_that_are_not_utf8_are_counted_and_named_once(tmp_path, capsys):
     path = tmp_path / "latin1.txt"
     path.write_bytes("caf\xe9 ol\xe9\n\nna\xefve".encode("latin-1") + "\n\nplain 日本".encode())
-    assert data.read_text_file(str(path)) == ["caf ol", "nave", "plain 日本"]
+    reported = set()  # a ChunkReader's
+    assert dataset.read_text_file(str(path), reported) == ["caf ol", "nave", "plain 日本"]
     assert capsys.readouterr().err == (f"warning: {path}: 3 bytes that are not UTF-8 (the first at byte 3) are left "
                                        f"out; convert the file to UTF-8 to keep them\n")
-    data.read_text_file(str(path))  # read again (every epoch): said once
+    dataset.read_text_file(str(path), reported)  # read again (every epoch): said once
     assert capsys.readouterr().err == ""
 
 
@@ -169,27 +172,26 @@ def test_the_standard_library_is_read_without_warnings_and_a_users_file_with_one
     same file passed as --data is the user's and gets its warning."""
     path = (tmp_path / "module_koi8_r").with_suffix(".py")  # a name as in the standard library
     path.write_bytes("x = 1\n\n".encode() + "s = 'Привет'\n".encode("koi8_r"))
-    monkeypatch.setattr(data, "stdlib_files", lambda: [str(path)])
-    monkeypatch.setattr(data, "NOT_UTF8", set())
-    stdlib = [doc for split in ("train", "val") for doc in data.iter_documents("stdlib", split)]
+    monkeypatch.setattr(dataset, "stdlib_files", lambda: [str(path)])
+    stdlib = [doc for split in ("train", "val") for doc in dataset.iter_documents("stdlib", split)]
     assert capsys.readouterr().err == ""
-    assert [doc for split in ("train", "val") for doc in data.iter_documents(str(path), split)] == stdlib
+    assert [doc for split in ("train", "val") for doc in dataset.iter_documents(str(path), split)] == stdlib
     assert capsys.readouterr().err.startswith(f"warning: {path}: 6 bytes that are not UTF-8")
 
 
 def test_the_tokenizer_key_names_the_content_not_the_place(tmp_path, monkeypatch):
     """The key of a tokenizer and its corpus: the same under a moved base folder and, for stdlib, under another
     installation of the same Python version; another file content is another key."""
-    key = data.tokenizer_key("stdlib", 512)
-    assert data.tokenizer_dir("stdlib", 512) == tmp_path / "base" / "tokenizers" / key
+    key = dataset.tokenizer_key("stdlib", 512)
+    assert dataset.tokenizer_dir("stdlib", 512) == tmp_path / "base" / "tokenizers" / key
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("one\n\ntwo")
-    mine = data.tokenizer_key(str(corpus), 512)
+    mine = dataset.tokenizer_key(str(corpus), 512)
     monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(tmp_path / "moved"))
     monkeypatch.setattr(sysconfig, "get_paths", lambda: {"stdlib": str(tmp_path / "reinstalled" / "lib")})
-    assert data.tokenizer_dir("stdlib", 512).name == key and data.tokenizer_dir(str(corpus), 512).name == mine
+    assert dataset.tokenizer_dir("stdlib", 512).name == key and dataset.tokenizer_dir(str(corpus), 512).name == mine
     corpus.write_text("one\n\ntwo\n\nthree")
-    assert data.tokenizer_key(str(corpus), 512) != mine
+    assert dataset.tokenizer_key(str(corpus), 512) != mine
 
 
 @pytest.mark.parametrize("text,cause", [
@@ -201,7 +203,7 @@ def test_a_source_without_documents_for_a_split_names_the_cause(tmp_path, text, 
     path = tmp_path / "corpus.txt"
     path.write_text(text)
     with pytest.raises(ValueError) as err:
-        tokenizer = data.get_tokenizer(str(path), 300)
+        tokenizer = dataset.get_tokenizer(str(path), 300)
         list(data.val_batches(tokenizer, str(path), batch_size=1, seq_len=8, num_tokens=8))
     message = str(err.value)
     assert cause.format(path=path) in message and "\n" not in message and "batch size" not in message
@@ -246,53 +248,53 @@ def shard_texts(index):
 
 def serve_shards(server, indices):
     for i in indices:
-        write_parquet(server.root / data.shard_name(i), shard_texts(i), row_group_size=16)
+        write_parquet(server.root / dataset.shard_name(i), shard_texts(i), row_group_size=16)
 
 
 def local_files():
-    return sorted(p.name for p in data.fineweb_dir().iterdir())
+    return sorted(p.name for p in dataset.fineweb_dir().iterdir())
 
 
 def test_download_and_read_shards(server):
     serve_shards(server, [0, 1, 2])
-    paths = data.download_shards([0, 1, 2], base_url=server.url, num_workers=2)
-    assert local_files() == [data.shard_name(i) for i in range(3)]
+    paths = dataset.download_shards([0, 1, 2], base_url=server.url, num_workers=2)
+    assert local_files() == [dataset.shard_name(i) for i in range(3)]
     for i, path in enumerate(paths):
-        assert path.read_bytes() == (server.root / data.shard_name(i)).read_bytes()
+        assert path.read_bytes() == (server.root / dataset.shard_name(i)).read_bytes()
     seen = server.requests
-    data.download_shards([0, 1, 2], base_url=server.url)  # complete shards are skipped
+    dataset.download_shards([0, 1, 2], base_url=server.url)  # complete shards are skipped
     assert server.requests == seen
     # the last shard is validation, the others train
-    assert list(data.iter_documents("fineweb-edu", "val")) == shard_texts(2)
-    assert list(data.iter_documents("fineweb-edu", "train")) == shard_texts(0) + shard_texts(1)
+    assert list(dataset.iter_documents("fineweb-edu", "val")) == shard_texts(2)
+    assert list(dataset.iter_documents("fineweb-edu", "train")) == shard_texts(0) + shard_texts(1)
 
 
 def test_download_retries_server_errors(server):
     serve_shards(server, [0])
     server.fail_first = 2
-    data.download_shards([0], base_url=server.url, retry_delay=0.01)
+    dataset.download_shards([0], base_url=server.url, retry_delay=0.01)
     assert server.requests == 3
-    assert local_files() == [data.shard_name(0)]
+    assert local_files() == [dataset.shard_name(0)]
 
 
 def test_failed_download_leaves_no_partial_file(server):
     serve_shards(server, [0])
     server.truncate = True
     with pytest.raises(OSError, match="after 2 attempts"):
-        data.download_shards([0], base_url=server.url, max_attempts=2, retry_delay=0.01)
+        dataset.download_shards([0], base_url=server.url, max_attempts=2, retry_delay=0.01)
     assert local_files() == []
 
 
 def test_corrupt_shard_is_deleted_and_named(server):
-    (server.root / data.shard_name(0)).write_bytes(b"<html>not parquet</html>" * 10)
+    (server.root / dataset.shard_name(0)).write_bytes(b"<html>not parquet</html>" * 10)
     with pytest.raises(ValueError, match=r"shard_00000\.parquet is not a valid parquet file"):
-        data.download_shards([0], base_url=server.url, retry_delay=0.01)
+        dataset.download_shards([0], base_url=server.url, retry_delay=0.01)
     assert local_files() == []
 
 
 def test_missing_shard_fails_fast(server):
     with pytest.raises(FileNotFoundError, match="HTTP 404"):
-        data.download_shards([7], base_url=server.url)
+        dataset.download_shards([7], base_url=server.url)
     assert server.requests == 1
 
 
@@ -340,24 +342,24 @@ def test_download_file_resumes_with_range(tmp_path):
 
 
 def test_missing_shards_say_how_to_download():
-    with pytest.raises(FileNotFoundError, match=re.escape("python data.py download -n 8")):
+    with pytest.raises(FileNotFoundError, match=re.escape("python dataset.py download -n 8")):
         data.DocumentStream("fineweb-edu", "train")
 
 # -----------------------------------------------------------------------------
 # Data sources
 
-def run_cli(monkeypatch, *argv):
-    """`python data.py ARGV`, run in this process -> its exit status (a message: the one line on stderr)."""
-    monkeypatch.setattr(sys, "argv", ["data.py", *argv])
+def run_cli(monkeypatch, script, *argv):
+    """`python SCRIPT ARGV`, run in this process -> its exit status (a message: the one line on stderr)."""
+    monkeypatch.setattr(sys, "argv", [script, *argv])
     with pytest.raises(SystemExit) as exit:
-        runpy.run_path(str(REPO / "data.py"), run_name="__main__")
+        runpy.run_path(str(REPO / script), run_name="__main__")
     return exit.value.code
 
 
 def test_the_tokenizer_command_without_shards_fails_before_announcing_training(monkeypatch, capsys):
-    message = run_cli(monkeypatch, "tokenizer", "--data=fineweb-edu")
+    message = run_cli(monkeypatch, "dataset.py", "tokenizer", "--data=fineweb-edu")
     assert "Training" not in capsys.readouterr().out
-    assert message.startswith("data.py: found 0 FineWeb-Edu shards") and "\n" not in message
+    assert message.startswith("dataset.py: found 0 FineWeb-Edu shards") and "\n" not in message
 
 
 @pytest.mark.parametrize("kind", ["read-only mount", "path under a file"])
@@ -376,19 +378,20 @@ def test_a_base_folder_that_cannot_be_written_is_one_line(tmp_path, monkeypatch,
         (tmp_path / "a_file").write_text("")
         base = tmp_path / "a_file" / "base"
     monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(base))
-    message = run_cli(monkeypatch, "tokenizer", "--data=stdlib")
+    message = run_cli(monkeypatch, "dataset.py", "tokenizer", "--data=stdlib")
     strerror = os.strerror(errno.EROFS if kind == "read-only mount" else errno.ENOTDIR)
-    assert message == (f"data.py: the base folder {base} cannot be written to ({strerror}): set NANOPARCAE_BASE_DIR "
+    assert message == (f"dataset.py: the base folder {base} cannot be written to ({strerror}): set NANOPARCAE_BASE_DIR "
                        f"to a writable folder")
     assert capsys.readouterr().out == "" and list(base.iterdir() if base.is_dir() else []) == []
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["loader", "--seq_len=0"], "data.py: --seq_len=0 must be 1 or more"),
-    (["loader", "--batch_size=-2"], "data.py: --batch_size=-2 must be 1 or more"),
-    (["tokenizer", "--vocab_size=0"], "data.py: --vocab_size=0 must be 1 or more"),
-    (["download", "-n", "1"], "data.py: -n=1 must be in 2..1823 (at least one train shard and the validation shard)"),
-    (["download", "--workers=0"], "data.py: --workers=0 must be 1 or more"),
+    (["data.py", "--seq_len=0"], "data.py: --seq_len=0 must be 1 or more"),
+    (["data.py", "--batch_size=-2"], "data.py: --batch_size=-2 must be 1 or more"),
+    (["dataset.py", "tokenizer", "--vocab_size=0"], "dataset.py: --vocab_size=0 must be 1 or more"),
+    (["dataset.py", "download", "-n", "1"],
+     "dataset.py: -n=1 must be in 2..1823 (at least one train shard and the validation shard)"),
+    (["dataset.py", "download", "--workers=0"], "dataset.py: --workers=0 must be 1 or more"),
 ])
 def test_sizes_and_counts_below_one_end_in_one_line_before_any_work(monkeypatch, capsys, argv, message):
     assert run_cli(monkeypatch, *argv) == message
@@ -396,7 +399,7 @@ def test_sizes_and_counts_below_one_end_in_one_line_before_any_work(monkeypatch,
 
 
 def test_a_flag_is_never_taken_for_a_prefix_of_another(monkeypatch, capsys):
-    assert run_cli(monkeypatch, "loader", "--seq=8") == 2
+    assert run_cli(monkeypatch, "data.py", "--seq=8") == 2
     assert "unrecognized arguments: --seq=8" in capsys.readouterr().err
 
 
@@ -406,39 +409,39 @@ def test_user_files_txt_jsonl_parquet(tmp_path):
     (folder / "a.txt").write_text("first paragraph\nstill first\n\n\nsecond paragraph\n  \nthird")
     write_jsonl(folder / "b.jsonl", ["json one", "json two"])
     write_parquet(folder / "c.parquet", ["parquet one", "parquet two", "parquet three"], row_group_size=2)
-    docs = list(data.iter_documents(str(folder), "train")) + list(data.iter_documents(str(folder), "val"))
+    docs = list(dataset.iter_documents(str(folder), "train")) + list(dataset.iter_documents(str(folder), "val"))
     assert sorted(docs) == sorted(["first paragraph\nstill first", "second paragraph", "third", "json one",
                                    "json two", "parquet one", "parquet two", "parquet three"])
-    assert list(data.iter_documents(str(folder / "*.jsonl"), "train")) + list(
-        data.iter_documents(str(folder / "*.jsonl"), "val")) == ["json one", "json two"]
+    assert list(dataset.iter_documents(str(folder / "*.jsonl"), "train")) + list(
+        dataset.iter_documents(str(folder / "*.jsonl"), "val")) == ["json one", "json two"]
 
 
 def test_bad_user_sources_say_what_to_do(tmp_path):
     with pytest.raises(FileNotFoundError, match="no .txt, .jsonl or .parquet files match"):
-        data.list_chunks(str(tmp_path / "nothing*.txt"), "train")
+        dataset.list_chunks(str(tmp_path / "nothing*.txt"), "train")
     (tmp_path / "bad.jsonl").write_text('{"content": "no text field"}\n')
     with pytest.raises(ValueError, match="'text' field"):
-        list(data.iter_documents(str(tmp_path / "bad.jsonl"), "train"))
+        list(dataset.iter_documents(str(tmp_path / "bad.jsonl"), "train"))
     loader = data.DataLoader(None, str(tmp_path / "bad.jsonl"), "train", batch_size=1, seq_len=8)
     for _ in range(2):  # raised from the tokenizing thread, and again on every later call rather than hanging
         with pytest.raises(ValueError, match="'text' field"):
             next(loader)
     with pytest.raises(ValueError, match="split must be"):
-        data.list_chunks("stdlib", "test")
+        dataset.list_chunks("stdlib", "test")
 
 
 def test_stdlib_source():
-    files = data.stdlib_files()
+    files = dataset.stdlib_files()
     assert len(files) > 100 and not any("site-packages" in f for f in files)
-    train = list(data.iter_documents("stdlib", "train"))
-    val = list(data.iter_documents("stdlib", "val"))
-    assert 0.02 < len(val) / (len(train) + len(val)) < 0.10  # a fixed ~5% held out (data.VAL_EVERY)
+    train = list(dataset.iter_documents("stdlib", "train"))
+    val = list(dataset.iter_documents("stdlib", "val"))
+    assert 0.02 < len(val) / (len(train) + len(val)) < 0.10  # a fixed ~5% held out (dataset.VAL_EVERY)
     assert len(train) > 5 * len(files)  # a document per top-level block, not per file
     train_set, val_set = set(train), set(val)
     for path in files[::10]:  # a file goes to one split whole: its blocks share names and imports
-        blocks = [b for b in data.read_text_file(path) if b and not b.isspace()]
-        assert set(blocks) <= (val_set if data.is_val_document("".join(blocks)) else train_set), path
-    assert val == list(data.iter_documents("stdlib", "val"))  # the same every time
+        blocks = [b for b in dataset.read_text_file(path) if b and not b.isspace()]
+        assert set(blocks) <= (val_set if dataset.is_val_document("".join(blocks)) else train_set), path
+    assert val == list(dataset.iter_documents("stdlib", "val"))  # the same every time
 
 # -----------------------------------------------------------------------------
 # Loader
@@ -464,7 +467,7 @@ def test_rows_start_with_bos_and_ids_in_vocab(tokenizer, corpus):
 
 
 def test_rows_hold_whole_documents_when_they_fit(tokenizer, corpus):
-    texts = list(data.iter_documents(corpus, "train"))
+    texts = list(dataset.iter_documents(corpus, "train"))
     loader = data.DataLoader(tokenizer, corpus, "train", batch_size=1, seq_len=1024)
     x, y = next(loader)
     row = torch.cat([x[0], y[0, -1:]]).tolist()
@@ -475,12 +478,12 @@ def test_rows_hold_whole_documents_when_they_fit(tokenizer, corpus):
 
 
 def test_ranks_share_documents_disjointly(corpus):
-    everything = sorted(data.iter_documents(corpus, "train"))
+    everything = sorted(dataset.iter_documents(corpus, "train"))
     streams = [data.DocumentStream(corpus, "train", seed=3, rank=r, world_size=2) for r in range(2)]
     shares = [[text for _, text in stream.iterate(loop=False)] for stream in streams]
     assert not set(shares[0]) & set(shares[1])
     assert sorted(shares[0] + shares[1]) == everything
-    assert abs(len(shares[0]) - len(shares[1])) <= len(data.list_chunks(corpus, "train"))
+    assert abs(len(shares[0]) - len(shares[1])) <= len(dataset.list_chunks(corpus, "train"))
     # the order is a function of (seed, epoch) only
     def order(seed, epoch):
         return [t for _, t in data.DocumentStream(corpus, "train", seed=seed).iterate(epoch=epoch, loop=False)]
@@ -530,12 +533,13 @@ def test_val_batches_are_bounded_and_repeatable(tokenizer, corpus):
 
 
 def test_cli_help_explains_the_steps():
-    result = subprocess.run([sys.executable, str(REPO / "data.py"), "--help"], capture_output=True, text=True, cwd=REPO)
+    result = subprocess.run([sys.executable, str(REPO / "dataset.py"), "--help"], capture_output=True, text=True,
+                            cwd=REPO)
     assert result.returncode == 0
-    assert "python data.py download -n 8" in result.stdout and "stdlib" in result.stdout
+    assert "python dataset.py download -n 8" in result.stdout and "stdlib" in result.stdout
 
 
-def test_bytes_read_per_process_do_not_grow_with_gradient_accumulation(tokenizer, tmp_path, monkeypatch):
+def test_bytes_read_per_process_do_not_grow_with_gradient_accumulation(tokenizer, tmp_path):
     # train.py's loaders for one process: one per micro-batch, rank = micro of world = accum, the same rows per
     # step whatever the accumulation; 20 row groups, a few epochs
     write_parquet(tmp_path / "docs.parquet", make_documents(320, seed=9, max_words=40), row_group_size=16)
@@ -544,17 +548,46 @@ def test_bytes_read_per_process_do_not_grow_with_gradient_accumulation(tokenizer
     def run(accum, sharers):
         """-> (characters the process read per token its loaders took in, every step's micro-batches).
         Per token taken, because packing smaller buffers crops more, so takes in more documents."""
-        monkeypatch.setattr(data, "CHUNKS", data.ChunkReader())
+        readers = [dataset.ChunkReader()] * accum if sharers > 1 else [dataset.ChunkReader() for _ in range(accum)]
         loaders = [data.DataLoader(tokenizer, source, "train", rows_per_step // accum, 32, rank=micro,
-                                   world_size=accum, buffer_docs=4, tokenize_batch=1, sharers=sharers)
-                   for micro in range(accum)]
+                                   world_size=accum, buffer_docs=4, tokenize_batch=1, reader=reader, sharers=sharers)
+                   for micro, reader in enumerate(readers)]
         batches = [[next(loader)[0] for loader in loaders] for _ in range(steps)]
         for loader in loaders:
             loader.close()
-        return data.CHUNKS.chars_read / sum(loader.tokens_read for loader in loaders), batches
+        chars_read = sum(reader.chars_read for reader in set(readers))
+        return chars_read / sum(loader.tokens_read for loader in loaders), batches
 
     (one, _), (four, batches), (separate, separate_batches) = run(1, 1), run(4, 4), run(4, 1)
     # four loaders read up to where the furthest of them is (they drift apart a little), not four times
     assert four <= 1.25 * one, (four, one)
     assert separate >= 3.5 * one  # what one reader per loader would read
     assert all(torch.equal(a, b) for step, other in zip(batches, separate_batches) for a, b in zip(step, other))
+
+
+def module_state(module):
+    """What a module's globals hold, as text: a value's repr, or an object's attributes (a reader's cache)."""
+    return {name: repr(vars(value)) if hasattr(value, "__dict__") else repr(value)
+            for name, value in vars(module).items()
+            if not name.startswith("__") and not isinstance(value, (types.ModuleType, types.FunctionType, type))}
+
+
+def test_reading_a_corpus_leaves_no_state_in_the_modules(tokenizer, tmp_path, capsys):
+    """The chunk cache and the set of files named for bytes that are not UTF-8 belong to a ChunkReader, which its
+    loaders share: a corpus read by the tokenizer, by loaders that share a reader and by the val batches leaves
+    data.py's and dataset.py's globals as they were."""
+    write_jsonl(tmp_path / "docs.jsonl", make_documents(200, seed=4, max_words=40))
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait\n\nna\xefve".encode("latin-1"))
+    source = str(tmp_path / "*.*")
+    before = {module: module_state(module) for module in (data, dataset)}
+    dataset.get_tokenizer(source, 300)
+    reader = dataset.ChunkReader()
+    loaders = [data.DataLoader(tokenizer, source, "train", 2, 16, rank=micro, world_size=2, reader=reader, sharers=2)
+               for micro in range(2)]
+    for loader in loaders:
+        next(loader)
+        loader.close()
+    list(data.val_batches(tokenizer, source, 1, 16, 16, reader=reader))
+    assert reader.reads > 0 and reader.reported == {str(tmp_path / "latin1.txt")}
+    assert capsys.readouterr().err.count("latin1.txt") == 2  # training the tokenizer, then the loaders' reader
+    assert {module: module_state(module) for module in (data, dataset)} == before

@@ -28,7 +28,7 @@ import eval_core  # noqa: E402
 from core_tasks import (CORE_TASKS, EXTENDED_TASKS, LM, Task, crop_left, download_eval_bundle,  # noqa: E402
                         extract_zip_safely, render_prompts, scored_spans)
 from eval_core import centered_accuracy, evaluate_bpb, evaluate_core, evaluate_ppl, fit_test_time_scaling  # noqa: E402
-from model import Parcae, ParcaeConfig  # noqa: E402
+from model import Parcae, ParcaeConfig, evaluation_initial_state  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -284,7 +284,7 @@ def test_batched_equals_one_item_per_forward(bundle):
     tokenizer = ByteTokenizer()
     rows = [row for task in FIXTURE_TASKS for row in core_tasks.build_rows(
         task, core_tasks.load_task_data(bundle, task, -1), range(len(FIXTURE[task.label])), tokenizer, 1234, 128)]
-    h0 = eval_core.initial_state_table(model, 128, 1234, "cpu")
+    h0 = evaluation_initial_state(model.config.d_model, 128, 1234, "cpu")
     batched = eval_core.score_rows(model, rows, 2, h0, batch_tokens=512)
     single = eval_core.score_rows(model, rows, 2, h0, one_per_forward=True)
     assert batched[0] == pytest.approx(single[0], abs=1e-5) and batched[1] == single[1]
@@ -347,7 +347,7 @@ def test_bits_per_byte_by_hand():
     y[1, -1] = tokenizer.bos_id  # a special target: it counts in the loss, not in bits per byte
     model = tiny_parcae(tokenizer.vocab_size)
     loss, bpb = evaluate_bpb(model, tokenizer, [(x, y)], T=2)
-    h0 = eval_core.initial_state_table(model, width, 1234, "cpu").expand(2, -1, -1)
+    h0 = evaluation_initial_state(model.config.d_model, width, 1234, "cpu").expand(2, -1, -1)
     nats = model(x, targets=y, T=2, h0=h0, reduction="none")
     total_nats, total_bytes, byte_nats = 0.0, 0, 0.0
     for b in range(2):
@@ -377,7 +377,7 @@ def test_per_document_perplexity_by_hand():
     hook = model.register_forward_pre_hook(lambda module, args: shapes.append(tuple(args[0].shape)))
     loss, bpb, num_docs, tokens = evaluate_ppl(model, tokenizer, docs, T=2)
     hook.remove()
-    h0 = eval_core.initial_state_table(model, 12, 1234, "cpu")
+    h0 = evaluation_initial_state(model.config.d_model, 12, 1234, "cpu")
     nats, count, num_bytes, expected_shapes = 0.0, 0, 0, []
     for doc in docs:
         ids = tokenizer.encode(doc)[:13]  # no BOS
@@ -414,7 +414,7 @@ def test_fit_recovers_the_law():
 
 def test_bad_flags_end_in_one_line_before_any_checkpoint_or_data_is_read(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(tmp_path))
-    for name in ("find_checkpoint", "load_checkpoint", "val_batches", "start_device"):
+    for name in ("load_run", "val_batches", "start_device"):
         monkeypatch.setattr(eval_core, name, lambda *a, **k: pytest.fail("read before the flags were checked"))
     for flags, message in ((["--T", "0"], "--T '0': every depth must be 1 or more"),
                            (["--T", "1,x"], "--T '1,x' must be integers"),

@@ -27,8 +27,8 @@ import sample  # noqa: E402
 from common import save_checkpoint  # noqa: E402
 from conftest import carries  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
-from eval_core import evaluate_bpb, initial_state_table  # noqa: E402
-from model import Parcae, ParcaeConfig  # noqa: E402
+from eval_core import evaluate_bpb  # noqa: E402
+from model import Parcae, ParcaeConfig, evaluation_initial_state  # noqa: E402
 
 SEED = 1234
 DOCS = ["The river ran past the old mill and into the town.", "A cat sat on the mat; the dog sat on the log.",
@@ -105,7 +105,7 @@ def test_rolling_word_perplexity_is_the_projects_own(model_and_tokenizer, tmp_pa
 
 def hand_logprobs(model, ids, T):
     """log p(ids[i] | ids[:i]) for i >= 1 and whether each is the argmax: one forward, the evaluation's h0."""
-    h0 = initial_state_table(model, model.config.seq_len, SEED, "cpu")[:, :len(ids) - 1]
+    h0 = evaluation_initial_state(model.config.d_model, model.config.seq_len, SEED, "cpu")[:, :len(ids) - 1]
     with torch.no_grad():
         logp = F.log_softmax(model(torch.tensor([ids[:-1]]), T=T, h0=h0)[0].float(), dim=-1)
     targets = torch.tensor(ids[1:])

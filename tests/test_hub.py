@@ -564,4 +564,4 @@ def test_export_refuses_what_their_loader_would_compute_differently(tmp_path):
     result = subprocess.run([sys.executable, "-m", "interop.hub", "export", str(tmp_path / "none.pt"),
                              str(tmp_path / "out")], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode != 0 and result.stderr.strip().count("\n") == 0
-    assert "none.pt is not a checkpoint file" in result.stderr
+    assert "none.pt does not exist" in result.stderr

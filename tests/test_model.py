@@ -388,22 +388,24 @@ def test_tiny_model_learns_a_fixed_batch(injection):
 
 
 def test_checkpoint_round_trip_and_clear_errors(tmp_path):
-    from common import find_checkpoint, load_checkpoint, save_checkpoint
-    model = randomized(Parcae(tiny_config(injection="concat", mu_rec=3))).eval()
-    save_checkpoint(tmp_path / "runs" / "a" / "ckpt_000010.pt", model, step=10)
+    from common import find_checkpoint, load_run, save_checkpoint
+    from tokenizer import Tokenizer
+    model = randomized(Parcae(tiny_config(injection="concat", mu_rec=3, vocab_size=260))).eval()
+    Tokenizer.train(iter(["a round trip of the weights"] * 20), vocab_size=260).save(tmp_path / "tok")
+    save_checkpoint(tmp_path / "runs" / "a" / "ckpt_000010.pt", model, step=10, tokenizer_dir=str(tmp_path / "tok"))
     path = find_checkpoint(tmp_path / "runs")
     assert path.name == "ckpt_000010.pt" and not list(tmp_path.rglob("*.tmp"))
-    loaded, ckpt = load_checkpoint(path)
-    assert ckpt["step"] == 10 and loaded.config == model.config
+    loaded, tokenizer, ckpt, loaded_path = load_run(path)
+    assert ckpt["step"] == 10 and loaded.config == model.config and loaded_path == path and not loaded.training
+    assert tokenizer.vocab_size == 260
     idx = torch.randint(0, 97, (1, 8))
     h0 = torch.randn(1, 8, 64)
     torch.testing.assert_close(loaded(idx, h0=h0), model(idx, h0=h0))
     with pytest.raises(FileNotFoundError, match="train one first"):
         find_checkpoint(tmp_path / "runs", run="missing")
     (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
-    with pytest.raises(ValueError, match="corrupt"):
-        load_checkpoint(tmp_path / "bad.pt")
-
+    with pytest.raises(ValueError, match="truncated or unreadable"):
+        load_run(tmp_path / "bad.pt")
 
 
 def counted_flops_per_token(model, x, backward, **depth):

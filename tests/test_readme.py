@@ -51,7 +51,7 @@ def shown_commands(text):
 
 
 FOLDERS = ("experiments", "interop")  # run as python -m FOLDER.NAME
-SUBCOMMANDS = ("data.py", "interop/hub.py")  # scripts whose subcommands have a --help of their own
+SUBCOMMANDS = ("dataset.py", "interop/hub.py")  # scripts whose subcommands have a --help of their own
 
 
 def script_invocation(words):

@@ -309,15 +309,15 @@ def test_missing_or_corrupt_checkpoint_gives_one_clear_line(tmp_path, checkpoint
     runs = tmp_path / "runs"
     assert carries(one_line_error(tmp_path), str(runs), "python train.py")  # where it looked, what makes one
     (runs / "tiny").mkdir(parents=True)
-    assert carries(one_line_error(tmp_path, f"--ckpt={runs}"), str(runs), "--ckpt", "--run")
+    assert carries(one_line_error(tmp_path, f"--ckpt={runs}"), str(runs))
     save_checkpoint(runs / "tiny" / "ckpt_000005.pt", tiny_model(), tokenizer_dir=str(tmp_path / "gone"))
-    assert carries(one_line_error(tmp_path, f"--ckpt={runs / 'tiny'}"), "--ckpt", str(runs / "tiny" / "ckpt_000005.pt"),
-                   "--run=tiny")  # the folder's newest checkpoint, and its run
+    assert carries(one_line_error(tmp_path, f"--ckpt={runs / 'tiny'}"), str(runs / "tiny" / "ckpt_000005.pt"),
+                   "tiny")  # the folder's newest checkpoint, and its run
     (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
-    assert carries(one_line_error(tmp_path, f"--ckpt={tmp_path / 'bad.pt'}"), str(tmp_path / "bad.pt"), "--ckpt")
+    assert carries(one_line_error(tmp_path, f"--ckpt={tmp_path / 'bad.pt'}"), str(tmp_path / "bad.pt"), "truncated")
     no_tokenizer = tmp_path / "no_tokenizer.pt"
     save_checkpoint(no_tokenizer, tiny_model(), tokenizer_dir=str(tmp_path / "gone"))
-    assert carries(one_line_error(tmp_path, f"--ckpt={no_tokenizer}"), str(no_tokenizer), "python data.py tokenizer")
+    assert carries(one_line_error(tmp_path, f"--ckpt={no_tokenizer}"), str(no_tokenizer), "python dataset.py tokenizer")
 
 
 def test_truncated_checkpoint_gives_one_whole_line_with_the_fix(tmp_path):
@@ -327,7 +327,7 @@ def test_truncated_checkpoint_gives_one_whole_line_with_the_fix(tmp_path):
     truncated.write_bytes(whole.read_bytes()[:whole.stat().st_size // 2])
     message = one_line_error(tmp_path, f"--ckpt={truncated}").strip()
     # the file, torch's cause cut to its first sentence, then the fix
-    assert carries(message, str(truncated), "truncated", "RuntimeError", "--ckpt"), message
+    assert carries(message, str(truncated), "truncated", "RuntimeError"), message
 
 
 def test_transformer_baseline_decodes_once_per_token_and_refuses_auto():

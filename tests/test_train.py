@@ -476,7 +476,7 @@ def test_no_fineweb_shards_name_the_download_and_the_cpu_run(tmp_path, monkeypat
     """Bare `python train.py` (the paper's 140M on FineWeb-Edu) on a machine without the shards."""
     status, _, err = run_train(monkeypatch, capsys)
     assert status == 2 and len(err.strip().splitlines()) == 1, err
-    assert "python data.py download" in err and "bash runs/cpu.sh" in err
+    assert "python dataset.py download" in err and "bash runs/cpu.sh" in err
 
 
 def test_resume_without_a_checkpoint_ends_in_one_line_before_any_work(tmp_path, monkeypatch, capsys):

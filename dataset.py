@@ -1,0 +1,351 @@
+"""
+dataset.py: the text and its tokenizer, everything before the loader of data.py (METHOD.md §2): the FineWeb-Edu
+download, the three kinds of source read in chunks, and each source's tokenizer, trained once and cached.
+
+    python dataset.py download -n 8                     # FineWeb-Edu: 7 train shards + the last shard (validation)
+    python dataset.py tokenizer --data=fineweb-edu      # train the 32,768-token BPE on ~2B characters, cache it
+
+A data source (`--data`) is one of
+    fineweb-edu   the 100b-shuffle parquet shards nanochat uses, under $NANOPARCAE_BASE_DIR/fineweb-edu;
+                  the highest-numbered shard on disk is the validation split
+    stdlib        this interpreter's standard-library .py files, a document per top-level or method block
+    PATH or GLOB  your own .txt (one document per blank-line-separated paragraph), .jsonl (field "text")
+                  or .parquet (column "text") files, or a folder holding them
+For stdlib and your own files, a fixed ~5% of documents (chosen by a hash of their text) is validation.
+
+Everything is cached under $NANOPARCAE_BASE_DIR (default ~/.cache/nanoparcae). The library functions raise
+FileNotFoundError, ValueError or OSError; only the command line turns them into one line and an exit status.
+"""
+
+import argparse
+import glob
+import hashlib
+import itertools
+import json
+import os
+import re
+import sys
+import sysconfig
+import threading
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import NamedTuple
+
+import pyarrow.parquet as pq
+
+from common import get_base_dir
+from download import download_file
+from tokenizer import Tokenizer
+
+FINEWEB_URL = "https://huggingface.co/datasets/karpathy/fineweb-edu-100b-shuffle/resolve/main"
+FINEWEB_LAST_SHARD = 1822  # METHOD.md §5: shards 0..1822
+VAL_EVERY = 20  # stdlib and user files: a document is validation iff crc32(text) % 20 == 0 (~5%)
+FILES_PER_CHUNK = 64  # text files are read (and shared across ranks) in groups of this many
+
+
+def fineweb_dir():
+    path = get_base_dir() / "fineweb-edu"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+# -----------------------------------------------------------------------------
+# FineWeb-Edu shards: a download, a parquet check, then the final name
+
+def shard_name(index):
+    return f"shard_{index:05d}.parquet"
+
+
+def download_shard(index, base_url=FINEWEB_URL, max_attempts=5, retry_delay=1.0):
+    path = fineweb_dir() / shard_name(index)
+    if path.exists():  # only complete, checked shards ever get the final name
+        print(f"Skipping {path.name} (already there)")
+        return path
+    url = f"{base_url.rstrip('/')}/{path.name}"
+    unchecked = path.with_name(path.name + ".tmp")  # the parquet check comes before the final name
+    try:
+        download_file(url, unchecked, max_attempts, retry_delay)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"{e}: check --base_url and that the shard index is in 0..{FINEWEB_LAST_SHARD}") \
+            from None
+    except OSError as e:
+        raise OSError(f"{e}; check the network or --base_url") from None
+    try:
+        columns = pq.read_metadata(unchecked).schema.names
+    except Exception as e:
+        unchecked.unlink()
+        raise ValueError(f"{url} is not a valid parquet file ({e}); deleted it, check --base_url and download again") \
+            from None
+    if "text" not in columns:
+        unchecked.unlink()
+        raise ValueError(f"{url} has no 'text' column (columns: {columns}); deleted it, check --base_url")
+    unchecked.rename(path)
+    print(f"Downloaded {path.name}")
+    return path
+
+
+def download_shards(indices, base_url=FINEWEB_URL, num_workers=4, max_attempts=5, retry_delay=1.0):
+    print(f"Downloading {len(indices)} shards from {base_url} to {fineweb_dir()} with {num_workers} workers")
+    with ThreadPoolExecutor(num_workers) as pool:
+        return list(pool.map(lambda i: download_shard(i, base_url, max_attempts, retry_delay), indices))
+
+# -----------------------------------------------------------------------------
+# Data sources: a split is a list of chunks (a parquet row group, or a group of text files), each a list of documents
+
+class Chunk(NamedTuple):
+    paths: tuple  # the files read together
+    row_group: int  # parquet row group, -1 for text files
+    keep: str | None  # keep only documents of this split by the hash rule ("train"/"val"), None: keep all
+    quiet: bool = False  # bytes that are not UTF-8 are expected (the standard library's test files in other encodings)
+
+
+def is_val_document(text):
+    return zlib.crc32(text.encode("utf-8", "ignore")) % VAL_EVERY == 0
+
+
+def stdlib_files():
+    root = sysconfig.get_paths()["stdlib"]
+    return sorted(path for path in glob.glob(os.path.join(root, "**", "*.py"), recursive=True)
+                  if "site-packages" not in path and "dist-packages" not in path)
+
+
+def user_files(pattern):
+    path = Path(pattern).expanduser()
+    found = glob.glob(str(path / "**" / "*"), recursive=True) if path.is_dir() else glob.glob(str(path), recursive=True)
+    files = sorted(f for f in found if Path(f).suffix in (".txt", ".jsonl", ".parquet", ".py") and Path(f).is_file())
+    if not files:
+        raise FileNotFoundError(f"no .txt, .jsonl or .parquet files match '{pattern}': pass --data=stdlib, "
+                                f"--data=fineweb-edu, or a path, folder or glob of your own files")
+    return files
+
+
+def parquet_chunks(path, keep):
+    metadata = pq.read_metadata(path)
+    if "text" not in metadata.schema.names:
+        raise ValueError(f"{path} has no 'text' column (columns: {metadata.schema.names}); rename the column to 'text'")
+    return [Chunk((path,), rg, keep) for rg in range(metadata.num_row_groups)]
+
+
+def files_chunks(paths, keep, quiet=False):
+    """Parquet files by row group, other files FILES_PER_CHUNK at a time."""
+    texts = [p for p in paths if not p.endswith(".parquet")]
+    chunks = [Chunk(tuple(texts[i:i + FILES_PER_CHUNK]), -1, keep, quiet)
+              for i in range(0, len(texts), FILES_PER_CHUNK)]
+    return chunks + [c for p in paths if p.endswith(".parquet") for c in parquet_chunks(p, keep)]
+
+
+def list_chunks(source, split):
+    if split not in ("train", "val"):
+        raise ValueError(f"split must be 'train' or 'val', got '{split}'")
+    if source == "fineweb-edu":
+        shards = sorted(str(p) for p in fineweb_dir().glob("shard_*.parquet"))
+        if len(shards) < 2:
+            raise FileNotFoundError(f"found {len(shards)} FineWeb-Edu shards in {fineweb_dir()}, need at least 2 (the "
+                                    f"last is validation): run `python dataset.py download -n 8`")
+        # METHOD.md §5: the last shard is validation
+        return [c for p in (shards[:-1] if split == "train" else shards[-1:]) for c in parquet_chunks(p, None)]
+    if source == "stdlib":
+        return files_chunks(stdlib_files(), split, quiet=True)
+    return files_chunks(user_files(source), split)
+
+
+def read_text_file(path, reported=None):
+    """The documents of a text file. Bytes that are not UTF-8 are left out, with a warning once per file: reported
+    is the set of files already named (a ChunkReader's), which the warning adds to; None warns of none (the
+    standard library's few files in other encodings are expected)."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        text = raw.decode("utf-8", errors="ignore")
+        if reported is not None and path not in reported:
+            reported.add(path)
+            print(f"warning: {path}: {len(raw) - len(text.encode('utf-8')):,} bytes that are not UTF-8 (the first at "
+                  f"byte {err.start}) are left out; convert the file to UTF-8 to keep them", file=sys.stderr)
+    if path.endswith(".txt"):
+        return re.split(r"\n\s*\n", text)
+    if path.endswith(".jsonl"):
+        try:
+            return [json.loads(line)["text"] for line in text.splitlines() if line.strip()]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}: every line must be a JSON object with a 'text' field ({e!r})") from None
+    # .py: one document per block of a module or class body (a blank line, then a line indented by at most 4
+    # spaces): whole stdlib files (median ~2k tokens) would lose most of their tokens to cropping at 256-token rows
+    return re.split(r"\n\s*\n(?=(?: {4})?\S)", text)
+
+
+def read_units(chunk, reported):
+    """The chunk's documents, grouped by what goes to one split together: a .py file's blocks share names
+    and imports, so the whole file is train or val; any other document goes by its own hash. reported:
+    read_text_file's."""
+    if chunk.row_group >= 0:
+        table = pq.ParquetFile(chunk.paths[0]).read_row_group(chunk.row_group, columns=["text"])
+        return [[doc] for doc in table.column("text").to_pylist()]
+    units = []
+    for path in chunk.paths:
+        docs = read_text_file(path, None if chunk.quiet else reported)
+        units += [docs] if path.endswith(".py") else [[doc] for doc in docs]
+    return units
+
+
+def read_chunk(chunk, reported):
+    docs = []
+    for unit in read_units(chunk, reported):
+        if chunk.keep is None or is_val_document("".join(unit)) == (chunk.keep == "val"):
+            docs += [doc for doc in unit if doc and not doc.isspace()]
+    return docs
+
+
+class ChunkReader:
+    """Reads chunks for the loaders that share it, each chunk once for all of them. train.py builds one per
+    process and gives each micro-batch of a step its own loader (a virtual rank); every one of them takes its
+    own share of every chunk, so without a shared reader a process would read and decode each chunk once per
+    micro-batch. A chunk is kept until all of its `sharers` loaders have taken it, then dropped; what a loader
+    yields does not change. At most max_kept chunks are kept (the oldest go first, to be read again if asked
+    for): loaders drift apart a little, and after a resume a loader already past a chunk never takes it. A file
+    with bytes that are not UTF-8 is named once per reader (read_text_file)."""
+
+    def __init__(self, max_kept=64):
+        self.kept, self.lock = {}, threading.Lock()  # (chunk, epoch) -> [documents, loaders still to take it]
+        self.max_kept = max_kept
+        self.reads = self.chars_read = 0  # chunks read from disk and their characters
+        self.reported = set()  # the files already named for bytes that are not UTF-8
+
+    def read(self, chunk):
+        """The chunk's documents, read now and not kept."""
+        return read_chunk(chunk, self.reported)
+
+    def documents(self, chunk, epoch, sharers):
+        """The chunk's documents, shared by `sharers` loaders that each take it once (a shared list: copy before
+        changing it)."""
+        with self.lock:  # the loaders' prefetch threads ask at once; the first one reads
+            key = (chunk, epoch)
+            if key not in self.kept:
+                docs = self.read(chunk)
+                self.kept[key] = [docs, sharers]
+                if len(self.kept) > self.max_kept:
+                    del self.kept[next(iter(self.kept))]
+                self.reads += 1
+                self.chars_read += sum(map(len, docs))
+            entry = self.kept[key]
+            entry[1] -= 1
+            if entry[1] <= 0:
+                del self.kept[key]
+            return entry[0]
+
+
+def iter_documents(source, split, reader=None):
+    """Every document of a split, in a fixed order (what the tokenizer trains on), read by `reader` (a ChunkReader;
+    None: one of its own)."""
+    reader = reader or ChunkReader()
+    for chunk in list_chunks(source, split):
+        yield from reader.read(chunk)
+
+
+def no_documents(source, split, rank=0, world_size=1):
+    """The error for a split, or a rank's share of it, with no documents, naming the cause: no text at all, too
+    few documents for both splits, or fewer documents than ranks."""
+    counts = {name: sum(1 for _ in iter_documents(source, name)) for name in ("train", "val")}
+    if not any(counts.values()):
+        return ValueError(f"{source} holds no text (empty or blank files): put documents in it, a blank "
+                          f"line between two in a .txt file")
+    if not counts[split]:
+        return ValueError(f"the {split} split of {source} has no documents: a document goes to "
+                          f"validation by a hash of its text (about 1 in {VAL_EVERY}) and {source} holds only "
+                          f"{sum(counts.values())}; split the text into more documents (a blank line between two "
+                          f"in a .txt file) or pass several files")
+    return ValueError(f"rank {rank} of {world_size} has no documents in the {split} split of "
+                      f"{source} ({counts[split]} in all): use more data or fewer ranks")
+
+
+# -----------------------------------------------------------------------------
+# The tokenizer of a data source: trained on its train split on first use, then cached
+
+def tokenizer_key(source, vocab_size):
+    """What identifies a source's tokenizer and corpus, whatever the base folder: the name of its cache folder."""
+    if source == "fineweb-edu":
+        name = source
+    elif source == "stdlib":  # another Python version has another standard library; where it lives does not count
+        name = f"stdlib-py{sys.version_info.major}{sys.version_info.minor}"
+    else:  # the files' sizes and modification times are in the key: a changed corpus trains a new tokenizer
+        files = [(str(Path(p).resolve()), os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in user_files(source)]
+        name = "files-" + hashlib.sha1(json.dumps(files).encode()).hexdigest()[:10]
+    return f"{name}-{vocab_size}"
+
+
+def tokenizer_dir(source, vocab_size):
+    return get_base_dir() / "tokenizers" / tokenizer_key(source, vocab_size)
+
+
+def get_tokenizer(source, vocab_size, max_chars=2_000_000_000, doc_cap=10_000):
+    """The cached tokenizer for this source and vocab size, trained on the source's train split on first use."""
+    directory = tokenizer_dir(source, vocab_size)
+    if not (directory / "token_bytes.txt").exists():
+        documents = iter_documents(source, "train")
+        if (first := next(documents, None)) is None:  # a missing or empty source fails here, before the announcement
+            raise no_documents(source, "train")
+        print(f"Training a {vocab_size}-token tokenizer on {source} (train split, <= {max_chars:,} chars) ...")
+        t0 = time.time()
+        tokenizer = Tokenizer.train(itertools.chain([first], documents), vocab_size, max_chars, doc_cap)
+        # save under a private name and rename, so a crash or a concurrent rank never sees half a tokenizer
+        scratch = directory.with_name(f"{directory.name}.{os.getpid()}.tmp")
+        tokenizer.save(scratch)
+        try:
+            scratch.rename(directory)
+        except OSError:  # another process finished first: keep its copy
+            for path in scratch.iterdir():
+                path.unlink()
+            scratch.rmdir()
+        print(f"Trained in {time.time() - t0:.1f}s, saved to {directory}")
+    return Tokenizer.load(directory)
+
+
+# -----------------------------------------------------------------------------
+# Command line
+
+def check_flags(args):
+    """Counts and sizes below 1, and -n beyond the shards there are, are refused before any work."""
+    if args.command == "download" and not 2 <= args.num_shards <= FINEWEB_LAST_SHARD + 1:
+        raise ValueError(f"-n={args.num_shards} must be in 2..{FINEWEB_LAST_SHARD + 1} (at least one train shard and "
+                         f"the validation shard)")
+    for flag in ("workers", "vocab_size", "max_chars", "doc_cap"):
+        if getattr(args, flag, 1) < 1:
+            raise ValueError(f"--{flag}={getattr(args, flag)} must be 1 or more")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
+    commands = parser.add_subparsers(dest="command", required=True)
+    p = commands.add_parser("download", allow_abbrev=False,
+                            help=f"FineWeb-Edu shards: N-1 for training, shard {FINEWEB_LAST_SHARD} for val")
+    p.add_argument("-n", "--num_shards", type=int, default=8, help="shards in all, validation included (default 8)")
+    p.add_argument("-w", "--workers", type=int, default=4, help="parallel downloads (default 4)")
+    p.add_argument("--base_url", default=FINEWEB_URL, help="where the shard_XXXXX.parquet files live")
+    p = commands.add_parser("tokenizer", allow_abbrev=False,
+                            help="train (once) and cache the tokenizer of a data source")
+    p.add_argument("--data", default="fineweb-edu", help="fineweb-edu, stdlib, or a path/folder/glob of your files")
+    p.add_argument("--vocab_size", type=int, default=32768, help="special tokens included (default 32768)")
+    p.add_argument("--max_chars", type=int, default=2_000_000_000, help="characters to train on (default 2B)")
+    p.add_argument("--doc_cap", type=int, default=10_000, help="characters kept per document (default 10k)")
+    args = parser.parse_args(argv)
+    check_flags(args)
+    print(f"Base directory: {get_base_dir()}")
+
+    if args.command == "download":
+        download_shards(list(range(args.num_shards - 1)) + [FINEWEB_LAST_SHARD], args.base_url, args.workers)
+    else:
+        tokenizer = get_tokenizer(args.data, args.vocab_size, args.max_chars, args.doc_cap)
+        texts = list(itertools.islice(iter_documents(args.data, "val"), 1000))
+        num_tokens = sum(map(len, tokenizer.encode(texts)))
+        num_bytes = sum(len(text.encode("utf-8")) for text in texts)
+        print(f"Validation: {num_bytes / num_tokens:.2f} bytes per token over {len(texts)} documents")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (OSError, ValueError) as err:  # bad flags or data, a failed download, a base folder that cannot be written
+        sys.exit(f"dataset.py: {err}")
