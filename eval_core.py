@@ -70,30 +70,30 @@ def forward_batches(rows, batch_tokens, one_per_forward):
 
 
 @torch.no_grad()
-@torch.compiler.set_stance("force_eager")
 def score_rows(model, rows, T, h0_table, batch_tokens=1024, one_per_forward=False):
     """-> (mean cross-entropy over each row's span, whether greedy argmax reproduces the span), per row.
     Eager even when the model's blocks are compiled (train.py): each forward has its own width and number of rows,
     so compiled blocks would build a graph for nearly every one (model.compile_blocks)."""
-    device = h0_table.device
-    losses, exact = [0.0] * len(rows), [False] * len(rows)
-    for batch in forward_batches(rows, batch_tokens, one_per_forward):
-        width = max(len(rows[i].tokens) for i in batch)
-        ids = torch.zeros(len(batch), width, dtype=torch.long)  # pad id 0: causal attention never looks right
-        for j, i in enumerate(batch):
-            ids[j, :len(rows[i].tokens)] = torch.tensor(rows[i].tokens)
-        ids = ids.to(device)
-        with bf16_autocast(device):
-            logits = model(ids, T=T, h0=h0_table[:, :width].expand(len(batch), -1, -1))
-        batch_losses, batch_exact = [], []
-        for j, i in enumerate(batch):
-            row = rows[i]
-            predicted, targets = logits[j, row.start - 1:row.end - 1], ids[j, row.start:row.end]
-            batch_losses.append(F.cross_entropy(predicted, targets))
-            batch_exact.append((predicted.argmax(-1) == targets).all())
-        for i, loss, hit in zip(batch, torch.stack(batch_losses).tolist(), torch.stack(batch_exact).tolist()):
-            losses[i], exact[i] = loss, hit
-    return losses, exact
+    with torch.compiler.set_stance("force_eager"):  # a decorator would import dynamo with this module
+        device = h0_table.device
+        losses, exact = [0.0] * len(rows), [False] * len(rows)
+        for batch in forward_batches(rows, batch_tokens, one_per_forward):
+            width = max(len(rows[i].tokens) for i in batch)
+            ids = torch.zeros(len(batch), width, dtype=torch.long)  # pad id 0: causal attention never looks right
+            for j, i in enumerate(batch):
+                ids[j, :len(rows[i].tokens)] = torch.tensor(rows[i].tokens)
+            ids = ids.to(device)
+            with bf16_autocast(device):
+                logits = model(ids, T=T, h0=h0_table[:, :width].expand(len(batch), -1, -1))
+            batch_losses, batch_exact = [], []
+            for j, i in enumerate(batch):
+                row = rows[i]
+                predicted, targets = logits[j, row.start - 1:row.end - 1], ids[j, row.start:row.end]
+                batch_losses.append(F.cross_entropy(predicted, targets))
+                batch_exact.append((predicted.argmax(-1) == targets).all())
+            for i, loss, hit in zip(batch, torch.stack(batch_losses).tolist(), torch.stack(batch_exact).tolist()):
+                losses[i], exact[i] = loss, hit
+        return losses, exact
 
 
 # -----------------------------------------------------------------------------
