@@ -18,8 +18,8 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from core_tasks import Row
-from eval_core import evaluate_bpb, initial_state_table, score_rows
-from model import Parcae, ParcaeConfig
+from eval_core import evaluate_bpb, score_rows
+from model import Parcae, ParcaeConfig, evaluation_initial_state
 
 # d_model 256: a block holds 3 MB of weights, past the 1 MB of DDP's first bucket, so dynamo's DDP optimizer, left
 # on, would split every block compiled inside DDP's forward
@@ -85,7 +85,7 @@ def count_graphs(rank, world, port, out_dir):
             evaluate_bpb(raw, tokenizer, batches, T)
         graphs["evals"] = counters["stats"]["unique_graphs"], len(compiled)
         rows = [Row(list(range(1, n + 1)), 1, n, i) for i, n in enumerate([17, 17, 17, 23, 9, 5, 5])]
-        score_rows(raw, rows, raw.config.mu_rec, initial_state_table(raw, seq_len, 0, "cpu"), batch_tokens=60)
+        score_rows(raw, rows, raw.config.mu_rec, evaluation_initial_state(raw.config.d_model, seq_len, 0, "cpu"), batch_tokens=60)
     graphs["core"] = counters["stats"]["unique_graphs"], len(compiled)
     Path(out_dir, f"{world}_{rank}.json").write_text(json.dumps({"graphs": graphs, "limit_hits": limit_hits.lines}))
     if world > 1:
