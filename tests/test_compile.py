@@ -85,7 +85,8 @@ def count_graphs(rank, world, port, out_dir):
             evaluate_bpb(raw, tokenizer, batches, T)
         graphs["evals"] = counters["stats"]["unique_graphs"], len(compiled)
         rows = [Row(list(range(1, n + 1)), 1, n, i) for i, n in enumerate([17, 17, 17, 23, 9, 5, 5])]
-        score_rows(raw, rows, raw.config.mu_rec, evaluation_initial_state(raw.config.d_model, seq_len, 0, "cpu"), batch_tokens=60)
+        h0_table = evaluation_initial_state(raw.config.d_model, seq_len, 0, "cpu")
+        score_rows(raw, rows, raw.config.mu_rec, h0_table, batch_tokens=60)
     graphs["core"] = counters["stats"]["unique_graphs"], len(compiled)
     Path(out_dir, f"{world}_{rank}.json").write_text(json.dumps({"graphs": graphs, "limit_hits": limit_hits.lines}))
     if world > 1:
