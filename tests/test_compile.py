@@ -97,8 +97,11 @@ def count_graphs(rank, world, port, out_dir):
 def counts(tmp_path_factory):
     """{(world, rank): what count_graphs wrote} for one plain process and two DDP processes."""
     out = tmp_path_factory.mktemp("compile")
-    for world in (1, 2):
-        mp.spawn(count_graphs, args=(world, free_port(), str(out)), nprocs=world, join=True)
+    # the plain process and the DDP pair share nothing: they run side by side, each process one thread
+    jobs = [mp.spawn(count_graphs, args=(world, free_port(), str(out)), nprocs=world, join=False) for world in (1, 2)]
+    for job in jobs:
+        while not job.join():
+            pass
     return {(world, rank): json.loads((out / f"{world}_{rank}.json").read_text())
             for world in (1, 2) for rank in range(world)}
 

@@ -11,6 +11,7 @@ import re
 import runpy
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -106,7 +107,16 @@ def test_every_flag_is_run_defining_or_free_and_an_unclassified_one_fails(monkey
         runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
 
 
-def test_a_resume_keeps_the_recorded_batch_and_records_every_run_flag(corpus, monkeypatch, capsys):
+@pytest.fixture(scope="module")
+def concat(corpus):
+    """The future of a 4-step concat run (its finished subprocess), started when the first test that takes this
+    starts: it trains on a thread of its own beside that test's runs (each process is one thread, the suite has two
+    cores)."""
+    with ThreadPoolExecutor(1) as pool:
+        yield pool.submit(train, corpus, "--injection=concat", "--max_tokens=1024", "--eval_every=2", "--run=concat")
+
+
+def test_a_resume_keeps_the_recorded_batch_and_records_every_run_flag(corpus, concat, monkeypatch, capsys):
     """Started at --device_batch_size=2, continued without the flag: the CPU's own choice would be 8."""
     train(corpus, "--device_batch_size=2", "--max_tokens=512", "--stop_at=1", "--run=kept")
     command = [flag for flag in train_command(corpus, "--max_tokens=512", "--run=kept")
@@ -120,8 +130,8 @@ def test_a_resume_keeps_the_recorded_batch_and_records_every_run_flag(corpus, mo
     assert list(checkpoint["run"]) == flags["RUN_FLAGS"]
 
 
-def test_concat_rho_is_logged_every_rho_every_steps_and_is_the_weights_radius(corpus):
-    train(corpus, "--injection=concat", "--max_tokens=1024", "--eval_every=2", "--run=concat")  # 4 steps
+def test_concat_rho_is_logged_every_rho_every_steps_and_is_the_weights_radius(corpus, concat):
+    concat.result()  # 4 steps
     run_dir = corpus / "base" / "runs" / "concat"
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rho = {entry["step"]: entry["rho"] for entry in steps if "loss" in entry}

@@ -17,6 +17,7 @@ import subprocess
 import threading
 import time
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 
@@ -58,6 +59,15 @@ def alone(corpus):
     return corpus / "base" / "runs" / "alone"
 
 
+@pytest.fixture(scope="module")
+def drift(corpus):
+    """The future of the drifting two-process run (its finished subprocess), started when the first test that takes
+    this starts: it runs on a thread of its own while that test's first command waits at its first step."""
+    with ThreadPoolExecutor(1) as pool:
+        yield pool.submit(train, corpus, "--run=drift", "--save_every=4", nproc=2, fault="drift_step=1",
+                          expect_ok=False)
+
+
 def test_two_nodes_that_would_start_from_different_checkpoints_both_refuse(corpus, alone, tmp_path):
     """Two one-process "nodes" through a c10d rendezvous, each with its own base folder, only the first holding
     the run's last checkpoint (checkpoints kept on one node): each ends in one line naming both starts, within
@@ -87,7 +97,7 @@ def test_two_nodes_that_would_start_from_different_checkpoints_both_refuse(corpu
     assert list(bases[1].iterdir()) == []
 
 
-def test_a_second_command_on_a_live_run_is_refused_and_the_run_ends_as_it_would_alone(corpus, alone):
+def test_a_second_command_on_a_live_run_is_refused_and_the_run_ends_as_it_would_alone(corpus, alone, drift):
     """The first command pauses at its first step, holding the run's lock; the same command meanwhile ends in one
     line naming the holder's process and host. Released, the first run ends with the weights and losses of the
     same run trained alone, and its lock is free again."""
@@ -132,10 +142,10 @@ def test_a_filesystem_without_locks_warns_and_the_run_goes_on(tmp_path, monkeypa
                                       f"stops a second command on run unlocked while this one trains\n"
 
 
-def test_replicas_that_drift_apart_stop_the_run_at_the_checkpoint(corpus):
+def test_replicas_that_drift_apart_stop_the_run_at_the_checkpoint(corpus, drift):
     """Two processes; after the second step's clip, rank 1 nudges its first weight tensor: at the step-4
     checkpoint the run stops with one line naming rank 1 and the tensor, and nothing is saved."""
-    result = train(corpus, "--run=drift", "--save_every=4", nproc=2, fault="drift_step=1", expect_ok=False)
+    result = drift.result()
     lines = errors(result.stderr)
     assert result.returncode != 0 and len(lines) == 1, result.stderr[-3000:]
     assert lines[0].startswith("error: at step 4 the ranks' weights have drifted apart: on rank 1, 1 of ")

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -306,18 +307,23 @@ def one_line_error(base, *args):
 
 
 def test_missing_or_corrupt_checkpoint_gives_one_clear_line(tmp_path, checkpoint):
-    runs = tmp_path / "runs"
-    assert carries(one_line_error(tmp_path), str(runs), "python train.py")  # where it looked, what makes one
-    (runs / "tiny").mkdir(parents=True)
-    assert carries(one_line_error(tmp_path, f"--ckpt={runs}"), str(runs))
+    """Each case under a base folder of its own, so that the five commands run two at a time (one thread each)."""
+    fresh, early, runs = tmp_path / "fresh", tmp_path / "early", tmp_path / "runs"
+    fresh.mkdir()
+    (early / "runs" / "tiny").mkdir(parents=True)  # a run folder with no checkpoint yet
     save_checkpoint(runs / "tiny" / "ckpt_000005.pt", tiny_model(), tokenizer_dir=str(tmp_path / "gone"))
-    assert carries(one_line_error(tmp_path, f"--ckpt={runs / 'tiny'}"), str(runs / "tiny" / "ckpt_000005.pt"),
-                   "tiny")  # the folder's newest checkpoint, and its run
     (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
-    assert carries(one_line_error(tmp_path, f"--ckpt={tmp_path / 'bad.pt'}"), str(tmp_path / "bad.pt"), "truncated")
     no_tokenizer = tmp_path / "no_tokenizer.pt"
     save_checkpoint(no_tokenizer, tiny_model(), tokenizer_dir=str(tmp_path / "gone"))
-    assert carries(one_line_error(tmp_path, f"--ckpt={no_tokenizer}"), str(no_tokenizer), "python dataset.py tokenizer")
+    cases = [(fresh, []), (early, [f"--ckpt={early / 'runs'}"]), (tmp_path, [f"--ckpt={runs / 'tiny'}"]),
+             (tmp_path, [f"--ckpt={tmp_path / 'bad.pt'}"]), (tmp_path, [f"--ckpt={no_tokenizer}"])]
+    with ThreadPoolExecutor(2) as pool:
+        nothing, empty, gone, bad, lacking = pool.map(lambda case: one_line_error(case[0], *case[1]), cases)
+    assert carries(nothing, str(fresh / "runs"), "python train.py")  # where it looked, what makes one
+    assert carries(empty, str(early / "runs"))
+    assert carries(gone, str(runs / "tiny" / "ckpt_000005.pt"), "tiny")  # the folder's newest checkpoint, and its run
+    assert carries(bad, str(tmp_path / "bad.pt"), "truncated")
+    assert carries(lacking, str(no_tokenizer), "python dataset.py tokenizer")
 
 
 def test_truncated_checkpoint_gives_one_whole_line_with_the_fix(tmp_path):
