@@ -292,7 +292,31 @@ def test_a_state_past_the_bound_for_k_steps_is_declared_diverged(corpus, beside)
     assert not any((corpus / "base" / "runs" / "exploded").glob("ckpt_*.pt"))
 
 
-def test_a_run_that_never_learned_is_not_stopped_by_its_val_loss_and_another_rate_is_another_run(corpus, beside):
+def eval_core(corpus, *flags):
+    """eval_core.py with these flags on the module's base folder -> the finished subprocess, status 0 asserted."""
+    result = subprocess.run([sys.executable, str(ROOT / "eval_core.py"), *flags], capture_output=True, text=True,
+                            env=train_env(corpus), timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def evals(corpus, one, beside):
+    """The futures of the last tests' eval_core.py commands (README's L(T) on run one, per-document ppl on run
+    per_batch), started when the first test that takes this starts: one at a time on a thread of their own, beside
+    that test's commands."""
+    def per_document_ppl():
+        beside["per_batch"].result()
+        return eval_core(corpus, "--eval=ppl", "--T=1,3", "--max_docs=20", "--run=per_batch")
+
+    with ThreadPoolExecutor(1) as pool:  # TINY's eval_tokens and device batch
+        yield {"bpb": pool.submit(eval_core, corpus, "--eval", "bpb", "--T", "1,2,4,8", "--val_tokens", "256",
+                                  "--batch_size", "4", "--run=one"),
+               "ppl": pool.submit(per_document_ppl)}
+
+
+def test_a_run_that_never_learned_is_not_stopped_by_its_val_loss_and_another_rate_is_another_run(corpus, beside,
+                                                                                                 evals):
     """At a rate of 3 every eval is far above ln 320, from the first (step 2): the run never learned, so it has
     nothing to have lost and trains to its end. The same --run at the recipe's rates is refused, naming both."""
     result = beside["hot"].result()
@@ -385,16 +409,13 @@ def test_initial_weights_are_not_stopped_by_their_val_loss_for_any_injection_or_
     assert scores["none", 256, 320] > 1, scores
 
 
-def test_eval_core_bpb_gives_train_pys_last_eval(corpus, one):
+def test_eval_core_bpb_gives_train_pys_last_eval(corpus, one, evals):
     """README's L(T) command on a run's checkpoint, with train.py's eval tokens and device batch: its losses at the
     depths train.py evaluates are the last `eval |` line's, in the JSON it writes beside the checkpoint."""
     run_dir = corpus / "base" / "runs" / "one"
     records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
     last_eval = [r for r in records if "val_loss_T1" in r][-1]
-    result = subprocess.run([sys.executable, str(ROOT / "eval_core.py"), "--eval", "bpb", "--T", "1,2,4,8",
-                             "--val_tokens", "256", "--batch_size", "4", "--run=one"],  # TINY's eval_tokens, batch
-                            capture_output=True, text=True, env=train_env(corpus), timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    evals["bpb"].result()  # status 0 asserted
     out = json.loads((run_dir / "ckpt_000008_bpb_T1-2-4-8.json").read_text())
     assert out["T"] == [1, 2, 3, 4, 8]  # mu_rec 3 added: the fit's L_inf is held against the loss there
     trained = {T: loss for T, loss in zip(out["T"], out["loss"]) if f"val_loss_T{T}" in last_eval}
@@ -402,11 +423,9 @@ def test_eval_core_bpb_gives_train_pys_last_eval(corpus, one):
     assert trained == pytest.approx({T: last_eval[f"val_loss_T{T}"] for T in trained}, rel=1e-6)
 
 
-def test_authors_per_batch_sampling_trains_and_per_document_ppl_runs(corpus, beside):
+def test_authors_per_batch_sampling_trains_and_per_document_ppl_runs(corpus, beside, evals):
     beside["per_batch"].result()
-    result = subprocess.run([sys.executable, str(ROOT / "eval_core.py"), "--eval=ppl", "--T=1,3", "--max_docs=20",
-                             "--run=per_batch"], capture_output=True, text=True, env=train_env(corpus), timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = evals["ppl"].result()  # status 0 asserted
     out = json.loads(next((corpus / "base" / "runs" / "per_batch").glob("*_ppl_T1-3.json")).read_text())
     assert out["T"] == [1, 3] and all(1 < ppl < 320 for ppl in out["ppl"])  # better than uniform over the vocab
     assert "one per forward" in result.stdout and "ppl" in result.stdout
