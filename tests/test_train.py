@@ -133,10 +133,9 @@ def logged_steps(run_dir):
 
 def test_the_same_command_after_a_kill_continues_from_the_checkpoint_and_a_finished_run_stays_done(corpus):
     """Killed from outside once it has logged steps past a checkpoint, the run refuses another --seed (its files
-    untouched; a copy of its folder, so that the refusal runs beside the continuation), and the same command again
-    continues from that checkpoint: it is kept until the next save, each step is logged once and in order, and the
-    steps done twice have the losses the killed run logged, bit for bit. The same command once more says the run is
-    done and changes nothing; another --mu_rec is refused, not "done"."""
+    untouched), and the same command again continues from that checkpoint: it is kept until the next save, each step
+    is logged once and in order, and the steps done twice have the losses the killed run logged, bit for bit. The
+    same command once more says the run is done and changes nothing; another --mu_rec is refused, not "done"."""
     flags, run_dir = ["--max_tokens=10240", "--save_every=5"], corpus / "base" / "runs" / "rerun"  # 40 steps
     killed = subprocess.Popen(train_command(corpus, "--run=rerun", *flags), env=train_env(corpus),
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -151,28 +150,20 @@ def test_the_same_command_after_a_kill_continues_from_the_checkpoint_and_a_finis
     kept, before = max(run_dir.glob("ckpt_*.pt")), step_losses(corpus, "rerun")
     at = int(kept.stem[5:])
     assert 0 < at < max(before) < 40
-    copy = corpus / "killed"  # the killed run's folder as it was left, for the refusal beside the continuation
-    for part in ("tokenizers", "runs/rerun"):
-        shutil.copytree(corpus / "base" / part, copy / part)
-    files = untouched(copy / "runs" / "rerun")
-    assert files == untouched(run_dir)
-    with ThreadPoolExecutor(1) as pool:  # the refusal reads the copy, the continuation the run: one thread each
-        refusal = pool.submit(train, corpus, "--run=rerun", *flags, "--seed=1", expect_ok=False, base=copy)
-        again = train(corpus, "--run=rerun", *flags)
-    message = refused(refusal.result())
+    files = untouched(run_dir)
+    message = refused(train(corpus, "--run=rerun", *flags, "--seed=1", expect_ok=False))
     assert carries(message, "seed", "0", "1") and carries(message, "--run"), message
-    assert untouched(copy / "runs" / "rerun") == files
+    assert untouched(run_dir) == files
+    again = train(corpus, "--run=rerun", *flags)
     assert carries(again.stdout, "resumed", "rerun", str(at), str(kept), "--run"), again.stdout
     assert re.findall(r"saved .*ckpt_(\d+)\.pt", again.stdout)[0] == f"{at + 5:06d}"  # not step 5 of a restart
     assert logged_steps(run_dir) == list(range(1, 41))
     after = step_losses(corpus, "rerun")
     assert {step: after[step] for step in before} == before  # steps at..max(before) done again, the same
     files = untouched(run_dir)
-    with ThreadPoolExecutor(1) as pool:  # two commands that only read the finished run: one thread each
-        other = pool.submit(train, corpus, "--run=rerun", *flags, "--mu_rec=8", expect_ok=False)
-        done = train(corpus, "--run=rerun", *flags)
+    done = train(corpus, "--run=rerun", *flags)
     assert carries(done.stdout, "rerun", "done", str(run_dir / "ckpt_000040.pt"), "40"), done.stdout
-    message = refused(other.result())
+    message = refused(train(corpus, "--run=rerun", *flags, "--mu_rec=8", expect_ok=False))
     assert carries(message, "mu_rec", "3", "8", "mu_bwd", "2", "4"), message
     assert untouched(run_dir) == files
 
