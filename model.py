@@ -692,7 +692,13 @@ class Parcae(nn.Module):
         one process runs per optimiser step, so that gradient accumulation keeps the batch whole) whose
         memory_plan fits in 90% of it; None when not even one sequence does."""
         most = self.memory_plan(1, bf16, optimizer_bytes, (gpu_gb,))["largest_batch"][gpu_gb]
-        return max((size for size in range(1, min(most, sequences) + 1) if sequences % size == 0), default=None)
+        return largest_divisor(sequences, most)
+
+
+def largest_divisor(sequences, at_most):
+    """The largest device batch of at most at_most sequences that divides `sequences`, each process's share of an
+    optimiser step (gradient accumulation keeps the batch whole); None when at_most < 1."""
+    return max((size for size in range(1, min(at_most, sequences) + 1) if sequences % size == 0), default=None)
 
 
 def still_looping(n, k, step):

@@ -37,7 +37,7 @@ from depths import SAMPLINGS
 from eval_core import evaluate_bpb, evaluate_core
 from guards import (agree_to_start, being_trained, checkpoint_digest, drift, lock_for_every_rank, run_holder,
                     shared_eval_bundle, stop)
-from model import Parcae, ParcaeConfig
+from model import Parcae, ParcaeConfig, largest_divisor
 from optim import (build_optimizer, learning_rate_for_depth, lr_multiplier, muon_momentum, optimizer_state_bytes,
                    weight_decay_at)
 
@@ -235,7 +235,7 @@ else:  # no GPU memory to plan for: the plans for the two GPUs the paper's runs 
     gpus = (80, 141)
     how = "up to 32 (no GPU; a GPU would get " + ", ".join(
         f"{meta_model.largest_fitting_batch(sequences, gb, bf16, optimizer_bytes)} in {gb} GB" for gb in gpus) + ")"
-    fitting = max(size for size in range(1, min(32, sequences) + 1) if sequences % size == 0)
+    fitting = largest_divisor(sequences, 32)
 args.device_batch_size = given_batch or fitting
 plan = meta_model.memory_plan(args.device_batch_size, bf16, optimizer_bytes, gpus)
 if device.type == "cuda" or args.dry_run:
