@@ -1,14 +1,18 @@
 """What the tests share: every test gets its own empty base directory (no test reads or writes
 ~/.cache/nanoparcae); TINY, the flags of a train.py run that takes seconds on a CPU; the tiny corpus it trains on;
-train.py run as users run it, in a subprocess; and what a message must carry (its flags, values and paths, not its
-sentence)."""
+train.py run as users run it, in a subprocess; what a message must carry (its flags, values and paths, not its
+sentence); a run folder's files, to show a command left them as they were; and a local HTTP server over a folder."""
 
+import functools
+import http.server
 import os
 import random
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -84,3 +88,30 @@ def carries(message, *words):
             return False
         position = found.end()
     return True
+
+
+def untouched(run_dir):
+    """{file name: (bytes, mtime)} of a run folder, to show that a refused command wrote nothing there."""
+    return {path.name: (path.read_bytes(), path.stat().st_mtime_ns) for path in sorted(run_dir.iterdir())}
+
+
+@pytest.fixture
+def server(tmp_path):
+    """A local HTTP server over tmp_path/www (root), at url, with the path of every GET it answered (requests)."""
+    root = tmp_path / "www"
+    root.mkdir()
+    requests_seen = []
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def do_GET(self):
+            requests_seen.append(self.path)
+            super().do_GET()
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Handler, directory=str(root)))
+    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    yield SimpleNamespace(root=root, url=f"http://127.0.0.1:{httpd.server_address[1]}", requests=requests_seen)
+    httpd.shutdown()
+    httpd.server_close()

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from conftest import ROOT, TINY, train, train_command, train_env
+from conftest import ROOT, TINY, carries, train, train_command, train_env
 from model import Parcae, ParcaeConfig
 from optim import optimizer_state_bytes
 
@@ -77,7 +77,7 @@ def test_a_faked_80gb_gpu_gets_a_plan_within_it_and_a_size_over_it_is_refused(gp
     status, out, err, _ = run_train(monkeypatch, capsys, "--depth=24", "--mu_rec=8", "--device=cuda", "--dry_run",
                                     "--device_batch_size=32")
     assert status == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
-    assert err.startswith("error: --device_batch_size=32 ") and "the largest device batch that fits is 4" in err
+    assert carries(err, "--device_batch_size=32", "318.8 GB", "80.0 GB", "4"), err  # the size, its plan, the fit
     assert "memory per GPU" not in out  # refused before any plan or work
 
 

@@ -3,15 +3,12 @@ whose preferences are known (all three task types), centered accuracy, the LM pr
 = one item per forward, one rank = two ranks, bits per byte, and the test-time scaling fit."""
 
 import csv
-import functools
-import http.server
 import io
 import json
 import math
 import os
 import socket
 import sys
-import threading
 import zipfile
 from pathlib import Path
 from types import SimpleNamespace
@@ -129,24 +126,6 @@ def bundle_zip_bytes(extra_members=()):
         for name, text in extra_members:
             archive.writestr(name, text)
     return buffer.getvalue()
-
-
-@pytest.fixture
-def server(tmp_path):
-    """A local HTTP server over tmp_path/www, counting the requests it answers."""
-    root = tmp_path / "www"
-    root.mkdir()
-    requests_seen = []
-
-    class Handler(http.server.SimpleHTTPRequestHandler):
-        def log_message(self, *args):
-            requests_seen.append(self.path)
-
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Handler, directory=str(root)))
-    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-    yield SimpleNamespace(root=root, url=f"http://127.0.0.1:{httpd.server_address[1]}", requests=requests_seen)
-    httpd.shutdown()
-    httpd.server_close()
 
 
 @pytest.fixture

@@ -5,8 +5,6 @@ weights drift apart stop the run at the checkpoint; CORE's eval bundle is on eve
 The runs are train.py in subprocesses, as users run it; faults come from tests/faulty_train.py."""
 
 import errno
-import functools
-import http.server
 import io
 import json
 import os
@@ -14,7 +12,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import threading
 import time
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import guards
-from conftest import refused, train, train_command, train_env
+from conftest import carries, refused, train, train_command, train_env, untouched
 from guards import lock_run, run_holder, shared_eval_bundle
 
 
@@ -35,11 +32,6 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def untouched(run_dir):
-    """{file name: (bytes, mtime)} of a run folder, to show that a refused command wrote nothing there."""
-    return {path.name: (path.read_bytes(), path.stat().st_mtime_ns) for path in sorted(run_dir.iterdir())}
 
 
 def step_losses(run_dir):
@@ -89,10 +81,10 @@ def test_two_nodes_that_would_start_from_different_checkpoints_both_refuse(corpu
             node.kill()
     for node, (stdout, stderr) in zip(nodes, outputs):
         assert node.returncode != 0 and len(errors(stderr)) == 1, stderr[-3000:]
-        line = errors(stderr)[0]
-        assert "the ranks would start run alone from different checkpoints: " in line, line
-        assert "step 8 (weights " in line and "step 0 (no checkpoint) on rank " in line, line
-        assert "copy the run folder to each node" in line and "step 1/" not in stdout
+        line = errors(stderr)[0]  # the run, each start with its ranks, and the fix's variable
+        starts = [carries(line, "step 8", "rank"), carries(line, "step 0", "no checkpoint", "rank")]
+        assert carries(line, "alone") and all(starts) and carries(line, "$NANOPARCAE_BASE_DIR"), line
+        assert "step 1/" not in stdout
     assert untouched(run_dir) == before
     assert list(bases[1].iterdir()) == []
 
@@ -111,8 +103,7 @@ def test_a_second_command_on_a_live_run_is_refused_and_the_run_ends_as_it_would_
             time.sleep(0.05)
         assert run_holder(run_dir) == holder, first.communicate()[1][-3000:]
         message = refused(train(corpus, "--run=live", expect_ok=False))
-        assert f"error: run live is being trained by {holder}, which holds {run_dir / 'lock'}; wait for it to end, " \
-               f"or pass --run=NAME to train another" in message
+        assert carries(message, "live", holder, str(run_dir / "lock"), "--run=NAME"), message
         assert run_holder(run_dir) == holder
         first.send_signal(signal.SIGUSR1)
         _, stderr = first.communicate(timeout=120)
@@ -148,8 +139,7 @@ def test_replicas_that_drift_apart_stop_the_run_at_the_checkpoint(corpus, drift)
     result = drift.result()
     lines = errors(result.stderr)
     assert result.returncode != 0 and len(lines) == 1, result.stderr[-3000:]
-    assert lines[0].startswith("error: at step 4 the ranks' weights have drifted apart: on rank 1, 1 of ")
-    assert "tensors differ from rank 0's (wte.weight); nothing saved" in lines[0], lines[0]
+    assert carries(lines[0], "step 4", "rank 1", "1 of", "rank 0", "wte.weight"), lines[0]  # where, what differs
     run_dir = corpus / "base" / "runs" / "drift"
     assert list(step_losses(run_dir)) == [1, 2, 3, 4] and not any(run_dir.glob("ckpt_*.pt"))
 
@@ -179,30 +169,11 @@ def bundle_worker(rank, port, root, url):
     dist.destroy_process_group()
 
 
-def test_the_eval_bundle_is_on_every_rank_or_core_is_skipped_on_every_rank(tmp_path):
-    (tmp_path / "www").mkdir()
-    (tmp_path / "www" / "eval_bundle.zip").write_bytes(bundle_zip())
-    requests = []
-
-    class Handler(http.server.SimpleHTTPRequestHandler):
-        def do_GET(self):
-            requests.append(self.path)
-            super().do_GET()
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0),
-                                             functools.partial(Handler, directory=str(tmp_path / "www")))
-    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+def test_the_eval_bundle_is_on_every_rank_or_core_is_skipped_on_every_rank(tmp_path, server):
+    (server.root / "eval_bundle.zip").write_bytes(bundle_zip())
     (tmp_path / "node0" / "eval_bundle").mkdir(parents=True)
     (tmp_path / "node0" / "eval_bundle" / "eval_meta_data.csv").write_text("Eval Task,Random baseline\n")
-    try:
-        mp.spawn(bundle_worker, args=(free_port(), str(tmp_path), f"http://127.0.0.1:{server.server_address[1]}"),
-                 nprocs=2, join=True)
-    finally:
-        server.shutdown()
-        server.server_close()
+    mp.spawn(bundle_worker, args=(free_port(), str(tmp_path), server.url), nprocs=2, join=True)
     results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     (lacking0, *_), (lacking1, *_) = results  # node 0 has the bundle, node 1 cannot fetch it: neither runs CORE
     assert lacking0 == [None, "a node has no eval bundle (its local rank 0 could not fetch it), so no rank runs CORE"]
@@ -211,4 +182,4 @@ def test_the_eval_bundle_is_on_every_rank_or_core_is_skipped_on_every_rank(tmp_p
     for rank, (_, fetched, shared) in enumerate(results):
         assert fetched == [str(tmp_path / f"node{rank}" / "eval_bundle"), None]
         assert shared == [str(tmp_path / "shared" / "eval_bundle"), None]
-    assert requests == ["/missing.zip", "/eval_bundle.zip", "/eval_bundle.zip"]  # the shared folder fetched once
+    assert server.requests == ["/missing.zip", "/eval_bundle.zip", "/eval_bundle.zip"]  # the shared folder fetched once

@@ -20,7 +20,7 @@ import torch
 
 import sample
 from common import Divergence
-from conftest import ROOT, TINY, carries, refused, train, train_command, train_env
+from conftest import ROOT, TINY, carries, refused, train, train_command, train_env, untouched
 from model import Parcae, ParcaeConfig
 
 # a concat run that barely moves its initial weights: it never learns
@@ -85,11 +85,6 @@ def final_weights(corpus, run):
 def step_losses(corpus, run, base=None):
     lines = ((base or corpus / "base") / "runs" / run / "metrics.jsonl").read_text().splitlines()
     return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
-
-
-def untouched(run_dir):
-    """{file name: (bytes, mtime)} of a run folder, to show that a refused command wrote nothing there."""
-    return {path.name: (path.read_bytes(), path.stat().st_mtime_ns) for path in sorted(run_dir.iterdir())}
 
 
 def test_resumed_run_gives_exactly_the_losses_of_an_uninterrupted_run(corpus, one, first_two):
