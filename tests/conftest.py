@@ -1,16 +1,22 @@
 """What the tests share: every test gets its own empty base directory (no test reads or writes
 ~/.cache/nanoparcae); TINY, the flags of a train.py run that takes seconds on a CPU; the tiny corpus it trains on;
-train.py run as users run it, in a subprocess; what a message must carry (its flags, values and paths, not its
+train.py run as users run it, in a process of its own (forked from one that has imported torch already: `python`);
+what a message must carry (its flags, values and paths, not its
 sentence); a run folder's files, to show a command left them as they were; and a local HTTP server over a folder."""
 
 import functools
 import http.server
+import multiprocessing.forkserver
 import os
 import random
 import re
+import runpy
+import signal
 import subprocess
 import sys
+import tempfile
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -46,12 +52,11 @@ def corpus(tmp_path_factory):
 
 
 def train_command(corpus, *flags, nproc=1, torchrun=None, fault=None):
-    """Plain python for one process without torchrun flags; torchrun otherwise (standalone unless `torchrun`
-    gives the launcher's rendezvous flags, as the two-node test does for one process per node). fault: run
-    tests/faulty_train.py with that fault in place of train.py."""
-    launcher = [sys.executable] if nproc == 1 and torchrun is None else \
-        [sys.executable, "-m", "torch.distributed.run", *(torchrun or ["--standalone"]), f"--nproc_per_node={nproc}",
-         "--"]
+    """python's arguments: train.py for one process without torchrun flags; torchrun otherwise (standalone unless
+    `torchrun` gives the launcher's rendezvous flags, as the two-node test does for one process per node). fault:
+    run tests/faulty_train.py with that fault in place of train.py."""
+    launcher = [] if nproc == 1 and torchrun is None else \
+        ["-m", "torch.distributed.run", *(torchrun or ["--standalone"]), f"--nproc_per_node={nproc}", "--"]
     script = [str(ROOT / "tests" / "faulty_train.py"), fault] if fault else [str(ROOT / "train.py")]
     return launcher + script + [f"--data={corpus / 'corpus.txt'}", *TINY, *flags]
 
@@ -60,11 +65,113 @@ def train_env(corpus, base=None, **extra):
     return {**os.environ, "NANOPARCAE_BASE_DIR": str(base or corpus / "base"), "OMP_NUM_THREADS": "1", **extra}
 
 
+# A process that has imported these and run nothing: each command a test starts is a fork of it (`Started`), so it
+# starts in a tenth of a second instead of the ~4 s that importing torch and dynamo takes on 2 cores.
+PRELOADED = ["torch", "torch._dynamo", "torch.distributed", "numpy", "tiktoken"]
+FORKS = multiprocessing.get_context("forkserver")
+FORKS.set_forkserver_preload(PRELOADED)
+
+
+def _run_as_main(args, env, cwd, out_path, err_path):
+    """In the forked process: what `python *args` does, with env, in cwd, its output to these files."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    for fd, path in ((1, out_path), (2, err_path)):
+        os.dup2(os.open(path, os.O_WRONLY), fd)
+    module = args[0] == "-m"
+    sys.argv = [args[1], *args[2:]] if module else list(args)
+    sys.path[:] = [cwd if module else os.path.dirname(os.path.abspath(args[0]))] + \
+        [path for path in sys.path if path and Path(path).resolve() not in (ROOT, ROOT / "tests")]
+    if module:
+        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+    else:
+        runpy.run_path(args[0], run_name="__main__")
+
+
+def fresh_interpreter(env):
+    """Whether env changes how torch imports (threads, TORCH_* switches): then the fork server's import won't do."""
+    server_env = start_fork_server()
+    return any(env.get(key) != server_env.get(key) for key in {*env, *server_env}
+               if key == "OMP_NUM_THREADS" or key.startswith(("TORCH", "PYTORCH")))
+
+
+class Started:
+    """`python *args` (a script and its flags, or -m and a module) started in cwd as a process of its own, read as
+    a subprocess.Popen is: pid, poll(), send_signal(), kill(), communicate() -> (stdout, stderr), returncode. One
+    thread (OMP_NUM_THREADS=1) unless env says otherwise: the suite runs its commands side by side. The process is
+    a fork of one that imported PRELOADED with one thread, or a fresh interpreter where env needs one."""
+
+    def __init__(self, args, env=None, cwd=ROOT):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+        self.args, self.returncode, self.folder = args, None, tempfile.TemporaryDirectory()
+        self.out, self.err = Path(self.folder.name, "stdout"), Path(self.folder.name, "stderr")
+        self.out.touch()
+        self.err.touch()
+        if fresh_interpreter(env):
+            with self.out.open("w") as out, self.err.open("w") as err:
+                self.process = subprocess.Popen([sys.executable, *args], stdout=out, stderr=err, env=env, cwd=cwd)
+        else:
+            self.process = FORKS.Process(target=_run_as_main, args=(args, env, str(cwd), str(self.out), str(self.err)))
+            self.process.start()
+        self.pid = self.process.pid
+
+    def poll(self):
+        if isinstance(self.process, subprocess.Popen):
+            self.returncode = self.process.poll()
+        else:
+            self.returncode = self.process.exitcode
+        return self.returncode
+
+    def send_signal(self, signal_number):
+        if self.poll() is None:
+            os.kill(self.pid, signal_number)
+
+    def kill(self):
+        self.send_signal(signal.SIGKILL)
+
+    def communicate(self, timeout=300):
+        deadline = time.time() + timeout
+        while self.poll() is None:
+            if time.time() > deadline:
+                self.kill()
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.02)
+        return self.out.read_text(), self.err.read_text()
+
+
+def python(args, env=None, cwd=ROOT, timeout=300):
+    """`python *args` run to its end (Started) -> its returncode, stdout and stderr, as subprocess.run gives them."""
+    started = Started(args, env, cwd)
+    stdout, stderr = started.communicate(timeout)
+    return subprocess.CompletedProcess(args, started.returncode, stdout, stderr)
+
+
+@functools.cache
+def start_fork_server():
+    """Starts the process `Started` forks from, with OMP_NUM_THREADS=1 before torch reads it -> its environment."""
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    multiprocessing.forkserver.ensure_running()
+    server_env = dict(os.environ)
+    if saved is None:
+        del os.environ["OMP_NUM_THREADS"]
+    else:
+        os.environ["OMP_NUM_THREADS"] = saved
+    return server_env
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fork_server():
+    """The fork server imports torch while the first tests run."""
+    start_fork_server()
+
+
 def train(corpus, *flags, nproc=1, torchrun=None, env=None, expect_ok=True, fault=None, base=None):
-    """train.py on the tiny corpus with TINY and `flags` -> the finished subprocess (status 0 asserted unless
+    """train.py on the tiny corpus with TINY and `flags` -> the finished process (status 0 asserted unless
     expect_ok=False)."""
-    result = subprocess.run(train_command(corpus, *flags, nproc=nproc, torchrun=torchrun, fault=fault),
-                            capture_output=True, text=True, env=train_env(corpus, base, **(env or {})), timeout=300)
+    result = python(train_command(corpus, *flags, nproc=nproc, torchrun=torchrun, fault=fault),
+                    train_env(corpus, base, **(env or {})))
     if expect_ok:
         assert result.returncode == 0, result.stderr[-3000:]
     return result

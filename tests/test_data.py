@@ -11,7 +11,6 @@ import os
 import random
 import re
 import runpy
-import subprocess
 import sys
 import sysconfig
 import tempfile
@@ -26,6 +25,7 @@ import pytest
 import tiktoken.load
 import torch
 
+from conftest import python
 import data
 import dataset
 from download import download_file
@@ -533,8 +533,7 @@ def test_val_batches_are_bounded_and_repeatable(tokenizer, corpus):
 
 
 def test_cli_help_explains_the_steps():
-    result = subprocess.run([sys.executable, str(REPO / "dataset.py"), "--help"], capture_output=True, text=True,
-                            cwd=REPO)
+    result = python(["dataset.py", "--help"])
     assert result.returncode == 0
     assert "python dataset.py download -n 8" in result.stdout and "stdlib" in result.stdout
 

@@ -9,14 +9,13 @@ import argparse
 import json
 import re
 import runpy
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from conftest import ROOT, TINY, carries, train, train_command, train_env
+from conftest import ROOT, TINY, carries, python, train, train_command, train_env
 from model import Parcae, ParcaeConfig
 from optim import optimizer_state_bytes
 
@@ -121,7 +120,7 @@ def test_a_resume_keeps_the_recorded_batch_and_records_every_run_flag(corpus, co
     train(corpus, "--device_batch_size=2", "--max_tokens=512", "--stop_at=1", "--run=kept")
     command = [flag for flag in train_command(corpus, "--max_tokens=512", "--run=kept")
                if not flag.startswith("--device_batch_size")]
-    result = subprocess.run(command, capture_output=True, text=True, env=train_env(corpus), timeout=300)
+    result = python(command, train_env(corpus))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "device batch: 2, as run kept recorded" in result.stdout and "4 micro-batch(es) x 2 x 32" in result.stdout
     checkpoint = torch.load(next((corpus / "base" / "runs" / "kept").glob("ckpt_*.pt")), weights_only=True)

@@ -12,8 +12,6 @@ import itertools
 import json
 import math
 import re
-import subprocess
-import sys
 import threading
 import warnings
 from pathlib import Path
@@ -22,7 +20,7 @@ import pytest
 import regex
 import torch
 
-from conftest import carries
+from conftest import carries, python
 from interop import hub
 from tokenizer import SPLIT_PATTERN
 from model import Parcae, ParcaeConfig, apply_rotary, initial_state
@@ -395,8 +393,7 @@ def test_a_vocabulary_larger_than_the_tokenizer_is_never_sampled(tmp_path, capsy
                   "--temperature", "0"])
     out = capsys.readouterr().out
     assert out.startswith("the world and") and len(out) > len("the world and\n")
-    result = subprocess.run([sys.executable, "-m", "interop.hub", str(folder)], capture_output=True, text=True,
-                            timeout=120, cwd=ROOT)
+    result = python(["-m", "interop.hub", str(folder)])
     assert result.returncode == 0 and "next token after" in result.stdout, result.stderr
 
 
@@ -561,7 +558,6 @@ def test_export_refuses_what_their_loader_would_compute_differently(tmp_path):
         with pytest.raises(ValueError, match=re.escape(field)) as err:
             hub.authors_config(config)
         assert "\n" not in str(err.value) and "skip those" in str(err.value)
-    result = subprocess.run([sys.executable, "-m", "interop.hub", "export", str(tmp_path / "none.pt"),
-                             str(tmp_path / "out")], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    result = python(["-m", "interop.hub", "export", str(tmp_path / "none.pt"), str(tmp_path / "out")])
     assert result.returncode != 0 and result.stderr.strip().count("\n") == 0
     assert "none.pt does not exist" in result.stderr

@@ -2,14 +2,12 @@
 after the base folder has moved; and the ways a checkpoint or its tokenizer can be wrong, each in one line."""
 
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from common import load_run
-from conftest import ROOT, train, train_env
+from conftest import Started, train, train_env
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +29,7 @@ def test_every_command_that_loads_a_run_works_after_the_base_folder_moved(corpus
         "bench": ["-m", "experiments.bench", "--ckpt", str(ckpt), "--rows", "5", "--repeats", "1", "--new_tokens", "4"],
     }
     env = train_env(corpus, base=moved)
-    running = {name: subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE) for name, args in commands.items()}
+    running = {name: Started(args, env) for name, args in commands.items()}
     out = {}
     for name, process in running.items():
         out[name], err = process.communicate(timeout=300)

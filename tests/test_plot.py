@@ -5,13 +5,11 @@ L(T) from eval_core.py --eval bpb's JSON."""
 import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import carries
+from conftest import carries, python
 from experiments import plot
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,9 +55,8 @@ def test_cli_reads_a_run_by_name_and_a_run_that_stopped_mid_line(tmp_path, runs)
     assert [r["step"] for r in plot.read_run(cut)["steps"]] == [1, 2]
     out = tmp_path / "figs" / "out.png"
     env = {**os.environ, "NANOPARCAE_BASE_DIR": str(tmp_path / "base")}
-    result = subprocess.run([sys.executable, "-m", "experiments.plot", "stable", str(runs[1]), str(cut),
-                             "--metrics=loss,h_norm,rho", "-o", str(out), "--table"],
-                            capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
+    result = python(["-m", "experiments.plot", "stable", str(runs[1]), str(cut), "--metrics=loss,h_norm,rho", "-o",
+                     str(out), "--table"], env)
     assert result.returncode == 0, result.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not list(out.parent.glob("*.tmp.png"))
     assert "| exploded | nan |" in result.stdout and "| cut | 5.000 | - |" in result.stdout
@@ -71,8 +68,7 @@ def test_cli_reads_a_run_by_name_and_a_run_that_stopped_mid_line(tmp_path, runs)
 ])
 def test_a_missing_run_or_metric_ends_in_one_line(tmp_path, runs, args, named):
     env = {**os.environ, "NANOPARCAE_BASE_DIR": str(tmp_path / "base")}
-    result = subprocess.run([sys.executable, "-m", "experiments.plot", *args, "-o", str(tmp_path / "x.png")],
-                            capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
+    result = python(["-m", "experiments.plot", *args, "-o", str(tmp_path / "x.png")], env)
     assert result.returncode != 0 and carries(result.stderr, *named), result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert not (tmp_path / "x.png").exists()

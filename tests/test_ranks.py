@@ -11,7 +11,6 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
 import time
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import guards
-from conftest import carries, refused, train, train_command, train_env, untouched
+from conftest import Started, carries, refused, train, train_command, train_env, untouched
 from guards import lock_run, run_holder, shared_eval_bundle
 
 
@@ -71,8 +70,7 @@ def test_two_nodes_that_would_start_from_different_checkpoints_both_refuse(corpu
     run_dir = bases[0] / "runs" / "alone"
     before = untouched(run_dir)
     torchrun = ["--nnodes=2", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", "--rdzv_id=split"]
-    nodes = [subprocess.Popen(train_command(corpus, "--run=alone", nproc=1, torchrun=torchrun),
-                              env=train_env(corpus, base), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    nodes = [Started(train_command(corpus, "--run=alone", nproc=1, torchrun=torchrun), train_env(corpus, base))
              for base in bases]
     try:
         outputs = [node.communicate(timeout=120) for node in nodes]
@@ -94,8 +92,7 @@ def test_a_second_command_on_a_live_run_is_refused_and_the_run_ends_as_it_would_
     line naming the holder's process and host. Released, the first run ends with the weights and losses of the
     same run trained alone, and its lock is free again."""
     run_dir = corpus / "base" / "runs" / "live"
-    first = subprocess.Popen(train_command(corpus, "--run=live", fault="pause_step=0"), env=train_env(corpus),
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = Started(train_command(corpus, "--run=live", fault="pause_step=0"), train_env(corpus))
     try:
         holder = f"process {first.pid} on host {socket.gethostname()}"
         deadline = time.time() + 120

@@ -26,14 +26,13 @@ which prints fresh numbers and writes them to tests/recorded_run.json; then chec
 
 import json
 import os
-import subprocess
-import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
-from conftest import ROOT, TINY, write_corpus
+from conftest import ROOT, TINY, python, write_corpus
 
 RECORD = Path(__file__).resolve().parent / "recorded_run.json"
 # each run sets its horizon; concat's rho at every step (--rho_every=1), as every other injection's
@@ -52,14 +51,14 @@ def run_numbers(root):
     """Train every run of RUNS under root -> {injection: {"steps": [...], "val": {...}, "weights": [...]}}."""
     write_corpus(root / "corpus.txt")
     numbers, runs = {}, {}
-    for injection, steps in RUNS.items():  # all at once: each is one thread, and each trains its own tokenizer copy
-        cmd = [sys.executable, str(ROOT / "train.py"), f"--data={root / 'corpus.txt'}", *FLAGS,
-               f"--injection={injection}", f"--max_tokens={256 * steps}", f"--run={injection}"]
-        env = {**os.environ, "NANOPARCAE_BASE_DIR": str(root / "base" / injection), "OMP_NUM_THREADS": "1"}
-        runs[injection] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-    for injection, process in runs.items():
-        _, stderr = process.communicate(timeout=600)
-        assert process.returncode == 0, stderr[-3000:]
+    with ThreadPoolExecutor(len(RUNS)) as pool:  # all at once: each is one thread and trains its own tokenizer copy
+        for injection, steps in RUNS.items():
+            flags = [f"--data={root / 'corpus.txt'}", *FLAGS, f"--injection={injection}",
+                     f"--max_tokens={256 * steps}", f"--run={injection}"]
+            runs[injection] = pool.submit(python, [str(ROOT / "train.py"), *flags],
+                                          {"NANOPARCAE_BASE_DIR": str(root / "base" / injection)}, timeout=600)
+    for injection, run in runs.items():
+        assert run.result().returncode == 0, run.result().stderr[-3000:]
         run_dir = root / "base" / injection / "runs" / injection
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         numbers[injection] = {

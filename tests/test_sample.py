@@ -6,7 +6,6 @@ import io
 import math
 import os
 import re
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,7 +15,7 @@ import torch
 
 import sample
 from common import save_checkpoint
-from conftest import carries
+from conftest import carries, python
 from experiments import decoding
 from engine import KVCache, decode_step, generate, relative_change, sample_next, teacher_forced
 from model import Parcae, ParcaeConfig, Slot, initial_state
@@ -299,8 +298,7 @@ def test_parse_depth():
 
 def one_line_error(base, *args):
     env = {**os.environ, "NANOPARCAE_BASE_DIR": str(base)}
-    result = subprocess.run([sys.executable, str(ROOT / "sample.py"), "--prompt=hi", *args], env=env,
-                            capture_output=True, text=True, timeout=120)
+    result = python(["sample.py", "--prompt=hi", *args], env)
     assert result.returncode != 0
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     return result.stderr

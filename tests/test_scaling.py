@@ -7,7 +7,6 @@ import functools
 import json
 import math
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from conftest import TINY, carries  # noqa: E402
+from conftest import TINY, Started, carries, python  # noqa: E402
 from experiments import scaling, scaling_fit  # noqa: E402
 
 # -----------------------------------------------------------------------------
@@ -131,7 +130,7 @@ def test_plan_tokens_times_flops_per_token_give_back_the_budget(capsys, tmp_path
     assert len(commands) == 8 and all(c.startswith("torchrun ") and " train.py " in c for c in commands)
     for row, command in zip(rows, commands):
         C, mu, seed, fpt, tokens, steps, _, hours = (float(cell.replace(",", "")) for cell in row.strip("|").split("|"))
-        assert seed == 0 and f"--seed=0" in command  # --seeds defaults to 1
+        assert seed == 0 and "--seed=0" in command  # --seeds defaults to 1
         assert f"--mu_rec={int(mu)} " in command and f"--target_flops={C:g}" in command
         params, exact_fpt, executed = scaling.model_size(dict(depth=6, model=scaling.PAPER_MODEL), int(mu))
         assert abs(fpt - exact_fpt) / exact_fpt < 1e-4  # printed to 5 significant digits
@@ -266,10 +265,10 @@ def test_killed_sweep_resumes_without_retraining_finished_points(toy, monkeypatc
     first, second = scaling.points(small)
     assert first["steps"] >= 3 and second["steps"] >= 3
     # the sweep was killed inside its second point: the first finished, the second left a checkpoint at step 2
-    cmd = [sys.executable, "train.py"] + scaling.train_flags(small, second) + ["--stop_at=2"]
-    with subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) as killed:
-        scaling.run(dict(small, mu_rec=[1]), gpus=0)  # beside it: each is one thread
-        assert killed.wait(timeout=300) == 0, killed.stderr.read()[-3000:]
+    killed = Started(["train.py"] + scaling.train_flags(small, second) + ["--stop_at=2"])
+    scaling.run(dict(small, mu_rec=[1]), gpus=0)  # beside it: each is one thread
+    _, stderr = killed.communicate()
+    assert killed.returncode == 0, stderr[-3000:]
     finished_ckpt = next(scaling.run_dir(first).glob("ckpt_*.pt"))
     mtime = finished_ckpt.stat().st_mtime_ns
     capsys.readouterr()
@@ -350,8 +349,7 @@ def test_fit_notes_missing_and_diverged_runs_measures_the_seed_spread_and_draws_
 
 
 def test_bad_flags_end_in_one_line():
-    result = subprocess.run([sys.executable, "-m", "experiments.scaling", "fit", "--mu_rec=1,x"], cwd=ROOT,
-                            capture_output=True, text=True)
+    result = python(["-m", "experiments.scaling", "fit", "--mu_rec=1,x"])
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1 and "--mu_rec" in result.stderr
 
 

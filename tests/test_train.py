@@ -10,7 +10,6 @@ import re
 import runpy
 import shutil
 import socket
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +19,7 @@ import torch
 
 import sample
 from common import Divergence
-from conftest import ROOT, TINY, carries, refused, train, train_command, train_env, untouched
+from conftest import ROOT, TINY, Started, carries, python, refused, train, train_command, train_env, untouched
 from model import Parcae, ParcaeConfig
 
 # a concat run that barely moves its initial weights: it never learns
@@ -132,15 +131,14 @@ def test_the_same_command_after_a_kill_continues_from_the_checkpoint_and_a_finis
     is logged once and in order, and the steps done twice have the losses the killed run logged, bit for bit. The
     same command once more says the run is done and changes nothing; another --mu_rec is refused, not "done"."""
     flags, run_dir = ["--max_tokens=10240", "--save_every=5"], corpus / "base" / "runs" / "rerun"  # 40 steps
-    killed = subprocess.Popen(train_command(corpus, "--run=rerun", *flags), env=train_env(corpus),
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    killed = Started(train_command(corpus, "--run=rerun", *flags), train_env(corpus))
     deadline = time.time() + 300
     while killed.poll() is None and time.time() < deadline:
         saved = [int(path.stem[5:]) for path in run_dir.glob("ckpt_*.pt")]
         if saved and max(logged_steps(run_dir), default=0) > max(saved):
             killed.kill()
         time.sleep(0.01)
-    killed.wait()
+    killed.communicate()
     assert killed.returncode == -9, "the run ended before it could be killed past a checkpoint"
     kept, before = max(run_dir.glob("ckpt_*.pt")), step_losses(corpus, "rerun")
     at = int(kept.stem[5:])
@@ -199,8 +197,8 @@ def test_two_nodes_give_the_losses_and_weights_of_one_process(corpus, one):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     torchrun = ["--nnodes=2", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=test"]
-    nodes = [subprocess.Popen(train_command(corpus, "--run=nodes", nproc=1, torchrun=torchrun), env=train_env(corpus),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    nodes = [Started(train_command(corpus, "--run=nodes", nproc=1, torchrun=torchrun), train_env(corpus))
+             for _ in range(2)]
     outputs = [node.communicate(timeout=300) for node in nodes]
     for node, (_, stderr) in zip(nodes, outputs):
         assert node.returncode == 0, stderr[-3000:]
@@ -280,8 +278,7 @@ def test_a_state_past_the_bound_for_k_steps_is_declared_diverged(corpus, beside)
 
 def eval_core(corpus, *flags):
     """eval_core.py with these flags on the module's base folder -> the finished subprocess, status 0 asserted."""
-    result = subprocess.run([sys.executable, str(ROOT / "eval_core.py"), *flags], capture_output=True, text=True,
-                            env=train_env(corpus), timeout=300)
+    result = python(["eval_core.py", *flags], train_env(corpus))
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 
