@@ -1,8 +1,8 @@
 """What the tests share: every test gets its own empty base directory (no test reads or writes
 ~/.cache/nanoparcae); TINY, the flags of a train.py run that takes seconds on a CPU; the tiny corpus it trains on;
-train.py run as users run it, in a process of its own (forked from one that has imported torch already: `python`);
-what a message must carry (its flags, values and paths, not its
-sentence); a run folder's files, to show a command left them as they were; and a local HTTP server over a folder."""
+a command run as users run it, in a process of its own, forked from one that has imported torch already (Started,
+python, train); what a message must carry (its flags, values and paths, not its sentence); a run folder's files,
+to show a command left them as they were; and a local HTTP server over a folder."""
 
 import functools
 import http.server

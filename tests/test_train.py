@@ -1,4 +1,5 @@
-"""Tests for train.py, run as users run it (subprocesses): exact resume, also from a moved base folder, the same
+"""Tests for train.py, run as users run it (processes of their own, forked as conftest.Started says, and one in a
+fresh interpreter to show that forking changes nothing): exact resume, also from a moved base folder, the same
 command again after a kill, a run's identity (other run-defining flags are refused, nothing written), two processes
 and two "nodes" against one, an elastic restart after a killed rank, the non-finite-gradient skip, the divergence
 rule, README's L(T) command against the run's own last eval; in-process, where no training is needed: one-line
@@ -10,6 +11,7 @@ import re
 import runpy
 import shutil
 import socket
+import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -183,6 +185,20 @@ def test_a_damaged_newest_checkpoint_is_named_and_left_as_it_is(corpus, tmp_path
     message = refused(train(corpus, "--run=damaged", base=tmp_path / "base", expect_ok=False))
     assert carries(message, str(run_dir / "ckpt_000002.pt"), "truncated", "remove", "restore"), message
     assert untouched(run_dir) == files
+
+
+def test_a_command_forked_from_the_suites_torch_is_the_command_in_a_fresh_interpreter(corpus, one):
+    """The suite starts its commands as forks of a process that imported torch already (conftest.Started): the same
+    command in a fresh interpreter logs the same records and ends with the same weights, bit for bit."""
+    fresh = subprocess.run([sys.executable, *train_command(corpus, "--run=fresh")], capture_output=True, text=True,
+                           env=train_env(corpus), timeout=300)
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    records = {run: [{key: value for key, value in json.loads(line).items() if key != "tokens_per_s"}
+                     for line in (corpus / "base" / "runs" / run / "metrics.jsonl").read_text().splitlines()]
+               for run in ("one", "fresh")}
+    assert records["fresh"] == records["one"] and len(records["one"]) == 9  # 8 steps and the final eval
+    reference, weights = final_weights(corpus, "one"), final_weights(corpus, "fresh")
+    assert weights.keys() == reference.keys() and all(torch.equal(weights[name], reference[name]) for name in weights)
 
 
 def test_two_processes_give_the_losses_of_one(one, two):
