@@ -66,7 +66,7 @@ def train_env(corpus, base=None, **extra):
 
 
 # A process that has imported these and run nothing: each command a test starts is a fork of it (`Started`), so it
-# starts in a tenth of a second instead of the ~4 s that importing torch and dynamo takes on 2 cores.
+# skips importing torch and dynamo, most of what a tiny run costs.
 PRELOADED = ["torch", "torch._dynamo", "torch.distributed", "numpy", "tiktoken"]
 FORKS = multiprocessing.get_context("forkserver")
 FORKS.set_forkserver_preload(PRELOADED)
