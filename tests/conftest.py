@@ -147,6 +147,19 @@ def python(args, env=None, cwd=ROOT, timeout=300):
     return subprocess.CompletedProcess(args, started.returncode, stdout, stderr)
 
 
+def forked(module, monkeypatch):
+    """module's subprocess.run, for the `sys.executable ...` commands it runs, forked as Started: its output goes to
+    the stdout file given, stderr after it for stderr=subprocess.STDOUT."""
+    def run(command, stdout=None, stderr=None, cwd=ROOT, env=None):
+        assert command[0] == sys.executable, command
+        result = python(command[1:], env, cwd)
+        if stdout is not None:
+            stdout.write(result.stdout + (result.stderr if stderr == subprocess.STDOUT else ""))
+        return result
+
+    monkeypatch.setattr(module, "subprocess", SimpleNamespace(run=run, STDOUT=subprocess.STDOUT))
+
+
 @functools.cache
 def start_fork_server():
     """Starts the process `Started` forks from, with OMP_NUM_THREADS=1 before torch reads it -> its environment."""

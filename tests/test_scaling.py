@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from conftest import TINY, Started, carries, python  # noqa: E402
+from conftest import TINY, Started, carries, forked, python  # noqa: E402
 from experiments import scaling, scaling_fit  # noqa: E402
 
 # -----------------------------------------------------------------------------
@@ -261,6 +261,7 @@ def in_base(root, monkeypatch):
 def test_killed_sweep_resumes_without_retraining_finished_points(toy, monkeypatch, capsys):
     root, sweep = toy
     in_base(root, monkeypatch)
+    forked(scaling, monkeypatch)
     small = dict(sweep, flops=sweep["flops"][:1], mu_rec=[1, 2])
     first, second = scaling.points(small)
     assert first["steps"] >= 3 and second["steps"] >= 3
