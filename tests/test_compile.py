@@ -97,8 +97,10 @@ def count_graphs(rank, world, port, out_dir):
 def counts(tmp_path_factory):
     """{(world, rank): what count_graphs wrote} for one plain process and two DDP processes."""
     out = tmp_path_factory.mktemp("compile")
-    # the plain process and the DDP pair share nothing: they run side by side, each process one thread
-    jobs = [mp.spawn(count_graphs, args=(world, free_port(), str(out)), nprocs=world, join=False) for world in (1, 2)]
+    # the plain process and the DDP pair share nothing: they run side by side, each process one thread, each forked
+    # from the server conftest started, which has imported torch
+    jobs = [mp.start_processes(count_graphs, args=(world, free_port(), str(out)), nprocs=world, join=False,
+                               start_method="forkserver") for world in (1, 2)]
     for job in jobs:
         while not job.join():
             pass

@@ -304,7 +304,8 @@ def test_one_rank_equals_two_ranks(bundle, tmp_path):
     model = tiny_parcae()
     core = evaluate_core(model, ByteTokenizer(), bundle, T=2, verbose=False)
     loss, bpb = evaluate_bpb(model, ByteTokenizer(), val_batches_for_test(), T=2)
-    mp.spawn(two_rank_worker, args=(free_port(), str(bundle), str(tmp_path)), nprocs=2, join=True)
+    mp.start_processes(two_rank_worker, args=(free_port(), str(bundle), str(tmp_path)), nprocs=2,
+                       start_method="forkserver")  # forked from the server conftest started
     for rank in range(2):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert got["core"] == core["accuracy"]

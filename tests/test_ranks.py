@@ -170,7 +170,8 @@ def test_the_eval_bundle_is_on_every_rank_or_core_is_skipped_on_every_rank(tmp_p
     (server.root / "eval_bundle.zip").write_bytes(bundle_zip())
     (tmp_path / "node0" / "eval_bundle").mkdir(parents=True)
     (tmp_path / "node0" / "eval_bundle" / "eval_meta_data.csv").write_text("Eval Task,Random baseline\n")
-    mp.spawn(bundle_worker, args=(free_port(), str(tmp_path), server.url), nprocs=2, join=True)
+    mp.start_processes(bundle_worker, args=(free_port(), str(tmp_path), server.url), nprocs=2,
+                       start_method="forkserver")  # forked from the server conftest started
     results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     (lacking0, *_), (lacking1, *_) = results  # node 0 has the bundle, node 1 cannot fetch it: neither runs CORE
     assert lacking0 == [None, "a node has no eval bundle (its local rank 0 could not fetch it), so no rank runs CORE"]
