@@ -24,6 +24,7 @@ import os
 import sys
 import time
 from contextlib import nullcontext
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -65,16 +66,14 @@ parser.error = fail  # an unknown flag or a value of the wrong type: one line to
 RUN_FLAGS, FREE_FLAGS, CHECKS = [], [], {}
 
 
-def run_flag(name, check=None, **kwargs):
-    RUN_FLAGS.append(name)
+def declare_flag(kind, name, check=None, **kwargs):
+    """--name added to the parser and to its kind's list (RUN_FLAGS or FREE_FLAGS), with its check."""
+    kind.append(name)
     CHECKS[name] = check
     parser.add_argument(f"--{name}", **kwargs)
 
 
-def free_flag(name, check=None, **kwargs):
-    FREE_FLAGS.append(name)
-    CHECKS[name] = check
-    parser.add_argument(f"--{name}", **kwargs)
+run_flag, free_flag = partial(declare_flag, RUN_FLAGS), partial(declare_flag, FREE_FLAGS)
 
 
 # the model
