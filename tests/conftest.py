@@ -90,10 +90,11 @@ def _run_as_main(args, env, cwd, out_path, err_path):
 
 
 def fresh_interpreter(env):
-    """Whether env changes how torch imports (threads, TORCH_* switches): then the fork server's import won't do."""
+    """Whether env changes how torch imports or picks its kernels (threads, TORCH_* switches, ATEN_CPU_CAPABILITY,
+    MKL_*): then the fork server's import won't do."""
     server_env = start_fork_server()
     return any(env.get(key) != server_env.get(key) for key in {*env, *server_env}
-               if key == "OMP_NUM_THREADS" or key.startswith(("TORCH", "PYTORCH")))
+               if key == "OMP_NUM_THREADS" or key.startswith(("TORCH", "PYTORCH", "ATEN_", "MKL_")))
 
 
 class Started:
