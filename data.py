@@ -23,8 +23,8 @@ import time
 
 import torch
 
-from common import get_base_dir
-from dataset import ChunkReader, get_tokenizer, list_chunks, no_documents
+from nanoparcae.common import get_base_dir
+from nanoparcae.dataset import ChunkReader, get_tokenizer, list_chunks, no_documents
 
 # -----------------------------------------------------------------------------
 # The document stream: one rank's share of a split, epoch after epoch, every document with an id

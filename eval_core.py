@@ -33,11 +33,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from common import get_base_dir, init_distributed, load_run, parse_device, print0, rank_and_world, write_atomically
-from core_tasks import (CORE_LABELS, EVAL_BUNDLE_URL, LM, build_rows, download_eval_bundle, load_task_data,
-                        read_random_baselines, select_tasks)
+from nanoparcae.checkpoint import load_run
+from nanoparcae.common import (get_base_dir, init_distributed, parse_device, print0, rank_and_world,
+                               write_atomically)
+from nanoparcae.core_tasks import (CORE_LABELS, EVAL_BUNDLE_URL, LM, build_rows, download_eval_bundle,
+                                   load_task_data, read_random_baselines, select_tasks)
 from data import val_batches
-from dataset import iter_documents
+from nanoparcae.dataset import iter_documents
 from model import evaluation_initial_state
 
 # -----------------------------------------------------------------------------

@@ -36,8 +36,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from depths import SAMPLINGS, mean_steps, sample_depths, split_depths
-
 # -----------------------------------------------------------------------------
 # Configuration
 
@@ -341,6 +339,88 @@ def decoding_initial_state(shape, device, generators):
     """Decoding's h0 (B, S, d): row i drawn from generators[i], a torch.Generator on `device` or None for the
     global RNG (initial_state)."""
     return initial_state(shape, device, list(generators))
+
+
+# -----------------------------------------------------------------------------
+# Depths: how many loop steps each sequence of a training forward runs (METHOD.md §2)
+
+# Depth samplers: each training forward runs n_i recurrent steps without gradient, then k_i with it. Every
+# entry says what it draws and its mean executed (n + k) and backpropagated (k) steps, also at mu_rec 8,
+# mu_bwd 4; "mu_rec - mu_bwd" means max(0, mu_rec - mu_bwd). The Poisson ones after per_batch_split are the
+# other schemes of the authors' per-batch sampler (their sampling_scheme names with "-" for "_").
+SAMPLINGS = {
+    "per_sequence": "Parcae: T_i = max(1, Poisson(mu_rec)) per sequence, n_i = T_i - k_i, "
+                    "k_i = min(T_i, mu_bwd); executes mu_rec + exp(-mu_rec) (8.00), backprops E[min(T, mu_bwd)] "
+                    "(3.94)",
+    "per_batch": "the authors' per-batch ablation (their poisson-truncated-full, per-batch): one T = max(1, "
+                 "Poisson(mu_rec)) per micro-batch, n = T, then k = min(T, mu_bwd) more; executes E[T] + "
+                 "E[min(T, mu_bwd)] (11.94), backprops E[min(T, mu_bwd)] (3.94)",
+    "per_batch_split": "per_sequence's depths drawn once per micro-batch: one T, n = T - k, k = min(T, mu_bwd); "
+                       "executes 8.00, backprops 3.94 (equal compute to per_sequence)",
+    "poisson_unbounded": "per micro-batch n ~ Poisson(mu_rec - mu_bwd), k ~ U{1..2 mu_bwd}; executes "
+                         "mu_rec + 1/2 (8.5), backprops mu_bwd + 1/2 (4.5)",
+    "poisson_fill": "per micro-batch n ~ Poisson(mu_rec - mu_bwd), k = mu_bwd; executes mu_rec (8), "
+                    "backprops mu_bwd (4)",
+    "poisson_full": "per micro-batch n = 0, k = max(1, Poisson(mu_rec)): full backprop, memory grows with T; "
+                    "executes and backprops mu_rec + exp(-mu_rec) (8.00)",
+    "fixed": "T = mu_rec always, n = T - k, k = min(T, mu_bwd) (the paper's mu_rec = 1 fixed-depth Parcae); "
+             "executes mu_rec (8), backprops min(mu_rec, mu_bwd) (4)",
+}
+
+
+def sample_depths(config, batch_size, generator=None):
+    """One training draw of config.sampling (SAMPLINGS) -> (n, k), (B,) long tensors: sequence i runs n_i
+    steps without gradient, then k_i with it. Only per_sequence draws per sequence; the others once per
+    micro-batch, as the authors' per-batch sampler."""
+    scheme, mu_bwd = config.sampling, config.mu_bwd
+    draws = batch_size if scheme == "per_sequence" else 1
+
+    def poisson(rate):
+        return torch.poisson(torch.full((draws,), float(rate)), generator=generator).long()
+
+    rest = max(config.mu_rec - mu_bwd, 0)  # the authors' mean no-grad depth
+    if scheme == "poisson_unbounded":
+        n, k = poisson(rest), torch.randint(1, 2 * mu_bwd + 1, (draws,), generator=generator)
+    elif scheme == "poisson_fill":
+        n, k = poisson(rest), torch.full((draws,), mu_bwd)
+    elif scheme == "poisson_full":
+        k = poisson(rest + mu_bwd).clamp_(min=1)
+        n = torch.zeros_like(k)
+    else:
+        T = torch.full((draws,), config.mu_rec) if scheme == "fixed" else poisson(config.mu_rec).clamp_(min=1)
+        n, k = split_depths(T, mu_bwd, training=True)
+        if scheme == "per_batch":
+            n = T  # the authors' per-batch path runs all T steps without grad, then k more with it
+    return n.expand(batch_size).clone(), k.expand(batch_size).clone()
+
+
+def split_depths(depths, mu_bwd, training):
+    """Per sequence: n no-grad steps then k = min(T, mu_bwd) grad steps. Evaluation: all T without grad."""
+    k = depths.clamp(max=mu_bwd) if training else torch.zeros_like(depths)
+    return depths - k, k
+
+
+def mean_steps(config):
+    """The expected (n, k) of one sequence under config.sampling, the means SAMPLINGS states: the loop steps a
+    training forward runs on average without and with gradient (Parcae.matmul_flops_per_token, train.py's MFU)."""
+    scheme, mu_rec, mu_bwd = config.sampling, config.mu_rec, config.mu_bwd
+    rest = max(mu_rec - mu_bwd, 0)
+    if scheme == "poisson_unbounded":
+        return float(rest), mu_bwd + 0.5
+    if scheme == "poisson_fill":
+        return float(rest), float(mu_bwd)
+    if scheme == "poisson_full":
+        return 0.0, rest + mu_bwd + math.exp(-(rest + mu_bwd))
+    if scheme == "fixed":
+        return float(mu_rec - min(mu_rec, mu_bwd)), float(min(mu_rec, mu_bwd))
+    T = mu_rec + math.exp(-mu_rec)  # E[max(1, X)], X ~ Poisson(mu_rec)
+    k = 1 + sum(poisson_tail(mu_rec, j) for j in range(2, mu_bwd + 1))  # E[min(max(1, X), mu_bwd)]
+    return (T if scheme == "per_batch" else T - k), k
+
+
+def poisson_tail(rate, j):
+    """P(X >= j), X ~ Poisson(rate)."""
+    return 1 - sum(math.exp(-rate) * rate**i / math.factorial(i) for i in range(j))
 
 
 # -----------------------------------------------------------------------------
@@ -650,55 +730,6 @@ class Parcae(nn.Module):
             n, k = mean_steps(c)
         n, k = (torch.as_tensor(x, dtype=torch.float64, device="cpu").mean().item() for x in (n, k))
         return 3 * once + (n + 3 * k) * step if backward else once + (n + k) * step
-
-    def activation_bytes(self, batch_size, bf16=True):
-        """Bytes saved for backward by a training forward of batch_size sequences that all backpropagate
-        through mu_bwd loop steps (the most any can: memory follows mu_bwd, not the sampled depth). Per
-        token, counted from eager saved tensors: each block run with grad saves 80 d bytes in float32 and 56 d
-        under bf16 autocast; a value embedding 4 d; the loop 4 (4 + mu_bwd) d (prelude norm, B, A_bar h per step,
-        C_proj); the head 12 d and the float32 log-softmax 4 vocab. bf16 also keeps one bf16 copy of every matrix
-        (autocast's weight cache)."""
-        c = self.config
-        d = c.d_model
-        looped = self.injection is not None
-
-        def runs(i):  # how many times layer i runs with grad in one forward
-            return c.mu_bwd if looped and c.n_prelude <= i < c.n_prelude + c.n_recur else 1
-
-        block_runs = sum(runs(i) for i in range(c.n_layer))
-        per_token = (block_runs * (56 if bf16 else 80) * d + sum(runs(i) for i in self.ve_layers) * 4 * d
-                     + (4 * (4 + c.mu_bwd) * d if looped else 0) + 12 * d + 4 * c.vocab_size)
-        matrices = sum(p.numel() for name, p in self.named_parameters()
-                       if p.ndim == 2 and not name.startswith("value_embeds"))  # embeddings are read, not cast
-        return batch_size * c.seq_len * per_token + (2 * matrices if bf16 else 0)
-
-    def memory_plan(self, device_batch_size, bf16, optimizer_bytes, gpu_gb=(80, 141)):
-        """Estimated bytes per GPU of training at device_batch_size sequences: float32 weights and gradients, DDP's
-        gradient buckets (another copy), the optimiser's state (optim.optimizer_state_bytes) and activations at
-        mu_bwd (activation_bytes). An estimate until a GPU measures it (runs/gpu_check.sh compares the two).
-        "largest_batch": {gb: the most sequences per GPU that fit in 90% of gb GB} for each of gpu_gb, the rest
-        left for the backward's transient buffers, the CUDA context and fragmentation (0: not even one)."""
-        weights = 4 * self.num_params()
-        static = 3 * weights + optimizer_bytes
-        per_sequence = self.activation_bytes(2, bf16) - self.activation_bytes(1, bf16)
-        activations = self.activation_bytes(device_batch_size, bf16)
-        fixed = activations - device_batch_size * per_sequence  # bf16's weight copies
-        largest = {gb: max(0, int((0.9 * gb * 1e9 - static - fixed) // per_sequence)) for gb in gpu_gb}
-        return {"weights": weights, "grads": weights, "ddp_buckets": weights, "optimizer": optimizer_bytes,
-                "activations": activations, "total": static + activations, "largest_batch": largest}
-
-    def largest_fitting_batch(self, sequences, gpu_gb, bf16, optimizer_bytes):
-        """The device batch train.py picks on a GPU of gpu_gb GB: the largest divisor of `sequences` (the sequences
-        one process runs per optimiser step, so that gradient accumulation keeps the batch whole) whose
-        memory_plan fits in 90% of it; None when not even one sequence does."""
-        most = self.memory_plan(1, bf16, optimizer_bytes, (gpu_gb,))["largest_batch"][gpu_gb]
-        return largest_divisor(sequences, most)
-
-
-def largest_divisor(sequences, at_most):
-    """The largest device batch of at most at_most sequences that divides `sequences`, each process's share of an
-    optimiser step (gradient accumulation keeps the batch whole); None when at_most < 1."""
-    return max((size for size in range(1, min(at_most, sequences) + 1) if sequences % size == 0), default=None)
 
 
 def still_looping(n, k, step):

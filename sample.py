@@ -23,7 +23,8 @@ import warnings
 
 import torch
 
-from common import load_run, parse_device
+from nanoparcae.checkpoint import load_run
+from nanoparcae.common import parse_device
 from engine import EXIT_THRESHOLDS, EXITS, generate
 
 # -----------------------------------------------------------------------------

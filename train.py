@@ -30,15 +30,18 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common import (Divergence, find_checkpoint, get_base_dir, init_distributed, parse_device, peak_bf16_flops,
-                    rank_and_world, read_checkpoint, save_checkpoint, write_atomically)
+from nanoparcae.checkpoint import find_checkpoint, read_checkpoint, save_checkpoint
+from nanoparcae.common import (get_base_dir, init_distributed, parse_device, peak_bf16_flops, rank_and_world,
+                               write_atomically)
+from nanoparcae.divergence import Divergence
 from data import DataLoader, val_batches
-from dataset import ChunkReader, get_tokenizer, tokenizer_dir
-from depths import SAMPLINGS
+from nanoparcae.dataset import ChunkReader, get_tokenizer, tokenizer_dir
+from model import SAMPLINGS
 from eval_core import evaluate_bpb, evaluate_core
-from guards import (agree_to_start, being_trained, checkpoint_digest, drift, lock_for_every_rank, run_holder,
-                    shared_eval_bundle, stop)
-from model import Parcae, ParcaeConfig, largest_divisor
+from nanoparcae.ranks import (agree_to_start, being_trained, checkpoint_digest, drift, lock_for_every_rank,
+                              run_holder, shared_eval_bundle, stop)
+from model import Parcae, ParcaeConfig
+from nanoparcae.memory import largest_divisor, largest_fitting_batch, memory_plan
 from optim import (build_optimizer, learning_rate_for_depth, lr_multiplier, muon_momentum, optimizer_state_bytes,
                    weight_decay_at)
 
@@ -223,8 +226,8 @@ if device.type == "cuda":
         dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
         gpu_gb = smallest.item()
     gpus, gpu = (gpu_gb,), f"this GPU's {gpu_gb:.1f} GB ({gpu_name})"
-    fitting = meta_model.largest_fitting_batch(sequences, gpu_gb, bf16, optimizer_bytes)
-    asked = meta_model.memory_plan(given_batch or 1, bf16, optimizer_bytes, gpus)  # the user's size, or one sequence
+    fitting = largest_fitting_batch(meta_model, sequences, gpu_gb, bf16, optimizer_bytes)
+    asked = memory_plan(meta_model, given_batch or 1, bf16, optimizer_bytes, gpus)  # the user's size, or one sequence
     if asked["largest_batch"][gpu_gb] < (given_batch or 1):
         fail(f"{f'--device_batch_size={given_batch}' if given_batch else 'one sequence per GPU'} plans "
              f"{asked['total'] / 1e9:.1f} GB, over 90% of {gpu}; "
@@ -233,10 +236,10 @@ if device.type == "cuda":
 else:  # no GPU memory to plan for: the plans for the two GPUs the paper's runs are sized for
     gpus = (80, 141)
     how = "up to 32 (no GPU; a GPU would get " + ", ".join(
-        f"{meta_model.largest_fitting_batch(sequences, gb, bf16, optimizer_bytes)} in {gb} GB" for gb in gpus) + ")"
+        f"{largest_fitting_batch(meta_model, sequences, gb, bf16, optimizer_bytes)} in {gb} GB" for gb in gpus) + ")"
     fitting = largest_divisor(sequences, 32)
 args.device_batch_size = given_batch or fitting
-plan = meta_model.memory_plan(args.device_batch_size, bf16, optimizer_bytes, gpus)
+plan = memory_plan(meta_model, args.device_batch_size, bf16, optimizer_bytes, gpus)
 if device.type == "cuda" or args.dry_run:
     log(f"memory per GPU (GB): weights {plan['weights'] / 1e9:.1f} + grads {plan['grads'] / 1e9:.1f} + DDP buckets "
         f"{plan['ddp_buckets'] / 1e9:.1f} + optimizer {plan['optimizer'] / 1e9:.1f} + activations "
@@ -327,7 +330,7 @@ try:
                                 world, device, reader))  # read and tokenized once, the same batches at every eval and T
 except (FileNotFoundError, ValueError) as err:
     if args.data == "fineweb-edu":
-        fail(f"{err} (the 140M run reads about 240: `python dataset.py download -n 240`); without a GPU, "
+        fail(f"{err} (the 140M run reads about 240: `python -m nanoparcae.dataset download -n 240`); without a GPU, "
              f"`bash runs/cpu.sh` trains a small model on this Python's standard library, no download needed")
     fail(err)
 

@@ -27,17 +27,18 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common import load_run, peak_bf16_flops, write_atomically
-from core_tasks import MC, Task
+from nanoparcae.checkpoint import load_run
+from nanoparcae.common import peak_bf16_flops, write_atomically
+from nanoparcae.core_tasks import MC, Task
 from data import DataLoader
-from dataset import iter_documents
-from depths import sample_depths
+from nanoparcae.dataset import iter_documents
+from model import sample_depths
 from eval_core import evaluate_task
 from experiments.decoding import decoding_rows, stdlib_tokens
 from experiments.timing import log, median_seconds, print_table, timed
 from model import Parcae, ParcaeConfig, evaluation_initial_state, training_initial_state
 from optim import build_optimizer
-from tokenizer import Tokenizer
+from nanoparcae.tokenizer import Tokenizer
 
 CUDA = torch.cuda.is_available()
 # Defaults: a small model on CPU (minutes on two cores), the 140M model (METHOD.md §1, depth 6) on CUDA

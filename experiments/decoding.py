@@ -13,8 +13,9 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from common import load_run, parse_device
-from dataset import iter_documents
+from nanoparcae.checkpoint import load_run
+from nanoparcae.common import parse_device
+from nanoparcae.dataset import iter_documents
 from engine import EXIT_THRESHOLDS, EXITS, teacher_forced
 from experiments.timing import log, median_seconds, print_table
 from model import decoding_initial_state

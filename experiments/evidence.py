@@ -22,7 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from common import STATE_NORM_LIMIT, get_base_dir, load_run, write_atomically
+from nanoparcae.checkpoint import load_run
+from nanoparcae.common import get_base_dir, write_atomically
+from nanoparcae.divergence import STATE_NORM_LIMIT
 from data import val_batches
 from eval_core import evaluate_bpb, fit_test_time_scaling
 from experiments.plot import draw_evidence, read_run

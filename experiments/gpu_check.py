@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from common import first_sentence
+from nanoparcae.common import first_sentence
 from experiments.bench import device_name, si
 
 WARMUP_STEPS = 10  # train.py's compiled blocks may still compile graphs (the batch dimension going dynamic) until here

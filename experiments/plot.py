@@ -40,7 +40,7 @@ LOG_SPAN = 100  # a panel whose positive values span more than this factor gets 
 # Reading runs
 
 def runs_dir():
-    from common import get_base_dir  # imports torch: only when a name has to be resolved
+    from nanoparcae.common import get_base_dir  # imports torch: only when a name has to be resolved
     return get_base_dir() / "runs"
 
 

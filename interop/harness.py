@@ -28,8 +28,9 @@ import torch
 import torch.distributed as dist
 
 import eval_core
-from common import first_sentence, load_run, print0, rank_and_world
-from core_tasks import Row, common_length, crop_left
+from nanoparcae.checkpoint import load_run
+from nanoparcae.common import first_sentence, print0, rank_and_world
+from nanoparcae.core_tasks import Row, common_length, crop_left
 from engine import generate
 from eval_core import bf16_autocast, score_rows
 from interop.hub import SOURCE_HELP, load_pretrained, local_dir

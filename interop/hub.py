@@ -29,11 +29,12 @@ import torch.distributed as dist
 
 import eval_core
 import sample
-from common import first_sentence, get_base_dir, load_run, write_atomically
-from depths import SAMPLINGS
-from download import download_file
+from nanoparcae.checkpoint import load_run
+from nanoparcae.common import first_sentence, get_base_dir, write_atomically
+from model import SAMPLINGS
+from nanoparcae.download import download_file
 from model import Parcae, ParcaeConfig
-from tokenizer import Tokenizer
+from nanoparcae.tokenizer import Tokenizer
 
 HUB_URL = os.environ.get("NANOPARCAE_HUB_URL", "https://huggingface.co")  # tests point it at 127.0.0.1
 WEIGHT_FILES = ("pytorch_model.bin", "model.pt")  # the order their from_pretrained tries

@@ -156,7 +156,7 @@ rm -rf "$base/eval_bundle"
 mkdir -p "$base"
 make_bundle
 # the tokenizer first, under a limit of its own (trained once, then cached under $base)
-stage tokenizer $TOKENIZER "$PY" dataset.py tokenizer --data=stdlib --vocab_size=$vocab
+stage tokenizer $TOKENIZER "$PY" -m nanoparcae.dataset tokenizer --data=stdlib --vocab_size=$vocab
 if [ "$tiny" = 1 ]; then
     stage plan $START "$PY" -c "$FAKE_GPU" train.py --depth=24 --mu_rec=8 --device=cuda --dry_run
     memory=$FAKE_GPU_BYTES

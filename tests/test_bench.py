@@ -10,7 +10,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from conftest import carries
-from depths import split_depths
+from model import split_depths
 from experiments import decoding, gpu_check
 from experiments.bench import (PassCounter, depth_schedule, main, masked_reference_loss, model_loss,
                                sampled_flops_per_token)

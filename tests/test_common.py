@@ -1,9 +1,9 @@
-"""Tests for common.py: the base directory, the GPU peak table, reading a checkpoint that is missing or damaged."""
+"""Tests for nanoparcae.common and nanoparcae.checkpoint: the base directory, the GPU peak table, reading a checkpoint that is missing or damaged."""
 
 import pytest
 import torch
 
-import common
+from nanoparcae import checkpoint, common
 from conftest import carries
 from model import Parcae, ParcaeConfig
 
@@ -28,14 +28,14 @@ def test_peak_flops_only_for_listed_gpus(monkeypatch):
 def test_a_missing_or_damaged_checkpoint_is_named_with_what_to_do(tmp_path):
     config = ParcaeConfig(vocab_size=97, seq_len=16, n_prelude=1, n_recur=1, n_coda=1, d_model=64, head_dim=32)
     whole = tmp_path / "ckpt_000002.pt"
-    common.save_checkpoint(whole, Parcae(config), step=2)
-    assert common.read_checkpoint(whole)["step"] == 2
+    checkpoint.save_checkpoint(whole, Parcae(config), step=2)
+    assert checkpoint.read_checkpoint(whole)["step"] == 2
     with pytest.raises(FileNotFoundError, match="ckpt_000001.pt does not exist"):
-        common.read_checkpoint(tmp_path / "ckpt_000001.pt")
+        checkpoint.read_checkpoint(tmp_path / "ckpt_000001.pt")
     for damaged, content in (("truncated.pt", whole.read_bytes()[:1000]), ("noise.pt", b"not a checkpoint")):
         (tmp_path / damaged).write_bytes(content)
         with pytest.raises(ValueError) as err:
-            common.read_checkpoint(tmp_path / damaged)
+            checkpoint.read_checkpoint(tmp_path / damaged)
         message = str(err.value)
         assert carries(message, str(tmp_path / damaged), "truncated", "remove", "restore"), message
         assert "\n" not in message

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from core_tasks import Row
+from nanoparcae.core_tasks import Row
 from eval_core import evaluate_bpb, score_rows
 from model import Parcae, ParcaeConfig, evaluation_initial_state
 

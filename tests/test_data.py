@@ -27,9 +27,9 @@ import torch
 
 from conftest import python
 import data
-import dataset
-from download import download_file
-from tokenizer import SPECIAL_TOKENS, Tokenizer
+from nanoparcae import dataset
+from nanoparcae.download import download_file
+from nanoparcae.tokenizer import SPECIAL_TOKENS, Tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 WORDS = ["the", "loop", "stable", "model", "données", "naïve", "日本", "語", "🎉", "def", "return", "x = 1;",
@@ -342,24 +342,29 @@ def test_download_file_resumes_with_range(tmp_path):
 
 
 def test_missing_shards_say_how_to_download():
-    with pytest.raises(FileNotFoundError, match=re.escape("python dataset.py download -n 8")):
+    with pytest.raises(FileNotFoundError, match=re.escape("python -m nanoparcae.dataset download -n 8")):
         data.DocumentStream("fineweb-edu", "train")
 
 # -----------------------------------------------------------------------------
 # Data sources
 
-def run_cli(monkeypatch, script, *argv):
-    """`python SCRIPT ARGV`, run in this process -> its exit status (a message: the one line on stderr)."""
-    monkeypatch.setattr(sys, "argv", [script, *argv])
+def run_cli(monkeypatch, command, *argv):
+    """`python SCRIPT.py ARGV` or `python -m MODULE ARGV`, run in this process -> its exit status (a message: the
+    one line on stderr)."""
+    monkeypatch.setattr(sys, "argv", [command, *argv])
+    monkeypatch.delitem(sys.modules, command, raising=False)  # run afresh as __main__, as python -m does
     with pytest.raises(SystemExit) as exit:
-        runpy.run_path(str(REPO / script), run_name="__main__")
+        if command.endswith(".py"):
+            runpy.run_path(str(REPO / command), run_name="__main__")
+        else:
+            runpy.run_module(command, run_name="__main__")
     return exit.value.code
 
 
 def test_the_tokenizer_command_without_shards_fails_before_announcing_training(monkeypatch, capsys):
-    message = run_cli(monkeypatch, "dataset.py", "tokenizer", "--data=fineweb-edu")
+    message = run_cli(monkeypatch, "nanoparcae.dataset", "tokenizer", "--data=fineweb-edu")
     assert "Training" not in capsys.readouterr().out
-    assert message.startswith("dataset.py: found 0 FineWeb-Edu shards") and "\n" not in message
+    assert message.startswith("nanoparcae.dataset: found 0 FineWeb-Edu shards") and "\n" not in message
 
 
 @pytest.mark.parametrize("kind", ["read-only mount", "path under a file"])
@@ -378,9 +383,9 @@ def test_a_base_folder_that_cannot_be_written_is_one_line(tmp_path, monkeypatch,
         (tmp_path / "a_file").write_text("")
         base = tmp_path / "a_file" / "base"
     monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(base))
-    message = run_cli(monkeypatch, "dataset.py", "tokenizer", "--data=stdlib")
+    message = run_cli(monkeypatch, "nanoparcae.dataset", "tokenizer", "--data=stdlib")
     strerror = os.strerror(errno.EROFS if kind == "read-only mount" else errno.ENOTDIR)
-    assert message == (f"dataset.py: the base folder {base} cannot be written to ({strerror}): set NANOPARCAE_BASE_DIR "
+    assert message == (f"nanoparcae.dataset: the base folder {base} cannot be written to ({strerror}): set NANOPARCAE_BASE_DIR "
                        f"to a writable folder")
     assert capsys.readouterr().out == "" and list(base.iterdir() if base.is_dir() else []) == []
 
@@ -388,10 +393,10 @@ def test_a_base_folder_that_cannot_be_written_is_one_line(tmp_path, monkeypatch,
 @pytest.mark.parametrize("argv,message", [
     (["data.py", "--seq_len=0"], "data.py: --seq_len=0 must be 1 or more"),
     (["data.py", "--batch_size=-2"], "data.py: --batch_size=-2 must be 1 or more"),
-    (["dataset.py", "tokenizer", "--vocab_size=0"], "dataset.py: --vocab_size=0 must be 1 or more"),
-    (["dataset.py", "download", "-n", "1"],
-     "dataset.py: -n=1 must be in 2..1823 (at least one train shard and the validation shard)"),
-    (["dataset.py", "download", "--workers=0"], "dataset.py: --workers=0 must be 1 or more"),
+    (["nanoparcae.dataset", "tokenizer", "--vocab_size=0"], "nanoparcae.dataset: --vocab_size=0 must be 1 or more"),
+    (["nanoparcae.dataset", "download", "-n", "1"],
+     "nanoparcae.dataset: -n=1 must be in 2..1823 (at least one train shard and the validation shard)"),
+    (["nanoparcae.dataset", "download", "--workers=0"], "nanoparcae.dataset: --workers=0 must be 1 or more"),
 ])
 def test_sizes_and_counts_below_one_end_in_one_line_before_any_work(monkeypatch, capsys, argv, message):
     assert run_cli(monkeypatch, *argv) == message
@@ -533,9 +538,9 @@ def test_val_batches_are_bounded_and_repeatable(tokenizer, corpus):
 
 
 def test_cli_help_explains_the_steps():
-    result = python(["dataset.py", "--help"])
+    result = python(["-m", "nanoparcae.dataset", "--help"])
     assert result.returncode == 0
-    assert "python dataset.py download -n 8" in result.stdout and "stdlib" in result.stdout
+    assert "python -m nanoparcae.dataset download -n 8" in result.stdout and "stdlib" in result.stdout
 
 
 def test_bytes_read_per_process_do_not_grow_with_gradient_accumulation(tokenizer, tmp_path):

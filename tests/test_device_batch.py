@@ -1,4 +1,4 @@
-"""The device batch train.py runs (Parcae.largest_fitting_batch against the GPU's memory, the run's recorded size on
+"""The device batch train.py runs (memory.largest_fitting_batch against the GPU's memory, the run's recorded size on
 resume), its declared run flags, and concat's rho at a cadence of its own. The GPU is faked: torch.cuda reports
 80 GB, and train.py stops at its memory plan, before it would touch the device.
 
@@ -17,6 +17,7 @@ import torch
 
 from conftest import ROOT, TINY, carries, python, train, train_command, train_env
 from model import Parcae, ParcaeConfig
+from nanoparcae.memory import activation_bytes, largest_fitting_batch, memory_plan
 from optim import optimizer_state_bytes
 
 
@@ -56,11 +57,11 @@ def paper_1p3b():
 def test_the_largest_fitting_batch_divides_the_batch_and_fits():
     model, optimizer_bytes = paper_1p3b()
     for gb, sequences in [(80, 256), (80, 32), (141, 32), (141, 24), (40, 32)]:
-        size = model.largest_fitting_batch(sequences, gb, True, optimizer_bytes)
+        size = largest_fitting_batch(model, sequences, gb, True, optimizer_bytes)
         fits = [b for b in range(1, sequences + 1) if sequences % b == 0
-                and model.memory_plan(b, True, optimizer_bytes)["total"] <= 0.9 * gb * 1e9]
+                and memory_plan(model, b, True, optimizer_bytes)["total"] <= 0.9 * gb * 1e9]
         assert size == fits[-1], (gb, sequences)
-    assert model.largest_fitting_batch(32, 20, True, optimizer_bytes) is None  # 1.3B at one sequence: 41.7 GB
+    assert largest_fitting_batch(model, 32, 20, True, optimizer_bytes) is None  # 1.3B at one sequence: 41.7 GB
 
 
 def test_a_faked_80gb_gpu_gets_a_plan_within_it_and_a_size_over_it_is_refused(gpu_80gb, monkeypatch, capsys):
@@ -69,8 +70,8 @@ def test_a_faked_80gb_gpu_gets_a_plan_within_it_and_a_size_over_it_is_refused(gp
     planned = float(re.search(r"memory per GPU \(GB\): .* = ([\d.]+) \|", out)[1])
     size = int(re.search(r"device batch: (\d+), the largest divisor of the 256 sequences", out)[1])
     model, optimizer_bytes = paper_1p3b()
-    assert size == 4 == model.largest_fitting_batch(256, 80, True, optimizer_bytes)
-    assert planned <= 0.9 * 80 and model.memory_plan(8, True, optimizer_bytes)["total"] > 0.9 * 80e9
+    assert size == 4 == largest_fitting_batch(model, 256, 80, True, optimizer_bytes)
+    assert planned <= 0.9 * 80 and memory_plan(model, 8, True, optimizer_bytes)["total"] > 0.9 * 80e9
     assert "(4 x 2048 at mu_bwd 4, bfloat16)" in out and "an estimate until a GPU measures it" in out
 
     status, out, err, _ = run_train(monkeypatch, capsys, "--depth=24", "--mu_rec=8", "--device=cuda", "--dry_run",
@@ -164,7 +165,7 @@ def test_readme_and_docs_commands_fit_their_plan_and_the_readme_table_is_the_cho
                                          **({"d_model": int(flags["d_model"])} if "d_model" in flags else {}))
         with torch.device("meta"):
             model = Parcae(config)
-        plan = model.memory_plan(int(flags["device_batch_size"]), flags["dtype"] == "bfloat16",
+        plan = memory_plan(model, int(flags["device_batch_size"]), flags["dtype"] == "bfloat16",
                                  optimizer_state_bytes(model))
         assert plan["total"] <= 0.9 * 80e9, command
     readme = (ROOT / "README.md").read_text()
@@ -175,5 +176,5 @@ def test_readme_and_docs_commands_fit_their_plan_and_the_readme_table_is_the_cho
             model = Parcae(ParcaeConfig.from_depth(depth, mu_rec=8))
         optimizer_bytes = optimizer_state_bytes(model)
         for gb, size, total in zip((80, 141), row[::2], row[1::2]):
-            assert int(size) == model.largest_fitting_batch(32, gb, True, optimizer_bytes), (depth, gb)
-            assert float(total) == round(model.memory_plan(int(size), True, optimizer_bytes)["total"] / 1e9, 1)
+            assert int(size) == largest_fitting_batch(model, 32, gb, True, optimizer_bytes), (depth, gb)
+            assert float(total) == round(memory_plan(model, int(size), True, optimizer_bytes)["total"] / 1e9, 1)

@@ -20,10 +20,10 @@ import torch.multiprocessing as mp
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import core_tasks  # noqa: E402
+from nanoparcae import core_tasks  # noqa: E402
 import eval_core  # noqa: E402
-from core_tasks import (CORE_TASKS, EXTENDED_TASKS, LM, Task, crop_left, download_eval_bundle,  # noqa: E402
-                        extract_zip_safely, render_prompts, scored_spans)
+from nanoparcae.core_tasks import (CORE_TASKS, EXTENDED_TASKS, LM, Task, crop_left,  # noqa: E402
+                                   download_eval_bundle, extract_zip_safely, render_prompts, scored_spans)
 from eval_core import centered_accuracy, evaluate_bpb, evaluate_core, evaluate_ppl, fit_test_time_scaling  # noqa: E402
 from model import Parcae, ParcaeConfig, evaluation_initial_state  # noqa: E402
 
@@ -316,7 +316,7 @@ def test_one_rank_equals_two_ranks(bundle, tmp_path):
 
 
 def test_bits_per_byte_by_hand():
-    from tokenizer import Tokenizer
+    from nanoparcae.tokenizer import Tokenizer
     text = "the quick brown fox jumps over the lazy dog. " * 40 + "héllo wörld ünïcode — ✓ " * 20
     tokenizer = Tokenizer.train(iter([text]), 300)
     ids = tokenizer.encode(["the lazy fox héllo ✓", "over the dog — wörld"], prepend_bos=True)
@@ -346,7 +346,7 @@ def test_bits_per_byte_by_hand():
 def test_per_document_perplexity_by_hand():
     """The authors' protocol: each document alone in one forward, no BOS, cropped to seq_len + 1 tokens,
     nats averaged over the targets that carry bytes, bits per byte over their bytes."""
-    from tokenizer import Tokenizer
+    from nanoparcae.tokenizer import Tokenizer
     text = "the quick brown fox jumps over the lazy dog. " * 40 + "héllo wörld ünïcode — ✓ " * 20
     tokenizer = Tokenizer.train(iter([text]), 300)
     model = tiny_parcae(tokenizer.vocab_size)

@@ -24,9 +24,9 @@ from lm_eval.api.instance import Instance  # noqa: E402
 
 from interop import harness  # noqa: E402  (after the skip: it needs lm_eval)
 import sample  # noqa: E402
-from common import save_checkpoint  # noqa: E402
+from nanoparcae.checkpoint import save_checkpoint  # noqa: E402
 from conftest import carries  # noqa: E402
-from tokenizer import Tokenizer  # noqa: E402
+from nanoparcae.tokenizer import Tokenizer  # noqa: E402
 from eval_core import evaluate_bpb  # noqa: E402
 from model import Parcae, ParcaeConfig, evaluation_initial_state  # noqa: E402
 

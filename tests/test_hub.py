@@ -22,7 +22,7 @@ import torch
 
 from conftest import carries, python
 from interop import hub
-from tokenizer import SPLIT_PATTERN
+from nanoparcae.tokenizer import SPLIT_PATTERN
 from model import Parcae, ParcaeConfig, apply_rotary, initial_state
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "authors_params.json").read_text())
@@ -357,7 +357,7 @@ def test_sample_from_gives_what_the_same_model_gives_from_a_checkpoint(tmp_path,
     """`interop.hub sample <authors' folder>` and sample.py --ckpt=<our checkpoint of the same model> print the same
     text."""
     import sample
-    from common import save_checkpoint
+    from nanoparcae.checkpoint import save_checkpoint
     original = tiny_model("diagonal", seed=2)
     folder = write_authors_folder(tmp_path / "ckpt", original)
     hub.tokenizer_from_json(folder / "tokenizer.json").save(tmp_path / "tok")
@@ -407,13 +407,13 @@ MIXED_TEXT = ("def parse(x):\n    return {'k': [1, 22, 333]}  # don't\n\n\n\tif 
 
 def tokenizer_for_export(vocab_size=300):
     """A tokenizer trained by rustbpe (real merges) on text rich in code, Unicode and whitespace runs."""
-    from tokenizer import Tokenizer
+    from nanoparcae.tokenizer import Tokenizer
     return Tokenizer.train(iter([MIXED_TEXT * 3, Path(hub.__file__).read_text()]), vocab_size)
 
 
 def exported(tmp_path, injection, original=None):
     """(original model, exported folder), through `hub.py export <checkpoint> <folder>`."""
-    from common import save_checkpoint
+    from nanoparcae.checkpoint import save_checkpoint
     original = tiny_model(injection, seed=3) if original is None else original
     tokenizer_for_export().save(tmp_path / "tok")
     save_checkpoint(tmp_path / "ckpt.pt", original, tokenizer_dir=str(tmp_path / "tok"))
@@ -484,7 +484,7 @@ def test_a_depth_3_model_exports_with_the_backprop_depth_its_gates_need(tmp_path
     """Depth 3 with mu_rec 5 and mu_bwd 2: their gates need an odd mean_backprop_depth, so config.json gets 1,
     with a warning, and the folder loads back with the same logits at every T. With mu_rec 4 (the
     CPU default's) the CLI refuses in one line naming mean_recurrence and writes nothing."""
-    from common import save_checkpoint
+    from nanoparcae.checkpoint import save_checkpoint
     torch.manual_seed(5)
     original = Parcae(ParcaeConfig.from_depth(3, vocab_size=300, seq_len=32, d_model=64, head_dim=32, mu_rec=5,
                                               mu_bwd=2)).eval()

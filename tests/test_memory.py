@@ -1,11 +1,12 @@
-"""The memory plan of a training run (Parcae.memory_plan, optim.optimizer_state_bytes): its activation estimate
-(Parcae.activation_bytes) against the bytes a training forward really saves for backward, measured with
+"""The memory plan of a training run (memory.memory_plan, optim.optimizer_state_bytes): its activation estimate
+(memory.activation_bytes) against the bytes a training forward really saves for backward, measured with
 saved-tensor hooks on small CPU models, and its sum."""
 
 import pytest
 import torch
 
 from model import Parcae, ParcaeConfig
+from nanoparcae.memory import activation_bytes, largest_fitting_batch, memory_plan
 from optim import optimizer_state_bytes
 
 
@@ -38,10 +39,10 @@ def test_activation_estimate_within_2_percent_of_the_saved_tensors(depth, d_mode
     model = Parcae(config).train()
     # per sequence: the growth from 2 to 4 sequences, so fixed costs (CPU weight copies) cancel
     measured = (saved_bytes(model, 4, bf16) - saved_bytes(model, 2, bf16)) / 2
-    estimated = (model.activation_bytes(4, bf16) - model.activation_bytes(2, bf16)) / 2
+    estimated = (activation_bytes(model, 4, bf16) - activation_bytes(model, 2, bf16)) / 2
     assert estimated == pytest.approx(measured, rel=0.02)
-    assert (model.activation_bytes(1, bf16) > estimated) == bf16  # a fixed part: bf16's weight copies
-    assert model.activation_bytes(2, bf16) - model.activation_bytes(1, bf16) == estimated
+    assert (activation_bytes(model, 1, bf16) > estimated) == bf16  # a fixed part: bf16's weight copies
+    assert activation_bytes(model, 2, bf16) - activation_bytes(model, 1, bf16) == estimated
 
 
 @pytest.mark.parametrize("bf16", [False, True])
@@ -53,12 +54,12 @@ def test_memory_plan_adds_up_and_its_largest_batch_is_the_largest_that_fits(bf16
         model = Parcae(ParcaeConfig.from_depth(24, mu_rec=8))
     optimizer_bytes = optimizer_state_bytes(model)
     assert optimizer_bytes < optimizer_state_bytes(model, muon=False)  # Muon's second moment is factored
-    plan = model.memory_plan(32, bf16, optimizer_bytes)
+    plan = memory_plan(model, 32, bf16, optimizer_bytes)
     assert round(plan["weights"] / 1e9, 1) == 5.4 and round(plan["optimizer"] / 1e9, 1) == 8.0
     assert plan["weights"] == plan["grads"] == plan["ddp_buckets"] == 4 * model.num_params()
-    assert plan["activations"] == model.activation_bytes(32, bf16)
+    assert plan["activations"] == activation_bytes(model, 32, bf16)
     assert plan["total"] == 3 * plan["weights"] + plan["optimizer"] + plan["activations"]
     for gb, largest in plan["largest_batch"].items():
-        assert model.memory_plan(largest, bf16, optimizer_bytes)["total"] <= 0.9 * gb * 1e9
-        assert model.memory_plan(largest + 1, bf16, optimizer_bytes)["total"] > 0.9 * gb * 1e9
+        assert memory_plan(model, largest, bf16, optimizer_bytes)["total"] <= 0.9 * gb * 1e9
+        assert memory_plan(model, largest + 1, bf16, optimizer_bytes)["total"] > 0.9 * gb * 1e9
     assert 0 < plan["largest_batch"][80] < plan["largest_batch"][141]

@@ -7,7 +7,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from depths import SAMPLINGS, mean_steps, sample_depths, split_depths
+from model import SAMPLINGS, mean_steps, sample_depths, split_depths
 from engine import KVCache
 from model import Parcae, ParcaeConfig, stability_diagnostics, trunc_orthogonal_
 
@@ -388,8 +388,8 @@ def test_tiny_model_learns_a_fixed_batch(injection):
 
 
 def test_checkpoint_round_trip_and_clear_errors(tmp_path):
-    from common import find_checkpoint, load_run, save_checkpoint
-    from tokenizer import Tokenizer
+    from nanoparcae.checkpoint import find_checkpoint, load_run, save_checkpoint
+    from nanoparcae.tokenizer import Tokenizer
     model = randomized(Parcae(tiny_config(injection="concat", mu_rec=3, vocab_size=260))).eval()
     Tokenizer.train(iter(["a round trip of the weights"] * 20), vocab_size=260).save(tmp_path / "tok")
     save_checkpoint(tmp_path / "runs" / "a" / "ckpt_000010.pt", model, step=10, tokenizer_dir=str(tmp_path / "tok"))

@@ -11,7 +11,7 @@ import torch._dynamo
 import torch.nn as nn
 
 from eval_core import evaluate_bpb
-from depths import split_depths
+from model import split_depths
 from model import Parcae, ParcaeConfig, initial_state
 from engine import generate
 

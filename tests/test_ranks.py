@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import guards
+from nanoparcae import ranks as guards
 from conftest import Started, carries, refused, train, train_command, train_env, untouched
-from guards import lock_run, run_holder, shared_eval_bundle
+from nanoparcae.ranks import lock_run, run_holder, shared_eval_bundle
 
 
 def free_port():

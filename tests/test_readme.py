@@ -50,8 +50,8 @@ def shown_commands(text):
     return [words for line in lines for words in split_commands(line)]
 
 
-FOLDERS = ("experiments", "interop")  # run as python -m FOLDER.NAME
-SUBCOMMANDS = ("dataset.py", "interop/hub.py")  # scripts whose subcommands have a --help of their own
+FOLDERS = ("experiments", "interop", "nanoparcae")  # run as python -m FOLDER.NAME
+SUBCOMMANDS = ("nanoparcae/dataset.py", "interop/hub.py")  # scripts whose subcommands have a --help of their own
 
 
 def script_invocation(words):

@@ -14,12 +14,12 @@ import pytest
 import torch
 
 import sample
-from common import save_checkpoint
+from nanoparcae.checkpoint import save_checkpoint
 from conftest import carries, python
 from experiments import decoding
 from engine import KVCache, decode_step, generate, relative_change, sample_next, teacher_forced
 from model import Parcae, ParcaeConfig, Slot, initial_state
-from tokenizer import Tokenizer
+from nanoparcae.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -321,7 +321,7 @@ def test_missing_or_corrupt_checkpoint_gives_one_clear_line(tmp_path, checkpoint
     assert carries(empty, str(early / "runs"))
     assert carries(gone, str(runs / "tiny" / "ckpt_000005.pt"), "tiny")  # the folder's newest checkpoint, and its run
     assert carries(bad, str(tmp_path / "bad.pt"), "truncated")
-    assert carries(lacking, str(no_tokenizer), "python dataset.py tokenizer")
+    assert carries(lacking, str(no_tokenizer), "python -m nanoparcae.dataset tokenizer")
 
 
 def test_truncated_checkpoint_gives_one_whole_line_with_the_fix(tmp_path):

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import sample
-from common import Divergence
+from nanoparcae.divergence import Divergence
 from conftest import ROOT, TINY, Started, carries, python, refused, train, train_command, train_env, untouched
 from model import Parcae, ParcaeConfig
 
@@ -504,7 +504,7 @@ def test_no_fineweb_shards_name_the_download_and_the_cpu_run(tmp_path, monkeypat
     """Bare `python train.py` (the paper's 140M on FineWeb-Edu) on a machine without the shards."""
     status, _, err = run_train(monkeypatch, capsys)
     assert status == 2 and len(err.strip().splitlines()) == 1, err
-    assert "python dataset.py download" in err and "bash runs/cpu.sh" in err
+    assert "python -m nanoparcae.dataset download" in err and "bash runs/cpu.sh" in err
 
 
 def test_resume_without_a_checkpoint_ends_in_one_line_before_any_work(tmp_path, monkeypatch, capsys):

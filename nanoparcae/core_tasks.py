@@ -18,8 +18,8 @@ import zipfile
 from pathlib import Path
 from typing import NamedTuple
 
-from common import get_base_dir
-from download import download_file
+from nanoparcae.common import get_base_dir
+from nanoparcae.download import download_file
 
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"  # METHOD.md §5
 

@@ -2,8 +2,8 @@
 dataset.py: the text and its tokenizer, everything before the loader of data.py (METHOD.md §2): the FineWeb-Edu
 download, the three kinds of source read in chunks, and each source's tokenizer, trained once and cached.
 
-    python dataset.py download -n 8                     # FineWeb-Edu: 7 train shards + the last shard (validation)
-    python dataset.py tokenizer --data=fineweb-edu      # train the 32,768-token BPE on ~2B characters, cache it
+    python -m nanoparcae.dataset download -n 8                     # FineWeb-Edu: 7 train shards + the last shard (validation)
+    python -m nanoparcae.dataset tokenizer --data=fineweb-edu      # train the 32,768-token BPE on ~2B characters, cache it
 
 A data source (`--data`) is one of
     fineweb-edu   the 100b-shuffle parquet shards nanochat uses, under $NANOPARCAE_BASE_DIR/fineweb-edu;
@@ -35,9 +35,9 @@ from typing import NamedTuple
 
 import pyarrow.parquet as pq
 
-from common import get_base_dir
-from download import download_file
-from tokenizer import Tokenizer
+from nanoparcae.common import get_base_dir
+from nanoparcae.download import download_file
+from nanoparcae.tokenizer import Tokenizer
 
 FINEWEB_URL = "https://huggingface.co/datasets/karpathy/fineweb-edu-100b-shuffle/resolve/main"
 FINEWEB_LAST_SHARD = 1822  # METHOD.md §5: shards 0..1822
@@ -142,7 +142,7 @@ def list_chunks(source, split):
         shards = sorted(str(p) for p in fineweb_dir().glob("shard_*.parquet"))
         if len(shards) < 2:
             raise FileNotFoundError(f"found {len(shards)} FineWeb-Edu shards in {fineweb_dir()}, need at least 2 (the "
-                                    f"last is validation): run `python dataset.py download -n 8`")
+                                    f"last is validation): run `python -m nanoparcae.dataset download -n 8`")
         # METHOD.md §5: the last shard is validation
         return [c for p in (shards[:-1] if split == "train" else shards[-1:]) for c in parquet_chunks(p, None)]
     if source == "stdlib":
@@ -348,4 +348,4 @@ if __name__ == "__main__":
     try:
         main()
     except (OSError, ValueError) as err:  # bad flags or data, a failed download, a base folder that cannot be written
-        sys.exit(f"dataset.py: {err}")
+        sys.exit(f"nanoparcae.dataset: {err}")

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from core_tasks import EVAL_BUNDLE_URL, download_eval_bundle, eval_bundle_dir
+from nanoparcae.core_tasks import EVAL_BUNDLE_URL, download_eval_bundle, eval_bundle_dir
 
 
 def stop(line, status):

@@ -1,0 +1,89 @@
+"""
+nanoparcae/checkpoint.py: checkpoints, <base dir>/runs/<run>/ckpt_<step>.pt, each a plain dict that
+torch.load reads with weights_only=True; load_run rebuilds a trained model with its tokenizer.
+"""
+
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from model import Parcae, ParcaeConfig
+from nanoparcae.common import first_sentence, get_base_dir
+from nanoparcae.tokenizer import Tokenizer
+
+
+def save_checkpoint(path, model, **extra):
+    """Write to a temporary name, then rename: a killed run never leaves a torn checkpoint."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save({"config": asdict(model.config), "model": model.state_dict(), **extra}, tmp)
+    os.replace(tmp, path)
+
+
+def find_checkpoint(runs_dir, run=None):
+    """The newest checkpoint of `run`, or of the most recently written run when run is None."""
+    runs_dir = Path(runs_dir)
+    pattern = f"{run}/ckpt_*.pt" if run else "*/ckpt_*.pt"
+    found = sorted(runs_dir.glob(pattern), key=lambda p: (p.stat().st_mtime, p.name))
+    if not found:
+        where = runs_dir / run if run else runs_dir
+        raise FileNotFoundError(f"no checkpoint under {where}; train one first with `python train.py`")
+    return found[-1]
+
+
+def read_checkpoint(path, device="cpu"):
+    """torch.load of a checkpoint (weights_only=True), the one reader: train.py's resume and load_run. Raises
+    FileNotFoundError when it is absent and ValueError naming it when torch cannot read it."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    try:
+        return torch.load(path, map_location=device, weights_only=True)
+    except Exception as err:
+        raise ValueError(f"checkpoint {path} is truncated or unreadable ({first_sentence(err)}): remove it to "
+                         f"start the run over (a run keeps its newest checkpoint only), or restore it from a "
+                         f"copy") from None
+
+
+def load_run(ckpt_or_run=None, device="cpu"):
+    """A checkpoint file, a run's name (its newest checkpoint under <base dir>/runs) or None (the newest of the run
+    written last) -> (model in eval mode, its tokenizer, the checkpoint dict, the checkpoint's path).
+
+    The tokenizer is the one the checkpoint records; where that folder is gone (a moved NANOPARCAE_BASE_DIR), the
+    one of the same key, its folder's name, under this base folder's tokenizers/. One whose vocabulary outgrows the
+    model's is refused. FileNotFoundError and ValueError carry one line."""
+    path = Path(ckpt_or_run) if ckpt_or_run else None
+    if path is not None and path.is_dir():
+        inside = sorted(path.glob("ckpt_*.pt"))
+        raise FileNotFoundError(f"{path} is a folder, not a checkpoint file; pass a checkpoint file" +
+                                (f" such as its newest, {inside[-1]}, or the run's name, {path.name}" if inside else
+                                 ", or a run's name"))
+    if path is None or not (path.is_file() or path.suffix == ".pt" or len(path.parts) > 1):
+        path = find_checkpoint(get_base_dir() / "runs", ckpt_or_run)
+    ckpt = read_checkpoint(path, device)
+    try:  # torch read it, but it may hold no Parcae
+        model = Parcae(ParcaeConfig(**ckpt["config"]))
+        model.load_state_dict(ckpt["model"])
+    except Exception as err:
+        raise ValueError(f"checkpoint {path} is not a nanoparcae checkpoint ({first_sentence(err)}); pass one that "
+                         f"train.py wrote") from None
+    if "tokenizer_dir" not in ckpt:
+        raise ValueError(f"checkpoint {path} names no tokenizer_dir; it was not written by train.py")
+    recorded = Path(ckpt["tokenizer_dir"])
+    places = list(dict.fromkeys((recorded, get_base_dir() / "tokenizers" / recorded.name)))  # its path, its key here
+    directory = next((place for place in places if (place / "tokenizer.tiktoken").is_file()), None)
+    if directory is None:
+        run = ckpt.get("args", {})
+        command = f"`python -m nanoparcae.dataset tokenizer --data={run['data']} --vocab_size={run['vocab_size']}`" \
+            if {"data", "vocab_size"} <= run.keys() else \
+            "`python -m nanoparcae.dataset tokenizer` and the run's --data and --vocab_size"
+        where = f"neither at {places[0]} nor at {places[1]}" if len(places) > 1 else f"not at {places[0]}"
+        raise FileNotFoundError(f"the tokenizer of checkpoint {path} is {where}; recreate it with {command}")
+    tokenizer = Tokenizer.load(directory)
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise ValueError(f"the tokenizer at {directory} has {tokenizer.vocab_size} tokens, the model "
+                         f"{model.config.vocab_size}: they are not from the same run")
+    return model.to(device).eval(), tokenizer, ckpt, path

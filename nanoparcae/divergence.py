@@ -1,0 +1,49 @@
+"""
+nanoparcae/divergence.py: the rule that stops a diverged run (docs/troubleshooting.md states it for users).
+"""
+
+import math
+
+STATE_NORM_LIMIT = 1e4  # ~256 ||e|| (||e|| ~ sqrt(d)): bf16's 8 significant bits no longer resolve e beside h
+VAL_LOSS_MARGIN = 1.0  # nats below a uniform guess ln V that show a run has learned
+
+
+class Divergence:
+    """The divergence rule, step by step. A run diverged at the first of `patience` bad steps in a row (a
+    non-finite loss or gradients; ||h_T|| past h_norm_limit where that stops a run), or at an eval whose val loss
+    is non-finite, or back at a uniform guess ln V after an eval VAL_LOSS_MARGIN below it (learned, then lost). A
+    run that has not learned is not judged by its val loss: initial weights can score far above ln V (the
+    Transformer's tied head predicts the current token). patience 0: never. The state-norm limit stops a run in
+    bfloat16 (past it the input no longer registers in u = Abar h + Bbar e) or when given; in float32, which
+    resolves 2^16 times finer, a state past 2^16 x the limit is a warning, once. lowest_val_loss: the lowest eval
+    so far, carried across a resume."""
+
+    def __init__(self, vocab_size, dtype, patience, h_norm_limit=None, lowest_val_loss=math.inf):
+        self.vocab_size, self.uniform, self.patience = vocab_size, math.log(vocab_size), patience
+        self.h_norm_stops = h_norm_limit is not None or dtype == "bfloat16"
+        self.h_norm_limit = h_norm_limit or STATE_NORM_LIMIT * (1 if self.h_norm_stops else 2 ** 16)
+        self.bad_steps, self.lowest_val_loss, self.warned = 0, lowest_val_loss, False
+
+    def check(self, step, finite, h_norm=None, val_loss=None):
+        """After `step`: finite, whether its loss and gradients were; h_norm, its ||h_T|| (None: unlooped); val_loss,
+        the eval at this step (None: none) -> None, {"diverged_at", "reason", "detail"}, or {"warning": "h_norm"}."""
+        past = h_norm is not None and h_norm > self.h_norm_limit
+        reason = "non-finite loss or gradients" if not finite else \
+            f"||h_T|| > {self.h_norm_limit:g}" if past and self.h_norm_stops else None
+        self.bad_steps = self.bad_steps + 1 if reason else 0
+        if 0 < self.patience <= self.bad_steps:
+            return {"diverged_at": step - self.bad_steps + 1, "reason": reason,
+                    "detail": f"{self.bad_steps} steps in a row (to step {step})"}
+        if val_loss is not None and self.patience > 0:
+            learned = self.lowest_val_loss < self.uniform - VAL_LOSS_MARGIN
+            lost = "non-finite val loss" if not math.isfinite(val_loss) else \
+                "val loss back above a uniform guess" if learned and val_loss >= self.uniform else None
+            if lost:
+                return {"diverged_at": step, "reason": lost, "detail": f"{val_loss:.4f} against ln {self.vocab_size} "
+                        f"= {self.uniform:.4f}, lowest before {self.lowest_val_loss:.4f}"}
+        if val_loss is not None:
+            self.lowest_val_loss = min(self.lowest_val_loss, val_loss)
+        if past and not self.h_norm_stops and not self.warned:
+            self.warned = True
+            return {"warning": "h_norm", "h_norm": h_norm, "limit": self.h_norm_limit}
+        return None
