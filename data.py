@@ -1,7 +1,7 @@
 """
 data.py: the loader train.py reads (METHOD.md §2): each rank's stream of documents, tokenized ahead in a thread and
 packed best-fit into BOS-aligned rows, exactly resumable; and the held-out batches every eval scores. The text it
-reads and its tokenizer: dataset.py.
+reads and its tokenizer: nanoparcae/dataset.py.
 
     python data.py --data=stdlib --vocab_size=4096 --seq_len=2048   # the loader's tokens/s and the share it crops
 

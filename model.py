@@ -11,7 +11,7 @@ A_bar = exp(-Delta exp(A_log)), rho < 1 always), ConcatInjection (RDM / Huginn: 
 AddInjection (u = h + e, rho = 1); "none" is the fixed-depth Transformer baseline, whose "loop" is its recurrent
 blocks run once, in order, with no injection and no h0.
 
-Training draws per-sequence depths from config.sampling (depths.py): sequence i runs n_i loop steps without
+Training draws per-sequence depths from config.sampling (the Depths section): sequence i runs n_i loop steps without
 gradient, then k_i with it (METHOD.md §2). Parcae.recurrence is that loop.
 
     model = Parcae(ParcaeConfig.from_depth(6))

@@ -88,7 +88,7 @@ run_flag("mu_bwd", "positive", type=int, default=None, help="backpropagated dept
 run_flag("injection", default="diagonal", choices=["diagonal", "concat", "add", "none"],
          help="diagonal = Parcae, concat = RDM, add, none = fixed-depth Transformer")
 run_flag("sampling", default="per_sequence", choices=list(SAMPLINGS), metavar="SCHEME",
-         help=f"recurrence-depth sampler, one of {', '.join(SAMPLINGS)} (depths.py says what each draws)")
+         help=f"recurrence-depth sampler, one of {', '.join(SAMPLINGS)} (model.py says what each draws)")
 run_flag("prelude_norm", type=int, default=1, choices=[0, 1], help="RMSNorm on the prelude's output e")
 run_flag("vocab_size", "positive", type=int, default=32768, help="tokens, the specials included")
 run_flag("seq_len", "positive", type=int, default=2048, help="tokens per row")

@@ -1,5 +1,5 @@
 """
-dataset.py: the text and its tokenizer, everything before the loader of data.py (METHOD.md §2): the FineWeb-Edu
+nanoparcae/dataset.py: the text and its tokenizer, everything before the loader of data.py (METHOD.md §2): the FineWeb-Edu
 download, the three kinds of source read in chunks, and each source's tokenizer, trained once and cached.
 
     python -m nanoparcae.dataset download -n 8                     # FineWeb-Edu: 7 train shards + the last shard (validation)

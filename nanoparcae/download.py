@@ -1,5 +1,5 @@
 """
-download.py: one streamed, resumable, retried HTTP download, the one every download uses: FineWeb-Edu's shards
+nanoparcae/download.py: one streamed, resumable, retried HTTP download, the one every download uses: FineWeb-Edu's shards
 (dataset.py), the eval bundle (core_tasks.py) and the authors' release (interop/hub.py).
 
     download_file(url, path)    # path appears only once every byte is there

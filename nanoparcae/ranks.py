@@ -1,5 +1,5 @@
 """
-guards.py: what keeps a run whole: one trainer per run, ranks that agree. A lock in the run folder refuses a
+nanoparcae/ranks.py: what keeps a run whole: one trainer per run, ranks that agree. A lock in the run folder refuses a
 second command on a live run; before the first step every rank checks that all start from the same checkpoint;
 CORE runs on every rank or on none; at each checkpoint the replicas' weights are compared.
 A library, not a script: train.py calls each guard before what it protects (docs/distributed.md says what each

@@ -1,5 +1,5 @@
 """
-tokenizer.py: the tokenizer (METHOD.md §2): a byte-level BPE with the GPT-4 split pattern and the special
+nanoparcae/tokenizer.py: the tokenizer (METHOD.md §2): a byte-level BPE with the GPT-4 split pattern and the special
 tokens <|bos|>, <|eos|>, <|pad|>, trained with rustbpe and run with tiktoken. dataset.get_tokenizer trains and
 caches one per data source; interop/hub.py builds one from the authors' tokenizer.json.
 

@@ -118,7 +118,7 @@ train() {  # train NAME LIMIT PROCESSES MICRO_BATCH ACCUM STEPS [--kill_after=ST
         --total_batch_size="$tokens" --max_tokens=$((tokens * num_steps)) --run="gpu_check_${name%_resume}" "$@"
 }
 
-make_bundle() {  # a CORE bundle in the real layout (core_tasks.py) with three made-up tasks, one of each kind
+make_bundle() {  # a CORE bundle in the real layout (nanoparcae/core_tasks.py) with three made-up tasks, one of each kind
     "$PY" - "$base/eval_bundle" <<'EOF'
 import csv, json, sys
 from pathlib import Path

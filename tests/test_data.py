@@ -1,4 +1,5 @@
-"""Tests for dataset.py, data.py, tokenizer.py and download.py: the tokenizer, shard downloads against a local
+"""Tests for data.py and the package's text (nanoparcae/dataset.py, nanoparcae/tokenizer.py and
+nanoparcae/download.py): the tokenizer, shard downloads against a local
 server, the data sources and the loader (METHOD.md §2).
 
 Run: python -m pytest -q tests/test_data.py   (no network beyond 127.0.0.1, nothing written outside tmp_path)
@@ -349,7 +350,7 @@ def test_missing_shards_say_how_to_download():
 # Data sources
 
 def run_cli(monkeypatch, command, *argv):
-    """`python SCRIPT.py ARGV` or `python -m MODULE ARGV`, run in this process -> its exit status (a message: the
+    """`python FILE ARGV` or `python -m MODULE ARGV`, run in this process -> its exit status (a message: the
     one line on stderr)."""
     monkeypatch.setattr(sys, "argv", [command, *argv])
     monkeypatch.delitem(sys.modules, command, raising=False)  # run afresh as __main__, as python -m does

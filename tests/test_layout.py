@@ -1,6 +1,6 @@
-"""The layout's rules, read from the source without importing it: no root file imports from the folders of
-experiments and adapters (an import inside a function counts too), and the root's files import one another
-without a cycle."""
+"""The layout's rules, read from the source without importing it: the root holds the reading path and the
+package nanoparcae/ what it leans on; no root file imports from the folders of experiments and adapters (an import
+inside a function counts too), and the root's files and the package's import one another without a cycle."""
 
 import ast
 import subprocess
@@ -9,6 +9,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 FOLDERS = ("experiments", "interop")  # the paper's experiments; the adapters to other tools
+PACKAGE = "nanoparcae"  # what the root's files lean on that is not the method
+READING_PATH = {"train.py", "model.py", "data.py", "eval_core.py", "sample.py"}
 
 
 def imported_names(path):
@@ -23,9 +25,19 @@ def imported_names(path):
 
 
 def import_graph(root):
-    """{module: set of the root modules it imports}, for every .py file at the root."""
+    """{module: set of the modules it imports}, for every .py file at the root (model) and in the package
+    (nanoparcae.common), among those modules; `from nanoparcae import common` counts as nanoparcae.common."""
     modules = {path.stem: path for path in root.glob("*.py")}
-    return {name: {n.split(".")[0] for n in imported_names(path)} & set(modules) for name, path in modules.items()}
+    modules |= {f"{PACKAGE}.{path.stem}": path for path in (root / PACKAGE).glob("*.py") if path.stem != "__init__"}
+
+    def targets(path):
+        names = imported_names(path)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == PACKAGE:
+                names |= {f"{PACKAGE}.{alias.name}" for alias in node.names}
+        return {name if name in modules else name.split(".")[0] for name in names}
+
+    return {name: targets(path) & set(modules) for name, path in modules.items()}
 
 
 def root_imports_of_folders(root, folders=FOLDERS):
@@ -64,9 +76,16 @@ def test_find_cycle_finds_one_and_only_one():
     assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set(), "d": {"d"}}) == ["d", "d"]
 
 
-def test_no_import_cycle_among_the_root_files():
+def test_the_root_holds_the_reading_path_and_at_most_two_more_files():
+    root = {path.name for path in ROOT.glob("*.py")}
+    assert READING_PATH <= root and len(root - READING_PATH) <= 2, sorted(root - READING_PATH)
+    assert (ROOT / PACKAGE / "__init__.py").is_file()
+
+
+def test_no_import_cycle_among_the_root_files_and_the_package():
     graph = import_graph(ROOT)
-    assert "engine" in graph["sample"] and "eval_core" in graph["train"] and "common" in graph["data"]
+    assert "engine" in graph["sample"] and "eval_core" in graph["train"] and "nanoparcae.common" in graph["data"]
+    assert "model" in graph["nanoparcae.checkpoint"] and "nanoparcae.core_tasks" in graph["nanoparcae.ranks"]
     cycle = find_cycle(graph)
     assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
 
@@ -81,14 +100,15 @@ def test_the_folder_check_finds_every_kind_of_import(tmp_path):
                                                  "train.py: experiments.bench"]
 
 
-def test_no_root_file_imports_from_the_folders():
+def test_no_root_or_package_file_imports_from_the_folders():
     assert (ROOT / "experiments" / "bench.py").is_file() and (ROOT / "interop" / "hub.py").is_file()
-    assert root_imports_of_folders(ROOT) == []
+    assert root_imports_of_folders(ROOT) == [] and root_imports_of_folders(ROOT / PACKAGE) == []
 
 
 def test_importing_every_root_file_loads_nothing_from_the_folders():
     """The same rule at run time: every root module imported, no module of the folders in sys.modules."""
     modules = sorted(path.stem for path in ROOT.glob("*.py") if path.stem != "train")  # importing train.py trains
+    modules += [f"{PACKAGE}.{path.stem}" for path in sorted((ROOT / PACKAGE).glob("*.py"))]
     code = (f"import sys\nfor name in {modules!r}:\n    __import__(name)\n"
             f"print(sorted(m for m in sys.modules if m.split('.')[0] in {FOLDERS!r}))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)

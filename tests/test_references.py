@@ -1,7 +1,8 @@
 """The repository stands alone: every file that code, tests or docs name as one of ours exists.
 
 A name counts as ours when it is a bare file name (`model.py`, `METHOD.md`) or a path under one of our folders
-(`tests/`, `docs/`, `experiments/`, `interop/`, `runs/`); a path with any other folder (`parcae_lm/modules/mixer.py`,
+(`tests/`, `docs/`, `experiments/`, `interop/`, `runs/`,
+`nanoparcae/`); a path with any other folder (`parcae_lm/modules/mixer.py`,
 `scripts/base_train.py`) names a file of another project (the authors' code, nanochat) and is left alone. A bare
 name is found at the top level, in experiments/ or interop/, or beside the file that names it (a link from one page
 of docs/ to another)."""
@@ -10,13 +11,13 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FOLDERS = ("tests/", "docs/", "experiments/", "interop/", "runs/", "figures/")
+FOLDERS = ("tests/", "docs/", "experiments/", "interop/", "runs/", "figures/", "nanoparcae/")
 REFERENCE = re.compile(r"(?<![\w/.\\-])([\w./-]*\w\.(?:py|md))\b")
 
 
 def repository_files():
     return [*ROOT.glob("*.py"), *ROOT.glob("*.md"), *ROOT.glob("docs/*.md"), *ROOT.glob("tests/*.py"),
-            *ROOT.glob("experiments/*.py"), *ROOT.glob("interop/*.py"), *ROOT.glob("runs/*.sh"),
+            *ROOT.glob("experiments/*.py"), *ROOT.glob("interop/*.py"), *ROOT.glob("nanoparcae/*.py"), *ROOT.glob("runs/*.sh"),
             ROOT / ".ci" / "run", ROOT / "requirements.txt"]
 
 
