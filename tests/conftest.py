@@ -125,8 +125,12 @@ class Started:
         return self.returncode
 
     def send_signal(self, signal_number):
+        """As Popen's: a process that has ended, even one whose end is not yet seen, is left alone."""
         if self.poll() is None:
-            os.kill(self.pid, signal_number)
+            try:
+                os.kill(self.pid, signal_number)
+            except ProcessLookupError:  # a fork of the server ends before the server reports its status
+                pass
 
     def kill(self):
         self.send_signal(signal.SIGKILL)

@@ -10,6 +10,7 @@ import math
 import re
 import runpy
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -83,8 +84,10 @@ def final_weights(corpus, run):
     return torch.load(path, map_location="cpu", weights_only=True)["model"]
 
 
-def step_losses(corpus, run, base=None):
-    lines = ((base or corpus / "base") / "runs" / run / "metrics.jsonl").read_text().splitlines()
+def step_losses(corpus, run, base=None, whole_lines=False):
+    """{step: loss} of a run's metrics.jsonl; whole_lines: a last line that a kill cut short is left out."""
+    text = ((base or corpus / "base") / "runs" / run / "metrics.jsonl").read_text()
+    lines = text.splitlines()[:None if text.endswith("\n") or not whole_lines else -1]
     return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
 
 
@@ -136,14 +139,16 @@ def test_the_same_command_after_a_kill_continues_from_the_checkpoint_and_a_finis
     killed = Started(train_command(corpus, "--run=rerun", *flags), train_env(corpus))
     deadline = time.time() + 300
     while killed.poll() is None and time.time() < deadline:
-        logged = max(logged_steps(run_dir), default=0)  # read first: a step's checkpoint is saved after its log line
+        killed.send_signal(signal.SIGSTOP)  # paused, its files hold still while they are read
         saved = [int(path.stem[5:]) for path in run_dir.glob("ckpt_*.pt")]
-        if saved and logged > max(saved) and logged % 5:  # past a checkpoint, and no checkpoint being saved
+        if saved and max(logged_steps(run_dir), default=0) > max(saved):  # logged past its checkpoint
             killed.kill()
+            break
+        killed.send_signal(signal.SIGCONT)
         time.sleep(0.01)
     killed.communicate()
     assert killed.returncode == -9, "the run ended before it could be killed past a checkpoint"
-    kept, before = max(run_dir.glob("ckpt_*.pt")), step_losses(corpus, "rerun")
+    kept, before = max(run_dir.glob("ckpt_*.pt")), step_losses(corpus, "rerun", whole_lines=True)
     at = int(kept.stem[5:])
     assert 0 < at < max(before) < 40
     files = untouched(run_dir)
