@@ -1,13 +1,14 @@
 """
-data.py: the loader train.py reads (METHOD.md §2): each rank's stream of documents, tokenized ahead in a thread and
-packed best-fit into BOS-aligned rows, exactly resumable; and the held-out batches every eval scores. The text it
-reads and its tokenizer: nanoparcae/dataset.py.
+data.py: the training data loader (METHOD.md §2). Each rank reads its own share of the documents,
+tokenizes them ahead in a thread and packs them best-fit into rows that start with BOS; the loader's
+state is small and resumes exactly. Also the held-out batches that evals score. The text itself and
+its tokenizer come from nanoparcae/dataset.py.
 
-    python data.py --data=stdlib --vocab_size=4096 --seq_len=2048   # the loader's tokens/s and the share it crops
+    python data.py --data=stdlib --vocab_size=4096 --seq_len=2048   # tokens/s and the share cropped
 
-    reader = ChunkReader()                                  # one per process, shared by its loaders
+    reader = ChunkReader()                       # one per process, shared by its loaders
     loader = DataLoader(tokenizer, "stdlib", "train", batch_size=8, seq_len=2048, reader=reader)
-    x, y = next(loader); state = loader.state_dict()        # a new loader given `state` yields what this one would
+    x, y = next(loader); state = loader.state_dict()   # a loader given `state` yields the same next
 """
 
 import argparse
@@ -27,25 +28,25 @@ from nanoparcae.common import get_base_dir
 from nanoparcae.dataset import ChunkReader, get_tokenizer, list_chunks, no_documents
 
 # -----------------------------------------------------------------------------
-# The document stream: one rank's share of a split, epoch after epoch, every document with an id
+# The document stream: one rank's share of a split, epoch after epoch, each document with an id
 
 class DocumentStream:
-    """One rank's documents of a split. Epoch e visits the chunks in an order drawn from (seed, e), and each
-    chunk's documents in an order drawn from (seed, e, position); rank r takes every world_size-th of them,
-    so the ranks' shares are disjoint and together are the whole split. A document's id is
-    (epoch, chunk position, index in this rank's share of that chunk)."""
+    """One rank's documents of a split. Each epoch shuffles the chunks, and each chunk's documents,
+    from the seed; rank r takes every world_size-th document, so the ranks' shares are disjoint and
+    cover the split. A document's id: (epoch, chunk position, index in this rank's share)."""
 
     def __init__(self, source, split, seed=0, rank=0, world_size=1, reader=None, sharers=1):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
         self.chunks = list_chunks(source, split)
-        self.source, self.split, self.seed, self.rank, self.world_size = source, split, seed, rank, world_size
-        self.reader = reader or ChunkReader()  # dataset.ChunkReader: shared by this process's loaders
-        self.sharers = sharers  # the streams of the same split that share `reader` and read every chunk
+        (self.source, self.split, self.seed, self.rank,
+         self.world_size) = source, split, seed, rank, world_size
+        self.reader = reader or ChunkReader()  # shared by this process's loaders
+        self.sharers = sharers  # how many streams of this split read every chunk through `reader`
         self._order = (None, None)
 
     def order(self, epoch):
-        cached_epoch, order = self._order  # one permutation per epoch, cached: it is asked for once per chunk
+        cached_epoch, order = self._order  # cached: asked for once per chunk
         if cached_epoch != epoch:
             order = list(range(len(self.chunks)))
             random.Random(f"{self.seed}:{epoch}").shuffle(order)
@@ -54,7 +55,8 @@ class DocumentStream:
 
     def share(self, epoch, position, shared=True):
         chunk = self.chunks[self.order(epoch)[position]]
-        docs = list(self.reader.documents(chunk, epoch, self.sharers)) if shared else self.reader.read(chunk)
+        docs = (list(self.reader.documents(chunk, epoch, self.sharers)) if shared
+                else self.reader.read(chunk))
         random.Random(f"{self.seed}:{epoch}:{position}").shuffle(docs)
         return docs[self.rank::self.world_size]
 
@@ -62,7 +64,7 @@ class DocumentStream:
         return no_documents(self.source, self.split, self.rank, self.world_size)
 
     def iterate(self, epoch=0, position=0, index=0, loop=True):
-        """Yield (doc_id, text) from document id (epoch, position, index) on; epoch after epoch if loop."""
+        """(doc_id, text) from the given id on, epoch after epoch if loop."""
         while True:
             whole_epoch, found = position == 0 and index == 0, False
             for pos in range(position, len(self.chunks)):
@@ -78,18 +80,19 @@ class DocumentStream:
             epoch, position, index = epoch + 1, 0, 0
 
 # -----------------------------------------------------------------------------
-# Loader: BOS-aligned best-fit packing (METHOD.md §2), tokenizing ahead in a thread, exactly resumable
+# The loader: BOS-aligned best-fit packing (METHOD.md §2), tokenized ahead, exactly resumable
 
 def tokenize_ahead(tokenizer, stream, start, loop, batch_docs, num_threads):
-    """Lists of (doc_id, tokens), every document BOS first, tokenized batch_docs at a time."""
+    """Lists of (doc_id, tokens), BOS first, batch_docs documents at a time."""
     documents = stream.iterate(*start, loop=loop)
     while batch := list(itertools.islice(documents, batch_docs)):
         doc_ids, texts = zip(*batch)
-        yield list(zip(doc_ids, tokenizer.encode(list(texts), prepend_bos=True, num_threads=num_threads)))
+        yield list(zip(doc_ids, tokenizer.encode(list(texts), prepend_bos=True,
+                                                 num_threads=num_threads)))
 
 
 class Prefetcher:
-    """Runs a generator in a daemon thread, at most `depth` items ahead of get() (tiktoken releases the GIL)."""
+    """Runs a generator in a thread, up to `depth` items ahead (tiktoken releases the GIL)."""
 
     def __init__(self, generator, depth=8):
         self.queue, self.stop = queue.Queue(depth), threading.Event()
@@ -102,7 +105,7 @@ class Prefetcher:
                 if not self._put(("item", item)):
                     return
             self._put(("end", None))
-        except BaseException as e:  # handed over, so the consumer raises it
+        except BaseException as e:  # the consumer raises it
             self._put(("error", e))
 
     def _put(self, message):
@@ -115,15 +118,14 @@ class Prefetcher:
         return False
 
     def close(self):
-        """Stop and wait for the thread: one still inside tiktoken or torch when the interpreter exits can
-        abort the process ("terminate called without an active exception")."""
+        """Join the thread: one alive at exit can abort the interpreter."""
         self.stop.set()
         self.thread.join(timeout=60)
 
     def get(self):
-        """The next item, None once the generator is done."""
+        """The next item; None at the end."""
         kind, item = self.queue.get()
-        if kind != "item":  # stay finished: every later call sees the same end or error
+        if kind != "item":  # put back, so every later call sees the same end or error
             self.queue.put((kind, item))
         if kind == "error":
             raise item
@@ -131,18 +133,19 @@ class Prefetcher:
 
 
 class DataLoader:
-    """Yields (x, y), LongTensors of shape (batch_size, seq_len) on `device`: rows of seq_len + 1 tokens that each
-    start with BOS, packed best-fit from a buffer of about buffer_docs documents, overflow cropped, no padding
-    (METHOD.md §2). The train split cycles over epochs forever; the val split is read once, then StopIteration.
-    state_dict() is small (the ids of the buffered documents and of the next one to read), and a loader given it
-    yields exactly the batches the saved one would have yielded next. reader: the dataset.ChunkReader that this
-    loader and the sharers - 1 others of its process read through (None: one of its own)."""
+    """Yields (x, y), (batch_size, seq_len) on `device`: rows of seq_len + 1 tokens packed best-fit
+    from a buffer of about buffer_docs documents, each row starting with BOS, overflow cropped, no
+    padding (METHOD.md §2). The train split loops forever; val is read once. The state is only
+    document ids, so a resumed loader re-reads what it buffered and yields the same batches.
+    reader: a ChunkReader this loader and sharers - 1 others share (None: its own)."""
 
-    def __init__(self, tokenizer, source, split, batch_size, seq_len, rank=0, world_size=1, seed=0, device="cpu",
-                 buffer_docs=1000, num_threads=4, tokenize_batch=128, reader=None, sharers=1):
+    def __init__(self, tokenizer, source, split, batch_size, seq_len, rank=0, world_size=1, seed=0,
+                 device="cpu", buffer_docs=1000, num_threads=4, tokenize_batch=128, reader=None,
+                 sharers=1):
         self.tokenizer, self.batch_size, self.seq_len = tokenizer, batch_size, seq_len
         self.device = torch.device(device)
-        self.buffer_docs, self.num_threads, self.tokenize_batch = buffer_docs, num_threads, tokenize_batch
+        self.buffer_docs, self.num_threads, self.tokenize_batch = (buffer_docs, num_threads,
+                                                                   tokenize_batch)
         self.stream = DocumentStream(source, split, seed, rank, world_size, reader, sharers)
         self.loop = split == "train"
         self.next_doc = (0, 0, 0)  # id of the next document to take into the buffer
@@ -153,8 +156,9 @@ class DataLoader:
     def _next_document(self):
         if not self.pending:
             if self.prefetcher is None:
-                self.prefetcher = Prefetcher(tokenize_ahead(self.tokenizer, self.stream, self.next_doc, self.loop,
-                                                            self.tokenize_batch, self.num_threads))
+                self.prefetcher = Prefetcher(tokenize_ahead(
+                    self.tokenizer, self.stream, self.next_doc, self.loop, self.tokenize_batch,
+                    self.num_threads))
             batch = self.prefetcher.get()
             if batch is None:
                 return None
@@ -172,8 +176,7 @@ class DataLoader:
             self.arrivals += 1
 
     def _pack_row(self):
-        """METHOD.md §2: take the longest buffered document that fits whole; when none fits, crop the shortest
-        (the least waste) to fill the row exactly. The row starts with BOS because every document does."""
+        """METHOD.md §2: the longest document that fits, or else the shortest, cropped to fill."""
         row, capacity = [], self.seq_len + 1
         while len(row) < capacity:
             self._fill_buffer()
@@ -198,34 +201,35 @@ class DataLoader:
                 if self.batches == 0 and self.arrivals == 0:
                     raise self.stream.no_documents()
                 if self.batches == 0:
-                    raise ValueError(f"the {self.stream.split} split of {self.stream.source} holds less than one batch "
-                                     f"({self.batch_size} x {self.seq_len + 1} tokens) for rank {self.stream.rank}: "
-                                     f"use a smaller batch size or sequence length, or more data")
+                    raise ValueError(
+                        f"the {self.stream.split} split of {self.stream.source} holds less than "
+                        f"one batch ({self.batch_size} x {self.seq_len + 1} tokens) for rank "
+                        f"{self.stream.rank}: use a smaller batch size or sequence length, "
+                        f"or more data")
                 raise StopIteration
             rows.append(row)
         self.batches += 1
         batch = torch.tensor(rows, dtype=torch.long)
         x, y = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
-        if self.device.type == "cuda":  # pinned, so the copy runs alongside the GPU's work
-            return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
+        if self.device.type == "cuda":  # pinned, so the copy overlaps the GPU's work
+            return (x.pin_memory().to(self.device, non_blocking=True),
+                    y.pin_memory().to(self.device, non_blocking=True))
         return x.to(self.device), y.to(self.device)
 
     @property
     def tokens_read(self):
-        """Tokens of every document taken into the buffer so far, placed, cropped or still waiting."""
+        """Tokens of every document buffered so far."""
         return self.tokens_used + self.tokens_cropped + sum(entry[0] for entry in self.buffer)
 
     @property
     def cropped_fraction(self):
-        """Share of the tokens of the documents packed so far that were cropped. The buffer keeps the longest
-        documents waiting, so on a corpus not much larger than the buffer this reads low until many epochs
-        have passed (`python data.py` measures the settled share instead)."""
+        """The share of packed tokens cropped; low at first, while long documents wait."""
         return self.tokens_cropped / max(self.tokens_used + self.tokens_cropped, 1)
 
     def state_dict(self):
         s = self.stream
-        return {"source": s.source, "split": s.split, "seed": s.seed, "rank": s.rank, "world_size": s.world_size,
-                "next_doc": list(self.next_doc),
+        return {"source": s.source, "split": s.split, "seed": s.seed, "rank": s.rank,
+                "world_size": s.world_size, "next_doc": list(self.next_doc),
                 "buffer": [[arrival, *doc_id] for _, arrival, doc_id, _ in self.buffer],
                 "arrivals": self.arrivals, "batches": self.batches,
                 "tokens_used": self.tokens_used, "tokens_cropped": self.tokens_cropped}
@@ -235,27 +239,28 @@ class DataLoader:
         mine = (s.split, s.seed, s.rank, s.world_size)
         theirs = (state["split"], state["seed"], state["rank"], state["world_size"])
         if mine != theirs:
-            raise ValueError(f"loader state is for (split, seed, rank, world_size) = {theirs}, this loader is {mine}: "
-                             f"each rank must save and restore its own loader state")
+            raise ValueError(f"loader state is for (split, seed, rank, world_size) = {theirs}, "
+                             f"this loader is {mine}: each rank must save and restore its own "
+                             f"loader state")
         self.close()
         self.pending.clear()
         self.next_doc = tuple(state["next_doc"])
         self.arrivals, self.batches = state["arrivals"], state["batches"]
         self.tokens_used, self.tokens_cropped = state["tokens_used"], state["tokens_cropped"]
-        # re-read and re-tokenize the documents that were waiting in the buffer, a chunk at a time
+        # the buffered documents, re-read and re-tokenized a chunk at a time
         by_chunk = collections.defaultdict(list)
         for arrival, epoch, position, index in state["buffer"]:
             by_chunk[epoch, position].append((arrival, index))
         self.buffer = []
         for (epoch, position), entries in by_chunk.items():
-            docs = s.share(epoch, position, shared=False)  # the other loaders are not resuming this chunk
+            docs = s.share(epoch, position, shared=False)  # no other loader resumes this chunk
             token_lists = self.tokenizer.encode([docs[i] for _, i in entries], prepend_bos=True,
                                                 num_threads=self.num_threads)
             for (arrival, index), tokens in zip(entries, token_lists):
                 bisect.insort(self.buffer, (len(tokens), arrival, (epoch, position, index), tokens))
 
     def close(self):
-        """Stop tokenizing ahead (the thread would otherwise wait on a full queue)."""
+        """Stop tokenizing ahead."""
         if self.prefetcher is not None:
             self.prefetcher.close()
             self.prefetcher = None
@@ -264,12 +269,12 @@ class DataLoader:
         self.close()
 
 
-def val_batches(tokenizer, source, batch_size, seq_len, num_tokens, rank=0, world_size=1, device="cpu", reader=None):
-    """The same held-out batches every call: the val split in the order of seed 0, num_tokens in all across the
-    ranks (at least one batch each). Fewer come if the split runs out first, so size num_tokens to the split.
-    reader: a ChunkReader to read with (None: one of its own)."""
-    loader = DataLoader(tokenizer, source, "val", batch_size, seq_len, rank, world_size, seed=0, device=device,
-                        reader=reader)
+def val_batches(tokenizer, source, batch_size, seq_len, num_tokens, rank=0, world_size=1,
+                device="cpu", reader=None):
+    """The same held-out batches at every call: num_tokens over all ranks of the val split, at
+    seed 0, at least one batch each; fewer if the split runs out."""
+    loader = DataLoader(tokenizer, source, "val", batch_size, seq_len, rank, world_size, seed=0,
+                        device=device, reader=reader)
     yield from itertools.islice(loader, max(1, num_tokens // (batch_size * seq_len * world_size)))
     loader.close()
 
@@ -277,13 +282,16 @@ def val_batches(tokenizer, source, batch_size, seq_len, num_tokens, rank=0, worl
 # Command line: the loader measured
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
                                      allow_abbrev=False)
-    parser.add_argument("--data", default="stdlib", help="fineweb-edu, stdlib, or a path/folder/glob of your files")
+    parser.add_argument("--data", default="stdlib",
+                        help="fineweb-edu, stdlib, or a path/folder/glob of your files")
     parser.add_argument("--vocab_size", type=int, default=4096)
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--seq_len", type=int, default=2048)
-    parser.add_argument("--tokens", type=int, default=4_000_000, help="tokens to time after the first batch")
+    parser.add_argument("--tokens", type=int, default=4_000_000,
+                        help="tokens to time after the first batch")
     args = parser.parse_args(argv)
     for flag in ("vocab_size", "batch_size", "seq_len", "tokens"):  # refused before any work
         if getattr(args, flag) < 1:
@@ -296,20 +304,21 @@ def main(argv=None):
     t1 = time.time()
     steps = max(2, args.tokens // (args.batch_size * args.seq_len))
     for step in range(steps):
-        if step == steps // 2:  # the crop share is measured over the second half, once the buffer has settled
+        if step == steps // 2:  # the crop share over the second half, once the buffer settles
             used, read = loader.tokens_used, loader.tokens_read
         next(loader)
     t2 = time.time()
     cropped = 1 - (loader.tokens_used - used) / (loader.tokens_read - read)
-    print(f"First batch after {t1 - t0:.1f}s (tokenizing the first {loader.buffer_docs} documents), then "
-          f"{steps * args.batch_size * args.seq_len / (t2 - t1):,.0f} tokens/s over {steps} batches of "
-          f"{args.batch_size} x {args.seq_len}; packing cropped {100 * cropped:.1f}% of the tokens read over "
-          f"the last {steps - steps // 2} batches")
+    tokens_per_second = steps * args.batch_size * args.seq_len / (t2 - t1)
+    print(f"First batch after {t1 - t0:.1f}s (tokenizing the first {loader.buffer_docs} "
+          f"documents), then {tokens_per_second:,.0f} tokens/s over {steps} batches of "
+          f"{args.batch_size} x {args.seq_len}; packing cropped {100 * cropped:.1f}% of the tokens "
+          f"read over the last {steps - steps // 2} batches")
     loader.close()
 
 
 if __name__ == "__main__":
     try:
         main()
-    except (OSError, ValueError) as err:  # bad flags or data, a base folder that cannot be written
+    except (OSError, ValueError) as err:  # bad flags or data, an unwritable base folder
         sys.exit(f"data.py: {err}")

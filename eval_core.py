@@ -1,22 +1,20 @@
 """
-eval_core.py: evaluate a checkpoint (METHOD.md §3): CORE and Core-Extended, bits per byte, and the test-time
-scaling law.
+eval_core.py: evaluate a checkpoint (METHOD.md §3): CORE and Core-Extended, bits per byte, and the
+test-time scaling law L(T).
 
-    python eval_core.py                                       # CORE of the latest checkpoint, at T = mu_rec
-    python eval_core.py --T 8 --max_per_task 50               # quicker: 50 examples per task
-    python eval_core.py --tasks extended --seeds 1234,2345,3456   # Core-Extended, mean and std over 3 few-shot seeds
-    python eval_core.py --max_per_task 50 --compare_batching  # batched scoring against one example per forward
-    python eval_core.py --eval bpb --T 1,2,4,8,16,32          # val loss and bits per byte at each T, fit L(T)
-    python -m experiments.plot --test_time                    # draw the newest L(T) fit beside its JSON
-    python eval_core.py --eval ppl --T 1,4                    # the paper's val PPL: one document per forward
-    torchrun --nproc_per_node 8 eval_core.py --T 8            # examples striped across ranks (nccl; gloo on CPU)
+    python eval_core.py                                   # CORE of the latest checkpoint
+    python eval_core.py --T 8 --max_per_task 50           # quicker: 50 examples per task
+    python eval_core.py --tasks extended --seeds 1234,2345,3456   # Core-Extended, over 3 seeds
+    python eval_core.py --max_per_task 50 --compare_batching      # batched vs one per forward
+    python eval_core.py --eval bpb --T 1,2,4,8,16,32      # val loss and bpb at each T, fit L(T)
+    python eval_core.py --eval ppl --T 1,4                # the paper's val PPL
+    torchrun --nproc_per_node 8 eval_core.py --T 8        # examples striped across ranks
 
-CORE is DCLM's 22-task ensemble scored the way nanochat scores it; the eval bundle (nanochat's copy of DCLM's task
-files) is downloaded on first use to $NANOPARCAE_BASE_DIR/eval_bundle. Results print as a table and are written as
-JSON next to the checkpoint. train.py calls evaluate_core / evaluate_bpb directly. Two validation losses: --eval bpb
-scores packed BOS-aligned rows (what train.py logs); --eval ppl is the authors' final protocol, the one behind the
-paper's val PPL (19.06 at 140M ...). The authors' release: `python -m interop.hub eval`; the lm-evaluation-harness's
-tasks: `python -m interop.harness`.
+CORE is DCLM's 22-task ensemble, scored as nanochat scores it, from nanochat's copy of the task
+files, downloaded on first use to $NANOPARCAE_BASE_DIR/eval_bundle. Results print as a table and
+go to a JSON file beside the checkpoint. There are two validation losses: --eval bpb scores packed
+BOS-aligned rows, as training does; --eval ppl scores one document per forward, the authors' final
+protocol and the one behind the paper's val PPL.
 """
 
 import argparse
@@ -36,27 +34,27 @@ import torch.nn.functional as F
 from nanoparcae.checkpoint import load_run
 from nanoparcae.common import (get_base_dir, init_distributed, parse_device, print0, rank_and_world,
                                write_atomically)
-from nanoparcae.core_tasks import (CORE_LABELS, EVAL_BUNDLE_URL, LM, build_rows, download_eval_bundle,
-                                   load_task_data, read_random_baselines, select_tasks)
+from nanoparcae.core_tasks import (CORE_LABELS, EVAL_BUNDLE_URL, LM, build_rows,
+                                   download_eval_bundle, load_task_data, read_random_baselines,
+                                   select_tasks)
 from data import val_batches
 from nanoparcae.dataset import iter_documents
 from model import evaluation_initial_state
 
 # -----------------------------------------------------------------------------
-# Scoring token rows, many per forward (METHOD.md §3): rows grouped by length and padded on the right, one seeded
-# draw of h0 shared by every row (evaluation's policy, model.initial_state), each row's mean cross-entropy over its
-# scored span (CORE's rows here, the lm-evaluation-harness's requests in interop/harness.py)
+# Scoring token rows, many per forward (METHOD.md §3): rows grouped by length and padded on the
+# right, one seeded h0 shared by every row, each row's mean cross-entropy over its scored span
 
 def bf16_autocast(device):
-    """bf16 autocast on CUDA, as in training; on a CPU only inside a caller's own CPU autocast (train.py
-    --dtype=bfloat16), which an inner disabled autocast would otherwise switch off."""
+    """bf16 autocast on CUDA, as in training; on a CPU it keeps an enclosing autocast on."""
     return torch.autocast(device.type, torch.bfloat16,
-                          enabled=device.type == "cuda" or torch.is_autocast_enabled(device.type))
+                          enabled=device.type == "cuda"
+                          or torch.is_autocast_enabled(device.type))
 
 
 def forward_batches(rows, batch_tokens, one_per_forward):
-    """Lists of row indices, one list per forward. Batched: longest first, as many rows as fit batch_tokens
-    (rows x width). one_per_forward: one item's sequences per forward, the way nanochat runs."""
+    """Row indices, one list per forward: longest first, as many as fit batch_tokens (rows x width);
+    or one item's rows per forward, as nanochat runs."""
     if one_per_forward:
         by_example = defaultdict(list)
         for i, row in enumerate(rows):
@@ -64,7 +62,8 @@ def forward_batches(rows, batch_tokens, one_per_forward):
         return list(by_example.values())
     batches, batch = [], []
     for i in sorted(range(len(rows)), key=lambda i: -len(rows[i].tokens)):
-        if batch and (len(batch) + 1) * len(rows[batch[0]].tokens) > batch_tokens:  # batch[0] sets the width
+        # batch[0] is the longest, so it sets the width
+        if batch and (len(batch) + 1) * len(rows[batch[0]].tokens) > batch_tokens:
             batches.append(batch)
             batch = []
         batch.append(i)
@@ -73,15 +72,15 @@ def forward_batches(rows, batch_tokens, one_per_forward):
 
 @torch.no_grad()
 def score_rows(model, rows, T, h0_table, batch_tokens=1024, one_per_forward=False):
-    """-> (mean cross-entropy over each row's span, whether greedy argmax reproduces the span), per row.
-    Eager even when the model's blocks are compiled (train.py): each forward has its own width and number of rows,
-    so compiled blocks would build a graph for nearly every one (model.compile_blocks)."""
-    with torch.compiler.set_stance("force_eager"):  # a decorator would import dynamo with this module
+    """-> per row, (mean cross-entropy over its span, whether greedy argmax reproduces the span).
+    Eager even under compiled blocks: nearly every forward has a new shape and would recompile."""
+    with torch.compiler.set_stance("force_eager"):  # a decorator would import dynamo here
         device = h0_table.device
         losses, exact = [0.0] * len(rows), [False] * len(rows)
         for batch in forward_batches(rows, batch_tokens, one_per_forward):
             width = max(len(rows[i].tokens) for i in batch)
-            ids = torch.zeros(len(batch), width, dtype=torch.long)  # pad id 0: causal attention never looks right
+            # padded with id 0 on the right, which causal attention never reads
+            ids = torch.zeros(len(batch), width, dtype=torch.long)
             for j, i in enumerate(batch):
                 ids[j, :len(rows[i].tokens)] = torch.tensor(rows[i].tokens)
             ids = ids.to(device)
@@ -90,10 +89,12 @@ def score_rows(model, rows, T, h0_table, batch_tokens=1024, one_per_forward=Fals
             batch_losses, batch_exact = [], []
             for j, i in enumerate(batch):
                 row = rows[i]
-                predicted, targets = logits[j, row.start - 1:row.end - 1], ids[j, row.start:row.end]
+                predicted, targets = (logits[j, row.start - 1:row.end - 1],
+                                      ids[j, row.start:row.end])
                 batch_losses.append(F.cross_entropy(predicted, targets))
                 batch_exact.append((predicted.argmax(-1) == targets).all())
-            for i, loss, hit in zip(batch, torch.stack(batch_losses).tolist(), torch.stack(batch_exact).tolist()):
+            for i, loss, hit in zip(batch, torch.stack(batch_losses).tolist(),
+                                    torch.stack(batch_exact).tolist()):
                 losses[i], exact[i] = loss, hit
         return losses, exact
 
@@ -102,15 +103,16 @@ def score_rows(model, rows, T, h0_table, batch_tokens=1024, one_per_forward=Fals
 # CORE: accuracy per task, centered by the random baseline, averaged
 
 def centered_accuracy(accuracy, random_baseline):
-    """METHOD.md §3: (acc - 0.01 rb) / (1 - 0.01 rb), rb in percent: 0 at chance, 1 for a perfect score."""
+    """METHOD.md §3: 0 at chance, 1 for a perfect score (random_baseline in percent)."""
     return (accuracy - 0.01 * random_baseline) / (1.0 - 0.01 * random_baseline)
 
 
-def evaluate_task(model, tokenizer, task, data, T, seed, h0_table, batch_tokens=1024, one_per_forward=False):
-    """Accuracy on data. This rank scores items rank, rank + world, ...; the per-item results are summed across
-    ranks, so the accuracy does not depend on the number of ranks."""
+def evaluate_task(model, tokenizer, task, data, T, seed, h0_table, batch_tokens=1024,
+                  one_per_forward=False):
+    """Accuracy on data, the items striped across ranks and summed, so any number of ranks agree."""
     rank, world = rank_and_world()
-    rows = build_rows(task, data, range(rank, len(data), world), tokenizer, seed, model.config.seq_len)
+    rows = build_rows(task, data, range(rank, len(data), world), tokenizer, seed,
+                      model.config.seq_len)
     losses, exact = score_rows(model, rows, T, h0_table, batch_tokens, one_per_forward)
     per_item = defaultdict(list)
     for row, loss, hit in zip(rows, losses, exact):
@@ -129,16 +131,12 @@ def evaluate_task(model, tokenizer, task, data, T, seed, h0_table, batch_tokens=
 
 def evaluate_core(model, tokenizer, bundle_dir, T=None, max_per_task=-1, tasks="core", seed=1234,
                   batch_tokens=None, one_per_forward=False, verbose=True):
-    """CORE / Core-Extended of model at recurrence T (None: mu_rec), few-shot seed `seed`.
-
-    -> {"T", "seed", "max_per_task", "accuracy": {label: acc}, "centered": {label: centered}, "core": mean centered
-    over the CORE tasks evaluated, "core_extended": mean over every task evaluated (None unless an extended task
-    ran), "skipped": {label: why}, "seconds"}. Tasks whose file or baseline the bundle lacks are skipped and named.
-    tasks: "core", "extended", labels separated by commas, or a list of Task.
-    """
+    """CORE / Core-Extended at recurrence T (None: mu_rec) -> a dict of per-task accuracies, their
+    means ("core", and "core_extended" when an extended task ran) and the tasks skipped, with why.
+    tasks: "core", "extended", labels separated by commas, or a list of Task."""
     t_start = time.time()
     device = next(model.parameters()).device
-    # (sequences x width) per forward: a GPU wants big batches; a CPU's cache holds a small batch's elementwise ops
+    # a GPU wants big batches; on a CPU a small batch's elementwise ops stay in cache
     batch_tokens = batch_tokens or (16384 if device.type == "cuda" else 1024)
     was_training = model.training
     model.eval()
@@ -156,8 +154,8 @@ def evaluate_core(model, tokenizer, bundle_dir, T=None, max_per_task=-1, tasks="
             continue
         t0 = time.time()
         data = load_task_data(bundle_dir, task, max_per_task)
-        accuracy[task.label] = evaluate_task(model, tokenizer, task, data, T, seed, h0_table, batch_tokens,
-                                             one_per_forward)
+        accuracy[task.label] = evaluate_task(model, tokenizer, task, data, T, seed, h0_table,
+                                             batch_tokens, one_per_forward)
         centered[task.label] = centered_accuracy(accuracy[task.label], baselines[task.label])
         if verbose:
             print0(f"{task.label:<34} {task.shots:>2}-shot {task.kind:<17} {len(data):>6} items  "
@@ -166,8 +164,9 @@ def evaluate_core(model, tokenizer, bundle_dir, T=None, max_per_task=-1, tasks="
     model.train(was_training)
     core = [c for label, c in centered.items() if label in CORE_LABELS]
     extended_ran = any(label not in CORE_LABELS for label in centered)
-    return {"T": T if T is not None else model.config.mu_rec, "seed": seed, "max_per_task": max_per_task,
-            "accuracy": accuracy, "centered": centered, "core": sum(core) / len(core) if core else None,
+    return {"T": T if T is not None else model.config.mu_rec, "seed": seed,
+            "max_per_task": max_per_task, "accuracy": accuracy, "centered": centered,
+            "core": sum(core) / len(core) if core else None,
             "core_extended": sum(centered.values()) / len(centered) if extended_ran else None,
             "skipped": skipped, "seconds": time.time() - t_start}
 
@@ -176,14 +175,14 @@ def evaluate_core(model, tokenizer, bundle_dir, T=None, max_per_task=-1, tasks="
 
 @torch.no_grad()
 def evaluate_bpb(model, tokenizer, batches, T=None, seed=1234, state_norm=False):
-    """-> (loss, bpb) over (x, y) batches, summed across ranks. loss: mean nats per target token (y = -1 ignored);
-    bpb = sum of nats / (ln 2 * sum of UTF-8 bytes) over targets with bytes (specials have 0 and are left out).
-    state_norm=True adds a third value, ||h_T|| averaged over every position (None for the Transformer)."""
+    """-> (loss, bpb) over (x, y) batches and ranks: mean nats per target (y = -1 ignored), and bits
+    per UTF-8 byte over the targets that have bytes. state_norm adds the mean ||h_T||."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     token_bytes = tokenizer.token_bytes.to(device)
-    sums = torch.zeros(6, dtype=torch.float64, device=device)  # nats, targets, byte nats, bytes, ||h_T|| x positions
+    # nats, targets, nats of byte tokens, bytes, ||h_T|| x positions, positions
+    sums = torch.zeros(6, dtype=torch.float64, device=device)
     h0_table = None
     for x, y in batches:
         x, y = x.to(device), y.to(device)
@@ -191,33 +190,33 @@ def evaluate_bpb(model, tokenizer, batches, T=None, seed=1234, state_norm=False)
             h0_table = evaluation_initial_state(model.config.d_model, x.size(1), seed, device)
         stats = {}
         with bf16_autocast(device):
-            nats = model(x, targets=y, T=T, h0=h0_table[:, :x.size(1)].expand(x.size(0), -1, -1), reduction="none",
-                         diagnostics=stats).double()
+            nats = model(x, targets=y, T=T, h0=h0_table[:, :x.size(1)].expand(x.size(0), -1, -1),
+                         reduction="none", diagnostics=stats).double()
         h_norm = stats["h_norm"] if state_norm else None
         valid = y >= 0
         num_bytes = torch.where(valid, token_bytes[y.clamp(min=0)], 0)
         sums[:4] += torch.stack([nats[valid].sum(), valid.sum().double(), nats[num_bytes > 0].sum(),
                                  num_bytes.sum().double()])
         if h_norm is not None:
-            sums[4:] += torch.stack([h_norm.double() * x.numel(), torch.tensor(float(x.numel()), device=device)])
+            sums[4:] += torch.stack([h_norm.double() * x.numel(),
+                                     torch.tensor(float(x.numel()), device=device)])
     model.train(was_training)
     if dist.is_initialized():
         dist.all_reduce(sums)
     nats, targets, byte_nats, num_bytes, h_norm, positions = sums.tolist()
     if targets == 0 or num_bytes == 0:
-        raise ValueError("no validation tokens to evaluate: pass more --val_tokens or check the data source")
+        raise ValueError("no validation tokens to evaluate: pass more of them (eval_core.py "
+                         "--val_tokens, train.py --eval_tokens) or check the data source")
     loss, bpb = nats / targets, byte_nats / (math.log(2) * num_bytes)
     return (loss, bpb, h_norm / positions if positions else None) if state_norm else (loss, bpb)
 
 
 @torch.no_grad()
 def evaluate_ppl(model, tokenizer, docs, T=None, seed=1234):
-    """The authors' final validation loss (their receval val_loss task), behind the paper's val PPL: every
-    document alone in one forward, its first seq_len + 1 tokens with no BOS (inputs tokens[:-1], targets
-    tokens[1:]); documents of fewer than 2 tokens are skipped. Documents are striped across ranks and summed.
-    -> (loss, bpb, documents, tokens): loss = mean nats over the targets that carry bytes (PPL = exp(loss)),
-    bpb = those nats / (ln 2 * their bytes). h0: one seeded draw, as evaluate_bpb (the authors draw it per
-    forward; the distribution is the same)."""
+    """The authors' final validation loss, behind the paper's val PPL (METHOD.md §3): each document
+    alone in one forward, its first seq_len + 1 tokens, no BOS. -> (loss, bpb, documents, tokens),
+    over the targets that carry bytes; PPL = exp(loss). One seeded h0, as in evaluate_bpb (the
+    authors draw one per forward, from the same distribution)."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -225,7 +224,8 @@ def evaluate_ppl(model, tokenizer, docs, T=None, seed=1234):
     seq_len = model.config.seq_len
     token_bytes = tokenizer.token_bytes.to(device)
     h0_table = evaluation_initial_state(model.config.d_model, seq_len, seed, device)
-    sums = torch.zeros(4, dtype=torch.float64, device=device)  # nats of byte tokens, their count, bytes, documents
+    # nats of byte tokens, their count, bytes, documents
+    sums = torch.zeros(4, dtype=torch.float64, device=device)
     for ids in tokenizer.encode(docs[rank::world]):
         ids = ids[:seq_len + 1]
         if len(ids) < 2:
@@ -234,25 +234,27 @@ def evaluate_ppl(model, tokenizer, docs, T=None, seed=1234):
         with bf16_autocast(device):
             nats = model(x, targets=y, T=T, h0=h0_table[:, :x.size(1)], reduction="none").double()
         num_bytes = token_bytes[y]
-        sums += torch.stack([nats[num_bytes > 0].sum(), (num_bytes > 0).sum().double(), num_bytes.sum().double(),
+        sums += torch.stack([nats[num_bytes > 0].sum(), (num_bytes > 0).sum().double(),
+                             num_bytes.sum().double(),
                              torch.ones((), dtype=torch.float64, device=device)])
     model.train(was_training)
     if dist.is_initialized():
         dist.all_reduce(sums)
     nats, tokens, num_bytes, num_docs = sums.tolist()
     if tokens == 0:
-        raise ValueError("no validation document of 2 or more tokens: check the data source or raise --max_docs")
+        raise ValueError("no validation document of 2 or more tokens: check the data source or "
+                         "raise --max_docs")
     return nats / tokens, nats / (math.log(2) * num_bytes), int(num_docs), int(tokens)
 
 
 def fit_test_time_scaling(Ts, losses):
-    """Least-squares fit of L(T) = L_inf + Z exp(-z T) (METHOD.md §3) -> {"L_inf", "Z", "z", "rms"}. For a fixed z
-    the law is linear in (L_inf, Z), solved exactly; z is searched on a log grid, then refined by golden-section search
-    (on log z) between the best grid point's neighbours."""
+    """Least-squares fit of L(T) = L_inf + Z exp(-z T) (METHOD.md §3) -> L_inf, Z, z, rms.
+    For fixed z the law is linear in (L_inf, Z), so only z is searched: a log grid, then
+    golden-section search around the best point."""
     T, L = np.asarray(Ts, dtype=np.float64), np.asarray(losses, dtype=np.float64)
     if len(T) < 3 or len(set(T.tolist())) < 3:
-        raise ValueError(f"fitting L(T) = L_inf + Z exp(-z T) needs at least 3 distinct T, got {Ts}; "
-                         f"pass e.g. --T 1,2,4,8,16")
+        raise ValueError(f"fitting L(T) = L_inf + Z exp(-z T) needs at least 3 distinct T, "
+                         f"got {Ts}; pass e.g. --T 1,2,4,8,16")
 
     def solve(log_z):
         design = np.stack([np.ones_like(T), np.exp(-math.exp(log_z) * T)], axis=1)
@@ -293,16 +295,19 @@ def aggregate_line(result):
     parts = [f"{result['seconds']:.1f}s"]
     if result["core"] is not None:
         n_core = sum(label in CORE_LABELS for label in result["centered"])
-        parts.insert(0, f"CORE {result['core']:.4f} (x100: {100 * result['core']:.2f}) over {n_core} of 22 tasks")
+        parts.insert(0, f"CORE {result['core']:.4f} (x100: {100 * result['core']:.2f}) "
+                        f"over {n_core} of 22 tasks")
     if result["core_extended"] is not None:
-        parts.insert(-1, f"Core-Extended {result['core_extended']:.4f} over {len(result['centered'])} of 46 tasks")
+        parts.insert(-1, f"Core-Extended {result['core_extended']:.4f} "
+                         f"over {len(result['centered'])} of 46 tasks")
     if result["skipped"]:
         parts.insert(-1, f"skipped {len(result['skipped'])}: {', '.join(result['skipped'])}")
     return " | ".join(parts)
 
 
 def run_core(args, model, tokenizer, Ts, seeds):
-    bundle_dir = download_eval_bundle(args.bundle_url) if rank_and_world()[0] == 0 else get_base_dir() / "eval_bundle"
+    bundle_dir = (download_eval_bundle(args.bundle_url) if rank_and_world()[0] == 0
+                  else get_base_dir() / "eval_bundle")
     if dist.is_initialized():
         dist.barrier()  # the other ranks wait for rank 0's download
     kw = dict(max_per_task=args.max_per_task, tasks=args.tasks, batch_tokens=args.batch_tokens)
@@ -310,16 +315,17 @@ def run_core(args, model, tokenizer, Ts, seeds):
     for T in Ts:
         for seed in seeds:
             print0(f"--- T = {T}, few-shot seed {seed}")
-            result = evaluate_core(model, tokenizer, bundle_dir, T, seed=seed, one_per_forward=args.one_per_forward,
-                                   **kw)
+            result = evaluate_core(model, tokenizer, bundle_dir, T, seed=seed,
+                                   one_per_forward=args.one_per_forward, **kw)
             print0(aggregate_line(result))
             if args.compare_batching:
-                single = evaluate_core(model, tokenizer, bundle_dir, T, seed=seed, one_per_forward=True,
-                                       verbose=False, **kw)
+                single = evaluate_core(model, tokenizer, bundle_dir, T, seed=seed,
+                                       one_per_forward=True, verbose=False, **kw)
                 result["one_per_forward_seconds"] = single["seconds"]
-                print0(f"one example per forward: {single['seconds']:.1f}s; batched: {result['seconds']:.1f}s; "
-                       f"batched is {single['seconds'] / result['seconds']:.2f}x faster; same accuracies: "
-                       f"{single['accuracy'] == result['accuracy']}")
+                print0(f"one example per forward: {single['seconds']:.1f}s; "
+                       f"batched: {result['seconds']:.1f}s; "
+                       f"batched is {single['seconds'] / result['seconds']:.2f}x faster; "
+                       f"same accuracies: {single['accuracy'] == result['accuracy']}")
             runs.append(result)
         for key in ("core", "core_extended"):
             values = [r[key] for r in runs if r["T"] == T and r[key] is not None]
@@ -333,26 +339,29 @@ def run_core(args, model, tokenizer, Ts, seeds):
 
 def run_bpb(args, model, tokenizer, ckpt, Ts, device):
     mu_rec = model.config.mu_rec
-    Ts = sorted(set(Ts) | {mu_rec})  # METHOD.md §3 compares L_inf with the loss at T = mu_rec
+    Ts = sorted(set(Ts) | {mu_rec})  # METHOD.md §3 compares L_inf with the loss at mu_rec
     source = args.data or ckpt.get("args", {}).get("data", "fineweb-edu")
     rank, world = rank_and_world()
-    batches = list(val_batches(tokenizer, source, args.batch_size, model.config.seq_len, args.val_tokens, rank, world,
-                               device))
-    print0(f"Validation: {source}, {len(batches)} batches of {args.batch_size} x {model.config.seq_len} per rank")
+    batches = list(val_batches(tokenizer, source, args.batch_size, model.config.seq_len,
+                               args.val_tokens, rank, world, device))
+    print0(f"Validation: {source}, {len(batches)} batches of {args.batch_size} x "
+           f"{model.config.seq_len} per rank")
     losses, bpbs = [], []
     for T in Ts:
         t0 = time.time()
         loss, bpb = evaluate_bpb(model, tokenizer, batches, T)
         losses.append(loss)
         bpbs.append(bpb)
-        print0(f"T = {T:>3}: val loss {loss:.4f}  bpb {bpb:.4f}  ppl {math.exp(loss):.2f}  {time.time() - t0:.1f}s")
+        print0(f"T = {T:>3}: val loss {loss:.4f}  bpb {bpb:.4f}  ppl {math.exp(loss):.2f}  "
+               f"{time.time() - t0:.1f}s")
     out = {"T": Ts, "loss": losses, "bpb": bpbs, "data": source}
     if len(Ts) >= 3:
         fit = fit_test_time_scaling(Ts, losses)
         at_mu = losses[Ts.index(mu_rec)]
         out["fit"] = {**fit, "loss_at_mu_rec": at_mu, "mu_rec": mu_rec}
-        print0(f"L(T) = L_inf + Z exp(-z T): L_inf {fit['L_inf']:.4f}  Z {fit['Z']:.4f}  z {fit['z']:.4f}  "
-               f"RMS error {fit['rms']:.2e}; L_inf vs loss at T = mu_rec = {mu_rec} ({at_mu:.4f}): "
+        print0(f"L(T) = L_inf + Z exp(-z T): L_inf {fit['L_inf']:.4f}  Z {fit['Z']:.4f}  "
+               f"z {fit['z']:.4f}  RMS error {fit['rms']:.2e}; "
+               f"L_inf vs loss at T = mu_rec = {mu_rec} ({at_mu:.4f}): "
                f"{100 * (fit['L_inf'] - at_mu) / at_mu:+.2f}%")
     return out
 
@@ -360,8 +369,8 @@ def run_bpb(args, model, tokenizer, ckpt, Ts, device):
 def run_ppl(args, model, tokenizer, ckpt, Ts):
     source = args.data or ckpt.get("args", {}).get("data", "fineweb-edu")
     docs = list(itertools.islice(iter_documents(source, "val"), args.max_docs))
-    print0(f"Validation: the first {len(docs)} documents of {source}'s val split, one per forward, up to "
-           f"{model.config.seq_len} tokens each, no BOS")
+    print0(f"Validation: the first {len(docs)} documents of {source}'s val split, one per forward, "
+           f"up to {model.config.seq_len} tokens each, no BOS")
     out = {"T": Ts, "loss": [], "ppl": [], "bpb": [], "data": source}
     for T in Ts:
         t0 = time.time()
@@ -369,39 +378,48 @@ def run_ppl(args, model, tokenizer, ckpt, Ts):
         out["loss"].append(loss)
         out["ppl"].append(math.exp(loss))
         out["bpb"].append(bpb)
-        print0(f"T = {T:>3}: val loss {loss:.4f}  ppl {math.exp(loss):.2f}  bpb {bpb:.4f}  ({num_docs} documents, "
-               f"{tokens:,} tokens)  {time.time() - t0:.1f}s")
+        print0(f"T = {T:>3}: val loss {loss:.4f}  ppl {math.exp(loss):.2f}  bpb {bpb:.4f}  "
+               f"({num_docs} documents, {tokens:,} tokens)  {time.time() - t0:.1f}s")
     return out
 
 
 def eval_parser(description):
-    """The flags of an evaluation, shared by main and `python -m interop.hub eval`."""
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
+    """The flags of an evaluation, for any command that evaluates a loaded model."""
+    parser = argparse.ArgumentParser(description=description,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
                                      allow_abbrev=False)
     parser.add_argument("--eval", default="core", choices=["core", "bpb", "ppl"],
-                        help="core: CORE / Core-Extended; bpb: val loss on packed rows; ppl: one document per forward")
-    parser.add_argument("--T", default=None, help="test-time recurrence(s), e.g. 8 or 1,2,4,8 (default: mu_rec)")
-    parser.add_argument("--seeds", default="1234", help="few-shot seeds; several print mean and std (METHOD.md §3)")
-    parser.add_argument("--max_per_task", type=int, default=-1, help="items per task after shuffling (-1: all)")
-    parser.add_argument("--tasks", default="core", help="core (22), extended (46), or task labels separated by commas")
+                        help="core: CORE; bpb: loss on packed rows; ppl: one document per forward")
+    parser.add_argument("--T", default=None,
+                        help="test-time depth(s), e.g. 8 or 1,2,4,8 (default: mu_rec)")
+    parser.add_argument("--seeds", default="1234",
+                        help="few-shot seeds; several print mean and std")
+    parser.add_argument("--max_per_task", type=int, default=-1,
+                        help="items per task after shuffling (-1: all)")
+    parser.add_argument("--tasks", default="core",
+                        help="core (22), extended (46), or task labels separated by commas")
     parser.add_argument("--batch_tokens", type=int, default=None,
-                        help="sequences x padded length per forward (default 16384 on CUDA, 1024 on CPU)")
-    parser.add_argument("--one_per_forward", action="store_true", help="one item per forward (nanochat's way)")
+                        help="rows x width per forward (default 16384 on CUDA, 1024 on CPU)")
+    parser.add_argument("--one_per_forward", action="store_true",
+                        help="one item per forward (nanochat's way)")
     parser.add_argument("--compare_batching", action="store_true",
                         help="also run one item per forward, print the speed ratio")
-    parser.add_argument("--bundle_url", default=EVAL_BUNDLE_URL, help="where eval_bundle.zip is downloaded from")
+    parser.add_argument("--bundle_url", default=EVAL_BUNDLE_URL,
+                        help="where eval_bundle.zip is downloaded from")
     parser.add_argument("--data", default=None,
-                        help="bpb, ppl: validation source (default: the checkpoint's training data)")
-    parser.add_argument("--val_tokens", type=int, default=1 << 20, help="bpb: validation tokens over all ranks")
+                        help="bpb, ppl: validation source (default: the checkpoint's data)")
+    parser.add_argument("--val_tokens", type=int, default=1 << 20,
+                        help="bpb: validation tokens over all ranks")
     parser.add_argument("--batch_size", type=int, default=8, help="bpb: sequences per forward")
-    parser.add_argument("--max_docs", type=int, default=1000, help="ppl: the first N validation documents")
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--max_docs", type=int, default=1000,
+                        help="ppl: the first N validation documents")
+    parser.add_argument("--device", default=None,
+                        help="cpu or cuda (default: cuda when available)")
     return parser
 
 
 def check_flags(args):
-    """An evaluation's flags, checked before any checkpoint or data is read -> (--T as a list of ints or None,
-    --seeds as a list of ints). A bad one raises ValueError naming it."""
+    """-> (--T, --seeds) as lists of ints, each flag checked before any work (ValueError)."""
     Ts = parse_ints(args.T, "--T") if args.T else None
     if Ts and min(Ts) < 1:
         raise ValueError(f"--T {args.T!r}: every depth must be 1 or more, e.g. --T 1,2,4,8")
@@ -409,12 +427,14 @@ def check_flags(args):
         if getattr(args, flag, None) is not None and getattr(args, flag) < 1:
             raise ValueError(f"--{flag}={getattr(args, flag)} must be 1 or more")
     if args.max_per_task == 0 or args.max_per_task < -1:
-        raise ValueError(f"--max_per_task={args.max_per_task} must be 1 or more, or -1 for every item")
+        raise ValueError(f"--max_per_task={args.max_per_task} must be 1 or more, "
+                         f"or -1 for every item")
     return Ts, parse_ints(getattr(args, "seeds", "1234"), "--seeds")
 
 
 def start_device(args):
-    return init_distributed(parse_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")))
+    return init_distributed(parse_device(args.device
+                                         or ("cuda" if torch.cuda.is_available() else "cpu")))
 
 
 def evaluate(args, model, tokenizer, ckpt, ckpt_path, Ts, seeds, device):
@@ -432,17 +452,20 @@ def evaluate(args, model, tokenizer, ckpt, ckpt_path, Ts, seeds, device):
 
 
 def write_results(out, args, ckpt, ckpt_path, Ts, kind):
-    """The results as JSON beside the checkpoint (rank 0); experiments/plot.py --test_time draws L(T) from it."""
+    """The results as JSON beside the checkpoint, from rank 0."""
     if rank_and_world()[0] == 0:
         path = ckpt_path.with_name(f"{ckpt_path.stem}_{kind}_T{'-'.join(map(str, Ts))}.json")
-        write_json(path, {"ckpt": str(ckpt_path), "step": ckpt.get("step"), "args": vars(args), **out})
+        write_json(path, {"ckpt": str(ckpt_path), "step": ckpt.get("step"), "args": vars(args),
+                          **out})
         print0(f"Wrote {path}")
 
 
 def main(argv=None):
     parser = eval_parser(__doc__)
-    parser.add_argument("--ckpt", default=None, help="checkpoint file (default: the latest under <base dir>/runs)")
-    parser.add_argument("--run", default=None, help="run name under <base dir>/runs whose latest checkpoint to use")
+    parser.add_argument("--ckpt", default=None,
+                        help="checkpoint file (default: the latest under <base dir>/runs)")
+    parser.add_argument("--run", default=None,
+                        help="a run under <base dir>/runs, its latest checkpoint")
     args = parser.parse_args(argv)
     try:
         Ts, seeds = check_flags(args)
