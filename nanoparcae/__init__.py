@@ -1,6 +1,6 @@
 """
-nanoparcae: what the five scripts at the root lean on that is not the method, as nanochat keeps its
-package beside its scripts.
+nanoparcae: what the root's files lean on that is not the method, kept in a package beside them as
+nanochat keeps its own.
 
     common.py       processes and devices, the base folder, atomic writes, one-line errors, GPU peaks
     checkpoint.py   checkpoints written and read; load_run rebuilds a trained model and its tokenizer

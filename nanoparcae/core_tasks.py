@@ -1,7 +1,7 @@
 """
-nanoparcae/core_tasks.py: CORE's tasks (METHOD.md §3), everything before a model scores them: the task table (CORE's 22,
-Core-Extended's 46), the DCLM eval bundle they are read from (downloaded once), and each item rendered into
-the token rows whose scored span decides it. eval_core.py scores the rows and turns the scores into CORE.
+nanoparcae/core_tasks.py: CORE's tasks (METHOD.md §3), everything before a model scores them: the task table
+(CORE's 22, Core-Extended's 46), the DCLM eval bundle they are read from (downloaded once), and each item
+rendered into the token rows whose scored span decides it.
 
     tasks = select_tasks("core")
     bundle_dir = download_eval_bundle()                 # $NANOPARCAE_BASE_DIR/eval_bundle, on first use

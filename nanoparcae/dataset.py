@@ -1,9 +1,10 @@
 """
-nanoparcae/dataset.py: the text and its tokenizer, everything before the loader of data.py (METHOD.md §2): the FineWeb-Edu
-download, the three kinds of source read in chunks, and each source's tokenizer, trained once and cached.
+nanoparcae/dataset.py: the text and its tokenizer, everything before the loader (METHOD.md §2): the
+FineWeb-Edu download, the three kinds of source read in chunks, and each source's tokenizer, trained once
+and cached.
 
-    python -m nanoparcae.dataset download -n 8                     # FineWeb-Edu: 7 train shards + the last shard (validation)
-    python -m nanoparcae.dataset tokenizer --data=fineweb-edu      # train the 32,768-token BPE on ~2B characters, cache it
+    python -m nanoparcae.dataset download -n 8                  # FineWeb-Edu: 7 train shards + the validation shard
+    python -m nanoparcae.dataset tokenizer --data=fineweb-edu   # train the 32,768-token BPE on ~2B characters, cache it
 
 A data source (`--data`) is one of
     fineweb-edu   the 100b-shuffle parquet shards nanochat uses, under $NANOPARCAE_BASE_DIR/fineweb-edu;

@@ -1,6 +1,6 @@
 """
-nanoparcae/download.py: one streamed, resumable, retried HTTP download, the one every download uses: FineWeb-Edu's shards
-(dataset.py), the eval bundle (core_tasks.py) and the authors' release (interop/hub.py).
+nanoparcae/download.py: one streamed, resumable, retried HTTP download, the one every download uses: the
+FineWeb-Edu shards, the eval bundle and the authors' release.
 
     download_file(url, path)    # path appears only once every byte is there
 """

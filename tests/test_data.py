@@ -580,7 +580,7 @@ def module_state(module):
 def test_reading_a_corpus_leaves_no_state_in_the_modules(tokenizer, tmp_path, capsys):
     """The chunk cache and the set of files named for bytes that are not UTF-8 belong to a ChunkReader, which its
     loaders share: a corpus read by the tokenizer, by loaders that share a reader and by the val batches leaves
-    data.py's and dataset.py's globals as they were."""
+    data.py's and nanoparcae/dataset.py's globals as they were."""
     write_jsonl(tmp_path / "docs.jsonl", make_documents(200, seed=4, max_words=40))
     (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait\n\nna\xefve".encode("latin-1"))
     source = str(tmp_path / "*.*")
