@@ -118,7 +118,7 @@ class Prefetcher:
         return False
 
     def close(self):
-        """Join the thread: one alive at exit can abort the interpreter."""
+        """Join the thread, which could abort Python at exit."""
         self.stop.set()
         self.thread.join(timeout=60)
 
@@ -223,7 +223,7 @@ class DataLoader:
 
     @property
     def cropped_fraction(self):
-        """The share of packed tokens cropped; low at first, while long documents wait."""
+        """Share of packed tokens cropped (low while long ones wait)."""
         return self.tokens_cropped / max(self.tokens_used + self.tokens_cropped, 1)
 
     def state_dict(self):

@@ -103,7 +103,7 @@ def score_rows(model, rows, T, h0_table, batch_tokens=1024, one_per_forward=Fals
 # CORE: accuracy per task, centered by the random baseline, averaged
 
 def centered_accuracy(accuracy, random_baseline):
-    """METHOD.md §3: 0 at chance, 1 for a perfect score (random_baseline in percent)."""
+    """METHOD.md §3: 0 at chance, 1 when perfect."""
     return (accuracy - 0.01 * random_baseline) / (1.0 - 0.01 * random_baseline)
 
 

@@ -244,10 +244,10 @@ def muon_momentum(step: int, warmup_steps: int = 300, start: float = 0.85,
 
 
 def weight_decay_at(step: int, total_steps: int, wd: float) -> float:
-    """Muon's weight decay, from wd linearly down to 0."""
+    """wd, linearly down to 0."""
     return wd * max(0.0, 1 - step / total_steps)
 
 
 def learning_rate_for_depth(depth: int) -> float:
-    """AdamW's learning rate per size (METHOD.md §2); Muon's is 8e-3 at every size."""
+    """AdamW's lr per size (METHOD.md §2)."""
     return 8e-3 if depth <= 12 else 6e-3
