@@ -10,7 +10,7 @@ It prints ONE markdown table (progress goes to stderr), the one docs/performance
 Each speed figure is a ratio of two things timed in the same run, interleaved repeat by repeat so that
 the noise of a shared machine falls on both; each is the median of --repeats repeats after a warm-up.
 Training steps run forward + backward + gradient clip + optimiser step (optim.build_optimizer), on
-fixed batches of random tokens, with the depths of every step drawn up front (depths.sample_depths) and
+fixed batches of random tokens, with the depths of every step drawn up front (model.sample_depths) and
 replayed as forward's depths, so both sides of a comparison run exactly the same depths. Every FLOP/s figure counts the
 matmul FLOPs executed (Parcae.matmul_flops_per_token), not the paper's C (Parcae.flops_per_token, for budgets).
 """
@@ -106,7 +106,7 @@ class Trainer:
         self.x, self.y = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
 
     def run(self, schedule, loss_fn=model_loss):
-        """One training step per entry of schedule: an (n, k) draw each (depths.sample_depths)."""
+        """One training step per entry of schedule: an (n, k) draw each (model.sample_depths)."""
         for depths in schedule:
             with autocast():
                 loss = loss_fn(self.model, self.x, self.y, depths)

@@ -11,7 +11,7 @@ From Python, with the harness's own evaluator:
 
     import lm_eval
     from interop import harness
-    lm = harness.HarnessLM(model, tokenizer, T=8)   # e.g. from interop.hub.load_pretrained or common.load_run
+    lm = harness.HarnessLM(model, tokenizer, T=8)   # from hub.load_pretrained or checkpoint.load_run
     results = lm_eval.simple_evaluate(model=lm, tasks=["lambada_openai", "wikitext"])
 
 The harness downloads each task's data set on first use (Hugging Face datasets, cached under ~/.cache/huggingface).

@@ -1,7 +1,7 @@
 """
 nanoparcae/tokenizer.py: the tokenizer (METHOD.md §2): a byte-level BPE with the GPT-4 split pattern and the special
-tokens <|bos|>, <|eos|>, <|pad|>, trained with rustbpe and run with tiktoken. dataset.get_tokenizer trains and
-caches one per data source; interop/hub.py builds one from the authors' tokenizer.json.
+tokens <|bos|>, <|eos|>, <|pad|>, trained with rustbpe and run with tiktoken. nanoparcae.dataset.get_tokenizer trains
+and caches one per data source.
 
     tokenizer = Tokenizer.train(texts, vocab_size=4096)     # any iterator of strings
     ids = tokenizer.encode("def f(x):", prepend_bos=True)

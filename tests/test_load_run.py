@@ -1,4 +1,4 @@
-"""Tests for common.load_run, the one loader of a run: every command that loads a run finds it, and its tokenizer,
+"""Tests for nanoparcae.checkpoint.load_run, the one loader of a run: every command that loads a run finds it, and its tokenizer,
 after the base folder has moved; and the ways a checkpoint or its tokenizer can be wrong, each in one line."""
 
 import shutil
