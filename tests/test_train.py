@@ -452,7 +452,7 @@ def run_train(monkeypatch, capsys, *flags):
 BAD_VALUES = {  # flag -> values train.py refuses before any work, each in one line naming the flag
     **{flag: ["0", "-1"] for flag in ("depth", "d_model", "head_dim", "mu_rec", "mu_bwd", "vocab_size", "seq_len",
                                      "device_batch_size", "total_batch_size", "eval_every", "eval_tokens",
-                                     "core_max_per_task", "save_every", "log_every", "stop_at")},
+                                     "core_max_per_task", "save_every", "log_every", "rho_every", "stop_at")},
     **{flag: ["0", "-1", "nan", "inf"] for flag in ("max_tokens", "param_data_ratio", "target_flops", "adamw_lr",
                                                    "muon_lr", "grad_clip", "diverge_h_norm")},
     "weight_decay": ["-0.1", "nan"], "diverge_steps": ["-1"], "seed": ["-1"], "warmdown_frac": ["-0.5", "1.5"],
@@ -518,6 +518,25 @@ def test_resume_without_a_checkpoint_ends_in_one_line_before_any_work(tmp_path, 
     assert status == 2 and len(err.strip().splitlines()) == 1, err
     assert carries(err, "never", str(tmp_path / "base" / "runs" / "never"), "--resume"), err
     assert list((tmp_path / "base").iterdir()) == []  # no tokenizer trained, no run folder made
+
+
+def test_a_command_refused_before_training_leaves_no_lock_in_the_run_folder(tmp_path, monkeypatch, capsys):
+    """Refused for its data (bare `python train.py` without FineWeb-Edu's shards, an empty corpus), for other flags
+    than its run's checkpoint, or for a --resume with nothing to resume: one line, status 2, and no `lock` file in
+    any run folder: the run's lock is taken after every check that can refuse the command."""
+    base = tmp_path / "base"
+    monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(base))
+    (tmp_path / "empty.txt").write_text("")
+    (base / "runs" / "other").mkdir(parents=True)  # a checkpoint that records none of this command's run flags
+    torch.save({"step": 1, "run": {}, "model": {}}, base / "runs" / "other" / "ckpt_000001.pt")
+    commands = {"no shards": [], "empty corpus": [*TINY, f"--data={tmp_path / 'empty.txt'}", "--run=empty"],
+                "other flags": [*TINY, "--data=stdlib", "--run=other"],
+                "nothing to resume": [*TINY, "--data=stdlib", "--run=never", "--resume"]}
+    for why, flags in commands.items():
+        status, _, err = run_train(monkeypatch, capsys, *flags)
+        assert status == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, (why, err)
+        assert not list((base / "runs").rglob("lock")), (why, list((base / "runs").rglob("*")))
+    assert sorted(path.name for path in (base / "runs").iterdir()) == ["other"]  # no run folder made either
 
 
 def test_dry_run_prints_the_paper_size(monkeypatch, capsys):
