@@ -169,7 +169,6 @@ if restart_count and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  
 if ddp:
     device = init_distributed(device)  # the GPU of this local rank
 rank, world = rank_and_world()
-master = rank == 0
 if device.type == "cuda":
     torch.backends.cuda.matmul.allow_tf32 = True
 print0(f"model: depth {args.depth} ({config.n_prelude}/{config.n_recur}/{config.n_coda}), "
@@ -182,14 +181,17 @@ print0(f"parameters: {num_params:,} | FLOPs/token (paper's C, the horizon's unit
        f"| executed matmul FLOPs/token (MFU's): {executed_flops_per_token:.4e}, C / executed "
        f"{flops_per_token / executed_flops_per_token:.2f}")
 
-# The device batch is settled before anything is built: on a GPU, by its memory plan
+# -----------------------------------------------------------------------------
+# The device batch and the run, settled before anything is built or written
+
+# On a GPU the device batch is the largest whose memory plan fits (nanoparcae/memory.py)
 batch = choose_device_batch(meta_model, args, device, world,
                             optimizer_state_bytes(meta_model, muon=args.optimizer == "muon"))
 args.device_batch_size = batch.size
 if args.dry_run:
     sys.exit(0)
 
-# The run: its folder and its newest checkpoint, which must record these run flags
+# The run is a folder, and the newest checkpoint there must have recorded these RUN_FLAGS
 run = identify_run(args, RUN_FLAGS, batch, device, d_model=config.d_model, mu_bwd=config.mu_bwd,
                    max_tokens=max_tokens, adamw_lr=adamw_lr)
 args.device_batch_size = run.device_batch_size  # a run keeps its batch: it fixes the data order
@@ -207,7 +209,7 @@ print0(f"output: {run.dir}")
 # Data: the tokenizer, one loader per virtual rank, and the validation batches
 
 try:
-    if master:
+    if rank == 0:
         get_tokenizer(args.data, args.vocab_size)  # trains and caches it on first use, once
     if ddp:
         dist.barrier()
@@ -241,12 +243,12 @@ if ddp:  # the RoPE tables are constant: no buffers to broadcast
                 broadcast_buffers=False)
 optimizer = build_optimizer(raw_model, adamw_lr=adamw_lr, muon_lr=args.muon_lr,
                             weight_decay=args.weight_decay, muon=args.optimizer == "muon")
-bf16 = args.dtype == "bfloat16"
+bf16 = args.dtype == "bfloat16"  # autocast: the matmuls in bfloat16, the weights in float32
 autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
 
 start_step, skipped_steps, lowest_val_loss = 0, 0, math.inf
 if run.ckpt:  # also when torchrun --max_restarts restarted the workers
-    ckpt, run.ckpt = run.ckpt, None
+    ckpt = run.ckpt
     raw_model.load_state_dict(ckpt["model"])
     optimizer.load_state_dict(ckpt["optimizer"])
     for micro, loader in enumerate(loaders):
@@ -260,11 +262,11 @@ if run.ckpt:  # also when torchrun --max_restarts restarted the workers
            + (f", elastic restart {restart_count}" if restart_count else "")
            + f", from {run.checkpoint} (--run=NAME trains another)"
            + (f"; changed: {', '.join(changed)}" if changed else ""))
-    del ckpt
+    run.ckpt = ckpt = None  # its copy of the weights and the optimiser state is freed
 batches = [iter(loader) for loader in loaders]
 
 # -----------------------------------------------------------------------------
-# Evaluation
+# Training loop, and its evals
 
 
 def evaluate(step):
@@ -290,8 +292,6 @@ def evaluate_core_subset(step):
     print0(f"CORE {result['core']:.4f} at T={result['T']} ({result['seconds']:.0f}s)")
     return {"step": step, "core": result["core"], "core_T": result["T"]}
 
-# -----------------------------------------------------------------------------
-# Training loop
 
 peak_flops = peak_bf16_flops(device)
 depth_generator = torch.Generator()  # METHOD.md §2: each virtual rank samples its own depths
@@ -312,8 +312,8 @@ while step < num_steps and (args.stop_at is None or step < args.stop_at):
         torch.manual_seed(seed)  # h0, drawn inside the forward
         depth_generator.manual_seed(seed)
         x, y = next(batches[micro])
-        last = micro == grad_accum - 1
-        with (model.no_sync() if ddp and not last else nullcontext()), autocast:  # DDP: at last
+        last = micro == grad_accum - 1  # DDP all-reduces the gradients there only
+        with (model.no_sync() if ddp and not last else nullcontext()), autocast:
             loss = model(x, y, depth_generator=depth_generator, diagnostics=stats if last else None)
         (loss / grad_accum).backward()
         loss_sum += loss.detach()

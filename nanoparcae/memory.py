@@ -44,7 +44,7 @@ def memory_plan(model, device_batch_size, bf16, optimizer_bytes, gpu_gb=(80, 141
 
 
 def largest_fitting_batch(model, sequences, gpu_gb, bf16, optimizer_bytes):
-    """The device batch train.py picks on a GPU of gpu_gb GB: the largest divisor of `sequences` (the sequences
+    """The device batch for a GPU of gpu_gb GB: the largest divisor of `sequences` (the sequences
     one process runs per optimiser step, so that gradient accumulation keeps the batch whole) whose
     memory_plan fits in 90% of it; None when not even one sequence does."""
     most = memory_plan(model, 1, bf16, optimizer_bytes, (gpu_gb,))["largest_batch"][gpu_gb]

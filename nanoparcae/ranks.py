@@ -2,8 +2,7 @@
 nanoparcae/ranks.py: what keeps a run whole: one trainer per run, ranks that agree. A lock in the run folder refuses a
 second command on a live run; before the first step every rank checks that all start from the same checkpoint;
 CORE runs on every rank or on none; at each checkpoint the replicas' weights are compared.
-A library, not a script: train.py calls each guard before what it protects (docs/distributed.md says what each
-catches).
+Each check runs before what it protects; docs/distributed.md says what each catches.
 """
 
 import errno
@@ -22,7 +21,7 @@ from nanoparcae.core_tasks import EVAL_BUNDLE_URL, download_eval_bundle, eval_bu
 
 def stop(line, status):
     """End this rank with `status` and each node's log with `line`, written once there (by its local rank 0): the
-    guards below decide alike on every rank, so every rank stops, for one reason."""
+    checks below decide alike on every rank, so every rank stops, for one reason."""
     if int(os.environ.get("LOCAL_RANK", 0)) == 0:
         sys.stderr.write(f"error: {line}\n")
     sys.exit(status)
@@ -59,8 +58,10 @@ def run_holder(run_dir):
 
 def lock_run(run_dir):
     """Take the run's lock for this process -> the open lock file, which holds it until the process ends (keep a
-    reference). ValueError naming the holder when another process has it. A filesystem without locks (Lustre
-    mounted without its flock option) gets a warning, and the run goes on unguarded."""
+    reference). ValueError naming the holder when another process has it: the file is then the holder's, never one
+    made here. A filesystem without locks (Lustre mounted without its flock option) gets a warning, and the run goes
+    on unguarded. It is the first thing a run writes in its folder, so take it after every check that can refuse
+    the command: a refused command then leaves no lock behind."""
     run_dir.mkdir(parents=True, exist_ok=True)
     handle = open(run_dir / "lock", "a+")  # "a+": opened without emptying what the holder wrote
     try:
