@@ -2,6 +2,7 @@
 nanoparcae: what the root's files lean on that is not the method, kept in a package beside them as
 nanochat keeps its own.
 
+    run.py          train.py's bookkeeping: the device batch, the run's identity, the lock, save and prune
     common.py       processes and devices, the base folder, atomic writes, one-line errors, GPU peaks
     checkpoint.py   checkpoints written and read; load_run rebuilds a trained model and its tokenizer
     ranks.py        one trainer per run (the lock); ranks that agree on their checkpoint and weights
