@@ -278,7 +278,7 @@ def test_stability_diagnostics():
 
     def run(depths):  # -> (h_T, h_{T-1}) at training's split of each depth into no-grad and grad steps
         n, k = split_depths(torch.tensor(depths), model.config.mu_bwd, training=True)
-        return model.recurrence_longest_first(h0, e, n, k, {}, cos, sin)
+        return model.recurrence(h0, e, n, k, {}, cos, sin)
 
     with torch.no_grad():
         h2 = run([2, 2, 2])[0]
@@ -357,18 +357,66 @@ def test_kv_cache_decoding_equals_full_recompute():
     assert all(k.shape == v.shape == (2, 2, 12, 32) for k, v in cache.slots.values())
 
 
-def test_flops_per_token_formula():
-    model = Parcae(tiny_config(mu_rec=8))
-    c, d, S = model.config, 64, 32
-    N = model.num_params() - model.wte.weight.numel()
-    N_core = sum(p.numel() for p in model.recur.parameters())
-    expected = (6 * (N - N_core) + 3 * 2 * 4 * d * S + 8 * (2 * N_core + 4 * d * S)
-                + 4 * (4 * N_core + 2 * 4 * d * S))
-    assert model.flops_per_token() == expected
-    baseline = Parcae(tiny_config(injection="none"))
-    assert baseline.flops_per_token() == 6 * (baseline.num_params() - 97 * 0 - baseline.wte.weight.numel()) \
-        + 12 * 3 * d * S
-    assert c.mu_bwd == 4
+def test_flops_per_token_is_the_papers_c():
+    """C (METHOD.md §2) gives the paper's numbers that its docstring states. It is linear in mu_rec
+    and mu_bwd: a step costs its forward (C counts the norm vectors as matmuls too, 2e-4 of it), a
+    step with gradient its backward more, twice that. A loop of one step with gradient costs what
+    the Transformer's blocks do."""
+    def built(**overrides):
+        with torch.device("meta"):
+            return Parcae(ParcaeConfig.from_depth(6, **overrides))
+
+    parcae = built(mu_rec=8)
+    assert parcae.flops_per_token() == pytest.approx(1.360e9, rel=5e-4)
+    assert parcae.flops_per_token() / parcae.matmul_flops_per_token() == pytest.approx(1.292, abs=5e-4)
+    with torch.device("meta"):
+        large = Parcae(ParcaeConfig.from_depth(24, mu_rec=8))
+    assert large.flops_per_token() / large.matmul_flops_per_token() == pytest.approx(1.272, abs=5e-4)
+
+    def C(mu_rec, mu_bwd):
+        return built(mu_rec=mu_rec, mu_bwd=mu_bwd).flops_per_token()
+
+    forward_step = C(9, 4) - C(8, 4)
+    assert C(10, 4) - C(9, 4) == C(3, 2) - C(2, 2) == forward_step
+    assert C(8, 5) - C(8, 4) == C(3, 3) - C(3, 2) == 2 * forward_step  # its backward
+    executed_step = parcae.matmul_flops_per_token(5, 4, backward=False) \
+        - parcae.matmul_flops_per_token(4, 4, backward=False)
+    assert forward_step == pytest.approx(executed_step, rel=1e-3)
+    transformer = built(injection="none")
+    extra = parcae.num_params() - transformer.num_params()  # B, C_proj, A_log, dt_bias, prelude norm
+    assert transformer.flops_per_token() == C(1, 1) - 6 * extra
+
+
+def test_the_recurrence_runs_the_example_in_its_docstring():
+    """T = (7, 3, 1), mu_bwd 4: n = (3, 0, 0), k = (4, 3, 1); the rows each loop step runs and whether
+    it carries gradient, read off the loop itself. Given in another order, the batch runs the same."""
+    torch.manual_seed(0)
+    model = randomized(Parcae(tiny_config(mu_rec=8, mu_bwd=4))).train()
+    n, k = split_depths(torch.tensor([7, 3, 1]), model.config.mu_bwd, training=True)
+    assert n.tolist() == [3, 0, 0] and k.tolist() == [4, 3, 1]
+    idx = torch.randint(0, 97, (3, 8))
+    Bbar_e, steps = {}, []
+    Bbar_e_of, loop_step = model.injection.Bbar_e, model.loop_step
+
+    def recording_Bbar_e(e):
+        Bbar_e["all"] = Bbar_e_of(e)
+        return Bbar_e["all"]
+
+    def recording_loop_step(h, Bbar_e_now, *args):  # the rows stepped, known by their Bbar_e
+        rows = [int((Bbar_e["all"] == row).all(dim=(1, 2)).nonzero()) for row in Bbar_e_now]
+        steps.append((rows, torch.is_grad_enabled()))
+        return loop_step(h, Bbar_e_now, *args)
+
+    model.injection.Bbar_e, model.loop_step = recording_Bbar_e, recording_loop_step
+    model(idx, idx, depths=(n, k))
+    no, yes = False, True
+    assert steps == [([0], no), ([0], no), ([0], no), ([0], yes), ([0, 1], yes), ([0, 1], yes),
+                     ([0, 1, 2], yes)]
+    steps.clear()
+    order = [2, 0, 1]  # T = (1, 7, 3): row 1 loops first, then row 2, then row 0
+    model(idx[order], idx[order], depths=(n[order], k[order]))
+    assert steps == [([1], no), ([1], no), ([1], no), ([1], yes), ([1, 2], yes), ([1, 2], yes),
+                     ([1, 2, 0], yes)]
 
 
 @pytest.mark.parametrize("injection", ["diagonal", "concat", "add", "none"])
