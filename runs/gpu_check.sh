@@ -122,7 +122,7 @@ make_bundle() {  # a CORE bundle in the real layout (nanoparcae/core_tasks.py) w
     "$PY" - "$base/eval_bundle" <<'EOF'
 import csv, json, sys
 from pathlib import Path
-from core_tasks import CORE_TASKS
+from nanoparcae.core_tasks import CORE_TASKS
 root, tasks = Path(sys.argv[1]), {task.label: task for task in CORE_TASKS}
 items = {"copa": [{"query": f"Item {i}: the loop", "choices": ["runs", "stops"], "gold": i % 2} for i in range(16)],
          "winograd": [{"context_options": [f"The state {i}", f"The depth {i}"], "continuation": "grows.",
