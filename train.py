@@ -33,12 +33,12 @@ from eval_core import evaluate_bpb, evaluate_core
 from model import SAMPLINGS, Parcae, ParcaeConfig
 from optim import (build_optimizer, learning_rate_for_depth, lr_multiplier, muon_momentum,
                    optimizer_state_bytes, weight_decay_at)
-from nanoparcae.common import (init_distributed, parse_device, peak_bf16_flops, print0,
+from nanoparcae.common import (fail, init_distributed, parse_device, peak_bf16_flops, print0,
                                rank_and_world)
 from nanoparcae.dataset import ChunkReader, get_tokenizer
 from nanoparcae.divergence import Divergence
 from nanoparcae.ranks import shared_eval_bundle
-from nanoparcae.run import (Metrics, choose_device_batch, claim_run, fail, identify_run, log_line,
+from nanoparcae.run import (Metrics, choose_device_batch, claim_run, identify_run, log_line,
                             positive, save_and_prune, steps_or_never, unit_fraction, zero_or_more)
 
 # -----------------------------------------------------------------------------
@@ -187,7 +187,6 @@ print0(f"parameters: {num_params:,} | FLOPs/token (paper's C, the horizon's unit
 # On a GPU the device batch is the largest whose memory plan fits (nanoparcae/memory.py)
 batch = choose_device_batch(meta_model, args, device, world,
                             optimizer_state_bytes(meta_model, muon=args.optimizer == "muon"))
-args.device_batch_size = batch.size
 if args.dry_run:
     sys.exit(0)
 

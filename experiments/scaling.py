@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from nanoparcae.common import PEAK_BF16_FLOPS, get_base_dir, write_atomically
+from nanoparcae.common import PEAK_BF16_FLOPS, fail, get_base_dir, write_atomically
 from experiments.scaling_fit import (bootstrap_exponents, fit_unified, interval_verdict, mean_relative_error,
                                      paired_interval, parabola_optimum, pooled_spread, power_law, t_interval,
                                      unified_predict)
@@ -131,11 +131,6 @@ def launcher(gpus):
     if gpus:
         return ["torchrun", "--standalone", f"--nproc_per_node={gpus}", "--"]
     return [sys.executable]
-
-
-def fail(message):
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
 
 
 # -----------------------------------------------------------------------------

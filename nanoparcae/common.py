@@ -4,6 +4,7 @@ peak table that MFU divides by.
 """
 
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -71,6 +72,12 @@ def write_atomically(path, write):
     partial = path.with_name(path.name + ".tmp")
     write(partial)
     os.replace(partial, path)
+
+
+def fail(message):
+    """One clear line instead of a traceback, and status 2: the command was wrong, not the run."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 def first_sentence(err, limit=300):

@@ -9,24 +9,18 @@ exactly, or stops in one line before it writes anything.
 import argparse
 import json
 import math
-import sys
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
 from nanoparcae.checkpoint import find_checkpoint, read_checkpoint, save_checkpoint
-from nanoparcae.common import get_base_dir, print0, rank_and_world, write_atomically
+from nanoparcae.common import fail, get_base_dir, print0, rank_and_world, write_atomically
 from nanoparcae.dataset import tokenizer_dir
 from nanoparcae.memory import largest_divisor, largest_fitting_batch, memory_plan
 from nanoparcae.ranks import (agree_to_start, being_trained, checkpoint_digest, drift, lock_for_every_rank,
                               run_holder, stop)
 
-
-def fail(message):
-    """One clear line instead of a traceback, and status 2: the command was wrong, not the run."""
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
 
 # -----------------------------------------------------------------------------
 # Flag values, checked as argparse parses them: a bad one is argparse's one-line error.
