@@ -38,8 +38,9 @@ from nanoparcae.common import (fail, init_distributed, parse_device, peak_bf16_f
 from nanoparcae.dataset import ChunkReader, get_tokenizer
 from nanoparcae.divergence import Divergence
 from nanoparcae.ranks import shared_eval_bundle
-from nanoparcae.run import (Metrics, choose_device_batch, claim_run, identify_run, log_line,
-                            positive, save_and_prune, steps_or_never, unit_fraction, zero_or_more)
+from nanoparcae.run import (Metrics, choose_device_batch, claim_run, compile_counts, identify_run,
+                            log_line, positive, save_and_prune, steps_or_never, unit_fraction,
+                            zero_or_more)
 
 # -----------------------------------------------------------------------------
 # Flags. The defaults are the paper's 140M recipe (METHOD.md §2); runs/cpu.sh passes a small one's.
@@ -236,7 +237,7 @@ torch.manual_seed(args.seed)  # the same initial weights on every rank
 model = raw_model = Parcae(config).to(device)
 if args.compile:
     model.compile_blocks(backend=args.compile_backend)
-    from torch._dynamo.utils import counters as dynamo_counters  # graphs compiled so far
+    from torch._dynamo.utils import counters as dynamo_counters
 if ddp:  # the RoPE tables are constant: no buffers to broadcast
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                 broadcast_buffers=False)
@@ -360,8 +361,8 @@ while step < num_steps and (args.stop_at is None or step < args.stop_at):
                  "skipped_steps": skipped_steps, **{key: logged[key] for key in stats}}
         if peak_flops and tokens_per_second:
             entry["mfu"] = executed_flops_per_token * tokens_per_second / (peak_flops * world)
-        if args.compile:  # a count that still grows after the first steps is recompiling
-            entry["graphs"] = dynamo_counters["stats"]["unique_graphs"]
+        if args.compile:  # graphs that still grow after the first steps are recompiling
+            entry.update(compile_counts(dynamo_counters))
         if device.type == "cuda":  # against the memory plan printed at the start
             entry["peak_memory"] = torch.cuda.max_memory_allocated(device)
         print0(log_line(entry, num_steps, args.total_batch_size))
@@ -376,8 +377,7 @@ while step < num_steps and (args.stop_at is None or step < args.stop_at):
             results.append(evaluate_core_subset(step))
     results = [result for result in results if result]
     for result in results:  # the graph count after evals: they compile graphs of their own
-        graphs = {"graphs": dynamo_counters["stats"]["unique_graphs"]} if args.compile else {}
-        metrics.record({**result, **graphs})
+        metrics.record({**result, **(compile_counts(dynamo_counters) if args.compile else {})})
 
     # --- every step: the divergence rule (docs/troubleshooting.md)
     val_loss = next((result[val_key] for result in results if val_key in result), None)

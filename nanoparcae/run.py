@@ -226,6 +226,14 @@ class Metrics:
             self.file.flush()
 
 
+def compile_counts(counters):
+    """dynamo's counters -> {graphs: the graphs it built, recompile_limits: the times it hit a recompile
+    limit and left a frame to run eagerly}. A graph count that stops growing is no proof of no recompiles:
+    past the limit dynamo stops compiling, so both are recorded."""
+    hits = sum(n for why, n in counters["unimplemented"].items() if "Limit type:" in why and "recompile" in why)
+    return {"graphs": counters["stats"]["unique_graphs"], "recompile_limits": hits}
+
+
 def log_line(entry, num_steps, total_batch_size):
     """A step's log line, from its metrics record (fields that are None are left out)."""
     fields = [("loss", "loss {:.4f}"), ("lr_mult", "lrm {:.2f}"), ("tokens_per_s", "{:,.0f} tok/s"),
