@@ -6,6 +6,7 @@ peak table that MFU divides by.
 import os
 import sys
 import tempfile
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -29,15 +30,30 @@ def parse_device(name):
     return device
 
 
-def init_distributed(device):
-    """Join torchrun's process group when RANK is set -> the device this process uses (its local GPU)."""
+RANK0_GROUP = None  # init_distributed's gloo group with the long timeout, for wait_for_rank0
+
+
+def init_distributed(device, timeout=timedelta(minutes=10), rank0_timeout=timedelta(hours=1)):
+    """Join torchrun's process group when RANK is set -> the device this process uses (its local GPU). Its
+    collectives fail after `timeout`; wait_for_rank0 waits up to `rank0_timeout`."""
+    global RANK0_GROUP
     if "RANK" not in os.environ:
         return device
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
+    # gloo beside NCCL too: its barrier waits on the CPU, with no NCCL op pending for the watchdog to time out
+    RANK0_GROUP = dist.new_group(backend="gloo", timeout=rank0_timeout)
     return device
+
+
+def wait_for_rank0():
+    """Every rank waits here, up to init_distributed's rank0_timeout, while rank 0 (or a node's local rank 0) works
+    alone: writing a checkpoint, training the tokenizer, fetching the CORE bundle. The others would otherwise wait
+    in their next collective and fail at its shorter timeout. Without init_distributed's group: the default one."""
+    if dist.is_initialized():
+        dist.barrier(group=RANK0_GROUP)
 
 
 def rank_and_world():

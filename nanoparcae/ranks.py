@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from nanoparcae.common import wait_for_rank0
 from nanoparcae.core_tasks import EVAL_BUNDLE_URL, download_eval_bundle, eval_bundle_dir
 
 
@@ -183,8 +184,8 @@ def drift(state):
 def shared_eval_bundle(device, url=EVAL_BUNDLE_URL):
     """-> (the bundle's folder, None) on every rank, or (None, why) on every rank when any rank lacks it. Rank 0
     fetches it into its base folder first, then each other node's local rank 0 into its own (on a filesystem the
-    nodes share they find it there, and nothing is fetched twice); then the ranks agree with an all_reduce MIN of
-    "I have it"."""
+    nodes share they find it there, and nothing is fetched twice), the others waiting for each fetch in
+    wait_for_rank0; then the ranks agree with an all_reduce MIN of "I have it"."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     local_rank, why = int(os.environ.get("LOCAL_RANK", 0)), None
     for fetching in (rank == 0, local_rank == 0 and rank != 0):
@@ -193,8 +194,7 @@ def shared_eval_bundle(device, url=EVAL_BUNDLE_URL):
                 download_eval_bundle(url)
             except (OSError, ValueError) as err:
                 why = f"the eval bundle is not available ({err})"
-        if dist.is_initialized():
-            dist.barrier()
+        wait_for_rank0()  # a download with its retries outlasts a collective's timeout
     bundle_dir = eval_bundle_dir()
     have = torch.tensor(int(bundle_dir is not None), device=device)
     if dist.is_initialized():

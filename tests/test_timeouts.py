@@ -1,0 +1,76 @@
+"""The ranks wait for rank 0's lone work (a checkpoint's write, here) at a barrier with a timeout of its own, not in
+their next collective: two processes on gloo with a 5 s --collective_timeout, rank 0 slowed 12 s in its first
+checkpoint's write, finish the run; the same run without that barrier dies at the collective's timeout.
+
+Run as a script, this file is train.py with rank 0's first save slowed (the test's torchrun workers):
+
+    python tests/test_timeouts.py SECONDS wait|skip_wait [train.py flags]
+"""
+
+import json
+import runpy
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+COLLECTIVE_TIMEOUT, SLOWED = 5, 12  # seconds; the slow write outlasts the timeout by more than twice over
+
+
+def slowed_train(seconds, wait, *flags):
+    """train.py, its first checkpoint's write (rank 0's alone) slowed by `seconds`; skip_wait: without the ranks'
+    wait for it."""
+    sys.path.insert(0, str(ROOT))
+    import nanoparcae.run as run  # noqa: E402
+    save = run.save_checkpoint
+
+    def slow_save(path, *args, **kwargs):
+        if not any(Path(path).parent.glob("ckpt_*.pt")):
+            print(f"rank 0 slowed {seconds} s writing {Path(path).name}", file=sys.stderr, flush=True)
+            time.sleep(float(seconds))
+        return save(path, *args, **kwargs)
+
+    run.save_checkpoint = slow_save
+    if wait == "skip_wait":
+        run.wait_for_rank0 = lambda: None
+    sys.argv = [str(ROOT / "train.py"), *flags]
+    runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+
+
+if __name__ == "__main__":
+    slowed_train(*sys.argv[1:])
+    sys.exit()
+
+from conftest import TINY, python, train_env  # noqa: E402
+
+
+def slowed_run(corpus, base, wait):
+    """Two processes under torchrun, rank 0's first save (at step 2 of 8) slowed past the collective timeout."""
+    command = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--", __file__, str(SLOWED), wait,
+               f"--data={corpus / 'corpus.txt'}", *TINY, "--save_every=2", f"--collective_timeout={COLLECTIVE_TIMEOUT}",
+               "--run=slowed"]
+    return python(command, train_env(corpus, base), timeout=120)
+
+
+def why(result):
+    """The lines of a run's stderr that say what happened to it, for a failed assertion's message."""
+    return "\n".join(line for line in result.stderr.splitlines() if "slowed" in line or "Error" in line
+                     or "Timed out" in line)
+
+
+def test_the_ranks_wait_out_rank0_writing_a_checkpoint_past_the_collective_timeout(corpus, tmp_path):
+    with ThreadPoolExecutor(2) as pool:  # each its own base folder: both train a tokenizer
+        kept, skipped = [pool.submit(slowed_run, corpus, tmp_path / wait, wait) for wait in ("wait", "skip_wait")]
+        kept, skipped = kept.result(), skipped.result()
+    slowed = f"rank 0 slowed {SLOWED} s writing ckpt_000002.pt"
+    assert kept.returncode == 0 and slowed in kept.stderr, why(kept)
+    run_dir = tmp_path / "wait" / "runs" / "slowed"
+    steps = [r["step"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert steps == list(range(1, 9)) and [p.name for p in run_dir.glob("ckpt_*.pt")] == ["ckpt_000008.pt"]
+    assert "done: 8 steps" in kept.stdout
+    # Without the wait, rank 1 meets rank 0 in its next step's all-reduce, and gloo gives up on it after the
+    # --collective_timeout: the slow write is past what a collective waits for.
+    assert skipped.returncode != 0 and slowed in skipped.stderr, why(skipped)
+    assert f"Timed out waiting {COLLECTIVE_TIMEOUT * 1000}ms" in skipped.stderr, why(skipped)
+    assert "step 3/8" not in skipped.stdout and not any((tmp_path / "skip_wait" / "runs" / "slowed").glob("ckpt_*"))
