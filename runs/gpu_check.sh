@@ -1,29 +1,36 @@
 #!/bin/bash
 # runs/gpu_check.sh: the CUDA path checked in one command before a long run, 10 minutes at most on one H100 or H200
-# node (its stages' limits; how long it takes is not yet measured). It prints one markdown table, the one for
-# docs/performance.md, and writes it to $OUT/gpu_check.md when $OUT is set (with every stage's output in
-# $OUT/gpu_check.log). Each row says met / not met against its target where it has one; a row that cannot run
-# says why in one line, and the rest go on.
+# node (its stages' limits, which add up to that or less; how long it takes is not yet measured). It prints one
+# markdown table, the one for docs/performance.md, and writes it to $OUT/gpu_check.md when $OUT is set (with every
+# stage's output in $OUT/gpu_check.log). Each row says met / not met against its target where it has one; a row
+# that cannot run says why in one line, and the rest go on. It exits 1 when a row failed or missed a target it is
+# held to (the GPU's figures only on a GPU), 0 otherwise.
 #
 #   1. versions: torch, CUDA, the GPUs, and the bf16 matmul rate at the 140M's shapes (bench.py's row 2);
 #   2. bench.py at the 140M (its CUDA default), rows 1-5 and 7: FLOP/s Parcae vs the Transformer and MFU against
 #      the measured matmul rate (both of the matmul FLOPs executed), per-sequence sampling's overhead at 32
 #      sequences per GPU, memory flat in T, decoding, torch.compile;
 #   3. the paper's 1.3B as users type it: `train.py --depth=24 --mu_rec=8 --dry_run`, the device batch it picks
-#      for this GPU and its memory plan; then one compiled step of that model at that batch under torchrun (DDP's
-#      buckets included), its peak torch.cuda.max_memory_allocated against the plan;
+#      for this GPU's free memory and its memory plan; then one compiled step of that model at that batch under
+#      torchrun (DDP's buckets included), its peak torch.cuda.max_memory_allocated against the plan;
 #   4. train.py --depth=6 --mu_rec=8 under torchrun on every GPU torch sees (NCCL), bf16 and compiled, 2
 #      micro-batches per step on the stdlib corpus (no download): the workers are killed after step 7 and the same
 #      command resumes from the checkpoint of step 5 to step 20, where it evaluates (one validation batch per
 #      rank at T = 1, 2, 4, 8) and scores a CORE subset from a bundle the check makes up (three tasks, offline):
-#      the loss falls, no recompilation after warm-up, tokens/s, each step logged once;
+#      the same run is trained unbroken to step 20 beside it: the loss falls, no recompilation after warm-up and no
+#      recompile limit hit (through the eval and CORE), tokens/s, each step logged once, the resumed run's losses
+#      and weights equal to the unbroken run's;
 #   5. bf16 against float32: the losses of 5 identical eager steps (8 x 2048), their relative difference.
 #
 #     bash runs/gpu_check.sh            # PYTHON=... to pick the interpreter (default python, else python3)
 #     bash runs/gpu_check.sh --tiny     # every stage on a CPU: a tiny model, gloo, 2 processes (runs/test.sh runs it)
+#     GPU_CHECK_FAULT=recompile_limit|perturb_resume bash runs/gpu_check.sh [--tiny]   # a fault 4b or 4d must catch
 #
 # --tiny runs the same stages with a tiny model (dynamo's eager backend, bf16 autocast, 2 processes over gloo),
-# and the depth-24 plan against a GPU faked to report 80 GB; figures that test the script, not the claims.
+# and the depth-24 plan against a GPU faked to report 80 GB; figures that test the script, not the claims: it holds
+# only the rows a CPU can meet to their targets (the run's life: the loss, recompilation, the kill and the resume).
+# The faults: recompile_limit sets dynamo's recompile limits to 2 once model.compile_blocks has raised them, in
+# every train.py; perturb_resume scales a weight of the checkpoint the resume reads by 1.01.
 # On a GPU machine without internet, install the requirements from wheel files fetched elsewhere first
 # (docs/performance.md says how).
 #
@@ -39,14 +46,20 @@ case "${1:-}" in
     --tiny) tiny=1 ;;
     *) echo "runs/gpu_check.sh: unknown argument '$1'; run it with no argument, or --tiny on a CPU" >&2; exit 2 ;;
 esac
+fault=${GPU_CHECK_FAULT:-}
+case "$fault" in
+    ""|recompile_limit|perturb_resume) ;;
+    *) echo "runs/gpu_check.sh: unknown GPU_CHECK_FAULT '$fault'; recompile_limit or perturb_resume" >&2; exit 2 ;;
+esac
 export NANOPARCAE_BASE_DIR=${NANOPARCAE_BASE_DIR:-$HOME/.cache/nanoparcae}/gpu_check
 base=$NANOPARCAE_BASE_DIR
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 FAKE_GPU_BYTES=80000000000  # --tiny: the depth-24 plan against an 80 GB GPU, an H100's
 
-# Each stage's time limit: process start-up + compilation + its steps x a per-step bound, cut to what is left of
-# the whole check's limit. The GPU bounds are estimates, several times what an H100 should need.
+# Each stage's time limit: process start-up + compilation + its steps x a per-step bound (STEP: one optimizer step of
+# 2 micro-batches), cut to what is left of the whole check's limit. The GPU bounds are estimates, several times
+# what an H100 should need except compilation's, and add up to the whole: no stage's limit is cut but by overruns.
 if [ "$tiny" = 1 ]; then
     gpus=2
     MODEL=(--depth=3 --d_model=64 --head_dim=32 --mu_rec=8 --vocab_size=320 --seq_len=64)
@@ -55,7 +68,7 @@ if [ "$tiny" = 1 ]; then
     COMPILE=(--compile=1 --compile_backend=eager)  # dynamo's tracing and guards without inductor's C++ (minutes)
     BENCH=(--depth 3 --d_model 64 --head_dim 32 --vocab_size 320 --seq_len 64 --batch_size 4 --steps 1 --repeats 1
            --new_tokens 16 --compile_backend eager)
-    START=30; COMPILE_S=60; COMPILE24_S=60; STEP=5; STEP24=5; EVAL=30; CORE=60; TOKENIZER=120; BENCH_S=300
+    TOKENIZER=120; DRY=30; START=30; COMPILE_S=60; COMPILE24_S=60; STEP=10; STEP24=5; EVAL=30; CORE=60; BENCH_S=300
     WHOLE=1800  # a shared CPU can crawl
 else
     gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null)  # CUDA_VISIBLE_DEVICES counts
@@ -65,9 +78,22 @@ else
     steps=20; save_every=5; kill_at=7  # the resumed leg: steps 6-20, 10 of warm-up, then five without recompiling
     COMPILE=(--compile=1)
     BENCH=(--repeats 3)  # bench.py's CUDA default is the 140M, 16 x 2048 per step
-    # a 140M micro-batch of 8 x 2048 runs in well under a second; the 1.3B's at the plan's batch in a few
-    START=20; COMPILE_S=60; COMPILE24_S=150; STEP=1; STEP24=10; EVAL=15; CORE=30; TOKENIZER=60; BENCH_S=120
+    # a 140M step of 2 x 8 x 2048 runs in well under a second; the 1.3B's at the plan's batch in a few
+    TOKENIZER=20; DRY=15; START=15; COMPILE_S=45; COMPILE24_S=100; STEP=1; STEP24=10; EVAL=15; CORE=25; BENCH_S=90
     WHOLE=570  # 10 minutes, less the table's 30 s
+fi
+resumed_steps=$((steps - kill_at / save_every * save_every))
+declare -A LIMIT=([tokenizer]=$TOKENIZER [plan]=$DRY [plan_at]=$DRY [step24]=$((START + COMPILE24_S + STEP24))
+    [ddp]=$((START + COMPILE_S + kill_at * STEP))
+    [ddp_resume]=$((START + COMPILE_S + resumed_steps * STEP + EVAL + CORE))
+    [unbroken]=$((START + COMPILE_S + steps * STEP))
+    [fp32]=$((START + precision_steps * STEP)) [bf16]=$((START + precision_steps * STEP)) [bench]=$BENCH_S)
+limits=0
+for name in "${!LIMIT[@]}"; do limits=$((limits + LIMIT[$name])); done
+echo "== the stages' limits add up to $limits s, the whole check's limit is $WHOLE s" >&2
+if [ "$limits" -gt "$WHOLE" ]; then
+    echo "runs/gpu_check.sh: the stages' limits add up to $limits s, over the whole's $WHOLE s" >&2
+    exit 2
 fi
 RUN=("${MODEL[@]}" --data=stdlib --log_every=1)
 
@@ -105,20 +131,22 @@ stage() {  # stage NAME LIMIT [--kill_after=STEP] COMMAND...: output to $work/NA
     echo "== $name: exit status $status after $((SECONDS - start)) s" | tee -a "$work/$name.log" >&2
 }
 
-train() {  # train NAME LIMIT PROCESSES MICRO_BATCH ACCUM STEPS [--kill_after=STEP] FLAGS...: train.py as run
-           # gpu_check_NAME (NAME_resume continues it); PROCESSES 0 is a plain python process, N torchrun's N
-    local name=$1 limit=$2 procs=$3 batch=$4 accum=$5 num_steps=$6 launch=() kill=()
-    shift 6
+train() {  # train NAME PROCESSES MICRO_BATCH ACCUM STEPS [--kill_after=STEP] FLAGS...: train.py as run
+           # gpu_check_NAME (NAME_resume continues it) under LIMIT[NAME]; PROCESSES 0 is a plain python process, N
+           # torchrun's N, which start TRAIN themselves (--no_python)
+    local name=$1 procs=$2 batch=$3 accum=$4 num_steps=$5 launch=() kill=()
+    shift 5
     case "${1:-}" in --kill_after=*) kill=("$1"); shift ;; esac
     # "--" ends torchrun's own flags: without it, it takes train.py's --run for an abbreviation of its --run_path
-    [ "$procs" -gt 0 ] && launch=(-m torch.distributed.run --standalone --nproc_per_node="$procs" --)
+    [ "$procs" -gt 0 ] && launch=("$PY" -m torch.distributed.run --standalone --nproc_per_node="$procs" --no_python --)
     local tokens=$((batch * seq * (procs > 0 ? procs : 1) * accum))
     [[ "$name" == *_resume ]] || rm -rf "$base/runs/gpu_check_$name"
-    stage "$name" "$limit" "${kill[@]}" "$PY" "${launch[@]}" train.py "${RUN[@]}" --device_batch_size="$batch" \
-        --total_batch_size="$tokens" --max_tokens=$((tokens * num_steps)) --run="gpu_check_${name%_resume}" "$@"
+    stage "$name" "${LIMIT[$name]}" "${kill[@]}" "${launch[@]}" "${TRAIN[@]}" "${RUN[@]}" \
+        --device_batch_size="$batch" --total_batch_size="$tokens" --max_tokens=$((tokens * num_steps)) \
+        --run="gpu_check_${name%_resume}" "$@"
 }
 
-make_bundle() {  # a CORE bundle in the real layout (nanoparcae/core_tasks.py) with three made-up tasks, one of each kind
+make_bundle() {  # a CORE bundle in the real layout (nanoparcae/core_tasks.py), three made-up tasks, one of each kind
     "$PY" - "$base/eval_bundle" <<'EOF'
 import csv, json, sys
 from pathlib import Path
@@ -151,36 +179,43 @@ torch.cuda.get_device_properties = lambda device=None: types.SimpleNamespace(
     name=torch.cuda.get_device_name(), total_memory=memory)
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name='__main__')"
+# the command each training stage runs: train.py, or the same with the fault of lowered recompile limits
+TRAIN=("$PY" train.py)
+if [ "$fault" = recompile_limit ]; then
+    TRAIN=("$PY" -c "from experiments.gpu_check import run_with_low_recompile_limits; run_with_low_recompile_limits()"
+           train.py)
+fi
 
 rm -rf "$base/eval_bundle"
 mkdir -p "$base"
 make_bundle
 # the tokenizer first, under a limit of its own (trained once, then cached under $base)
-stage tokenizer $TOKENIZER "$PY" -m nanoparcae.dataset tokenizer --data=stdlib --vocab_size=$vocab
+stage tokenizer "${LIMIT[tokenizer]}" "$PY" -m nanoparcae.dataset tokenizer --data=stdlib --vocab_size=$vocab
 if [ "$tiny" = 1 ]; then
-    stage plan $START "$PY" -c "$FAKE_GPU" train.py --depth=24 --mu_rec=8 --device=cuda --dry_run
+    stage plan "${LIMIT[plan]}" "$PY" -c "$FAKE_GPU" train.py --depth=24 --mu_rec=8 --device=cuda --dry_run
     memory=$FAKE_GPU_BYTES
 else
-    stage plan $START "$PY" train.py --depth=24 --mu_rec=8 --dry_run
-    memory=$("$PY" -c "import torch; print(torch.cuda.mem_get_info()[1])" 2>/dev/null || echo 0)
+    stage plan "${LIMIT[plan]}" "$PY" train.py --depth=24 --mu_rec=8 --dry_run
+    # the free memory, which train.py plans the device batch for
+    memory=$("$PY" -c "import torch; print(torch.cuda.mem_get_info()[0])" 2>/dev/null || echo 0)
 fi
 batch24=$("$PY" -c "import sys; from experiments.gpu_check import planned_batch
 print(planned_batch(open(sys.argv[1]).read(), int(sys.argv[2])) or '')" "$work/plan.log" "$memory" 2>/dev/null)
 echo "== plan: device batch ${batch24:-none} for $memory bytes" >>"$work/plan.log"
 if [ -n "$batch24" ]; then
     if [ "$tiny" = 1 ]; then
-        stage plan_at $START "$PY" -c "$FAKE_GPU" train.py --depth=24 --mu_rec=8 --device=cuda \
+        stage plan_at "${LIMIT[plan_at]}" "$PY" -c "$FAKE_GPU" train.py --depth=24 --mu_rec=8 --device=cuda \
             --device_batch_size="$batch24" --total_batch_size=$((batch24 * 2048)) --dry_run
         # one step of the tiny model stands in for the 1.3B's: the same launch, a CPU's worth of model
-        train step24 $((START + COMPILE24_S + STEP24)) 1 $micro 1 2 --kill_after=1 --dtype=bfloat16 "${COMPILE[@]}" \
+        train step24 1 $micro 1 2 --kill_after=1 --dtype=bfloat16 "${COMPILE[@]}" \
             --eval_every=100000 --eval_tokens=$((micro * seq)) --core_every=-1 --save_every=100000
     else
-        stage plan_at $START "$PY" train.py --depth=24 --mu_rec=8 --device_batch_size="$batch24" \
+        stage plan_at "${LIMIT[plan_at]}" "$PY" train.py --depth=24 --mu_rec=8 --device_batch_size="$batch24" \
             --total_batch_size=$((batch24 * 2048)) --dry_run
         # under torchrun for DDP's buckets, which the plan counts; killed after its first step: the 1.3B's
         # checkpoint would take longer to write than the step
         rm -rf "$base/runs/gpu_check_step24"
-        stage step24 $((START + COMPILE24_S + STEP24)) --kill_after=1 "$PY" -m torch.distributed.run --standalone \
+        stage step24 "${LIMIT[step24]}" --kill_after=1 "$PY" -m torch.distributed.run --standalone \
             --nproc_per_node=1 -- train.py --depth=24 --mu_rec=8 --data=stdlib --device_batch_size="$batch24" \
             --total_batch_size=$((batch24 * 2048)) --max_tokens=$((batch24 * 2048 * 2)) --run=gpu_check_step24 \
             --dtype=bfloat16 --compile=1 --log_every=1 --eval_every=100000 --eval_tokens=$((batch24 * 2048)) \
@@ -189,18 +224,23 @@ if [ -n "$batch24" ]; then
 fi
 # the validation batches: one micro-batch per rank, which the stdlib's validation split holds for 8 ranks (it holds
 # less than 8 x 32 x 2049 tokens, so not at the paper's micro-batch of 32)
-DDP_FLAGS=(--dtype=bfloat16 "${COMPILE[@]}" --save_every=$save_every --eval_every=$steps
-           --eval_tokens=$((micro * seq * gpus)) --core_every=$steps --core_max_per_task=8)
-train ddp $((START + COMPILE_S + kill_at * 2 * STEP)) "$gpus" $micro 2 $steps --kill_after=$kill_at "${DDP_FLAGS[@]}"
-train ddp_resume $((START + COMPILE_S + (steps - save_every) * 2 * STEP + EVAL + CORE)) "$gpus" $micro 2 $steps \
-    "${DDP_FLAGS[@]}"
-precision_limit=$((START + precision_steps * STEP))
-train fp32 $precision_limit 0 $precision_micro 1 $precision_steps --dtype=float32 --compile=0 --eval_every=100000 \
+TRAIN_FLAGS=(--dtype=bfloat16 "${COMPILE[@]}" --save_every=$save_every --eval_tokens=$((micro * seq * gpus)))
+DDP_FLAGS=("${TRAIN_FLAGS[@]}" --eval_every=$steps --core_every=$steps --core_max_per_task=8)
+train ddp "$gpus" $micro 2 $steps --kill_after=$kill_at "${DDP_FLAGS[@]}"
+if [ "$fault" = perturb_resume ]; then
+    resumed=$(ls "$base/runs/gpu_check_ddp"/ckpt_*.pt 2>/dev/null | tail -n 1)
+    "$PY" -c "import sys; from experiments.gpu_check import perturb_checkpoint
+print(f'== fault: {perturb_checkpoint(sys.argv[1])} scaled by 1.01 in {sys.argv[1]}')" "$resumed" >&2
+fi
+train ddp_resume "$gpus" $micro 2 $steps "${DDP_FLAGS[@]}"
+# the same run without the kill; its evals would come after its last update, so it skips them
+train unbroken "$gpus" $micro 2 $steps "${TRAIN_FLAGS[@]}" --eval_every=100000 --core_every=-1
+train fp32 0 $precision_micro 1 $precision_steps --dtype=float32 --compile=0 --eval_every=100000 \
     --eval_tokens=$((precision_micro * seq)) --core_every=-1 --save_every=100000
-train bf16 $precision_limit 0 $precision_micro 1 $precision_steps --dtype=bfloat16 --compile=0 --eval_every=100000 \
+train bf16 0 $precision_micro 1 $precision_steps --dtype=bfloat16 --compile=0 --eval_every=100000 \
     --eval_tokens=$((precision_micro * seq)) --core_every=-1 --save_every=100000
 ckpt=$(ls "$base/runs/gpu_check_ddp"/ckpt_*.pt 2>/dev/null | tail -n 1)
-stage bench $BENCH_S "$PY" -m experiments.bench --rows 1,2,3,4,5,7 "${BENCH[@]}" ${ckpt:+--ckpt "$ckpt"} \
+stage bench "${LIMIT[bench]}" "$PY" -m experiments.bench --rows 1,2,3,4,5,7 "${BENCH[@]}" ${ckpt:+--ckpt "$ckpt"} \
     --json "$work/bench.json"
 
 "$PY" -m experiments.gpu_check "$work" "$base/runs" --gpus "$gpus" --memory "$memory" \

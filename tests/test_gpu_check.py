@@ -1,16 +1,35 @@
-"""experiments/gpu_check.py, the table of runs/gpu_check.sh, built from stage outputs written by hand: a time-out, a
-crash, a missing stage, the kill and the resume, the bf16 difference; and the device batch it reads from train.py
---dry_run's plan. runs/test.sh runs `bash runs/gpu_check.sh --tiny` itself, every stage on a CPU, before the tests."""
+"""experiments/gpu_check.py, the table of runs/gpu_check.sh, built from stage outputs: a time-out, a crash, a missing
+stage, the kill and the resume against an unbroken run, the bf16 difference, the device batch it reads from train.py
+--dry_run's plan; its exit status, held to the targets a CPU can meet and, on a GPU, to the GPU's; and the two faults
+the script injects, each caught: a real train.py run with dynamo's recompile limits forced low, and a real checkpoint
+with a weight perturbed. runs/test.sh runs `bash runs/gpu_check.sh --tiny` itself, every stage on a CPU."""
 
 import json
+from types import SimpleNamespace
 
+import torch
+
+from conftest import ROOT, TINY, python, train_env
 from experiments import gpu_check
+from model import Parcae, ParcaeConfig
+from nanoparcae.checkpoint import save_checkpoint
 
 NUMBERS = ["1", "2a", "2b", "2c", "2d", "2e", "2f", "2g", "3a", "3b", "4a", "4b", "4c", "4d", "4e", "5"]
 DRY_RUN = ("steps: 198364 x 524,288 tokens = 1 process(es) x 8 micro-batch(es) x 32 x 2048 | data: fineweb-edu\n"
            "memory per GPU (GB): weights 5.4 + grads 5.4 + DDP buckets 5.4 + optimizer 8.0 + activations 294.7 (32 x "
            "2048 at mu_bwd 4, bfloat16) = 318.8 | largest device batch: 5 in 80 GB, 11 in 141 GB\n")
 DRY_RUN_AT_4 = DRY_RUN.replace("294.7 (32 x", "36.8 (4 x").replace("= 318.8", "= 61.0")
+# bench.py's rows as --json writes them: figures that miss the GPU's targets, and its own verdicts
+BENCH = {"sizes": "tiny", "figures": {"matmul_rate": 5e10, "flops_ratio": 0.8, "mfu": 0.05, "sampling_overhead": 0.25},
+         "rows": [["1", "throughput", "Parcae 1 ktok/s", "FLOP/s 0.80x", ""], ["2", "MFU", "50 GFLOP/s", "5%", ""],
+                  ["3b", "sampling", "per-sequence", "overhead +25%", ""],
+                  ["4", "memory", "T=8: 9 MB", "max/min 1.00x", "flat within 10%: met"],
+                  ["5a", "decoding depth", "auto", "-64%", "time saved >= steps saved - 20%: not met"],
+                  ["5b", "KV cache", "T=8", "1.03x concat", ">= 1.5x concat: not met"],
+                  ["7", "torch.compile", "0 recompilations", "1.01x", "none after step 11: met"]]}
+LOSSES = [6.0 - 0.1 * step for step in range(16)]
+EVALS = [{"step": 16, "val_loss_T1": 4.5, "val_loss_T8": 4.25, "graphs": 5, "recompile_limits": 0},
+         {"step": 16, "core": 0.125, "core_T": 8, "graphs": 5, "recompile_limits": 0}]
 
 
 def table_rows(table):
@@ -36,6 +55,41 @@ def write_steps(runs_dir, name, losses, first_step=1, extra=(), **fields):
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [*records, *extra]))
 
 
+def write_checkpoints(runs_dir, step=16):
+    """The same real checkpoint of a tiny model at `step` in runs gpu_check_ddp and gpu_check_unbroken."""
+    torch.manual_seed(0)
+    model = Parcae(ParcaeConfig.from_depth(depth=3, d_model=64, head_dim=32, mu_rec=3, vocab_size=320, seq_len=32))
+    paths = [runs_dir / f"gpu_check_{name}" / f"ckpt_{step:06d}.pt" for name in ("ddp", "unbroken")]
+    for path in paths:
+        save_checkpoint(path, model, step=step)
+    return paths
+
+
+def write_passing_check(work, runs_dir):
+    """Every stage's output as a passing --tiny check leaves it: killed at step 3, resumed at step 2, to step 16."""
+    work.mkdir()
+    for name in ("plan", "plan_at", "step24", "ddp", "ddp_resume", "unbroken", "fp32", "bf16", "bench"):
+        write_stage(work, name)
+    (work / "bench.json").write_text(json.dumps(BENCH))
+    (work / "plan.log").write_text(DRY_RUN)
+    (work / "plan_at.log").write_text(DRY_RUN_AT_4)
+    (work / "ddp.log").write_text("steps: 16 x 1,024 tokens = 2 process(es) x 2 micro-batch(es) x 4 x 64\n"
+                                  "== ddp: killed the workers at step 3\n")
+    (work / "ddp_resume.log").write_text("resumed gpu_check_ddp at step 2, from ckpt_000002.pt\n")
+    write_steps(runs_dir, "ddp", LOSSES, extra=EVALS, graphs=4, recompile_limits=0)
+    write_steps(runs_dir, "unbroken", LOSSES, graphs=4, recompile_limits=0)
+    write_steps(runs_dir, "step24", [5.9], peak_memory=58e9)
+    write_steps(runs_dir, "fp32", [6.0, 5.0, 4.0])
+    write_steps(runs_dir, "bf16", [6.0, 5.1, 4.0])  # 2% apart: the GPU's target missed
+    return write_checkpoints(runs_dir)
+
+
+def check(capsys, work, runs_dir, *flags):
+    """gpu_check's exit status and table rows for these stage outputs (2 processes, 80 GB, and flags)."""
+    status = gpu_check.main([str(work), str(runs_dir), "--gpus", "2", "--memory", str(80 * 10**9), *flags])
+    return status, table_rows(capsys.readouterr().out)
+
+
 def test_the_device_batch_of_the_plan():
     # train.py plans the default 32, which does not fit: the largest size dividing the step's 256 sequences that does
     assert gpu_check.planned_batch(DRY_RUN, 80e9) == 4 and gpu_check.planned_batch(DRY_RUN, 150e9) == 8
@@ -45,59 +99,122 @@ def test_the_device_batch_of_the_plan():
     assert gpu_check.plan_figures("no plan here") == (None, None, {})
 
 
-def test_rows_from_stage_outputs(tmp_path, capsys):
+def test_a_cpu_holds_the_run_to_its_targets_and_only_reports_the_gpus_figures(tmp_path, capsys):
     work, runs_dir = tmp_path / "work", tmp_path / "runs"
-    work.mkdir()
-    args = [str(work), str(runs_dir), "--gpus", "2", "--memory", str(80 * 10**9), "--tiny"]
+    write_passing_check(work, runs_dir)
+    status, rows = check(capsys, work, runs_dir, "--tiny")
+    assert list(rows) == NUMBERS and status == 0, rows
+    for number in ("2a", "2b", "2c", "2e", "2f", "3a", "5"):  # each misses its target here, unjudged on a CPU
+        assert rows[number][2].endswith(": not judged (no GPU)"), rows[number]
+    assert rows["2d"][2] == "flat within 10%: met" and rows["2g"][2] == "none after step 11: met"
+    assert rows["3a"][1] == "device batch 4: plan 61.0 GB per GPU, a GPU faked to report 80 GB free; peak: no GPU"
+    assert rows["4a"][1:] == ("loss 5.800 -> 4.700 (means of steps 1-5 and 12-16)", "falls: met")
+    assert rows["4b"][1:] == ("graphs 4 after step 3, 4 after step 12, 4 after step 16, 5 after the eval, 5 after "
+                              "CORE; recompile limit hit 0 time(s), no warning", "no graph after step 12, no limit "
+                              "hit: met")
+    assert rows["4d"][1:] == ("killed at step 3; resumed at step 2, ended at step 16; steps 1-16 logged once each; "
+                              "against the unbroken run: losses equal, weights at step 16 equal",
+                              "resumes, each step once, equal: met")
+    assert rows["4e"][1] == "step 16: val loss T=1 4.500, T=8 4.250; step 16: CORE 0.125 at T=8"
+    assert "largest 2.000%" in rows["5"][1] and "step 1 0.000%" in rows["5"][1]
+
+    for name in ("ddp", "unbroken"):  # a held target missed: the loss does not fall
+        write_steps(runs_dir, name, [6.0] * 16, extra=EVALS if name == "ddp" else (), graphs=4, recompile_limits=0)
+    status, rows = check(capsys, work, runs_dir, "--tiny")
+    assert [number for number, row in rows.items() if row[2].endswith(": not met") or "failed" in row[1]] == ["4a"]
+    assert status == 1
+
+
+def test_a_gpu_is_held_to_its_figures(tmp_path, capsys, monkeypatch):
+    work, runs_dir = tmp_path / "work", tmp_path / "runs"
+    write_passing_check(work, runs_dir)
+    monkeypatch.setattr(gpu_check, "CUDA", True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a GPU")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    status, rows = check(capsys, work, runs_dir)
+    assert status == 1
+    assert [number for number, row in rows.items() if row[2].endswith(": not met")] == ["2a", "2b", "2c", "2e",
+                                                                                        "2f", "5"]
+    assert rows["3a"][1:] == ("device batch 4: plan 61.0 GB per GPU, this GPU's 80 GB free; peak 58.0 GB (-5%)",
+                              "peak within 15% of the plan: met")
+    write_steps(runs_dir, "step24", [5.9], peak_memory=75e9)
+    assert check(capsys, work, runs_dir)[1]["3a"][2] == "peak within 15% of the plan: not met"  # +23%
+
+
+def test_failed_stages_say_why_and_fail_the_check(tmp_path, capsys):
+    work, runs_dir = tmp_path / "work", tmp_path / "runs"
+    write_passing_check(work, runs_dir)
     write_stage(work, "bench", status=124, limit=200)  # timed out before its first row
-    write_stage(work, "plan", log=DRY_RUN)
-    write_stage(work, "plan_at", log=DRY_RUN_AT_4)
+    (work / "bench.json").unlink()
     write_stage(work, "step24", status=1, log="step 1/2\nTraceback (most recent call last):\n  File x\n"
                 "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB\n[rank0] teardown\n")
-    write_stage(work, "fp32")
-    write_stage(work, "bf16")
-    write_steps(runs_dir, "fp32", [6.0, 5.0, 4.0])
-    write_steps(runs_dir, "bf16", [6.0, 5.04, 4.0])
-    assert gpu_check.main(args) == 1
-    rows = table_rows(capsys.readouterr().out)
-    assert list(rows) == NUMBERS
+    (work / "ddp.rc").unlink()
+    (runs_dir / "gpu_check_bf16" / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 6.2}) + "\n")
+    status, rows = check(capsys, work, runs_dir, "--tiny")
+    assert status == 1
     assert rows["2a"][1] == "failed: bench timed out after 200 s"
     assert rows["1"][1].endswith("matmul failed: bench timed out after 200 s")  # the versions themselves print
-    assert rows["3a"][1:] == ("device batch 4: plan 61.0 GB per GPU, a GPU faked to report 80 GB", "fits: met")
     assert rows["3b"][1] == ("failed: step24 exited 1: torch.OutOfMemoryError: CUDA out of memory. "
                              "Tried to allocate 2 GiB")
-    assert rows["4a"][1] == "failed: stage ddp did not run"
-    assert "largest 0.800%" in rows["5"][1] and "step 1 0.000%" in rows["5"][1]
-    assert rows["5"][2] == "<= 1%: met"
-
-    # the torchrun stages: killed at step 3, resumed from the checkpoint of step 2, to step 16
-    write_stage(work, "ddp", log="steps: 16 x 1,024 tokens = 2 process(es) x 2 micro-batch(es) x 4 x 64\n"
-                "== ddp: killed the workers at step 3\n")
-    write_stage(work, "ddp_resume", log="resumed gpu_check_ddp at step 2, from ckpt_000002.pt\n")
-    losses = [6.0 - 0.1 * step for step in range(16)]
-    evals = [{"step": 16, "val_loss_T1": 4.5, "val_loss_T8": 4.25}, {"step": 16, "core": 0.125, "core_T": 8}]
-    write_steps(runs_dir, "ddp", losses, extra=evals, graphs=4)
-    (runs_dir / "gpu_check_ddp" / "ckpt_000016.pt").write_bytes(b"")
-    gpu_check.main(args)
-    rows = table_rows(capsys.readouterr().out)
-    assert rows["4a"][1:] == ("loss 5.800 -> 4.700 (means of steps 1-5 and 12-16)", "falls: met")
-    assert rows["4b"][1:] == ("4 after step 3, 4 after step 12, 4 after step 16", "none after step 12: met")
-    assert rows["4d"][1:] == ("killed at step 3; resumed at step 2, ended at step 16; steps 1-16 logged once each; "
-                              "ckpt_000016.pt saved", "resumes, each step once, saves: met")
-    assert rows["4e"][1] == "step 16: val loss T=1 4.500, T=8 4.250; step 16: CORE 0.125 at T=8"
-
-    # a resume that redid a step twice, a resume too late for a warm-up, a run without accumulation
-    steps = [1, 2, 3, 3, *range(4, 17)]  # step 3 twice: the killed command's and the resumed one's
-    (runs_dir / "gpu_check_ddp" / "metrics.jsonl").write_text("".join(
-        json.dumps({"step": step, "loss": 5.0, "tokens_per_s": 1000.0, "graphs": 4}) + "\n" for step in steps))
-    write_stage(work, "ddp_resume", log="resumed gpu_check_ddp at step 8\n")
-    write_stage(work, "ddp", log="2 process(es) x 1 micro-batch(es) x 4 x 64\n")
-    (runs_dir / "gpu_check_bf16" / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 6.2}) + "\n")
-    gpu_check.main(args)
-    rows = table_rows(capsys.readouterr().out)
-    assert rows["4a"][2] == "falls: not met"
-    assert rows["4b"][1] == "failed: the run resumed at step 8: no step after its warm-up to compare"
-    assert "logged out of order or twice" in rows["4d"][1] and rows["4d"][1].startswith("killed at step ?")
-    assert rows["4d"][2].endswith(": not met")
-    assert rows["4e"][1] == "failed: the run logged no eval"
+    assert rows["4a"][1] == rows["4b"][1] == rows["4d"][1] == "failed: stage ddp did not run"
     assert rows["5"][1] == "failed: the runs logged different steps: [1, 2, 3] and [1]"
+
+
+def test_a_resume_that_is_not_the_unbroken_run_fails_4d(tmp_path, capsys, monkeypatch):
+    work, runs_dir = tmp_path / "work", tmp_path / "runs"
+    resumed, _ = write_passing_check(work, runs_dir)
+    assert gpu_check.perturb_checkpoint(resumed) == "wte.weight"  # the fault GPU_CHECK_FAULT=perturb_resume
+    status, rows = check(capsys, work, runs_dir, "--tiny")
+    assert rows["4d"][1].endswith("losses equal, weights at step 16 1.0e-02 apart (relative)"), rows["4d"]
+    assert rows["4d"][2] == "resumes, each step once, equal: not met" and status == 1
+    monkeypatch.setattr(gpu_check, "CUDA", True)  # a GPU's tolerance is 1e-3: the fault still fails it
+    assert gpu_check.kill_and_resume(work, runs_dir, SimpleNamespace(gpus=2, tiny=True))[2].endswith(": not met")
+
+    write_checkpoints(runs_dir)
+    write_steps(runs_dir, "unbroken", [*LOSSES[:8], LOSSES[8] * (1 + 1e-4), *LOSSES[9:]])
+    row = gpu_check.kill_and_resume(work, runs_dir, SimpleNamespace(gpus=2, tiny=True))
+    assert row[1].endswith("losses 1.0e-04 apart (relative), weights at step 16 equal") and row[2].endswith(": met")
+    monkeypatch.setattr(gpu_check, "CUDA", False)  # on a CPU nothing short of equal
+    assert gpu_check.kill_and_resume(work, runs_dir, SimpleNamespace(gpus=2, tiny=True))[2].endswith(": not met")
+
+    # a resume that redid a step twice; one that stopped short of the unbroken run's last step
+    steps = [1, 2, 3, 3, *range(4, 17)]
+    (runs_dir / "gpu_check_ddp" / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": step, "loss": 5.0, "graphs": 4}) + "\n" for step in steps))
+    status, rows = check(capsys, work, runs_dir, "--tiny")
+    assert "logged out of order or twice" in rows["4d"][1] and rows["4d"][2].endswith(": not met") and status == 1
+    write_steps(runs_dir, "ddp", LOSSES[:15])
+    assert check(capsys, work, runs_dir, "--tiny")[1]["4d"][1] == ("failed: the resumed run logged steps 1-15, the "
+                                                                    "unbroken one 1-16")
+
+
+def test_a_recompile_limit_hit_fails_4b_though_the_graph_count_stays_flat(tmp_path, capsys, corpus):
+    """A real train.py run with dynamo's recompile limits forced to 2 as the fault GPU_CHECK_FAULT=recompile_limit
+    forces them: its counters and its warning both fail 4b, each on its own."""
+    work, runs_dir = tmp_path / "work", tmp_path / "runs"
+    write_passing_check(work, runs_dir)
+    wrapper = tmp_path / "low_limits.py"
+    wrapper.write_text(f"import sys\nsys.path.insert(0, {str(ROOT)!r})\n"
+                       "from experiments.gpu_check import run_with_low_recompile_limits\n"
+                       "run_with_low_recompile_limits()\n")
+    result = python([str(wrapper), str(ROOT / "train.py"), f"--data={corpus / 'corpus.txt'}", *TINY,
+                     "--compile=1", "--compile_backend=eager", "--max_tokens=256", "--run=low_limits"],
+                    train_env(corpus, tmp_path / "base"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "hit config." in result.stderr
+    real = json.loads((tmp_path / "base" / "runs" / "low_limits" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert real["recompile_limits"] >= 1, real
+
+    # its counters in every record, the graph count flat: 4b not met
+    write_steps(runs_dir, "ddp", LOSSES, graphs=real["graphs"], recompile_limits=real["recompile_limits"])
+    status, rows = check(capsys, work, runs_dir, "--tiny")
+    assert rows["4b"][1].endswith(f"recompile limit hit {real['recompile_limits']} time(s), no warning"), rows["4b"]
+    assert rows["4b"][2].endswith(": not met") and status == 1
+    # its warning alone, in the resumed command's log: 4b not met
+    write_steps(runs_dir, "ddp", LOSSES, graphs=4, recompile_limits=0)
+    (work / "ddp_resume.log").write_text("resumed gpu_check_ddp at step 2, from ckpt_000002.pt\n" + result.stderr)
+    status, rows = check(capsys, work, runs_dir, "--tiny")
+    warnings = gpu_check.limit_warnings(work, ["ddp_resume"])
+    assert warnings and all(warning.endswith("(2)") for warning in warnings), warnings
+    assert f"dynamo hit config.{warnings[0]}" in rows["4b"][1] and rows["4b"][2].endswith(": not met")
+    assert status == 1
