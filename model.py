@@ -35,6 +35,7 @@ import torch.nn.functional as F
 # Configuration
 
 INJECTIONS = ("diagonal", "concat", "add", "none")
+PAPER_TOKENS = {6: 11.2e9, 12: 29.6e9, 18: 61.6e9, 24: 104e9}  # METHOD.md §1: tokens per depth
 
 
 @dataclass
@@ -445,10 +446,15 @@ class Parcae(nn.Module):
         # C_proj reads the loop's output, no norm before it (METHOD.md §1), in every looped variant:
         # the injection ablations differ from Parcae in the injection alone
         self.C_proj = nn.Linear(d, d, bias=False) if looped else None
-        cos, sin = self._rope_tables(10 * c.seq_len)
+        self.init_buffers()
+        self.init_weights()
+
+    def init_buffers(self):
+        """The RoPE tables: buffers left out of the state dict, so a model sized on the meta device
+        and then given its weights (load_state_dict(assign=True)) computes them here."""
+        cos, sin = self._rope_tables(10 * self.config.seq_len)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.init_weights()
 
     def _rope_tables(self, length):
         c = self.config

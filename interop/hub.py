@@ -29,11 +29,11 @@ import torch.distributed as dist
 
 import eval_core
 import sample
-from nanoparcae.checkpoint import load_run
+from nanoparcae.checkpoint import assign_weights, load_run, sized_model
 from nanoparcae.common import first_sentence, get_base_dir, write_atomically
 from model import SAMPLINGS
 from nanoparcae.download import download_file
-from model import Parcae, ParcaeConfig
+from model import ParcaeConfig
 from nanoparcae.tokenizer import Tokenizer
 
 HUB_URL = os.environ.get("NANOPARCAE_HUB_URL", "https://huggingface.co")  # tests point it at 127.0.0.1
@@ -391,12 +391,12 @@ def load_pretrained(source, device="cpu", need_tokenizer=False):
                          f"download it again") from None
     if config.injection == "none" and not authors_config.get("use_fused_head", "pytorch"):
         state_dict.pop("lm_head.weight", None)  # their GPT's own head, never read when tied (authors_state_dict)
-    model = Parcae(config)
-    model.load_state_dict(convert_state_dict(state_dict, model))
+    model = sized_model(config)  # no random init: the weights are the release's tensors themselves
+    model = assign_weights(model, convert_state_dict(state_dict, model), device)
     tokenizer = None if tokenizer_path is None else tokenizer_from_json(tokenizer_path)
     if tokenizer and tokenizer.vocab_size > config.vocab_size:
         raise ValueError(f"{tokenizer_path} has {tokenizer.vocab_size} tokens, the model only {config.vocab_size}")
-    return model.to(device).eval(), tokenizer
+    return model, tokenizer
 
 
 # -----------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """
 nanoparcae/checkpoint.py: checkpoints, <base dir>/runs/<run>/ckpt_<step>.pt, each a plain dict that
-torch.load reads with weights_only=True; load_run rebuilds a trained model with its tokenizer.
+torch.load reads with weights_only=True; load_run rebuilds a trained model with its tokenizer, reading its
+weights alone.
 """
 
 import os
@@ -34,13 +35,16 @@ def find_checkpoint(runs_dir, run=None):
     return found[-1]
 
 
-def read_checkpoint(path, device="cpu"):
-    """torch.load of a checkpoint (weights_only=True), the one reader: train.py's resume and load_run. Raises
-    FileNotFoundError when it is absent and ValueError naming it when torch cannot read it."""
+def read_checkpoint(path, device="cpu", mmap=False):
+    """torch.load of a checkpoint (weights_only=True), the one reader: train.py's resume and load_run. mmap: its
+    tensors map the file, on the CPU, and are read when first touched. Raises FileNotFoundError when it is absent
+    and ValueError naming it when torch cannot read it."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     try:
+        if mmap:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         return torch.load(path, map_location=device, weights_only=True)
     except Exception as err:
         raise ValueError(f"checkpoint {path} is truncated or unreadable ({first_sentence(err)}): remove it to "
@@ -48,9 +52,28 @@ def read_checkpoint(path, device="cpu"):
                          f"copy") from None
 
 
+def sized_model(config):
+    """A Parcae without weights, sized on the meta device (no random init), its RoPE tables computed."""
+    with torch.device("meta"):
+        model = Parcae(config)
+    model.init_buffers()
+    return model
+
+
+def assign_weights(model, state_dict, device="cpu"):
+    """sized_model's model, given state_dict's tensors as its own: cast to its dtypes where they differ, then moved
+    to device, one copy at most (none for a CPU tensor already float32) -> the model in eval mode."""
+    dtypes = {name: tensor.dtype for name, tensor in model.state_dict().items()}
+    model.load_state_dict({name: tensor.to(dtypes.get(name, tensor.dtype)) for name, tensor in state_dict.items()},
+                          assign=True)
+    return model.to(device).eval()
+
+
 def load_run(ckpt_or_run=None, device="cpu"):
     """A checkpoint file, a run's name (its newest checkpoint under <base dir>/runs) or None (the newest of the run
-    written last) -> (model in eval mode, its tokenizer, the checkpoint dict, the checkpoint's path).
+    written last) -> (model in eval mode, its tokenizer, the checkpoint dict, the checkpoint's path). Only the
+    weights are read, into the model without a random init; the dict leaves out the optimizer's and the loaders'
+    states, and its "model" is the model's state dict.
 
     The tokenizer is the one the checkpoint records; where that folder is gone (a moved NANOPARCAE_BASE_DIR), the
     one of the same key, its folder's name, under this base folder's tokenizers/. One whose vocabulary outgrows the
@@ -63,10 +86,10 @@ def load_run(ckpt_or_run=None, device="cpu"):
                                  ", or a run's name"))
     if path is None or not (path.is_file() or path.suffix == ".pt" or len(path.parts) > 1):
         path = find_checkpoint(get_base_dir() / "runs", ckpt_or_run)
-    ckpt = read_checkpoint(path, device)
+    # Mapped, so that only the weights are read: the optimizer's state and the loaders' never are
+    ckpt = read_checkpoint(path, mmap=True)
     try:  # torch read it, but it may hold no Parcae
-        model = Parcae(ParcaeConfig(**ckpt["config"]))
-        model.load_state_dict(ckpt["model"])
+        model = assign_weights(sized_model(ParcaeConfig(**ckpt["config"])), ckpt["model"], device)
     except Exception as err:
         raise ValueError(f"checkpoint {path} is not a nanoparcae checkpoint ({first_sentence(err)}); pass one that "
                          f"train.py wrote") from None
@@ -86,4 +109,5 @@ def load_run(ckpt_or_run=None, device="cpu"):
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(f"the tokenizer at {directory} has {tokenizer.vocab_size} tokens, the model "
                          f"{model.config.vocab_size}: they are not from the same run")
-    return model.to(device).eval(), tokenizer, ckpt, path
+    ckpt = {**{k: v for k, v in ckpt.items() if k not in ("optimizer", "loader")}, "model": model.state_dict()}
+    return model, tokenizer, ckpt, path

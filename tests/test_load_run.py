@@ -1,7 +1,10 @@
 """Tests for nanoparcae.checkpoint.load_run, the one loader of a run: every command that loads a run finds it, and its tokenizer,
-after the base folder has moved; and the ways a checkpoint or its tokenizer can be wrong, each in one line."""
+after the base folder has moved; the ways a checkpoint or its tokenizer can be wrong, each in one line; and that it
+reads the weights alone, mapped, into a model without a random init whose logits are those of one loaded in full."""
 
+import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -66,3 +69,133 @@ def test_a_wrong_checkpoint_or_tokenizer_is_one_line(moved, tmp_path, monkeypatc
     smaller = {**ckpt, "config": {**ckpt["config"], "vocab_size": 300}}  # padded to 320 as well: the same weights
     torch.save(smaller, tmp_path / "smaller.pt")
     assert message(tmp_path / "smaller.pt").endswith("has 320 tokens, the model 300: they are not from the same run")
+
+
+# -----------------------------------------------------------------------------
+# Loading for inference: the weights alone, memory-mapped, into a model with no random init
+
+def tiny_checkpoint(path, tokenizer_dir, injection="diagonal", optimizer_bytes=0, seed=0):
+    """A checkpoint of a tiny Parcae with random weights (not its zero-init ones) beside an optimizer entry of
+    optimizer_bytes and the loaders' states, as train.py writes them -> (the model, its path)."""
+    from model import Parcae, ParcaeConfig
+    from nanoparcae.checkpoint import save_checkpoint
+    config = ParcaeConfig(vocab_size=260, seq_len=32, n_prelude=1, n_recur=1, n_coda=1, d_model=64, head_dim=32,
+                          mu_rec=3, injection=injection)
+    model = Parcae(config).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) / p.shape[-1] ** 0.5)
+    optimizer = {"state": {0: {"exp_avg": torch.ones(optimizer_bytes // 4)}}, "param_groups": []}
+    save_checkpoint(path, model, step=7, args={"data": "stdlib", "vocab_size": 260}, optimizer=optimizer,
+                    loader=[{"position": 3}], tokenizer_dir=str(tokenizer_dir))
+    return model, path
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    from nanoparcae.tokenizer import Tokenizer
+    directory = tmp_path_factory.mktemp("tok")
+    Tokenizer.train(iter(["a checkpoint read for inference"] * 20), vocab_size=260).save(directory)
+    return directory
+
+
+@pytest.mark.parametrize("injection", ["diagonal", "concat", "add", "none"])
+def test_load_run_gives_the_logits_of_a_randomly_initialised_model_loaded_in_full(tmp_path, tokenizer_dir, injection):
+    """The model built without an init holds every parameter and buffer (the RoPE tables) of one built with its
+    init and given the whole checkpoint, bit for bit, and so computes the same logits."""
+    from model import Parcae, ParcaeConfig
+    _, path = tiny_checkpoint(tmp_path / "ckpt_000007.pt", tokenizer_dir, injection, optimizer_bytes=4096)
+    full = torch.load(path, map_location="cpu", weights_only=True)
+    old = Parcae(ParcaeConfig(**full["config"]))
+    old.load_state_dict(full["model"])
+    old.eval()
+    model, tokenizer, ckpt, found = load_run(path)
+    assert found == path and not model.training and tokenizer.vocab_size == 260
+    old_tensors = {**dict(old.named_parameters()), **dict(old.named_buffers())}
+    new_tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    assert old_tensors.keys() == new_tensors.keys() and {"rope_cos", "rope_sin"} <= new_tensors.keys()
+    for name, tensor in old_tensors.items():
+        loaded = new_tensors[name]
+        assert (loaded.dtype, loaded.device, loaded.shape) == (tensor.dtype, tensor.device, tensor.shape), name
+        assert torch.equal(loaded, tensor), name
+        assert loaded.requires_grad == tensor.requires_grad, name
+    idx = torch.randint(0, 260, (2, 20), generator=torch.Generator().manual_seed(1))
+    h0 = torch.randn(2, 20, 64, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        for T in (1, 5):
+            assert torch.equal(model(idx, T=T, h0=h0), old(idx, T=T, h0=h0))
+    # what callers read is there; what inference never needs is not
+    assert ckpt["step"] == 7 and ckpt["args"]["data"] == "stdlib" and ckpt["config"] == full["config"]
+    assert ckpt["tokenizer_dir"] == str(tokenizer_dir) and not {"optimizer", "loader"} & ckpt.keys()
+    assert ckpt["model"].keys() == full["model"].keys()
+    assert all(torch.equal(ckpt["model"][k], v) for k, v in full["model"].items())
+
+
+def test_load_run_runs_no_random_init(tmp_path, tokenizer_dir, monkeypatch):
+    """Every init (Parcae's and torch's module resets) may run on the meta device alone, where it fills nothing."""
+    import model as model_module
+    _, path = tiny_checkpoint(tmp_path / "ckpt_000007.pt", tokenizer_dir)
+
+    def on_meta_only(init):
+        def guarded(tensor, *args, **kwargs):
+            if not tensor.is_meta:
+                raise AssertionError(f"{init.__name__} filled a {tensor.device} tensor")
+            return init(tensor, *args, **kwargs)
+        return guarded
+
+    for name in ("trunc_normal_", "normal_", "uniform_", "kaiming_uniform_", "zeros_", "ones_", "orthogonal_"):
+        monkeypatch.setattr(torch.nn.init, name, on_meta_only(getattr(torch.nn.init, name)))
+    monkeypatch.setattr(model_module, "trunc_orthogonal_", on_meta_only(model_module.trunc_orthogonal_))
+    init_weights = model_module.Parcae.init_weights
+
+    def init_weights_on_meta_only(self):
+        if not self.wte.weight.is_meta:
+            raise AssertionError(f"init_weights filled a {self.wte.weight.device} tensor")
+        init_weights(self)
+
+    monkeypatch.setattr(model_module.Parcae, "init_weights", init_weights_on_meta_only)
+    model = load_run(path)[0]
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    with pytest.raises(AssertionError, match="filled a cpu tensor"):  # the guards do catch an init
+        model_module.Parcae(model.config)
+
+
+def mapped_ranges(path):
+    """The address ranges of this process that map the file at path."""
+    ranges = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5] == str(path):
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            ranges.append((start, end))
+    return ranges
+
+
+def memory_kb(field):
+    """VmRSS (resident now) or VmHWM (its peak) of this process, in kB."""
+    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+    return int(status[field].split()[0])
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="reads Linux's /proc/self")
+def test_load_run_reads_the_weights_alone_into_the_model_itself(tmp_path, tokenizer_dir):
+    """On the CPU the model's weights are the mapped file's pages, not a copy of them; the optimizer's 256 MB is
+    never read: the peak resident memory grows by far less while loading."""
+    _, path = tiny_checkpoint(tmp_path / "ckpt_000007.pt", tokenizer_dir, optimizer_bytes=256 * 2**20)
+    Path("/proc/self/clear_refs").write_text("5")  # the peak, VmHWM, starts again from the resident size
+    before = memory_kb("VmRSS")
+    model = load_run(path)[0]
+    assert memory_kb("VmHWM") - before < 64 * 1024
+    ranges = mapped_ranges(path)
+    assert ranges, "nothing maps the checkpoint's file"
+    for name, p in model.named_parameters():
+        assert any(start <= p.data_ptr() < end for start, end in ranges), f"{name} is a copy of the checkpoint's"
+
+
+def test_a_truncated_checkpoint_is_one_line_naming_it(tmp_path, tokenizer_dir):
+    _, path = tiny_checkpoint(tmp_path / "ckpt_000007.pt", tokenizer_dir, optimizer_bytes=4096)
+    path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
+    with pytest.raises(ValueError, match=re.escape(f"checkpoint {path} is truncated or unreadable")) as err:
+        load_run(path)
+    assert "\n" not in str(err.value)
