@@ -23,6 +23,7 @@ import os
 import sys
 import time
 from contextlib import nullcontext
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -30,22 +31,20 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from data import DataLoader, val_batches
 from eval_core import evaluate_bpb, evaluate_core
-from model import SAMPLINGS, Parcae, ParcaeConfig
+from model import PAPER_TOKENS, SAMPLINGS, Parcae, ParcaeConfig
 from optim import (build_optimizer, learning_rate_for_depth, lr_multiplier, muon_momentum,
                    optimizer_state_bytes, weight_decay_at)
 from nanoparcae.common import (fail, init_distributed, parse_device, peak_bf16_flops, print0,
-                               rank_and_world)
-from nanoparcae.dataset import ChunkReader, get_tokenizer
+                               rank_and_world, wait_for_rank0)
+from nanoparcae.dataset import ChunkReader, fineweb_train_shards, get_tokenizer, shard_ranges
 from nanoparcae.divergence import Divergence
 from nanoparcae.ranks import shared_eval_bundle
-from nanoparcae.run import (Metrics, choose_device_batch, claim_run, compile_counts, identify_run,
-                            log_line, positive, save_and_prune, steps_or_never, unit_fraction,
-                            zero_or_more)
+from nanoparcae.run import (Metrics, check_data, choose_device_batch, claim_run, compile_counts,
+                            identify_run, log_line, positive, refuse_data, save_and_prune,
+                            steps_or_never, unit_fraction, zero_or_more)
 
 # -----------------------------------------------------------------------------
 # Flags. The defaults are the paper's 140M recipe (METHOD.md §2); runs/cpu.sh passes a small one's.
-
-PAPER_TOKENS = {6: 11.2e9, 12: 29.6e9, 18: 61.6e9, 24: 104e9}  # METHOD.md §1: tokens per size
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -118,6 +117,10 @@ flag("--run", default=None, help="run name (None: d<depth>_<injection>)")
 flag("--resume", action="store_true", help="require a checkpoint to continue from")
 flag("--stop_at", type=positive(int), default=None, help="end this command after that step")
 flag("--dry_run", action="store_true", help="print the configuration and memory plan, and exit")
+flag("--collective_timeout", type=positive(float), default=600,
+     help="seconds a collective waits for every rank before the run fails (torch's NCCL default)")
+flag("--rank0_timeout", type=positive(float), default=3600,
+     help="seconds the ranks wait while rank 0 saves, trains the tokenizer or fetches CORE's tasks")
 args = parser.parse_args()
 try:
     device = parse_device(args.device)
@@ -168,17 +171,22 @@ if restart_count and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  
     fail("torchrun restarted the workers into the failed attempt's rendezvous store; launch it "
          "with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
 if ddp:
-    device = init_distributed(device)  # the GPU of this local rank
+    device = init_distributed(device, timedelta(seconds=args.collective_timeout),
+                              timedelta(seconds=args.rank0_timeout))  # the GPU of this local rank
 rank, world = rank_and_world()
+if args.dry_run and "RANK" in os.environ:  # torchrun's processes: one plan for all, printed once
+    if int(os.environ["RANK"]):
+        sys.exit(0)
+    world = int(os.environ["WORLD_SIZE"])
 if device.type == "cuda":
     torch.backends.cuda.matmul.allow_tf32 = True
 print0(f"model: depth {args.depth} ({config.n_prelude}/{config.n_recur}/{config.n_coda}), "
        f"d_model {config.d_model}, {config.n_head} heads, injection {config.injection}, mu_rec "
        f"{config.mu_rec}, mu_bwd {config.mu_bwd}, sampling {config.sampling}, prelude_norm "
        f"{config.prelude_norm}")
-tokens = num_steps * args.total_batch_size
 print0(f"parameters: {num_params:,} | FLOPs/token (paper's C, the horizon's unit): "
-       f"{flops_per_token:.4e} | tokens: {tokens:,} | total FLOPs: {flops_per_token * tokens:.4e} "
+       f"{flops_per_token:.4e} | tokens: {num_steps * args.total_batch_size:,} | total FLOPs: "
+       f"{flops_per_token * num_steps * args.total_batch_size:.4e} "
        f"| executed matmul FLOPs/token (MFU's): {executed_flops_per_token:.4e}, C / executed "
        f"{flops_per_token / executed_flops_per_token:.2f}")
 
@@ -191,9 +199,17 @@ batch = choose_device_batch(meta_model, args, device, world,
 if args.dry_run:
     sys.exit(0)
 
-# The run is a folder, and the newest checkpoint there must have recorded these RUN_FLAGS
+# The run is a folder, and the newest checkpoint there must have recorded these RUN_FLAGS, and for
+# FineWeb-Edu the training shards it read: its data order is a shuffle of them
+tokens = num_steps * args.total_batch_size
+paper_horizon = max_tokens == PAPER_TOKENS.get(args.depth)
+try:
+    shards = shard_ranges(fineweb_train_shards()) if args.data == "fineweb-edu" else None
+except FileNotFoundError as err:
+    refuse_data(err, args, tokens, paper_horizon)
 run = identify_run(args, RUN_FLAGS, batch, device, d_model=config.d_model, mu_bwd=config.mu_bwd,
-                   max_tokens=max_tokens, adamw_lr=adamw_lr)
+                   max_tokens=max_tokens, adamw_lr=adamw_lr,
+                   **({"train_shards": shards} if shards else {}))
 args.device_batch_size = run.device_batch_size  # a run keeps its batch: it fixes the data order
 if run.step >= num_steps:
     print0(f"run {run.name} is done: {run.checkpoint} holds its last step, {num_steps}; nothing "
@@ -206,14 +222,14 @@ print0(f"steps: {num_steps} x {args.total_batch_size:,} tokens = {world} process
 print0(f"output: {run.dir}")
 
 # -----------------------------------------------------------------------------
-# Data: the tokenizer, one loader per virtual rank, and the validation batches
+# Data: the tokenizer, the tokens on disk against the horizon's, one loader per virtual rank
 
 try:
     if rank == 0:
         get_tokenizer(args.data, args.vocab_size)  # trains and caches it on first use, once
-    if ddp:
-        dist.barrier()
+    wait_for_rank0()
     tokenizer = get_tokenizer(args.data, args.vocab_size)
+    check_data(args.data, tokenizer, tokens)  # a FineWeb-Edu run never repeats unasked
     reader = ChunkReader()  # one read of each chunk for this process's loaders
     loaders = [DataLoader(tokenizer, args.data, "train", args.device_batch_size, args.seq_len,
                           rank=rank * grad_accum + micro, world_size=world * grad_accum,
@@ -222,11 +238,7 @@ try:
     val_data = list(val_batches(tokenizer, args.data, args.device_batch_size, args.seq_len,
                                 args.eval_tokens, rank, world, device, reader))  # for every eval
 except (FileNotFoundError, ValueError) as err:
-    if args.data == "fineweb-edu":
-        fail(f"{err} (the 140M run reads about 240: `python -m nanoparcae.dataset download -n "
-             f"240`); without a GPU, `bash runs/cpu.sh` trains a small model on this Python's "
-             f"standard library, no download needed")
-    fail(err)
+    refuse_data(err, args, tokens, paper_horizon)
 # The lock comes after every check that can refuse the command: a refused one writes nothing
 run_lock = claim_run(run.dir)  # one trainer per run, until this process ends
 
@@ -238,9 +250,9 @@ model = raw_model = Parcae(config).to(device)
 if args.compile:
     model.compile_blocks(backend=args.compile_backend)
     from torch._dynamo.utils import counters as dynamo_counters
-if ddp:  # the RoPE tables are constant: no buffers to broadcast
+if ddp:  # the RoPE tables are constant: no buffers to sync at each forward
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                broadcast_buffers=False)
+                forward_sync_buffers=False)
 optimizer = build_optimizer(raw_model, adamw_lr=adamw_lr, muon_lr=args.muon_lr,
                             weight_decay=args.weight_decay, muon=args.optimizer == "muon")
 bf16 = args.dtype == "bfloat16"  # autocast: the matmuls in bfloat16, the weights in float32
@@ -264,6 +276,7 @@ if run.ckpt:  # also when torchrun --max_restarts restarted the workers
            + (f"; changed: {', '.join(changed)}" if changed else ""))
     run.ckpt = ckpt = None  # its copy of the weights and the optimiser state is freed
 batches = [iter(loader) for loader in loaders]
+data_epoch = loaders[0].next_doc[0]  # the epoch of the training data the loaders read
 
 # -----------------------------------------------------------------------------
 # Training loop, and its evals
@@ -289,8 +302,14 @@ def evaluate_core_subset(step):
         return None
     result = evaluate_core(raw_model, tokenizer, bundle_dir, max_per_task=args.core_max_per_task,
                            verbose=False)
-    print0(f"CORE {result['core']:.4f} at T={result['T']} ({result['seconds']:.0f}s)")
-    return {"step": step, "core": result["core"], "core_T": result["T"]}
+    if result["core"] is None:
+        print0(f"CORE skipped: the bundle at {bundle_dir} holds none of its tasks")
+        return None
+    skipped = sorted(result["skipped"])  # tasks a partial bundle lacks: the mean is over the rest
+    ran = f"over {len(result['centered'])} of {len(result['centered']) + len(skipped)} tasks"
+    print0(f"CORE {result['core']:.4f} at T={result['T']} {ran}"
+           + (f", skipped: {', '.join(skipped)}" if skipped else "") + f" ({result['seconds']:.0f}s)")
+    return {"step": step, "core": result["core"], "core_T": result["T"], "core_skipped": skipped}
 
 
 peak_flops = peak_bf16_flops(device)
@@ -367,6 +386,11 @@ while step < num_steps and (args.stop_at is None or step < args.stop_at):
             entry["peak_memory"] = torch.cuda.max_memory_allocated(device)
         print0(log_line(entry, num_steps, args.total_batch_size))
         metrics.record(entry)
+
+    # --- a new epoch of the training data, read again in a new order
+    if loaders[0].next_doc[0] > data_epoch:
+        data_epoch = loaders[0].next_doc[0]
+        print0(f"step {step}: the loaders began reading epoch {data_epoch + 1} of the data")
 
     # --- once in a while: evals, in the training's numerics
     results = []

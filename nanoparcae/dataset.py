@@ -4,11 +4,12 @@ FineWeb-Edu download, the three kinds of source read in chunks, and each source'
 and cached.
 
     python -m nanoparcae.dataset download -n 8                  # FineWeb-Edu: 7 train shards + the validation shard
+    python -m nanoparcae.dataset download --depth=12            # the shards the paper's 370M run reads
     python -m nanoparcae.dataset tokenizer --data=fineweb-edu   # train the 32,768-token BPE on ~2B characters, cache it
 
 A data source (`--data`) is one of
     fineweb-edu   the 100b-shuffle parquet shards nanochat uses, under $NANOPARCAE_BASE_DIR/fineweb-edu;
-                  the highest-numbered shard on disk is the validation split
+                  shard 1822, the last, is the validation split and every other shard there trains
     stdlib        this interpreter's standard-library .py files, a document per top-level or method block
     PATH or GLOB  your own .txt (one document per blank-line-separated paragraph), .jsonl (field "text")
                   or .parquet (column "text") files, or a folder holding them
@@ -23,6 +24,7 @@ import glob
 import hashlib
 import itertools
 import json
+import math
 import os
 import re
 import sys
@@ -36,12 +38,14 @@ from typing import NamedTuple
 
 import pyarrow.parquet as pq
 
+from model import PAPER_TOKENS
 from nanoparcae.common import get_base_dir
 from nanoparcae.download import download_file
 from nanoparcae.tokenizer import Tokenizer
 
 FINEWEB_URL = "https://huggingface.co/datasets/karpathy/fineweb-edu-100b-shuffle/resolve/main"
-FINEWEB_LAST_SHARD = 1822  # METHOD.md §5: shards 0..1822
+FINEWEB_VAL_SHARD = 1822  # METHOD.md §5: shards 0..1822, the last one held out, as nanochat does
+FINEWEB_SHARD_TOKENS = 50e6  # about 250M characters a shard: what a download is sized by, before any is read
 VAL_EVERY = 20  # stdlib and user files: a document is validation iff crc32(text) % 20 == 0 (~5%)
 FILES_PER_CHUNK = 64  # text files are read (and shared across ranks) in groups of this many
 
@@ -68,7 +72,7 @@ def download_shard(index, base_url=FINEWEB_URL, max_attempts=5, retry_delay=1.0)
     try:
         download_file(url, unchecked, max_attempts, retry_delay)
     except FileNotFoundError as e:
-        raise FileNotFoundError(f"{e}: check --base_url and that the shard index is in 0..{FINEWEB_LAST_SHARD}") \
+        raise FileNotFoundError(f"{e}: check --base_url and that the shard index is in 0..{FINEWEB_VAL_SHARD}") \
             from None
     except OSError as e:
         raise OSError(f"{e}; check the network or --base_url") from None
@@ -136,16 +140,38 @@ def files_chunks(paths, keep, quiet=False):
     return chunks + [c for p in paths if p.endswith(".parquet") for c in parquet_chunks(p, keep)]
 
 
+def fineweb_train_shards():
+    """The indices of the FineWeb-Edu training shards on disk. FileNotFoundError naming the download when the
+    validation shard, which is fixed by name, or every training shard is missing."""
+    found = sorted(int(p.name[6:11]) for p in fineweb_dir().glob("shard_*.parquet") if p.name[6:11].isdigit())
+    train = [i for i in found if i != FINEWEB_VAL_SHARD]
+    missing = [what for what, there in ((f"the validation shard {shard_name(FINEWEB_VAL_SHARD)}",
+                                         FINEWEB_VAL_SHARD in found), ("any training shard", train)) if not there]
+    if missing:
+        raise FileNotFoundError(f"{fineweb_dir()} lacks {' and '.join(missing)} ({len(found)} shards there): run "
+                                f"`python -m nanoparcae.dataset download -n N`, which fetches shards 0..N-2 and "
+                                f"the validation shard")
+    return train
+
+
+def shard_ranges(indices):
+    """Shard indices as ranges, "0-238,240": what a run records of the shards it reads."""
+    runs = []
+    for i in indices:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
+
+
 def list_chunks(source, split):
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got '{split}'")
     if source == "fineweb-edu":
-        shards = sorted(str(p) for p in fineweb_dir().glob("shard_*.parquet"))
-        if len(shards) < 2:
-            raise FileNotFoundError(f"found {len(shards)} FineWeb-Edu shards in {fineweb_dir()}, need at least 2 (the "
-                                    f"last is validation): run `python -m nanoparcae.dataset download -n 8`")
-        # METHOD.md §5: the last shard is validation
-        return [c for p in (shards[:-1] if split == "train" else shards[-1:]) for c in parquet_chunks(p, None)]
+        train = fineweb_train_shards()  # both splits need the validation shard there
+        paths = [fineweb_dir() / shard_name(i) for i in (train if split == "train" else [FINEWEB_VAL_SHARD])]
+        return [c for path in paths for c in parquet_chunks(str(path), None)]
     if source == "stdlib":
         return files_chunks(stdlib_files(), split, quiet=True)
     return files_chunks(user_files(source), split)
@@ -245,6 +271,37 @@ def iter_documents(source, split, reader=None):
         yield from reader.read(chunk)
 
 
+def stored_text_bytes(chunks):
+    """The bytes of the chunks' text as stored, read from parquet metadata or file sizes, not from the text: a
+    parquet row group's 'text' column less its 4-byte length prefixes and the min and max strings its page
+    statistics repeat; the hash rule's share of text files."""
+    total, footers = 0, {}
+    for chunk in chunks:
+        if chunk.row_group >= 0:
+            path = chunk.paths[0]
+            footers[path] = footers.get(path) or pq.read_metadata(path)  # one read of each file's footer
+            group = footers[path].row_group(chunk.row_group)
+            column = next(group.column(i) for i in range(group.num_columns)
+                          if group.column(i).path_in_schema == "text")
+            stats = column.statistics
+            repeated = len(stats.min.encode()) + len(stats.max.encode()) if stats and stats.has_min_max else 0
+            total += column.total_uncompressed_size - 4 * group.num_rows - repeated
+        else:
+            share = {None: 1.0, "train": 1 - 1 / VAL_EVERY, "val": 1 / VAL_EVERY}[chunk.keep]
+            total += share * sum(os.path.getsize(path) for path in chunk.paths)
+    return total
+
+
+def train_tokens(source, tokenizer, sample_docs=1000):
+    """-> (the tokens the train split holds, bytes per token): its stored text's bytes over the bytes per token,
+    BOS included, of the first sample_docs validation documents. An estimate within a few percent, read in
+    seconds whatever the split's size."""
+    texts = list(itertools.islice(iter_documents(source, "val"), sample_docs))
+    tokens = sum(len(ids) for ids in tokenizer.encode(texts, prepend_bos=True))
+    bytes_per_token = sum(len(text.encode("utf-8")) for text in texts) / max(tokens, 1)
+    return stored_text_bytes(list_chunks(source, "train")) / bytes_per_token, bytes_per_token
+
+
 def no_documents(source, split, rank=0, world_size=1):
     """The error for a split, or a rank's share of it, with no documents, naming the cause: no text at all, too
     few documents for both splits, or fewer documents than ranks."""
@@ -306,13 +363,37 @@ def get_tokenizer(source, vocab_size, max_chars=2_000_000_000, doc_cap=10_000):
 # -----------------------------------------------------------------------------
 # Command line
 
+def shards_for(args):
+    """download's shards: -n in all, or as many as --tokens (or the paper's horizon at --depth) needs at about
+    FINEWEB_SHARD_TOKENS a shard, capped at the 1,822 there are; the validation shard always."""
+    tokens = None if args.num_shards else args.tokens or PAPER_TOKENS.get(args.depth)
+    if tokens is None and args.depth is not None:
+        raise ValueError(f"--depth={args.depth} has no paper horizon (depths {', '.join(map(str, PAPER_TOKENS))}); "
+                         f"pass --tokens or -n")
+    num_train = args.num_shards - 1 if tokens is None else math.ceil(tokens / FINEWEB_SHARD_TOKENS)
+    if tokens is not None:
+        print(f"{tokens / 1e9:.1f}B tokens at about {FINEWEB_SHARD_TOKENS / 1e6:.0f}M a shard: "
+              f"{min(num_train, FINEWEB_VAL_SHARD)} training shards"
+              + (f", all there are: the run reads them {tokens / (FINEWEB_VAL_SHARD * FINEWEB_SHARD_TOKENS):.2f} "
+                 f"times" if num_train > FINEWEB_VAL_SHARD else ""))
+    return list(range(min(num_train, FINEWEB_VAL_SHARD))) + [FINEWEB_VAL_SHARD]
+
+
 def check_flags(args):
-    """Counts and sizes below 1, and -n beyond the shards there are, are refused before any work."""
-    if args.command == "download" and not 2 <= args.num_shards <= FINEWEB_LAST_SHARD + 1:
-        raise ValueError(f"-n={args.num_shards} must be in 2..{FINEWEB_LAST_SHARD + 1} (at least one train shard and "
-                         f"the validation shard)")
-    for flag in ("workers", "vocab_size", "max_chars", "doc_cap"):
-        if getattr(args, flag, 1) < 1:
+    """Counts and sizes below 1, -n beyond the shards there are, and two ways of sizing a download are refused
+    before any work."""
+    if args.command == "download":
+        sizings = [flag for flag, value in (("-n", args.num_shards), ("--depth", args.depth),
+                                            ("--tokens", args.tokens)) if value is not None]
+        if len(sizings) > 1:
+            raise ValueError(f"pass one of -n, --depth and --tokens, not {' and '.join(sizings)}")
+        if args.num_shards is not None and not 2 <= args.num_shards <= FINEWEB_VAL_SHARD + 1:
+            raise ValueError(f"-n={args.num_shards} must be in 2..{FINEWEB_VAL_SHARD + 1} (at least one train shard "
+                             f"and the validation shard)")
+        if not sizings:
+            args.num_shards = 8
+    for flag in ("workers", "vocab_size", "max_chars", "doc_cap", "depth", "tokens"):
+        if getattr(args, flag, None) is not None and getattr(args, flag) < 1:
             raise ValueError(f"--{flag}={getattr(args, flag)} must be 1 or more")
 
 
@@ -321,8 +402,11 @@ def main(argv=None):
                                      allow_abbrev=False)
     commands = parser.add_subparsers(dest="command", required=True)
     p = commands.add_parser("download", allow_abbrev=False,
-                            help=f"FineWeb-Edu shards: N-1 for training, shard {FINEWEB_LAST_SHARD} for val")
-    p.add_argument("-n", "--num_shards", type=int, default=8, help="shards in all, validation included (default 8)")
+                            help=f"FineWeb-Edu shards: N-1 for training, shard {FINEWEB_VAL_SHARD} for val")
+    p.add_argument("-n", "--num_shards", type=int, default=None,
+                   help="shards in all, validation included (default 8)")
+    p.add_argument("--depth", type=int, default=None, help="as many as train.py --depth=D reads")
+    p.add_argument("--tokens", type=float, default=None, help="as many as a run of this many tokens reads")
     p.add_argument("-w", "--workers", type=int, default=4, help="parallel downloads (default 4)")
     p.add_argument("--base_url", default=FINEWEB_URL, help="where the shard_XXXXX.parquet files live")
     p = commands.add_parser("tokenizer", allow_abbrev=False,
@@ -336,7 +420,7 @@ def main(argv=None):
     print(f"Base directory: {get_base_dir()}")
 
     if args.command == "download":
-        download_shards(list(range(args.num_shards - 1)) + [FINEWEB_LAST_SHARD], args.base_url, args.workers)
+        download_shards(shards_for(args), args.base_url, args.workers)
     else:
         tokenizer = get_tokenizer(args.data, args.vocab_size, args.max_chars, args.doc_cap)
         texts = list(itertools.islice(iter_documents(args.data, "val"), 1000))

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from nanoparcae.checkpoint import find_checkpoint, read_checkpoint, save_checkpoint
-from nanoparcae.common import fail, get_base_dir, print0, rank_and_world, write_atomically
-from nanoparcae.dataset import tokenizer_dir
+from nanoparcae.common import fail, get_base_dir, print0, rank_and_world, wait_for_rank0, write_atomically
+from nanoparcae.dataset import FINEWEB_VAL_SHARD, fineweb_train_shards, tokenizer_dir, train_tokens
 from nanoparcae.memory import largest_divisor, largest_fitting_batch, memory_plan
 from nanoparcae.ranks import (agree_to_start, being_trained, checkpoint_digest, drift, lock_for_every_rank,
                               run_holder, stop)
@@ -54,10 +54,10 @@ steps_or_never = checked(int, "a number of steps, or -1 for never", lambda value
 
 def choose_device_batch(model, args, device, world, optimizer_bytes):
     """--device_batch_size, or the largest size that divides each process's share of an optimiser step
-    (gradient accumulation keeps the batch whole) and, on a GPU, whose memory plan fits in 90% of it (of
-    the smallest GPU, across ranks); on a CPU the largest up to 32. It prints the plan (on a GPU, or for
-    --dry_run) and the choice; a size that does not divide the step or does not fit is one line.
-    -> namespace(size, given, sequences, world, plan, fitting, gpu, gpu_gb)."""
+    (gradient accumulation keeps the batch whole) and, on a GPU, whose memory plan fits in 90% of the memory
+    free at start-up (of the least free GPU, across ranks); on a CPU the largest up to 32. It prints the plan
+    (on a GPU, or for --dry_run) and the choice; a size that does not divide the step or does not fit is one
+    line. -> namespace(size, given, sequences, world, plan, fitting, gpu, gpu_gb: the free GB planned for)."""
     given, seq_len, total = args.device_batch_size, args.seq_len, args.total_batch_size
     if given and total % (given * seq_len * world):
         fail(f"--total_batch_size={total} is not divisible by device_batch_size x seq_len x world = "
@@ -68,20 +68,22 @@ def choose_device_batch(model, args, device, world, optimizer_bytes):
     sequences = total // (seq_len * world)  # each process's share of an optimiser step
     bf16 = args.dtype == "bfloat16"
     gpu, gpu_gb = None, None
-    if device.type == "cuda":
-        gpu_name, gpu_gb = torch.cuda.get_device_name(device), torch.cuda.mem_get_info(device)[1] / 1e9
-        if dist.is_initialized():  # every rank must pick the same batch: the smallest GPU decides
-            smallest = torch.tensor(gpu_gb, device=device)
-            dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
-            gpu_gb = smallest.item()
-        gpus, gpu = (gpu_gb,), f"this GPU's {gpu_gb:.1f} GB ({gpu_name})"
+    if device.type == "cuda":  # what is free now: another process may hold some of the GPU
+        free, total = (gb / 1e9 for gb in torch.cuda.mem_get_info(device))
+        if dist.is_initialized():  # every rank must pick the same batch: the least free GPU decides
+            least = torch.tensor([free, total], device=device)
+            dist.all_reduce(least, op=dist.ReduceOp.MIN)
+            free, total = least.tolist()
+        gpu_gb = free
+        gpus, gpu = (gpu_gb,), (f"the {free:.1f} GB free of this GPU's {total:.1f} GB "
+                                f"({torch.cuda.get_device_name(device)})")
         fitting = largest_fitting_batch(model, sequences, gpu_gb, bf16, optimizer_bytes)
         asked = memory_plan(model, given or 1, bf16, optimizer_bytes, gpus)  # or one sequence
         if asked["largest_batch"][gpu_gb] < (given or 1):
             fail(f"{f'--device_batch_size={given}' if given else 'one sequence per GPU'} plans "
                  f"{asked['total'] / 1e9:.1f} GB, over 90% of {gpu}; "
                  + (f"the largest device batch that fits is {fitting}" if fitting
-                    else "train a smaller --depth"))
+                    else "free the GPU, or train a smaller --depth"))
         how = f"whose memory plan fits in 90% of {gpu}"
     else:  # no GPU memory to plan for: the plans for the two GPUs the paper's runs are sized for
         gpus = (80, 141)
@@ -102,6 +104,48 @@ def choose_device_batch(model, args, device, world, optimizer_bytes):
            f"the largest divisor of the {sequences} sequences a process runs per step {how}"))
     return SimpleNamespace(size=size, given=given, sequences=sequences, world=world, plan=plan,
                            fitting=fitting, gpu=gpu, gpu_gb=gpu_gb)
+
+# -----------------------------------------------------------------------------
+# The data a run needs against the data on disk
+
+
+def count(number):
+    """104.0B, 12.3M or 47,370: a count of tokens as a person reads it."""
+    return next((f"{number / size:.1f}{unit}" for unit, size in (("B", 1e9), ("M", 1e6)) if number >= size),
+                f"{number:,.0f}")
+
+
+def refuse_data(err, args, tokens, paper_horizon):
+    """A data error in one line (status 2); without FineWeb-Edu's shards, naming the download this run needs
+    and the small run that needs none."""
+    if args.data == "fineweb-edu":
+        sized = f"--depth={args.depth}" if paper_horizon else f"--tokens={tokens:.4g}"
+        fail(f"{err} (`python -m nanoparcae.dataset download {sized}` fetches what this run reads); without a "
+             f"GPU, `bash runs/cpu.sh` trains a small model on this Python's standard library, no download needed")
+    fail(err)
+
+
+def check_data(source, tokenizer, tokens):
+    """The tokens the horizon needs against those the train split holds (nanoparcae/dataset.py train_tokens)
+    -> the times the run reads them. A FineWeb-Edu run that would repeat its data while shards are still to
+    download is refused in one line naming the download; another source repeats as it must, and says so."""
+    held, bytes_per_token = train_tokens(source, tokenizer)
+    shards = fineweb_train_shards() if source == "fineweb-edu" else None
+    epochs = tokens / held
+    if shards and epochs > 1 and len(shards) < FINEWEB_VAL_SHARD:
+        per_shard = held / len(shards)
+        needed = math.ceil(tokens / per_shard)
+        still = (f"; all {FINEWEB_VAL_SHARD:,} training shards hold about {count(FINEWEB_VAL_SHARD * per_shard)} "
+                 f"tokens, which the run would read {tokens / (FINEWEB_VAL_SHARD * per_shard):.2f} times"
+                 if needed > FINEWEB_VAL_SHARD else "")
+        fail(f"the run's {count(tokens)} tokens would read the {len(shards)} FineWeb-Edu training shards on disk "
+             f"(about {count(held)} tokens) {epochs:.1f} times: run `python -m nanoparcae.dataset download "
+             f"-n {min(needed, FINEWEB_VAL_SHARD) + 1}` first{still}, or give a smaller --max_tokens")
+    # packing crops what does not fit a row, so a run reads a little more than it trains on
+    print0(f"data: {source}, about {count(held)} training tokens ({bytes_per_token:.2f} bytes a token"
+           + (f", {len(shards)} shards" if shards else "") + "): the run trains on "
+           + (f"{epochs:.1%} of them" if epochs < 1 else f"them about {epochs:.2f} times"))
+    return epochs
 
 # -----------------------------------------------------------------------------
 # The run's identity: its folder, defined by the run flags its checkpoints record, and its lock
@@ -144,10 +188,13 @@ def identify_run(args, run_flags, batch, device, **resolved):
             differ = [f"{flag} {recorded.get(flag, 'unrecorded')} there, {value} here"
                       for flag, value in flags.items() if recorded.get(flag) != value]
             if differ:
-                data = " (data: --data's content key, from its files' names, sizes and modification times, " \
-                    "or stdlib's Python version)" if recorded.get("data") != data_key else ""
+                notes = {"data": "data: --data's content key, from its files' names, sizes and modification "
+                                 "times, or stdlib's Python version",
+                         "train_shards": "train_shards: the FineWeb-Edu training shards on disk, whose shuffle "
+                                         "is the run's data order, so only the same shards continue it"}
+                notes = "".join(f" ({note})" for flag, note in notes.items() if recorded.get(flag) != flags.get(flag))
                 raise ValueError(f"run {name} ({checkpoint}) was started with other flags: {'; '.join(differ)}"
-                                 f"{data}; pass its flags to continue it, or --run=NAME to start another")
+                                 f"{notes}; pass its flags to continue it, or --run=NAME to start another")
             start = ckpt["step"], checkpoint_digest(ckpt["model"])
         if batch.sequences % size:  # a recorded batch on another number of processes
             raise ValueError(f"run {name}'s device batch {size} does not divide the {batch.sequences} "
@@ -197,6 +244,7 @@ def save_and_prune(run_dir, step, model, loaders, **state):
             if stale != path:
                 stale.unlink()
         print0(f"saved {path}")
+    wait_for_rank0()  # the others wait here, not in their next step's all-reduce, however slow the disk
 
 
 class Metrics:

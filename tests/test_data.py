@@ -26,7 +26,7 @@ import pytest
 import tiktoken.load
 import torch
 
-from conftest import python
+from conftest import carries, python
 import data
 from nanoparcae import dataset
 from nanoparcae.download import download_file
@@ -257,17 +257,87 @@ def local_files():
 
 
 def test_download_and_read_shards(server):
-    serve_shards(server, [0, 1, 2])
-    paths = dataset.download_shards([0, 1, 2], base_url=server.url, num_workers=2)
-    assert local_files() == [dataset.shard_name(i) for i in range(3)]
-    for i, path in enumerate(paths):
+    indices = [0, 1, dataset.FINEWEB_VAL_SHARD]
+    serve_shards(server, indices)
+    paths = dataset.download_shards(indices, base_url=server.url, num_workers=2)
+    assert local_files() == [dataset.shard_name(i) for i in indices]
+    for i, path in zip(indices, paths):
         assert path.read_bytes() == (server.root / dataset.shard_name(i)).read_bytes()
     seen = server.requests
-    dataset.download_shards([0, 1, 2], base_url=server.url)  # complete shards are skipped
+    dataset.download_shards(indices, base_url=server.url)  # complete shards are skipped
     assert server.requests == seen
-    # the last shard is validation, the others train
-    assert list(dataset.iter_documents("fineweb-edu", "val")) == shard_texts(2)
+    assert list(dataset.iter_documents("fineweb-edu", "val")) == shard_texts(dataset.FINEWEB_VAL_SHARD)
     assert list(dataset.iter_documents("fineweb-edu", "train")) == shard_texts(0) + shard_texts(1)
+
+
+def write_shards(indices, docs=40):
+    for i in indices:
+        write_parquet(dataset.fineweb_dir() / dataset.shard_name(i), make_documents(docs, seed=100 + i),
+                      row_group_size=16)
+
+
+def test_the_validation_shard_is_shard_1822_whatever_else_is_on_disk():
+    """Shard 1822 is validation by name: a folder without it is refused for either split, naming the download;
+    its highest training shard never takes its place."""
+    write_shards([0, 1, 7, dataset.FINEWEB_VAL_SHARD])
+    assert list(dataset.iter_documents("fineweb-edu", "val")) == make_documents(40, seed=1922)
+    assert dataset.fineweb_train_shards() == [0, 1, 7]
+    assert list(dataset.iter_documents("fineweb-edu", "train")) == sum(
+        (make_documents(40, seed=100 + i) for i in (0, 1, 7)), [])
+    (dataset.fineweb_dir() / dataset.shard_name(dataset.FINEWEB_VAL_SHARD)).unlink()
+    for split in ("train", "val"):
+        with pytest.raises(FileNotFoundError) as refused:
+            dataset.list_chunks("fineweb-edu", split)
+        assert carries(str(refused.value), str(dataset.fineweb_dir()), "shard_01822.parquet",
+                       "python -m nanoparcae.dataset download -n")
+    assert dataset.shard_ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+
+
+def test_the_tokens_on_disk_come_from_metadata_within_a_few_percent(monkeypatch):
+    """train_tokens reads the training shards' sizes, never their text, and is within 3% of the tokens the
+    tokenizer makes of every training document (BOS included), on shards and on text files alike."""
+    write_shards([0, 1, 2, dataset.FINEWEB_VAL_SHARD], docs=200)
+    corpus = dataset.get_base_dir() / "corpus.txt"
+    corpus.write_text("\n\n".join(make_documents(2000, seed=5)))
+    read = []
+    real_read_units = dataset.read_units
+    monkeypatch.setattr(dataset, "read_units", lambda chunk, reported: read.append(chunk) or
+                        real_read_units(chunk, reported))
+    for source in ("fineweb-edu", str(corpus)):
+        tokenizer = dataset.get_tokenizer(source, 400)
+        read.clear()
+        estimate, _ = dataset.train_tokens(source, tokenizer)
+        if source == "fineweb-edu":
+            assert {chunk.paths[0] for chunk in read} == {str(dataset.fineweb_dir() / "shard_01822.parquet")}
+        texts = list(dataset.iter_documents(source, "train"))
+        held = sum(len(ids) for ids in tokenizer.encode(texts, prepend_bos=True))
+        assert abs(estimate / held - 1) < 0.03, (source, estimate, held)
+
+
+@pytest.mark.parametrize("flags,shards", [
+    (["-n", "4"], [0, 1, 2]),
+    (["--tokens", "1.2e8"], [0, 1, 2]),  # 50M tokens a shard
+    (["--depth", "6"], list(range(224))),  # 11.2B tokens
+    (["--depth", "24"], list(range(1822))),  # 104B tokens: more than all of them hold
+])
+def test_a_download_is_sized_by_count_by_tokens_or_by_the_paper_run_at_a_depth(flags, shards, monkeypatch, capsys):
+    fetched = []
+    monkeypatch.setattr(dataset, "download_shards", lambda indices, *args: fetched.extend(indices))
+    main_flags = ["download", *flags]
+    assert dataset.main(main_flags) is None
+    assert fetched == shards + [dataset.FINEWEB_VAL_SHARD]
+    if flags[0] == "--depth" and flags[1] == "24":
+        assert "the run reads them 1.14 times" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags,named", [
+    (["-n", "4", "--depth", "6"], ["-n", "--depth"]),
+    (["--depth", "5"], ["--depth=5", "--tokens", "-n"]),
+    (["--tokens", "0"], ["--tokens"]),
+])
+def test_a_download_sized_two_ways_or_for_no_run_is_one_line(flags, named, monkeypatch):
+    message = run_cli(monkeypatch, "nanoparcae.dataset", "download", *flags)
+    assert "\n" not in message and carries(message, *named), message
 
 
 def test_download_retries_server_errors(server):
@@ -342,10 +412,6 @@ def test_download_file_resumes_with_range(tmp_path):
         httpd.server_close()
 
 
-def test_missing_shards_say_how_to_download():
-    with pytest.raises(FileNotFoundError, match=re.escape("python -m nanoparcae.dataset download -n 8")):
-        data.DocumentStream("fineweb-edu", "train")
-
 # -----------------------------------------------------------------------------
 # Data sources
 
@@ -365,7 +431,7 @@ def run_cli(monkeypatch, command, *argv):
 def test_the_tokenizer_command_without_shards_fails_before_announcing_training(monkeypatch, capsys):
     message = run_cli(monkeypatch, "nanoparcae.dataset", "tokenizer", "--data=fineweb-edu")
     assert "Training" not in capsys.readouterr().out
-    assert message.startswith("nanoparcae.dataset: found 0 FineWeb-Edu shards") and "\n" not in message
+    assert "lacks the validation shard" in message and "\n" not in message
 
 
 @pytest.mark.parametrize("kind", ["read-only mount", "path under a file"])

@@ -72,6 +72,24 @@ def test_a_faked_80gb_gpu_gets_a_plan_within_it_and_a_size_over_it_is_refused(gp
     assert "memory per GPU" not in out  # refused before any plan or work
 
 
+def test_the_plan_is_for_the_memory_free_at_start_up_not_the_gpus_total(gpu_80gb, monkeypatch, capsys):
+    """Another process holds 60 of the 80 GB: the 1.3B is refused, naming what is free and what one sequence
+    plans, before anything is built; the 140M fits a smaller batch in the 20 GB free than in 80."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (20e9, 80e9))
+    status, out, err = run_train(monkeypatch, capsys, "--depth=24", "--mu_rec=8", "--device=cuda", "--dry_run")
+    model, optimizer_bytes = paper_1p3b()
+    one = memory_plan(model, 1, True, optimizer_bytes)["total"] / 1e9
+    assert status == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert carries(err, f"{one:.1f} GB", "20.0 GB", "80.0 GB"), err
+    sizes = {}
+    for free in (20e9, 80e9):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None, free=free: (free, 80e9))
+        status, out, err = run_train(monkeypatch, capsys, "--depth=6", "--device=cuda", "--dry_run")
+        assert status == 0, err
+        sizes[free] = int(re.search(r"device batch: (\d+), the largest divisor", out)[1])
+    assert sizes[20e9] < sizes[80e9], sizes
+
+
 def test_without_a_gpu_the_batch_is_the_largest_divisor_up_to_32(monkeypatch, capsys):
     tiny = [flag for flag in TINY if not flag.startswith("--device_batch_size")]
     status, out, err = run_train(monkeypatch, capsys, *tiny, "--device=cpu", "--dry_run")  # 256 / 32 = 8 rows

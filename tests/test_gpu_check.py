@@ -193,7 +193,7 @@ def test_a_recompile_limit_hit_fails_4b_though_the_graph_count_stays_flat(tmp_pa
     forces them: its counters and its warning both fail 4b, each on its own."""
     work, runs_dir = tmp_path / "work", tmp_path / "runs"
     write_passing_check(work, runs_dir)
-    wrapper = tmp_path / "low_limits.py"
+    wrapper = (tmp_path / "low_limits").with_suffix(".py")
     wrapper.write_text(f"import sys\nsys.path.insert(0, {str(ROOT)!r})\n"
                        "from experiments.gpu_check import run_with_low_recompile_limits\n"
                        "run_with_low_recompile_limits()\n")

@@ -175,7 +175,7 @@ def test_readme_sizes_table_is_what_the_code_computes():
 
     number = r" \| ([\d.e,]+)"
     rows = re.findall(rf"^\| [\d.]+[MB] \| (\d+) \| ([\d,]+) / ([\d,]+) \| [\d.]+B{number * 3} \|$", README, flags=re.M)
-    tokens = {6: 11.2e9, 12: 29.6e9, 18: 61.6e9, 24: 104e9}  # train.py's PAPER_TOKENS (METHOD.md §1)
+    tokens = {6: 11.2e9, 12: 29.6e9, 18: 61.6e9, 24: 104e9}  # model.py's PAPER_TOKENS (METHOD.md §1)
     assert [int(row[0]) for row in rows] == list(tokens)
     for depth, transformer, parcae, flops, total, gpu_hours in rows:
         models = {}

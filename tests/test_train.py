@@ -22,7 +22,8 @@ import torch
 
 import sample
 from nanoparcae.divergence import Divergence
-from conftest import ROOT, TINY, Started, carries, python, refused, train, train_command, train_env, untouched
+from conftest import (ROOT, TINY, Started, carries, python, refused, train, train_command, train_env, untouched,
+                      write_corpus)
 from model import Parcae, ParcaeConfig
 
 # a concat run that barely moves its initial weights: it never learns
@@ -510,6 +511,51 @@ def test_no_fineweb_shards_name_the_download_and_the_cpu_run(tmp_path, monkeypat
     status, _, err = run_train(monkeypatch, capsys)
     assert status == 2 and len(err.strip().splitlines()) == 1, err
     assert "python -m nanoparcae.dataset download" in err and "bash runs/cpu.sh" in err
+
+
+def write_fineweb_shards(base, indices):
+    """FineWeb-Edu's layout under `base`: each shard 300 documents of the tiny corpus's words."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    (base / "fineweb-edu").mkdir(parents=True, exist_ok=True)
+    for i in indices:
+        documents = write_corpus(base / "shard.txt").read_text().split("\n\n")[i % 100:][:300]
+        pq.write_table(pa.table({"text": documents}), base / "fineweb-edu" / f"shard_{i:05d}.parquet",
+                       row_group_size=100)
+    (base / "shard.txt").unlink()
+
+
+def test_a_fineweb_run_reads_its_shards_once_and_continues_only_on_the_same_ones(tmp_path):
+    """A horizon beyond the training shards on disk is refused, naming the download, before the run folder
+    exists; a run within them records its shards, and the same command with a shard added is refused naming
+    both lists; with its shards back, it continues."""
+    base = tmp_path / "base"
+    write_fineweb_shards(base, [0, 1, 1822])
+    fineweb = ["--data=fineweb-edu", "--run=fw", "--save_every=4"]
+    message = refused(train(tmp_path, *fineweb, "--max_tokens=1e7", base=base, expect_ok=False))
+    assert carries(message, "python -m nanoparcae.dataset download -n", "--max_tokens"), message
+    assert not (base / "runs").exists()
+    result = train(tmp_path, *fineweb, "--stop_at=4", base=base)
+    assert re.search(r"data: fineweb-edu, about [\d,]+ training tokens \(.*2 shards\)", result.stdout)
+    write_fineweb_shards(base, [2])
+    before = untouched(base / "runs" / "fw")
+    message = refused(train(tmp_path, *fineweb, base=base, expect_ok=False))
+    assert carries(message, "train_shards", "0-1", "0-2"), message
+    assert untouched(base / "runs" / "fw") == before
+    (base / "fineweb-edu" / "shard_00002.parquet").unlink()
+    assert "resumed fw at step 4" in train(tmp_path, *fineweb, base=base).stdout
+
+
+def test_a_corpus_read_more_than_once_says_how_often_and_logs_each_epoch(tmp_path):
+    """120 documents, read ahead by the loaders' buffers and trained on several times: each new epoch is said once,
+    in order, and the loaders read at least as many as the start-up line said the run trains on."""
+    (tmp_path / "corpus.txt").write_text("\n\n".join(write_corpus(tmp_path / "all.txt").read_text()
+                                                      .split("\n\n")[:120]))
+    result = train(tmp_path, "--run=epochs", "--max_tokens=12288", base=tmp_path / "base")
+    times = float(re.search(r"the run trains on them about ([\d.]+) times", result.stdout)[1])
+    said = [int(n) for n in re.findall(r"began reading epoch (\d+) of the data", result.stdout)]
+    assert said == list(range(said[0], said[-1] + 1)) and len(said) > 1
+    assert times > 1 and said[-1] >= times, (said, times)
 
 
 def test_resume_without_a_checkpoint_ends_in_one_line_before_any_work(tmp_path, monkeypatch, capsys):
