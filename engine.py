@@ -7,16 +7,26 @@ command line is sample.py.
         ...
     loss, steps_per_token = teacher_forced(model, ids, prompt_len, T=8)  # loss on known text
 
-The KV cache has a slot per prelude or coda layer and per (recurrent layer, loop step), each one
-buffer sized for prompt + max_new_tokens and written in place. All of the prompt but its last token
-is prefilled in one forward; the last prompt token then goes through the same one-position step as
-every new token, which returns the logits of the first token to sample.
+The KV cache (kv="steps", the default) has a slot per prelude or coda layer and per (recurrent
+layer, loop step), each one buffer sized for prompt + max_new_tokens and written in place: exact,
+and its memory grows with T. All of the prompt but its last token is prefilled in one forward; the
+last prompt token then goes through the same one-position step as every new token, which returns
+the logits of the first token to sample.
+
+kv="shared" keeps one slot per recurrent layer whatever T, so its memory is T = 1's. The rule:
+position p's entry holds the keys and values of the last loop step p computed (step T, or under
+T="auto" the step it stopped at). A new position at step t attends to the earlier positions'
+entries and to its own step-t keys and values. The prefill is one forward: at step t the prompt's
+positions attend to each other's step-t keys and values (exact), and each step overwrites their
+entries, so the cache keeps their last step's. Exact at T = 1; beyond, earlier positions are seen
+at their final depth at every step.
 
 T="auto" (beyond the paper) stops each token's recurrence once it settles, after step t >= 2 or at
 T_max. By default the test is the state's relative change ||h_t - h_{t-1}|| / ||h_t||, far cheaper
 than a step, so the coda and head run once per token; exit="kl" tests KL(p_t || p_{t-1}) of
-successive predictions instead, which runs the coda and head every step. The cache slots of the
-steps a token skipped hold its last step's keys and values, so later tokens see it at every depth.
+successive predictions instead, which runs the coda and head every step. Under kv="steps" the slots
+of the steps a token skipped hold its last step's keys and values, so later tokens see it at every
+depth; under kv="shared" its entry is simply left at that step.
 
 Row i of a batch has its own generator for its h0 and its sampling, so a sample does not depend on
 how many others are drawn, or on whether they run in one batch.
@@ -32,20 +42,27 @@ from model import decoding_initial_state
 # -----------------------------------------------------------------------------
 # The KV cache
 
+KV_CACHES = ("steps", "shared")
+
+
 class KVCache:
     """Keys and values for decoding, one slot per attention call site: a prelude or coda layer, or
-    a recurrent layer at one loop step (the same weights see other inputs at each step).
+    a recurrent layer at one loop step (the same weights see other inputs at each step). With
+    shared=True a recurrent layer's steps all write one slot, each step overwriting the last
+    (kv="shared").
 
     Each slot is a (B, H, max_len, D) buffer for keys and one for values, allocated at the first
     write and written in place, so a new position never copies the cache (as in nanochat). With
     `depth`, recurrent layer i's slots are views of one (depth, 2, B, H, max_len, D) tensor, so
     one copy fills the steps an early exit skipped (fill_skipped_steps)."""
 
-    def __init__(self, max_len, depth=None):
-        self.max_len, self.depth = max_len, depth
+    def __init__(self, max_len, depth=None, shared=False):
+        self.max_len, self.depth, self.shared = max_len, depth, shared
         self.slots = {}  # model.Slot -> (k, v) buffers, each (B, H, max_len, D)
         self.stacks = {}  # recurrent layer i -> (depth, 2, B, H, max_len, D), when depth is given
         self.pos = 0  # positions claimed so far, those of the forward under way included
+        # shared: (B, 1, 1, 1), the rows whose newest entries stay at the step they stopped at
+        self.frozen = None
 
     def claim(self, length):
         """Claim the next forward's `length` positions, before any layer writes."""
@@ -56,6 +73,8 @@ class KVCache:
 
     def buffers(self, slot, like):
         """The slot's (k, v) buffers, allocated like `like` at the first call."""
+        if self.shared:
+            slot = slot._replace(step=0)
         if slot not in self.slots:
             B, H, _, D = like.shape
             if slot.part == "recur" and self.depth is not None and slot.step < self.depth:
@@ -68,12 +87,22 @@ class KVCache:
         return self.slots[slot]
 
     def update(self, slot, k, v):
-        """Write the newest positions' k and v -> every cached position's, as views."""
+        """Write the newest positions' k and v -> every cached position's, as views. The recurrent
+        entries of a frozen row keep what they hold."""
         k_buf, v_buf = self.buffers(slot, k)
         start = self.pos - k.size(2)
+        if self.frozen is not None and slot.part == "recur":
+            k = torch.where(self.frozen, k_buf[:, :, start:self.pos], k)
+            v = torch.where(self.frozen, v_buf[:, :, start:self.pos], v)
         k_buf[:, :, start:self.pos] = k
         v_buf[:, :, start:self.pos] = v
         return k_buf[:, :, :self.pos], v_buf[:, :, :self.pos]
+
+    def nbytes(self):
+        """Bytes held by the cache's buffers, each storage counted once."""
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for kv in self.slots.values() for t in kv}
+        return sum(storages.values())
 
 # -----------------------------------------------------------------------------
 # One token from the logits
@@ -142,7 +171,11 @@ def decode_step(model, idx, cache, h0, T, exit=None, threshold=0.0, A_bar=None):
                     done[r], steps[r] = True, step + 1
             if all(done):
                 break
-    if cache is not None and any(done):
+            if cache is not None and cache.shared and any(done):
+                cache.frozen = torch.tensor(done, device=h.device)[:, None, None, None]
+    if cache is not None and cache.shared:
+        cache.frozen = None
+    elif cache is not None and any(done):
         fill_skipped_steps(cache, steps, T)
     return ((model.run_coda(h, ves, cos, sin, cache) if logits is None else logits),
             torch.tensor(steps))
@@ -167,11 +200,12 @@ class Decoder:
 
     T: an int >= 1, None for mu_rec, or "auto" (up to T_max, default 2 mu_rec, stopped by `exit`).
     use_cache=False recomputes the whole sequence for every token (fixed T only: the reference).
+    kv: "steps", the exact cache, or "shared", one slot per recurrent layer (module docstring).
     Prompts longer than seq_len are cropped from the left.
     """
 
     def __init__(self, model, tokens, max_new_tokens, T=None, generators=(None,), exit="state",
-                 exit_threshold=None, T_max=None, use_cache=True):
+                 exit_threshold=None, T_max=None, use_cache=True, kv="steps"):
         c = self.config = model.config
         device = model.wte.weight.device
         idx = torch.as_tensor(tokens, dtype=torch.long, device=device)
@@ -189,6 +223,8 @@ class Decoder:
                              "baseline")
         if exit not in EXITS:
             raise ValueError(f"exit={exit!r} is not one of {EXITS}")
+        if kv not in KV_CACHES:
+            raise ValueError(f"kv={kv!r} is not one of {KV_CACHES}")
         num_positions = idx.size(1) + max_new_tokens
         if num_positions > model.rope_cos.size(1):
             raise ValueError(f"prompt + max_new_tokens = {num_positions} positions exceed the "
@@ -203,8 +239,9 @@ class Decoder:
         self.h0 = decoding_initial_state((len(rows), num_positions, c.d_model), device, rows)
         self.tokens = torch.zeros(idx.size(0), num_positions, dtype=torch.long, device=device)
         self.tokens[:, :idx.size(1)], self.length = idx, idx.size(1)
-        # stacked steps only for T="auto", whose early exits fill the steps they skip
-        self.cache = (KVCache(num_positions, depth=self.T if adaptive else None) if use_cache
+        # stacked steps only for T="auto" on the steps cache, whose early exits fill those skipped
+        depth = self.T if adaptive and kv == "steps" else None
+        self.cache = (KVCache(num_positions, depth, shared=kv == "shared") if use_cache
                       else None)
         with torch.inference_mode():
             # A_bar does not change while decoding: formed once
@@ -236,15 +273,17 @@ class Decoder:
 
 
 def generate(model, tokens, max_new_tokens, T=None, temperature=1.0, top_k=None, generator=None,
-             exit="state", exit_threshold=None, T_max=None, use_cache=True, allowed=None):
+             exit="state", exit_threshold=None, T_max=None, use_cache=True, allowed=None,
+             kv="steps"):
     """Yield (ids (B,), steps (B,)) per new token: each row's token and its recurrent steps.
 
-    tokens: a list of ids or a (B, S) tensor; T, exit, exit_threshold, T_max, use_cache: Decoder's.
+    tokens: a list of ids or a (B, S) tensor; T, exit, exit_threshold, T_max, use_cache, kv:
+    Decoder's.
     generator: one, or one per row (None: the global RNG). allowed: a bool mask of samplable ids.
     """
     generators = list(generator) if isinstance(generator, (list, tuple)) else [generator]
     decoder = Decoder(model, tokens, max_new_tokens, T, generators, exit, exit_threshold, T_max,
-                      use_cache)
+                      use_cache, kv)
     generators = generators * (decoder.tokens.size(0) // len(generators))
     for _ in range(max_new_tokens):
         logits, steps = decoder.next_logits()
@@ -255,16 +294,22 @@ def generate(model, tokens, max_new_tokens, T=None, temperature=1.0, top_k=None,
         decoder.append(next_ids)
 
 
-def teacher_forced(model, ids, prompt_len, T=None, seed=0, **decoding):
-    """Decode ids (B, S) past prompt_len as generate does, feeding the true tokens
-    -> (mean cross-entropy, mean recurrent steps per token). decoding: Decoder's options."""
+def forced_logits(model, ids, prompt_len, T=None, seed=0, **decoding):
+    """Decode ids (B, S) past prompt_len as generate does, feeding the true tokens: yield
+    (logits (B, V), steps (B,)) of each position from prompt_len on. decoding: Decoder's options."""
     generator = torch.Generator(model.wte.weight.device).manual_seed(seed)
     decoder = Decoder(model, ids[:, :prompt_len], ids.size(1) - prompt_len, T, [generator],
                       **decoding)
-    losses, steps = [], []
     for p in range(prompt_len, ids.size(1)):
-        logits, ran = decoder.next_logits()
+        yield decoder.next_logits()
+        decoder.append(ids[:, p])
+
+
+def teacher_forced(model, ids, prompt_len, T=None, seed=0, **decoding):
+    """forced_logits -> (mean cross-entropy, mean recurrent steps per token)."""
+    losses, steps = [], []
+    for p, (logits, ran) in enumerate(forced_logits(model, ids, prompt_len, T, seed, **decoding),
+                                      prompt_len):
         losses.append(F.cross_entropy(logits.float(), ids[:, p], reduction="none"))
         steps.append(ran)
-        decoder.append(ids[:, p])
     return torch.cat(losses).mean().item(), torch.cat(steps).float().mean().item()

@@ -8,8 +8,9 @@ sample.py: text from a trained Parcae checkpoint, at any recurrence depth, strea
 
 --T is any depth from 1 up, whatever mu_rec the model trained with (METHOD.md §3: test-time
 scaling); it defaults to mu_rec. --T=auto (beyond the paper) stops each token's recurrence once its
-state settles (engine.py). Sample i draws its h0 and its tokens from a generator seeded --seed + i,
-so a sample does not depend on how many are drawn.
+state settles (engine.py). --kv=shared keeps one cache slot per recurrent layer whatever T, T = 1's
+memory, exact only at T = 1 (engine.py, docs/sampling.md). Sample i draws its h0 and its tokens from
+a generator seeded --seed + i, so a sample does not depend on how many are drawn.
 """
 
 import argparse
@@ -22,7 +23,7 @@ import torch
 
 from nanoparcae.checkpoint import load_run
 from nanoparcae.common import parse_device
-from engine import EXIT_THRESHOLDS, EXITS, generate
+from engine import EXIT_THRESHOLDS, EXITS, KV_CACHES, generate
 
 # -----------------------------------------------------------------------------
 # Streaming samples
@@ -41,7 +42,7 @@ def stream_samples(model, tokenizer, prompt, args, device, allowed=None):
         depths, t0 = [], time.perf_counter()
         for next_ids, steps in generate(model, ids, args.max_new_tokens, args.T, args.temperature,
                                         args.top_k, generator, args.exit, args.exit_threshold,
-                                        args.T_max, allowed=allowed):
+                                        args.T_max, allowed=allowed, kv=args.kv):
             token = int(next_ids[0])
             if token == tokenizer.bos_id:
                 break
@@ -83,6 +84,8 @@ def add_sampling_flags(parser):
                         help="--T=auto's test: the state's change (cheap) or the predictions' KL")
     parser.add_argument("--exit_threshold", type=float, default=None,
                         help=f"--T=auto stops under this (default {EXIT_THRESHOLDS})")
+    parser.add_argument("--kv", choices=KV_CACHES, default="steps",
+                        help="KV cache: exact, a slot per loop step; or shared, T = 1's memory")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 
 

@@ -1,14 +1,18 @@
 """
 decoding.py: the decoding benchmark, teacher-forced decoding of the stdlib's validation text timed side by side:
 fixed T, T_max = 2 mu_rec and --T=auto with either exit test; then the preallocated KV cache against a concatenating
-one and full recomputation. These are bench.py's rows 5a and 5b, here for one checkpoint.
+one and full recomputation. These are bench.py's rows 5a and 5b, here for one checkpoint. --kv compares the two
+KV caches instead (engine.py: steps, the exact one, and shared): bytes, loss, greedy agreement, tokens/s, a figure.
 
     python -m experiments.decoding                          # the latest checkpoint of the latest run
     python -m experiments.decoding --run=d12 --T=8 --max_new_tokens=512
+    python -m experiments.decoding --kv                     # steps vs shared KV cache
 """
 
 import argparse
+import math
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -16,9 +20,10 @@ import torch.nn.functional as F
 from nanoparcae.checkpoint import load_run
 from nanoparcae.common import parse_device
 from nanoparcae.dataset import iter_documents
-from engine import EXIT_THRESHOLDS, EXITS, teacher_forced
+from engine import EXIT_THRESHOLDS, EXITS, KV_CACHES, Decoder, forced_logits, generate, teacher_forced
+from experiments.plot import save_png
 from experiments.timing import log, median_seconds, print_table
-from model import decoding_initial_state
+from model import ParcaeConfig, decoding_initial_state
 
 PROMPT = 16  # tokens of prompt before the max_new_tokens decoded
 
@@ -134,6 +139,151 @@ def cost_split(rate, T, T_max, auto, auto_steps):
 
 
 # -----------------------------------------------------------------------------
+# The KV caches compared: steps (exact, a slot per loop step) against shared (one slot per recurrent layer)
+
+BYTES_TS = (1, 8, 32, 64)
+LOSS_TS = (4, 8, 16, 32, "auto")
+BIG = ParcaeConfig.from_depth(24)  # the paper's 1.3B: 8/8/8 layers, d_model 1,536
+BIG_POSITIONS = 2048
+
+
+def kv_bytes(config, T, kv, positions, bytes_per_value):
+    """A KV cache's bytes by count: keys and values of d_model per position, per slot: one per prelude and coda
+    layer, and per recurrent layer one (shared) or one per loop step (steps)."""
+    slots = config.n_prelude + config.n_coda + config.n_recur * (1 if kv == "shared" else T)
+    return slots * 2 * positions * config.d_model * bytes_per_value
+
+
+def measured_kv_bytes(model, T, kv, positions):
+    """Bytes of the cache's tensors once every slot is written: a 2-token prompt, then one decoded position."""
+    decoder = Decoder(model, [0, 0], positions - 2, T, kv=kv)
+    decoder.next_logits()
+    return decoder.cache.nbytes()
+
+
+def stdlib_documents(tokenizer, length, count, device):
+    """(n, length) ids: the first `length` tokens of the stdlib validation split's first `count` documents that long."""
+    docs = []
+    for document in iter_documents("stdlib", "val"):
+        ids = tokenizer.encode(document, prepend_bos=True)
+        if len(ids) >= length:
+            docs.append(ids[:length])
+        if len(docs) == count:
+            break
+    if len(docs) < 2:
+        raise ValueError(f"the stdlib's validation split has fewer than 2 documents of {length} tokens")
+    return torch.tensor(docs, device=device)
+
+
+def per_document(model, docs, T, kv, new_greedy):
+    """Teacher-forced decoding of every document, batched -> (mean loss per document (n,), greedy tokens under
+    the true context (n, new), mean steps per token), then free-running greedy tokens (n, new_greedy)."""
+    losses, argmax, steps = [], [], []
+    for p, (logits, ran) in enumerate(forced_logits(model, docs, PROMPT, T, kv=kv), PROMPT):
+        losses.append(F.cross_entropy(logits.float(), docs[:, p], reduction="none"))
+        argmax.append(logits.argmax(-1))
+        steps.append(ran.float())
+    greedy = torch.stack([ids for ids, _ in generate(model, docs[:, :PROMPT], new_greedy, T, temperature=0,
+                                                      generator=torch.Generator(docs.device).manual_seed(0), kv=kv)], 1)
+    return (torch.stack(losses, 1).mean(1), torch.stack(argmax, 1), torch.stack(steps).mean().item(), greedy)
+
+
+def interval90(differences):
+    """Mean and 90% interval over documents: mean +- 1.645 sd / sqrt(n)."""
+    n, mean = len(differences), differences.mean().item()
+    half = 1.645 * differences.std().item() / math.sqrt(n)
+    return mean, mean - half, mean + half
+
+
+def kv_rows(model, docs, timing_T, repeats):
+    """The two caches side by side -> (table rows, the figure's data)."""
+    c, positions = model.config, docs.size(1)
+    new, new_greedy = positions - PROMPT, min(64, positions - PROMPT)
+    rows, data = [], {"bytes": {}, "big": {}, "loss": {}}
+    for T in BYTES_TS:
+        for kv in KV_CACHES:
+            counted = measured_kv_bytes(model, T, kv, positions)
+            if counted != kv_bytes(c, T, kv, positions, model.wte.weight.element_size()):
+                raise RuntimeError(f"the {kv} cache at T={T} holds {counted} bytes, not kv_bytes'")
+            data["bytes"][T, kv] = counted
+            data["big"][T, kv] = kv_bytes(BIG, T, kv, BIG_POSITIONS, 2)
+    layers = f"{c.n_prelude}/{c.n_recur}/{c.n_coda} layers, d_model {c.d_model}"
+    for name, sizes, unit, what in (("bytes", data["bytes"], 2 ** 10, f"this model ({layers}), {positions} positions, "
+                                     f"{model.wte.weight.dtype}, counted from the cache's tensors"),
+                                    ("big", data["big"], 2 ** 30, f"1.3B (8/8/8 layers, d_model 1,536), "
+                                     f"{BIG_POSITIONS} positions, bf16, computed")):
+        cells = "; ".join(f"T={T}: steps {sizes[T, 'steps'] / unit:,.1f}, shared {sizes[T, 'shared'] / unit:,.1f}"
+                          for T in BYTES_TS)
+        flat = all(sizes[T, "shared"] == sizes[1, "steps"] for T in BYTES_TS)
+        rows.append((f"kv-{name}", f"KV cache {'KiB' if unit == 2 ** 10 else 'GiB'}: {what}", cells,
+                     f"steps / shared at T=64: {sizes[64, 'steps'] / sizes[64, 'shared']:.1f}x",
+                     f"shared = T=1's at every T: {'met' if flat else 'not met'}"))
+    for T in LOSS_TS:
+        runs = {kv: per_document(model, docs, T, kv, new_greedy) for kv in KV_CACHES}
+        steps_loss, steps_argmax, steps_ran, steps_greedy = runs["steps"]
+        shared_loss, shared_argmax, shared_ran, shared_greedy = runs["shared"]
+        mean, lo, hi = interval90(shared_loss - steps_loss)
+        data["loss"][T] = (mean, lo, hi)
+        forced = (steps_argmax == shared_argmax).float().mean().item()
+        free = (steps_greedy == shared_greedy).float().mean().item()
+        verdict = "not shown" if lo <= 0 <= hi else ("shared worse" if lo > 0 else "shared better")
+        rows.append((f"kv-loss T={T}", f"teacher-forced loss, {len(docs)} stdlib val documents, {new} tokens "
+                     f"each after {PROMPT}; greedy agreement, true context / free-running ({new_greedy} tokens)",
+                     f"steps {steps_loss.mean():.4f}, shared {shared_loss.mean():.4f} ({steps_ran:.2f} / "
+                     f"{shared_ran:.2f} steps/token); greedy agreement {forced:.1%} / {free:.1%}",
+                     f"shared - steps {mean:+.4f} nats, 90% [{lo:+.4f}, {hi:+.4f}]",
+                     f"difference: {verdict}"))
+    rates = {}
+    for T in (c.mu_rec, timing_T):
+        fns = {(T, kv): lambda T=T, kv=kv: teacher_forced(model, docs[:1], PROMPT, T, kv=kv) for kv in KV_CACHES}
+        rates.update({key: new / s for key, s in median_seconds(fns, repeats).items()})
+    rows.append(("kv-speed", f"tokens/s, teacher-forced, 1 document of {new} tokens, median of {repeats}",
+                 "; ".join(f"T={T}: steps {rates[T, 'steps']:.1f}, shared {rates[T, 'shared']:.1f}"
+                           for T in (c.mu_rec, timing_T)),
+                 "; ".join(f"shared / steps at T={T}: {rates[T, 'shared'] / rates[T, 'steps']:.2f}x"
+                           for T in (c.mu_rec, timing_T)), "-"))
+    return rows, data
+
+
+def draw_kv(data, title):
+    """KV memory against T (the 1.3B at 2,048 positions, bf16) and shared - steps loss against T with its 90%
+    interval, for both caches."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for kv, marker in zip(KV_CACHES, "os"):
+        left.plot(BYTES_TS, [data["big"][T, kv] / 2 ** 30 for T in BYTES_TS], marker=marker, label=kv)
+    left.set(xscale="log", yscale="log", xlabel="recurrence depth T", ylabel="KV cache (GiB)",
+             title=f"1.3B, {BIG_POSITIONS} positions, bf16")
+    left.set_xticks(BYTES_TS, [str(T) for T in BYTES_TS])
+    left.minorticks_off()
+    left.legend()
+    labels = [str(T) for T in LOSS_TS]
+    x = range(len(LOSS_TS))
+    means = [data["loss"][T][0] for T in LOSS_TS]
+    below = [data["loss"][T][0] - data["loss"][T][1] for T in LOSS_TS]
+    above = [data["loss"][T][2] - data["loss"][T][0] for T in LOSS_TS]
+    right.axhline(0, color="C0", label="steps (exact)")
+    right.errorbar(x, means, yerr=[below, above], fmt="s", color="C1", capsize=4, label="shared, 90% interval")
+    right.set(xlabel="recurrence depth T", ylabel="loss minus steps' (nats)", title=title)
+    right.set_xticks(list(x), labels)
+    right.legend()
+    fig.tight_layout()
+    return fig
+
+
+def compare_caches(model, tokenizer, args, device):
+    """--kv: the table of both caches, and its figure at --figure."""
+    docs = stdlib_documents(tokenizer, PROMPT + args.max_new_tokens, args.documents, device)
+    rows, data = kv_rows(model, docs, args.T or 32, args.repeats)
+    print_table(rows, f"KV caches on {device}")
+    args.figure.parent.mkdir(parents=True, exist_ok=True)
+    save_png(draw_kv(data, f"teacher-forced, {len(docs)} documents"), args.figure)
+    log(f"figure: {args.figure}")
+
+
+# -----------------------------------------------------------------------------
 # Command line
 
 def main(argv=None):
@@ -142,14 +292,19 @@ def main(argv=None):
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--ckpt", help="a checkpoint file (default: the latest of --run)")
     which.add_argument("--run", help="a run under <base dir>/runs (default: the most recently written)")
-    parser.add_argument("--T", type=int, default=None, help="the fixed depth measured (default mu_rec)")
+    parser.add_argument("--T", type=int, default=None,
+                        help="the fixed depth measured (default mu_rec; --kv: timed beside mu_rec, default 32)")
     parser.add_argument("--max_new_tokens", type=int, default=256, help="tokens decoded after the prompt")
     parser.add_argument("--exit_threshold", type=float, default=None,
                         help=f"--T=auto stops under this (default {EXIT_THRESHOLDS})")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats; the median is shown")
+    parser.add_argument("--kv", action="store_true", help="compare the steps and shared KV caches instead")
+    parser.add_argument("--documents", type=int, default=32, help="--kv: held-out documents for the loss")
+    parser.add_argument("--figure", type=Path, default=Path("figures/kv_cache_cpu/kv_shared.png"),
+                        help="--kv: where the figure goes")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
-    for name in ("T", "max_new_tokens", "repeats"):
+    for name in ("T", "max_new_tokens", "repeats", "documents"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     if args.exit_threshold is not None and args.exit_threshold <= 0:
@@ -161,7 +316,12 @@ def main(argv=None):
     except (FileNotFoundError, ValueError) as err:
         sys.exit(f"experiments.decoding: {err}")
     log(f"{path}: {model.num_params():,} parameters, mu_rec={model.config.mu_rec}, injection={model.config.injection}")
+    if args.kv and model.injection is None:
+        sys.exit("experiments.decoding: --kv compares caches of a looped model; this is the Transformer baseline")
     with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
+        if args.kv:
+            compare_caches(model, tokenizer, args, device)
+            return
         rows = decoding_rows(model, ids, PROMPT, args.T, args.exit_threshold, args.repeats)
     print_table(rows, f"decoding on {device}")
 
