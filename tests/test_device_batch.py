@@ -90,6 +90,16 @@ def test_the_plan_is_for_the_memory_free_at_start_up_not_the_gpus_total(gpu_80gb
     assert sizes[20e9] < sizes[80e9], sizes
 
 
+def test_dry_run_under_torchrun_prints_one_plan_for_its_processes():
+    """The 8 sequences of a step, 256 tokens of 32, over torchrun's 2 processes: 4 each, said once."""
+    tiny = [flag for flag in TINY if not flag.startswith("--device_batch_size")]
+    result = python(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--",
+                     str(ROOT / "train.py"), *tiny, "--data=stdlib", "--device=cpu", "--dry_run"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(re.findall("^device batch:", result.stdout, re.M)) == result.stdout.count("parameters:") == 1
+    assert "device batch: 4, the largest divisor of the 4 sequences a process runs" in result.stdout
+
+
 def test_without_a_gpu_the_batch_is_the_largest_divisor_up_to_32(monkeypatch, capsys):
     tiny = [flag for flag in TINY if not flag.startswith("--device_batch_size")]
     status, out, err = run_train(monkeypatch, capsys, *tiny, "--device=cpu", "--dry_run")  # 256 / 32 = 8 rows
