@@ -231,7 +231,7 @@ def kv_rows(model, docs, timing_T, repeats):
                      f"each after {PROMPT}; greedy agreement, true context / free-running ({new_greedy} tokens)",
                      f"steps {steps_loss.mean():.4f}, shared {shared_loss.mean():.4f} ({steps_ran:.2f} / "
                      f"{shared_ran:.2f} steps/token); greedy agreement {forced:.1%} / {free:.1%}",
-                     f"shared - steps {mean:+.4f} nats, 90% [{lo:+.4f}, {hi:+.4f}]",
+                     f"shared - steps {mean:+.2e} nats, 90% [{lo:+.2e}, {hi:+.2e}]",
                      f"difference: {verdict}"))
     rates = {}
     for T in (c.mu_rec, timing_T):
@@ -254,7 +254,7 @@ def draw_kv(data, title):
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     for kv, marker in zip(KV_CACHES, "os"):
         left.plot(BYTES_TS, [data["big"][T, kv] / 2 ** 30 for T in BYTES_TS], marker=marker, label=kv)
-    left.set(xscale="log", yscale="log", xlabel="recurrence depth T", ylabel="KV cache (GiB)",
+    left.set(xscale="log", xlabel="recurrence depth T", ylabel="KV cache per sequence (GiB)",
              title=f"1.3B, {BIG_POSITIONS} positions, bf16")
     left.set_xticks(BYTES_TS, [str(T) for T in BYTES_TS])
     left.minorticks_off()
@@ -279,7 +279,8 @@ def compare_caches(model, tokenizer, args, device):
     rows, data = kv_rows(model, docs, args.T or 32, args.repeats)
     print_table(rows, f"KV caches on {device}")
     args.figure.parent.mkdir(parents=True, exist_ok=True)
-    save_png(draw_kv(data, f"teacher-forced, {len(docs)} documents"), args.figure)
+    c = model.config
+    save_png(draw_kv(data, f"d_model {c.d_model}, {len(docs)} documents"), args.figure)
     log(f"figure: {args.figure}")
 
 

@@ -134,6 +134,6 @@ def test_kv_comparison_rows_and_figure(monkeypatch, tmp_path):
     for T in decoding.LOSS_TS:
         mean, lo, hi = data["loss"][T]
         assert lo < mean < hi
-        assert any(row[0] == f"kv-loss T={T}" and f"{mean:+.4f}" in row[3] for row in rows)
+        assert any(row[0] == f"kv-loss T={T}" and f"{mean:+.2e}" in row[3] for row in rows)
     decoding.save_png(decoding.draw_kv(data, "tiny"), tmp_path / "kv.png")
     assert (tmp_path / "kv.png").stat().st_size > 10_000
