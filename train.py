@@ -308,7 +308,8 @@ def evaluate_core_subset(step):
     skipped = sorted(result["skipped"])  # tasks a partial bundle lacks: the mean is over the rest
     ran = f"over {len(result['centered'])} of {len(result['centered']) + len(skipped)} tasks"
     print0(f"CORE {result['core']:.4f} at T={result['T']} {ran}"
-           + (f", skipped: {', '.join(skipped)}" if skipped else "") + f" ({result['seconds']:.0f}s)")
+           + (f", skipped: {', '.join(skipped)}" if skipped else "")
+           + f" ({result['seconds']:.0f}s)")
     return {"step": step, "core": result["core"], "core_T": result["T"], "core_skipped": skipped}
 
 
