@@ -35,8 +35,8 @@ from model import PAPER_TOKENS, SAMPLINGS, Parcae, ParcaeConfig
 from optim import (build_optimizer, learning_rate_for_depth, lr_multiplier, muon_momentum,
                    optimizer_state_bytes, weight_decay_at)
 from nanoparcae.common import (fail, init_distributed, parse_device, peak_bf16_flops, print0,
-                               rank_and_world, wait_for_rank0)
-from nanoparcae.dataset import ChunkReader, fineweb_train_shards, get_tokenizer, shard_ranges
+                               rank_and_world, spans, wait_for_rank0)
+from nanoparcae.dataset import ChunkReader, fineweb_train_shards, get_tokenizer
 from nanoparcae.divergence import Divergence
 from nanoparcae.ranks import shared_eval_bundle
 from nanoparcae.run import (Metrics, check_data, choose_device_batch, claim_run, compile_counts,
@@ -204,7 +204,7 @@ if args.dry_run:
 tokens = num_steps * args.total_batch_size
 paper_horizon = max_tokens == PAPER_TOKENS.get(args.depth)
 try:
-    shards = shard_ranges(fineweb_train_shards()) if args.data == "fineweb-edu" else None
+    shards = spans(fineweb_train_shards(), ",") if args.data == "fineweb-edu" else None
 except FileNotFoundError as err:
     refuse_data(err, args, tokens, paper_horizon)
 run = identify_run(args, RUN_FLAGS, batch, device, d_model=config.d_model, mu_bwd=config.mu_bwd,

@@ -43,9 +43,7 @@ def read_checkpoint(path, device="cpu", mmap=False):
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     try:
-        if mmap:
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        return torch.load(path, map_location=device, weights_only=True)
+        return torch.load(path, map_location="cpu" if mmap else device, weights_only=True, mmap=mmap)
     except Exception as err:
         raise ValueError(f"checkpoint {path} is truncated or unreadable ({first_sentence(err)}): remove it to "
                          f"start the run over (a run keeps its newest checkpoint only), or restore it from a "

@@ -96,6 +96,17 @@ def fail(message):
     sys.exit(2)
 
 
+def spans(numbers, separator=", "):
+    """[0, 1, 2, 5] -> "0-2, 5": ascending numbers (64 ranks, 1,822 shards) in a line."""
+    runs = []
+    for number in numbers:
+        if runs and number == runs[-1][1] + 1:
+            runs[-1][1] = number
+        else:
+            runs.append([number, number])
+    return separator.join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
 def first_sentence(err, limit=300):
     """An exception as one line for a one-line error: its type and first sentence, never cut inside a word (torch's
     messages go on for several sentences of advice that does not apply here)."""

@@ -154,17 +154,6 @@ def fineweb_train_shards():
     return train
 
 
-def shard_ranges(indices):
-    """Shard indices as ranges, "0-238,240": what a run records of the shards it reads."""
-    runs = []
-    for i in indices:
-        if runs and i == runs[-1][1] + 1:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i])
-    return ",".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
-
-
 def list_chunks(source, split):
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got '{split}'")

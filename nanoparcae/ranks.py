@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from nanoparcae.common import wait_for_rank0
+from nanoparcae.common import spans, wait_for_rank0
 from nanoparcae.core_tasks import EVAL_BUNDLE_URL, download_eval_bundle, eval_bundle_dir
 
 
@@ -120,17 +120,6 @@ def checkpoint_digest(state):
     on the GPU), where hashing the file would read all of its ~16 GB again, optimiser state included, from disk;
     and the weights are what the ranks must share."""
     return hashlib.sha256(repr(weight_sums(state)).encode()).hexdigest()[:12]
-
-
-def spans(ranks):
-    """[0, 1, 2, 5] -> "0-2, 5": the ranks of a 64-process run in a line."""
-    runs = []
-    for rank in ranks:
-        if runs and rank == runs[-1][1] + 1:
-            runs[-1][1] = rank
-        else:
-            runs.append([rank, rank])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def gather(value):
