@@ -309,11 +309,6 @@ def initial_state(shape, device=None, generator=None):
     return trunc_normal_(torch.empty(shape, device=device, dtype=torch.float32), sigma, generator)
 
 
-def training_initial_state(shape, device):
-    """Training's h0: drawn afresh in every forward from torch's global RNG, as the paper does."""
-    return initial_state(shape, device)
-
-
 def evaluation_initial_state(d_model, length, seed, device):
     """Evaluation's h0 (1, length, d): one seeded table read by every row, so scores reproduce."""
     generator = torch.Generator().manual_seed(seed)
@@ -511,7 +506,7 @@ class Parcae(nn.Module):
             if cache is not None and ((n != n[0]).any() or (k != k[0]).any()):
                 raise ValueError("decoding with a KV cache runs one depth for the whole batch: "
                                  "give T, not depths")
-            h0 = training_initial_state(e.shape, e.device) if h0 is None else h0
+            h0 = initial_state(e.shape, e.device) if h0 is None else h0  # none given: a fresh draw
             Bbar_e = self.injection.Bbar_e(e)
             h, h_prev = self.recurrence(h0.to(e.dtype), Bbar_e, n, k, ves, cos, sin, cache)
         if diagnostics is not None:

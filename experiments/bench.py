@@ -36,7 +36,7 @@ from model import sample_depths
 from eval_core import evaluate_task
 from experiments.decoding import decoding_rows, stdlib_tokens
 from experiments.timing import log, median_seconds, print_table, timed
-from model import Parcae, ParcaeConfig, evaluation_initial_state, training_initial_state
+from model import Parcae, ParcaeConfig, evaluation_initial_state, initial_state
 from optim import build_optimizer
 from nanoparcae.tokenizer import Tokenizer
 
@@ -83,7 +83,7 @@ def masked_reference_loss(model, x, y, depths):
     Built from the model's pieces: the reference row 8 measures model.py's loop against, loss and gradients alike."""
     e, ves, cos, sin = model.run_prelude(x)
     n, k = model.loop_depths(x.size(0), depths=depths)
-    h, Bbar_e = training_initial_state(e.shape, e.device).to(e.dtype), model.injection.Bbar_e(e)
+    h, Bbar_e = initial_state(e.shape, e.device).to(e.dtype), model.injection.Bbar_e(e)
     A_bar, n_max = model.injection.A_bar(), int(n.max())
     for step in range(n_max + int(k.max())):
         active = n > step if step < n_max else k > step - n_max
