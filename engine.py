@@ -1,35 +1,27 @@
 """
-engine.py: decoding, the model of METHOD.md §1 run one position at a time: the KV cache, one new
-position at a fixed or adaptive depth, and the loop that samples token after token. A library; its
-command line is sample.py.
+engine.py: decoding, the model of METHOD.md §1 run one position at a time.
+A library; its command line is sample.py.
 
     for ids, steps in generate(model, tokens, 64, T="auto", top_k=50):   # token after token
         ...
     loss, steps_per_token = teacher_forced(model, ids, prompt_len, T=8)  # loss on known text
 
-The KV cache (kv="steps", the default) has a slot per prelude or coda layer and per (recurrent
-layer, loop step), each one buffer sized for prompt + max_new_tokens and written in place: exact,
-and its memory grows with T. All of the prompt but its last token is prefilled in one forward; the
-last prompt token then goes through the same one-position step as every new token, which returns
-the logits of the first token to sample.
+The prompt but its last token is prefilled in one forward. The last prompt token then takes the
+same one-position step as every new token. Two KV caches:
 
-kv="shared" keeps one slot per recurrent layer whatever T, so its memory is T = 1's. The rule:
-position p's entry holds the keys and values of the last loop step p computed (step T, or under
-T="auto" the step it stopped at). A new position at step t attends to the earlier positions'
-entries and to its own step-t keys and values. The prefill is one forward: at step t the prompt's
-positions attend to each other's step-t keys and values (exact), and each step overwrites their
-entries, so the cache keeps their last step's. Exact at T = 1; beyond, earlier positions are seen
-at their final depth at every step.
+- kv="steps" (the default) is exact. It has a slot per prelude or coda layer and per (recurrent
+  layer, loop step), so its memory grows with T.
+- kv="shared" keeps one slot per recurrent layer: T = 1's memory at any T. Position p's entry
+  holds the keys and values of the last step p computed. A new position at step t sees those
+  entries and its own step-t keys and values. The prefill's step t sees the prompt's step t.
+  Exact at T = 1; beyond, earlier positions are seen at their final depth.
 
-T="auto" (beyond the paper) stops each token's recurrence once it settles, after step t >= 2 or at
-T_max. By default the test is the state's relative change ||h_t - h_{t-1}|| / ||h_t||, far cheaper
-than a step, so the coda and head run once per token; exit="kl" tests KL(p_t || p_{t-1}) of
-successive predictions instead, which runs the coda and head every step. Under kv="steps" the slots
-of the steps a token skipped hold its last step's keys and values, so later tokens see it at every
-depth; under kv="shared" its entry is simply left at that step.
+T="auto" (beyond the paper) stops each token's loop once it settles, after step t >= 2 or at T_max.
+The default test is the state's relative change ||h_t - h_{t-1}|| / ||h_t||. It costs far less
+than a step, so the coda and head run once per token. exit="kl" tests KL(p_t || p_{t-1}) instead,
+running the coda and head every step. A token's skipped steps hold its last step's keys and values.
 
-Row i of a batch has its own generator for its h0 and its sampling, so a sample does not depend on
-how many others are drawn, or on whether they run in one batch.
+Each row has its own generator for its h0 and its sampling. A sample never depends on its batch.
 """
 
 import warnings
@@ -46,15 +38,13 @@ KV_CACHES = ("steps", "shared")
 
 
 class KVCache:
-    """Keys and values for decoding, one slot per attention call site: a prelude or coda layer, or
-    a recurrent layer at one loop step (the same weights see other inputs at each step). With
-    shared=True a recurrent layer's steps all write one slot, each step overwriting the last
-    (kv="shared").
+    """Keys and values for decoding, one slot per attention call site.
 
-    Each slot is a (B, H, max_len, D) buffer for keys and one for values, allocated at the first
-    write and written in place, so a new position never copies the cache (as in nanochat). With
-    `depth`, recurrent layer i's slots are views of one (depth, 2, B, H, max_len, D) tensor, so
-    one copy fills the steps an early exit skipped (fill_skipped_steps)."""
+    A site is a prelude or coda layer, or a recurrent layer at one loop step.
+    With shared=True a recurrent layer's steps all write one slot (kv="shared").
+    Each slot is a (B, H, max_len, D) buffer for k and one for v, written in place (as nanochat).
+    With `depth`, layer i's slots view one (depth, 2, B, H, max_len, D) tensor.
+    Then one copy fills the steps an early exit skipped (fill_skipped_steps)."""
 
     def __init__(self, max_len, depth=None, shared=False):
         self.max_len, self.depth, self.shared = max_len, depth, shared
@@ -87,8 +77,8 @@ class KVCache:
         return self.slots[slot]
 
     def update(self, slot, k, v):
-        """Write the newest positions' k and v -> every cached position's, as views. The recurrent
-        entries of a frozen row keep what they hold."""
+        """Write the newest positions' k and v -> every cached position's, as views.
+        A frozen row's recurrent entries keep what they hold."""
         k_buf, v_buf = self.buffers(slot, k)
         start = self.pos - k.size(2)
         if self.frozen is not None and slot.part == "recur":
@@ -108,8 +98,8 @@ class KVCache:
 # One token from the logits
 
 def sample_next(logits, temperature, top_k, generators):
-    """logits (B, V) -> ids (B,): argmax at temperature 0, else a draw among the top_k alone
-    (as in nanochat: far cheaper than a multinomial over the whole vocabulary)."""
+    """logits (B, V) -> ids (B,): argmax at temperature 0, else a draw among the top_k.
+    Drawing among the top_k alone is far cheaper than over the vocabulary (as nanochat)."""
     if temperature == 0:
         return logits.argmax(dim=-1)
     ids = None
@@ -139,33 +129,36 @@ def relative_change(new, old):
 def decode_step(model, idx, cache, h0, T, exit=None, threshold=0.0, A_bar=None):
     """idx (B, 1), the position after the cached ones -> (logits (B, 1, V), steps (B,)).
 
-    exit=None runs T steps. Otherwise row r stops after step t >= 2 once its test falls under
-    threshold: "state" is relative_change, a few small ops; "kl" runs the coda and head every step.
-    A stopped row's state stays put while the others run on. The bookkeeping is in Python lists:
-    at B = 1 each tensor op costs as much as a small matmul. The coda's slot, rewritten at every
-    step under "kl", ends with each row's final state. A_bar: injection.A_bar(), if already formed.
+    - exit=None runs T steps.
+    - Otherwise row r stops after step t >= 2 once its test falls under threshold.
+    - "state" tests relative_change; "kl" runs the coda and head every step.
+    - A stopped row's state stays put while the others run on.
+    A_bar: injection.A_bar(), if already formed.
     """
+    # the prelude and the injection's input, once per position
     e, ves, cos, sin = model.run_prelude(idx, cache)
     A_bar = model.injection.A_bar() if A_bar is None else A_bar
     Bbar_e = model.injection.Bbar_e(e)
     h, B = h0.to(e.dtype), idx.size(0)
-    if exit is None:
+    if exit is None:  # fixed depth: T steps, then the coda
         for step in range(T):
             h = model.loop_step(h, Bbar_e, A_bar, step, ves, cos, sin, cache)
         return model.run_coda(h, ves, cos, sin, cache), torch.full((B,), T)
+    # adaptive depth. Python lists: at B = 1 a tensor op costs as much as a small matmul
     steps, done, logits, prev_logp = [T] * B, [False] * B, None, None
     for step in range(T):
+        # one step; a stopped row keeps its state
         stepped = model.loop_step(h, Bbar_e, A_bar, step, ves, cos, sin, cache)
         change = relative_change(stepped, h) if exit == "state" and step > 0 else None
         h = (torch.where(torch.tensor(done, device=h.device)[:, None, None], h, stepped)
              if any(done) else stepped)
-        if exit == "kl":
+        if exit == "kl":  # the coda's slot, rewritten each step, ends at each row's last state
             logits = model.run_coda(h, ves, cos, sin, cache)
             logp = logits[:, -1].log_softmax(dim=-1)
             if prev_logp is not None:  # clamped at 0 (rounding), so threshold 0 never exits
                 change = (logp.exp() * (logp - prev_logp)).sum(dim=-1).clamp(min=0)
             prev_logp = logp
-        if change is not None:
+        if change is not None:  # stop the rows whose test fell under the threshold
             for r, value in enumerate(change.tolist()):
                 if not done[r] and value < threshold:
                     done[r], steps[r] = True, step + 1
@@ -173,6 +166,7 @@ def decode_step(model, idx, cache, h0, T, exit=None, threshold=0.0, A_bar=None):
                 break
             if cache is not None and cache.shared and any(done):
                 cache.frozen = torch.tensor(done, device=h.device)[:, None, None, None]
+    # the cache after an early exit: shared unfreezes, steps fills what was skipped
     if cache is not None and cache.shared:
         cache.frozen = None
     elif cache is not None and any(done):
@@ -182,8 +176,8 @@ def decode_step(model, idx, cache, h0, T, exit=None, threshold=0.0, A_bar=None):
 
 
 def fill_skipped_steps(cache, steps, T_max):
-    """Copy each row's last computed step into the newest position's slots of the steps it skipped
-    (steps: the steps each row ran), so later tokens see it at every depth."""
+    """Copy each row's last step into the newest position's slots of the steps it skipped.
+    Later tokens then see it at every depth. steps: the steps each row ran."""
     if cache.depth is None or cache.depth < T_max:
         raise ValueError(f"an early exit fills the steps it skipped in the cache's stacks: "
                          f"build the cache as KVCache(max_len, depth={T_max})")
@@ -198,14 +192,15 @@ def fill_skipped_steps(cache, steps, T_max):
 class Decoder:
     """Next-token logits for a batch of prompts, one position per call; append() feeds a token back.
 
-    T: an int >= 1, None for mu_rec, or "auto" (up to T_max, default 2 mu_rec, stopped by `exit`).
-    use_cache=False recomputes the whole sequence for every token (fixed T only: the reference).
-    kv: "steps", the exact cache, or "shared", one slot per recurrent layer (module docstring).
+    - T: an int >= 1, None for mu_rec, or "auto" (up to T_max, default 2 mu_rec).
+    - use_cache=False recomputes the sequence for every token: the reference, fixed T only.
+    - kv: "steps", the exact cache, or "shared", one slot per recurrent layer.
     Prompts longer than seq_len are cropped from the left.
     """
 
     def __init__(self, model, tokens, max_new_tokens, T=None, generators=(None,), exit="state",
                  exit_threshold=None, T_max=None, use_cache=True, kv="steps"):
+        # the prompts as a (B, S) tensor, cropped to seq_len
         c = self.config = model.config
         device = model.wte.weight.device
         idx = torch.as_tensor(tokens, dtype=torch.long, device=device)
@@ -214,6 +209,7 @@ class Decoder:
             warnings.warn(f"the prompt's {idx.size(1)} tokens exceed seq_len={c.seq_len}: "
                           f"cropped from the left to the last {c.seq_len}")
             idx = idx[:, -c.seq_len:]
+        # the options, checked before anything is allocated
         adaptive = T == "auto"
         if adaptive and use_cache is False:
             raise ValueError("T='auto' decodes through the KV cache; use_cache=False needs a "
@@ -230,6 +226,7 @@ class Decoder:
             raise ValueError(f"prompt + max_new_tokens = {num_positions} positions exceed the "
                              f"model's RoPE table of {model.rope_cos.size(1)}; "
                              f"lower max_new_tokens")
+        # the depth and the exit test
         self.model, self.T = model, ((T_max or 2 * c.mu_rec) if adaptive
                                      else (T or c.mu_rec))
         self.exit = exit if adaptive else None
@@ -237,6 +234,7 @@ class Decoder:
         # every position's h0 drawn up front, so it does not depend on the tokens sampled
         rows = list(generators) * (idx.size(0) // len(generators))
         self.h0 = decoding_initial_state((len(rows), num_positions, c.d_model), device, rows)
+        # the tokens so far, in a buffer sized for every new one
         self.tokens = torch.zeros(idx.size(0), num_positions, dtype=torch.long, device=device)
         self.tokens[:, :idx.size(1)], self.length = idx, idx.size(1)
         # stacked steps only for T="auto" on the steps cache, whose early exits fill those skipped
@@ -277,9 +275,9 @@ def generate(model, tokens, max_new_tokens, T=None, temperature=1.0, top_k=None,
              kv="steps"):
     """Yield (ids (B,), steps (B,)) per new token: each row's token and its recurrent steps.
 
-    tokens: a list of ids or a (B, S) tensor; T, exit, exit_threshold, T_max, use_cache, kv:
-    Decoder's.
-    generator: one, or one per row (None: the global RNG). allowed: a bool mask of samplable ids.
+    tokens: a list of ids or a (B, S) tensor. T, exit, exit_threshold, T_max, use_cache, kv:
+    Decoder's. generator: one, or one per row (None: the global RNG).
+    allowed: a bool mask of the ids that may be sampled.
     """
     generators = list(generator) if isinstance(generator, (list, tuple)) else [generator]
     decoder = Decoder(model, tokens, max_new_tokens, T, generators, exit, exit_threshold, T_max,
@@ -295,8 +293,9 @@ def generate(model, tokens, max_new_tokens, T=None, temperature=1.0, top_k=None,
 
 
 def forced_logits(model, ids, prompt_len, T=None, seed=0, **decoding):
-    """Decode ids (B, S) past prompt_len as generate does, feeding the true tokens: yield
-    (logits (B, V), steps (B,)) of each position from prompt_len on. decoding: Decoder's options."""
+    """Decode ids (B, S) past prompt_len as generate does, feeding the true tokens.
+    Yield (logits (B, V), steps (B,)) of each position from prompt_len on.
+    decoding: Decoder's options."""
     generator = torch.Generator(model.wte.weight.device).manual_seed(seed)
     decoder = Decoder(model, ids[:, :prompt_len], ids.size(1) - prompt_len, T, [generator],
                       **decoding)
