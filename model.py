@@ -6,11 +6,16 @@ model.py: Parcae, the stable looped language model, and its baselines (METHOD.md
     repeat T times: h = R(A_bar h + Bbar e)         # R: the recurrent block
     logits = RMSNorm(Coda(C_proj(h))) @ wte^T
 
-A loop step is h_{t+1} = R(A_bar h_t + Bbar e), as the authors' code computes it; the paper writes
-it loosely as h_{t+1} = A_bar h_t + Bbar e + R(h_t, e), its R being what the blocks add.
-config.injection picks the mixing: "diagonal" (Parcae: A_bar = exp(-Delta exp(A_log)), so
-rho(A_bar) < 1), "concat" (RDM / Huginn), "add" (u = h + e) or "none" (the Transformer: its blocks
-run once). In training each sequence loops its own depth (config.sampling, METHOD.md §2).
+A loop step is h_{t+1} = R(A_bar h_t + Bbar e), as the authors' code computes it.
+The paper writes it loosely as h_{t+1} = A_bar h_t + Bbar e + R(h_t, e).
+config.injection picks the mixing:
+
+- "diagonal": Parcae. A_bar = exp(-Delta exp(A_log)), so rho(A_bar) < 1.
+- "concat": RDM / Huginn.
+- "add": u = h + e.
+- "none": the Transformer. Its blocks run once.
+
+In training each sequence loops its own depth (config.sampling, METHOD.md §2).
 
     model = Parcae(ParcaeConfig.from_depth(6))
     loss = model(idx, targets)                      # training: depths drawn per sequence
@@ -18,8 +23,9 @@ run once). In training each sequence loops its own depth (config.sampling, METHO
     loss = model(idx, targets, depths=(n, k))       # a draw of sample_depths, replayed
     stats = {}; model(idx, targets, diagnostics=stats)   # ||h_T|| and the update ratio
 
-The caller owns the randomness (depth_generator= or torch's RNG; h0=): the model keeps no state
-between forwards. model.compile_blocks() compiles each block alone: a new depth never recompiles.
+The caller owns the randomness (depth_generator= or torch's RNG; h0=).
+The model keeps no state between forwards.
+model.compile_blocks() compiles each block alone: a new depth never recompiles.
 """
 
 import math
@@ -187,8 +193,8 @@ def trunc_normal_(weight, std, generator=None):
 
 @torch.no_grad()
 def trunc_orthogonal_(weight, std):
-    """The authors' truncated orthogonal init: each entry has std `std`, as an i.i.d. draw would,
-    but every singular value equals std * sqrt(max(rows, cols)) instead of spreading out."""
+    """The authors' truncated orthogonal init: each entry has std `std`, as an i.i.d. draw.
+    But every singular value equals std * sqrt(max(rows, cols)) instead of spreading out."""
     rows, cols = weight.shape
     if weight.is_meta:  # a model sized on the meta device has nothing to fill
         return weight
@@ -297,12 +303,12 @@ INJECTION_CLASSES = {"diagonal": DiagonalInjection, "concat": ConcatInjection, "
 
 
 # -----------------------------------------------------------------------------
-# h0: the loop's initial state (METHOD.md §1). One draw, read from the randomness of one of three
-# policies: training's, evaluation's or decoding's.
+# h0: the loop's initial state (METHOD.md §1). A forward given no h0 draws a fresh one;
+# evaluation and decoding pass their own.
 
 def initial_state(shape, device=None, generator=None):
-    """h0 ~ TruncNormal(0, s, -3s..3s), s = sqrt(2 / (5 d)), float32 of `shape` (B, S, d), drawn
-    from generator: None (torch's global RNG), a torch.Generator on `device`, or one per row."""
+    """h0 ~ TruncNormal(0, s, -3s..3s), s = sqrt(2 / (5 d)), float32 of `shape` (B, S, d).
+    generator: None (torch's global RNG), a torch.Generator on `device`, or one per row."""
     if isinstance(generator, (list, tuple)):
         return torch.cat([initial_state((1, *shape[1:]), device, g) for g in generator])
     sigma = math.sqrt(2 / (5 * shape[-1]))
@@ -348,8 +354,8 @@ SAMPLINGS = {
 
 
 def sample_depths(config, batch_size, generator=None):
-    """One training draw of config.sampling -> (n, k), two (B,) long tensors. Only per_sequence
-    draws per sequence; the others draw once per micro-batch, as the authors' per-batch sampler."""
+    """One training draw of config.sampling -> (n, k), two (B,) long tensors.
+    Only per_sequence draws per sequence. The others draw once per micro-batch, as the authors'."""
     scheme, mu_bwd = config.sampling, config.mu_bwd
     draws = batch_size if scheme == "per_sequence" else 1
 
@@ -445,8 +451,8 @@ class Parcae(nn.Module):
         self.init_weights()
 
     def init_buffers(self):
-        """The RoPE tables: buffers left out of the state dict, so a model sized on the meta device
-        and then given its weights (load_state_dict(assign=True)) computes them here."""
+        """The RoPE tables: buffers left out of the state dict.
+        A model built on the meta device, then loaded with assign=True, computes them here."""
         cos, sin = self._rope_tables(10 * self.config.seq_len)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -460,9 +466,9 @@ class Parcae(nn.Module):
 
     @torch.no_grad()
     def init_weights(self):
-        """METHOD.md §1's "scaled-zero" init, orthogonal as in the authors' code. Each module draws
-        from a generator seeded by init_seed and its name, so the variants built at one seed start
-        from the same tensors in every module they share: they are paired runs."""
+        """METHOD.md §1's "scaled-zero" init, orthogonal as in the authors' code.
+        Each module draws from a generator seeded by init_seed and its name.
+        So variants built at one seed share every common module's tensors: paired runs."""
         std = math.sqrt(2 / (5 * self.config.d_model))
         inits = {self.wte: lambda m: trunc_orthogonal_(m.weight, std)}  # module -> its init
         for block in [*self.prelude, *self.recur, *self.coda]:
@@ -493,10 +499,14 @@ class Parcae(nn.Module):
 
     def forward(self, idx, targets=None, T=None, depths=None, h0=None, cache=None, reduction="mean",
                 depth_generator=None, diagnostics=None):
-        """idx (B, S) -> logits (B, S, vocab); with targets (-1: ignored) the cross-entropy, its
-        mean or (B, S) with reduction="none". T or depths set the loop's depths (loop_depths), h0
-        (B, S, d) its initial state. cache: decoding's KV cache, which the S new positions extend.
-        diagnostics: a dict that gets ||h_T|| and the update ratio (stability_diagnostics)."""
+        """idx (B, S) -> logits (B, S, vocab).
+
+        - targets (-1: ignored): the cross-entropy instead, (B, S) with reduction="none".
+        - T or depths: the loop's depths (loop_depths).
+        - h0 (B, S, d): the initial state; None draws a fresh one from torch's RNG.
+        - cache: decoding's KV cache, which the S new positions extend.
+        - diagnostics: a dict that gets ||h_T|| and the update ratio.
+        """
         B, S = idx.shape
         e, ves, cos, sin = self.run_prelude(idx, cache)
         if self.injection is None:  # the Transformer: its recurrent blocks run once, no h0
@@ -519,9 +529,13 @@ class Parcae(nn.Module):
         return loss.view(B, S) if reduction == "none" else loss
 
     def loop_depths(self, batch_size, T=None, depths=None, generator=None):
-        """forward's T or depths -> (n, k), two (B,) CPU long tensors: sequence i loops n_i steps
-        without gradient, then k_i with it (METHOD.md §2). T: T steps each (None: mu_rec), the last
-        min(T, mu_bwd) with gradient in training. Neither: training draws them (sample_depths)."""
+        """forward's T or depths -> (n, k), two (B,) CPU long tensors (METHOD.md §2).
+        Sequence i loops n_i steps without gradient, then k_i with it.
+
+        - T: T steps each (None: mu_rec); in training the last min(T, mu_bwd) have gradient.
+        - depths: (n, k) as given.
+        - neither, in training: drawn by sample_depths.
+        """
         if depths is not None and T is not None:
             raise ValueError("give the loop's depth as T or as depths = (n, k), not both")
         if depths is None and T is None and self.training:
@@ -546,24 +560,25 @@ class Parcae(nn.Module):
         return n, k
 
     def recurrence(self, h, Bbar_e, n, k, ves, cos, sin, cache=None):
-        """The loop (METHOD.md §1) with truncated backprop (§2): sequence i runs n_i steps without
-        gradient, then k_i with it. h: h0 (B, S, d); n, k: loop_depths'. -> (h_T, h_{T-1}), each
-        sequence at its own T.
+        """The loop (METHOD.md §1) with truncated backprop (§2) -> (h_T, h_{T-1}).
+        Sequence i runs n_i steps without gradient, then k_i with it.
+        h: h0 (B, S, d); n, k: loop_depths'.
 
-        No step is spent on a sequence that has stopped. Sorted longest first, each row's no-grad
-        steps end with the no-grad phase and its grad steps with the loop, so the rows looping at a
-        step are the first ones: sum(n_i + k_i) row-steps in all, not B max(n_i + k_i). Example, in
-        training: T = (7, 3, 1), mu_bwd 4 give k = min(T, 4) = (4, 3, 1), n = T - k = (3, 0, 0):
+        No step is spent on a sequence that has stopped. Rows are sorted longest first.
+        Each row's no-grad steps end with the no-grad phase, its grad steps with the loop.
+        So the rows looping at a step are the first ones: sum(n_i + k_i) row-steps in all.
+        Example, in training: T = (7, 3, 1), mu_bwd 4 give k = (4, 3, 1), n = (3, 0, 0).
 
             step        0    1    2  |  3    4       5       6
             rows       {0}  {0}  {0} | {0}  {0, 1}  {0, 1}  {0, 1, 2}
             gradient    no   no   no | yes  yes     yes     yes
 
-        Row 0 runs its 7 steps, row 1 its 3 at steps 4-6, row 2 its 1 at step 6: all end together.
+        Row 0 runs 7 steps, row 1 its 3 at steps 4-6, row 2 its 1 at step 6: all end together.
         """
+        # sort the rows longest first, so the rows still looping are a prefix
         order = torch.argsort(n + k, descending=True, stable=True)
         sorted_already = bool((order == torch.arange(len(order))).all())
-        if not sorted_already:  # longest first here, back in the caller's order at the end
+        if not sorted_already:
             rows = order.to(h.device, non_blocking=True)
             h, Bbar_e, n, k = h[rows], Bbar_e[rows], n[order], k[order]
             ves = {i: ve[rows] for i, ve in ves.items()}
@@ -575,11 +590,13 @@ class Parcae(nn.Module):
                 looping = int((n >= n_max - step).sum())  # n_max - step steps without gradient left
             else:
                 looping = int((k >= n_max + k_max - step).sum())  # n_max + k_max - step with it
+            # one step on those rows; the others keep their state
             h_now, Bbar_e_now = h[:looping], Bbar_e[:looping]
             ves_now = {i: ve[:looping] for i, ve in ves.items()}
             with torch.set_grad_enabled(grad and step >= n_max):  # gradient in the last k_i steps
                 h_now = self.loop_step(h_now, Bbar_e_now, A_bar, step, ves_now, cos, sin, cache)
             h_prev, h = h, (h_now if looping == len(h) else torch.cat([h_now, h[looping:]]))
+        # back in the caller's order
         if not sorted_already:
             back = torch.argsort(rows)
             h, h_prev = h[back], h_prev[back]
@@ -599,8 +616,9 @@ class Parcae(nn.Module):
     # The prelude and the coda stand apart from forward so that decoding can run the loop itself.
 
     def run_prelude(self, idx, cache=None):
-        """ids (B, S) -> (e, ves, cos, sin): the prelude's normed output e (B, S, d), the value
-        embeddings by layer index, the RoPE tables of the S positions (claimed in the cache)."""
+        """ids (B, S) -> (e, ves, cos, sin).
+        e (B, S, d) is the prelude's normed output; ves, the value embeddings by layer.
+        cos, sin: the RoPE tables of the S positions, claimed in the cache."""
         pos = cache.pos if cache is not None else 0
         S = idx.size(1)
         if pos + S > self.rope_cos.size(1):
@@ -627,8 +645,9 @@ class Parcae(nn.Module):
     # --- compilation and the spectral radius
 
     def compile_blocks(self, backend="inductor"):
-        """Compile each block alone and keep the loop in Python: a depth that changes every batch
-        never recompiles. The recurrent blocks see a prefix of the batch: a dynamic batch size."""
+        """Compile each block alone and keep the loop in Python.
+        A depth that changes every batch then never recompiles.
+        The recurrent blocks see a prefix of the batch: a dynamic batch size."""
         blocks = [*self.prelude, *self.recur, *self.coda]
         for block in [*self.prelude, *self.coda]:
             block.compile(dynamic=False, backend=backend)
@@ -645,8 +664,12 @@ class Parcae(nn.Module):
 
     @torch.no_grad()
     def spectral_radius(self):
-        """rho(A_bar), a 0-d float32 tensor on the weights' device (None unlooped): max(A_bar) for
-        Parcae, 1 for add, the largest |eigenvalue| of the adapter's state half for concat."""
+        """rho(A_bar), a 0-d float32 tensor on the weights' device; None unlooped.
+
+        - Parcae: max(A_bar).
+        - add: 1.
+        - concat: the largest |eigenvalue| of the adapter's state half.
+        """
         if self.injection is None:
             return None
         rho = self.injection.spectral_radius()
@@ -659,10 +682,10 @@ class Parcae(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def flops_per_token(self):
-        """The paper's training compute C per token (METHOD.md §2, its Appendix D), for FLOP budgets
-        that compare with the paper's; what runs is matmul_flops_per_token. N leaves out wte alone,
-        so C counts the value-embedding lookups as matmuls and not the tied head. The 140M (depth 6,
-        mu_rec 8) has C = 1.360e9, 29.2% above the matmul FLOPs it executes; the 1.3B 27.2%."""
+        """The paper's training compute C per token (METHOD.md §2, its Appendix D).
+        FLOP budgets use it, so they compare with the paper's; what runs is matmul_flops_per_token.
+        N leaves out wte alone: C counts value-embedding lookups as matmuls, not the tied head.
+        The 140M (depth 6, mu_rec 8): C = 1.360e9, 29.2% above its matmul FLOPs; the 1.3B 27.2%."""
         c = self.config
         d, S = c.d_model, c.seq_len
         N = self.num_params() - self.wte.weight.numel()
@@ -675,12 +698,15 @@ class Parcae(nn.Module):
                 + c.mu_bwd * (4 * N_core + 2 * c.n_recur * 4 * d * S))
 
     def matmul_flops_per_token(self, n=None, k=None, backward=True):
-        """The matmul FLOPs a training forward and backward run per token (backward=False: a
-        forward alone), for MFU and FLOP/s (METHOD.md §2). n, k: loop steps without and with
-        gradient, numbers or per-sequence tensors (their means count); None: mean_steps(config).
-        A forward costs 2 per nn.Linear weight, 2 d V for the tied head and 4 S d per block for
-        attention (over all S x S, as FlopCounterMode counts it); lookups cost nothing. A backward
-        costs twice its forward; all outside the loop is backpropagated (Bbar e is in each step)."""
+        """The matmul FLOPs a training forward and backward run per token, for MFU (METHOD.md §2).
+        backward=False: a forward alone. n, k: loop steps without and with gradient.
+        They are numbers or per-sequence tensors (their means count); None: mean_steps(config).
+
+        - A forward costs 2 per nn.Linear weight and 2 d V for the tied head.
+        - Attention costs 4 S d per block, over all S x S, as FlopCounterMode counts it.
+        - Lookups cost nothing. A backward costs twice its forward.
+        - All outside the loop is backpropagated (Bbar e is in each step).
+        """
         c = self.config
 
         def forward_flops(modules):
@@ -704,8 +730,8 @@ class Parcae(nn.Module):
 
 @torch.no_grad()
 def stability_diagnostics(h, h_prev):
-    """The paper's stability diagnostics: ||h_T|| and ||h_T - h_{T-1}|| / ||h_T||, means over the
-    batch's positions (None without a loop: the Transformer)."""
+    """The paper's stability diagnostics: ||h_T|| and ||h_T - h_{T-1}|| / ||h_T||.
+    Each is a mean over the batch's positions; None without a loop (the Transformer)."""
     if h_prev is None:
         return {"h_norm": None, "update_ratio": None}
     h_norm = h.float().norm(dim=-1).mean()
