@@ -10,11 +10,12 @@ test-time scaling law L(T).
     python eval_core.py --eval ppl --T 1,4                # the paper's val PPL
     torchrun --nproc_per_node 8 eval_core.py --T 8        # examples striped across ranks
 
-CORE is DCLM's 22-task ensemble, scored as nanochat scores it, from nanochat's copy of the task
-files, downloaded on first use to $NANOPARCAE_BASE_DIR/eval_bundle. Results print as a table and
-go to a JSON file beside the checkpoint. There are two validation losses: --eval bpb scores packed
-BOS-aligned rows, as training does; --eval ppl scores one document per forward, the authors' final
-protocol and the one behind the paper's val PPL.
+CORE is DCLM's 22-task ensemble, scored as nanochat scores it, from nanochat's task files.
+They are downloaded on first use to $NANOPARCAE_BASE_DIR/eval_bundle.
+Results print as a table and go to a JSON file beside the checkpoint. Two validation losses:
+
+- --eval bpb scores packed BOS-aligned rows, as training does.
+- --eval ppl scores one document per forward: the authors' protocol, behind the paper's val PPL.
 """
 
 import argparse
@@ -53,8 +54,8 @@ def bf16_autocast(device):
 
 
 def forward_batches(rows, batch_tokens, one_per_forward):
-    """Row indices, one list per forward: longest first, as many as fit batch_tokens (rows x width);
-    or one item's rows per forward, as nanochat runs."""
+    """Row indices, one list per forward, longest first.
+    A forward holds as many rows as fit batch_tokens (rows x width), or one item's, as nanochat."""
     if one_per_forward:
         by_example = defaultdict(list)
         for i, row in enumerate(rows):
@@ -72,8 +73,8 @@ def forward_batches(rows, batch_tokens, one_per_forward):
 
 @torch.no_grad()
 def score_rows(model, rows, T, h0_table, batch_tokens=1024, one_per_forward=False):
-    """-> per row, (mean cross-entropy over its span, whether greedy argmax reproduces the span).
-    Eager even under compiled blocks: nearly every forward has a new shape and would recompile."""
+    """-> per row, (mean cross-entropy over its span, whether greedy argmax reproduces it).
+    Eager even under compiled blocks: nearly every forward has a new shape."""
     with torch.compiler.set_stance("force_eager"):  # a decorator would import dynamo here
         device = h0_table.device
         losses, exact = [0.0] * len(rows), [False] * len(rows)
@@ -109,7 +110,7 @@ def centered_accuracy(accuracy, random_baseline):
 
 def evaluate_task(model, tokenizer, task, data, T, seed, h0_table, batch_tokens=1024,
                   one_per_forward=False):
-    """Accuracy on data, the items striped across ranks and summed, so any number of ranks agree."""
+    """Accuracy on data, its items striped across ranks and summed: any number of ranks agree."""
     rank, world = rank_and_world()
     rows = build_rows(task, data, range(rank, len(data), world), tokenizer, seed,
                       model.config.seq_len)
@@ -131,8 +132,8 @@ def evaluate_task(model, tokenizer, task, data, T, seed, h0_table, batch_tokens=
 
 def evaluate_core(model, tokenizer, bundle_dir, T=None, max_per_task=-1, tasks="core", seed=1234,
                   batch_tokens=None, one_per_forward=False, verbose=True):
-    """CORE / Core-Extended at recurrence T (None: mu_rec) -> a dict of per-task accuracies, their
-    means ("core", and "core_extended" when an extended task ran) and the tasks skipped, with why.
+    """CORE / Core-Extended at recurrence T (None: mu_rec) -> a dict of results.
+    It holds per-task accuracies, their means ("core", "core_extended") and the tasks skipped.
     tasks: "core", "extended", labels separated by commas, or a list of Task."""
     t_start = time.time()
     device = next(model.parameters()).device
@@ -140,10 +141,12 @@ def evaluate_core(model, tokenizer, bundle_dir, T=None, max_per_task=-1, tasks="
     batch_tokens = batch_tokens or (16384 if device.type == "cuda" else 1024)
     was_training = model.training
     model.eval()
+    # one seeded h0 table and the chance baselines serve every task
     baselines = read_random_baselines(bundle_dir)
     h0_table = evaluation_initial_state(model.config.d_model, model.config.seq_len, seed, device)
     accuracy, centered, skipped = {}, {}, {}
     for task in select_tasks(tasks) if isinstance(tasks, str) else tasks:
+        # skip, with why, a task the bundle cannot score
         if not (Path(bundle_dir) / "eval_data" / task.path).is_file():
             skipped[task.label] = f"eval_data/{task.path} is not in the bundle"
         elif task.label not in baselines:
@@ -152,6 +155,7 @@ def evaluate_core(model, tokenizer, bundle_dir, T=None, max_per_task=-1, tasks="
             if verbose:
                 print0(f"{task.label:<34} skipped: {skipped[task.label]}")
             continue
+        # score it: accuracy, then centered on chance
         t0 = time.time()
         data = load_task_data(bundle_dir, task, max_per_task)
         accuracy[task.label] = evaluate_task(model, tokenizer, task, data, T, seed, h0_table,
@@ -162,6 +166,7 @@ def evaluate_core(model, tokenizer, bundle_dir, T=None, max_per_task=-1, tasks="
                    f"accuracy {accuracy[task.label]:.4f}  centered {centered[task.label]:+.4f}  "
                    f"{time.time() - t0:6.1f}s")
     model.train(was_training)
+    # the means: CORE over its 22 tasks, Core-Extended over all that ran
     core = [c for label, c in centered.items() if label in CORE_LABELS]
     extended_ran = any(label not in CORE_LABELS for label in centered)
     return {"T": T if T is not None else model.config.mu_rec, "seed": seed,
@@ -175,8 +180,9 @@ def evaluate_core(model, tokenizer, bundle_dir, T=None, max_per_task=-1, tasks="
 
 @torch.no_grad()
 def evaluate_bpb(model, tokenizer, batches, T=None, seed=1234, state_norm=False):
-    """-> (loss, bpb) over (x, y) batches and ranks: mean nats per target (y = -1 ignored), and bits
-    per UTF-8 byte over the targets that have bytes. state_norm adds the mean ||h_T||."""
+    """-> (loss, bpb) over (x, y) batches and ranks.
+    loss: mean nats per target (y = -1 ignored). bpb: bits per UTF-8 byte of the targets with bytes.
+    state_norm adds the mean ||h_T||."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -213,10 +219,10 @@ def evaluate_bpb(model, tokenizer, batches, T=None, seed=1234, state_norm=False)
 
 @torch.no_grad()
 def evaluate_ppl(model, tokenizer, docs, T=None, seed=1234):
-    """The authors' final validation loss, behind the paper's val PPL (METHOD.md §3): each document
-    alone in one forward, its first seq_len + 1 tokens, no BOS. -> (loss, bpb, documents, tokens),
-    over the targets that carry bytes; PPL = exp(loss). One seeded h0, as in evaluate_bpb (the
-    authors draw one per forward, from the same distribution)."""
+    """The authors' validation loss, behind the paper's val PPL (METHOD.md §3).
+    Each document runs alone in one forward: its first seq_len + 1 tokens, no BOS.
+    -> (loss, bpb, documents, tokens) over the targets with bytes; PPL = exp(loss).
+    One seeded h0, as in evaluate_bpb; the authors draw one per forward, from the same law."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -249,8 +255,8 @@ def evaluate_ppl(model, tokenizer, docs, T=None, seed=1234):
 
 def fit_test_time_scaling(Ts, losses):
     """Least-squares fit of L(T) = L_inf + Z exp(-z T) (METHOD.md §3) -> L_inf, Z, z, rms.
-    For fixed z the law is linear in (L_inf, Z), so only z is searched: a log grid, then
-    golden-section search around the best point."""
+    For fixed z the law is linear in (L_inf, Z), so only z is searched.
+    The search: a log grid, then golden-section search around the best point."""
     T, L = np.asarray(Ts, dtype=np.float64), np.asarray(losses, dtype=np.float64)
     if len(T) < 3 or len(set(T.tolist())) < 3:
         raise ValueError(f"fitting L(T) = L_inf + Z exp(-z T) needs at least 3 distinct T, "
