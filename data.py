@@ -1,8 +1,8 @@
 """
-data.py: the training data loader (METHOD.md §2). Each rank reads its own share of the documents,
-tokenizes them ahead in a thread and packs them best-fit into rows that start with BOS; the loader's
-state is small and resumes exactly. Also the held-out batches that evals score. The text itself and
-its tokenizer come from nanoparcae/dataset.py.
+data.py: the training data loader (METHOD.md §2).
+Each rank reads its own share of the documents and tokenizes them ahead in a thread.
+It packs them best-fit into rows that start with BOS. Its state is small and resumes exactly.
+Also the held-out batches that evals score. The text and its tokenizer: nanoparcae/dataset.py.
 
     python data.py --data=stdlib --vocab_size=4096 --seq_len=2048   # tokens/s and the share cropped
 
@@ -31,9 +31,10 @@ from nanoparcae.dataset import ChunkReader, get_tokenizer, list_chunks, no_docum
 # The document stream: one rank's share of a split, epoch after epoch, each document with an id
 
 class DocumentStream:
-    """One rank's documents of a split. Each epoch shuffles the chunks, and each chunk's documents,
-    from the seed; rank r takes every world_size-th document, so the ranks' shares are disjoint and
-    cover the split. A document's id: (epoch, chunk position, index in this rank's share)."""
+    """One rank's documents of a split.
+    Each epoch shuffles the chunks, and each chunk's documents, from the seed.
+    Rank r takes every world_size-th document: the shares are disjoint and cover the split.
+    A document's id: (epoch, chunk position, index in this rank's share)."""
 
     def __init__(self, source, split, seed=0, rank=0, world_size=1, reader=None, sharers=1):
         if not 0 <= rank < world_size:
@@ -133,10 +134,11 @@ class Prefetcher:
 
 
 class DataLoader:
-    """Yields (x, y), (batch_size, seq_len) on `device`: rows of seq_len + 1 tokens packed best-fit
-    from a buffer of about buffer_docs documents, each row starting with BOS, overflow cropped, no
-    padding (METHOD.md §2). The train split loops forever; val is read once. The state is only
-    document ids, so a resumed loader re-reads what it buffered and yields the same batches.
+    """Yields (x, y), (batch_size, seq_len) on `device` (METHOD.md §2).
+    Rows of seq_len + 1 tokens are packed best-fit from a buffer of about buffer_docs documents.
+    Each row starts with BOS; overflow is cropped, nothing padded.
+    The train split loops forever; val is read once.
+    The state is only document ids: a resumed loader re-reads its buffer, yielding the same batches.
     reader: a ChunkReader this loader and sharers - 1 others share (None: its own)."""
 
     def __init__(self, tokenizer, source, split, batch_size, seq_len, rank=0, world_size=1, seed=0,
@@ -271,8 +273,8 @@ class DataLoader:
 
 def val_batches(tokenizer, source, batch_size, seq_len, num_tokens, rank=0, world_size=1,
                 device="cpu", reader=None):
-    """The same held-out batches at every call: num_tokens over all ranks of the val split, at
-    seed 0, at least one batch each; fewer if the split runs out."""
+    """The same held-out batches at every call: num_tokens of the val split over all ranks.
+    Seed 0, at least one batch each; fewer if the split runs out."""
     loader = DataLoader(tokenizer, source, "val", batch_size, seq_len, rank, world_size, seed=0,
                         device=device, reader=reader)
     yield from itertools.islice(loader, max(1, num_tokens // (batch_size * seq_len * world_size)))

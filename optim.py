@@ -1,11 +1,11 @@
 """
-optim.py: the paper's optimiser (METHOD.md §2), the authors' MuonAdamW: one torch.optim.Optimizer
-with two kinds of parameter groups, and the schedules a training loop applies to it.
+optim.py: the paper's optimiser (METHOD.md §2), the authors' MuonAdamW, and its schedules.
+One torch.optim.Optimizer with two kinds of parameter groups:
 
 - kind='adamw': the embeddings, norms, every vector, and Parcae's injection parameters (A_log,
   dt_bias, B, C_proj, or the concat baseline's adapter). Plain AdamW, no weight decay.
-- kind='muon': every other matrix, one group per shape so that the orthogonalisation runs on a
-  stack. Nesterov momentum, Polar Express in bf16, NorMuon, cautious weight decay.
+- kind='muon': every other matrix, one group per shape, orthogonalised as a stack.
+  Nesterov momentum, Polar Express in bf16, NorMuon, cautious weight decay.
 
 A library, not a script:
 
@@ -13,9 +13,9 @@ A library, not a script:
     for group in optimizer.param_groups:                  # before each optimizer.step()
         group['lr'] = group['initial_lr'] * lr_multiplier(step, total_steps)
 
-Sources: the authors' recpre/optim/muon_adamw.py and scripts/train.py (sandyresearch/parcae), which
-follow nanochat's nanochat/optim.py, itself from modded-nanogpt. It runs eagerly, without
-torch.compile, so hyperparameters are plain floats that may change at any step, on CPU or GPU.
+Sources: the authors' recpre/optim/muon_adamw.py and scripts/train.py (sandyresearch/parcae).
+They follow nanochat's nanochat/optim.py, itself from modded-nanogpt.
+It runs eagerly, without torch.compile: hyperparameters are plain floats that may change any step.
 """
 
 import math
@@ -40,8 +40,8 @@ POLAR_EXPRESS_COEFFS = (
 
 
 def polar_express(G: Tensor, steps: int = 5) -> Tensor:
-    """Approximately orthogonalise the last two dims of G, in bf16: the singular values end in
-    about [0.85, 1.15], bar those below ~1e-3 of ||G||_F, which stay smaller."""
+    """Approximately orthogonalise the last two dims of G, in bf16.
+    The singular values end in about [0.85, 1.15]; those below ~1e-3 of ||G||_F stay smaller."""
     assert G.ndim >= 2 and 1 <= steps <= len(POLAR_EXPRESS_COEFFS)
     X = G.bfloat16()
     X = X / (X.norm(dim=(-2, -1), keepdim=True) * 1.02 + 1e-6)
@@ -195,8 +195,9 @@ def is_muon_param(name: str, p: Tensor) -> bool:
 
 def build_optimizer(model: torch.nn.Module, adamw_lr: float, muon_lr: float = 8e-3,
                     weight_decay: float = 0.2, muon: bool = True) -> MuonAdamW:
-    """One AdamW group and one Muon group per matrix shape, in the model's parameter order, so a
-    checkpoint loads back into the same groups; each lists its 'names'. muon=False: AdamW alone."""
+    """One AdamW group and one Muon group per matrix shape, in the model's parameter order.
+    So a checkpoint loads back into the same groups; each lists its 'names'.
+    muon=False: AdamW alone."""
     adamw, matrices = {'params': [], 'names': []}, {}
     for name, p in model.named_parameters():  # a tied tensor comes once
         if not p.requires_grad:
@@ -212,8 +213,9 @@ def build_optimizer(model: torch.nn.Module, adamw_lr: float, muon_lr: float = 8e
 
 
 def optimizer_state_bytes(model: torch.nn.Module, muon: bool = True) -> int:
-    """Bytes of the optimiser's state for model, which may be on the meta device: float32 moments,
-    two per AdamW parameter, one per Muon parameter plus NorMuon's per row or column."""
+    """Bytes of the optimiser's state for model, which may be on the meta device.
+    float32 moments: two per AdamW parameter, one per Muon parameter.
+    NorMuon adds one per row or column."""
     total = 0
     for group in build_optimizer(model, adamw_lr=1.0, muon=muon).param_groups:
         numel = sum(p.numel() for p in group['params'])

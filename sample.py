@@ -6,11 +6,12 @@ sample.py: text from a trained Parcae checkpoint, at any recurrence depth, strea
     python sample.py                                       # interactive when stdin is a terminal
     echo "def fibonacci(n):" | python sample.py --temperature=0    # prompt from a pipe, greedy
 
---T is any depth from 1 up, whatever mu_rec the model trained with (METHOD.md §3: test-time
-scaling); it defaults to mu_rec. --T=auto (beyond the paper) stops each token's recurrence once its
-state settles (engine.py). --kv=shared keeps one cache slot per recurrent layer whatever T, T = 1's
-memory, exact only at T = 1 (engine.py, docs/sampling.md). Sample i draws its h0 and its tokens from
-a generator seeded --seed + i, so a sample does not depend on how many are drawn.
+- --T is any depth from 1 up, whatever mu_rec the model trained with (METHOD.md §3).
+  It defaults to mu_rec.
+- --T=auto (beyond the paper) stops each token's recurrence once its state settles (engine.py).
+- --kv=shared keeps T = 1's cache memory at any T, exact only at T = 1 (docs/sampling.md).
+- Sample i draws its h0 and its tokens from a generator seeded --seed + i.
+  So a sample does not depend on how many are drawn.
 """
 
 import argparse

@@ -6,15 +6,18 @@ train.py: train Parcae (or a baseline) with the paper's recipe (METHOD.md §2), 
     python train.py --depth=24 --dry_run             # sizes, tokens, FLOPs, memory per GPU only
     bash runs/cpu.sh                                 # a small looped model on a CPU: its flags
 
-Every optimiser step sees the same rows, depths and h0 whatever the number of processes: its
-micro-batches are "virtual ranks" v = rank * grad_accum + micro, each with its own share of the
-data and its own seed. So two processes reproduce one, and a resumed run continues exactly;
-workers that torchrun --max_restarts restarts after a failure resume from the last checkpoint.
+Every optimiser step sees the same rows, depths and h0 whatever the number of processes.
+Its micro-batches are "virtual ranks" v = rank * grad_accum + micro.
+Each has its own share of the data and its own seed.
+So two processes reproduce one, and a resumed run continues exactly.
+Workers that torchrun --max_restarts restarts resume from the last checkpoint.
 
 A run (--run, default d<depth>_<injection>) is defined by its RUN_FLAGS, which its checkpoint
-records: the same command continues it from its last checkpoint, a finished run exits at once,
-and a command whose run flags differ is refused with the flags it differs in. The rule that stops
-a diverged run (exit status 3): docs/troubleshooting.md.
+records.
+
+- The same command continues it from its last checkpoint; a finished run exits at once.
+- A command whose run flags differ is refused, naming those flags.
+- A diverged run stops with exit status 3 (docs/troubleshooting.md).
 """
 
 import argparse
