@@ -43,8 +43,8 @@ from nanoparcae.dataset import iter_documents
 from model import evaluation_initial_state
 
 # -----------------------------------------------------------------------------
-# Scoring token rows, many per forward (METHOD.md §3): rows grouped by length and padded on the
-# right, one seeded h0 shared by every row, each row's mean cross-entropy over its scored span
+# Scoring token rows, many per forward (METHOD.md §3). Rows are grouped by length and padded on
+# the right. One seeded h0 serves every row; each gets its mean cross-entropy over its span.
 
 def bf16_autocast(device):
     """bf16 autocast on CUDA, as in training; on a CPU it keeps an enclosing autocast on."""

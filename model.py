@@ -183,9 +183,9 @@ class Block(nn.Module):
 
 
 # -----------------------------------------------------------------------------
-# Injections: u = A_bar h + Bbar e, how a loop step mixes the state h with the prelude's e
-# (METHOD.md §1). Each owns its parameters and their init. A_bar() and Bbar_e(e) are the same at
-# every step, so the loop forms them once per forward.
+# Injections: u = A_bar h + Bbar e mixes the state h with the prelude's e (METHOD.md §1).
+# Each owns its parameters and their init. A_bar() and Bbar_e(e) are the same at every step,
+# so the loop forms them once per forward.
 
 def trunc_normal_(weight, std, generator=None):
     return nn.init.trunc_normal_(weight, std=std, a=-3 * std, b=3 * std, generator=generator)
@@ -330,9 +330,9 @@ def decoding_initial_state(shape, device, generators):
 # Depths: how many loop steps each sequence of a training forward runs (METHOD.md §2): n_i steps
 # without gradient, then k_i with it. Parcae.loop_depths, right after forward, draws them from here.
 
-# Each sampler: what it draws, then its mean executed (n + k) and backpropagated (k) steps, with
-# their values at mu_rec 8, mu_bwd 4; "mu_rec - mu_bwd" means max(0, mu_rec - mu_bwd). The Poisson
-# ones are the authors' other per-batch schemes (their sampling_scheme names, "-" written "_").
+# Each sampler: what it draws, then its mean executed (n + k) and backpropagated (k) steps.
+# Values are at mu_rec 8, mu_bwd 4; "mu_rec - mu_bwd" means max(0, mu_rec - mu_bwd).
+# The Poisson ones are the authors' other per-batch schemes (their names, "-" written "_").
 SAMPLINGS = {
     "per_sequence": "Parcae: T_i = max(1, Poisson(mu_rec)) per sequence, n_i = T_i - k_i, "
                     "k_i = min(T_i, mu_bwd); executes mu_rec + exp(-mu_rec) (8.00), "
@@ -429,8 +429,8 @@ class Parcae(nn.Module):
         # drawn before any module is built, so one seed gives one init_seed whatever the modules
         self.init_seed = int(torch.randint(2**31, (), device="cpu"))
         self.wte = nn.Embedding(c.padded_vocab_size, d)  # tied with the output head
-        # METHOD.md §1: layers numbered 0..n-1 across prelude, recurrent block and coda; layer i has
-        # a value embedding when i % 2 == (n - 1) % 2 (alternating, the last layer always)
+        # METHOD.md §1: layers are numbered 0..n-1 across prelude, recurrent block and coda.
+        # Layer i has a value embedding when i % 2 == (n - 1) % 2: every other, the last always.
         self.ve_layers = [i for i in range(c.n_layer) if i % 2 == (c.n_layer - 1) % 2]
         has_ve = [i in self.ve_layers for i in range(c.n_layer)]
         self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(c.padded_vocab_size, d)
@@ -492,10 +492,10 @@ class Parcae(nn.Module):
                 init(module) if init else module.reset_parameters()
 
     # --- forward, then the loop it runs, in order: its depths, the recurrence, one loop step.
-    # Under bf16 autocast the weights and the residual stream (prelude, h0 and h, coda) stay
-    # float32: the matmuls' bf16 outputs are added into it, so rounding does not build up over the
-    # T steps, and every RMSNorm sees float32 with its float32 weight (the fused kernel). A_bar and
-    # Bbar e are float32; RoPE runs in q and k's bf16; the logits are float32 for the cross-entropy.
+    # Under bf16 autocast the weights and the residual stream (prelude, h0, h, coda) stay float32.
+    # The matmuls' bf16 outputs are added into it, so rounding does not build up over T steps.
+    # Every RMSNorm sees float32 with its float32 weight (the fused kernel).
+    # A_bar and Bbar e are float32; RoPE runs in bf16; the logits are float32 for the loss.
 
     def forward(self, idx, targets=None, T=None, depths=None, h0=None, cache=None, reduction="mean",
                 depth_generator=None, diagnostics=None):
@@ -545,8 +545,8 @@ class Parcae(nn.Module):
             if T < 1:
                 raise ValueError(f"recurrence depth T must be >= 1, got {T}")
             depths = split_depths(torch.full((batch_size,), T), self.config.mu_bwd, self.training)
-        # What recurrence needs: a longer sequence has no fewer steps of either kind, and k_i >= 1
-        # for all or for none (so every sequence takes its last step at the loop's last step).
+        # What recurrence needs: a longer sequence has no fewer steps of either kind.
+        # And k_i >= 1 for all or none, so every sequence ends at the loop's last step.
         n, k = (torch.as_tensor(x).long().cpu().expand(batch_size).clone() for x in depths)
         if (n < 0).any() or (k < 0).any() or (n + k < 1).any():
             raise ValueError(f"depths (n, k) = ({n.tolist()}, {k.tolist()}) must be >= 0 with "

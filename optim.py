@@ -24,11 +24,11 @@ import torch
 from torch import Tensor
 
 # -----------------------------------------------------------------------------
-# Polar Express (METHOD.md §2; Amsel et al., https://arxiv.org/abs/2505.16932): each step applies
-# an odd quintic a X + b (X X^T) X + c (X X^T)^2 X whose coefficients push every singular value
-# towards 1, so G = U S V^T goes to about U V^T, the orthogonal matrix nearest the momentum. The
-# published coefficients, as the authors and nanochat use them. Dividing by ||G||_F * 1.02 first
-# (the authors' margin; nanochat's is 1.01) puts the singular values in (0, 1], where they work.
+# Polar Express (METHOD.md §2; Amsel et al., https://arxiv.org/abs/2505.16932).
+# Each step applies an odd quintic a X + b (X X^T) X + c (X X^T)^2 X.
+# Its coefficients push every singular value towards 1: G = U S V^T goes to about U V^T,
+# the orthogonal matrix nearest the momentum. The published coefficients, as the authors'.
+# Dividing by ||G||_F * 1.02 first (nanochat: 1.01) puts the singular values in (0, 1].
 
 POLAR_EXPRESS_COEFFS = (
     (8.156554524902461, -22.48329292557795, 15.878769915207462),
@@ -58,9 +58,9 @@ def polar_express(G: Tensor, steps: int = 5) -> Tensor:
 
 
 # -----------------------------------------------------------------------------
-# NorMuon (METHOD.md §2; Li et al., https://arxiv.org/abs/2510.05491): the orthogonalised update's
-# scale is uneven across neurons, so it is divided by the root of an EMA of its mean square per row
-# (per column when wide), then rescaled to its former Frobenius norm. The authors' math.
+# NorMuon (METHOD.md §2; Li et al., https://arxiv.org/abs/2510.05491), the authors' math.
+# The orthogonalised update's scale is uneven across neurons. So it is divided by the root of
+# an EMA of its mean square per row (per column when wide), then rescaled to its former norm.
 
 def normuon(U: Tensor, v: Tensor, beta2: float) -> Tensor:
     """U (n, rows, cols) -> U normalised; v, (n, rows, 1) or (n, 1, cols), updated in place."""
@@ -121,7 +121,7 @@ class MuonAdamW(torch.optim.Optimizer):
             p.addcdiv_(m, denom, value=-lr / (1 - beta1 ** t))
 
     # Muon on one group's stack (n, rows, cols). Its buffers live in the first parameter's state,
-    # as in the authors' code, so state_dict saves them like any optimiser state.
+    # as in the authors' code: state_dict saves them like any optimiser state.
     def _step_muon(self, group: dict) -> None:
         params = group['params']
         if all(p.grad is None for p in params):

@@ -93,9 +93,9 @@ flag("--warmdown_frac", type=unit_fraction, default=0.5,
      help="last fraction of steps, decaying the rate to 0")
 flag("--seed", type=zero_or_more(int), default=0, help="initial weights, data order, depths and h0")
 # how it runs, evaluates, logs and saves
-# Without a GPU, a bare `python train.py` takes the CPU for the paper's 140M (bfloat16, compiled):
-# it stops in one line naming FineWeb-Edu's download and runs/cpu.sh, whose flags fit a CPU, while
-# the shards are missing, and trains the 140M at a CPU's pace once they are there.
+# Without a GPU, a bare `python train.py` runs the paper's 140M on the CPU (bfloat16, compiled).
+# Without the shards it stops in one line naming their download and runs/cpu.sh.
+# With them it trains the 140M at a CPU's pace.
 flag("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
 flag("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
      help="autocast dtype of the matmuls (bfloat16 on a CPU runs the GPU's numerics)")
@@ -202,8 +202,8 @@ batch = choose_device_batch(meta_model, args, device, world,
 if args.dry_run:
     sys.exit(0)
 
-# The run is a folder, and the newest checkpoint there must have recorded these RUN_FLAGS, and for
-# FineWeb-Edu the training shards it read: its data order is a shuffle of them
+# The run is a folder. Its newest checkpoint must have recorded these RUN_FLAGS, and for
+# FineWeb-Edu the training shards read: its data order is a shuffle of them
 tokens = num_steps * args.total_batch_size
 paper_horizon = max_tokens == PAPER_TOKENS.get(args.depth)
 try:
