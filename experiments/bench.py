@@ -431,7 +431,8 @@ def main(argv=None):
     parser.error = fail  # an unknown flag or a bad value: one line, status 2
     parser.add_argument("--rows", type=parse_rows, default=sorted(ROWS), help="e.g. 1,3,8 (default: all)")
     parser.add_argument("--depth", type=positive(int), help="layers, a multiple of 3")
-    parser.add_argument("--d_model", type=positive(int), help="width (default: 128 on CPU, 128 * (depth/3 + 4) on CUDA)")
+    parser.add_argument("--d_model", type=positive(int),
+                        help="width (default: 128 on CPU, 128 * (depth/3 + 4) on CUDA)")
     parser.add_argument("--head_dim", type=positive(int))
     parser.add_argument("--vocab_size", type=positive(int))
     parser.add_argument("--seq_len", type=positive(int))

@@ -219,16 +219,18 @@ def run(sweep, gpus):
         where = f"[{i + 1}/{len(rows)}] {p['name']} (C {p['C']:.3g}, mu_rec {p['mu_rec']}, seed {p['seed']}, " \
                 f"{p['steps']} steps)"
         if final_eval(p) is None:
-            resume = any(run_dir(p["name"]).glob("ckpt_*.pt"))
-            run_dir(p["name"]).mkdir(parents=True, exist_ok=True)
-            print(f"{where}: {'resuming' if resume else 'training'}, log {run_dir(p['name']) / 'train.log'}", flush=True)
+            folder = run_dir(p["name"])
+            resume = any(folder.glob("ckpt_*.pt"))
+            folder.mkdir(parents=True, exist_ok=True)
+            log_path = folder / "train.log"
+            print(f"{where}: {'resuming' if resume else 'training'}, log {log_path}", flush=True)
             cmd = launcher(gpus) + ["train.py"] + train_flags(sweep, p) + (["--resume"] if resume else [])
             t0 = time.time()
-            failed = run_logged(cmd, run_dir(p["name"]) / "train.log") != 0 or final_eval(p) is None
+            failed = run_logged(cmd, log_path) != 0 or final_eval(p) is None
             if not resume and not failed:  # throughput from whole runs only
                 fresh_s, fresh_tokens = fresh_s + time.time() - t0, fresh_tokens + p["trained_tokens"]
             done_flops, left_flops = done_flops + p["C"], left_flops - p["C"]
-            status = f"train.py failed, see {run_dir(p['name']) / 'train.log'}; going on" if failed else "trained"
+            status = f"train.py failed, see {log_path}; going on" if failed else "trained"
         else:
             status = "done, skipped"
         if p["mu_rec"] > 1 and final_eval(p) is not None and ensure_bpb(sweep, p) is None:
@@ -252,7 +254,8 @@ def collect(sweep, notes):
         record = final_eval(p)
         if record is None:
             notes.append(f"run {p['name']} is missing (no final eval at step {p['steps']} in "
-                         f"{run_dir(p['name']) / 'metrics.jsonl'}); `python -m experiments.scaling run` trains or resumes it")
+                         f"{run_dir(p['name']) / 'metrics.jsonl'}); `python -m experiments.scaling run` trains or "
+                         f"resumes it")
             continue
         loss = record[f"val_loss_T{p['mu_rec']}"]
         if not math.isfinite(loss):

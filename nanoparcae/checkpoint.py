@@ -29,7 +29,7 @@ def save_checkpoint(path, model, **extra):
     write_atomically(path, lambda partial: torch.save(state, partial))
 
 
-def save_and_prune(run_dir, step, model, loaders, **state):
+def save_and_prune(folder, step, model, loaders, **state):
     """ckpt_<step>.pt, written by rank 0 with every virtual rank's loader position and `state`; the run's
     older checkpoints are then removed (a 1.3B checkpoint with optimiser state is ~16 GB). The RNG state
     is a function of (seed, step, virtual rank), so nothing else is needed. Saves nothing, and stops the
@@ -39,8 +39,8 @@ def save_and_prune(run_dir, step, model, loaders, **state):
              f"last checkpoint stays, and the same command resumes every rank from it", 1)
     loader_states = [each for states in gather([loader.state_dict() for loader in loaders]) for each in states]
     if rank_and_world()[0] == 0:
-        path = run_dir / f"ckpt_{step:06d}.pt"
-        older = sorted(run_dir.glob("ckpt_*.pt"))
+        path = folder / f"ckpt_{step:06d}.pt"
+        older = sorted(folder.glob("ckpt_*.pt"))
         save_checkpoint(path, model, step=step, loader=loader_states, **state)
         for stale in older:
             if stale != path:

@@ -92,8 +92,9 @@ def write_atomically(path, write):
 
 def fail(message, status=2):
     """One clear line instead of a traceback, then exit with `status` (2: the command was wrong, not the run).
-    Under torchrun only rank 0 prints it: the checks that call it decide alike on every rank."""
-    if int(os.environ.get("RANK", 0)) == 0:
+    Under torchrun each node's local rank 0 prints it, once in each node's log: the checks decide alike on
+    every rank."""
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(status)
 
