@@ -334,7 +334,6 @@ def test_a_download_is_sized_by_count_by_tokens_or_by_the_paper_run_at_a_depth(f
 @pytest.mark.parametrize("flags,named", [
     (["-n", "4", "--depth", "6"], ["-n", "--depth"]),
     (["--depth", "5"], ["--depth=5", "--tokens", "-n"]),
-    (["--tokens", "0"], ["--tokens"]),
 ])
 def test_a_download_sized_two_ways_or_for_no_run_is_one_line(flags, named, monkeypatch):
     message = run_cli(monkeypatch, "nanoparcae.dataset", "download", *flags)
@@ -463,6 +462,7 @@ def test_a_base_folder_that_cannot_be_written_is_one_line(tmp_path, monkeypatch,
     (["data.py", "--batch_size=-2"], "--batch_size", "-2"),
     (["nanoparcae.dataset", "tokenizer", "--vocab_size=0"], "--vocab_size", "0"),
     (["nanoparcae.dataset", "download", "--workers=0"], "--workers", "0"),
+    (["nanoparcae.dataset", "download", "--tokens", "0"], "--tokens", "0"),
 ])
 def test_sizes_and_counts_below_one_end_in_one_line_before_any_work(monkeypatch, capsys, argv, flag, value):
     assert run_cli(monkeypatch, *argv) == 2
