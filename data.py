@@ -24,8 +24,9 @@ import time
 
 import torch
 
-from nanoparcae.common import get_base_dir
+from nanoparcae.common import fail, get_base_dir
 from nanoparcae.dataset import ChunkReader, get_tokenizer, list_chunks, no_documents
+from nanoparcae.flags import positive
 
 # -----------------------------------------------------------------------------
 # The document stream: one rank's share of a split, epoch after epoch, each document with an id
@@ -287,17 +288,15 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      allow_abbrev=False)
+    parser.error = fail  # an unknown flag or a bad value: one line, status 2
     parser.add_argument("--data", default="stdlib",
                         help="fineweb-edu, stdlib, or a path/folder/glob of your files")
-    parser.add_argument("--vocab_size", type=int, default=4096)
-    parser.add_argument("--batch_size", type=int, default=8)
-    parser.add_argument("--seq_len", type=int, default=2048)
-    parser.add_argument("--tokens", type=int, default=4_000_000,
+    parser.add_argument("--vocab_size", type=positive(int), default=4096)
+    parser.add_argument("--batch_size", type=positive(int), default=8)
+    parser.add_argument("--seq_len", type=positive(int), default=2048)
+    parser.add_argument("--tokens", type=positive(int), default=4_000_000,
                         help="tokens to time after the first batch")
     args = parser.parse_args(argv)
-    for flag in ("vocab_size", "batch_size", "seq_len", "tokens"):  # refused before any work
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag}={getattr(args, flag)} must be 1 or more")
     print(f"Base directory: {get_base_dir()}")
     tokenizer = get_tokenizer(args.data, args.vocab_size)
     loader = DataLoader(tokenizer, args.data, "train", args.batch_size, args.seq_len)

@@ -19,6 +19,7 @@ Results print as a table and go to a JSON file beside the checkpoint. Two valida
 """
 
 import argparse
+import functools
 import itertools
 import json
 import math
@@ -33,18 +34,32 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from nanoparcae.checkpoint import load_run
-from nanoparcae.common import (get_base_dir, init_distributed, parse_device, print0, rank_and_world,
+from nanoparcae.common import (fail, init_distributed, parse_device, print0, rank_and_world,
                                write_atomically)
 from nanoparcae.core_tasks import (CORE_LABELS, EVAL_BUNDLE_URL, LM, build_rows,
-                                   download_eval_bundle, load_task_data, read_random_baselines,
-                                   select_tasks)
+                                   load_task_data, read_random_baselines, select_tasks,
+                                   shared_eval_bundle)
 from data import val_batches
 from nanoparcae.dataset import iter_documents
+from nanoparcae.flags import checked, positive
 from model import evaluation_initial_state
 
 # -----------------------------------------------------------------------------
 # Scoring token rows, many per forward (METHOD.md §3). Rows are grouped by length and padded on
 # the right. One seeded h0 serves every row; each gets its mean cross-entropy over its span.
+
+def in_eval_mode(evaluate):
+    """evaluate(model, ...) with the model in eval mode, its mode restored after."""
+    @functools.wraps(evaluate)
+    def run(model, *args, **kwargs):
+        was_training = model.training
+        model.eval()
+        try:
+            return evaluate(model, *args, **kwargs)
+        finally:
+            model.train(was_training)
+    return run
+
 
 def bf16_autocast(device):
     """bf16 autocast on CUDA, as in training; on a CPU it keeps an enclosing autocast on."""
@@ -130,6 +145,7 @@ def evaluate_task(model, tokenizer, task, data, T, seed, h0_table, batch_tokens=
     return correct.mean().item()
 
 
+@in_eval_mode
 def evaluate_core(model, tokenizer, bundle_dir, T=None, max_per_task=-1, tasks="core", seed=1234,
                   batch_tokens=None, one_per_forward=False, verbose=True):
     """CORE / Core-Extended at recurrence T (None: mu_rec) -> a dict of results.
@@ -139,8 +155,6 @@ def evaluate_core(model, tokenizer, bundle_dir, T=None, max_per_task=-1, tasks="
     device = next(model.parameters()).device
     # a GPU wants big batches; on a CPU a small batch's elementwise ops stay in cache
     batch_tokens = batch_tokens or (16384 if device.type == "cuda" else 1024)
-    was_training = model.training
-    model.eval()
     # one seeded h0 table and the chance baselines serve every task
     baselines = read_random_baselines(bundle_dir)
     h0_table = evaluation_initial_state(model.config.d_model, model.config.seq_len, seed, device)
@@ -165,7 +179,6 @@ def evaluate_core(model, tokenizer, bundle_dir, T=None, max_per_task=-1, tasks="
             print0(f"{task.label:<34} {task.shots:>2}-shot {task.kind:<17} {len(data):>6} items  "
                    f"accuracy {accuracy[task.label]:.4f}  centered {centered[task.label]:+.4f}  "
                    f"{time.time() - t0:6.1f}s")
-    model.train(was_training)
     # the means: CORE over its 22 tasks, Core-Extended over all that ran
     core = [c for label, c in centered.items() if label in CORE_LABELS]
     extended_ran = any(label not in CORE_LABELS for label in centered)
@@ -179,12 +192,11 @@ def evaluate_core(model, tokenizer, bundle_dir, T=None, max_per_task=-1, tasks="
 # Bits per byte and the test-time scaling law L(T) = L_inf + Z exp(-z T)
 
 @torch.no_grad()
+@in_eval_mode
 def evaluate_bpb(model, tokenizer, batches, T=None, seed=1234, state_norm=False):
     """-> (loss, bpb) over (x, y) batches and ranks.
     loss: mean nats per target (y = -1 ignored). bpb: bits per UTF-8 byte of the targets with bytes.
     state_norm adds the mean ||h_T||."""
-    was_training = model.training
-    model.eval()
     device = next(model.parameters()).device
     token_bytes = tokenizer.token_bytes.to(device)
     # nats, targets, nats of byte tokens, bytes, ||h_T|| x positions, positions
@@ -206,7 +218,6 @@ def evaluate_bpb(model, tokenizer, batches, T=None, seed=1234, state_norm=False)
         if h_norm is not None:
             sums[4:] += torch.stack([h_norm.double() * x.numel(),
                                      torch.tensor(float(x.numel()), device=device)])
-    model.train(was_training)
     if dist.is_initialized():
         dist.all_reduce(sums)
     nats, targets, byte_nats, num_bytes, h_norm, positions = sums.tolist()
@@ -218,13 +229,12 @@ def evaluate_bpb(model, tokenizer, batches, T=None, seed=1234, state_norm=False)
 
 
 @torch.no_grad()
+@in_eval_mode
 def evaluate_ppl(model, tokenizer, docs, T=None, seed=1234):
     """The authors' validation loss, behind the paper's val PPL (METHOD.md §3).
     Each document runs alone in one forward: its first seq_len + 1 tokens, no BOS.
     -> (loss, bpb, documents, tokens) over the targets with bytes; PPL = exp(loss).
     One seeded h0, as in evaluate_bpb; the authors draw one per forward, from the same law."""
-    was_training = model.training
-    model.eval()
     device = next(model.parameters()).device
     rank, world = rank_and_world()
     seq_len = model.config.seq_len
@@ -243,7 +253,6 @@ def evaluate_ppl(model, tokenizer, docs, T=None, seed=1234):
         sums += torch.stack([nats[num_bytes > 0].sum(), (num_bytes > 0).sum().double(),
                              num_bytes.sum().double(),
                              torch.ones((), dtype=torch.float64, device=device)])
-    model.train(was_training)
     if dist.is_initialized():
         dist.all_reduce(sums)
     nats, tokens, num_bytes, num_docs = sums.tolist()
@@ -312,10 +321,9 @@ def aggregate_line(result):
 
 
 def run_core(args, model, tokenizer, Ts, seeds):
-    bundle_dir = (download_eval_bundle(args.bundle_url) if rank_and_world()[0] == 0
-                  else get_base_dir() / "eval_bundle")
-    if dist.is_initialized():
-        dist.barrier()  # the other ranks wait for rank 0's download
+    bundle_dir, why = shared_eval_bundle(next(model.parameters()).device, args.bundle_url)
+    if bundle_dir is None:
+        raise ValueError(why)
     kw = dict(max_per_task=args.max_per_task, tasks=args.tasks, batch_tokens=args.batch_tokens)
     runs, summary = [], {}
     for T in Ts:
@@ -389,22 +397,27 @@ def run_ppl(args, model, tokenizer, ckpt, Ts):
     return out
 
 
+items_or_all = checked(int, "a positive number, or -1 for every item",
+                       lambda value: value > 0 or value == -1)
+
+
 def eval_parser(description):
     """The flags of an evaluation, for any command that evaluates a loaded model."""
     parser = argparse.ArgumentParser(description=description,
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      allow_abbrev=False)
+    parser.error = fail  # an unknown flag or a bad value: one line, status 2
     parser.add_argument("--eval", default="core", choices=["core", "bpb", "ppl"],
                         help="core: CORE; bpb: loss on packed rows; ppl: one document per forward")
     parser.add_argument("--T", default=None,
                         help="test-time depth(s), e.g. 8 or 1,2,4,8 (default: mu_rec)")
     parser.add_argument("--seeds", default="1234",
                         help="few-shot seeds; several print mean and std")
-    parser.add_argument("--max_per_task", type=int, default=-1,
+    parser.add_argument("--max_per_task", type=items_or_all, default=-1,
                         help="items per task after shuffling (-1: all)")
     parser.add_argument("--tasks", default="core",
                         help="core (22), extended (46), or task labels separated by commas")
-    parser.add_argument("--batch_tokens", type=int, default=None,
+    parser.add_argument("--batch_tokens", type=positive(int), default=None,
                         help="rows x width per forward (default 16384 on CUDA, 1024 on CPU)")
     parser.add_argument("--one_per_forward", action="store_true",
                         help="one item per forward (nanochat's way)")
@@ -414,10 +427,11 @@ def eval_parser(description):
                         help="where eval_bundle.zip is downloaded from")
     parser.add_argument("--data", default=None,
                         help="bpb, ppl: validation source (default: the checkpoint's data)")
-    parser.add_argument("--val_tokens", type=int, default=1 << 20,
+    parser.add_argument("--val_tokens", type=positive(int), default=1 << 20,
                         help="bpb: validation tokens over all ranks")
-    parser.add_argument("--batch_size", type=int, default=8, help="bpb: sequences per forward")
-    parser.add_argument("--max_docs", type=int, default=1000,
+    parser.add_argument("--batch_size", type=positive(int), default=8,
+                        help="bpb: sequences per forward")
+    parser.add_argument("--max_docs", type=positive(int), default=1000,
                         help="ppl: the first N validation documents")
     parser.add_argument("--device", default=None,
                         help="cpu or cuda (default: cuda when available)")
@@ -429,12 +443,6 @@ def check_flags(args):
     Ts = parse_ints(args.T, "--T") if args.T else None
     if Ts and min(Ts) < 1:
         raise ValueError(f"--T {args.T!r}: every depth must be 1 or more, e.g. --T 1,2,4,8")
-    for flag in ("batch_tokens", "val_tokens", "batch_size", "max_docs"):
-        if getattr(args, flag, None) is not None and getattr(args, flag) < 1:
-            raise ValueError(f"--{flag}={getattr(args, flag)} must be 1 or more")
-    if args.max_per_task == 0 or args.max_per_task < -1:
-        raise ValueError(f"--max_per_task={args.max_per_task} must be 1 or more, "
-                         f"or -1 for every item")
     return Ts, parse_ints(getattr(args, "seeds", "1234"), "--seeds")
 
 

@@ -419,6 +419,12 @@ class Slot(NamedTuple):
     step: int = 0  # the loop step; 0 in the prelude and the coda
 
 
+def value_embedding_layers(config):
+    """METHOD.md §1: layers numbered 0..n-1 across prelude, recurrent block and coda; layer i has
+    a value embedding when i % 2 == (n - 1) % 2 (alternating, the last layer always)."""
+    return [i for i in range(config.n_layer) if i % 2 == (config.n_layer - 1) % 2]
+
+
 class Parcae(nn.Module):
     """The looped language model of METHOD.md §1 (injection "none": the fixed-depth Transformer)."""
 
@@ -429,9 +435,7 @@ class Parcae(nn.Module):
         # drawn before any module is built, so one seed gives one init_seed whatever the modules
         self.init_seed = int(torch.randint(2**31, (), device="cpu"))
         self.wte = nn.Embedding(c.padded_vocab_size, d)  # tied with the output head
-        # METHOD.md §1: layers are numbered 0..n-1 across prelude, recurrent block and coda.
-        # Layer i has a value embedding when i % 2 == (n - 1) % 2: every other, the last always.
-        self.ve_layers = [i for i in range(c.n_layer) if i % 2 == (c.n_layer - 1) % 2]
+        self.ve_layers = value_embedding_layers(c)
         has_ve = [i in self.ve_layers for i in range(c.n_layer)]
         self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(c.padded_vocab_size, d)
                                            for i in self.ve_layers})

@@ -23,7 +23,8 @@ import warnings
 import torch
 
 from nanoparcae.checkpoint import load_run
-from nanoparcae.common import parse_device
+from nanoparcae.common import fail, parse_device
+from nanoparcae.flags import positive, zero_or_more
 from engine import EXIT_THRESHOLDS, EXITS, KV_CACHES, generate
 
 # -----------------------------------------------------------------------------
@@ -72,18 +73,18 @@ def parse_depth(value):
 def add_sampling_flags(parser):
     """The flags of sampling, for any command that samples a loaded model."""
     parser.add_argument("--prompt", help="default: a loop when stdin is a terminal, else stdin")
-    parser.add_argument("--num_samples", type=int, default=1)
-    parser.add_argument("--max_new_tokens", type=int, default=256)
-    parser.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
-    parser.add_argument("--top_k", type=int, default=50, help="0 keeps every token")
+    parser.add_argument("--num_samples", type=positive(int), default=1)
+    parser.add_argument("--max_new_tokens", type=positive(int), default=256)
+    parser.add_argument("--temperature", type=zero_or_more(float), default=0.8, help="0 is greedy")
+    parser.add_argument("--top_k", type=zero_or_more(int), default=50, help="0 keeps every token")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--T", type=parse_depth, default=None,
                         help="recurrence depth, or auto (default mu_rec)")
-    parser.add_argument("--T_max", type=int, default=None,
+    parser.add_argument("--T_max", type=positive(int), default=None,
                         help="the most steps of --T=auto (default 2 mu_rec)")
     parser.add_argument("--exit", choices=EXITS, default="state",
                         help="--T=auto's test: the state's change (cheap) or the predictions' KL")
-    parser.add_argument("--exit_threshold", type=float, default=None,
+    parser.add_argument("--exit_threshold", type=positive(float), default=None,
                         help=f"--T=auto stops under this (default {EXIT_THRESHOLDS})")
     parser.add_argument("--kv", choices=KV_CACHES, default="steps",
                         help="KV cache: exact, a slot per loop step; or shared, T = 1's memory")
@@ -92,16 +93,8 @@ def add_sampling_flags(parser):
 
 def parse_sampling_flags(parser, argv):
     """The flags, each checked before any work; a bad one ends in one line naming it."""
-    parser.error = lambda message: parser.exit(2, f"{parser.prog}: error: {message}\n")
+    parser.error = fail  # an unknown flag or a bad value: one line, status 2
     args = parser.parse_args(argv)
-    for name in ("num_samples", "max_new_tokens", "T_max"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            parser.error(f"--{name}={getattr(args, name)} must be at least 1")
-    for name in ("temperature", "top_k"):
-        if not getattr(args, name) >= 0:
-            parser.error(f"--{name}={getattr(args, name)} must be 0 or more")
-    if args.exit_threshold is not None and not args.exit_threshold > 0:
-        parser.error(f"--exit_threshold={args.exit_threshold} must be positive")
     try:
         parse_device(args.device)
     except ValueError as err:

@@ -34,17 +34,18 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from data import DataLoader, val_batches
 from eval_core import evaluate_bpb, evaluate_core
-from model import PAPER_TOKENS, SAMPLINGS, Parcae, ParcaeConfig
+from model import INJECTIONS, PAPER_TOKENS, SAMPLINGS, Parcae, ParcaeConfig
 from optim import (build_optimizer, learning_rate_for_depth, lr_multiplier, muon_momentum,
                    optimizer_state_bytes, weight_decay_at)
 from nanoparcae.common import (fail, init_distributed, parse_device, peak_bf16_flops, print0,
                                rank_and_world, spans, wait_for_rank0)
-from nanoparcae.dataset import ChunkReader, fineweb_train_shards, get_tokenizer
+from nanoparcae import dataset, memory
+from nanoparcae.checkpoint import save_and_prune
+from nanoparcae.core_tasks import shared_eval_bundle
 from nanoparcae.divergence import Divergence
-from nanoparcae.ranks import shared_eval_bundle
-from nanoparcae.run import (Metrics, check_data, choose_device_batch, claim_run, compile_counts,
-                            identify_run, log_line, positive, refuse_data, save_and_prune,
-                            steps_or_never, unit_fraction, zero_or_more)
+from nanoparcae.flags import positive, steps_or_never, unit_fraction, zero_or_more
+from nanoparcae.metrics import Metrics, compile_counts, log_line
+from nanoparcae.run import claim_run, identify_run
 
 # -----------------------------------------------------------------------------
 # Flags. The defaults are the paper's 140M recipe (METHOD.md §2); runs/cpu.sh passes a small one's.
@@ -65,7 +66,7 @@ flag("--head_dim", type=positive(int), default=128, help="attention head width")
 flag("--mu_rec", type=positive(int), default=8, help="mean recurrence depth")
 flag("--mu_bwd", type=positive(int), default=None,
      help="backpropagated depth (None: ceil(mu_rec/2))")
-flag("--injection", default="diagonal", choices=["diagonal", "concat", "add", "none"],
+flag("--injection", default="diagonal", choices=INJECTIONS,
      help="diagonal = Parcae, concat = RDM, add, none = fixed-depth Transformer")
 flag("--sampling", default="per_sequence", choices=list(SAMPLINGS), metavar="SCHEME",
      help=f"recurrence-depth sampler, one of {', '.join(SAMPLINGS)} (model.py)")
@@ -197,8 +198,8 @@ print0(f"parameters: {num_params:,} | FLOPs/token (paper's C, the horizon's unit
 # The device batch and the run, settled before anything is built or written
 
 # On a GPU the device batch is the largest whose memory plan fits (nanoparcae/memory.py)
-batch = choose_device_batch(meta_model, args, device, world,
-                            optimizer_state_bytes(meta_model, muon=args.optimizer == "muon"))
+batch = memory.choose_device_batch(meta_model, args, device, world,
+                                   optimizer_state_bytes(meta_model, muon=args.optimizer == "muon"))
 if args.dry_run:
     sys.exit(0)
 
@@ -207,9 +208,9 @@ if args.dry_run:
 tokens = num_steps * args.total_batch_size
 paper_horizon = max_tokens == PAPER_TOKENS.get(args.depth)
 try:
-    shards = spans(fineweb_train_shards(), ",") if args.data == "fineweb-edu" else None
+    shards = spans(dataset.fineweb_train_shards(), ",") if args.data == "fineweb-edu" else None
 except FileNotFoundError as err:
-    refuse_data(err, args, tokens, paper_horizon)
+    dataset.refuse_data(err, args, tokens, paper_horizon)
 run = identify_run(args, RUN_FLAGS, batch, device, d_model=config.d_model, mu_bwd=config.mu_bwd,
                    max_tokens=max_tokens, adamw_lr=adamw_lr,
                    **({"train_shards": shards} if shards else {}))
@@ -229,11 +230,11 @@ print0(f"output: {run.dir}")
 
 try:
     if rank == 0:
-        get_tokenizer(args.data, args.vocab_size)  # trains and caches it on first use, once
+        dataset.get_tokenizer(args.data, args.vocab_size)  # trains and caches it on first use, once
     wait_for_rank0()
-    tokenizer = get_tokenizer(args.data, args.vocab_size)
-    check_data(args.data, tokenizer, tokens)  # a FineWeb-Edu run never repeats unasked
-    reader = ChunkReader()  # one read of each chunk for this process's loaders
+    tokenizer = dataset.get_tokenizer(args.data, args.vocab_size)
+    dataset.check_data(args.data, tokenizer, tokens)  # a FineWeb-Edu run never repeats unasked
+    reader = dataset.ChunkReader()  # one read of each chunk for this process's loaders
     loaders = [DataLoader(tokenizer, args.data, "train", args.device_batch_size, args.seq_len,
                           rank=rank * grad_accum + micro, world_size=world * grad_accum,
                           seed=args.seed, device=device, reader=reader, sharers=grad_accum)
@@ -241,7 +242,7 @@ try:
     val_data = list(val_batches(tokenizer, args.data, args.device_batch_size, args.seq_len,
                                 args.eval_tokens, rank, world, device, reader))  # for every eval
 except (FileNotFoundError, ValueError) as err:
-    refuse_data(err, args, tokens, paper_horizon)
+    dataset.refuse_data(err, args, tokens, paper_horizon)
 # The lock comes after every check that can refuse the command: a refused one writes nothing
 run_lock = claim_run(run.dir)  # one trainer per run, until this process ends
 

@@ -21,19 +21,19 @@ import platform
 import random
 import string
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from nanoparcae.checkpoint import load_run
-from nanoparcae.common import peak_bf16_flops, write_atomically
+from nanoparcae.common import fail, peak_bf16_flops, write_atomically
 from nanoparcae.core_tasks import MC, Task
 from data import DataLoader
 from nanoparcae.dataset import iter_documents
+from nanoparcae.flags import positive
 from model import sample_depths
-from eval_core import evaluate_task
+from eval_core import bf16_autocast, evaluate_task
 from experiments.decoding import decoding_rows, stdlib_tokens
 from experiments.timing import log, median_seconds, print_table, timed
 from model import Parcae, ParcaeConfig, evaluation_initial_state, initial_state
@@ -41,6 +41,7 @@ from optim import build_optimizer
 from nanoparcae.tokenizer import Tokenizer
 
 CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
 # Defaults: a small model on CPU (minutes on two cores), the 140M model (METHOD.md §1, depth 6) on CUDA
 CPU_SIZES = dict(depth=3, d_model=128, head_dim=64, vocab_size=4096, seq_len=128, batch_size=8, steps=2)
 CUDA_SIZES = dict(depth=6, d_model=None, head_dim=128, vocab_size=32768, seq_len=2048, batch_size=16, steps=3)
@@ -67,10 +68,6 @@ def model_config(args, **overrides):
     sizes = {"d_model": args.d_model} if args.d_model else {}
     return ParcaeConfig.from_depth(args.depth, vocab_size=args.vocab_size, seq_len=args.seq_len,
                                    head_dim=args.head_dim, mu_rec=args.mu_rec, **{**sizes, **overrides})
-
-
-def autocast():
-    return torch.autocast("cuda", dtype=torch.bfloat16) if CUDA else nullcontext()  # as train.py
 
 
 def model_loss(model, x, y, depths):
@@ -108,7 +105,7 @@ class Trainer:
     def run(self, schedule, loss_fn=model_loss):
         """One training step per entry of schedule: an (n, k) draw each (model.sample_depths)."""
         for depths in schedule:
-            with autocast():
+            with bf16_autocast(DEVICE):
                 loss = loss_fn(self.model, self.x, self.y, depths)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
@@ -254,7 +251,7 @@ def row_memory(args, device, training, figures):
         if CUDA:
             torch.cuda.reset_peak_memory_stats(device)
             baseline = torch.cuda.memory_allocated(device)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast():
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), bf16_autocast(DEVICE):
             loss = model(x, x, T=T)
         loss.backward()
         model.zero_grad(set_to_none=True)
@@ -285,7 +282,7 @@ def row_decode(args, device, training, figures):
         ids = torch.randint(0, model.config.vocab_size, (1, DECODE_PROMPT + args.new_tokens), device=device)
         where = "an untrained model (no checkpoint found)"
     log(f"decoding with {where}")
-    with autocast():
+    with bf16_autocast(DEVICE):
         rows = decoding_rows(model, ids, DECODE_PROMPT, repeats=args.repeats)
     return [(number, f"{what}, {where}", *rest) for number, what, *rest in rows]
 
@@ -431,18 +428,20 @@ def parse_rows(text):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      allow_abbrev=False)
+    parser.error = fail  # an unknown flag or a bad value: one line, status 2
     parser.add_argument("--rows", type=parse_rows, default=sorted(ROWS), help="e.g. 1,3,8 (default: all)")
-    parser.add_argument("--depth", type=int, help="layers, a multiple of 3")
-    parser.add_argument("--d_model", type=int, help="width (default: 128 on CPU, 128 * (depth/3 + 4) on CUDA)")
-    parser.add_argument("--head_dim", type=int)
-    parser.add_argument("--vocab_size", type=int)
-    parser.add_argument("--seq_len", type=int)
-    parser.add_argument("--batch_size", type=int, help="sequences per micro-batch")
-    parser.add_argument("--steps", type=int, help="training steps per timed repeat")
-    parser.add_argument("--repeats", type=int, default=5, help="timed repeats; each figure is their median")
-    parser.add_argument("--mu_rec", type=int, default=8)
+    parser.add_argument("--depth", type=positive(int), help="layers, a multiple of 3")
+    parser.add_argument("--d_model", type=positive(int),
+                        help="width (default: 128 on CPU, 128 * (depth/3 + 4) on CUDA)")
+    parser.add_argument("--head_dim", type=positive(int))
+    parser.add_argument("--vocab_size", type=positive(int))
+    parser.add_argument("--seq_len", type=positive(int))
+    parser.add_argument("--batch_size", type=positive(int), help="sequences per micro-batch")
+    parser.add_argument("--steps", type=positive(int), help="training steps per timed repeat")
+    parser.add_argument("--repeats", type=positive(int), default=5, help="timed repeats; each figure is their median")
+    parser.add_argument("--mu_rec", type=positive(int), default=8)
     parser.add_argument("--ckpt", help="row 5's checkpoint (default: the newest, else an untrained model)")
-    parser.add_argument("--new_tokens", type=int, default=256, help="row 5: tokens decoded")
+    parser.add_argument("--new_tokens", type=positive(int), default=256, help="row 5: tokens decoded")
     parser.add_argument("--compile_backend", default="inductor", choices=["inductor", "eager"],
                         help="row 7's backend; eager: dynamo's tracing and guards without code generation")
     parser.add_argument("--json", help="also write the table and the raw figures behind its verdicts to this file")
@@ -451,10 +450,6 @@ def main(argv=None):
     for name, value in (CUDA_SIZES if CUDA else CPU_SIZES).items():
         if getattr(args, name) is None and not (name == "d_model" and width_from_depth):
             setattr(args, name, value)
-    for name in ("depth", "d_model", "head_dim", "vocab_size", "seq_len", "batch_size", "steps", "repeats", "mu_rec",
-                 "new_tokens"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     try:
         config = model_config(args)
     except ValueError as err:

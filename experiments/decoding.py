@@ -10,7 +10,6 @@ KV caches instead (engine.py: steps, the exact one, and shared): bytes, loss, gr
 """
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
@@ -18,10 +17,12 @@ import torch
 import torch.nn.functional as F
 
 from nanoparcae.checkpoint import load_run
-from nanoparcae.common import parse_device
+from nanoparcae.common import fail, parse_device
 from nanoparcae.dataset import iter_documents
+from nanoparcae.flags import positive
 from engine import EXIT_THRESHOLDS, EXITS, KV_CACHES, Decoder, forced_logits, generate, teacher_forced
 from experiments.plot import save_png
+from experiments.scaling_fit import paired_interval
 from experiments.timing import log, median_seconds, print_table
 from model import ParcaeConfig, decoding_initial_state
 
@@ -188,13 +189,6 @@ def per_document(model, docs, T, kv, new_greedy):
     return (torch.stack(losses, 1).mean(1), torch.stack(argmax, 1), torch.stack(steps).mean().item(), greedy)
 
 
-def interval90(differences):
-    """Mean and 90% interval over documents: mean +- 1.645 sd / sqrt(n)."""
-    n, mean = len(differences), differences.mean().item()
-    half = 1.645 * differences.std().item() / math.sqrt(n)
-    return mean, mean - half, mean + half
-
-
 def kv_rows(model, docs, timing_T, repeats):
     """The two caches side by side -> (table rows, the figure's data)."""
     c, positions = model.config, docs.size(1)
@@ -222,7 +216,8 @@ def kv_rows(model, docs, timing_T, repeats):
         runs = {kv: per_document(model, docs, T, kv, new_greedy) for kv in KV_CACHES}
         steps_loss, steps_argmax, steps_ran, steps_greedy = runs["steps"]
         shared_loss, shared_argmax, shared_ran, shared_greedy = runs["shared"]
-        mean, lo, hi = interval90(shared_loss - steps_loss)
+        interval = paired_interval((shared_loss - steps_loss).tolist())  # 90%, over documents
+        mean, (lo, hi) = interval["measured"], interval["ci90"]
         data["loss"][T] = (mean, lo, hi)
         forced = (steps_argmax == shared_argmax).float().mean().item()
         free = (steps_greedy == shared_greedy).float().mean().item()
@@ -290,26 +285,22 @@ def compare_caches(model, tokenizer, args, device):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      allow_abbrev=False)
+    parser.error = fail  # an unknown flag or a bad value: one line, status 2
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--ckpt", help="a checkpoint file (default: the latest of --run)")
     which.add_argument("--run", help="a run under <base dir>/runs (default: the most recently written)")
-    parser.add_argument("--T", type=int, default=None,
+    parser.add_argument("--T", type=positive(int), default=None,
                         help="the fixed depth measured (default mu_rec; --kv: timed beside mu_rec, default 32)")
-    parser.add_argument("--max_new_tokens", type=int, default=256, help="tokens decoded after the prompt")
-    parser.add_argument("--exit_threshold", type=float, default=None,
+    parser.add_argument("--max_new_tokens", type=positive(int), default=256, help="tokens decoded after the prompt")
+    parser.add_argument("--exit_threshold", type=positive(float), default=None,
                         help=f"--T=auto stops under this (default {EXIT_THRESHOLDS})")
-    parser.add_argument("--repeats", type=int, default=3, help="timed repeats; the median is shown")
+    parser.add_argument("--repeats", type=positive(int), default=3, help="timed repeats; the median is shown")
     parser.add_argument("--kv", action="store_true", help="compare the steps and shared KV caches instead")
-    parser.add_argument("--documents", type=int, default=32, help="--kv: held-out documents for the loss")
+    parser.add_argument("--documents", type=positive(int), default=32, help="--kv: held-out documents for the loss")
     parser.add_argument("--figure", type=Path, default=Path("figures/kv_cache_cpu/kv_shared.png"),
                         help="--kv: where the figure goes")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
-    for name in ("T", "max_new_tokens", "repeats", "documents"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
-    if args.exit_threshold is not None and args.exit_threshold <= 0:
-        parser.error(f"--exit_threshold must be above 0, got {args.exit_threshold}")
     try:
         device = parse_device(args.device)
         model, tokenizer, _, path = load_run(args.ckpt or args.run, device)

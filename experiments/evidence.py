@@ -22,12 +22,13 @@ from pathlib import Path
 
 import numpy as np
 
-from nanoparcae.checkpoint import load_run
+from nanoparcae.checkpoint import load_run, run_dir
 from nanoparcae.common import get_base_dir, write_atomically
 from nanoparcae.divergence import STATE_NORM_LIMIT
 from data import val_batches
 from eval_core import evaluate_bpb, fit_test_time_scaling
 from experiments.plot import draw_evidence, read_run
+from experiments.scaling import run_logged
 from experiments.scaling_fit import (drift_check, interval_verdict, mean_relative_error, paired_interval,
                                      seeds_needed, t_quantile)
 
@@ -157,26 +158,19 @@ def planned_runs(results, seeds, max_seeds):
 # -----------------------------------------------------------------------------
 # Training and the final evaluation of one run (a subprocess each, so that --jobs of them run at once)
 
-def run_dir(name):
-    return get_base_dir() / "runs" / name
-
-
 def train_and_evaluate(run, log_path, threads):
     """train.py from scratch (a run cut short is restarted: it takes minutes), then `evaluate` -> ok."""
     directory = run_dir(run["name"])
     for stale in list(directory.glob("ckpt_*.pt")) + list(directory.glob("metrics.jsonl")):
         stale.unlink()
     directory.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "w") as log:
-        evaluate_cmd = ["evaluate", run["name"], str(run["mu_rec"]), str(int(run["with_curve"]))]
-        for cmd in ([sys.executable, "train.py"] + run["flags"],
-                    [sys.executable, "-m", "experiments.evidence"] + evaluate_cmd):
-            log.write(f"$ {' '.join(cmd)}\n")
-            log.flush()
-            code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                  env=dict(os.environ, OMP_NUM_THREADS=str(threads))).returncode
-            if code not in (0, 3):  # 3: train.py declared the run diverged, a result
-                return False
+    Path(log_path).write_text("")
+    evaluate_cmd = ["evaluate", run["name"], str(run["mu_rec"]), str(int(run["with_curve"]))]
+    for cmd in ([sys.executable, "train.py"] + run["flags"],
+                [sys.executable, "-m", "experiments.evidence"] + evaluate_cmd):
+        code = run_logged(cmd, log_path, env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
+        if code not in (0, 3):  # 3: train.py declared the run diverged, a result
+            return False
     return (directory / "evidence.json").exists()
 
 

@@ -23,7 +23,9 @@ from pathlib import Path
 
 import torch
 
-from nanoparcae.common import first_sentence
+from nanoparcae.common import fail, first_sentence
+from nanoparcae.flags import positive
+from nanoparcae.metrics import read_metrics
 from experiments.bench import device_name, si
 
 WARMUP_STEPS = 10  # train.py's compiled blocks may still compile graphs (the batch dimension going dynamic) until here
@@ -79,8 +81,7 @@ def last_error(log, limit=200):
 
 def run_records(runs_dir, name):
     """Every record of run gpu_check_NAME (metrics.jsonl): steps, evals, CORE."""
-    path = runs_dir / f"gpu_check_{name}" / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return read_metrics(runs_dir / f"gpu_check_{name}" / "metrics.jsonl")
 
 
 def step_records(runs_dir, name):
@@ -415,14 +416,13 @@ def perturb_checkpoint(path, factor=1.01):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      allow_abbrev=False)
+    parser.error = fail  # an unknown flag or a bad value: one line, status 2
     parser.add_argument("work", type=Path, help="the folder of the stages' logs, exit statuses and bench.json")
     parser.add_argument("runs_dir", type=Path, help="the runs folder holding gpu_check_* (base dir / runs)")
-    parser.add_argument("--gpus", type=int, required=True, help="the processes torchrun started")
+    parser.add_argument("--gpus", type=positive(int), required=True, help="the processes torchrun started")
     parser.add_argument("--memory", type=int, required=True, help="the GPU's memory in bytes (--tiny: the faked one)")
     parser.add_argument("--tiny", action="store_true", help="the runs were runs/gpu_check.sh --tiny's")
     args = parser.parse_args(argv)
-    if args.gpus < 1:
-        parser.error(f"--gpus must be at least 1, got {args.gpus}")
     size = "--tiny: a tiny model, figures that test the script, not the claims" if args.tiny else \
         "the 140M (depth 6) and the 1.3B (depth 24)"
     where = torch.cuda.get_device_name(0) if CUDA else "a CPU"

@@ -17,7 +17,6 @@ step where its streak of bad steps began. A run that stopped early, even mid-lin
 import argparse
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -40,8 +39,8 @@ LOG_SPAN = 100  # a panel whose positive values span more than this factor gets 
 # Reading runs
 
 def runs_dir():
-    from nanoparcae.common import get_base_dir  # imports torch: only when a name has to be resolved
-    return get_base_dir() / "runs"
+    from nanoparcae.checkpoint import run_dir as named_run  # imports torch: only when a name has to be resolved
+    return named_run()
 
 
 def run_dir(run):
@@ -77,12 +76,9 @@ def read_test_time(run=None):
 def read_run(path):
     """metrics.jsonl -> {"steps": training records, "evals": eval records, "diverged_at": step or None}.
     A line cut short (a run killed while writing it) is skipped."""
+    from nanoparcae.metrics import read_metrics  # imports torch: only when a run is read
     run = {"steps": [], "evals": [], "diverged_at": None}
-    for line in (Path(path) / "metrics.jsonl").read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
+    for record in read_metrics(Path(path) / "metrics.jsonl"):
         if "diverged_at" in record:
             run["diverged_at"] = record["diverged_at"]
         elif "loss" in record:
@@ -187,9 +183,8 @@ def draw_test_time(results, title):
 
 def save_png(fig, path):
     """fig as a PNG at path, written whole under a temporary name, then renamed."""
-    partial = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(partial, dpi=110)
-    os.replace(partial, path)
+    from nanoparcae.common import write_atomically  # imports torch: only when a figure is written
+    write_atomically(path, lambda partial: fig.savefig(partial, dpi=110, format="png"))
 
 
 # -----------------------------------------------------------------------------

@@ -33,7 +33,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from nanoparcae.checkpoint import run_dir
 from nanoparcae.common import PEAK_BF16_FLOPS, fail, get_base_dir, write_atomically
+from nanoparcae.metrics import read_metrics
 from experiments.scaling_fit import (bootstrap_exponents, fit_unified, interval_verdict, mean_relative_error,
                                      paired_interval, parabola_optimum, pooled_spread, power_law, t_interval,
                                      unified_predict)
@@ -170,35 +172,28 @@ def write_text(path, text):
 # Run: one point after another (finished ones skipped, a killed one resumed by train.py --resume), then the
 # looped runs' losses at every T
 
-def run_dir(point):
-    return get_base_dir() / "runs" / point["name"]
-
-
 def final_eval(point):
     """The eval record train.py wrote at the last step, or None."""
-    path = run_dir(point) / "metrics.jsonl"
-    if not path.exists():
-        return None
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = read_metrics(run_dir(point["name"]) / "metrics.jsonl")
     return next((r for r in reversed(records) if r.get("step") == point["steps"] and
                  f"val_loss_T{point['mu_rec']}" in r), None)
 
 
 def bpb_result(point, Ts):
     """eval_core.py's `--eval bpb` JSON of this run covering every T, or None."""
-    for path in sorted(run_dir(point).glob("ckpt_*_bpb_T*.json")):
+    for path in sorted(run_dir(point["name"]).glob("ckpt_*_bpb_T*.json")):
         result = json.loads(path.read_text())
         if set(Ts) <= set(result["T"]) and result.get("step") == point["steps"]:
             return result
     return None
 
 
-def run_logged(cmd, log_path):
+def run_logged(cmd, log_path, env=None):
     """Run cmd with its output appended to log_path; -> its return code."""
     with open(log_path, "a") as log:
         log.write(f"$ {' '.join(cmd)}\n")
         log.flush()
-        return subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT).returncode
+        return subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env).returncode
 
 
 def ensure_bpb(sweep, point):
@@ -206,7 +201,7 @@ def ensure_bpb(sweep, point):
     if bpb_result(point, sweep["T"]) is None:
         cmd = [sys.executable, "eval_core.py", "--eval=bpb", f"--run={point['name']}",
                f"--T={','.join(map(str, sweep['T']))}"] + sweep["eval_args"]
-        run_logged(cmd, run_dir(point) / "eval.log")
+        run_logged(cmd, run_dir(point["name"]) / "eval.log")
     return bpb_result(point, sweep["T"])
 
 
@@ -224,20 +219,22 @@ def run(sweep, gpus):
         where = f"[{i + 1}/{len(rows)}] {p['name']} (C {p['C']:.3g}, mu_rec {p['mu_rec']}, seed {p['seed']}, " \
                 f"{p['steps']} steps)"
         if final_eval(p) is None:
-            resume = any(run_dir(p).glob("ckpt_*.pt"))
-            run_dir(p).mkdir(parents=True, exist_ok=True)
-            print(f"{where}: {'resuming' if resume else 'training'}, log {run_dir(p) / 'train.log'}", flush=True)
+            folder = run_dir(p["name"])
+            resume = any(folder.glob("ckpt_*.pt"))
+            folder.mkdir(parents=True, exist_ok=True)
+            log_path = folder / "train.log"
+            print(f"{where}: {'resuming' if resume else 'training'}, log {log_path}", flush=True)
             cmd = launcher(gpus) + ["train.py"] + train_flags(sweep, p) + (["--resume"] if resume else [])
             t0 = time.time()
-            failed = run_logged(cmd, run_dir(p) / "train.log") != 0 or final_eval(p) is None
+            failed = run_logged(cmd, log_path) != 0 or final_eval(p) is None
             if not resume and not failed:  # throughput from whole runs only
                 fresh_s, fresh_tokens = fresh_s + time.time() - t0, fresh_tokens + p["trained_tokens"]
             done_flops, left_flops = done_flops + p["C"], left_flops - p["C"]
-            status = f"train.py failed, see {run_dir(p) / 'train.log'}; going on" if failed else "trained"
+            status = f"train.py failed, see {log_path}; going on" if failed else "trained"
         else:
             status = "done, skipped"
         if p["mu_rec"] > 1 and final_eval(p) is not None and ensure_bpb(sweep, p) is None:
-            status += f"; eval_core.py failed, see {run_dir(p) / 'eval.log'}"
+            status += f"; eval_core.py failed, see {run_dir(p['name']) / 'eval.log'}"
         elapsed = time.time() - start
         eta = minutes(elapsed / done_flops * left_flops) if done_flops else "-"
         print(f"{where}: {status} | elapsed {minutes(elapsed)} | ETA {eta}", flush=True)
@@ -257,7 +254,8 @@ def collect(sweep, notes):
         record = final_eval(p)
         if record is None:
             notes.append(f"run {p['name']} is missing (no final eval at step {p['steps']} in "
-                         f"{run_dir(p) / 'metrics.jsonl'}); `python -m experiments.scaling run` trains or resumes it")
+                         f"{run_dir(p['name']) / 'metrics.jsonl'}); `python -m experiments.scaling run` trains or "
+                         f"resumes it")
             continue
         loss = record[f"val_loss_T{p['mu_rec']}"]
         if not math.isfinite(loss):
@@ -265,7 +263,7 @@ def collect(sweep, notes):
             continue
         bpb = ensure_bpb(sweep, p) if p["mu_rec"] > 1 else None  # fixed-depth runs are not in the unified law
         if bpb is None and p["mu_rec"] > 1:
-            notes.append(f"run {p['name']} has no loss at T={sweep['T']} ({run_dir(p) / 'eval.log'}); "
+            notes.append(f"run {p['name']} has no loss at T={sweep['T']} ({run_dir(p['name']) / 'eval.log'}); "
                          f"left out of the unified law")
         done.append(dict(p, loss=loss, curve=None if bpb is None else dict(T=bpb["T"], loss=bpb["loss"])))
     return done
@@ -584,7 +582,7 @@ def main(argv=None):
     else:
         if not any(final_eval(p) for p in points(sweep)):  # nothing to fit: one line, nothing written
             flags = [a for a in (sys.argv[1:] if argv is None else argv) if a != "fit"]
-            fail(f"no finished run of sweep '{sweep['name']}' under {get_base_dir() / 'runs'}; train them first: "
+            fail(f"no finished run of sweep '{sweep['name']}' under {run_dir()}; train them first: "
                  f"python -m experiments.scaling run {' '.join(flags)}")
         fit(sweep)
 

@@ -33,7 +33,7 @@ from nanoparcae.checkpoint import assign_weights, load_run, sized_model
 from nanoparcae.common import first_sentence, get_base_dir, write_atomically
 from model import SAMPLINGS
 from nanoparcae.download import download_file
-from model import ParcaeConfig
+from model import ParcaeConfig, value_embedding_layers
 from nanoparcae.tokenizer import Tokenizer
 
 HUB_URL = os.environ.get("NANOPARCAE_HUB_URL", "https://huggingface.co")  # tests point it at 127.0.0.1
@@ -171,12 +171,6 @@ def config_from_authors(cfg):
         raise ValueError(f"config.json pads the vocabulary to {cfg['padded_vocab_size']} rows, nanoparcae pads "
                          f"{config.vocab_size} to {config.padded_vocab_size} (a multiple of 64)")
     return config
-
-
-def value_embedding_layers(config):
-    """Layers i of n = P + R + C with a value embedding: i % 2 == (n - 1) % 2 in both codes (theirs: has_ve, in
-    parcae_lm/models/parcae/parcae.py)."""
-    return [i for i in range(config.n_layer) if i % 2 == (config.n_layer - 1) % 2]
 
 
 def gated_layers(config, mean_backprop_depth):

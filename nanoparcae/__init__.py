@@ -2,14 +2,16 @@
 nanoparcae: what the root's files lean on that is not the method, kept in a package beside them as
 nanochat keeps its own.
 
-    run.py          train.py's bookkeeping: the device batch, the run's identity, the lock, save and prune
-    common.py       processes and devices, the base folder, atomic writes, one-line errors, GPU peaks
-    checkpoint.py   checkpoints written and read; load_run rebuilds a trained model and its tokenizer
-    ranks.py        one trainer per run (the lock); ranks that agree on their checkpoint and weights
-    divergence.py   the rule that stops a diverged run
-    memory.py       the memory plan that picks a GPU's device batch
-    dataset.py      the text: FineWeb-Edu shards, the three kinds of source, each source's tokenizer
+    common.py       what every command shares: processes, the base folder, one-line errors, atomic writes
+    flags.py        the flag types every command uses
+    memory.py       the device batch: the memory plan per GPU and the batch it picks
+    dataset.py      the text and the data check: FineWeb-Edu shards, the sources, each source's tokenizer
     tokenizer.py    byte-level BPE, trained with rustbpe, run with tiktoken
+    run.py          the run's identity and its lock
+    ranks.py        ranks that agree on their checkpoint and weights
+    checkpoint.py   checkpoints written and read; load_run rebuilds a trained model and its tokenizer
+    metrics.py      metrics.jsonl, read and written, and the step's log line
+    divergence.py   the rule that stops a diverged run
     download.py     one resumable, retried HTTP download
     core_tasks.py   CORE's task table and eval bundle, items rendered into scored token rows
 

@@ -1,27 +1,52 @@
 """
-nanoparcae/checkpoint.py: checkpoints, <base dir>/runs/<run>/ckpt_<step>.pt, each a plain dict that
-torch.load reads with weights_only=True; load_run rebuilds a trained model with its tokenizer, reading its
-weights alone.
+nanoparcae/checkpoint.py: checkpoints, written and read: run_dir(run)/ckpt_<step>.pt, each a plain dict
+that torch.load reads with weights_only=True; load_run rebuilds a trained model with its tokenizer, reading
+its weights alone.
 """
 
-import os
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from model import Parcae, ParcaeConfig
-from nanoparcae.common import first_sentence, get_base_dir
+from nanoparcae.common import fail, first_sentence, get_base_dir, print0, rank_and_world, wait_for_rank0, \
+    write_atomically
+from nanoparcae.ranks import drift, gather
 from nanoparcae.tokenizer import Tokenizer
+
+
+def run_dir(name=""):
+    """<base dir>/runs/<name>: a run's folder (no name: the folder that holds every run)."""
+    return get_base_dir() / "runs" / name
 
 
 def save_checkpoint(path, model, **extra):
     """Write to a temporary name, then rename: a killed run never leaves a torn checkpoint."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save({"config": asdict(model.config), "model": model.state_dict(), **extra}, tmp)
-    os.replace(tmp, path)
+    state = {"config": asdict(model.config), "model": model.state_dict(), **extra}
+    write_atomically(path, lambda partial: torch.save(state, partial))
+
+
+def save_and_prune(folder, step, model, loaders, **state):
+    """ckpt_<step>.pt, written by rank 0 with every virtual rank's loader position and `state`; the run's
+    older checkpoints are then removed (a 1.3B checkpoint with optimiser state is ~16 GB). The RNG state
+    is a function of (seed, step, virtual rank), so nothing else is needed. Saves nothing, and stops the
+    run (status 1), when the ranks' weights have drifted apart (ranks.drift)."""
+    if drifted := drift(model.state_dict()):
+        fail(f"at step {step} the ranks' weights have drifted apart: {drifted}; nothing saved: the run's "
+             f"last checkpoint stays, and the same command resumes every rank from it", 1)
+    loader_states = [each for states in gather([loader.state_dict() for loader in loaders]) for each in states]
+    if rank_and_world()[0] == 0:
+        path = folder / f"ckpt_{step:06d}.pt"
+        older = sorted(folder.glob("ckpt_*.pt"))
+        save_checkpoint(path, model, step=step, loader=loader_states, **state)
+        for stale in older:
+            if stale != path:
+                stale.unlink()
+        print0(f"saved {path}")
+    wait_for_rank0()  # the others wait here, not in their next step's all-reduce, however slow the disk
 
 
 def find_checkpoint(runs_dir, run=None):
@@ -83,7 +108,7 @@ def load_run(ckpt_or_run=None, device="cpu"):
                                 (f" such as its newest, {inside[-1]}, or the run's name, {path.name}" if inside else
                                  ", or a run's name"))
     if path is None or not (path.is_file() or path.suffix == ".pt" or len(path.parts) > 1):
-        path = find_checkpoint(get_base_dir() / "runs", ckpt_or_run)
+        path = find_checkpoint(run_dir(), ckpt_or_run)
     # Mapped, so that only the weights are read: the optimizer's state and the loaders' never are
     ckpt = read_checkpoint(path, mmap=True)
     try:  # torch read it, but it may hold no Parcae

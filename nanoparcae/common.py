@@ -1,6 +1,6 @@
 """
-nanoparcae/common.py: process and device set-up, the base folder, atomic writes, one-line errors and the GPU
-peak table that MFU divides by.
+nanoparcae/common.py: what every command shares: processes and devices, the base folder, one-line errors,
+atomic writes, spans, first_sentence and the GPU peak table that MFU divides by.
 """
 
 import os
@@ -90,10 +90,13 @@ def write_atomically(path, write):
     os.replace(partial, path)
 
 
-def fail(message):
-    """One clear line instead of a traceback, and status 2: the command was wrong, not the run."""
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
+def fail(message, status=2):
+    """One clear line instead of a traceback, then exit with `status` (2: the command was wrong, not the run).
+    Under torchrun each node's local rank 0 prints it, once in each node's log: the checks decide alike on
+    every rank."""
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(status)
 
 
 def spans(numbers, separator=", "):

@@ -18,7 +18,10 @@ import zipfile
 from pathlib import Path
 from typing import NamedTuple
 
-from nanoparcae.common import get_base_dir
+import torch
+import torch.distributed as dist
+
+from nanoparcae.common import get_base_dir, wait_for_rank0
 from nanoparcae.download import download_file
 
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"  # METHOD.md §5
@@ -162,6 +165,32 @@ def download_eval_bundle(url=EVAL_BUNDLE_URL, base_dir=None):
         shutil.rmtree(scratch, ignore_errors=True)
     zip_path.unlink()
     return bundle_dir
+
+
+# CORE's eval bundle on every rank, or CORE skipped on every rank: a rank without the tasks would never join
+# CORE's per-task all_reduce, and the others would wait for it until the timeout.
+
+def shared_eval_bundle(device, url=EVAL_BUNDLE_URL):
+    """-> (the bundle's folder, None) on every rank, or (None, why) on every rank when any rank lacks it. Rank 0
+    fetches it into its base folder first, then each other node's local rank 0 into its own (on a filesystem the
+    nodes share they find it there, and nothing is fetched twice), the others waiting for each fetch in
+    wait_for_rank0; then the ranks agree with an all_reduce MIN of "I have it"."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    local_rank, why = int(os.environ.get("LOCAL_RANK", 0)), None
+    for fetching in (rank == 0, local_rank == 0 and rank != 0):
+        if fetching:
+            try:
+                download_eval_bundle(url)
+            except (OSError, ValueError) as err:
+                why = f"the eval bundle is not available ({err})"
+        wait_for_rank0()  # a download with its retries outlasts a collective's timeout
+    bundle_dir = eval_bundle_dir()
+    have = torch.tensor(int(bundle_dir is not None), device=device)
+    if dist.is_initialized():
+        dist.all_reduce(have, op=dist.ReduceOp.MIN)
+    if have.item():
+        return bundle_dir, None
+    return None, why or "a node has no eval bundle (its local rank 0 could not fetch it), so no rank runs CORE"
 
 
 def read_random_baselines(bundle_dir):

@@ -1,7 +1,7 @@
 """
-nanoparcae/dataset.py: the text and its tokenizer, everything before the loader (METHOD.md §2): the
-FineWeb-Edu download, the three kinds of source read in chunks, and each source's tokenizer, trained once
-and cached.
+nanoparcae/dataset.py: the text and the data check, everything before the loader (METHOD.md §2): the
+FineWeb-Edu download, the three kinds of source read in chunks, each source's tokenizer, trained once and
+cached, and the tokens a run needs against those on disk.
 
     python -m nanoparcae.dataset download -n 8                  # FineWeb-Edu: 7 train shards + the validation shard
     python -m nanoparcae.dataset download --depth=12            # the shards the paper's 370M run reads
@@ -39,8 +39,9 @@ from typing import NamedTuple
 import pyarrow.parquet as pq
 
 from model import PAPER_TOKENS
-from nanoparcae.common import get_base_dir
+from nanoparcae.common import fail, get_base_dir, print0
 from nanoparcae.download import download_file
+from nanoparcae.flags import positive
 from nanoparcae.tokenizer import Tokenizer
 
 FINEWEB_URL = "https://huggingface.co/datasets/karpathy/fineweb-edu-100b-shuffle/resolve/main"
@@ -291,6 +292,45 @@ def train_tokens(source, tokenizer, sample_docs=1000):
     return stored_text_bytes(list_chunks(source, "train")) / bytes_per_token, bytes_per_token
 
 
+def count(number):
+    """104.0B, 12.3M or 47,370: a count of tokens as a person reads it."""
+    return next((f"{number / size:.1f}{unit}" for unit, size in (("B", 1e9), ("M", 1e6)) if number >= size),
+                f"{number:,.0f}")
+
+
+def refuse_data(err, args, tokens, paper_horizon):
+    """A data error in one line (status 2); without FineWeb-Edu's shards, naming the download this run needs
+    and the small run that needs none."""
+    if args.data == "fineweb-edu":
+        sized = f"--depth={args.depth}" if paper_horizon else f"--tokens={tokens:.4g}"
+        fail(f"{err} (`python -m nanoparcae.dataset download {sized}` fetches what this run reads); without a "
+             f"GPU, `bash runs/cpu.sh` trains a small model on this Python's standard library, no download needed")
+    fail(err)
+
+
+def check_data(source, tokenizer, tokens):
+    """The tokens the horizon needs against those the train split holds (train_tokens)
+    -> the times the run reads them. A FineWeb-Edu run that would repeat its data while shards are still to
+    download is refused in one line naming the download; another source repeats as it must, and says so."""
+    held, bytes_per_token = train_tokens(source, tokenizer)
+    shards = fineweb_train_shards() if source == "fineweb-edu" else None
+    epochs = tokens / held
+    if shards and epochs > 1 and len(shards) < FINEWEB_VAL_SHARD:
+        per_shard = held / len(shards)
+        needed = math.ceil(tokens / per_shard)
+        still = (f"; all {FINEWEB_VAL_SHARD:,} training shards hold about {count(FINEWEB_VAL_SHARD * per_shard)} "
+                 f"tokens, which the run would read {tokens / (FINEWEB_VAL_SHARD * per_shard):.2f} times"
+                 if needed > FINEWEB_VAL_SHARD else "")
+        fail(f"the run's {count(tokens)} tokens would read the {len(shards)} FineWeb-Edu training shards on disk "
+             f"(about {count(held)} tokens) {epochs:.1f} times: run `python -m nanoparcae.dataset download "
+             f"-n {min(needed, FINEWEB_VAL_SHARD) + 1}` first{still}, or give a smaller --max_tokens")
+    # packing crops what does not fit a row, so a run reads a little more than it trains on
+    print0(f"data: {source}, about {count(held)} training tokens ({bytes_per_token:.2f} bytes a token"
+           + (f", {len(shards)} shards" if shards else "") + "): the run trains on "
+           + (f"{epochs:.1%} of them" if epochs < 1 else f"them about {epochs:.2f} times"))
+    return epochs
+
+
 def no_documents(source, split, rank=0, world_size=1):
     """The error for a split, or a rank's share of it, with no documents, naming the cause: no text at all, too
     few documents for both splits, or fewer documents than ranks."""
@@ -369,8 +409,7 @@ def shards_for(args):
 
 
 def check_flags(args):
-    """Counts and sizes below 1, -n beyond the shards there are, and two ways of sizing a download are refused
-    before any work."""
+    """-n beyond the shards there are, and two ways of sizing a download, are refused before any work."""
     if args.command == "download":
         sizings = [flag for flag, value in (("-n", args.num_shards), ("--depth", args.depth),
                                             ("--tokens", args.tokens)) if value is not None]
@@ -381,29 +420,29 @@ def check_flags(args):
                              f"and the validation shard)")
         if not sizings:
             args.num_shards = 8
-    for flag in ("workers", "vocab_size", "max_chars", "doc_cap", "depth", "tokens"):
-        if getattr(args, flag, None) is not None and getattr(args, flag) < 1:
-            raise ValueError(f"--{flag}={getattr(args, flag)} must be 1 or more")
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      allow_abbrev=False)
+    parser.error = fail  # an unknown flag or a bad value: one line, status 2
     commands = parser.add_subparsers(dest="command", required=True)
     p = commands.add_parser("download", allow_abbrev=False,
                             help=f"FineWeb-Edu shards: N-1 for training, shard {FINEWEB_VAL_SHARD} for val")
+    p.error = fail
     p.add_argument("-n", "--num_shards", type=int, default=None,
                    help="shards in all, validation included (default 8)")
-    p.add_argument("--depth", type=int, default=None, help="as many as train.py --depth=D reads")
-    p.add_argument("--tokens", type=float, default=None, help="as many as a run of this many tokens reads")
-    p.add_argument("-w", "--workers", type=int, default=4, help="parallel downloads (default 4)")
+    p.add_argument("--depth", type=positive(int), default=None, help="as many as train.py --depth=D reads")
+    p.add_argument("--tokens", type=positive(float), default=None, help="as many as a run of this many tokens reads")
+    p.add_argument("-w", "--workers", type=positive(int), default=4, help="parallel downloads (default 4)")
     p.add_argument("--base_url", default=FINEWEB_URL, help="where the shard_XXXXX.parquet files live")
     p = commands.add_parser("tokenizer", allow_abbrev=False,
                             help="train (once) and cache the tokenizer of a data source")
+    p.error = fail
     p.add_argument("--data", default="fineweb-edu", help="fineweb-edu, stdlib, or a path/folder/glob of your files")
-    p.add_argument("--vocab_size", type=int, default=32768, help="special tokens included (default 32768)")
-    p.add_argument("--max_chars", type=int, default=2_000_000_000, help="characters to train on (default 2B)")
-    p.add_argument("--doc_cap", type=int, default=10_000, help="characters kept per document (default 10k)")
+    p.add_argument("--vocab_size", type=positive(int), default=32768, help="special tokens included (default 32768)")
+    p.add_argument("--max_chars", type=positive(int), default=2_000_000_000, help="characters to train on (default 2B)")
+    p.add_argument("--doc_cap", type=positive(int), default=10_000, help="characters kept per document (default 10k)")
     args = parser.parse_args(argv)
     check_flags(args)
     print(f"Base directory: {get_base_dir()}")

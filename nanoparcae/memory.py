@@ -1,8 +1,15 @@
 """
-nanoparcae/memory.py: the memory plan of a training run, per GPU: weights, gradients, DDP's buckets, the
-optimiser's state and the activations saved for backward, to pick the device batch before anything is built.
-An estimate until a GPU measures it (runs/gpu_check.sh compares the two).
+nanoparcae/memory.py: the device batch: the memory plan of a training run per GPU, and the batch it picks.
+The plan counts weights, gradients, DDP's buckets, the optimiser's state and the activations saved for
+backward, before anything is built. An estimate until a GPU measures it (runs/gpu_check.sh compares the two).
 """
+
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+from nanoparcae.common import fail, print0
 
 
 def activation_bytes(model, batch_size, bf16=True):
@@ -43,15 +50,64 @@ def memory_plan(model, device_batch_size, bf16, optimizer_bytes, gpu_gb=(80, 141
             "activations": activations, "total": static + activations, "largest_batch": largest}
 
 
-def largest_fitting_batch(model, sequences, gpu_gb, bf16, optimizer_bytes):
-    """The device batch for a GPU of gpu_gb GB: the largest divisor of `sequences` (the sequences
-    one process runs per optimiser step, so that gradient accumulation keeps the batch whole) whose
-    memory_plan fits in 90% of it; None when not even one sequence does."""
-    most = memory_plan(model, 1, bf16, optimizer_bytes, (gpu_gb,))["largest_batch"][gpu_gb]
-    return largest_divisor(sequences, most)
-
-
 def largest_divisor(sequences, at_most):
     """The largest device batch of at most at_most sequences that divides `sequences`, each process's share of
     an optimiser step (gradient accumulation keeps the batch whole); None when at_most < 1."""
     return max((size for size in range(1, min(at_most, sequences) + 1) if sequences % size == 0), default=None)
+
+
+def choose_device_batch(model, args, device, world, optimizer_bytes):
+    """--device_batch_size, or the largest size that divides each process's share of an optimiser step
+    (gradient accumulation keeps the batch whole) and, on a GPU, whose memory plan fits in 90% of the memory
+    free at start-up (of the least free GPU, across ranks); on a CPU the largest up to 32. It prints the plan
+    (on a GPU, or for --dry_run) and the choice; a size that does not divide the step or does not fit is one
+    line. -> namespace(size, given, sequences, world, plan, fitting, gpu, gpu_gb: the free GB planned for)."""
+    given, seq_len, total = args.device_batch_size, args.seq_len, args.total_batch_size
+    if given and total % (given * seq_len * world):
+        fail(f"--total_batch_size={total} is not divisible by device_batch_size x seq_len x world = "
+             f"{given} x {seq_len} x {world} = {given * seq_len * world}; change one of them")
+    if total % (seq_len * world):
+        fail(f"--total_batch_size={total} is not divisible by seq_len x world = {seq_len} x {world}; "
+             f"change one of them")
+    sequences = total // (seq_len * world)  # each process's share of an optimiser step
+    bf16 = args.dtype == "bfloat16"
+    gpu, gpu_gb = None, None
+    if device.type == "cuda":  # what is free now: another process may hold some of the GPU
+        free, total = (gb / 1e9 for gb in torch.cuda.mem_get_info(device))
+        if dist.is_initialized():  # every rank must pick the same batch: the least free GPU decides
+            least = torch.tensor([free, total], device=device)
+            dist.all_reduce(least, op=dist.ReduceOp.MIN)
+            free, total = least.tolist()
+        gpu_gb = free
+        gpus, gpu = (gpu_gb,), (f"the {free:.1f} GB free of this GPU's {total:.1f} GB "
+                                f"({torch.cuda.get_device_name(device)})")
+    else:  # no GPU memory to plan for: the plans for the two GPUs the paper's runs are sized for
+        gpus = (80, 141)
+    plan = memory_plan(model, given or 1, bf16, optimizer_bytes, gpus)  # its largest_batch holds at any size
+    most = plan["largest_batch"]
+    if gpu:
+        fitting = largest_divisor(sequences, most[gpu_gb])
+        if most[gpu_gb] < (given or 1):
+            fail(f"{f'--device_batch_size={given}' if given else 'one sequence per GPU'} plans "
+                 f"{plan['total'] / 1e9:.1f} GB, over 90% of {gpu}; "
+                 + (f"the largest device batch that fits is {fitting}" if fitting
+                    else "free the GPU, or train a smaller --depth"))
+        how = f"whose memory plan fits in 90% of {gpu}"
+    else:
+        how = "up to 32 (no GPU; a GPU would get " + ", ".join(
+            f"{largest_divisor(sequences, most[gb])} in {gb} GB" for gb in gpus) + ")"
+        fitting = largest_divisor(sequences, 32)
+    size = given or fitting
+    if size != (given or 1):
+        plan = memory_plan(model, size, bf16, optimizer_bytes, gpus)
+    if device.type == "cuda" or args.dry_run:
+        print0(f"memory per GPU (GB): weights {plan['weights'] / 1e9:.1f} + grads {plan['grads'] / 1e9:.1f} "
+               f"+ DDP buckets {plan['ddp_buckets'] / 1e9:.1f} + optimizer {plan['optimizer'] / 1e9:.1f} + "
+               f"activations {plan['activations'] / 1e9:.1f} ({size} x {seq_len} at mu_bwd "
+               f"{model.config.mu_bwd}, {args.dtype}) = {plan['total'] / 1e9:.1f} | largest device batch: "
+               + ", ".join(f"{n} in {gb:.4g} GB" for gb, n in plan["largest_batch"].items())
+               + " | an estimate until a GPU measures it (runs/gpu_check.sh)")
+    print0(f"device batch: {size}, " + ("as given" if given else
+           f"the largest divisor of the {sequences} sequences a process runs per step {how}"))
+    return SimpleNamespace(size=size, given=given, sequences=sequences, world=world, plan=plan,
+                           fitting=fitting, gpu=gpu, gpu_gb=gpu_gb)

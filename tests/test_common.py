@@ -1,5 +1,7 @@
 """Tests for nanoparcae.common and nanoparcae.checkpoint: the base directory, the GPU peak table, reading a checkpoint that is missing or damaged."""
 
+import json
+
 import pytest
 import torch
 
@@ -52,3 +54,31 @@ def test_a_device_is_checked_once_for_every_cli():
         with pytest.raises(ValueError) as err:
             common.parse_device("cuda")
         assert carries(str(err.value), "--device=cuda", "--device=cpu"), err.value  # no GPU here: the fix
+
+
+def test_every_reader_of_metrics_skips_a_torn_last_line(tmp_path):
+    """A killed run leaves a torn last line: the run's own reader, the scaling fit and gpu_check skip it alike."""
+    from experiments import gpu_check, scaling
+    from nanoparcae.metrics import Metrics, read_metrics
+    whole = [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.5}, {"step": 2, "val_loss_T8": 2.6}]
+    torn = "".join(f"{json.dumps(record)}\n" for record in whole) + '{"step": 3, "lo'
+    for folder in (checkpoint.run_dir("gpu_check_torn"), checkpoint.run_dir("scaled")):
+        folder.mkdir(parents=True)
+        (folder / "metrics.jsonl").write_text(torn)
+    assert read_metrics(checkpoint.run_dir("scaled") / "metrics.jsonl") == whole
+    assert gpu_check.run_records(checkpoint.run_dir(), "torn") == whole
+    assert scaling.final_eval({"name": "scaled", "steps": 2, "mu_rec": 8}) == whole[2]
+    Metrics(checkpoint.run_dir("scaled"), step=1).file.close()  # a resume from step 1 keeps what came before it
+    assert read_metrics(checkpoint.run_dir("scaled") / "metrics.jsonl") == whole[:1]
+
+
+def test_fail_prints_once_a_node_and_exits_with_its_status(monkeypatch, capsys):
+    for local_rank, printed in (("0", True), ("3", False), (None, True)):
+        if local_rank is None:
+            monkeypatch.delenv("LOCAL_RANK", raising=False)
+        else:
+            monkeypatch.setenv("LOCAL_RANK", local_rank)
+        with pytest.raises(SystemExit) as exit_info:
+            common.fail("the disk is full; free some space", status=1)
+        assert exit_info.value.code == 1
+        assert (capsys.readouterr().err == "error: the disk is full; free some space\n") == printed

@@ -1,4 +1,4 @@
-"""The device batch train.py runs (memory.largest_fitting_batch against the GPU's memory, the run's recorded size on
+"""The device batch train.py runs (memory.choose_device_batch against the GPU's memory, the run's recorded size on
 resume), the two kinds of flag (those that define a run, and those that may change when it continues), and concat's
 rho at a cadence of its own. The GPU is faked: torch.cuda reports 80 GB, and train.py stops at its memory plan,
 before it would touch the device.
@@ -17,8 +17,14 @@ import torch
 
 from conftest import ROOT, TINY, carries, python, train, train_command, train_env
 from model import Parcae, ParcaeConfig
-from nanoparcae.memory import activation_bytes, largest_fitting_batch, memory_plan
+from nanoparcae.memory import activation_bytes, largest_divisor, memory_plan
 from optim import optimizer_state_bytes
+
+
+def largest_fitting_batch(model, sequences, gpu_gb, bf16, optimizer_bytes):
+    """The largest divisor of `sequences` whose memory plan fits in 90% of gpu_gb GB (None: not even one)."""
+    most = memory_plan(model, 1, bf16, optimizer_bytes, (gpu_gb,))["largest_batch"][gpu_gb]
+    return largest_divisor(sequences, most)
 
 
 def run_train(monkeypatch, capsys, *flags):

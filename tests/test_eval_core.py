@@ -26,6 +26,7 @@ from nanoparcae.core_tasks import (CORE_TASKS, EXTENDED_TASKS, LM, Task, crop_le
                                    download_eval_bundle, extract_zip_safely, render_prompts, scored_spans)
 from eval_core import centered_accuracy, evaluate_bpb, evaluate_core, evaluate_ppl, fit_test_time_scaling  # noqa: E402
 from model import Parcae, ParcaeConfig, evaluation_initial_state  # noqa: E402
+from conftest import carries  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -397,16 +398,17 @@ def test_bad_flags_end_in_one_line_before_any_checkpoint_or_data_is_read(tmp_pat
     for name in ("load_run", "val_batches", "start_device"):
         monkeypatch.setattr(eval_core, name, lambda *a, **k: pytest.fail("read before the flags were checked"))
     for flags, message in ((["--T", "0"], "--T '0': every depth must be 1 or more"),
-                           (["--T", "1,x"], "--T '1,x' must be integers"),
-                           (["--val_tokens=0"], "--val_tokens=0 must be 1 or more"),
-                           (["--batch_size=-1"], "--batch_size=-1 must be 1 or more"),
-                           (["--batch_tokens=0"], "--batch_tokens=0 must be 1 or more"),
-                           (["--max_docs=0"], "--max_docs=0 must be 1 or more"),
-                           (["--max_per_task=0"], "--max_per_task=0 must be 1 or more, or -1 for every item")):
+                           (["--T", "1,x"], "--T '1,x' must be integers")):
         with pytest.raises(SystemExit) as exit:
             eval_core.main(["--eval", "bpb", *flags])
         assert str(exit.value.code).startswith(f"eval_core.py: {message}")
         assert len(str(exit.value.code).splitlines()) == 1
+    for flag, value in (("--val_tokens", "0"), ("--batch_size", "-1"), ("--batch_tokens", "0"), ("--max_docs", "0"),
+                        ("--max_per_task", "0")):
+        with pytest.raises(SystemExit) as exit:
+            eval_core.main(["--eval", "bpb", f"{flag}={value}"])
+        err = capsys.readouterr().err
+        assert exit.value.code == 2 and len(err.splitlines()) == 1 and carries(err, "error:", flag, value, "positive")
     with pytest.raises(SystemExit) as exit:  # a prefix of --batch_size is not taken for it
         eval_core.main(["--eval", "bpb", "--batch=4"])
     assert exit.value.code == 2 and "unrecognized arguments: --batch=4" in capsys.readouterr().err

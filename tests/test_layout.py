@@ -85,7 +85,7 @@ def test_the_root_holds_the_reading_path_and_at_most_two_more_files():
 def test_no_import_cycle_among_the_root_files_and_the_package():
     graph = import_graph(ROOT)
     assert "engine" in graph["sample"] and "eval_core" in graph["train"] and "nanoparcae.common" in graph["data"]
-    assert "model" in graph["nanoparcae.checkpoint"] and "nanoparcae.core_tasks" in graph["nanoparcae.ranks"]
+    assert "model" in graph["nanoparcae.checkpoint"] and "nanoparcae.ranks" in graph["nanoparcae.run"]
     cycle = find_cycle(graph)
     assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
 

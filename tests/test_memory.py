@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from model import Parcae, ParcaeConfig
-from nanoparcae.memory import activation_bytes, largest_fitting_batch, memory_plan
+from nanoparcae.memory import activation_bytes, memory_plan
 from optim import optimizer_state_bytes
 
 

@@ -22,9 +22,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from nanoparcae import ranks as guards
+from nanoparcae import run as guards
 from conftest import Started, carries, refused, train, train_command, train_env, untouched
-from nanoparcae.ranks import lock_run, run_holder, shared_eval_bundle
+from nanoparcae.core_tasks import shared_eval_bundle
+from nanoparcae.run import lock_run, run_holder
 
 
 def free_port():

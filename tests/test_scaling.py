@@ -270,7 +270,7 @@ def test_killed_sweep_resumes_without_retraining_finished_points(toy, monkeypatc
     scaling.run(dict(small, mu_rec=[1]), gpus=0)  # beside it: each is one thread
     _, stderr = killed.communicate()
     assert killed.returncode == 0, stderr[-3000:]
-    finished_ckpt = next(scaling.run_dir(first).glob("ckpt_*.pt"))
+    finished_ckpt = next(scaling.run_dir(first["name"]).glob("ckpt_*.pt"))
     mtime = finished_ckpt.stat().st_mtime_ns
     capsys.readouterr()
     scaling.run(small, gpus=0)
@@ -282,8 +282,8 @@ def test_killed_sweep_resumes_without_retraining_finished_points(toy, monkeypatc
     assert lines[2].startswith("[2/2]") and ": trained | elapsed " in lines[2] and lines[2].endswith("ETA 0.0 min")
     assert lines[3].startswith("run: ") and " in all" in lines[3] and "ktok/s" not in lines[3]  # nothing fresh
     assert finished_ckpt.stat().st_mtime_ns == mtime
-    assert (scaling.run_dir(first) / "train.log").read_text().count("done:") == 1
-    assert f"resumed {second['name']} at step 2" in (scaling.run_dir(second) / "train.log").read_text()
+    assert (scaling.run_dir(first["name"]) / "train.log").read_text().count("done:") == 1
+    assert f"resumed {second['name']} at step 2" in (scaling.run_dir(second["name"]) / "train.log").read_text()
     assert scaling.final_eval(second) is not None and scaling.bpb_result(second, small["T"]) is not None
 
 
@@ -294,7 +294,7 @@ def fake_runs(sweep):
         offset = [0, 3e-3, -3e-3][p["seed"]]
         curve = [float(scaling_fit.unified_predict(LAW, p["mu_rec"], p["trained_tokens"], T)) + offset
                  for T in sweep["T"]]
-        run = scaling.run_dir(p)
+        run = scaling.run_dir(p["name"])
         run.mkdir(parents=True)
         record = {"step": p["steps"], f"val_loss_T{p['mu_rec']}": curve[sweep["T"].index(p["mu_rec"])]}
         (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 9.0}) + "\n" + json.dumps(record) + "\n")
@@ -309,8 +309,8 @@ def test_fit_notes_missing_and_diverged_runs_measures_the_seed_spread_and_draws_
     fake_runs(sweep)
     largest = [p for p in scaling.points(sweep) if p["C"] == 4.8e9]
     missing, diverged = largest[-1], largest[-2]
-    (scaling.run_dir(missing) / "metrics.jsonl").unlink()
-    with open(scaling.run_dir(diverged) / "metrics.jsonl", "a") as f:
+    (scaling.run_dir(missing["name"]) / "metrics.jsonl").unlink()
+    with open(scaling.run_dir(diverged["name"]) / "metrics.jsonl", "a") as f:
         f.write(json.dumps({"step": diverged["steps"], f"val_loss_T{diverged['mu_rec']}": math.nan}) + "\n")
     result = scaling.fit(sweep)
     out = capsys.readouterr().out

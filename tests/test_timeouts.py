@@ -22,8 +22,8 @@ def slowed_train(seconds, wait, *flags):
     """train.py, its first checkpoint's write (rank 0's alone) slowed by `seconds`; skip_wait: without the ranks'
     wait for it."""
     sys.path.insert(0, str(ROOT))
-    import nanoparcae.run as run  # noqa: E402
-    save = run.save_checkpoint
+    import nanoparcae.checkpoint as checkpoint  # noqa: E402
+    save = checkpoint.save_checkpoint
 
     def slow_save(path, *args, **kwargs):
         if not any(Path(path).parent.glob("ckpt_*.pt")):
@@ -31,9 +31,9 @@ def slowed_train(seconds, wait, *flags):
             time.sleep(float(seconds))
         return save(path, *args, **kwargs)
 
-    run.save_checkpoint = slow_save
+    checkpoint.save_checkpoint = slow_save
     if wait == "skip_wait":
-        run.wait_for_rank0 = lambda: None
+        checkpoint.wait_for_rank0 = lambda: None
     sys.argv = [str(ROOT / "train.py"), *flags]
     runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
 

@@ -1,0 +1,29 @@
+"""
+nanoparcae/flags.py: the flag types every command's argparse uses, so a bad value is one line, said one way.
+"""
+
+import argparse
+import math
+
+
+def checked(kind, rule, holds):
+    """An argparse type: the text read as `kind`, refused unless holds(value), naming `rule`."""
+    def parse(text):
+        value = kind(text)
+        if not holds(value):
+            raise argparse.ArgumentTypeError(f"{text} must be {rule}")
+        return value
+    parse.__name__ = kind.__name__  # argparse's "invalid int value: 'x'" for text that is no number
+    return parse
+
+
+def positive(kind):
+    return checked(kind, "a positive number", lambda value: 0 < value < math.inf)
+
+
+def zero_or_more(kind):
+    return checked(kind, "zero or more", lambda value: 0 <= value < math.inf)
+
+
+unit_fraction = checked(float, "between 0 and 1", lambda value: 0 <= value <= 1)
+steps_or_never = checked(int, "a number of steps, or -1 for never", lambda value: value > 0 or value == -1)

@@ -1,0 +1,63 @@
+"""
+nanoparcae/metrics.py: what a run logs: metrics.jsonl, read and written, and the step's log line.
+"""
+
+import json
+
+from nanoparcae.common import rank_and_world, write_atomically
+
+
+def read_metrics(path):
+    """metrics.jsonl -> its records, in order; none when it is absent. A torn or bad line (a run killed
+    while writing it) is skipped."""
+    records = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+class Metrics:
+    """metrics.jsonl in the run folder, one JSON record a line (steps, evals, warnings, the divergence
+    verdict), written by rank 0. Opened for a run resumed from `step` (0: none), it keeps the records up
+    to that step: those a killed run logged past its checkpoint come again as the run redoes them, so each
+    step stays once, in order. Rewritten under a temporary name; a torn last line goes too."""
+
+    def __init__(self, run_dir, step):
+        self.file = None
+        if rank_and_world()[0] != 0:
+            return
+        path = run_dir / "metrics.jsonl"
+        kept = [json.dumps(record) + "\n" for record in read_metrics(path) if record.get("step", 0) <= step]
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_atomically(path, lambda partial: partial.write_text("".join(kept)))
+        self.file = open(path, "a")
+
+    def record(self, entry):
+        if self.file:
+            self.file.write(json.dumps(entry) + "\n")
+            self.file.flush()
+
+
+def compile_counts(counters):
+    """dynamo's counters -> {graphs: the graphs it built, recompile_limits: the times it hit a recompile
+    limit and left a frame to run eagerly}. A graph count that stops growing is no proof of no recompiles:
+    past the limit dynamo stops compiling, so both are recorded."""
+    hits = sum(n for why, n in counters["unimplemented"].items() if "Limit type:" in why and "recompile" in why)
+    return {"graphs": counters["stats"]["unique_graphs"], "recompile_limits": hits}
+
+
+def log_line(entry, num_steps, total_batch_size):
+    """A step's log line, from its metrics record (fields that are None are left out)."""
+    fields = [("loss", "loss {:.4f}"), ("lr_mult", "lrm {:.2f}"), ("tokens_per_s", "{:,.0f} tok/s"),
+              ("mfu", "mfu {:.1%}"), ("rho", "rho {:.4f}"), ("h_norm", "|h_T| {:.2f}"),
+              ("update_ratio", "dh/h {:.4f}")]
+    parts = [f"step {entry['step']}/{num_steps}"]
+    parts += [form.format(entry[key]) for key, form in fields if entry.get(key) is not None]
+    tokens_per_s = entry["tokens_per_s"]
+    eta = (num_steps - entry["step"]) * total_batch_size / tokens_per_s if tokens_per_s else float("nan")
+    return " | ".join(parts + [f"eta {eta / 60:.1f} min"])
