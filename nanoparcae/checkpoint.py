@@ -4,24 +4,71 @@ torch.load reads with weights_only=True; load_run rebuilds a trained model with 
 weights alone.
 """
 
+import errno
 import os
+import shutil
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from model import Parcae, ParcaeConfig
-from nanoparcae.common import first_sentence, get_base_dir
+from nanoparcae.common import first_sentence, get_base_dir, print0
+from nanoparcae.ranks import stop
 from nanoparcae.tokenizer import Tokenizer
 
 
 def save_checkpoint(path, model, **extra):
-    """Write to a temporary name, then rename: a killed run never leaves a torn checkpoint."""
+    """Write to a temporary name, then rename: a killed run never leaves a torn checkpoint. A disk
+    without room for it stops the run in one line (status 1), its last checkpoint kept."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save({"config": asdict(model.config), "model": model.state_dict(), **extra}, tmp)
-    os.replace(tmp, path)
+    state = {"config": asdict(model.config), "model": model.state_dict(), **extra}
+    need, partial = saved_bytes(state), path.with_name(path.name + ".tmp")
+    try:
+        if shutil.disk_usage(path.parent).free < need:
+            raise OSError(errno.ENOSPC, "no room for the checkpoint")
+        torch.save(state, partial)
+    except (OSError, RuntimeError) as err:  # torch's writer says "iostream error", not ENOSPC
+        written = partial.stat().st_size if partial.exists() else 0
+        full = getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT) \
+            or shutil.disk_usage(path.parent).free < need - written
+        partial.unlink(missing_ok=True)
+        if full:
+            disk_full(path.parent, f"a checkpoint needs {size(need)}, nothing was saved")
+        raise
+    os.replace(partial, path)
+
+
+def saved_bytes(state):
+    """An upper estimate of torch.save's file for `state`: its tensors' bytes, 1 KiB of framing
+    each, and 1 MiB for the rest (the loaders' positions, the args)."""
+    def walk(value):
+        if isinstance(value, torch.Tensor):
+            return value.nbytes + 1024
+        if isinstance(value, dict):
+            return sum(map(walk, value.values()))
+        return sum(map(walk, value)) if isinstance(value, (list, tuple)) else 0
+    return walk(state) + 2**20
+
+
+def size(n):
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
+def disk_full(folder, needs):
+    """Stops the run (status 1) in one line: the disk is full, what `needs` room, what is free."""
+    stop(f"the disk holding {folder} is full: {needs}, {size(shutil.disk_usage(folder).free)} is "
+         f"free; the last checkpoint is kept: free space there, then the same command continues "
+         f"from it", 1)
+
+
+def remove_partial_saves(run_dir):
+    """Removes the ckpt_*.pt.tmp of a save that never finished (a full disk, a kill), saying so."""
+    for partial in sorted(Path(run_dir).glob("ckpt_*.pt.tmp")):
+        print0(f"removed {partial} ({size(partial.stat().st_size)}), a checkpoint write that never "
+               f"finished")
+        partial.unlink()
 
 
 def find_checkpoint(runs_dir, run=None):
@@ -65,6 +112,21 @@ def assign_weights(model, state_dict, device="cpu"):
     model.load_state_dict({name: tensor.to(dtypes.get(name, tensor.dtype)) for name, tensor in state_dict.items()},
                           assign=True)
     return model.to(device).eval()
+
+
+def training_model(config, device, seed, weights=None, initialise=True):
+    """The model train.py trains, on device, in train mode; the random init runs only where asked:
+    - weights (a resume's state dict): sized without it, then given those tensors;
+    - initialise: drawn at seed on the CPU, as a fresh run's rank 0 draws them;
+    - neither: sized, its parameters left empty for DDP to broadcast rank 0's into."""
+    if weights is not None:
+        return assign_weights(sized_model(config), weights, device).train()
+    if initialise:
+        torch.manual_seed(seed)
+        return Parcae(config).to(device)
+    model = sized_model(config).to_empty(device=device)
+    model.init_buffers()  # to_empty left the RoPE tables empty too
+    return model.to(device)
 
 
 def load_run(ckpt_or_run=None, device="cpu"):

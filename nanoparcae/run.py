@@ -7,14 +7,16 @@ exactly, or stops in one line before it writes anything.
 """
 
 import argparse
+import errno
 import json
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
-from nanoparcae.checkpoint import find_checkpoint, read_checkpoint, save_checkpoint
+from nanoparcae.checkpoint import disk_full, find_checkpoint, read_checkpoint, save_checkpoint
 from nanoparcae.common import fail, get_base_dir, print0, rank_and_world, wait_for_rank0, write_atomically
 from nanoparcae.dataset import FINEWEB_VAL_SHARD, fineweb_train_shards, tokenizer_dir, train_tokens
 from nanoparcae.memory import largest_divisor, largest_fitting_batch, memory_plan
@@ -265,13 +267,26 @@ class Metrics:
             except ValueError:
                 pass
         run_dir.mkdir(parents=True, exist_ok=True)
-        write_atomically(path, lambda partial: partial.write_text("".join(kept)))
-        self.file = open(path, "a")
+        try:
+            write_atomically(path, lambda partial: partial.write_text("".join(kept)))
+            self.file = open(path, "a")
+        except OSError as err:
+            self.full_disk(err, run_dir)
 
     def record(self, entry):
         if self.file:
-            self.file.write(json.dumps(entry) + "\n")
-            self.file.flush()
+            try:
+                self.file.write(json.dumps(entry) + "\n")
+                self.file.flush()
+            except OSError as err:
+                self.full_disk(err, Path(self.file.name).parent)
+
+    @staticmethod
+    def full_disk(err, run_dir):
+        """A full disk stops the run in one line; any other error goes on up."""
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise err
+        disk_full(run_dir, "metrics.jsonl cannot be written")
 
 
 def compile_counts(counters):
