@@ -35,7 +35,7 @@ def save_checkpoint(path, model, **extra):
             or shutil.disk_usage(path.parent).free < need - written
         partial.unlink(missing_ok=True)
         if full:
-            disk_full(path.parent, f"a checkpoint needs {size(need)}, nothing was saved")
+            disk_full(path.parent, f"a checkpoint needs {size(need)}")
         raise
     os.replace(partial, path)
 
@@ -58,9 +58,9 @@ def size(n):
 
 def disk_full(folder, needs):
     """Stops the run (status 1) in one line: the disk is full, what `needs` room, what is free."""
-    stop(f"the disk holding {folder} is full: {needs}, {size(shutil.disk_usage(folder).free)} is "
-         f"free; the last checkpoint is kept: free space there, then the same command continues "
-         f"from it", 1)
+    stop(f"the disk holding {folder} is full: {needs} and {size(shutil.disk_usage(folder).free)} is "
+         f"free; the last checkpoint is kept: free space there, then the same command continues from "
+         f"it", 1)
 
 
 def remove_partial_saves(run_dir):
