@@ -41,15 +41,17 @@ def save_checkpoint(path, model, **extra):
 
 
 def saved_bytes(state):
-    """An upper estimate of torch.save's file for `state`: its tensors' bytes, 1 KiB of framing
-    each, and 1 MiB for the rest (the loaders' positions, the args)."""
+    """An upper estimate of torch.save's file for `state`: its tensors' bytes with 1 KiB of framing
+    each, the rest (the loaders' positions, the args) as long as written out, and 64 KiB."""
     def walk(value):
         if isinstance(value, torch.Tensor):
             return value.nbytes + 1024
         if isinstance(value, dict):
-            return sum(map(walk, value.values()))
-        return sum(map(walk, value)) if isinstance(value, (list, tuple)) else 0
-    return walk(state) + 2**20
+            return sum(walk(key) + walk(item) for key, item in value.items())
+        if isinstance(value, (list, tuple)):
+            return sum(map(walk, value)) + 2
+        return len(repr(value)) + 2
+    return walk(state) + 2**16
 
 
 def size(n):
