@@ -1,7 +1,7 @@
 """
 nanoparcae/checkpoint.py: checkpoints, <base dir>/runs/<run>/ckpt_<step>.pt, each a plain dict that
 torch.load reads with weights_only=True; load_run rebuilds a trained model with its tokenizer, reading its
-weights alone.
+weights alone. training_model builds the model a rank trains, running the random init only where it is kept.
 """
 
 import errno
