@@ -1,17 +1,19 @@
 """
 nanoparcae/checkpoint.py: checkpoints, written and read: run_dir(run)/ckpt_<step>.pt, each a plain dict
 that torch.load reads with weights_only=True; load_run rebuilds a trained model with its tokenizer, reading
-its weights alone.
+its weights alone. training_model builds the model a rank trains, running the random init only where it is kept.
 """
 
+import errno
+import shutil
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from model import Parcae, ParcaeConfig
-from nanoparcae.common import fail, first_sentence, get_base_dir, print0, rank_and_world, wait_for_rank0, \
-    write_atomically
+from nanoparcae.common import (FULL_DISK, disk_full, fail, first_sentence, get_base_dir, print0, rank_and_world,
+                               size, wait_for_rank0, write_atomically)
 from nanoparcae.ranks import drift, gather
 from nanoparcae.tokenizer import Tokenizer
 
@@ -22,11 +24,46 @@ def run_dir(name=""):
 
 
 def save_checkpoint(path, model, **extra):
-    """Write to a temporary name, then rename: a killed run never leaves a torn checkpoint."""
+    """Write to a temporary name, then rename: a killed run never leaves a torn checkpoint. A disk
+    without room for it stops the run in one line (status 1), its last checkpoint kept."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {"config": asdict(model.config), "model": model.state_dict(), **extra}
-    write_atomically(path, lambda partial: torch.save(state, partial))
+    need = saved_bytes(state)
+    if shutil.disk_usage(path.parent).free < need:
+        disk_full(path.parent, f"a checkpoint needs {size(need)}")
+
+    def write(partial):
+        try:
+            torch.save(state, partial)
+        except (OSError, RuntimeError) as err:  # torch's writer says "iostream error", not ENOSPC
+            written = partial.stat().st_size if partial.exists() else 0
+            if getattr(err, "errno", None) in FULL_DISK or shutil.disk_usage(path.parent).free < need - written:
+                partial.unlink(missing_ok=True)
+                disk_full(path.parent, f"a checkpoint needs {size(need)}")
+            raise
+    write_atomically(path, write)
+
+
+def saved_bytes(state):
+    """An upper estimate of torch.save's file for `state`: its tensors' bytes with 1 KiB of framing
+    each, the rest (the loaders' positions, the args) as long as written out, and 64 KiB."""
+    def walk(value):
+        if isinstance(value, torch.Tensor):
+            return value.nbytes + 1024
+        if isinstance(value, dict):
+            return sum(walk(key) + walk(item) for key, item in value.items())
+        if isinstance(value, (list, tuple)):
+            return sum(map(walk, value)) + 2
+        return len(repr(value)) + 2
+    return walk(state) + 2**16
+
+
+def remove_partial_saves(folder):
+    """Removes the ckpt_*.pt.tmp of a save that never finished (a full disk, a kill), saying so."""
+    for partial in sorted(Path(folder).glob("ckpt_*.pt.tmp")):
+        print0(f"removed {partial} ({size(partial.stat().st_size)}), a checkpoint write that never finished")
+        partial.unlink()
 
 
 def save_and_prune(folder, step, model, loaders, **state):
@@ -90,6 +127,21 @@ def assign_weights(model, state_dict, device="cpu"):
     model.load_state_dict({name: tensor.to(dtypes.get(name, tensor.dtype)) for name, tensor in state_dict.items()},
                           assign=True)
     return model.to(device).eval()
+
+
+def training_model(config, device, seed, weights=None, initialise=True):
+    """The model train.py trains, on device, in train mode; the random init runs only where asked:
+    - weights (a resume's state dict): sized without it, then given those tensors;
+    - initialise: drawn at seed on the CPU, as a fresh run's rank 0 draws them;
+    - neither: sized, its parameters left empty for DDP to broadcast rank 0's into."""
+    if weights is not None:
+        return assign_weights(sized_model(config), weights, device).train()
+    if initialise:
+        torch.manual_seed(seed)
+        return Parcae(config).to(device)
+    model = sized_model(config).to_empty(device=device)
+    model.init_buffers()  # to_empty left the RoPE tables empty too
+    return model.to(device)
 
 
 def load_run(ckpt_or_run=None, device="cpu"):

@@ -3,7 +3,9 @@ nanoparcae/common.py: what every command shares: processes and devices, the base
 atomic writes, spans, first_sentence and the GPU peak table that MFU divides by.
 """
 
+import errno
 import os
+import shutil
 import sys
 import tempfile
 from datetime import timedelta
@@ -86,7 +88,11 @@ def write_atomically(path, write):
     """write(a temporary path beside `path`), then rename: an interrupted write never leaves a torn file under the
     real name (a figure's writer names its format, since the temporary name ends in .tmp)."""
     partial = path.with_name(path.name + ".tmp")
-    write(partial)
+    try:
+        write(partial)
+    except BaseException:  # a failed write leaves no partial file behind
+        partial.unlink(missing_ok=True)
+        raise
     os.replace(partial, path)
 
 
@@ -97,6 +103,20 @@ def fail(message, status=2):
     if int(os.environ.get("LOCAL_RANK", 0)) == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(status)
+
+
+FULL_DISK = (errno.ENOSPC, errno.EDQUOT)  # the errors of a disk or quota without room
+
+
+def size(n):
+    """Bytes as a person reads them: 2.2 MB, 13.4 GB."""
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
+def disk_full(folder, needs):
+    """Stop the run in one line (status 1): the disk is full, what `needs` room, what is free."""
+    fail(f"the disk holding {folder} is full: {needs} and {size(shutil.disk_usage(folder).free)} is free; "
+         f"the last checkpoint is kept: free space there, then the same command continues from it", 1)
 
 
 def spans(numbers, separator=", "):

@@ -3,8 +3,9 @@ nanoparcae/metrics.py: what a run logs: metrics.jsonl, read and written, and the
 """
 
 import json
+from pathlib import Path
 
-from nanoparcae.common import rank_and_world, write_atomically
+from nanoparcae.common import FULL_DISK, disk_full, rank_and_world, write_atomically
 
 
 def read_metrics(path):
@@ -34,13 +35,26 @@ class Metrics:
         path = run_dir / "metrics.jsonl"
         kept = [json.dumps(record) + "\n" for record in read_metrics(path) if record.get("step", 0) <= step]
         run_dir.mkdir(parents=True, exist_ok=True)
-        write_atomically(path, lambda partial: partial.write_text("".join(kept)))
-        self.file = open(path, "a")
+        try:
+            write_atomically(path, lambda partial: partial.write_text("".join(kept)))
+            self.file = open(path, "a")
+        except OSError as err:
+            full_disk(err, run_dir)
 
     def record(self, entry):
         if self.file:
-            self.file.write(json.dumps(entry) + "\n")
-            self.file.flush()
+            try:
+                self.file.write(json.dumps(entry) + "\n")
+                self.file.flush()
+            except OSError as err:
+                full_disk(err, Path(self.file.name).parent)
+
+
+def full_disk(err, folder):
+    """A full disk stops the run in one line; any other error goes on up."""
+    if err.errno not in FULL_DISK:
+        raise err
+    disk_full(folder, "metrics.jsonl cannot be written")
 
 
 def compile_counts(counters):

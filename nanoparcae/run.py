@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import torch.distributed as dist
 
-from nanoparcae.checkpoint import find_checkpoint, read_checkpoint, run_dir
+from nanoparcae.checkpoint import find_checkpoint, read_checkpoint, remove_partial_saves, run_dir
 from nanoparcae.common import fail, print0
 from nanoparcae.dataset import tokenizer_dir
 from nanoparcae.ranks import agree_to_start, checkpoint_digest
@@ -87,9 +87,12 @@ def claim_run(run_dir):
     command, as the first thing it writes in the run folder -> the open lock file, to keep until the
     process ends. A live run holding it: every rank stops alike, in one line (status 2)."""
     try:
-        return lock_for_every_rank(run_dir)
+        lock = lock_for_every_rank(run_dir)
     except ValueError as err:
         fail(err)
+    if lock:  # rank 0, the one that writes here: a save a full disk or a kill cut short goes
+        remove_partial_saves(run_dir)
+    return lock
 
 # -----------------------------------------------------------------------------
 # One trainer per run: <run folder>/lock, held by the process that writes the folder (rank 0) while it lives.
