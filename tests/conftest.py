@@ -28,6 +28,19 @@ TINY = ["--depth=3", "--d_model=64", "--head_dim=32", "--mu_rec=3", "--vocab_siz
         "--eval_tokens=256", "--save_every=1000", "--log_every=1", "--core_every=-1", "--dtype=float32", "--compile=0"]
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: starts a process, runs torchrun or trains more than a few steps")
+
+
+# Whether the test being set up carries the slow mark: only such a test may start a process.
+RUNNING = {"slow": True}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    RUNNING["slow"] = item.get_closest_marker("slow") is not None
+
+
 @pytest.fixture(autouse=True)
 def private_base_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(tmp_path / "nanoparcae_base"))
@@ -104,6 +117,7 @@ class Started:
     a fork of one that imported PRELOADED with one thread, or a fresh interpreter where env needs one."""
 
     def __init__(self, args, env=None, cwd=ROOT):
+        assert RUNNING["slow"], "a test that starts a process carries @pytest.mark.slow"
         env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
         self.args, self.returncode, self.folder = args, None, tempfile.TemporaryDirectory()
         self.out, self.err = Path(self.folder.name, "stdout"), Path(self.folder.name, "stderr")
@@ -180,9 +194,10 @@ def start_fork_server():
 
 
 @pytest.fixture(scope="session", autouse=True)
-def fork_server():
-    """The fork server imports torch while the first tests run."""
-    start_fork_server()
+def fork_server(request):
+    """The fork server imports torch while the first tests run, where a slow test will need it."""
+    if any(item.get_closest_marker("slow") for item in request.session.items):
+        start_fork_server()
 
 
 def train(corpus, *flags, nproc=1, torchrun=None, env=None, expect_ok=True, fault=None, base=None):

@@ -84,6 +84,7 @@ def test_sampled_flops_are_the_matmul_flops_the_steps_execute(injection):
     assert counter.get_total_flops() == pytest.approx(executed * 3 * x.numel(), rel=1e-12)
 
 
+@pytest.mark.slow
 def test_row_3_at_the_batch_size_given_and_at_the_papers_32(tmp_path, capsys):
     """Row 3 prints 3a at --batch_size and 3b at 32 sequences per micro-batch; --json's sampling_overhead is 3b's."""
     main(["--rows", "3", "--depth", "3", "--d_model", "64", "--head_dim", "32", "--vocab_size", "97", "--seq_len", "16",

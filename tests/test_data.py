@@ -605,6 +605,7 @@ def test_val_batches_are_bounded_and_repeatable(tokenizer, corpus):
         next(data.DataLoader(tokenizer, corpus, "val", batch_size=64, seq_len=4096))
 
 
+@pytest.mark.slow
 def test_cli_help_explains_the_steps():
     result = python(["-m", "nanoparcae.dataset", "--help"])
     assert result.returncode == 0

@@ -90,6 +90,7 @@ def test_the_plan_is_for_the_memory_free_at_start_up_not_the_gpus_total(gpu_80gb
     assert sizes[20e9] < sizes[80e9], sizes
 
 
+@pytest.mark.slow
 def test_dry_run_under_torchrun_prints_one_plan_for_its_processes():
     """The 8 sequences of a step, 256 tokens of 32, over torchrun's 2 processes: 4 each, said once."""
     tiny = [flag for flag in TINY if not flag.startswith("--device_batch_size")]
@@ -115,6 +116,7 @@ def concat(corpus):
         yield pool.submit(train, corpus, "--injection=concat", "--max_tokens=1024", "--eval_every=2", "--run=concat")
 
 
+@pytest.mark.slow
 def test_a_resume_keeps_the_recorded_batch(corpus, concat):
     """Started at --device_batch_size=2, continued without the flag: the CPU's own choice would be 8."""
     train(corpus, "--device_batch_size=2", "--max_tokens=512", "--stop_at=1", "--run=kept")
@@ -127,6 +129,7 @@ def test_a_resume_keeps_the_recorded_batch(corpus, concat):
     assert checkpoint["step"] == 2 and checkpoint["run"]["device_batch_size"] == 2
 
 
+@pytest.mark.slow
 def test_concat_rho_is_logged_every_rho_every_steps_and_is_the_weights_radius(corpus, concat):
     concat.result()  # 4 steps
     run_dir = corpus / "base" / "runs" / "concat"
@@ -157,6 +160,7 @@ FREE = {
 NEITHER = {"run", "dry_run"}  # another run; a plan only
 
 
+@pytest.mark.slow
 def test_every_flag_defines_the_run_or_may_change_when_it_continues(corpus, concat, monkeypatch, capsys):
     """On the finished concat run, another value of each flag --help lists: a run-defining one is refused in one line
     that names it, and the checkpoint records exactly those flags; any other one continues the run, which says it is

@@ -300,6 +300,7 @@ def val_batches_for_test():
     return batches
 
 
+@pytest.mark.slow
 def test_one_rank_equals_two_ranks(bundle, tmp_path):
     model = tiny_parcae()
     core = evaluate_core(model, ByteTokenizer(), bundle, T=2, verbose=False)

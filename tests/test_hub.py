@@ -372,6 +372,7 @@ def test_sample_from_gives_what_the_same_model_gives_from_a_checkpoint(tmp_path,
     assert len(outputs[0]) > len("the world and\n")
 
 
+@pytest.mark.slow
 def test_a_vocabulary_larger_than_the_tokenizer_is_never_sampled(tmp_path, capsys):
     """A checkpoint folder tried with a smaller tokenizer.json (271 tokens for the model's 300): the ids the
     tokenizer lacks are masked out of sampling, with a warning naming both sizes, in `interop.hub sample` and in its
@@ -544,6 +545,7 @@ def test_every_depth_exports_where_their_gates_can_pair_and_is_refused_in_one_li
         assert bool(caught) == (written["mean_backprop_depth"] != mu_bwd)  # said when it differs
 
 
+@pytest.mark.slow
 def test_export_refuses_what_their_loader_would_compute_differently(tmp_path):
     with pytest.raises(ValueError, match="rope_base 10000; their from_pretrained ignores rope_settings"):
         hub.authors_config(ParcaeConfig(vocab_size=300, d_model=64, head_dim=32, rope_base=10_000.0))

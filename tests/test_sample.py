@@ -304,6 +304,7 @@ def one_line_error(base, *args):
     return result.stderr
 
 
+@pytest.mark.slow
 def test_missing_or_corrupt_checkpoint_gives_one_clear_line(tmp_path, checkpoint):
     """Each case under a base folder of its own, so that the five commands run two at a time (one thread each)."""
     fresh, early, runs = tmp_path / "fresh", tmp_path / "early", tmp_path / "runs"
@@ -324,6 +325,7 @@ def test_missing_or_corrupt_checkpoint_gives_one_clear_line(tmp_path, checkpoint
     assert carries(lacking, str(no_tokenizer), "python -m nanoparcae.dataset tokenizer")
 
 
+@pytest.mark.slow
 def test_truncated_checkpoint_gives_one_whole_line_with_the_fix(tmp_path):
     whole = tmp_path / "whole.pt"
     save_checkpoint(whole, tiny_model(), tokenizer_dir=str(tmp_path))

@@ -258,6 +258,7 @@ def in_base(root, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
 
 
+@pytest.mark.slow
 def test_killed_sweep_resumes_without_retraining_finished_points(toy, monkeypatch, capsys):
     root, sweep = toy
     in_base(root, monkeypatch)
@@ -349,6 +350,7 @@ def test_fit_notes_missing_and_diverged_runs_measures_the_seed_spread_and_draws_
     assert json.loads(recorded.read_text())["budgets"] == saved["budgets"]
 
 
+@pytest.mark.slow
 def test_bad_flags_end_in_one_line():
     result = python(["-m", "experiments.scaling", "fit", "--mu_rec=1,x"])
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1 and "--mu_rec" in result.stderr
