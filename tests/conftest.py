@@ -210,6 +210,25 @@ def train(corpus, *flags, nproc=1, torchrun=None, env=None, expect_ok=True, faul
     return result
 
 
+def run_here(args, monkeypatch, capsys):
+    """`python *args` run in this process, for a command that stops before any work -> its CompletedProcess. A
+    message given to sys.exit goes to stderr with status 1, as Python does."""
+    module = args[0] == "-m"
+    monkeypatch.setattr(sys, "argv", [args[1], *args[2:]] if module else [str(ROOT / args[0]), *args[1:]])
+    if module:
+        monkeypatch.delitem(sys.modules, args[1], raising=False)  # run afresh as __main__, as python -m does
+    with pytest.raises(SystemExit) as exit_info:
+        if module:
+            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(str(ROOT / args[0]), run_name="__main__")
+    out, err = capsys.readouterr()
+    status = exit_info.value.code
+    if isinstance(status, str):
+        err, status = err + status + "\n", 1
+    return subprocess.CompletedProcess(args, status or 0, out, err)
+
+
 def refused(result):
     """The one line of a refused command, after checking that it is one line with status 2."""
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr[-3000:]

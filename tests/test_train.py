@@ -523,13 +523,6 @@ def test_bad_input_ends_with_one_clear_line(flags, named, monkeypatch, capsys):
     assert carries(err, *named), err
 
 
-def test_no_fineweb_shards_name_the_download_and_the_cpu_run(tmp_path, monkeypatch, capsys):
-    """Bare `python train.py` (the paper's 140M on FineWeb-Edu) on a machine without the shards."""
-    status, _, err = run_train(monkeypatch, capsys)
-    assert status == 2 and len(err.strip().splitlines()) == 1, err
-    assert "python -m nanoparcae.dataset download" in err and "bash runs/cpu.sh" in err
-
-
 def write_fineweb_shards(base, indices):
     """FineWeb-Edu's layout under `base`: each shard 300 documents of the tiny corpus's words."""
     import pyarrow as pa
@@ -575,14 +568,6 @@ def test_a_corpus_read_more_than_once_says_how_often_and_logs_each_epoch(tmp_pat
     said = [int(n) for n in re.findall(r"began reading epoch (\d+) of the data", result.stdout)]
     assert said == list(range(said[0], said[-1] + 1)) and len(said) > 1
     assert times > 1 and said[-1] >= times, (said, times)
-
-
-def test_resume_without_a_checkpoint_ends_in_one_line_before_any_work(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(tmp_path / "base"))
-    status, _, err = run_train(monkeypatch, capsys, *TINY, "--data=stdlib", "--run=never", "--resume")
-    assert status == 2 and len(err.strip().splitlines()) == 1, err
-    assert carries(err, "never", str(tmp_path / "base" / "runs" / "never"), "--resume"), err
-    assert list((tmp_path / "base").iterdir()) == []  # no tokenizer trained, no run folder made
 
 
 def test_a_command_refused_before_training_leaves_no_lock_in_the_run_folder(tmp_path, monkeypatch, capsys):
