@@ -39,13 +39,23 @@ ERRORS = [  # (command and flags, status, words naming the problem, words naming
     (["-m", "experiments.scaling", "fit", "--mu_rec=1,x"], 2, ["--mu_rec", "1,x"], ["numbers"]),
     (["-m", "experiments.scaling", "fit", "--preset=cpu"], 2, ["cpu", "{base}/runs"],
      ["python -m experiments.scaling run --preset=cpu"]),  # no finished run: the command that trains them
+    (["train.py", *TINY, "--data=stdlib", "--depth=4"], 2, ["depth", "4"], ["3"]),  # not a multiple of 3
+    (["train.py", *TINY, "--data=stdlib", "--d_model=100"], 2, ["d_model", "100"], ["head_dim", "32"]),
+    (["train.py", *TINY, "--data=stdlib", "--total_batch_size=300"], 2, ["total_batch_size", "300"],
+     ["device_batch_size"]),
     (["train.py"], 2, ["{base}/fineweb-edu"], ["python -m nanoparcae.dataset download", "bash runs/cpu.sh"]),
     (["train.py", *TINY, "--data=stdlib", "--run=never", "--resume"], 2, ["never", "{base}/runs/never"],
      ["--resume"]),
 ]
 
 
-@pytest.mark.parametrize("args, status, problem, fix", ERRORS, ids=[" ".join(case[0][:4]) for case in ERRORS])
+def case_id(args):
+    """The command's name and its last two words: train.py --data=stdlib --depth=4."""
+    name = args[1] if args[0] == "-m" else args[0]
+    return " ".join([name, *args[2 if args[0] == "-m" else 1:][-2:]])
+
+
+@pytest.mark.parametrize("args, status, problem, fix", ERRORS, ids=[case_id(case[0]) for case in ERRORS])
 def test_bad_input_ends_in_one_line_naming_the_problem_and_the_fix(args, status, problem, fix, monkeypatch, capsys):
     base = Path(os.environ["NANOPARCAE_BASE_DIR"])
     result = run_here(args, monkeypatch, capsys)
