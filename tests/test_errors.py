@@ -43,6 +43,7 @@ ERRORS = [  # (command and flags, status, words naming the problem, words naming
     (["train.py", *TINY, "--data=stdlib", "--d_model=100"], 2, ["d_model", "100"], ["head_dim", "32"]),
     (["train.py", *TINY, "--data=stdlib", "--total_batch_size=300"], 2, ["total_batch_size", "300"],
      ["device_batch_size"]),
+    (["sample.py", "--prompt=hi"], 1, ["{base}/runs"], ["python train.py"]),  # where it looked, what makes one
     (["train.py"], 2, ["{base}/fineweb-edu"], ["python -m nanoparcae.dataset download", "bash runs/cpu.sh"]),
     (["train.py", *TINY, "--data=stdlib", "--run=never", "--resume"], 2, ["never", "{base}/runs/never"],
      ["--resume"]),
