@@ -461,4 +461,4 @@ if __name__ == "__main__":
     try:
         main()
     except (OSError, ValueError) as err:  # bad flags or data, a failed download, a base folder that cannot be written
-        sys.exit(f"nanoparcae.dataset: {err}")
+        fail(err)

@@ -142,10 +142,10 @@ def step_losses(base, name):
 def test_a_run_stopped_by_a_full_disk_continues_where_it_saved_once_there_is_room(corpus, tmp_path):
     """A save at step 4 finds the disk full: one line, status 1, the step-2 checkpoint kept; a partial file left
     as a kill would leave it is removed at the next start, which finishes with the unbroken run's losses."""
-    (tmp_path / "filling.py").write_text(FILLING)
+    (tmp_path / "filling").write_text(FILLING)
     flags = [f"--data={corpus / 'corpus.txt'}", *TINY, "--save_every=2", "--run=full"]
     env = train_env(corpus, base=tmp_path / "base")
-    stopped = python([str(tmp_path / "filling.py"), *flags], env)
+    stopped = python([str(tmp_path / "filling"), *flags], env)
     run_dir = tmp_path / "base" / "runs" / "full"
     assert stopped.returncode == 1 and len(stopped.stderr.strip().splitlines()) == 1, stopped.stderr[-3000:]
     assert carries(stopped.stderr, str(run_dir), "full"), stopped.stderr

@@ -7,6 +7,7 @@ with a weight perturbed. runs/test.sh runs `bash runs/gpu_check.sh --tiny` itsel
 import json
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from conftest import ROOT, TINY, python, train_env
@@ -188,6 +189,7 @@ def test_a_resume_that_is_not_the_unbroken_run_fails_4d(tmp_path, capsys, monkey
                                                                     "unbroken one 1-16")
 
 
+@pytest.mark.slow
 def test_a_recompile_limit_hit_fails_4b_though_the_graph_count_stays_flat(tmp_path, capsys, corpus):
     """A real train.py run with dynamo's recompile limits forced to 2 as the fault GPU_CHECK_FAULT=recompile_limit
     forces them: its counters and its warning both fail 4b, each on its own."""

@@ -68,9 +68,9 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 @pytest.mark.slow
 def test_two_ranks_initialise_once_on_rank_0_and_a_resume_never(corpus, tmp_path):
-    (tmp_path / "counting.py").write_text(COUNTING)
+    (tmp_path / "counting").write_text(COUNTING)
     command = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--",
-               str(tmp_path / "counting.py"), f"--data={corpus / 'corpus.txt'}", *TINY, "--run=counted"]
+               str(tmp_path / "counting"), f"--data={corpus / 'corpus.txt'}", *TINY, "--run=counted"]
     env = train_env(corpus, base=tmp_path / "base")
     fresh = python([*command, "--stop_at=2"], env)
     assert fresh.returncode == 0, fresh.stderr[-3000:]

@@ -93,6 +93,7 @@ def step_losses(corpus, run, base=None, whole_lines=False):
     return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
 
 
+@pytest.mark.slow
 def test_resumed_run_gives_exactly_the_losses_of_an_uninterrupted_run(corpus, one, first_two):
     """Stopped after step 2, the run is refused under another --d_model and --mu_rec (one line naming both, its
     files untouched); then continued from a copy of the base folder elsewhere (the tokenizer and the corpus are
@@ -132,6 +133,7 @@ def logged_steps(run_dir):
     return steps
 
 
+@pytest.mark.slow
 def test_the_same_command_after_a_kill_continues_from_the_checkpoint_and_a_finished_run_stays_done(corpus):
     """Killed from outside once it has logged steps past a checkpoint, the run refuses another --seed (its files
     untouched), and the same command again continues from that checkpoint: it is kept until the next save, each step
@@ -171,6 +173,7 @@ def test_the_same_command_after_a_kill_continues_from_the_checkpoint_and_a_finis
     assert untouched(run_dir) == files
 
 
+@pytest.mark.slow
 def test_a_run_whose_files_changed_is_not_continued_on_them(corpus, beside):
     beside["changed"].result()  # stopped after step 2
     changed = corpus / "changed.txt"
@@ -181,6 +184,7 @@ def test_a_run_whose_files_changed_is_not_continued_on_them(corpus, beside):
     assert logged_steps(corpus / "base" / "runs" / "changed") == [1, 2]
 
 
+@pytest.mark.slow
 def test_a_damaged_newest_checkpoint_is_named_and_left_as_it_is(corpus, tmp_path, first_two):
     """A truncated checkpoint: one line naming the file, that it is truncated or unreadable, what to do; the folder
     stays as it was."""
@@ -195,6 +199,7 @@ def test_a_damaged_newest_checkpoint_is_named_and_left_as_it_is(corpus, tmp_path
     assert untouched(run_dir) == files
 
 
+@pytest.mark.slow
 def test_a_command_forked_from_the_suites_torch_is_the_command_in_a_fresh_interpreter(corpus, one):
     """The suite starts its commands as forks of a process that imported torch already (conftest.Started): the same
     command in a fresh interpreter logs the same records and ends with the same weights, bit for bit."""
@@ -209,12 +214,14 @@ def test_a_command_forked_from_the_suites_torch_is_the_command_in_a_fresh_interp
     assert weights.keys() == reference.keys() and all(torch.equal(weights[name], reference[name]) for name in weights)
 
 
+@pytest.mark.slow
 def test_two_processes_give_the_losses_of_one(one, two):
     assert list(one) == list(two) == list(range(1, 9))
     for step in one:
         assert two[step] == pytest.approx(one[step], rel=1e-4), step
 
 
+@pytest.mark.slow
 def test_two_nodes_give_the_losses_and_weights_of_one_process(corpus, one):
     # two torchrun launches, one process each, meeting at a c10d rendezvous as two machines would
     with socket.socket() as s:
@@ -236,6 +243,7 @@ def test_two_nodes_give_the_losses_and_weights_of_one_process(corpus, one):
         torch.testing.assert_close(weights[name], reference[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow
 def test_a_killed_rank_is_restarted_and_the_run_ends_with_the_weights_of_an_unbroken_run(corpus, two):
     # the last rank SIGKILLs itself after step 6; torchrun restarts both workers, which resume from the
     # step-4 checkpoint and recompute steps 5 and 6 exactly
@@ -253,6 +261,7 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_with_the_weights_of_an_unbr
         assert torch.equal(weights[name], reference[name]), name  # bit for bit
 
 
+@pytest.mark.slow
 def test_bf16_autocast_on_a_cpu_tracks_float32(corpus, one, beside):
     # --dtype=bfloat16 runs the GPU's autocast on a CPU; after 8 steps the losses differ by ~0.2% here
     result = beside["bf16"].result()
@@ -266,6 +275,7 @@ def test_bf16_autocast_on_a_cpu_tracks_float32(corpus, one, beside):
     assert evals["bf16"]["val_loss_T3"] == pytest.approx(evals["one"]["val_loss_T3"], rel=1e-2)
 
 
+@pytest.mark.slow
 def test_non_finite_gradients_are_skipped_and_the_run_goes_on(corpus, beside):
     result = beside["nan"].result()  # step 3's gradients poisoned
     assert carries(result.stdout, "non-finite", "skipped", "1"), result.stdout
@@ -276,6 +286,7 @@ def test_non_finite_gradients_are_skipped_and_the_run_goes_on(corpus, beside):
     assert [r for r in records if "val_loss_T1" in r][-1]["val_loss_T1"] < 100
 
 
+@pytest.mark.slow
 def test_a_run_non_finite_for_k_steps_is_declared_diverged_and_keeps_its_last_good_checkpoint(corpus, first_two,
                                                                                                 beside):
     result = beside["diverged"].result()  # steps 3 to 5 poisoned, 3 allowed
@@ -293,6 +304,7 @@ def test_a_run_non_finite_for_k_steps_is_declared_diverged_and_keeps_its_last_go
         assert torch.equal(kept[name], first_two[name]), name
 
 
+@pytest.mark.slow
 def test_a_state_past_the_bound_for_k_steps_is_declared_diverged(corpus, beside):
     result = beside["exploded"].result()  # a bound of 1e-3 on ||h_T||, 2 steps allowed
     assert result.returncode == 3
@@ -322,6 +334,7 @@ def evals(corpus, one, beside):
                "ppl": pool.submit(per_document_ppl)}
 
 
+@pytest.mark.slow
 def test_a_run_that_never_learned_is_not_stopped_by_its_val_loss_and_another_rate_is_another_run(corpus, beside,
                                                                                                  evals):
     """At a rate of 3 every eval is far above ln 320, from the first (step 2): the run never learned, so it has
@@ -336,6 +349,7 @@ def test_a_run_that_never_learned_is_not_stopped_by_its_val_loss_and_another_rat
     assert carries(message, "adamw_lr", "3.0", "0.008", "muon_lr", "3.0", "0.008"), message
 
 
+@pytest.mark.slow
 def test_an_eval_back_at_a_uniform_guess_stops_a_run_that_had_learned_also_across_a_resume(corpus, beside):
     """A 4-step concat run that barely moves its initial weights (a rate of 1e-9) scores about ln 320 at its step-2
     eval, a little above: it has not learned yet, so it has nothing to have lost, and it ends with its checkpoint.
@@ -416,6 +430,7 @@ def test_initial_weights_are_not_stopped_by_their_val_loss_for_any_injection_or_
     assert scores["none", 256, 320] > 1, scores
 
 
+@pytest.mark.slow
 def test_eval_core_bpb_gives_train_pys_last_eval(corpus, one, evals):
     """README's L(T) command on a run's checkpoint, with train.py's eval tokens and device batch: its losses at the
     depths train.py evaluates are the last `eval |` line's, in the JSON it writes beside the checkpoint."""
@@ -430,6 +445,7 @@ def test_eval_core_bpb_gives_train_pys_last_eval(corpus, one, evals):
     assert trained == pytest.approx({T: last_eval[f"val_loss_T{T}"] for T in trained}, rel=1e-6)
 
 
+@pytest.mark.slow
 def test_authors_per_batch_sampling_trains_and_per_document_ppl_runs(corpus, beside, evals):
     beside["per_batch"].result()
     result = evals["ppl"].result()  # status 0 asserted
@@ -494,10 +510,7 @@ def test_every_bad_sample_flag_value_ends_in_one_line_naming_it(tmp_path, monkey
     assert not base.exists() or not any(base.rglob("*"))
 
 
-@pytest.mark.parametrize("flags,named", [  # the flags and values the line must name
-    (["--depth=4"], ["depth", "4", "3"]),  # 4 is not a multiple of 3
-    (["--d_model=100"], ["d_model", "100", "head_dim", "32"]),
-    (["--total_batch_size=300"], ["total_batch_size", "300", "device_batch_size"]),
+@pytest.mark.parametrize("flags,named", [  # the flags and values the line must name; test_errors.py has more
     (["--dev=cuda"], ["--dev=cuda"]),  # no prefix matching: not --device, not --device_batch_size
     (["--seq_len=0"], ["--seq_len", "0"]),
 ])
@@ -505,13 +518,6 @@ def test_bad_input_ends_with_one_clear_line(flags, named, monkeypatch, capsys):
     status, _, err = run_train(monkeypatch, capsys, *TINY, "--data=stdlib", *flags)
     assert status == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
     assert carries(err, *named), err
-
-
-def test_no_fineweb_shards_name_the_download_and_the_cpu_run(tmp_path, monkeypatch, capsys):
-    """Bare `python train.py` (the paper's 140M on FineWeb-Edu) on a machine without the shards."""
-    status, _, err = run_train(monkeypatch, capsys)
-    assert status == 2 and len(err.strip().splitlines()) == 1, err
-    assert "python -m nanoparcae.dataset download" in err and "bash runs/cpu.sh" in err
 
 
 def write_fineweb_shards(base, indices):
@@ -526,6 +532,7 @@ def write_fineweb_shards(base, indices):
     (base / "shard.txt").unlink()
 
 
+@pytest.mark.slow
 def test_a_fineweb_run_reads_its_shards_once_and_continues_only_on_the_same_ones(tmp_path):
     """A horizon beyond the training shards on disk is refused, naming the download, before the run folder
     exists; a run within them records its shards, and the same command with a shard added is refused naming
@@ -547,6 +554,7 @@ def test_a_fineweb_run_reads_its_shards_once_and_continues_only_on_the_same_ones
     assert "resumed fw at step 4" in train(tmp_path, *fineweb, base=base).stdout
 
 
+@pytest.mark.slow
 def test_a_corpus_read_more_than_once_says_how_often_and_logs_each_epoch(tmp_path):
     """120 documents, read ahead by the loaders' buffers and trained on several times: each new epoch is said once,
     in order, and the loaders read at least as many as the start-up line said the run trains on."""
@@ -557,14 +565,6 @@ def test_a_corpus_read_more_than_once_says_how_often_and_logs_each_epoch(tmp_pat
     said = [int(n) for n in re.findall(r"began reading epoch (\d+) of the data", result.stdout)]
     assert said == list(range(said[0], said[-1] + 1)) and len(said) > 1
     assert times > 1 and said[-1] >= times, (said, times)
-
-
-def test_resume_without_a_checkpoint_ends_in_one_line_before_any_work(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(tmp_path / "base"))
-    status, _, err = run_train(monkeypatch, capsys, *TINY, "--data=stdlib", "--run=never", "--resume")
-    assert status == 2 and len(err.strip().splitlines()) == 1, err
-    assert carries(err, "never", str(tmp_path / "base" / "runs" / "never"), "--resume"), err
-    assert list((tmp_path / "base").iterdir()) == []  # no tokenizer trained, no run folder made
 
 
 def test_a_command_refused_before_training_leaves_no_lock_in_the_run_folder(tmp_path, monkeypatch, capsys):
