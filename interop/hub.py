@@ -477,14 +477,18 @@ def their_name(name, config):
 def authors_state_dict(model):
     """Our model -> its state dict under their names, q and k rows back in their interleaved RoPE order. Left
     out: lm_head.weight (their Parcae ties it to wte; their GPT, without the fused head, builds a (d, V) one it
-    never reads when tied) and freqs_cis (their model computes it)."""
+    never reads when tied) and freqs_cis (their model computes it). A CPU model's tensors are shared, not
+    copied: only the reordered q and k rows are new."""
     c = model.config
     back = torch.argsort(rope_order(c.head_dim))
     out = {}
     for name, tensor in model.state_dict().items():
         if name.endswith(("attn.c_q.weight", "attn.c_k.weight")):
             tensor = tensor.view(c.n_head, c.head_dim, -1)[:, back].reshape(tensor.shape)
-        out[their_name(name, c)] = tensor.detach().cpu().clone()
+        tensor = tensor.detach().cpu()
+        if tensor.untyped_storage().nbytes() != tensor.nbytes or not tensor.is_contiguous():
+            tensor = tensor.clone()  # torch.save writes a view's whole storage
+        out[their_name(name, c)] = tensor
     return out
 
 

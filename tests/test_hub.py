@@ -452,6 +452,20 @@ def test_export_writes_what_their_source_names(injection):
     assert config["use_fused_head"] is False and config["tie_embeddings"] is True
 
 
+def test_export_holds_one_copy_of_the_weights(tmp_path, monkeypatch):
+    """What export hands torch.save is the model's own storage, but for the q and k rows it reorders, and the
+    file it writes is byte for byte the one a copy of every tensor writes."""
+    model, saved, save = tiny_model("diagonal", seed=5), {}, torch.save
+    monkeypatch.setattr(torch, "save", lambda obj, path: (saved.update(obj), save(obj, path)))
+    hub.export(model, tokenizer_for_export(), tmp_path / "out")
+    ours = {tensor.untyped_storage().data_ptr() for tensor in model.state_dict().values()}
+    new = {name for name, tensor in saved.items() if tensor.untyped_storage().data_ptr() not in ours}
+    assert new and new == {name for name in saved if name.endswith(("attn.c_q.weight", "attn.c_k.weight"))}
+    (tmp_path / "copied").mkdir()  # the same file name: the zip's records are named after it
+    save({name: tensor.clone() for name, tensor in saved.items()}, tmp_path / "copied" / "model.pt.tmp")
+    assert (tmp_path / "out" / "model.pt").read_bytes() == (tmp_path / "copied" / "model.pt.tmp").read_bytes()
+
+
 def test_exported_config_round_trips():
     parcae = ParcaeConfig(vocab_size=300, seq_len=64, n_prelude=1, n_recur=2, n_coda=1, d_model=64, head_dim=32,
                           mu_rec=6, mu_bwd=2, injection="concat", sampling="per_batch", prelude_norm=False)

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import sample
+from nanoparcae.dataset import list_chunks
 from nanoparcae.divergence import Divergence
 from conftest import (ROOT, TINY, Started, carries, python, refused, train, train_command, train_env, untouched,
                       write_corpus)
@@ -67,9 +68,29 @@ def one(corpus, beside):
 
 
 @pytest.fixture(scope="module")
-def two(corpus):
-    """Two processes on this node, 1 micro-batch of 4 each; DDP set up without its deprecated arguments."""
-    result = train(corpus, "--run=two", nproc=2)
+def chunked(corpus):
+    """--data= a folder of the corpus's paragraphs, one file each: chunks of FILES_PER_CHUNK files, so that
+    ranks reading the chunks in different orders read different documents."""
+    folder = corpus / "chunked"
+    folder.mkdir()
+    for i, paragraph in enumerate((corpus / "corpus.txt").read_text().split("\n\n")):
+        (folder / f"{i:03d}.txt").write_text(paragraph)
+    assert len(list_chunks(str(folder), "train")) > 1
+    return f"--data={folder}"
+
+
+@pytest.fixture(scope="module")
+def one_chunked(corpus, chunked):
+    """`one` on the chunked corpus."""
+    train(corpus, "--run=one_chunked", chunked)
+    return step_losses(corpus, "one_chunked")
+
+
+@pytest.fixture(scope="module")
+def two(corpus, chunked):
+    """Two processes on this node, 1 micro-batch of 4 each, on the chunked corpus; DDP set up without its deprecated
+    arguments."""
+    result = train(corpus, "--run=two", chunked, nproc=2)
     assert "Warning" not in result.stderr, result.stderr[-3000:]
     return step_losses(corpus, "two")
 
@@ -215,10 +236,10 @@ def test_a_command_forked_from_the_suites_torch_is_the_command_in_a_fresh_interp
 
 
 @pytest.mark.slow
-def test_two_processes_give_the_losses_of_one(one, two):
-    assert list(one) == list(two) == list(range(1, 9))
-    for step in one:
-        assert two[step] == pytest.approx(one[step], rel=1e-4), step
+def test_two_processes_give_the_losses_of_one(one_chunked, two):
+    assert list(one_chunked) == list(two) == list(range(1, 9))
+    for step in one_chunked:
+        assert two[step] == pytest.approx(one_chunked[step], rel=1e-4), step
 
 
 @pytest.mark.slow
@@ -244,13 +265,13 @@ def test_two_nodes_give_the_losses_and_weights_of_one_process(corpus, one):
 
 
 @pytest.mark.slow
-def test_a_killed_rank_is_restarted_and_the_run_ends_with_the_weights_of_an_unbroken_run(corpus, two):
+def test_a_killed_rank_is_restarted_and_the_run_ends_with_the_weights_of_an_unbroken_run(corpus, chunked, two):
     # the last rank SIGKILLs itself after step 6; torchrun restarts both workers, which resume from the
     # step-4 checkpoint and recompute steps 5 and 6 exactly
     launch = dict(nproc=2, torchrun=("--standalone", "--max_restarts=1"))
     with ThreadPoolExecutor(1) as pool:  # two jobs that share nothing, side by side
         sharing = pool.submit(train, corpus, "--run=shared_store", **launch, fault="kill_step=1", expect_ok=False)
-        result = train(corpus, "--run=elastic", "--save_every=4", **launch, fault="kill_step=6",
+        result = train(corpus, "--run=elastic", chunked, "--save_every=4", **launch, fault="kill_step=6",
                        env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     shared = sharing.result()
     assert shared.returncode != 0 and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in shared.stderr  # a clear line
