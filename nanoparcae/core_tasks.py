@@ -169,7 +169,8 @@ def download_eval_bundle(url=EVAL_BUNDLE_URL, base_dir=None):
 
 
 # CORE's bundle on every rank, or CORE skipped on every rank.
-# A rank without the tasks would never join CORE's per-task all_reduce; the others would wait until the timeout.
+# A rank without the tasks would never join CORE's per-task all_reduce.
+# The others would wait for it until the timeout.
 
 def shared_eval_bundle(device, url=EVAL_BUNDLE_URL):
     """-> (the bundle's folder, None) on every rank, or (None, why) on every rank if any lacks it.

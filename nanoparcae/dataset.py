@@ -102,7 +102,8 @@ def download_shards(indices, base_url=FINEWEB_URL, num_workers=4, max_attempts=5
         return list(pool.map(lambda i: download_shard(i, base_url, max_attempts, retry_delay), indices))
 
 # -----------------------------------------------------------------------------
-# Data sources: a split is a list of chunks (a parquet row group, or a group of text files), each a list of documents
+# Data sources: a split is a list of chunks, each a list of documents.
+# A chunk is a parquet row group, or a group of text files.
 
 class Chunk(NamedTuple):
     paths: tuple  # the files read together
