@@ -1,5 +1,6 @@
 """
-nanoparcae/flags.py: the flag types every command's argparse uses, so a bad value is one line, said one way.
+nanoparcae/flags.py: the flag types every command's argparse uses.
+A bad value is one line, said one way.
 """
 
 import argparse
