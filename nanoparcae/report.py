@@ -153,23 +153,30 @@ def run_section(run):
             f"- last train loss: {number(steps[-1]['loss'] if steps else None)}", ""]
 
 
-def stage_seconds(run, name):
-    """The seconds a recipe stage ran, summed over its attempts; None when it never ran."""
-    times = [stage["seconds"] for stage in run["stages"] if stage["stage"] == name and not stage.get("skipped")]
-    return sum(times) if times else None
+def stage_attempts(run, name):
+    """A recipe stage's records in stages.jsonl -> (attempts, seconds of those that ended, interrupted, skips,
+    the last ended attempt's status or None)."""
+    records = [r for r in run["stages"] if r["stage"] == name]
+    started = [r for r in records if "started" in r]
+    ended = [r for r in records if "seconds" in r]
+    skips = sum(bool(r.get("skipped")) for r in records)
+    last = next((r for r in reversed(records) if "started" in r or "seconds" in r), {})
+    return (len(started), sum(r["seconds"] for r in ended), len(started) - len(ended), skips,
+            last.get("status"))
 
 
 def how_it_ran_section(run):
     model, args, metrics = run["model"], run["args"], run["metrics"]
     steps = [r for r in metrics if "loss" in r]
-    train_s = stage_seconds(run, "train")
+    attempts, train_s, interrupted, _, _ = stage_attempts(run, "train")
     tokens = run["step"] * args["total_batch_size"]
     last = next((r for r in reversed(steps) if r.get("tokens_per_s")), {})
     lines = ["## How it ran", ""]
-    lines.append(f"- training's wall time: " + (f"{train_s / 60:.1f} min over "
-                 f"{sum(s['stage'] == 'train' and not s.get('skipped') for s in run['stages'])} attempt(s), "
-                 f"{tokens / train_s:,.0f} tokens/s on average (start-up, evals and restarts included)"
-                 if train_s else "not recorded (no recipe/stages.jsonl)"))
+    lines.append("- training's wall time: " + (
+        f"{train_s / 60:.1f} min over {attempts} attempt(s)"
+        + (f" ({interrupted} interrupted, whose time is not recorded)" if interrupted else "")
+        + f", {tokens / train_s:,.0f} tokens/s on average (start-up, evals and restarts included)"
+        if train_s else "not recorded (no recipe/stages.jsonl)"))
     lines.append(f"- tokens/s at the last logged step: {number(last.get('tokens_per_s'), '{:,.0f}')}"
                  + (f", MFU {last['mfu']:.1%}" if last.get("mfu") else " (MFU: GPU runs only)"))
     peaks = [r["peak_memory"] for r in steps if r.get("peak_memory")]
@@ -187,14 +194,14 @@ def how_it_ran_section(run):
         f"step {r['step']}: " + (f"diverged at {r['diverged_at']} ({r['reason']})" if "diverged_at" in r
                                  else f"warning, {r['warning']} {r.get('h_norm', 0):.3g} > {r.get('limit', 0):g}")
         for r in events)))
-    recipe = run["stages"]
-    if recipe:
-        lines += ["", "| stage | attempts | seconds | status |", "|---|---|---|---|"]
-        for name in dict.fromkeys(stage["stage"] for stage in recipe):
-            tries = [stage for stage in recipe if stage["stage"] == name]
-            ran = [stage for stage in tries if not stage.get("skipped")]
-            status = "skipped: done before" if not ran else f"exit {ran[-1]['status']}"
-            lines.append(f"| {name} | {len(ran)} | {sum(s['seconds'] for s in ran):.0f} | {status} |")
+    if run["stages"]:
+        lines += ["", "| recipe stage | attempts | seconds | result |", "|---|---|---|---|"]
+        for name in dict.fromkeys(stage["stage"] for stage in run["stages"]):
+            attempts, seconds, interrupted, skips, status = stage_attempts(run, name)
+            result = "interrupted" if status is None and attempts else \
+                "done" if status == 0 else "-" if status is None else f"exit status {status}"
+            lines.append(f"| {name} | {attempts} | {seconds:.0f} | {result}"
+                         + (f"; skipped on {skips} later run(s)" if skips else "") + " |")
     return lines + [""]
 
 

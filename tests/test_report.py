@@ -47,8 +47,10 @@ def made_up_run():
         {"T": 8, "seed": 1234, "max_per_task": -1, "core": 0.15, "core_extended": 0.1,
          "accuracy": {"copa": 0.625, "mmlu_zeroshot": 0.3}, "centered": {"copa": 0.25, "mmlu_zeroshot": 0.0625},
          "skipped": {}}]})
-    stages = [{"stage": "download", "seconds": 0, "status": 0, "skipped": True},
-              {"stage": "train", "seconds": 30.0, "status": 137}, {"stage": "train", "seconds": 50.0, "status": 0}]
+    stages = [{"stage": "download", "started": 1}, {"stage": "download", "seconds": 5, "status": 0},
+              {"stage": "train", "started": 6},  # killed: no end
+              {"stage": "download", "skipped": True}, {"stage": "train", "started": 99},
+              {"stage": "train", "seconds": 50, "status": 0}]
     (recipe / "stages.jsonl").write_text("".join(json.dumps(s) + "\n" for s in stages))
     write_json(recipe / "machine.json", {"gpus": ["NVIDIA H100 80GB HBM3"] * 8, "cpu": "x", "cpu_count": 64,
                                          "torch": "2.13.0", "cuda": "12.8", "commit": "abc123", "processes": 8})
@@ -66,13 +68,13 @@ def test_card_shows_the_numbers_of_the_run_files():
     assert "2,560 trained" in card  # step 10 x 256 tokens
     assert f"{model.flops_per_token() * 2560:.4e} trained" in card
     assert f"{model.matmul_flops_per_token() * 2560:.4e} trained" in card
-    assert "1.3 min over 2 attempt(s)" in card and f"{2560 / 80:,.0f} tokens/s" in card  # 30 s + 50 s
+    assert "0.8 min over 2 attempt(s) (1 interrupted" in card and f"{2560 / 50:,.0f} tokens/s" in card
     assert "10,000" in card and "MFU 10.0%" in card  # step 10's, the torn step 12 skipped
     plan = memory_plan(model, 4, True, optimizer_state_bytes(model))["total"]
     assert f"1.0 GB measured, {plan / 1e9:.1f} GB planned" in card
     assert "skipped steps (non-finite gradients): 1" in card
     assert "step 6: warning, h_norm 7e+04 > 10000" in card
-    assert "| train | 2 | 80 | exit 0 |" in card and "| download | 0 | 0 | skipped: done before |" in card
+    assert "| train | 2 | 50 | done |" in card and "| download | 1 | 5 | done; skipped on 1 later run(s) |" in card
     assert "| 8 | 3.8750 | 1.1875 | 20.50 |" in card and "| 1 | 4.5000 | 1.5000 | - |" in card
     assert "L_inf 3.8000" in card and "-1.94%" in card  # (3.8 - 3.875) / 3.875
     assert "| val PPL | 19.06 | 20.50 | +1.44 |" in card  # METHOD.md §4, Parcae 140M
