@@ -155,14 +155,16 @@ def run_section(run):
 
 def stage_attempts(run, name):
     """A recipe stage's records in stages.jsonl -> (attempts, seconds of those that ended, interrupted, skips,
-    the last ended attempt's status or None)."""
+    its result: "done", "exit status N", "interrupted", or "running" for the stage writing this card)."""
     records = [r for r in run["stages"] if r["stage"] == name]
     started = [r for r in records if "started" in r]
     ended = [r for r in records if "seconds" in r]
-    skips = sum(bool(r.get("skipped")) for r in records)
+    running = bool(started) and started[-1] is run["stages"][-1]  # the last line of all: still going
     last = next((r for r in reversed(records) if "started" in r or "seconds" in r), {})
-    return (len(started), sum(r["seconds"] for r in ended), len(started) - len(ended), skips,
-            last.get("status"))
+    result = "running" if running else "interrupted" if "started" in last else \
+        "done" if last.get("status") == 0 else f"exit status {last['status']}" if last else "-"
+    return (len(started), sum(r["seconds"] for r in ended), len(started) - len(ended) - running,
+            sum(bool(r.get("skipped")) for r in records), result)
 
 
 def how_it_ran_section(run):
@@ -197,11 +199,11 @@ def how_it_ran_section(run):
     if run["stages"]:
         lines += ["", "| recipe stage | attempts | seconds | result |", "|---|---|---|---|"]
         for name in dict.fromkeys(stage["stage"] for stage in run["stages"]):
-            attempts, seconds, interrupted, skips, status = stage_attempts(run, name)
-            result = "interrupted" if status is None and attempts else \
-                "done" if status == 0 else "-" if status is None else f"exit status {status}"
+            attempts, seconds, interrupted, skips, result = stage_attempts(run, name)
             lines.append(f"| {name} | {attempts} | {seconds:.0f} | {result}"
                          + (f"; skipped on {skips} later run(s)" if skips else "") + " |")
+        total = sum(r["seconds"] for r in run["stages"] if "seconds" in r)
+        lines.append(f"| all | | {total:.0f} ({total / 3600:.2f} h) | |")
     return lines + [""]
 
 
@@ -251,7 +253,9 @@ def core_section(run):
              f"At T = {first['T']}, few-shot seed {first['seed']}, "
              + ("every item" if first["max_per_task"] == -1 else f"{first['max_per_task']} items a task")
              + f": CORE {number(first['core'])}, Core-Extended {number(first['core_extended'])}"
-             + (f"; skipped: {', '.join(sorted(first['skipped']))}" if first["skipped"] else "") + ".", "",
+             + (f"; {len(first['skipped'])} task(s) skipped ("
+                + (", ".join(sorted(first["skipped"])) if len(first["skipped"]) <= 5 else "the JSON names them")
+                + ", and why)" if first["skipped"] else "") + ".", "",
              "| task | set | accuracy | centered |", "|---|---|---|---|"]
     for label, accuracy in first["accuracy"].items():
         lines.append(f"| {label} | {'CORE' if label in CORE_LABELS else 'extended'} | {accuracy:.4f} | "

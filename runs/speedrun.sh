@@ -22,6 +22,7 @@
 #     DOWNLOAD_FLAGS="..."       the download's size in place of --depth=D, e.g. "-n 50"
 #     FINEWEB_URL, EVAL_BUNDLE_URL   mirrors of the shards' host and of the eval bundle
 #     PROMPT="..."               the samples' prompt
+#     TORCH_INDEX=URL            the wheel index of torch's CUDA build (default PyPI's), e.g. for an older driver
 #     CPU_REHEARSAL=1            rehearse every stage on a CPU (gloo, no GPU check); SKIP_SETUP=1 keeps this Python
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -52,11 +53,12 @@ echo "== runs/speedrun.sh: depth $depth, injection $injection, run $run under $N
 # setup: in this shell, so that its .venv stays active; quick once it is made
 start=$SECONDS
 if [ "${SKIP_SETUP:-0}" != 1 ]; then
-    if [ "$rehearsal" != 1 ] && [ ! -x .venv/bin/python ]; then
-        echo "setup: creating .venv with PyPI's torch, the CUDA build (several GB)"
-        python3 -m venv .venv
+    # runs/setup.sh would install the CPU build where no torch imports: the GPU's goes in first
+    if [ "$rehearsal" != 1 ] && ! .venv/bin/python -c "import torch" 2>/dev/null; then
+        [ -x .venv/bin/python ] || python3 -m venv .venv
+        echo "setup: installing ${TORCH_SPEC:-torch==2.13.0} from ${TORCH_INDEX:-PyPI}, the CUDA build (several GB)"
         .venv/bin/python -m pip install -q --upgrade pip
-        .venv/bin/python -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
+        .venv/bin/python -m pip install -q ${TORCH_INDEX:+--index-url "$TORCH_INDEX"} "${TORCH_SPEC:-torch==2.13.0}"
     fi
     . runs/setup.sh requirements.txt
 fi
@@ -73,8 +75,7 @@ export NPROC=${NPROC:-$([ "$rehearsal" = 1 ] && echo 2 || echo "$gpus")}
 launch=(python -m torch.distributed.run --standalone --nproc_per_node="$NPROC" --)
 vocab=32768
 if [[ " ${TRAIN_FLAGS:-} " =~ --vocab_size=([0-9]+) ]]; then vocab=${BASH_REMATCH[1]}; fi
-mkdir -p "$RECIPE"
-python -m nanoparcae.report --run="$run" --machine
+stage machine python -m nanoparcae.report --run="$run" --machine
 
 if [ "$rehearsal" != 1 ] && [ "${SKIP_GPU_CHECK:-0}" != 1 ]; then
     stage gpu_check bash runs/gpu_check.sh
@@ -92,9 +93,11 @@ eta() {  # the download's lines, each shard's with how many are done and an eta
         echo "$line"
     done
 }
+# A stage that is a function runs its commands in an `if` (stage's), where set -e is off: each one's `|| return`
 download() {  # the hosts' addresses are dataset.py's and core_tasks.py's unless the environment names mirrors
-    python -m nanoparcae.dataset download ${DOWNLOAD_FLAGS:---depth=$depth} ${FINEWEB_URL:+--base_url="$FINEWEB_URL"} \
-        | eta
+    show python -m nanoparcae.dataset download ${DOWNLOAD_FLAGS:---depth=$depth} \
+        ${FINEWEB_URL:+--base_url="$FINEWEB_URL"} | eta || return
+    echo "\$ the eval bundle from ${EVAL_BUNDLE_URL:-nanoparcae/core_tasks.py's EVAL_BUNDLE_URL}"
     python -c "import sys; from nanoparcae.core_tasks import download_eval_bundle
 try:
     print(f'the eval bundle: {download_eval_bundle(*sys.argv[1:])}')
@@ -107,27 +110,29 @@ stage tokenizer python -m nanoparcae.dataset tokenizer --data=fineweb-edu --voca
 stage train "${launch[@]}" train.py --depth="$depth" --injection="$injection" --mu_rec=$mu_rec --run="$run" \
     ${TRAIN_FLAGS:-}
 
-evaluate() { "${launch[@]}" eval_core.py --run="$run" "$@" ${EVAL_FLAGS:-}; }
 if [ "$injection" = none ]; then
     sweep=1; at=1  # the Transformer runs its blocks once, whatever T
 else
     sweep=1,2,4,8,16,32; at=$mu_rec
 fi
-stage eval_bpb evaluate --eval=bpb --T=$sweep --val_tokens=5242880
-stage eval_ppl evaluate --eval=ppl --T=$at
-stage eval_core evaluate --tasks=extended --T=$at ${EVAL_BUNDLE_URL:+--bundle_url="$EVAL_BUNDLE_URL"}
+evaluate=("${launch[@]}" eval_core.py --run="$run")
+stage eval_bpb "${evaluate[@]}" --eval=bpb --T=$sweep --val_tokens=5242880 ${EVAL_FLAGS:-}
+stage eval_ppl "${evaluate[@]}" --eval=ppl --T=$at ${EVAL_FLAGS:-}
+stage eval_core "${evaluate[@]}" --tasks=extended --T=$at ${EVAL_BUNDLE_URL:+--bundle_url="$EVAL_BUNDLE_URL"} \
+    ${EVAL_FLAGS:-}
 figures() {
-    python -m experiments.plot "$run" --metrics=loss -o "$NANOPARCAE_BASE_DIR/runs/$run/loss.png"
-    [ "$injection" = none ] || python -m experiments.plot --test_time="$run"
+    show python -m experiments.plot "$run" --metrics=loss -o "$NANOPARCAE_BASE_DIR/runs/$run/loss.png" || return
+    [ "$injection" = none ] || show python -m experiments.plot --test_time="$run"
 }
 stage figures figures
 samples() {  # samples T: sample.py's text at depth T, to recipe/samples_T<T>.txt
-    python sample.py --run="$run" --T="$1" --prompt="${PROMPT:-The meaning of life is}" --num_samples=3 \
-        --max_new_tokens=64 --seed=42 >"$RECIPE/samples_T$1.txt.tmp"
+    show python sample.py --run="$run" --T="$1" --prompt="${PROMPT:-The meaning of life is}" --num_samples=3 \
+        --max_new_tokens=64 --seed=42 >"$RECIPE/samples_T$1.txt.tmp" || return
     mv "$RECIPE/samples_T$1.txt.tmp" "$RECIPE/samples_T$1.txt"
     cat "$RECIPE/samples_T$1.txt"
 }
 stage samples_T1 samples 1
-[ "$at" = 1 ] || stage samples_T$at samples $at
-python -m nanoparcae.report --run="$run"
+[ "$at" = 1 ] || stage "samples_T$at" samples "$at"
+rm -f "$RECIPE/report.done"  # the card is written again on every run
+stage report python -m nanoparcae.report --run="$run"
 echo "== the report card: $NANOPARCAE_BASE_DIR/runs/$run/report.md"

@@ -8,6 +8,11 @@
 # stage continues from there. Each start, end and skip is a line of $RECIPE/stages.jsonl, which the report card
 # reads for the stages' times. A stage that fails stops the recipe with its status.
 
+show() {  # show COMMAND...: prints the command, then runs it (the lines of a stage that is a function)
+    echo "\$ $*" >&2  # stderr: the command's own output may be going to a file
+    "$@"
+}
+
 hms() {  # seconds -> 1h02m03s, 2m03s or 3s
     local s=$1
     if [ "$s" -ge 3600 ]; then printf '%dh%02dm%02ds' $((s / 3600)) $((s % 3600 / 60)) $((s % 60))
