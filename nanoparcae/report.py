@@ -180,7 +180,8 @@ def how_it_ran_section(run):
         + f", {tokens / train_s:,.0f} tokens/s on average (start-up, evals and restarts included)"
         if train_s else "not recorded (no recipe/stages.jsonl)"))
     lines.append(f"- tokens/s at the last logged step: {number(last.get('tokens_per_s'), '{:,.0f}')}"
-                 + (f", MFU {last['mfu']:.1%}" if last.get("mfu") else " (MFU: GPU runs only)"))
+                 + (f", MFU {last['mfu']:.1%}" if last.get("mfu") else
+                    " (no MFU: a CPU, or a GPU whose peak nanoparcae/common.py does not list)"))
     peaks = [r["peak_memory"] for r in steps if r.get("peak_memory")]
     if peaks:
         bf16 = args.get("dtype", "bfloat16") == "bfloat16"
@@ -210,7 +211,9 @@ def how_it_ran_section(run):
 def figures_section(run):
     lines = ["## Figures", ""]
     for title, path in (("loss curve", run["dir"] / "loss.png"), ("L(T) and its fitted law", run["lt_png"])):
-        if path and path.is_file():
+        if path == run["lt_png"] and run["bpb"] and "fit" not in run["bpb"]:
+            lines.append(f"- {title}: no fit, the loss was evaluated at fewer than 3 depths")
+        elif path and path.is_file():
             lines.append(f"![{title}]({path.name})")
         else:
             lines.append(f"- {title}: not drawn (runs/speedrun.sh's figures stage draws it)")
