@@ -97,7 +97,7 @@ eta() {  # the download's lines, each shard's with how many are done and an eta
 download() {  # the hosts' addresses are dataset.py's and core_tasks.py's unless the environment names mirrors
     show python -m nanoparcae.dataset download ${DOWNLOAD_FLAGS:---depth=$depth} \
         ${FINEWEB_URL:+--base_url="$FINEWEB_URL"} | eta || return
-    echo "\$ the eval bundle from ${EVAL_BUNDLE_URL:-nanoparcae/core_tasks.py's EVAL_BUNDLE_URL}"
+    echo "\$ the eval bundle from ${EVAL_BUNDLE_URL:-EVAL_BUNDLE_URL in nanoparcae/core_tasks.py}"
     python -c "import sys; from nanoparcae.core_tasks import download_eval_bundle
 try:
     print(f'the eval bundle: {download_eval_bundle(*sys.argv[1:])}')

@@ -29,8 +29,8 @@ KILL_AFTER = 7  # a step logged after the checkpoint of step 5
 def serve_data(server, tmp_path):
     """FineWeb-Edu's shard 0 and validation shard, and an eval bundle of 4 tasks (one of them extended)."""
     paragraphs = write_corpus(tmp_path / "corpus.txt").read_text().split("\n\n")
-    pq.write_table(pa.table({"text": paragraphs[:360]}), server.root / "shard_00000.parquet")
-    pq.write_table(pa.table({"text": paragraphs[360:]}), server.root / "shard_01822.parquet")
+    pq.write_table(pa.table({"text": paragraphs[:360]}), server.root / "shard_00000.parquet", row_group_size=16)
+    pq.write_table(pa.table({"text": paragraphs[360:]}), server.root / "shard_01822.parquet", row_group_size=8)
     records = {
         "commonsense_reasoning/copa.jsonl": [{"query": f"Item {i}: the loop", "choices": ["runs", "stops"],
                                               "gold": i % 2} for i in range(8)],
@@ -89,6 +89,7 @@ def test_rehearsal_killed_in_training_continues_and_its_card_reads_its_files(tmp
     times = stage_times(second.stdout)
     assert {name for name, text in times.items() if "skipped" in text} == {"machine", "download", "tokenizer"}
     assert "resumed d6_diagonal at step 5" in second.stdout
+    assert "the eval bundle: " in (run_dir / "recipe" / "download.log").read_text()  # fetched before training
     assert {"train", "eval_bpb", "eval_ppl", "eval_core", "figures", "samples_T1", "samples_T8"} <= set(times)
     print(log.read_text() + second.stdout)  # the stages and their times, for the note
 
