@@ -242,7 +242,7 @@ def test_a_rank_that_reads_another_order_fails_4f(tmp_path, capsys):
     in reverse order) 4f is not met; without it, met."""
     work, base = tmp_path / "work", tmp_path / "base"
     write_passing_check(work, base / "runs")
-    wrapper = tmp_path / "rank_order.py"
+    wrapper = tmp_path / "rank_order_train"
     wrapper.write_text(f"import sys\nsys.path.insert(0, {str(ROOT)!r})\n"
                        "from experiments.gpu_check import run_with_rank_order_fault\n"
                        "run_with_rank_order_fault()\n")

@@ -136,7 +136,9 @@ def test_the_runs_scripts_readme_names_run_only_readmes_commands():
     checked = 0
     for script in scripts:
         for line in joined((ROOT / script).read_text()).splitlines():
-            for words in split_commands(line) if line.startswith("python ") else []:
+            line = re.sub(r"^stage \w+ ", "", line)  # runs/stage.sh's `stage NAME COMMAND` runs COMMAND
+            # a command that holds a shell variable is the script's own plumbing, not one a user types
+            for words in split_commands(line) if line.startswith("python ") and "$" not in line else []:
                 assert words in shown, f"{script} runs `{shlex.join(words)}`, which README does not show"
                 checked += 1
     assert checked >= 3  # runs/cpu.sh trains and samples, runs/test.sh tests
