@@ -1,5 +1,5 @@
 """
-train.py: train Parcae (or a baseline) with the paper's recipe (METHOD.md §2), from a CPU to 8 GPUs.
+train.py: train Parcae (or a baseline) with the paper's recipe (METHOD.md §2), on a CPU or 8 GPUs.
 
     torchrun --nproc_per_node=8 train.py             # the defaults: the paper's 140M on FineWeb-Edu
     torchrun --nproc_per_node=8 train.py --depth=24  # the paper's 1.3B
@@ -38,8 +38,8 @@ from model import INJECTIONS, PAPER_TOKENS, SAMPLINGS, Parcae, ParcaeConfig
 from optim import (build_optimizer, learning_rate_for_depth, lr_multiplier, muon_momentum,
                    optimizer_state_bytes, weight_decay_at)
 from nanoparcae.checkpoint import training_model
-from nanoparcae.common import (fail, init_distributed, parse_device, peak_bf16_flops, print0,
-                               rank_and_world, spans, wait_for_rank0)
+from nanoparcae.common import (fail, init_distributed, no_buffer_sync, parse_device, peak_bf16_flops,
+                               print0, rank_and_world, spans, wait_for_rank0)
 from nanoparcae import dataset, memory
 from nanoparcae.checkpoint import save_and_prune
 from nanoparcae.core_tasks import shared_eval_bundle
@@ -259,7 +259,7 @@ if args.compile:
     from torch._dynamo.utils import counters as dynamo_counters
 if ddp:  # the RoPE tables are constant: no buffers to sync at each forward
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                forward_sync_buffers=False)
+                **no_buffer_sync())
 optimizer = build_optimizer(raw_model, adamw_lr=adamw_lr, muon_lr=args.muon_lr,
                             weight_decay=args.weight_decay, muon=args.optimizer == "muon")
 bf16 = args.dtype == "bfloat16"  # autocast: the matmuls in bfloat16, the weights in float32

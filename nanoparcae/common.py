@@ -5,6 +5,7 @@ Also the GPU peak table that MFU divides by.
 """
 
 import errno
+import inspect
 import os
 import shutil
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 # -----------------------------------------------------------------------------
 # Processes: torchrun sets RANK; NCCL on CUDA, gloo on CPU. A plain `python` run is one process.
@@ -50,6 +52,13 @@ def init_distributed(device, timeout=timedelta(minutes=10), rank0_timeout=timede
     # No NCCL op is then pending, which NCCL's watchdog would time out.
     RANK0_GROUP = dist.new_group(backend="gloo", timeout=rank0_timeout)
     return device
+
+
+def no_buffer_sync():
+    """DDP's keyword for no buffer sync at each forward; torch 2.13 renamed it.
+    The old one also skips the sync at start, which is safe: every rank computes its own RoPE tables."""
+    names = inspect.signature(DistributedDataParallel.__init__).parameters
+    return {"forward_sync_buffers": False} if "forward_sync_buffers" in names else {"broadcast_buffers": False}
 
 
 def wait_for_rank0():

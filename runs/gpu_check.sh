@@ -88,9 +88,10 @@ else
     COMPILE=(--compile=1)
     BENCH=(--repeats 3)  # bench.py's CUDA default is the 140M, 16 x 2048 per step
     # a 140M step of 2 x 8 x 2048 runs in well under a second; the 1.3B's at the plan's batch in a few; the stdlib
-    # tokenizer trains in 6 s and the depth-24 dry run takes 3 s on 2 slow CPU cores; CORE scores 24 short items
-    TOKENIZER=10; DRY=10; START=15; COMPILE_S=45; CACHED_S=25; COMPILE24_S=100; STEP=1; STEP24=10; EVAL=15; CORE=15
-    BENCH_S=90; SAMPLING_S=15
+    # tokenizer trains in 6 s; the depth-24 dry run took over 10 s on an H200 machine, where a process starts in
+    # about 12 s; CORE scores 24 short items
+    TOKENIZER=10; DRY=20; START=15; COMPILE_S=45; CACHED_S=25; COMPILE24_S=90; STEP=1; STEP24=10; EVAL=15; CORE=15
+    BENCH_S=90; SAMPLING_S=12
     WHOLE=570  # 10 minutes, less the table's 30 s
 fi
 resumed_steps=$((steps - kill_at / save_every * save_every))

@@ -82,3 +82,13 @@ def test_fail_prints_once_a_node_and_exits_with_its_status(monkeypatch, capsys):
             common.fail("the disk is full; free some space", status=1)
         assert exit_info.value.code == 1
         assert (capsys.readouterr().err == "error: the disk is full; free some space\n") == printed
+
+
+def test_ddp_is_told_not_to_sync_buffers_in_its_torch_release_s_words(monkeypatch):
+    assert common.no_buffer_sync() == {"forward_sync_buffers": False}  # torch 2.13 and later
+
+    class OlderDDP:  # torch 2.11's DistributedDataParallel knows only the old keyword
+        def __init__(self, module, device_ids=None, broadcast_buffers=True):
+            pass
+    monkeypatch.setattr(common, "DistributedDataParallel", OlderDDP)
+    assert common.no_buffer_sync() == {"broadcast_buffers": False}
