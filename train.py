@@ -39,7 +39,7 @@ from optim import (build_optimizer, learning_rate_for_depth, lr_multiplier, muon
                    optimizer_state_bytes, weight_decay_at)
 from nanoparcae.common import (fail, init_distributed, parse_device, peak_bf16_flops, print0,
                                rank_and_world, spans, wait_for_rank0)
-from nanoparcae import dataset, memory
+from nanoparcae import dataset, memory, ranks
 from nanoparcae.checkpoint import save_and_prune
 from nanoparcae.core_tasks import shared_eval_bundle
 from nanoparcae.divergence import Divergence
@@ -229,10 +229,11 @@ print0(f"output: {run.dir}")
 # Data: the tokenizer, the tokens on disk against the horizon's, one loader per virtual rank
 
 try:
-    if rank == 0:
-        dataset.get_tokenizer(args.data, args.vocab_size)  # trains and caches it on first use, once
+    if rank == 0:  # global rank 0 alone trains and caches it on first use, once
+        dataset.get_tokenizer(args.data, args.vocab_size)
     wait_for_rank0()
-    tokenizer = dataset.get_tokenizer(args.data, args.vocab_size)
+    tokenizer = dataset.get_tokenizer(args.data, args.vocab_size, train=False)  # None: not here
+    ranks.agree_on_data(tokenizer, shards)  # rank 0's tokenizer and shards on every node
     dataset.check_data(args.data, tokenizer, tokens)  # a FineWeb-Edu run never repeats unasked
     reader = dataset.ChunkReader()  # one read of each chunk for this process's loaders
     loaders = [DataLoader(tokenizer, args.data, "train", args.device_batch_size, args.seq_len,
