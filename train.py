@@ -301,10 +301,6 @@ def evaluate(step):
 
 def evaluate_core_subset(step):
     """METHOD.md §3: CORE on the first --core_max_per_task examples of each task, at T = mu_rec."""
-    bundle_dir, why = shared_eval_bundle(device)  # on every rank, or CORE skipped on every rank
-    if bundle_dir is None:
-        print0(f"CORE skipped: {why}")
-        return None
     result = evaluate_core(raw_model, tokenizer, bundle_dir, max_per_task=args.core_max_per_task,
                            verbose=False)
     if result["core"] is None:
@@ -318,6 +314,11 @@ def evaluate_core_subset(step):
     return {"step": step, "core": result["core"], "core_T": result["T"], "core_skipped": skipped}
 
 
+bundle_dir = None  # CORE's tasks, fetched once before step 1, on every rank or on none
+if args.core_every > 0:
+    bundle_dir, why = shared_eval_bundle(device)
+    if bundle_dir is None:
+        print0(f"CORE skipped for this run: {why}")
 peak_flops = peak_bf16_flops(device)
 depth_generator = torch.Generator()  # METHOD.md §2: each virtual rank samples its own depths
 divergence = Divergence(args.vocab_size, args.dtype, args.diverge_steps, args.diverge_h_norm,
@@ -403,7 +404,7 @@ while step < num_steps and (args.stop_at is None or step < args.stop_at):
     with autocast:
         if step % args.eval_every == 0 or step == num_steps:
             results.append(evaluate(step))
-        if args.core_every > 0 and (step % args.core_every == 0 or step == num_steps):
+        if bundle_dir and (step % args.core_every == 0 or step == num_steps):
             results.append(evaluate_core_subset(step))
     results = [result for result in results if result]
     for result in results:  # the graph count after evals: they compile graphs of their own
