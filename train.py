@@ -124,7 +124,8 @@ flag("--dry_run", action="store_true", help="print the configuration and memory 
 flag("--collective_timeout", type=positive(float), default=600,
      help="seconds a collective waits for every rank before the run fails (torch's NCCL default)")
 flag("--rank0_timeout", type=positive(float), default=3600,
-     help="seconds the ranks wait while rank 0 saves, trains the tokenizer or fetches CORE's tasks")
+     help="seconds the ranks wait while rank 0 saves, trains the tokenizer or fetches CORE's tasks, "
+          "or while each reads the checkpoint it resumes from")
 args = parser.parse_args()
 try:
     device = parse_device(args.device)

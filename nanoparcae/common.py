@@ -50,8 +50,9 @@ def init_distributed(device, timeout=timedelta(minutes=10), rank0_timeout=timede
 
 def wait_for_rank0():
     """Every rank waits here, up to init_distributed's rank0_timeout, while rank 0 (or a node's local rank 0) works
-    alone: writing a checkpoint, training the tokenizer, fetching the CORE bundle. The others would otherwise wait
-    in their next collective and fail at its shorter timeout. Without init_distributed's group: the default one."""
+    alone: writing a checkpoint, training the tokenizer, fetching the CORE bundle; or while each rank reads the
+    checkpoint it resumes from. The others would otherwise wait in their next collective and fail at its shorter
+    timeout. Without init_distributed's group: the default one."""
     if dist.is_initialized():
         dist.barrier(group=RANK0_GROUP)
 

@@ -1,8 +1,9 @@
-"""Tests of what keeps a run whole (nanoparcae/ranks.py, as train.py uses it): two "nodes" that would start from different
-checkpoints both refuse and train nothing; a second command on a live run is refused naming the holder, and the
-live run ends as it would have alone, and a filesystem without locks is trained on with a warning; replicas whose
-weights drift apart stop the run at the checkpoint; CORE's eval bundle is on every rank or skipped on every rank.
-The runs are train.py in subprocesses, as users run it; faults come from tests/faulty_train.py."""
+"""Tests of what keeps a run whole (nanoparcae/ranks.py, as train.py uses it): two "nodes" that would start from
+different checkpoints, or that hold other shards or another tokenizer, both refuse and train nothing; a second command
+on a live run is refused naming the holder, and the live run ends as it would have alone, and a filesystem without locks
+is trained on with a warning; replicas whose weights drift apart stop the run at the checkpoint; CORE's eval bundle is
+on every rank or skipped on every rank. The runs are train.py in subprocesses, as users run it; faults come from
+tests/faulty_train.py."""
 
 import errno
 import io

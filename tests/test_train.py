@@ -1,9 +1,9 @@
-"""Tests for train.py, run as users run it (processes of their own, forked as conftest.Started says, and one in a
-fresh interpreter to show that forking changes nothing): exact resume, also from a moved base folder, the same
-command again after a kill, a run's identity (other run-defining flags are refused, nothing written), two processes
-and two "nodes" against one, an elastic restart after a killed rank, the non-finite-gradient skip, the divergence
-rule, README's L(T) command against the run's own last eval; in-process, where no training is needed: one-line
-errors for every bad flag value, --dry_run and --help. Faults come from tests/faulty_train.py."""
+"""Tests for train.py, run as users run it (processes of their own, forked as conftest.Started says, and one in a fresh
+interpreter to show that forking changes nothing): exact resume, also from a moved base folder, the same command again
+after a kill, a run's identity (other run-defining flags are refused, nothing written), two processes and two "nodes"
+against one, an elastic restart after a killed rank, the non-finite-gradient skip, the divergence rule, README's L(T)
+command against the run's own last eval, CORE's bundle fetched once before step 1; in-process, where no training is
+needed: one-line errors for every bad flag value, --dry_run and --help. Faults come from tests/faulty_train.py."""
 
 import json
 import math
