@@ -79,26 +79,27 @@ def tokenizer_digest(tokenizer):
 
 def agree_on_data(tokenizer, shards):
     """Before the data is read: every rank's tokenizer (None: its node has none) and FineWeb-Edu training shards
-    (spans; None: other data), gathered. A node whose differ from rank 0's: every rank stops alike, in one line
-    naming that node (status 2)."""
+    (spans; None: other data), gathered. A node whose either differs from rank 0's: every rank stops alike, in one
+    line naming that node (status 2)."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     node = int(os.environ.get("GROUP_RANK", rank // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
     held = gather((node, socket.gethostname(), None if tokenizer is None else tokenizer_digest(tokenizer),
                    shards))
     _, _, tokenizer0, shards0 = held[0]
-    differ = {}  # (node, host, what differs) -> its ranks
+    differ = {}  # (node, host, (what it holds, what rank 0 holds) for each that differs) -> its ranks
     for rank, (node, host, digest, train_shards) in enumerate(held):
-        what = [] if digest == tokenizer0 else ["no tokenizer" if digest is None else f"tokenizer {digest}"]
-        what += [] if train_shards == shards0 else [f"training shards {train_shards}"]
+        what = [] if digest == tokenizer0 else \
+            [("no tokenizer" if digest is None else f"tokenizer {digest}", f"tokenizer {tokenizer0}")]
+        what += [] if train_shards == shards0 else [(f"training shards {train_shards}", f"training shards {shards0}")]
         if what:
-            differ.setdefault((node, host, " and ".join(what)), []).append(rank)
+            differ.setdefault((node, host, tuple(what)), []).append(rank)
     if differ:
         (node, host, what), ranks = next(iter(differ.items()))
+        theirs, rank0s = zip(*what)
         others = f" ({len(differ) - 1} more node(s) differ)" if len(differ) > 1 else ""
-        fail(f"node {node} ({host}, rank {spans(ranks)}) holds {what}, rank 0 tokenizer {tokenizer0}"
-             + (f" and training shards {shards0}" if shards0 else "") + f"{others}; every node must read rank "
-             f"0's data: keep $NANOPARCAE_BASE_DIR on a filesystem the nodes share, or copy rank 0's tokenizers/ "
-             f"and fineweb-edu/ folders to each node")
+        fail(f"node {node} ({host}, rank {spans(ranks)}) holds {' and '.join(theirs)}, rank 0 {' and '.join(rank0s)}"
+             f"{others}; every node must read rank 0's data: keep $NANOPARCAE_BASE_DIR on a filesystem the nodes "
+             f"share, or copy rank 0's tokenizers/ and fineweb-edu/ folders to each node")
 
 
 def drift(state):
