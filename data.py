@@ -18,7 +18,6 @@ import itertools
 import math
 import queue
 import random
-import sys
 import threading
 import time
 
@@ -322,4 +321,4 @@ if __name__ == "__main__":
     try:
         main()
     except (OSError, ValueError) as err:  # bad flags or data, an unwritable base folder
-        sys.exit(f"data.py: {err}")
+        fail(err)

@@ -41,7 +41,7 @@ from nanoparcae.core_tasks import (CORE_LABELS, EVAL_BUNDLE_URL, LM, build_rows,
                                    shared_eval_bundle)
 from data import val_batches
 from nanoparcae.dataset import iter_documents
-from nanoparcae.flags import checked, positive
+from nanoparcae.flags import checked, listed, positive
 from model import evaluation_initial_state
 
 # -----------------------------------------------------------------------------
@@ -292,16 +292,6 @@ def fit_test_time_scaling(Ts, losses):
 # -----------------------------------------------------------------------------
 # Command line
 
-def parse_ints(text, flag):
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        values = []
-    if not values:
-        raise ValueError(f"{flag} {text!r} must be integers separated by commas, e.g. {flag} 1,2,4")
-    return values
-
-
 def write_json(path, obj):
     write_atomically(path, lambda partial: partial.write_text(json.dumps(obj, indent=1)))
 
@@ -409,9 +399,9 @@ def eval_parser(description):
     parser.error = fail  # an unknown flag or a bad value: one line, status 2
     parser.add_argument("--eval", default="core", choices=["core", "bpb", "ppl"],
                         help="core: CORE; bpb: loss on packed rows; ppl: one document per forward")
-    parser.add_argument("--T", default=None,
+    parser.add_argument("--T", type=listed(positive(int)), default=None,
                         help="test-time depth(s), e.g. 8 or 1,2,4,8 (default: mu_rec)")
-    parser.add_argument("--seeds", default="1234",
+    parser.add_argument("--seeds", type=listed(int), default=[1234],
                         help="few-shot seeds; several print mean and std")
     parser.add_argument("--max_per_task", type=items_or_all, default=-1,
                         help="items per task after shuffling (-1: all)")
@@ -436,14 +426,6 @@ def eval_parser(description):
     parser.add_argument("--device", default=None,
                         help="cpu or cuda (default: cuda when available)")
     return parser
-
-
-def check_flags(args):
-    """-> (--T, --seeds) as lists of ints, each flag checked before any work (ValueError)."""
-    Ts = parse_ints(args.T, "--T") if args.T else None
-    if Ts and min(Ts) < 1:
-        raise ValueError(f"--T {args.T!r}: every depth must be 1 or more, e.g. --T 1,2,4,8")
-    return Ts, parse_ints(getattr(args, "seeds", "1234"), "--seeds")
 
 
 def start_device(args):
@@ -482,12 +464,11 @@ def main(argv=None):
                         help="a run under <base dir>/runs, its latest checkpoint")
     args = parser.parse_args(argv)
     try:
-        Ts, seeds = check_flags(args)
         device = start_device(args)
         model, tokenizer, ckpt, ckpt_path = load_run(args.ckpt or args.run, device)
-        evaluate(args, model, tokenizer, ckpt, ckpt_path, Ts, seeds, device)
+        evaluate(args, model, tokenizer, ckpt, ckpt_path, args.T, args.seeds, device)
     except (FileNotFoundError, ValueError) as err:
-        raise SystemExit(f"eval_core.py: {err}")
+        fail(err)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

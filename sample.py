@@ -126,7 +126,8 @@ def sample(model, tokenizer, args, label, name="sample.py"):
                         break
                     stream_samples(model, tokenizer, prompt, args, device, allowed)
         except ValueError as err:  # too many positions, or T=auto on the Transformer
-            sys.exit(f"\n{name}: {err}")
+            print(file=sys.stderr)
+            fail(err)
 
 
 def main(argv=None):
@@ -141,7 +142,7 @@ def main(argv=None):
     try:
         model, tokenizer, _, path = load_run(args.ckpt or args.run, torch.device(args.device))
     except (FileNotFoundError, ValueError) as err:
-        sys.exit(f"sample.py: {err}")
+        fail(err)
     sample(model, tokenizer, args, path)
 
 

@@ -37,6 +37,7 @@ from eval_core import evaluate_bpb, evaluate_core
 from model import INJECTIONS, PAPER_TOKENS, SAMPLINGS, Parcae, ParcaeConfig
 from optim import (build_optimizer, learning_rate_for_depth, lr_multiplier, muon_momentum,
                    optimizer_state_bytes, weight_decay_at)
+from nanoparcae.checkpoint import training_model
 from nanoparcae.common import (fail, init_distributed, parse_device, peak_bf16_flops, print0,
                                rank_and_world, spans, wait_for_rank0)
 from nanoparcae import dataset, memory, ranks
@@ -251,8 +252,10 @@ run_lock = claim_run(run.dir)  # one trainer per run, until this process ends
 # -----------------------------------------------------------------------------
 # The model and the optimizer: MuonAdamW (METHOD.md §2), or AdamW on all
 
-torch.manual_seed(args.seed)  # the same initial weights on every rank
-model = raw_model = Parcae(config).to(device)
+# The random init runs once: on a fresh run's rank 0, whose weights DDP broadcasts to the others;
+# a resume gives every rank its checkpoint's weights instead
+weights = run.ckpt["model"] if run.ckpt else None
+model = raw_model = training_model(config, device, args.seed, weights, initialise=rank == 0)
 if args.compile:
     model.compile_blocks(backend=args.compile_backend)
     from torch._dynamo.utils import counters as dynamo_counters
@@ -267,7 +270,6 @@ autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullco
 start_step, skipped_steps, lowest_val_loss = 0, 0, math.inf
 if run.ckpt:  # also when torchrun --max_restarts restarted the workers
     ckpt = run.ckpt
-    raw_model.load_state_dict(ckpt["model"])
     optimizer.load_state_dict(ckpt["optimizer"])
     for micro, loader in enumerate(loaders):
         loader.load_state_dict(ckpt["loader"][rank * grad_accum + micro])

@@ -276,7 +276,7 @@ def row_decode(args, device, training, figures):
         where = f"checkpoint {path.parent.name}/{path.name}"
     except (FileNotFoundError, ValueError) as err:
         if args.ckpt:
-            raise SystemExit(f"bench.py: {err}") from None
+            fail(err)
         torch.manual_seed(0)
         model = Parcae(model_config(args)).to(device).eval()
         ids = torch.randint(0, model.config.vocab_size, (1, DECODE_PROMPT + args.new_tokens), device=device)

@@ -10,7 +10,6 @@ KV caches instead (engine.py: steps, the exact one, and shared): bytes, loss, gr
 """
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
@@ -306,10 +305,10 @@ def main(argv=None):
         model, tokenizer, _, path = load_run(args.ckpt or args.run, device)
         ids = stdlib_tokens(tokenizer, PROMPT + args.max_new_tokens, device)
     except (FileNotFoundError, ValueError) as err:
-        sys.exit(f"experiments.decoding: {err}")
+        fail(err)
     log(f"{path}: {model.num_params():,} parameters, mu_rec={model.config.mu_rec}, injection={model.config.injection}")
     if args.kv and model.injection is None:
-        sys.exit("experiments.decoding: --kv compares caches of a looped model; this is the Transformer baseline")
+        fail("--kv compares caches of a looped model; this is the Transformer baseline")
     with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
         if args.kv:
             compare_caches(model, tokenizer, args, device)

@@ -22,14 +22,14 @@ batch). Generation is engine.py's greedy decoding, as sample.py runs it.
 
 import argparse
 import itertools
-import sys
 
 import torch
 import torch.distributed as dist
 
 import eval_core
 from nanoparcae.checkpoint import load_run
-from nanoparcae.common import first_sentence, print0, rank_and_world
+from nanoparcae.common import fail, first_sentence, print0, rank_and_world
+from nanoparcae.flags import listed, positive
 from nanoparcae.core_tasks import Row, common_length, crop_left
 from engine import generate
 from eval_core import bf16_autocast, score_rows
@@ -44,7 +44,7 @@ try:
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, make_table
 except ImportError:
     if __name__ == "__main__":  # the command ends in one line; an importer gets the error
-        sys.exit(f"interop.harness: {NO_LM_EVAL}")
+        fail(NO_LM_EVAL)
     raise ImportError(NO_LM_EVAL) from None
 
 
@@ -163,30 +163,30 @@ def run_harness(model, tokenizer, tasks, Ts, batch_size=8, limit=None):
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m interop.harness", description=__doc__, allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.error = fail  # an unknown flag or a bad value: one line, status 2
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--ckpt", help="a checkpoint file (default: the latest of --run)")
     which.add_argument("--run", help="a run under <base dir>/runs (default: the most recently written)")
     which.add_argument("--from", dest="from_", help="the authors' release: " + SOURCE_HELP)
     parser.add_argument("--tasks", required=True, help="the harness's task names, e.g. lambada_openai,wikitext")
-    parser.add_argument("--T", default=None, help="test-time recurrence(s), e.g. 8 or 1,4,8 (default: mu_rec)")
-    parser.add_argument("--batch_size", type=int, default=8, help="sequences of seq_len tokens per forward")
-    parser.add_argument("--max_per_task", type=int, default=-1, help="documents per task (-1: all)")
+    parser.add_argument("--T", type=listed(positive(int)), default=None, help="test-time recurrence(s), e.g. 8 or 1,4,8 (default: mu_rec)")
+    parser.add_argument("--batch_size", type=positive(int), default=8, help="sequences of seq_len tokens per forward")
+    parser.add_argument("--max_per_task", type=eval_core.items_or_all, default=-1, help="documents per task (-1: all)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     args = parser.parse_args(argv)
     try:
-        Ts, _ = eval_core.check_flags(args)
         device = eval_core.start_device(args)
         if args.from_:
             model, tokenizer = load_pretrained(args.from_, device, need_tokenizer=True)
             ckpt, ckpt_path = {}, local_dir(args.from_) / "authors"
         else:
             model, tokenizer, ckpt, ckpt_path = load_run(args.ckpt or args.run, device)
-        Ts = Ts or [model.config.mu_rec]
+        Ts = args.T or [model.config.mu_rec]
         out = run_harness(model, tokenizer, args.tasks, Ts, args.batch_size,
                           args.max_per_task if args.max_per_task > 0 else None)
         eval_core.write_results(out, args, ckpt, ckpt_path, Ts, "harness")
     except (FileNotFoundError, ValueError) as err:
-        raise SystemExit(f"interop.harness: {err}")
+        fail(err)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

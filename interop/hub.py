@@ -30,7 +30,7 @@ import torch.distributed as dist
 import eval_core
 import sample
 from nanoparcae.checkpoint import assign_weights, load_run, sized_model
-from nanoparcae.common import first_sentence, get_base_dir, write_atomically
+from nanoparcae.common import fail, first_sentence, get_base_dir, write_atomically
 from model import SAMPLINGS
 from nanoparcae.download import download_file
 from model import ParcaeConfig, value_embedding_layers
@@ -477,14 +477,18 @@ def their_name(name, config):
 def authors_state_dict(model):
     """Our model -> its state dict under their names, q and k rows back in their interleaved RoPE order. Left
     out: lm_head.weight (their Parcae ties it to wte; their GPT, without the fused head, builds a (d, V) one it
-    never reads when tied) and freqs_cis (their model computes it)."""
+    never reads when tied) and freqs_cis (their model computes it). A CPU model's tensors are shared, not
+    copied: only the reordered q and k rows are new."""
     c = model.config
     back = torch.argsort(rope_order(c.head_dim))
     out = {}
     for name, tensor in model.state_dict().items():
         if name.endswith(("attn.c_q.weight", "attn.c_k.weight")):
             tensor = tensor.view(c.n_head, c.head_dim, -1)[:, back].reshape(tensor.shape)
-        out[their_name(name, c)] = tensor.detach().cpu().clone()
+        tensor = tensor.detach().cpu()
+        if tensor.untyped_storage().nbytes() != tensor.nbytes or not tensor.is_contiguous():
+            tensor = tensor.clone()  # torch.save writes a view's whole storage
+        out[their_name(name, c)] = tensor
     return out
 
 
@@ -544,6 +548,7 @@ def export_main(argv):
     parser = argparse.ArgumentParser(prog="python -m interop.hub export", allow_abbrev=False,
                                      description="Write a nanoparcae checkpoint as a folder the authors' "
                                      "parcae_lm.from_pretrained reads")
+    parser.error = fail  # an unknown flag or a bad value: one line, status 2
     parser.add_argument("source", help="a checkpoint file, or a run under <base dir>/runs (its latest checkpoint)")
     parser.add_argument("out_dir", help="the folder to write (upload it with `hf upload`)")
     args = parser.parse_args(argv)
@@ -552,7 +557,7 @@ def export_main(argv):
         model, tokenizer, _, path = load_run(args.source)
         out = export(model, tokenizer, args.out_dir)
     except (FileNotFoundError, ValueError) as err:
-        sys.exit(f"interop.hub export: {err}")
+        fail(err)
     print(f"{path} -> {out}: config.json ({model.config.injection}), model.pt, tokenizer.json, tokenizer_config.json")
 
 
@@ -560,6 +565,7 @@ def sample_main(argv):
     """sample.py's sampling, on the authors' release."""
     parser = argparse.ArgumentParser(prog="python -m interop.hub sample", allow_abbrev=False,
                                      description="Sample from the authors' release with sample.py's flags")
+    parser.error = fail  # an unknown flag or a bad value: one line, status 2
     parser.add_argument("source", help=SOURCE_HELP)
     sample.add_sampling_flags(parser)
     args = sample.parse_sampling_flags(parser, argv)
@@ -567,7 +573,7 @@ def sample_main(argv):
     try:
         model, tokenizer = load_pretrained(args.source, device, need_tokenizer=True)
     except (FileNotFoundError, ValueError) as err:
-        sys.exit(f"interop.hub sample: {err}")
+        fail(err)
     sample.sample(model, tokenizer, args, args.source, name="interop.hub sample")
 
 
@@ -578,12 +584,12 @@ def eval_main(argv):
     parser.add_argument("source", help=SOURCE_HELP)
     args = parser.parse_args(argv)
     try:
-        Ts, seeds = eval_core.check_flags(args)
         device = eval_core.start_device(args)
         model, tokenizer = load_pretrained(args.source, device, need_tokenizer=True)
-        eval_core.evaluate(args, model, tokenizer, {}, local_dir(args.source) / "authors", Ts, seeds, device)
+        eval_core.evaluate(args, model, tokenizer, {}, local_dir(args.source) / "authors", args.T, args.seeds,
+                           device)
     except (FileNotFoundError, ValueError) as err:
-        raise SystemExit(f"interop.hub eval: {err}")
+        fail(err)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -593,12 +599,13 @@ def summary_main(argv):
     parser = argparse.ArgumentParser(prog="python -m interop.hub", allow_abbrev=False,
                                      description="Download and load an authors' Parcae checkpoint and print a "
                                      "summary; the subcommands sample, eval and export take their own --help")
+    parser.error = fail  # an unknown flag or a bad value: one line, status 2
     parser.add_argument("source", help=SOURCE_HELP)
     args = parser.parse_args(argv)
     try:
         model, tokenizer = load_pretrained(args.source, need_tokenizer=True)
     except (FileNotFoundError, ValueError) as err:
-        sys.exit(f"interop.hub: {err}")
+        fail(err)
     c = model.config
     print(f"{args.source}: injection={c.injection} layers={c.n_prelude}/{c.n_recur}/{c.n_coda} d={c.d_model} "
           f"mu_rec={c.mu_rec} params={model.num_params():,} vocab={tokenizer.vocab_size} "

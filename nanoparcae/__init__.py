@@ -1,6 +1,6 @@
 """
-nanoparcae: what the root's files lean on that is not the method, kept in a package beside them as
-nanochat keeps its own.
+nanoparcae: what the root's files lean on that is not the method.
+A package beside them, as nanochat keeps its own.
 
     common.py       what every command shares: processes, the base folder, one-line errors, atomic writes
     flags.py        the flag types every command uses

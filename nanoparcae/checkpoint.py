@@ -1,39 +1,77 @@
 """
-nanoparcae/checkpoint.py: checkpoints, written and read: run_dir(run)/ckpt_<step>.pt, each a plain dict
-that torch.load reads with weights_only=True; load_run rebuilds a trained model with its tokenizer, reading
-its weights alone.
+nanoparcae/checkpoint.py: checkpoints, written and read.
+Each is run_dir(run)/ckpt_<step>.pt, a plain dict torch.load reads with weights_only=True.
+load_run rebuilds a trained model and its tokenizer, reading its weights alone.
+training_model builds the model a rank trains; the random init runs only where it is kept.
 """
 
+import errno
+import shutil
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from model import Parcae, ParcaeConfig
-from nanoparcae.common import fail, first_sentence, get_base_dir, print0, rank_and_world, wait_for_rank0, \
-    write_atomically
+from nanoparcae.common import (FULL_DISK, disk_full, fail, first_sentence, get_base_dir, print0, rank_and_world,
+                               size, wait_for_rank0, write_atomically)
 from nanoparcae.ranks import drift, gather
 from nanoparcae.tokenizer import Tokenizer
 
 
 def run_dir(name=""):
-    """<base dir>/runs/<name>: a run's folder (no name: the folder that holds every run)."""
+    """<base dir>/runs/<name>: a run's folder. No name: the folder holding every run."""
     return get_base_dir() / "runs" / name
 
 
 def save_checkpoint(path, model, **extra):
-    """Write to a temporary name, then rename: a killed run never leaves a torn checkpoint."""
+    """Write under a temporary name, then rename. A killed run never leaves a torn checkpoint.
+    A disk without room stops the run in one line (status 1); the last checkpoint stays."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {"config": asdict(model.config), "model": model.state_dict(), **extra}
-    write_atomically(path, lambda partial: torch.save(state, partial))
+    need = saved_bytes(state)
+    if shutil.disk_usage(path.parent).free < need:
+        disk_full(path.parent, f"a checkpoint needs {size(need)}")
+
+    def write(partial):
+        try:
+            torch.save(state, partial)
+        except (OSError, RuntimeError) as err:  # torch's writer says "iostream error", not ENOSPC
+            written = partial.stat().st_size if partial.exists() else 0
+            if getattr(err, "errno", None) in FULL_DISK or shutil.disk_usage(path.parent).free < need - written:
+                partial.unlink(missing_ok=True)
+                disk_full(path.parent, f"a checkpoint needs {size(need)}")
+            raise
+    write_atomically(path, write)
+
+
+def saved_bytes(state):
+    """An upper estimate of torch.save's file for `state`: its tensors' bytes with 1 KiB of framing
+    each, the rest (the loaders' positions, the args) as long as written out, and 64 KiB."""
+    def walk(value):
+        if isinstance(value, torch.Tensor):
+            return value.nbytes + 1024
+        if isinstance(value, dict):
+            return sum(walk(key) + walk(item) for key, item in value.items())
+        if isinstance(value, (list, tuple)):
+            return sum(map(walk, value)) + 2
+        return len(repr(value)) + 2
+    return walk(state) + 2**16
+
+
+def remove_partial_saves(folder):
+    """Removes the ckpt_*.pt.tmp of a save that never finished (a full disk, a kill), saying so."""
+    for partial in sorted(Path(folder).glob("ckpt_*.pt.tmp")):
+        print0(f"removed {partial} ({size(partial.stat().st_size)}), a checkpoint write that never finished")
+        partial.unlink()
 
 
 def save_and_prune(folder, step, model, loaders, **state):
-    """ckpt_<step>.pt, written by rank 0 with every virtual rank's loader position and `state`; the run's
-    older checkpoints are then removed (a 1.3B checkpoint with optimiser state is ~16 GB). The RNG state
-    is a function of (seed, step, virtual rank), so nothing else is needed. Saves nothing, and stops the
-    run (status 1), when the ranks' weights have drifted apart (ranks.drift)."""
+    """Write ckpt_<step>.pt on rank 0, with `state` and every virtual rank's loader position.
+    The run's older checkpoints are then removed: a 1.3B one with optimiser state is ~16 GB.
+    The RNG state is a function of (seed, step, virtual rank), so nothing else is needed.
+    If the ranks' weights drifted apart (ranks.drift), saves nothing and stops the run (status 1)."""
     if drifted := drift(model.state_dict()):
         fail(f"at step {step} the ranks' weights have drifted apart: {drifted}; nothing saved: the run's "
              f"last checkpoint stays, and the same command resumes every rank from it", 1)
@@ -50,7 +88,7 @@ def save_and_prune(folder, step, model, loaders, **state):
 
 
 def find_checkpoint(runs_dir, run=None):
-    """The newest checkpoint of `run`, or of the most recently written run when run is None."""
+    """The newest checkpoint of `run`; run None: of the run written last."""
     runs_dir = Path(runs_dir)
     pattern = f"{run}/ckpt_*.pt" if run else "*/ckpt_*.pt"
     found = sorted(runs_dir.glob(pattern), key=lambda p: (p.stat().st_mtime, p.name))
@@ -61,9 +99,9 @@ def find_checkpoint(runs_dir, run=None):
 
 
 def read_checkpoint(path, device="cpu", mmap=False):
-    """torch.load of a checkpoint (weights_only=True), the one reader: train.py's resume and load_run. mmap: its
-    tensors map the file, on the CPU, and are read when first touched. Raises FileNotFoundError when it is absent
-    and ValueError naming it when torch cannot read it."""
+    """The one reader of checkpoints: torch.load with weights_only=True.
+    mmap: tensors map the file on the CPU, read when first touched.
+    Raises FileNotFoundError if it is absent, ValueError naming it if torch cannot read it."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
@@ -76,7 +114,7 @@ def read_checkpoint(path, device="cpu", mmap=False):
 
 
 def sized_model(config):
-    """A Parcae without weights, sized on the meta device (no random init), its RoPE tables computed."""
+    """A Parcae sized on the meta device, without weights or random init. Its RoPE tables are computed."""
     with torch.device("meta"):
         model = Parcae(config)
     model.init_buffers()
@@ -84,23 +122,44 @@ def sized_model(config):
 
 
 def assign_weights(model, state_dict, device="cpu"):
-    """sized_model's model, given state_dict's tensors as its own: cast to its dtypes where they differ, then moved
-    to device, one copy at most (none for a CPU tensor already float32) -> the model in eval mode."""
+    """Give sized_model's model state_dict's tensors as its own -> the model in eval mode.
+    Each is cast to the model's dtype where they differ, then moved to device.
+    That is one copy at most; none for a CPU tensor already float32."""
     dtypes = {name: tensor.dtype for name, tensor in model.state_dict().items()}
     model.load_state_dict({name: tensor.to(dtypes.get(name, tensor.dtype)) for name, tensor in state_dict.items()},
                           assign=True)
     return model.to(device).eval()
 
 
-def load_run(ckpt_or_run=None, device="cpu"):
-    """A checkpoint file, a run's name (its newest checkpoint under <base dir>/runs) or None (the newest of the run
-    written last) -> (model in eval mode, its tokenizer, the checkpoint dict, the checkpoint's path). Only the
-    weights are read, into the model without a random init; the dict leaves out the optimizer's and the loaders'
-    states, and its "model" is the model's state dict.
+def training_model(config, device, seed, weights=None, initialise=True):
+    """The model a rank trains, on device, in train mode. The random init runs only where asked:
 
-    The tokenizer is the one the checkpoint records; where that folder is gone (a moved NANOPARCAE_BASE_DIR), the
-    one of the same key, its folder's name, under this base folder's tokenizers/. One whose vocabulary outgrows the
-    model's is refused. FileNotFoundError and ValueError carry one line."""
+    - weights (a resume's state dict): sized without it, then given those tensors.
+    - initialise: drawn at seed on the CPU, as a fresh run's rank 0 draws them.
+    - neither: sized, its parameters left empty for DDP to broadcast rank 0's into."""
+    if weights is not None:
+        return assign_weights(sized_model(config), weights, device).train()
+    if initialise:
+        torch.manual_seed(seed)
+        return Parcae(config).to(device)
+    model = sized_model(config).to_empty(device=device)
+    model.init_buffers()  # to_empty left the RoPE tables empty too
+    return model.to(device)
+
+
+def load_run(ckpt_or_run=None, device="cpu"):
+    """-> (model in eval mode, its tokenizer, the checkpoint dict, the checkpoint's path). ckpt_or_run is:
+
+    - a checkpoint file.
+    - a run's name: its newest checkpoint under <base dir>/runs.
+    - None: the newest checkpoint of the run written last.
+
+    Only the weights are read, into a model without random init.
+    The dict leaves out the optimizer's and loaders' states; its "model" is the model's state dict.
+
+    The tokenizer is the one the checkpoint records.
+    If that folder is gone (a moved NANOPARCAE_BASE_DIR), it is the same-named one in this base folder's tokenizers/.
+    One whose vocabulary outgrows the model's is refused. FileNotFoundError and ValueError carry one line."""
     path = Path(ckpt_or_run) if ckpt_or_run else None
     if path is not None and path.is_dir():
         inside = sorted(path.glob("ckpt_*.pt"))
@@ -109,7 +168,7 @@ def load_run(ckpt_or_run=None, device="cpu"):
                                  ", or a run's name"))
     if path is None or not (path.is_file() or path.suffix == ".pt" or len(path.parts) > 1):
         path = find_checkpoint(run_dir(), ckpt_or_run)
-    # Mapped, so that only the weights are read: the optimizer's state and the loaders' never are
+    # mapped: only the weights are read, never the optimizer's or the loaders' state
     ckpt = read_checkpoint(path, mmap=True)
     try:  # torch read it, but it may hold no Parcae
         model = assign_weights(sized_model(ParcaeConfig(**ckpt["config"])), ckpt["model"], device)

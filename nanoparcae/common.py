@@ -1,9 +1,12 @@
 """
-nanoparcae/common.py: what every command shares: processes and devices, the base folder, one-line errors,
-atomic writes, spans, first_sentence and the GPU peak table that MFU divides by.
+nanoparcae/common.py: what every command shares.
+Processes and devices, the base folder, one-line errors, atomic writes, spans and first_sentence.
+Also the GPU peak table that MFU divides by.
 """
 
+import errno
 import os
+import shutil
 import sys
 import tempfile
 from datetime import timedelta
@@ -17,8 +20,8 @@ import torch.distributed as dist
 
 
 def parse_device(name):
-    """--device's value -> torch.device; ValueError naming the flag when it is no device this code runs on, or CUDA
-    where there is none."""
+    """--device's value -> torch.device.
+    Raises ValueError naming the flag for a device this code cannot use, or CUDA where there is none."""
     try:
         device = torch.device(name)
     except RuntimeError:
@@ -34,8 +37,8 @@ RANK0_GROUP = None  # init_distributed's gloo group with the long timeout, for w
 
 
 def init_distributed(device, timeout=timedelta(minutes=10), rank0_timeout=timedelta(hours=1)):
-    """Join torchrun's process group when RANK is set -> the device this process uses (its local GPU). Its
-    collectives fail after `timeout`; wait_for_rank0 waits up to `rank0_timeout`."""
+    """Join torchrun's process group when RANK is set -> this process's device (its local GPU).
+    Its collectives fail after `timeout`; wait_for_rank0 waits up to `rank0_timeout`."""
     global RANK0_GROUP
     if "RANK" not in os.environ:
         return device
@@ -43,16 +46,19 @@ def init_distributed(device, timeout=timedelta(minutes=10), rank0_timeout=timede
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
-    # gloo beside NCCL too: its barrier waits on the CPU, with no NCCL op pending for the watchdog to time out
+    # gloo beside NCCL too: its barrier waits on the CPU.
+    # No NCCL op is then pending, which NCCL's watchdog would time out.
     RANK0_GROUP = dist.new_group(backend="gloo", timeout=rank0_timeout)
     return device
 
 
 def wait_for_rank0():
-    """Every rank waits here, up to init_distributed's rank0_timeout, while rank 0 (or a node's local rank 0) works
-    alone: writing a checkpoint, training the tokenizer, fetching the CORE bundle; or while each rank reads the
-    checkpoint it resumes from. The others would otherwise wait in their next collective and fail at its shorter
-    timeout. Without init_distributed's group: the default one."""
+    """Every rank waits here while rank 0, or a node's local rank 0, works alone.
+    Such work: writing a checkpoint, training the tokenizer, fetching the CORE bundle.
+    Each rank's read of the checkpoint it resumes from is such work too.
+    The wait lasts up to init_distributed's rank0_timeout.
+    Otherwise the others would wait in their next collective and fail at its shorter timeout.
+    Without init_distributed's group: the default one."""
     if dist.is_initialized():
         dist.barrier(group=RANK0_GROUP)
 
@@ -62,7 +68,7 @@ def rank_and_world():
 
 
 def print0(*args, **kwargs):
-    """print on rank 0 only, flushed (the logs of a multi-process run come from one process)."""
+    """print on rank 0 only, flushed: a multi-process run logs from one process."""
     if rank_and_world()[0] == 0:
         print(*args, **kwargs, flush=True)
 
@@ -71,8 +77,8 @@ def print0(*args, **kwargs):
 # The base directory: runs, tokenizers, data, the eval bundle and hub downloads live under it
 
 def get_base_dir():
-    """$NANOPARCAE_BASE_DIR (default ~/.cache/nanoparcae), created on first use. A folder that cannot be written
-    raises ValueError naming it and the variable."""
+    """$NANOPARCAE_BASE_DIR (default ~/.cache/nanoparcae), created on first use.
+    A folder that cannot be written raises ValueError naming it and the variable."""
     base_dir = Path(os.environ.get("NANOPARCAE_BASE_DIR", Path.home() / ".cache" / "nanoparcae")).expanduser()
     try:
         base_dir.mkdir(parents=True, exist_ok=True)
@@ -84,20 +90,40 @@ def get_base_dir():
 
 
 def write_atomically(path, write):
-    """write(a temporary path beside `path`), then rename: an interrupted write never leaves a torn file under the
-    real name (a figure's writer names its format, since the temporary name ends in .tmp)."""
+    """write(a temporary path beside `path`), then rename.
+    An interrupted write never leaves a torn file under the real name.
+    The temporary name ends in .tmp, so a figure's writer names its format."""
     partial = path.with_name(path.name + ".tmp")
-    write(partial)
+    try:
+        write(partial)
+    except BaseException:  # a failed write leaves no partial file behind
+        partial.unlink(missing_ok=True)
+        raise
     os.replace(partial, path)
 
 
 def fail(message, status=2):
-    """One clear line instead of a traceback, then exit with `status` (2: the command was wrong, not the run).
-    Under torchrun each node's local rank 0 prints it, once in each node's log: the checks decide alike on
-    every rank."""
+    """One clear line instead of a traceback, then exit with `status`.
+    Status 2: the command was wrong, not the run.
+    Under torchrun each node's local rank 0 prints it, once in each node's log.
+    The checks decide alike on every rank."""
     if int(os.environ.get("LOCAL_RANK", 0)) == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(status)
+
+
+FULL_DISK = (errno.ENOSPC, errno.EDQUOT)  # the errors of a disk or quota without room
+
+
+def size(n):
+    """Bytes as a person reads them: 2.2 MB, 13.4 GB."""
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
+def disk_full(folder, needs):
+    """Stop the run in one line (status 1): the disk is full, what `needs` room, what is free."""
+    fail(f"the disk holding {folder} is full: {needs} and {size(shutil.disk_usage(folder).free)} is free; "
+         f"the last checkpoint is kept: free space there, then the same command continues from it", 1)
 
 
 def spans(numbers, separator=", "):
@@ -112,8 +138,8 @@ def spans(numbers, separator=", "):
 
 
 def first_sentence(err, limit=300):
-    """An exception as one line for a one-line error: its type and first sentence, never cut inside a word (torch's
-    messages go on for several sentences of advice that does not apply here)."""
+    """An exception as one line: its type and first sentence, never cut inside a word.
+    torch's messages go on for several sentences of advice that does not apply here."""
     sentence = " ".join(str(err).split()).split(". ")[0].rstrip(".")
     if len(sentence) > limit:
         sentence = sentence[:limit].rsplit(" ", 1)[0] + " ..."
@@ -127,7 +153,7 @@ PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense, per
 
 
 def peak_bf16_flops(device):
-    """The GPU's dense bf16 peak, the denominator of MFU; None on a CPU or an unlisted GPU."""
+    """The GPU's dense bf16 peak, MFU's denominator; None on a CPU or an unlisted GPU."""
     name = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else ""
     return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
 

@@ -1,7 +1,9 @@
 """
-nanoparcae/core_tasks.py: CORE's tasks (METHOD.md §3), everything before a model scores them: the task table
-(CORE's 22, Core-Extended's 46), the DCLM eval bundle they are read from (downloaded once), and each item
-rendered into the token rows whose scored span decides it.
+nanoparcae/core_tasks.py: CORE's tasks (METHOD.md §3), up to where a model scores them.
+
+- the task table: CORE's 22, Core-Extended's 46.
+- the DCLM eval bundle they are read from, downloaded once.
+- each item rendered into token rows, whose scored span decides it.
 
     tasks = select_tasks("core")
     bundle_dir = download_eval_bundle()                 # $NANOPARCAE_BASE_DIR/eval_bundle, on first use
@@ -67,9 +69,8 @@ CORE_TASKS = [
          " "),
 ]
 
-# Core-Extended adds the other 24 scoreable tasks of DCLM's extended set (heavy.yaml without its generative
-# question_answering tasks and GPQA). DCLM reports mmlu and bbq averaged over categories (has_categories);
-# like nanochat with jeopardy, we score each file as one pool.
+# Core-Extended adds DCLM's 24 other scoreable extended tasks: heavy.yaml without GPQA and generative QA.
+# DCLM averages mmlu and bbq over categories (has_categories). Like nanochat's jeopardy, each file is one pool.
 EXTENDED_EXTRA_TASKS = [
     Task("mmlu_zeroshot", "world_knowledge/mmlu.jsonl", MC, 0, "Answer: "),  # sic: DCLM's delimiter, no newline
     Task("mmlu_fewshot", "world_knowledge/mmlu.jsonl", MC, 5, ANSWER),
@@ -119,8 +120,8 @@ def select_tasks(tasks):
 # The eval bundle: downloaded once, extracted only where it belongs
 
 def extract_zip_safely(zip_path, target):
-    """Extract every member under target, after checking that none lands outside it ("../x", "/etc/x"): an
-    archive with such a member is refused whole, before anything is written."""
+    """Extract every member under target, once none would land outside it ("../x", "/etc/x").
+    An archive with such a member is refused whole, before anything is written."""
     target = Path(target).resolve()
     with zipfile.ZipFile(zip_path) as archive:
         for name in archive.namelist():
@@ -131,13 +132,13 @@ def extract_zip_safely(zip_path, target):
 
 
 def eval_bundle_dir(base_dir=None):
-    """base_dir/eval_bundle (default base dir: get_base_dir()) when a bundle is extracted there, else None."""
+    """base_dir/eval_bundle if a bundle is extracted there, else None. base_dir defaults to get_base_dir()."""
     bundle_dir = (Path(base_dir) if base_dir is not None else get_base_dir()) / "eval_bundle"
     return bundle_dir if (bundle_dir / "eval_meta_data.csv").is_file() else None
 
 
 def download_eval_bundle(url=EVAL_BUNDLE_URL, base_dir=None):
-    """-> base_dir/eval_bundle (default base dir: get_base_dir()), downloaded and extracted on first use."""
+    """-> base_dir/eval_bundle, downloaded and extracted on first use. base_dir defaults to get_base_dir()."""
     base_dir = Path(base_dir) if base_dir is not None else get_base_dir()
     base_dir.mkdir(parents=True, exist_ok=True)
     bundle_dir = base_dir / "eval_bundle"
@@ -167,14 +168,19 @@ def download_eval_bundle(url=EVAL_BUNDLE_URL, base_dir=None):
     return bundle_dir
 
 
-# CORE's eval bundle on every rank, or CORE skipped on every rank: a rank without the tasks would never join
-# CORE's per-task all_reduce, and the others would wait for it until the timeout.
+# CORE's bundle on every rank, or CORE skipped on every rank.
+# A rank without the tasks would never join CORE's per-task all_reduce.
+# The others would wait for it until the timeout.
 
 def shared_eval_bundle(device, url=EVAL_BUNDLE_URL):
-    """-> (the bundle's folder, None) on every rank, or (None, why) on every rank when any rank lacks it. Rank 0
-    fetches it into its base folder first, then each other node's local rank 0 into its own (on a filesystem the
-    nodes share they find it there, and nothing is fetched twice), the others waiting for each fetch in
-    wait_for_rank0; then the ranks agree with an all_reduce MIN of "I have it"."""
+    """-> (the bundle's folder, None) on every rank, or (None, why) on every rank if any lacks it.
+
+    - Rank 0 fetches it into its base folder first.
+    - Then each other node's local rank 0 fetches into its own.
+      On a shared filesystem it finds the bundle there, so nothing is fetched twice.
+    - The other ranks wait for each fetch in wait_for_rank0.
+    - Then the ranks agree with an all_reduce MIN of "I have it".
+    """
     rank = dist.get_rank() if dist.is_initialized() else 0
     local_rank, why = int(os.environ.get("LOCAL_RANK", 0)), None
     for fetching in (rank == 0, local_rank == 0 and rank != 0):
@@ -194,15 +200,15 @@ def shared_eval_bundle(device, url=EVAL_BUNDLE_URL):
 
 
 def read_random_baselines(bundle_dir):
-    """{task label: random baseline in percent} from the bundle's eval_meta_data.csv (METHOD.md §3: DCLM's v1
-    values)."""
+    """{task label: random baseline in percent}, from the bundle's eval_meta_data.csv.
+    METHOD.md §3: DCLM's v1 values."""
     with open(Path(bundle_dir) / "eval_meta_data.csv", newline="", encoding="utf-8") as f:
         return {row["Eval Task"]: float(row["Random baseline"]) for row in csv.DictReader(f)}
 
 
 def load_task_data(bundle_dir, task, max_per_task):
-    """The task's records shuffled with Random(1337) (many files are ordered, so a max_per_task cut stays
-    representative), then cut to max_per_task when it is > 0 (METHOD.md §3, as nanochat)."""
+    """The task's records shuffled with Random(1337), cut to max_per_task if > 0.
+    Many files are ordered; the shuffle keeps a cut representative. METHOD.md §3, as nanochat."""
     with open(Path(bundle_dir) / "eval_data" / task.path, encoding="utf-8") as f:
         data = [json.loads(line) for line in f if line.strip()]
     random.Random(1337).shuffle(data)
@@ -212,8 +218,13 @@ def load_task_data(bundle_dir, task, max_per_task):
 # Prompts: nanochat's templates, tokens with BOS, the scored span, left cropping
 
 def render_prompts(task, item, fewshot):
-    """Prompt texts for one item: one per choice (MC), one per context option (schema), or the prompt without
-    and with the continuation (LM). Each few-shot block is its solved example followed by a blank line."""
+    """Prompt texts for one item:
+
+    - MC: one per choice.
+    - schema: one per context option.
+    - LM: the prompt without and with the continuation.
+
+    Each few-shot block is its solved example followed by a blank line."""
     d = task.delimiter
     if task.kind == MC:
         shots = "".join(f"{ex['query']}{d}{ex['choices'][ex['gold']]}\n\n" for ex in fewshot)
@@ -223,8 +234,8 @@ def render_prompts(task, item, fewshot):
         return [f"{shots}{option}{d}{item['continuation']}" for option in item["context_options"]]
     shots = "".join(f"{ex['context'].strip()}{d}{ex['continuation']}\n\n" for ex in fewshot)
     prompt = f"{shots}{item['context'].strip()}{d}"
-    # the prompt alone is stripped: a trailing space (" " or "\nAnswer: ") would be absorbed into the continuation's
-    # first token, and the prompt's tokens would no longer be a prefix of the full text's
+    # the prompt alone is stripped: a trailing " " or "\nAnswer: " would join the continuation's first token.
+    # The prompt's tokens would then no longer prefix the full text's.
     return [prompt.strip(), prompt + item["continuation"]]
 
 
@@ -246,15 +257,15 @@ def scored_spans(task, tokens):
     if task.kind == SCHEMA:  # the contexts differ and share the continuation: score the common suffix
         n = common_length(tokens, from_end=True)
         return tokens, [(len(t) - n, len(t)) for t in tokens]
-    # LM: only the full text goes forward; the continuation is what follows the prompt's tokens (their common
-    # prefix, which is the whole prompt whenever the tokenizer keeps the prompt a prefix, as nanochat asserts)
+    # LM: only the full text goes forward. The continuation follows the two texts' common prefix.
+    # That is the whole prompt whenever the tokenizer keeps it a prefix, as nanochat asserts.
     without, full = tokens
     return [full], [(common_length(tokens), len(full))]
 
 
 def crop_left(tokens, start, end, max_len):
-    """Keep the last max_len tokens (METHOD.md §3 crops long prompts from the left) and shift the span with them.
-    The span keeps at least one token and never starts at position 0, which nothing predicts."""
+    """Keep the last max_len tokens, shifting the span with them. METHOD.md §3 crops from the left.
+    The span keeps at least one token. It never starts at position 0, which nothing predicts."""
     cut = max(0, len(tokens) - max_len)
     start, end = start - cut, end - cut
     return tokens[cut:], max(1, min(start, end - 1)), end
@@ -268,8 +279,9 @@ class Row(NamedTuple):
 
 
 def build_rows(task, data, indices, tokenizer, seed, max_len):
-    """Every sequence to score for the items at `indices`, few-shot examples drawn as nanochat draws them:
-    Random(seed + idx).sample(every other index, shots). A task with fewer items than shots uses all the others."""
+    """Every sequence to score for the items at `indices`.
+    Few-shot examples as nanochat draws them: Random(seed + idx).sample(every other index, shots).
+    A task with fewer items than shots uses all the others."""
     shots = min(task.shots, len(data) - 1)
     prompts, owners = [], []  # owners: (item index, how many prompts it has)
     for idx in indices:

@@ -1,22 +1,27 @@
 """
-nanoparcae/dataset.py: the text and the data check, everything before the loader (METHOD.md §2): the
-FineWeb-Edu download, the three kinds of source read in chunks, each source's tokenizer, trained once and
-cached, and the tokens a run needs against those on disk.
+nanoparcae/dataset.py: the text and the data check, everything before the loader (METHOD.md §2).
+
+- the FineWeb-Edu download.
+- the three kinds of source, read in chunks.
+- each source's tokenizer, trained once and cached.
+- the tokens a run needs, against those on disk.
 
     python -m nanoparcae.dataset download -n 8                  # FineWeb-Edu: 7 train shards + the validation shard
     python -m nanoparcae.dataset download --depth=12            # the shards the paper's 370M run reads
     python -m nanoparcae.dataset tokenizer --data=fineweb-edu   # train the 32,768-token BPE on ~2B characters, cache it
 
-A data source (`--data`) is one of
+A data source (`--data`) is one of these three.
+
     fineweb-edu   the 100b-shuffle parquet shards nanochat uses, under $NANOPARCAE_BASE_DIR/fineweb-edu;
                   shard 1822, the last, is the validation split and every other shard there trains
     stdlib        this interpreter's standard-library .py files, a document per top-level or method block
     PATH or GLOB  your own .txt (one document per blank-line-separated paragraph), .jsonl (field "text")
                   or .parquet (column "text") files, or a folder holding them
-For stdlib and your own files, a fixed ~5% of documents (chosen by a hash of their text) is validation.
 
-Everything is cached under $NANOPARCAE_BASE_DIR (default ~/.cache/nanoparcae). The library functions raise
-FileNotFoundError, ValueError or OSError; only the command line turns them into one line and an exit status.
+For stdlib and your own files, a hash of each document's text puts a fixed ~5% in validation.
+Everything is cached under $NANOPARCAE_BASE_DIR (default ~/.cache/nanoparcae).
+Library functions raise FileNotFoundError, ValueError or OSError.
+Only the command line turns them into one line and an exit status.
 """
 
 import argparse
@@ -97,7 +102,8 @@ def download_shards(indices, base_url=FINEWEB_URL, num_workers=4, max_attempts=5
         return list(pool.map(lambda i: download_shard(i, base_url, max_attempts, retry_delay), indices))
 
 # -----------------------------------------------------------------------------
-# Data sources: a split is a list of chunks (a parquet row group, or a group of text files), each a list of documents
+# Data sources: a split is a list of chunks, each a list of documents.
+# A chunk is a parquet row group, or a group of text files.
 
 class Chunk(NamedTuple):
     paths: tuple  # the files read together
@@ -142,8 +148,8 @@ def files_chunks(paths, keep, quiet=False):
 
 
 def fineweb_train_shards():
-    """The indices of the FineWeb-Edu training shards on disk. FileNotFoundError naming the download when the
-    validation shard, which is fixed by name, or every training shard is missing."""
+    """The indices of the FineWeb-Edu training shards on disk.
+    FileNotFoundError naming the download if the validation shard or every training shard is missing."""
     found = sorted(int(p.name[6:11]) for p in fineweb_dir().glob("shard_*.parquet") if p.name[6:11].isdigit())
     train = [i for i in found if i != FINEWEB_VAL_SHARD]
     missing = [what for what, there in ((f"the validation shard {shard_name(FINEWEB_VAL_SHARD)}",
@@ -168,9 +174,9 @@ def list_chunks(source, split):
 
 
 def read_text_file(path, reported=None):
-    """The documents of a text file. Bytes that are not UTF-8 are left out, with a warning once per file: reported
-    is the set of files already named (a ChunkReader's), which the warning adds to; None warns of none (the
-    standard library's few files in other encodings are expected)."""
+    """The documents of a text file. Bytes that are not UTF-8 are left out, warned of once per file.
+    reported: the set of files already named (a ChunkReader's); the warning adds to it.
+    None warns of none: the standard library's few files in other encodings are expected."""
     with open(path, "rb") as f:
         raw = f.read()
     try:
@@ -188,15 +194,15 @@ def read_text_file(path, reported=None):
             return [json.loads(line)["text"] for line in text.splitlines() if line.strip()]
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{path}: every line must be a JSON object with a 'text' field ({e!r})") from None
-    # .py: one document per block of a module or class body (a blank line, then a line indented by at most 4
-    # spaces): whole stdlib files (median ~2k tokens) would lose most of their tokens to cropping at 256-token rows
+    # .py: a document per block of a module or class body: a blank line, then a line indented <= 4 spaces.
+    # Whole stdlib files (median ~2k tokens) would lose most tokens to cropping at 256-token rows.
     return re.split(r"\n\s*\n(?=(?: {4})?\S)", text)
 
 
 def read_units(chunk, reported):
-    """The chunk's documents, grouped by what goes to one split together: a .py file's blocks share names
-    and imports, so the whole file is train or val; any other document goes by its own hash. reported:
-    read_text_file's."""
+    """The chunk's documents, grouped by what goes to one split together.
+    A .py file's blocks share names and imports, so the whole file is train or val.
+    Any other document goes by its own hash. reported: read_text_file's."""
     if chunk.row_group >= 0:
         table = pq.ParquetFile(chunk.paths[0]).read_row_group(chunk.row_group, columns=["text"])
         return [[doc] for doc in table.column("text").to_pylist()]
@@ -216,13 +222,17 @@ def read_chunk(chunk, reported):
 
 
 class ChunkReader:
-    """Reads chunks for the loaders that share it, each chunk once for all of them. train.py builds one per
-    process and gives each micro-batch of a step its own loader (a virtual rank); every one of them takes its
-    own share of every chunk, so without a shared reader a process would read and decode each chunk once per
-    micro-batch. A chunk is kept until all of its `sharers` loaders have taken it, then dropped; what a loader
-    yields does not change. At most max_kept chunks are kept (the oldest go first, to be read again if asked
-    for): loaders drift apart a little, and after a resume a loader already past a chunk never takes it. A file
-    with bytes that are not UTF-8 is named once per reader (read_text_file)."""
+    """Reads chunks for the loaders that share it, each chunk once for all of them.
+
+    - train.py builds one per process, and a loader per micro-batch (a virtual rank).
+      Each loader takes its own share of every chunk.
+      Without a shared reader, a process would read and decode each chunk once per micro-batch.
+    - A chunk is kept until all its `sharers` loaders have taken it, then dropped.
+      What a loader yields does not change.
+    - At most max_kept chunks are kept; the oldest go first, read again if asked for.
+      Loaders drift apart a little, and after a resume a loader past a chunk never takes it.
+    - A file with bytes that are not UTF-8 is named once per reader (read_text_file).
+    """
 
     def __init__(self, max_kept=64):
         self.kept, self.lock = {}, threading.Lock()  # (chunk, epoch) -> [documents, loaders still to take it]
@@ -235,8 +245,8 @@ class ChunkReader:
         return read_chunk(chunk, self.reported)
 
     def documents(self, chunk, epoch, sharers):
-        """The chunk's documents, shared by `sharers` loaders that each take it once (a shared list: copy before
-        changing it)."""
+        """The chunk's documents, shared by `sharers` loaders that each take it once.
+        The list is shared: copy it before changing it."""
         with self.lock:  # the loaders' prefetch threads ask at once; the first one reads
             key = (chunk, epoch)
             if key not in self.kept:
@@ -254,17 +264,20 @@ class ChunkReader:
 
 
 def iter_documents(source, split, reader=None):
-    """Every document of a split, in a fixed order (what the tokenizer trains on), read by `reader` (a ChunkReader;
-    None: one of its own)."""
+    """Every document of a split, in a fixed order: what the tokenizer trains on.
+    reader: a ChunkReader; None: one of its own."""
     reader = reader or ChunkReader()
     for chunk in list_chunks(source, split):
         yield from reader.read(chunk)
 
 
 def stored_text_bytes(chunks):
-    """The bytes of the chunks' text as stored, read from parquet metadata or file sizes, not from the text: a
-    parquet row group's 'text' column less its 4-byte length prefixes and the min and max strings its page
-    statistics repeat; the hash rule's share of text files."""
+    """The bytes of the chunks' text as stored, from parquet metadata or file sizes, not the text.
+
+    - a parquet row group: its 'text' column, less its 4-byte length prefixes.
+      Also less the min and max strings its page statistics repeat.
+    - text files: the hash rule's share of their sizes.
+    """
     total, footers = 0, {}
     for chunk in chunks:
         if chunk.row_group >= 0:
@@ -283,9 +296,10 @@ def stored_text_bytes(chunks):
 
 
 def train_tokens(source, tokenizer, sample_docs=1000):
-    """-> (the tokens the train split holds, bytes per token): its stored text's bytes over the bytes per token,
-    BOS included, of the first sample_docs validation documents. An estimate within a few percent, read in
-    seconds whatever the split's size."""
+    """-> (the tokens the train split holds, bytes per token).
+    Tokens: the stored text's bytes over bytes per token.
+    Bytes per token: of the first sample_docs validation documents, BOS included.
+    An estimate within a few percent, read in seconds at any size."""
     texts = list(itertools.islice(iter_documents(source, "val"), sample_docs))
     tokens = sum(len(ids) for ids in tokenizer.encode(texts, prepend_bos=True))
     bytes_per_token = sum(len(text.encode("utf-8")) for text in texts) / max(tokens, 1)
@@ -299,8 +313,8 @@ def count(number):
 
 
 def refuse_data(err, args, tokens, paper_horizon):
-    """A data error in one line (status 2); without FineWeb-Edu's shards, naming the download this run needs
-    and the small run that needs none."""
+    """A data error in one line (status 2).
+    Without FineWeb-Edu's shards, it names the download this run needs, and a small run needing none."""
     if args.data == "fineweb-edu":
         sized = f"--depth={args.depth}" if paper_horizon else f"--tokens={tokens:.4g}"
         fail(f"{err} (`python -m nanoparcae.dataset download {sized}` fetches what this run reads); without a "
@@ -309,9 +323,9 @@ def refuse_data(err, args, tokens, paper_horizon):
 
 
 def check_data(source, tokenizer, tokens):
-    """The tokens the horizon needs against those the train split holds (train_tokens)
-    -> the times the run reads them. A FineWeb-Edu run that would repeat its data while shards are still to
-    download is refused in one line naming the download; another source repeats as it must, and says so."""
+    """The times the run reads its train split: the tokens it needs over those held (train_tokens).
+    A FineWeb-Edu run that would repeat its data while shards remain to download is refused.
+    Its one line names the download. Another source repeats as it must, and says so."""
     held, bytes_per_token = train_tokens(source, tokenizer)
     shards = fineweb_train_shards() if source == "fineweb-edu" else None
     epochs = tokens / held
@@ -332,8 +346,12 @@ def check_data(source, tokenizer, tokens):
 
 
 def no_documents(source, split, rank=0, world_size=1):
-    """The error for a split, or a rank's share of it, with no documents, naming the cause: no text at all, too
-    few documents for both splits, or fewer documents than ranks."""
+    """The error for a split, or a rank's share of it, with no documents, naming the cause:
+
+    - no text at all.
+    - too few documents for both splits.
+    - fewer documents than ranks.
+    """
     counts = {name: sum(1 for _ in iter_documents(source, name)) for name in ("train", "val")}
     if not any(counts.values()):
         return ValueError(f"{source} holds no text (empty or blank files): put documents in it, a blank "
@@ -351,7 +369,8 @@ def no_documents(source, split, rank=0, world_size=1):
 # The tokenizer of a data source: trained on its train split on first use, then cached
 
 def tokenizer_key(source, vocab_size):
-    """What identifies a source's tokenizer and corpus, whatever the base folder: the name of its cache folder."""
+    """The name of a source's tokenizer cache folder.
+    It identifies the tokenizer and corpus, whatever the base folder."""
     if source == "fineweb-edu":
         name = source
     elif source == "stdlib":  # another Python version has another standard library; where it lives does not count
@@ -367,8 +386,8 @@ def tokenizer_dir(source, vocab_size):
 
 
 def get_tokenizer(source, vocab_size, max_chars=2_000_000_000, doc_cap=10_000, train=True):
-    """The cached tokenizer for this source and vocab size, trained on the source's train split on first use.
-    train=False: None where it is not cached."""
+    """The cached tokenizer for this source and vocab size.
+    It trains on the source's train split on first use; train=False: None where it is not cached."""
     directory = tokenizer_dir(source, vocab_size)
     if not train and not (directory / "token_bytes.txt").exists():
         return None
@@ -396,8 +415,13 @@ def get_tokenizer(source, vocab_size, max_chars=2_000_000_000, doc_cap=10_000, t
 # Command line
 
 def shards_for(args):
-    """download's shards: -n in all, or as many as --tokens (or the paper's horizon at --depth) needs at about
-    FINEWEB_SHARD_TOKENS a shard, capped at the 1,822 there are; the validation shard always."""
+    """download's shards, the validation shard always among them.
+
+    - -n: that many in all.
+    - --tokens: as many as it needs, at about FINEWEB_SHARD_TOKENS a shard.
+    - --depth: as many as the paper's horizon at that depth needs.
+
+    Training shards are capped at the 1,822 there are."""
     tokens = None if args.num_shards else args.tokens or PAPER_TOKENS.get(args.depth)
     if tokens is None and args.depth is not None:
         raise ValueError(f"--depth={args.depth} has no paper horizon (depths {', '.join(map(str, PAPER_TOKENS))}); "
@@ -412,7 +436,7 @@ def shards_for(args):
 
 
 def check_flags(args):
-    """-n beyond the shards there are, and two ways of sizing a download, are refused before any work."""
+    """Refused before any work: -n beyond the shards there are, and two ways of sizing a download."""
     if args.command == "download":
         sizings = [flag for flag, value in (("-n", args.num_shards), ("--depth", args.depth),
                                             ("--tokens", args.tokens)) if value is not None]
@@ -464,4 +488,4 @@ if __name__ == "__main__":
     try:
         main()
     except (OSError, ValueError) as err:  # bad flags or data, a failed download, a base folder that cannot be written
-        sys.exit(f"nanoparcae.dataset: {err}")
+        fail(err)

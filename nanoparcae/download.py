@@ -1,6 +1,6 @@
 """
-nanoparcae/download.py: one streamed, resumable, retried HTTP download, the one every download uses: the
-FineWeb-Edu shards, the eval bundle and the authors' release.
+nanoparcae/download.py: one streamed, resumable, retried HTTP download.
+Every download uses it: the FineWeb-Edu shards, the eval bundle, the authors' release.
 
     download_file(url, path)    # path appears only once every byte is there
 """
@@ -13,11 +13,15 @@ import requests
 
 
 def download_file(url, path, max_attempts=5, retry_delay=1.0, timeout=60):
-    """Stream url into <path>.part and rename it to path only when complete, so a broken download never has
-    the final name. A .part left by an earlier try is resumed with a Range header (206: append, 200: the server
-    ignored Range, start over, 416: it already holds every byte). Connection errors and 5xx are retried with
-    exponential backoff; 4xx are final. Raises FileNotFoundError for a 404, OSError for any other failure,
-    each with a one-line message naming the url; callers add the fix."""
+    """Stream url into <path>.part, renamed to path once complete.
+    So a broken download never has the final name.
+
+    - A .part left by an earlier try resumes with a Range header.
+      206: append. 200: the server ignored Range, start over. 416: it already holds every byte.
+    - Connection errors and 5xx retry with exponential backoff; 4xx are final.
+    - Raises FileNotFoundError for a 404, OSError for any other failure.
+      Each message is one line naming the url; callers add the fix.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     part = path.with_name(path.name + ".part")

@@ -1,5 +1,6 @@
 """
-nanoparcae/flags.py: the flag types every command's argparse uses, so a bad value is one line, said one way.
+nanoparcae/flags.py: the flag types every command's argparse uses.
+A bad value is one line, said one way.
 """
 
 import argparse
@@ -27,3 +28,16 @@ def zero_or_more(kind):
 
 unit_fraction = checked(float, "between 0 and 1", lambda value: 0 <= value <= 1)
 steps_or_never = checked(int, "a number of steps, or -1 for never", lambda value: value > 0 or value == -1)
+
+
+def listed(each):
+    """An argparse type: integers separated by commas, each read by `each` (1,2,4,8)."""
+    def parse(text):
+        try:
+            values = [each(value) for value in text.split(",") if value.strip()]
+        except ValueError:  # not a number; a number out of range says so itself
+            values = []
+        if not values:
+            raise argparse.ArgumentTypeError(f"{text!r} must be integers separated by commas, e.g. 1,2,4")
+        return values
+    return parse

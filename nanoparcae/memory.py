@@ -1,7 +1,7 @@
 """
-nanoparcae/memory.py: the device batch: the memory plan of a training run per GPU, and the batch it picks.
-The plan counts weights, gradients, DDP's buckets, the optimiser's state and the activations saved for
-backward, before anything is built. An estimate until a GPU measures it (runs/gpu_check.sh compares the two).
+nanoparcae/memory.py: the device batch, picked from a training run's memory plan per GPU.
+The plan counts weights, gradients, DDP's buckets, the optimiser's state and saved activations.
+It needs nothing built. It is an estimate until a GPU measures it (runs/gpu_check.sh compares the two).
 """
 
 from types import SimpleNamespace
@@ -13,12 +13,16 @@ from nanoparcae.common import fail, print0
 
 
 def activation_bytes(model, batch_size, bf16=True):
-    """Bytes saved for backward by a training forward of batch_size sequences that all backpropagate
-    through mu_bwd loop steps (the most any can: memory follows mu_bwd, not the sampled depth). Per
-    token, counted from eager saved tensors: each block run with grad saves 80 d bytes in float32 and 56 d
-    under bf16 autocast; a value embedding 4 d; the loop 4 (4 + mu_bwd) d (prelude norm, B, A_bar h per step,
-    C_proj); the head 12 d and the float32 log-softmax 4 vocab. bf16 also keeps one bf16 copy of every matrix
-    (autocast's weight cache)."""
+    """Bytes saved for backward by a training forward of batch_size sequences.
+    Each backpropagates through mu_bwd loop steps, the most any can.
+    So memory follows mu_bwd, not the sampled depth. Per token, from eager saved tensors:
+
+    - each block run with grad: 80 d bytes in float32, 56 d under bf16 autocast.
+    - a value embedding: 4 d.
+    - the loop: 4 (4 + mu_bwd) d (prelude norm, B, A_bar h per step, C_proj).
+    - the head: 12 d, and the float32 log-softmax 4 vocab.
+
+    bf16 also keeps one bf16 copy of every matrix (autocast's weight cache)."""
     c = model.config
     d = c.d_model
     looped = model.injection is not None
@@ -35,11 +39,15 @@ def activation_bytes(model, batch_size, bf16=True):
 
 
 def memory_plan(model, device_batch_size, bf16, optimizer_bytes, gpu_gb=(80, 141)):
-    """Estimated bytes per GPU of training at device_batch_size sequences: float32 weights and gradients, DDP's
-    gradient buckets (another copy), the optimiser's state (optim.optimizer_state_bytes) and activations at
-    mu_bwd (activation_bytes). An estimate until a GPU measures it (runs/gpu_check.sh compares the two).
-    "largest_batch": {gb: the most sequences per GPU that fit in 90% of gb GB} for each of gpu_gb, the rest
-    left for the backward's transient buffers, the CUDA context and fragmentation (0: not even one)."""
+    """Estimated bytes per GPU of training at device_batch_size sequences. It counts:
+
+    - float32 weights and gradients, and DDP's gradient buckets (another copy).
+    - the optimiser's state (optim.optimizer_state_bytes).
+    - activations at mu_bwd (activation_bytes).
+
+    "largest_batch" maps each gb of gpu_gb to the most sequences per GPU within 90% of it.
+    The rest is left for the backward's transient buffers, the CUDA context and fragmentation.
+    0: not even one fits."""
     weights = 4 * model.num_params()
     static = 3 * weights + optimizer_bytes
     per_sequence = activation_bytes(model, 2, bf16) - activation_bytes(model, 1, bf16)
@@ -51,17 +59,24 @@ def memory_plan(model, device_batch_size, bf16, optimizer_bytes, gpu_gb=(80, 141
 
 
 def largest_divisor(sequences, at_most):
-    """The largest device batch of at most at_most sequences that divides `sequences`, each process's share of
-    an optimiser step (gradient accumulation keeps the batch whole); None when at_most < 1."""
+    """The largest device batch of at most at_most sequences that divides `sequences`.
+    `sequences` is each process's share of an optimiser step, which accumulation keeps whole.
+    None when at_most < 1."""
     return max((size for size in range(1, min(at_most, sequences) + 1) if sequences % size == 0), default=None)
 
 
 def choose_device_batch(model, args, device, world, optimizer_bytes):
-    """--device_batch_size, or the largest size that divides each process's share of an optimiser step
-    (gradient accumulation keeps the batch whole) and, on a GPU, whose memory plan fits in 90% of the memory
-    free at start-up (of the least free GPU, across ranks); on a CPU the largest up to 32. It prints the plan
-    (on a GPU, or for --dry_run) and the choice; a size that does not divide the step or does not fit is one
-    line. -> namespace(size, given, sequences, world, plan, fitting, gpu, gpu_gb: the free GB planned for)."""
+    """--device_batch_size, or the largest size that:
+
+    - divides each process's share of an optimiser step, which accumulation keeps whole.
+    - on a GPU, has a memory plan within 90% of the memory free at start-up.
+      The least free GPU across ranks decides.
+    - on a CPU, is at most 32.
+
+    Prints the plan (on a GPU, or for --dry_run) and the choice.
+    A size that does not divide the step or does not fit is one line.
+    Returns namespace(size, given, sequences, world, plan, fitting, gpu, gpu_gb).
+    gpu_gb: the free GB planned for."""
     given, seq_len, total = args.device_batch_size, args.seq_len, args.total_batch_size
     if given and total % (given * seq_len * world):
         fail(f"--total_batch_size={total} is not divisible by device_batch_size x seq_len x world = "

@@ -1,15 +1,16 @@
 """
-nanoparcae/metrics.py: what a run logs: metrics.jsonl, read and written, and the step's log line.
+nanoparcae/metrics.py: what a run logs, metrics.jsonl and the step's log line.
 """
 
 import json
+from pathlib import Path
 
-from nanoparcae.common import rank_and_world, write_atomically
+from nanoparcae.common import FULL_DISK, disk_full, rank_and_world, write_atomically
 
 
 def read_metrics(path):
-    """metrics.jsonl -> its records, in order; none when it is absent. A torn or bad line (a run killed
-    while writing it) is skipped."""
+    """metrics.jsonl -> its records, in order; none when it is absent.
+    A torn or bad line, from a run killed while writing it, is skipped."""
     records = []
     for line in path.read_text().splitlines() if path.exists() else []:
         try:
@@ -22,10 +23,11 @@ def read_metrics(path):
 
 
 class Metrics:
-    """metrics.jsonl in the run folder, one JSON record a line (steps, evals, warnings, the divergence
-    verdict), written by rank 0. Opened for a run resumed from `step` (0: none), it keeps the records up
-    to that step: those a killed run logged past its checkpoint come again as the run redoes them, so each
-    step stays once, in order. Rewritten under a temporary name; a torn last line goes too."""
+    """metrics.jsonl in the run folder, one JSON record a line, written by rank 0.
+    It records steps, evals, warnings and the divergence verdict.
+    Opened for a run resumed from `step` (0: none), it keeps the records up to that step.
+    Those a killed run logged past its checkpoint come again as the run redoes them.
+    So each step stays once, in order. Rewritten under a temporary name; a torn last line goes too."""
 
     def __init__(self, run_dir, step):
         self.file = None
@@ -34,25 +36,39 @@ class Metrics:
         path = run_dir / "metrics.jsonl"
         kept = [json.dumps(record) + "\n" for record in read_metrics(path) if record.get("step", 0) <= step]
         run_dir.mkdir(parents=True, exist_ok=True)
-        write_atomically(path, lambda partial: partial.write_text("".join(kept)))
-        self.file = open(path, "a")
+        try:
+            write_atomically(path, lambda partial: partial.write_text("".join(kept)))
+            self.file = open(path, "a")
+        except OSError as err:
+            full_disk(err, run_dir)
 
     def record(self, entry):
         if self.file:
-            self.file.write(json.dumps(entry) + "\n")
-            self.file.flush()
+            try:
+                self.file.write(json.dumps(entry) + "\n")
+                self.file.flush()
+            except OSError as err:
+                full_disk(err, Path(self.file.name).parent)
+
+
+def full_disk(err, folder):
+    """A full disk stops the run in one line; any other error goes on up."""
+    if err.errno not in FULL_DISK:
+        raise err
+    disk_full(folder, "metrics.jsonl cannot be written")
 
 
 def compile_counts(counters):
-    """dynamo's counters -> {graphs: the graphs it built, recompile_limits: the times it hit a recompile
-    limit and left a frame to run eagerly}. A graph count that stops growing is no proof of no recompiles:
-    past the limit dynamo stops compiling, so both are recorded."""
+    """dynamo's counters -> {graphs, recompile_limits}.
+    graphs: the graphs it built. recompile_limits: the times it hit a recompile limit and ran a frame eagerly.
+    A graph count that stops growing is no proof of no recompiles.
+    Past the limit dynamo stops compiling, so both are recorded."""
     hits = sum(n for why, n in counters["unimplemented"].items() if "Limit type:" in why and "recompile" in why)
     return {"graphs": counters["stats"]["unique_graphs"], "recompile_limits": hits}
 
 
 def log_line(entry, num_steps, total_batch_size):
-    """A step's log line, from its metrics record (fields that are None are left out)."""
+    """A step's log line from its metrics record, leaving out None fields."""
     fields = [("loss", "loss {:.4f}"), ("lr_mult", "lrm {:.2f}"), ("tokens_per_s", "{:,.0f} tok/s"),
               ("mfu", "mfu {:.1%}"), ("rho", "rho {:.4f}"), ("h_norm", "|h_T| {:.2f}"),
               ("update_ratio", "dh/h {:.4f}")]

@@ -1,6 +1,7 @@
 """
-nanoparcae/ranks.py: ranks that agree. Before the first step every rank checks that all start from the same
-checkpoint and read the same data; at each checkpoint the replicas' weights are compared.
+nanoparcae/ranks.py: ranks that agree.
+Before the first step, every rank checks that all start from the same checkpoint and read the same data.
+At each checkpoint, the replicas' weights are compared.
 Each check runs before what it protects; docs/distributed.md says what each catches.
 """
 
@@ -14,27 +15,27 @@ import torch.distributed as dist
 from nanoparcae.common import fail, spans
 
 # -----------------------------------------------------------------------------
-# Ranks that agree. DDP keeps its replicas equal only by giving each the same averaged gradients and the same
-# optimiser arithmetic: a rank that starts from another checkpoint (checkpoints kept on one node only, say) trains
-# on, drifting apart unseen, and a rank that stops alone leaves the others waiting at their next collective until
-# its timeout. So every comparison is gathered on every rank, and every rank decides alike.
+# Ranks that agree. DDP keeps replicas equal only through equal averaged gradients and optimiser arithmetic.
+# A rank started from another checkpoint (say, kept on one node only) trains on, drifting apart unseen.
+# A rank that stops alone leaves the others waiting at their next collective until its timeout.
+# So every comparison is gathered on every rank, and every rank decides alike.
 
 INTEGERS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # by bytes per element
 
 
 def weight_sums(state):
-    """Per tensor of a state dict, the sum of its elements' bit patterns read as integers (int64, wrapping) ->
-    a list of ints. Integer addition is exact and does not depend on order, so equal tensors give equal sums on
-    any device and GPU, and any one changed bit changes the sum; it costs one read of the weights in memory."""
+    """A state dict -> a list of ints, one per tensor: its bit patterns summed as int64, wrapping.
+    Integer addition is exact and order-free, so equal tensors sum equal on any device and GPU.
+    Any one changed bit changes the sum. It costs one read of the weights in memory."""
     sums = [t.detach().view(INTEGERS[t.element_size()]).sum(dtype=torch.int64) for t in state.values()]
     return torch.stack(sums).tolist() if sums else []
 
 
 def checkpoint_digest(state):
-    """A checkpoint's weights as 12 hex digits: the sha256 of weight_sums. Of the weights already loaded rather
-    than of the file's bytes: every rank has them in memory to resume from (5.4 GB in the 1.3B model's float32,
-    on the GPU), where hashing the file would read all of its ~16 GB again, optimiser state included, from disk;
-    and the weights are what the ranks must share."""
+    """A checkpoint's weights as 12 hex digits: the sha256 of weight_sums.
+    It hashes the loaded weights, not the file: the weights are what the ranks must share.
+    Every rank holds them to resume from (the 1.3B model's float32: 5.4 GB, on the GPU).
+    Hashing the file would read its ~16 GB again from disk, optimiser state included."""
     return hashlib.sha256(repr(weight_sums(state)).encode()).hexdigest()[:12]
 
 
@@ -48,9 +49,14 @@ def gather(value):
 
 
 def agree_to_start(run_name, refusal, step, digest):
-    """Before anything is built: every rank's refusal (a line, or None), the step of the checkpoint it would
-    resume from (0: none) and that checkpoint's digest (None: none), gathered. ValueError with one line on every
-    rank when any rank refused (the first one's line) or when they would start from different checkpoints."""
+    """Before anything is built, gather each rank's start:
+
+    - refusal: a line, or None.
+    - step: of the checkpoint it would resume from (0: none).
+    - digest: that checkpoint's (None: none).
+
+    Raises ValueError with one line on every rank if any rank refused (the first one's line).
+    Likewise if they would start from different checkpoints."""
     starts = gather((refusal, step, digest))
     refusals = [(rank, line) for rank, (line, _, _) in enumerate(starts) if line]
     if refusals:
@@ -103,8 +109,8 @@ def agree_on_data(tokenizer, shards):
 
 
 def drift(state):
-    """At a checkpoint: every rank's weight_sums gathered -> None when every replica equals rank 0's, else what
-    differs, for the line that stops the run."""
+    """At a checkpoint, gather every rank's weight_sums.
+    -> None if every replica equals rank 0's. Else what differs, for the line that stops the run."""
     if not dist.is_initialized():
         return None
     names, sums = list(state), gather(weight_sums(state))

@@ -1,7 +1,12 @@
 """
-nanoparcae/run.py: the run's identity and its lock: the folder a command trains, the flags its checkpoint
-recorded against the command's, and one trainer per run. None of it is the method (METHOD.md); it decides
-whether a command trains, continues a run exactly, or stops in one line before it writes anything.
+nanoparcae/run.py: the run's identity and its lock.
+
+- the folder a command trains.
+- the flags its checkpoint recorded, checked against the command's.
+- one trainer per run.
+
+None of it is the method (METHOD.md). It decides whether a command trains or continues a run exactly.
+Otherwise it stops in one line, before it writes anything.
 """
 
 import errno
@@ -13,7 +18,7 @@ from types import SimpleNamespace
 
 import torch.distributed as dist
 
-from nanoparcae.checkpoint import find_checkpoint, read_checkpoint, run_dir
+from nanoparcae.checkpoint import find_checkpoint, read_checkpoint, remove_partial_saves, run_dir
 from nanoparcae.common import fail, print0, wait_for_rank0
 from nanoparcae.dataset import tokenizer_dir
 from nanoparcae.ranks import agree_to_start, checkpoint_digest
@@ -24,12 +29,21 @@ from nanoparcae.ranks import agree_to_start, checkpoint_digest
 
 
 def identify_run(args, run_flags, batch, device, **resolved):
-    """The run this command trains, checked on every rank before anything is built or written -> namespace(
-    dir, name, tokenizer_dir, flags, checkpoint (its newest, or None), ckpt (read onto `device`), step,
-    device_batch_size). flags: the run_flags' values, with what `resolved` gives for those whose defaults
-    resolve (d_model, ...) and the data's content key for --data. A run whose checkpoint recorded other
-    values, a live run, a --resume with no checkpoint, an unreadable checkpoint or a recorded device batch
-    that does not divide this step: every rank stops alike, in one line (status 2)."""
+    """The run this command trains, checked on every rank before anything is built or written.
+    Returns namespace(dir, name, tokenizer_dir, flags, checkpoint, ckpt, step, device_batch_size).
+
+    - checkpoint: the run's newest, or None. ckpt: it, read onto `device`.
+    - flags: the run_flags' values. Those whose defaults resolve (d_model, ...) take `resolved`'s.
+      --data takes the data's content key.
+
+    Every rank stops alike, in one line (status 2), for:
+
+    - a checkpoint that recorded other flag values.
+    - a live run.
+    - --resume with no checkpoint.
+    - an unreadable checkpoint.
+    - a recorded device batch that does not divide this step.
+    """
     try:
         tokenizer_path = tokenizer_dir(args.data, args.vocab_size)  # recorded in each checkpoint
         data_key = tokenizer_path.name.removesuffix(f"-{args.vocab_size}")  # content, not path
@@ -86,19 +100,22 @@ def identify_run(args, run_flags, batch, device, **resolved):
 
 
 def claim_run(run_dir):
-    """The run's lock (lock_run below), taken by rank 0 after every check that can refuse the
-    command, as the first thing it writes in the run folder -> the open lock file, to keep until the
-    process ends. A live run holding it: every rank stops alike, in one line (status 2)."""
+    """Take the run's lock (lock_run) on rank 0 -> the open lock file, kept until the process ends.
+    It is the first write in the run folder, so it comes after every check that can refuse the command.
+    A live run holding it: every rank stops alike, in one line (status 2)."""
     try:
-        return lock_for_every_rank(run_dir)
+        lock = lock_for_every_rank(run_dir)
     except ValueError as err:
         fail(err)
+    if lock:  # rank 0, the one that writes here: a save a full disk or a kill cut short goes
+        remove_partial_saves(run_dir)
+    return lock
 
 # -----------------------------------------------------------------------------
-# One trainer per run: <run folder>/lock, held by the process that writes the folder (rank 0) while it lives.
-# POSIX record locks (lockf) rather than flock: they belong to the process, so no child it forked can keep a dead
-# trainer's lock, and the kernel drops them when the process dies, however it dies: a killed run, or the workers
-# torchrun --max_restarts replaces, leave the lock free for the command that continues the run.
+# One trainer per run: <run folder>/lock, held by the process that writes the folder (rank 0).
+# POSIX record locks (lockf), not flock: they belong to the process, so no forked child keeps a dead trainer's.
+# The kernel drops them however the process dies. A killed run, or workers torchrun --max_restarts replaces,
+# leave the lock free for the command that continues the run.
 
 HELD = (errno.EACCES, errno.EAGAIN)  # what lockf raises for a lock another process holds
 
@@ -109,8 +126,9 @@ def being_trained(run_dir, holder):
 
 
 def run_holder(run_dir):
-    """Who trains the run in run_dir now -> the 'process P on host H' its lock names, or None when no process
-    holds the lock (or there is none). It only reads: a command refused for it leaves the folder as it was."""
+    """Who trains the run in run_dir now: the 'process P on host H' its lock names.
+    None when no process holds the lock, or there is none.
+    It only reads: a command refused for it leaves the folder as it was."""
     try:
         handle = open(Path(run_dir) / "lock")
     except FileNotFoundError:
@@ -125,11 +143,14 @@ def run_holder(run_dir):
 
 
 def lock_run(run_dir):
-    """Take the run's lock for this process -> the open lock file, which holds it until the process ends (keep a
-    reference). ValueError naming the holder when another process has it: the file is then the holder's, never one
-    made here. A filesystem without locks (Lustre mounted without its flock option) gets a warning, and the run goes
-    on unguarded. It is the first thing a run writes in its folder, so take it after every check that can refuse
-    the command: a refused command then leaves no lock behind."""
+    """Take the run's lock for this process -> the open lock file; keep a reference.
+    It holds the lock until the process ends.
+
+    - Another process has it: ValueError naming the holder. The file stays the holder's.
+    - A filesystem without locks (Lustre without its flock option): a warning; the run goes on unguarded.
+
+    It is the first thing a run writes in its folder.
+    So take it after every check that can refuse the command: a refused command leaves no lock."""
     run_dir.mkdir(parents=True, exist_ok=True)
     handle = open(run_dir / "lock", "a+")  # "a+": opened without emptying what the holder wrote
     try:
@@ -150,8 +171,9 @@ def lock_run(run_dir):
 
 
 def lock_for_every_rank(run_dir):
-    """Rank 0, the one rank that writes in the run folder, takes its lock, and every rank learns the outcome ->
-    the lock file on rank 0 (None on the others), or ValueError on every rank, so that all stop together."""
+    """Rank 0, the one rank writing in the run folder, takes its lock; every rank learns the outcome.
+    -> the lock file on rank 0, None on the others.
+    Or ValueError on every rank, so that all stop together."""
     handle, refusal = None, [None]
     if not dist.is_initialized() or dist.get_rank() == 0:
         try:

@@ -1,7 +1,7 @@
 """
-nanoparcae/tokenizer.py: the tokenizer (METHOD.md §2): a byte-level BPE with the GPT-4 split pattern and the special
-tokens <|bos|>, <|eos|>, <|pad|>, trained with rustbpe and run with tiktoken. nanoparcae.dataset.get_tokenizer trains
-and caches one per data source.
+nanoparcae/tokenizer.py: the tokenizer, a byte-level BPE (METHOD.md §2).
+It uses the GPT-4 split pattern and the specials <|bos|>, <|eos|>, <|pad|>.
+rustbpe trains it and tiktoken runs it. nanoparcae.dataset.get_tokenizer caches one per data source.
 
     tokenizer = Tokenizer.train(texts, vocab_size=4096)     # any iterator of strings
     ids = tokenizer.encode("def f(x):", prepend_bos=True)
@@ -18,26 +18,26 @@ import tiktoken
 import torch
 
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>"]
-# METHOD.md §2: a GPT-4 style split pattern; like nanochat we group digits by 1-2 (GPT-4: 1-3), which wastes
-# fewer tokens on numbers at small vocab sizes
+# METHOD.md §2: GPT-4's split, but digits group by 1-2 (GPT-4: 1-3), as in nanochat.
+# That wastes fewer tokens on numbers at small vocab sizes.
 SPLIT_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*"""
                  r"""|\s*[\r\n]|\s+(?!\S)|\s+""")
 
 # -----------------------------------------------------------------------------
-# Tokenizer: trained with rustbpe, run with tiktoken (METHOD.md §2: byte-level BPE, GPT-4 split, <|bos|> etc.)
+# Tokenizer: trained with rustbpe, run with tiktoken
 
 class Tokenizer:
-    """A tiktoken.Encoding plus the byte length of every token (bits per byte needs it)."""
+    """A tiktoken.Encoding plus each token's byte length, which bits per byte needs."""
 
     def __init__(self, enc, token_bytes, bos_token="<|bos|>"):
         self.enc = enc
         self.token_bytes = token_bytes  # int32 (vocab_size,): UTF-8 bytes each id decodes to, 0 for specials
-        self.bos_id = enc.encode_single_token(bos_token)  # interop/hub.py: an imported tokenizer names it its own way
+        self.bos_id = enc.encode_single_token(bos_token)  # an imported tokenizer may name it its own way
         self.vocab_size = enc.n_vocab
 
     @classmethod
     def from_ranks(cls, mergeable_ranks, pattern, specials=None, bos_token="<|bos|>", name="nanoparcae"):
-        """specials: {name: id}; ours by default, taking the ids right after the learned tokens."""
+        """specials: {name: id}. Ours by default, with the ids after the learned tokens."""
         if specials is None:
             specials = {token: len(mergeable_ranks) + i for i, token in enumerate(SPECIAL_TOKENS)}
         enc = tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=mergeable_ranks, special_tokens=specials)
@@ -48,8 +48,8 @@ class Tokenizer:
 
     @classmethod
     def train(cls, text_iterator, vocab_size, max_chars=2_000_000_000, doc_cap=10_000):
-        """Train on at most max_chars characters, each document cut to doc_cap (METHOD.md §2: ~2B chars, 10k cap).
-        vocab_size counts the special tokens."""
+        """Train on at most max_chars characters, each document cut to doc_cap.
+        METHOD.md §2: ~2B chars, 10k cap. vocab_size counts the special tokens."""
         num_merged = vocab_size - len(SPECIAL_TOKENS)
         if num_merged < 256:
             raise ValueError(f"vocab_size {vocab_size} is too small: it needs 256 byte tokens "
@@ -98,8 +98,8 @@ class Tokenizer:
         return cls(enc, token_bytes)
 
     def encode(self, text, prepend_bos=False, num_threads=8):
-        """A string gives a list of ids, a list of strings a list of lists (encoded on num_threads threads).
-        Special tokens never come out of text: "<|bos|>" written in a document is ordinary characters."""
+        """A string gives a list of ids; a list of strings, a list of lists (on num_threads threads).
+        Text never yields special tokens: "<|bos|>" in a document is ordinary characters."""
         prefix = [self.bos_id] if prepend_bos else []
         if isinstance(text, str):
             return prefix + self.enc.encode_ordinary(text)
@@ -109,8 +109,8 @@ class Tokenizer:
         return self.enc.decode(ids)
 
     def known_ids(self, vocab_size):
-        """(vocab_size,) bool mask of the ids this tokenizer can decode (a model with more ids, tried with a smaller
-        tokenizer, must never sample the others), or None when it has them all; warns, naming both sizes."""
+        """(vocab_size,) bool mask of the ids this tokenizer can decode, or None if it has them all.
+        A model with more ids must never sample the others. Warns, naming both sizes."""
         ids = [i for i in (*self.enc._mergeable_ranks.values(), *self.enc._special_tokens.values()) if i < vocab_size]
         known = torch.zeros(vocab_size, dtype=torch.bool)
         known[ids] = True

@@ -9,7 +9,8 @@
 #   1. versions: torch, CUDA, the GPUs, and the bf16 matmul rate at the 140M's shapes (bench.py's row 2);
 #   2. bench.py at the 140M (its CUDA default), rows 1-5 and 7: FLOP/s Parcae vs the Transformer and MFU against
 #      the measured matmul rate (both of the matmul FLOPs executed), per-sequence sampling's overhead at 32
-#      sequences per GPU, memory flat in T, decoding, torch.compile;
+#      sequences per GPU and at the device batch the depth-24 plan picks (row 3 again, at that batch), memory flat
+#      in T, decoding, torch.compile;
 #   3. the paper's 1.3B as users type it: `train.py --depth=24 --mu_rec=8 --dry_run`, the device batch it picks
 #      for this GPU's free memory and its memory plan; then one compiled step of that model at that batch under
 #      torchrun (DDP's buckets included), its peak torch.cuda.max_memory_allocated against the plan;
@@ -19,18 +20,21 @@
 #      rank at T = 1, 2, 4, 8) and scores a CORE subset from a bundle the check makes up (three tasks, offline):
 #      the same run is trained unbroken to step 20 beside it: the loss falls, no recompilation after warm-up and no
 #      recompile limit hit (through the eval and CORE), tokens/s, each step logged once, the resumed run's losses
-#      and weights equal to the unbroken run's;
+#      and weights equal to the unbroken run's; then 3 eager steps on every GPU against the same 3 in one process
+#      with as many micro-batches (the same global batch, bf16; float32 on --tiny): their losses equal within a
+#      tolerance (gpu_check.py's TARGETS), which a rank reading another data order breaks (skipped on one GPU);
 #   5. bf16 against float32: the losses of 5 identical eager steps (8 x 2048), their relative difference.
 #
 #     bash runs/gpu_check.sh            # PYTHON=... to pick the interpreter (default python, else python3)
 #     bash runs/gpu_check.sh --tiny     # every stage on a CPU: a tiny model, gloo, 2 processes (runs/test.sh runs it)
-#     GPU_CHECK_FAULT=recompile_limit|perturb_resume bash runs/gpu_check.sh [--tiny]   # a fault 4b or 4d must catch
+#     GPU_CHECK_FAULT=recompile_limit|perturb_resume|rank_order bash runs/gpu_check.sh [--tiny]  # 4b, 4d, 4f catch
 #
 # --tiny runs the same stages with a tiny model (dynamo's eager backend, bf16 autocast, 2 processes over gloo),
 # and the depth-24 plan against a GPU faked to report 80 GB; figures that test the script, not the claims: it holds
 # only the rows a CPU can meet to their targets (the run's life: the loss, recompilation, the kill and the resume).
 # The faults: recompile_limit sets dynamo's recompile limits to 2 once model.compile_blocks has raised them, in
-# every train.py; perturb_resume scales a weight of the checkpoint the resume reads by 1.01.
+# every train.py; perturb_resume scales a weight of the checkpoint the resume reads by 1.01; rank_order has rank 1
+# read each epoch's chunks in reverse order, in every train.py.
 # On a GPU machine without internet, install the requirements from wheel files fetched elsewhere first
 # (docs/performance.md says how).
 #
@@ -48,8 +52,9 @@ case "${1:-}" in
 esac
 fault=${GPU_CHECK_FAULT:-}
 case "$fault" in
-    ""|recompile_limit|perturb_resume) ;;
-    *) echo "runs/gpu_check.sh: unknown GPU_CHECK_FAULT '$fault'; recompile_limit or perturb_resume" >&2; exit 2 ;;
+    ""|recompile_limit|perturb_resume|rank_order) ;;
+    *) echo "runs/gpu_check.sh: unknown GPU_CHECK_FAULT '$fault'; recompile_limit, perturb_resume or rank_order" >&2
+       exit 2 ;;
 esac
 export NANOPARCAE_BASE_DIR=${NANOPARCAE_BASE_DIR:-$HOME/.cache/nanoparcae}/gpu_check
 base=$NANOPARCAE_BASE_DIR
@@ -60,15 +65,18 @@ FAKE_GPU_BYTES=80000000000  # --tiny: the depth-24 plan against an 80 GB GPU, an
 # Each stage's time limit: process start-up + compilation + its steps x a per-step bound (STEP: one optimizer step of
 # 2 micro-batches), cut to what is left of the whole check's limit. The GPU bounds are estimates, several times
 # what an H100 should need except compilation's, and add up to the whole: no stage's limit is cut but by overruns.
+# CACHED_S: the same graphs compiled again, which inductor reads from its on-disk cache.
 if [ "$tiny" = 1 ]; then
     gpus=2
     MODEL=(--depth=3 --d_model=64 --head_dim=32 --mu_rec=8 --vocab_size=320 --seq_len=64)
     seq=64; vocab=320; micro=4; precision_micro=4; precision_steps=3
     steps=18; save_every=2; kill_at=3  # resumed from step 2 or 4: 10 steps of warm-up, then some without recompiling
+    world_micro=4; world_dtype=float32
     COMPILE=(--compile=1 --compile_backend=eager)  # dynamo's tracing and guards without inductor's C++ (minutes)
     BENCH=(--depth 3 --d_model 64 --head_dim 32 --vocab_size 320 --seq_len 64 --batch_size 4 --steps 1 --repeats 1
            --new_tokens 16 --compile_backend eager)
-    TOKENIZER=120; DRY=30; START=30; COMPILE_S=60; COMPILE24_S=60; STEP=10; STEP24=5; EVAL=30; CORE=60; BENCH_S=300
+    TOKENIZER=120; DRY=30; START=30; COMPILE_S=60; CACHED_S=60; COMPILE24_S=60; STEP=10; STEP24=5; EVAL=30; CORE=60
+    BENCH_S=300; SAMPLING_S=60
     WHOLE=1800  # a shared CPU can crawl
 else
     gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null)  # CUDA_VISIBLE_DEVICES counts
@@ -76,18 +84,24 @@ else
     MODEL=(--depth=6 --mu_rec=8)  # train.py's defaults, the paper's, fill in the rest: d_model 768, vocab 32768
     seq=2048; vocab=32768; micro=8; precision_micro=8; precision_steps=5
     steps=20; save_every=5; kill_at=7  # the resumed leg: steps 6-20, 10 of warm-up, then five without recompiling
+    world_micro=1; world_dtype=bfloat16  # one process's step: as many sequences as GPUs, 8 x 2048 on 8
     COMPILE=(--compile=1)
     BENCH=(--repeats 3)  # bench.py's CUDA default is the 140M, 16 x 2048 per step
-    # a 140M step of 2 x 8 x 2048 runs in well under a second; the 1.3B's at the plan's batch in a few
-    TOKENIZER=20; DRY=15; START=15; COMPILE_S=45; COMPILE24_S=100; STEP=1; STEP24=10; EVAL=15; CORE=25; BENCH_S=90
+    # a 140M step of 2 x 8 x 2048 runs in well under a second; the 1.3B's at the plan's batch in a few; the stdlib
+    # tokenizer trains in 6 s and the depth-24 dry run takes 3 s on 2 slow CPU cores; CORE scores 24 short items
+    TOKENIZER=10; DRY=10; START=15; COMPILE_S=45; CACHED_S=25; COMPILE24_S=100; STEP=1; STEP24=10; EVAL=15; CORE=15
+    BENCH_S=90; SAMPLING_S=15
     WHOLE=570  # 10 minutes, less the table's 30 s
 fi
 resumed_steps=$((steps - kill_at / save_every * save_every))
+world_steps=3
 declare -A LIMIT=([tokenizer]=$TOKENIZER [plan]=$DRY [plan_at]=$DRY [step24]=$((START + COMPILE24_S + STEP24))
     [ddp]=$((START + COMPILE_S + kill_at * STEP))
-    [ddp_resume]=$((START + COMPILE_S + resumed_steps * STEP + EVAL + CORE))
-    [unbroken]=$((START + COMPILE_S + steps * STEP))
-    [fp32]=$((START + precision_steps * STEP)) [bf16]=$((START + precision_steps * STEP)) [bench]=$BENCH_S)
+    [ddp_resume]=$((START + CACHED_S + resumed_steps * STEP + EVAL + CORE))
+    [unbroken]=$((START + CACHED_S + steps * STEP))
+    [world]=$((START + world_steps * STEP)) [world_one]=$((START + world_steps * STEP))
+    [fp32]=$((START + precision_steps * STEP)) [bf16]=$((START + precision_steps * STEP)) [bench]=$BENCH_S
+    [sampling]=$((START + SAMPLING_S)))
 limits=0
 for name in "${!LIMIT[@]}"; do limits=$((limits + LIMIT[$name])); done
 echo "== the stages' limits add up to $limits s, the whole check's limit is $WHOLE s" >&2
@@ -179,11 +193,14 @@ torch.cuda.get_device_properties = lambda device=None: types.SimpleNamespace(
     name=torch.cuda.get_device_name(), total_memory=memory)
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name='__main__')"
-# the command each training stage runs: train.py, or the same with the fault of lowered recompile limits
+# the command each training stage runs: train.py, or the same with the fault of lowered recompile limits or of rank
+# 1's data order
 TRAIN=("$PY" train.py)
 if [ "$fault" = recompile_limit ]; then
     TRAIN=("$PY" -c "from experiments.gpu_check import run_with_low_recompile_limits; run_with_low_recompile_limits()"
            train.py)
+elif [ "$fault" = rank_order ]; then
+    TRAIN=("$PY" -c "from experiments.gpu_check import run_with_rank_order_fault; run_with_rank_order_fault()" train.py)
 fi
 
 rm -rf "$base/eval_bundle"
@@ -235,6 +252,12 @@ fi
 train ddp_resume "$gpus" $micro 2 $steps "${DDP_FLAGS[@]}"
 # the same run without the kill; its evals would come after its last update, so it skips them
 train unbroken "$gpus" $micro 2 $steps "${TRAIN_FLAGS[@]}" --eval_every=100000 --core_every=-1
+if [ "$gpus" -gt 1 ]; then  # every GPU, one micro-batch each; then one process, as many micro-batches
+    WORLD_FLAGS=(--dtype=$world_dtype --compile=0 --eval_every=100000 --eval_tokens=$((world_micro * seq * gpus))
+                 --core_every=-1 --save_every=100000)
+    train world "$gpus" $world_micro 1 $world_steps "${WORLD_FLAGS[@]}"
+    train world_one 0 $world_micro "$gpus" $world_steps "${WORLD_FLAGS[@]}"
+fi
 train fp32 0 $precision_micro 1 $precision_steps --dtype=float32 --compile=0 --eval_every=100000 \
     --eval_tokens=$((precision_micro * seq)) --core_every=-1 --save_every=100000
 train bf16 0 $precision_micro 1 $precision_steps --dtype=bfloat16 --compile=0 --eval_every=100000 \
@@ -242,6 +265,10 @@ train bf16 0 $precision_micro 1 $precision_steps --dtype=bfloat16 --compile=0 --
 ckpt=$(ls "$base/runs/gpu_check_ddp"/ckpt_*.pt 2>/dev/null | tail -n 1)
 stage bench "${LIMIT[bench]}" "$PY" -m experiments.bench --rows 1,2,3,4,5,7 "${BENCH[@]}" ${ckpt:+--ckpt "$ckpt"} \
     --json "$work/bench.json"
+if [ -n "$batch24" ] && [ "$batch24" != 32 ]; then  # row 3 again, at the device batch the 1.3B trains at
+    stage sampling "${LIMIT[sampling]}" "$PY" -m experiments.bench --rows 3 "${BENCH[@]}" --batch_size="$batch24" \
+        --json "$work/sampling.json"
+fi
 
 "$PY" -m experiments.gpu_check "$work" "$base/runs" --gpus "$gpus" --memory "$memory" \
     $([ "$tiny" = 1 ] && echo --tiny) >"$work/table.md"

@@ -28,6 +28,19 @@ TINY = ["--depth=3", "--d_model=64", "--head_dim=32", "--mu_rec=3", "--vocab_siz
         "--eval_tokens=256", "--save_every=1000", "--log_every=1", "--core_every=-1", "--dtype=float32", "--compile=0"]
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: starts a process, runs torchrun or trains more than a few steps")
+
+
+# Whether the test being set up carries the slow mark: only such a test may start a process.
+RUNNING = {"slow": True}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    RUNNING["slow"] = item.get_closest_marker("slow") is not None
+
+
 @pytest.fixture(autouse=True)
 def private_base_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(tmp_path / "nanoparcae_base"))
@@ -104,6 +117,9 @@ class Started:
     a fork of one that imported PRELOADED with one thread, or a fresh interpreter where env needs one."""
 
     def __init__(self, args, env=None, cwd=ROOT):
+        # a slow fixture's thread may start its runs while a later test runs
+        assert RUNNING["slow"] or threading.current_thread() is not threading.main_thread(), \
+            "a test that starts a process carries @pytest.mark.slow"
         env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
         self.args, self.returncode, self.folder = args, None, tempfile.TemporaryDirectory()
         self.out, self.err = Path(self.folder.name, "stdout"), Path(self.folder.name, "stderr")
@@ -180,9 +196,10 @@ def start_fork_server():
 
 
 @pytest.fixture(scope="session", autouse=True)
-def fork_server():
-    """The fork server imports torch while the first tests run."""
-    start_fork_server()
+def fork_server(request):
+    """The fork server imports torch while the first tests run, where a slow test will need it."""
+    if any(item.get_closest_marker("slow") for item in request.session.items):
+        start_fork_server()
 
 
 def train(corpus, *flags, nproc=1, torchrun=None, env=None, expect_ok=True, fault=None, base=None):
@@ -193,6 +210,25 @@ def train(corpus, *flags, nproc=1, torchrun=None, env=None, expect_ok=True, faul
     if expect_ok:
         assert result.returncode == 0, result.stderr[-3000:]
     return result
+
+
+def run_here(args, monkeypatch, capsys):
+    """`python *args` run in this process, for a command that stops before any work -> its CompletedProcess. A
+    message given to sys.exit goes to stderr with status 1, as Python does."""
+    module = args[0] == "-m"
+    monkeypatch.setattr(sys, "argv", [args[1], *args[2:]] if module else [str(ROOT / args[0]), *args[1:]])
+    if module:
+        monkeypatch.delitem(sys.modules, args[1], raising=False)  # run afresh as __main__, as python -m does
+    with pytest.raises(SystemExit) as exit_info:
+        if module:
+            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(str(ROOT / args[0]), run_name="__main__")
+    out, err = capsys.readouterr()
+    status = exit_info.value.code
+    if isinstance(status, str):
+        err, status = err + status + "\n", 1
+    return subprocess.CompletedProcess(args, status or 0, out, err)
 
 
 def refused(result):

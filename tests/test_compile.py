@@ -25,6 +25,7 @@ from model import Parcae, ParcaeConfig, evaluation_initial_state
 # on, would split every block compiled inside DDP's forward
 CONFIG = dict(d_model=256, head_dim=64, mu_rec=3, vocab_size=320, seq_len=32)
 BATCH, STEPS, GRAD_ACCUM = 4, 3, 2
+pytestmark = pytest.mark.slow  # compiles, and starts two processes
 
 
 def free_port():

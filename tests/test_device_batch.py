@@ -96,6 +96,7 @@ def test_the_plan_is_for_the_memory_free_at_start_up_not_the_gpus_total(gpu_80gb
     assert sizes[20e9] < sizes[80e9], sizes
 
 
+@pytest.mark.slow
 def test_dry_run_under_torchrun_prints_one_plan_for_its_processes():
     """The 8 sequences of a step, 256 tokens of 32, over torchrun's 2 processes: 4 each, said once."""
     tiny = [flag for flag in TINY if not flag.startswith("--device_batch_size")]
@@ -121,6 +122,7 @@ def concat(corpus):
         yield pool.submit(train, corpus, "--injection=concat", "--max_tokens=1024", "--eval_every=2", "--run=concat")
 
 
+@pytest.mark.slow
 def test_a_resume_keeps_the_recorded_batch(corpus, concat):
     """Started at --device_batch_size=2, continued without the flag: the CPU's own choice would be 8."""
     train(corpus, "--device_batch_size=2", "--max_tokens=512", "--stop_at=1", "--run=kept")
@@ -133,6 +135,7 @@ def test_a_resume_keeps_the_recorded_batch(corpus, concat):
     assert checkpoint["step"] == 2 and checkpoint["run"]["device_batch_size"] == 2
 
 
+@pytest.mark.slow
 def test_concat_rho_is_logged_every_rho_every_steps_and_is_the_weights_radius(corpus, concat):
     concat.result()  # 4 steps
     run_dir = corpus / "base" / "runs" / "concat"
@@ -163,6 +166,7 @@ FREE = {
 NEITHER = {"run", "dry_run"}  # another run; a plan only
 
 
+@pytest.mark.slow
 def test_every_flag_defines_the_run_or_may_change_when_it_continues(corpus, concat, monkeypatch, capsys):
     """On the finished concat run, another value of each flag --help lists: a run-defining one is refused in one line
     that names it, and the checkpoint records exactly those flags; any other one continues the run, which says it is
@@ -185,7 +189,7 @@ def test_every_flag_defines_the_run_or_may_change_when_it_continues(corpus, conc
 
 def test_readme_and_docs_commands_fit_their_plan_and_the_readme_table_is_the_choice():
     """Every train.py command of README and docs that gives --device_batch_size fits in 80 GB by the plan (the others
-    let train.py choose); README's table of the paper's runs is what 8 processes pick on 80 and 141 GB."""
+    let train.py choose); the table of the paper's runs (README or docs) is what 8 processes pick on 80 and 141 GB."""
     defaults = dict(depth="6", mu_rec="8", vocab_size="32768", seq_len="2048", head_dim="128", dtype="bfloat16")
     text = "\n".join(path.read_text() for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
     commands = [line for line in text.replace("\\\n", " ").splitlines()
@@ -202,8 +206,7 @@ def test_readme_and_docs_commands_fit_their_plan_and_the_readme_table_is_the_cho
         plan = memory_plan(model, int(flags["device_batch_size"]), flags["dtype"] == "bfloat16",
                                  optimizer_state_bytes(model))
         assert plan["total"] <= 0.9 * 80e9, command
-    readme = (ROOT / "README.md").read_text()
-    rows = re.findall(r"^\| ([\d.]+[MB]) \| (\d+), ([\d.]+) GB \| (\d+), ([\d.]+) GB \|$", readme, flags=re.M)
+    rows = re.findall(r"^\| ([\d.]+[MB]) \| (\d+), ([\d.]+) GB \| (\d+), ([\d.]+) GB \|$", text, flags=re.M)
     assert [row[0] for row in rows] == ["140M", "370M", "770M", "1.3B"]
     for (_, *row), depth in zip(rows, (6, 12, 18, 24)):
         with torch.device("meta"):

@@ -301,6 +301,7 @@ def val_batches_for_test():
     return batches
 
 
+@pytest.mark.slow
 def test_one_rank_equals_two_ranks(bundle, tmp_path):
     model = tiny_parcae()
     core = evaluate_core(model, ByteTokenizer(), bundle, T=2, verbose=False)
@@ -393,22 +394,8 @@ def test_fit_recovers_the_law():
         fit_test_time_scaling([1, 2], [3.0, 2.9])
 
 
-def test_bad_flags_end_in_one_line_before_any_checkpoint_or_data_is_read(tmp_path, monkeypatch, capsys):
+def test_a_prefix_of_a_flag_is_not_taken_for_it(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(tmp_path))
-    for name in ("load_run", "val_batches", "start_device"):
-        monkeypatch.setattr(eval_core, name, lambda *a, **k: pytest.fail("read before the flags were checked"))
-    for flags, message in ((["--T", "0"], "--T '0': every depth must be 1 or more"),
-                           (["--T", "1,x"], "--T '1,x' must be integers")):
-        with pytest.raises(SystemExit) as exit:
-            eval_core.main(["--eval", "bpb", *flags])
-        assert str(exit.value.code).startswith(f"eval_core.py: {message}")
-        assert len(str(exit.value.code).splitlines()) == 1
-    for flag, value in (("--val_tokens", "0"), ("--batch_size", "-1"), ("--batch_tokens", "0"), ("--max_docs", "0"),
-                        ("--max_per_task", "0")):
-        with pytest.raises(SystemExit) as exit:
-            eval_core.main(["--eval", "bpb", f"{flag}={value}"])
-        err = capsys.readouterr().err
-        assert exit.value.code == 2 and len(err.splitlines()) == 1 and carries(err, "error:", flag, value, "positive")
     with pytest.raises(SystemExit) as exit:  # a prefix of --batch_size is not taken for it
         eval_core.main(["--eval", "bpb", "--batch=4"])
     assert exit.value.code == 2 and "unrecognized arguments: --batch=4" in capsys.readouterr().err

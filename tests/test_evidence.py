@@ -147,6 +147,7 @@ def test_the_table_is_replaced_between_its_markers(tmp_path, monkeypatch):
         evidence.fill_table(page)
 
 
+@pytest.mark.slow
 def test_a_real_run_its_curve_at_mu_rec_equals_train_pys_own_eval(tmp_path, monkeypatch):
     """A tiny run through train_and_evaluate: the final evaluation's loss at T = mu_rec is train.py's last val loss
     (the same batches and h0), the curve is recorded at every CURVE_T, and load_results reads the run back."""

@@ -1,12 +1,15 @@
 """experiments/gpu_check.py, the table of runs/gpu_check.sh, built from stage outputs: a time-out, a crash, a missing
 stage, the kill and the resume against an unbroken run, the bf16 difference, the device batch it reads from train.py
---dry_run's plan; its exit status, held to the targets a CPU can meet and, on a GPU, to the GPU's; and the two faults
-the script injects, each caught: a real train.py run with dynamo's recompile limits forced low, and a real checkpoint
-with a weight perturbed. runs/test.sh runs `bash runs/gpu_check.sh --tiny` itself, every stage on a CPU."""
+--dry_run's plan, sampling's overhead at that batch; its exit status, held to the targets a CPU can meet and, on a GPU,
+to the GPU's; and the three faults the script injects, each caught: a real train.py run with dynamo's recompile limits
+forced low, a real checkpoint with a weight perturbed, and real runs of two processes, one reading another data order,
+against one. runs/test.sh runs `bash runs/gpu_check.sh --tiny` itself, every stage on a CPU."""
 
 import json
+import shutil
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from conftest import ROOT, TINY, python, train_env
@@ -14,7 +17,7 @@ from experiments import gpu_check
 from model import Parcae, ParcaeConfig
 from nanoparcae.checkpoint import save_checkpoint
 
-NUMBERS = ["1", "2a", "2b", "2c", "2d", "2e", "2f", "2g", "3a", "3b", "4a", "4b", "4c", "4d", "4e", "5"]
+NUMBERS = ["1", "2a", "2b", "2c", "2d", "2e", "2f", "2g", "3a", "3b", "4a", "4b", "4c", "4d", "4e", "4f", "5"]
 DRY_RUN = ("steps: 198364 x 524,288 tokens = 1 process(es) x 8 micro-batch(es) x 32 x 2048 | data: fineweb-edu\n"
            "memory per GPU (GB): weights 5.4 + grads 5.4 + DDP buckets 5.4 + optimizer 8.0 + activations 294.7 (32 x "
            "2048 at mu_bwd 4, bfloat16) = 318.8 | largest device batch: 5 in 80 GB, 11 in 141 GB\n")
@@ -27,6 +30,9 @@ BENCH = {"sizes": "tiny", "figures": {"matmul_rate": 5e10, "flops_ratio": 0.8, "
                   ["5a", "decoding depth", "auto", "-64%", "time saved >= steps saved - 20%: not met"],
                   ["5b", "KV cache", "T=8", "1.03x concat", ">= 1.5x concat: not met"],
                   ["7", "torch.compile", "0 recompilations", "1.01x", "none after step 11: met"]]}
+SAMPLING = {"sizes": "tiny", "figures": {"sampling_overhead": 0.25},  # row 3 again, at the plan's device batch
+            "rows": [["3a", "sampling, 4 sequences per micro-batch", "per-sequence", "overhead +9.0%", "paper: +1.8%"],
+                     ["3b", "sampling, 32 sequences per micro-batch", "per-sequence", "overhead +25%", "paper: +1.8%"]]}
 LOSSES = [6.0 - 0.1 * step for step in range(16)]
 EVALS = [{"step": 16, "val_loss_T1": 4.5, "val_loss_T8": 4.25, "graphs": 5, "recompile_limits": 0},
          {"step": 16, "core": 0.125, "core_T": 8, "graphs": 5, "recompile_limits": 0}]
@@ -68,9 +74,11 @@ def write_checkpoints(runs_dir, step=16):
 def write_passing_check(work, runs_dir):
     """Every stage's output as a passing --tiny check leaves it: killed at step 3, resumed at step 2, to step 16."""
     work.mkdir()
-    for name in ("plan", "plan_at", "step24", "ddp", "ddp_resume", "unbroken", "fp32", "bf16", "bench"):
+    for name in ("plan", "plan_at", "step24", "ddp", "ddp_resume", "unbroken", "world", "world_one", "fp32", "bf16",
+                 "bench", "sampling"):
         write_stage(work, name)
     (work / "bench.json").write_text(json.dumps(BENCH))
+    (work / "sampling.json").write_text(json.dumps(SAMPLING))
     (work / "plan.log").write_text(DRY_RUN)
     (work / "plan_at.log").write_text(DRY_RUN_AT_4)
     (work / "ddp.log").write_text("steps: 16 x 1,024 tokens = 2 process(es) x 2 micro-batch(es) x 4 x 64\n"
@@ -79,6 +87,8 @@ def write_passing_check(work, runs_dir):
     write_steps(runs_dir, "ddp", LOSSES, extra=EVALS, graphs=4, recompile_limits=0)
     write_steps(runs_dir, "unbroken", LOSSES, graphs=4, recompile_limits=0)
     write_steps(runs_dir, "step24", [5.9], peak_memory=58e9)
+    for name in ("world", "world_one"):
+        write_steps(runs_dir, name, LOSSES[:3])
     write_steps(runs_dir, "fp32", [6.0, 5.0, 4.0])
     write_steps(runs_dir, "bf16", [6.0, 5.1, 4.0])  # 2% apart: the GPU's target missed
     return write_checkpoints(runs_dir)
@@ -116,6 +126,9 @@ def test_a_cpu_holds_the_run_to_its_targets_and_only_reports_the_gpus_figures(tm
                               "against the unbroken run: losses equal, weights at step 16 equal",
                               "resumes, each step once, equal: met")
     assert rows["4e"][1] == "step 16: val loss T=1 4.500, T=8 4.250; step 16: CORE 0.125 at T=8"
+    assert rows["2c"][1].endswith("At the plan's 4: per-sequence; overhead +9.0%"), rows["2c"]
+    assert rows["4f"][1:] == ("2 processes 6.0000, 5.9000, 5.8000; one process 6.0000, 5.9000, 5.8000; largest "
+                              "relative difference 0.0e+00", "within 0.001 (relative, each step): met")
     assert "largest 2.000%" in rows["5"][1] and "step 1 0.000%" in rows["5"][1]
 
     for name in ("ddp", "unbroken"):  # a held target missed: the loss does not fall
@@ -157,6 +170,7 @@ def test_failed_stages_say_why_and_fail_the_check(tmp_path, capsys):
     assert rows["3b"][1] == ("failed: step24 exited 1: torch.OutOfMemoryError: CUDA out of memory. "
                              "Tried to allocate 2 GiB")
     assert rows["4a"][1] == rows["4b"][1] == rows["4d"][1] == "failed: stage ddp did not run"
+    assert rows["2c"][1] == "failed: bench timed out after 200 s"
     assert rows["5"][1] == "failed: the runs logged different steps: [1, 2, 3] and [1]"
 
 
@@ -188,6 +202,7 @@ def test_a_resume_that_is_not_the_unbroken_run_fails_4d(tmp_path, capsys, monkey
                                                                     "unbroken one 1-16")
 
 
+@pytest.mark.slow
 def test_a_recompile_limit_hit_fails_4b_though_the_graph_count_stays_flat(tmp_path, capsys, corpus):
     """A real train.py run with dynamo's recompile limits forced to 2 as the fault GPU_CHECK_FAULT=recompile_limit
     forces them: its counters and its warning both fail 4b, each on its own."""
@@ -218,3 +233,31 @@ def test_a_recompile_limit_hit_fails_4b_though_the_graph_count_stays_flat(tmp_pa
     assert warnings and all(warning.endswith("(2)") for warning in warnings), warnings
     assert f"dynamo hit config.{warnings[0]}" in rows["4b"][1] and rows["4b"][2].endswith(": not met")
     assert status == 1
+
+
+@pytest.mark.slow
+def test_a_rank_that_reads_another_order_fails_4f(tmp_path, capsys):
+    """Real train.py runs on the stdlib corpus (many chunks), as runs/gpu_check.sh starts them: one process with two
+    micro-batches, then two processes with one each. With GPU_CHECK_FAULT=rank_order's fault (rank 1 reads the chunks
+    in reverse order) 4f is not met; without it, met."""
+    work, base = tmp_path / "work", tmp_path / "base"
+    write_passing_check(work, base / "runs")
+    wrapper = tmp_path / "rank_order.py"
+    wrapper.write_text(f"import sys\nsys.path.insert(0, {str(ROOT)!r})\n"
+                       "from experiments.gpu_check import run_with_rank_order_fault\n"
+                       "run_with_rank_order_fault()\n")
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--"]
+    flags = ["--data=stdlib", *TINY, "--max_tokens=768"]  # 3 steps of 2 micro-batches of 4 x 32
+
+    def run(name, launch):
+        shutil.rmtree(base / "runs" / f"gpu_check_{name}")  # write_passing_check's, or the last run's
+        result = python([*launch, *flags, f"--run=gpu_check_{name}"], train_env(tmp_path, base))
+        assert result.returncode == 0, result.stderr[-3000:]
+
+    run("world_one", [str(ROOT / "train.py")])
+    run("world", [*torchrun, str(wrapper), str(ROOT / "train.py")])
+    status, rows = check(capsys, work, base / "runs", "--tiny")
+    assert rows["4f"][2] == "within 0.001 (relative, each step): not met" and status == 1, rows["4f"]
+    run("world", [*torchrun, str(ROOT / "train.py")])
+    status, rows = check(capsys, work, base / "runs", "--tiny")
+    assert rows["4f"][2] == "within 0.001 (relative, each step): met" and status == 0, rows["4f"]

@@ -30,6 +30,7 @@ from nanoparcae.tokenizer import Tokenizer  # noqa: E402
 from eval_core import evaluate_bpb  # noqa: E402
 from model import Parcae, ParcaeConfig, evaluation_initial_state  # noqa: E402
 
+pytestmark = pytest.mark.slow  # every test reads a model trained for 60 steps
 SEED = 1234
 DOCS = ["The river ran past the old mill and into the town.", "A cat sat on the mat; the dog sat on the log.",
         "Numbers 12 and 345 follow words, then tabs\tand  double spaces.", "Short one."]

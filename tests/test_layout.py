@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 FOLDERS = ("experiments", "interop")  # the paper's experiments; the adapters to other tools
 PACKAGE = "nanoparcae"  # what the root's files lean on that is not the method
@@ -105,6 +107,7 @@ def test_no_root_or_package_file_imports_from_the_folders():
     assert root_imports_of_folders(ROOT) == [] and root_imports_of_folders(ROOT / PACKAGE) == []
 
 
+@pytest.mark.slow
 def test_importing_every_root_file_loads_nothing_from_the_folders():
     """The same rule at run time: every root module imported, no module of the folders in sys.modules."""
     modules = sorted(path.stem for path in ROOT.glob("*.py") if path.stem != "train")  # importing train.py trains

@@ -21,6 +21,7 @@ def moved(corpus):
     return corpus / "moved"
 
 
+@pytest.mark.slow
 def test_every_command_that_loads_a_run_works_after_the_base_folder_moved(corpus, moved):
     """README: moving NANOPARCAE_BASE_DIR moves the runs. The checkpoint records the old tokenizer path; each command
     finds the tokenizer by its key under the new base folder. The four run at once, one thread each."""
@@ -44,6 +45,7 @@ def test_every_command_that_loads_a_run_works_after_the_base_folder_moved(corpus
     assert "checkpoint tiny/ckpt_000002.pt" in out["bench"]  # the run's checkpoint, not the untrained stand-in
 
 
+@pytest.mark.slow
 def test_a_wrong_checkpoint_or_tokenizer_is_one_line(moved, tmp_path, monkeypatch):
     monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(moved))
     path = moved / "runs" / "tiny" / "ckpt_000002.pt"

@@ -419,6 +419,7 @@ def test_the_recurrence_runs_the_example_in_its_docstring():
                      ([1, 2, 0], yes)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("injection", ["diagonal", "concat", "add", "none"])
 def test_tiny_model_learns_a_fixed_batch(injection):
     torch.manual_seed(0)

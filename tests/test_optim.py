@@ -267,6 +267,7 @@ def test_muon_decreases_quadratic_loss():
     assert last < 0.02 * first, (first, last)
 
 
+@pytest.mark.slow
 def test_state_dict_round_trip_resumes_exactly():
     def make():
         torch.manual_seed(1)

@@ -50,6 +50,7 @@ def test_draws_log_axes_for_quantities_spanning_decades_and_marks_the_divergence
         plot.summary_row("stable", stable).endswith("| 4.500 / 4.200 (T = 1 / 4) | 0.5 | 15 | - |")
 
 
+@pytest.mark.slow
 def test_cli_reads_a_run_by_name_and_a_run_that_stopped_mid_line(tmp_path, runs):
     cut = write_run(tmp_path / "cut", [step(1, 10.0), step(2, 11.0)], tail='{"step": 3, "loss": 4.')
     assert [r["step"] for r in plot.read_run(cut)["steps"]] == [1, 2]
@@ -62,6 +63,7 @@ def test_cli_reads_a_run_by_name_and_a_run_that_stopped_mid_line(tmp_path, runs)
     assert "| exploded | nan |" in result.stdout and "| cut | 5.000 | - |" in result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args,named", [
     (["missing_run"], ["missing_run"]),
     (["stable", "--metrics=loss,perplexity"], ["perplexity"]),

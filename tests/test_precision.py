@@ -123,6 +123,7 @@ def compiled_graphs(model, depths, autocast, reset=True):
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
+@pytest.mark.slow
 def test_compiled_blocks_do_not_recompile_under_autocast():
     model = tiny(mu_bwd=2).train()
     # with mu_bwd 2, the no-grad and the grad steps each see the full batch, a prefix of 2 and a prefix of 1

@@ -64,6 +64,7 @@ def drift(corpus):
                           expect_ok=False)
 
 
+@pytest.mark.slow
 def test_two_nodes_that_would_start_from_different_checkpoints_both_refuse(corpus, alone, tmp_path):
     """Two one-process "nodes" through a c10d rendezvous, each with its own base folder, only the first holding
     the run's last checkpoint (checkpoints kept on one node): each ends in one line naming both starts, within
@@ -130,6 +131,7 @@ def test_nodes_that_hold_other_shards_or_another_tokenizer_both_refuse(corpus, t
     assert not (cases["fewer"][1] / "tokenizers").exists()  # node 1 waited for rank 0's, and trained none
 
 
+@pytest.mark.slow
 def test_a_second_command_on_a_live_run_is_refused_and_the_run_ends_as_it_would_alone(corpus, alone, drift):
     """The first command pauses at its first step, holding the run's lock; the same command meanwhile ends in one
     line naming the holder's process and host. Released, the first run ends with the weights and losses of the
@@ -173,6 +175,7 @@ def test_a_filesystem_without_locks_warns_and_the_run_goes_on(tmp_path, monkeypa
                                       f"stops a second command on run unlocked while this one trains\n"
 
 
+@pytest.mark.slow
 def test_replicas_that_drift_apart_stop_the_run_at_the_checkpoint(corpus, drift):
     """Two processes; after the second step's clip, rank 1 nudges its first weight tensor: at the step-4
     checkpoint the run stops with one line naming rank 1 and the tensor, and nothing is saved."""
@@ -209,6 +212,7 @@ def bundle_worker(rank, port, root, url):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_the_eval_bundle_is_on_every_rank_or_core_is_skipped_on_every_rank(tmp_path, server):
     (server.root / "eval_bundle.zip").write_bytes(bundle_zip())
     (tmp_path / "node0" / "eval_bundle").mkdir(parents=True)

@@ -30,6 +30,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
 import torch
 
 from conftest import ROOT, TINY, python, write_corpus
@@ -119,6 +120,7 @@ def test_differences_catch_a_change_and_pass_rounding():
     assert len(found) == 3 and "diagonal step 1 loss" in found[0] and "add val_loss_T1" in found[1], found
 
 
+@pytest.mark.slow
 def test_training_run_gives_the_recorded_numbers(tmp_path):
     reference = json.loads(RECORD.read_text())
     numbers = run_numbers(tmp_path)

@@ -77,6 +77,7 @@ def why(result):
                      or "Timed out" in line)
 
 
+@pytest.mark.slow
 def test_the_ranks_wait_out_rank0_writing_a_checkpoint_past_the_collective_timeout(corpus, tmp_path):
     with ThreadPoolExecutor(2) as pool:  # each its own base folder: both train a tokenizer
         kept, skipped = [pool.submit(slowed_run, corpus, tmp_path / wait, wait) for wait in ("wait", "skip_wait")]

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import sample
+from nanoparcae.dataset import list_chunks
 from nanoparcae.divergence import Divergence
 from conftest import (ROOT, TINY, Started, carries, python, refused, train, train_command, train_env, untouched,
                       write_corpus)
@@ -68,9 +69,29 @@ def one(corpus, beside):
 
 
 @pytest.fixture(scope="module")
-def two(corpus):
-    """Two processes on this node, 1 micro-batch of 4 each; DDP set up without its deprecated arguments."""
-    result = train(corpus, "--run=two", nproc=2)
+def chunked(corpus):
+    """--data= a folder of the corpus's paragraphs, one file each: chunks of FILES_PER_CHUNK files, so that
+    ranks reading the chunks in different orders read different documents."""
+    folder = corpus / "chunked"
+    folder.mkdir()
+    for i, paragraph in enumerate((corpus / "corpus.txt").read_text().split("\n\n")):
+        (folder / f"{i:03d}.txt").write_text(paragraph)
+    assert len(list_chunks(str(folder), "train")) > 1
+    return f"--data={folder}"
+
+
+@pytest.fixture(scope="module")
+def one_chunked(corpus, chunked):
+    """`one` on the chunked corpus."""
+    train(corpus, "--run=one_chunked", chunked)
+    return step_losses(corpus, "one_chunked")
+
+
+@pytest.fixture(scope="module")
+def two(corpus, chunked):
+    """Two processes on this node, 1 micro-batch of 4 each, on the chunked corpus; DDP set up without its deprecated
+    arguments."""
+    result = train(corpus, "--run=two", chunked, nproc=2)
     assert "Warning" not in result.stderr, result.stderr[-3000:]
     return step_losses(corpus, "two")
 
@@ -94,6 +115,7 @@ def step_losses(corpus, run, base=None, whole_lines=False):
     return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
 
 
+@pytest.mark.slow
 def test_resumed_run_gives_exactly_the_losses_of_an_uninterrupted_run(corpus, one, first_two):
     """Stopped after step 2, the run is refused under another --d_model and --mu_rec (one line naming both, its
     files untouched); then continued from a copy of the base folder elsewhere (the tokenizer and the corpus are
@@ -133,6 +155,7 @@ def logged_steps(run_dir):
     return steps
 
 
+@pytest.mark.slow
 def test_the_same_command_after_a_kill_continues_from_the_checkpoint_and_a_finished_run_stays_done(corpus):
     """Killed from outside once it has logged steps past a checkpoint, the run refuses another --seed (its files
     untouched), and the same command again continues from that checkpoint: it is kept until the next save, each step
@@ -172,6 +195,7 @@ def test_the_same_command_after_a_kill_continues_from_the_checkpoint_and_a_finis
     assert untouched(run_dir) == files
 
 
+@pytest.mark.slow
 def test_a_run_whose_files_changed_is_not_continued_on_them(corpus, beside):
     beside["changed"].result()  # stopped after step 2
     changed = corpus / "changed.txt"
@@ -182,6 +206,7 @@ def test_a_run_whose_files_changed_is_not_continued_on_them(corpus, beside):
     assert logged_steps(corpus / "base" / "runs" / "changed") == [1, 2]
 
 
+@pytest.mark.slow
 def test_a_damaged_newest_checkpoint_is_named_and_left_as_it_is(corpus, tmp_path, first_two):
     """A truncated checkpoint: one line naming the file, that it is truncated or unreadable, what to do; the folder
     stays as it was."""
@@ -196,6 +221,7 @@ def test_a_damaged_newest_checkpoint_is_named_and_left_as_it_is(corpus, tmp_path
     assert untouched(run_dir) == files
 
 
+@pytest.mark.slow
 def test_a_command_forked_from_the_suites_torch_is_the_command_in_a_fresh_interpreter(corpus, one):
     """The suite starts its commands as forks of a process that imported torch already (conftest.Started): the same
     command in a fresh interpreter logs the same records and ends with the same weights, bit for bit."""
@@ -210,12 +236,14 @@ def test_a_command_forked_from_the_suites_torch_is_the_command_in_a_fresh_interp
     assert weights.keys() == reference.keys() and all(torch.equal(weights[name], reference[name]) for name in weights)
 
 
-def test_two_processes_give_the_losses_of_one(one, two):
-    assert list(one) == list(two) == list(range(1, 9))
-    for step in one:
-        assert two[step] == pytest.approx(one[step], rel=1e-4), step
+@pytest.mark.slow
+def test_two_processes_give_the_losses_of_one(one_chunked, two):
+    assert list(one_chunked) == list(two) == list(range(1, 9))
+    for step in one_chunked:
+        assert two[step] == pytest.approx(one_chunked[step], rel=1e-4), step
 
 
+@pytest.mark.slow
 def test_two_nodes_give_the_losses_and_weights_of_one_process(corpus, one):
     # two torchrun launches, one process each, meeting at a c10d rendezvous as two machines would
     with socket.socket() as s:
@@ -237,13 +265,14 @@ def test_two_nodes_give_the_losses_and_weights_of_one_process(corpus, one):
         torch.testing.assert_close(weights[name], reference[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_a_killed_rank_is_restarted_and_the_run_ends_with_the_weights_of_an_unbroken_run(corpus, two):
+@pytest.mark.slow
+def test_a_killed_rank_is_restarted_and_the_run_ends_with_the_weights_of_an_unbroken_run(corpus, chunked, two):
     # the last rank SIGKILLs itself after step 6; torchrun restarts both workers, which resume from the
     # step-4 checkpoint and recompute steps 5 and 6 exactly
     launch = dict(nproc=2, torchrun=("--standalone", "--max_restarts=1"))
     with ThreadPoolExecutor(1) as pool:  # two jobs that share nothing, side by side
         sharing = pool.submit(train, corpus, "--run=shared_store", **launch, fault="kill_step=1", expect_ok=False)
-        result = train(corpus, "--run=elastic", "--save_every=4", **launch, fault="kill_step=6",
+        result = train(corpus, "--run=elastic", chunked, "--save_every=4", **launch, fault="kill_step=6",
                        env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     shared = sharing.result()
     assert shared.returncode != 0 and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in shared.stderr  # a clear line
@@ -254,6 +283,7 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_with_the_weights_of_an_unbr
         assert torch.equal(weights[name], reference[name]), name  # bit for bit
 
 
+@pytest.mark.slow
 def test_bf16_autocast_on_a_cpu_tracks_float32(corpus, one, beside):
     # --dtype=bfloat16 runs the GPU's autocast on a CPU; after 8 steps the losses differ by ~0.2% here
     result = beside["bf16"].result()
@@ -267,6 +297,7 @@ def test_bf16_autocast_on_a_cpu_tracks_float32(corpus, one, beside):
     assert evals["bf16"]["val_loss_T3"] == pytest.approx(evals["one"]["val_loss_T3"], rel=1e-2)
 
 
+@pytest.mark.slow
 def test_non_finite_gradients_are_skipped_and_the_run_goes_on(corpus, beside):
     result = beside["nan"].result()  # step 3's gradients poisoned
     assert carries(result.stdout, "non-finite", "skipped", "1"), result.stdout
@@ -277,6 +308,7 @@ def test_non_finite_gradients_are_skipped_and_the_run_goes_on(corpus, beside):
     assert [r for r in records if "val_loss_T1" in r][-1]["val_loss_T1"] < 100
 
 
+@pytest.mark.slow
 def test_a_run_non_finite_for_k_steps_is_declared_diverged_and_keeps_its_last_good_checkpoint(corpus, first_two,
                                                                                                 beside):
     result = beside["diverged"].result()  # steps 3 to 5 poisoned, 3 allowed
@@ -294,6 +326,7 @@ def test_a_run_non_finite_for_k_steps_is_declared_diverged_and_keeps_its_last_go
         assert torch.equal(kept[name], first_two[name]), name
 
 
+@pytest.mark.slow
 def test_a_state_past_the_bound_for_k_steps_is_declared_diverged(corpus, beside):
     result = beside["exploded"].result()  # a bound of 1e-3 on ||h_T||, 2 steps allowed
     assert result.returncode == 3
@@ -323,6 +356,7 @@ def evals(corpus, one, beside):
                "ppl": pool.submit(per_document_ppl)}
 
 
+@pytest.mark.slow
 def test_a_run_that_never_learned_is_not_stopped_by_its_val_loss_and_another_rate_is_another_run(corpus, beside,
                                                                                                  evals):
     """At a rate of 3 every eval is far above ln 320, from the first (step 2): the run never learned, so it has
@@ -337,6 +371,7 @@ def test_a_run_that_never_learned_is_not_stopped_by_its_val_loss_and_another_rat
     assert carries(message, "adamw_lr", "3.0", "0.008", "muon_lr", "3.0", "0.008"), message
 
 
+@pytest.mark.slow
 def test_an_eval_back_at_a_uniform_guess_stops_a_run_that_had_learned_also_across_a_resume(corpus, beside):
     """A 4-step concat run that barely moves its initial weights (a rate of 1e-9) scores about ln 320 at its step-2
     eval, a little above: it has not learned yet, so it has nothing to have lost, and it ends with its checkpoint.
@@ -417,6 +452,7 @@ def test_initial_weights_are_not_stopped_by_their_val_loss_for_any_injection_or_
     assert scores["none", 256, 320] > 1, scores
 
 
+@pytest.mark.slow
 def test_eval_core_bpb_gives_train_pys_last_eval(corpus, one, evals):
     """README's L(T) command on a run's checkpoint, with train.py's eval tokens and device batch: its losses at the
     depths train.py evaluates are the last `eval |` line's, in the JSON it writes beside the checkpoint."""
@@ -431,6 +467,7 @@ def test_eval_core_bpb_gives_train_pys_last_eval(corpus, one, evals):
     assert trained == pytest.approx({T: last_eval[f"val_loss_T{T}"] for T in trained}, rel=1e-6)
 
 
+@pytest.mark.slow
 def test_authors_per_batch_sampling_trains_and_per_document_ppl_runs(corpus, beside, evals):
     beside["per_batch"].result()
     result = evals["ppl"].result()  # status 0 asserted
@@ -495,10 +532,7 @@ def test_every_bad_sample_flag_value_ends_in_one_line_naming_it(tmp_path, monkey
     assert not base.exists() or not any(base.rglob("*"))
 
 
-@pytest.mark.parametrize("flags,named", [  # the flags and values the line must name
-    (["--depth=4"], ["depth", "4", "3"]),  # 4 is not a multiple of 3
-    (["--d_model=100"], ["d_model", "100", "head_dim", "32"]),
-    (["--total_batch_size=300"], ["total_batch_size", "300", "device_batch_size"]),
+@pytest.mark.parametrize("flags,named", [  # the flags and values the line must name; test_errors.py has more
     (["--dev=cuda"], ["--dev=cuda"]),  # no prefix matching: not --device, not --device_batch_size
     (["--seq_len=0"], ["--seq_len", "0"]),
 ])
@@ -506,13 +540,6 @@ def test_bad_input_ends_with_one_clear_line(flags, named, monkeypatch, capsys):
     status, _, err = run_train(monkeypatch, capsys, *TINY, "--data=stdlib", *flags)
     assert status == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
     assert carries(err, *named), err
-
-
-def test_no_fineweb_shards_name_the_download_and_the_cpu_run(tmp_path, monkeypatch, capsys):
-    """Bare `python train.py` (the paper's 140M on FineWeb-Edu) on a machine without the shards."""
-    status, _, err = run_train(monkeypatch, capsys)
-    assert status == 2 and len(err.strip().splitlines()) == 1, err
-    assert "python -m nanoparcae.dataset download" in err and "bash runs/cpu.sh" in err
 
 
 def write_fineweb_shards(base, indices):
@@ -527,6 +554,7 @@ def write_fineweb_shards(base, indices):
     (base / "shard.txt").unlink()
 
 
+@pytest.mark.slow
 def test_a_fineweb_run_reads_its_shards_once_and_continues_only_on_the_same_ones(tmp_path):
     """A horizon beyond the training shards on disk is refused, naming the download, before the run folder
     exists; a run within them records its shards, and the same command with a shard added is refused naming
@@ -548,6 +576,7 @@ def test_a_fineweb_run_reads_its_shards_once_and_continues_only_on_the_same_ones
     assert "resumed fw at step 4" in train(tmp_path, *fineweb, base=base).stdout
 
 
+@pytest.mark.slow
 def test_a_corpus_read_more_than_once_says_how_often_and_logs_each_epoch(tmp_path):
     """120 documents, read ahead by the loaders' buffers and trained on several times: each new epoch is said once,
     in order, and the loaders read at least as many as the start-up line said the run trains on."""
@@ -558,14 +587,6 @@ def test_a_corpus_read_more_than_once_says_how_often_and_logs_each_epoch(tmp_pat
     said = [int(n) for n in re.findall(r"began reading epoch (\d+) of the data", result.stdout)]
     assert said == list(range(said[0], said[-1] + 1)) and len(said) > 1
     assert times > 1 and said[-1] >= times, (said, times)
-
-
-def test_resume_without_a_checkpoint_ends_in_one_line_before_any_work(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(tmp_path / "base"))
-    status, _, err = run_train(monkeypatch, capsys, *TINY, "--data=stdlib", "--run=never", "--resume")
-    assert status == 2 and len(err.strip().splitlines()) == 1, err
-    assert carries(err, "never", str(tmp_path / "base" / "runs" / "never"), "--resume"), err
-    assert list((tmp_path / "base").iterdir()) == []  # no tokenizer trained, no run folder made
 
 
 def test_a_command_refused_before_training_leaves_no_lock_in_the_run_folder(tmp_path, monkeypatch, capsys):

@@ -1,0 +1,68 @@
+"""Bad input to every command: its status and one line naming the problem and the fix, before any work.
+
+Each case names the words the line must carry, not its sentence, so rewording a message fails no test.
+{base} stands for the test's own base folder."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from conftest import TINY, carries, run_here
+
+BOUND = ["positive"]  # the rule a value broke
+ERRORS = [  # (command and flags, status, words naming the problem, words naming the fix)
+    (["data.py", "--seq_len=0"], 2, ["--seq_len", "0"], BOUND),
+    (["data.py", "--batch_size=-2"], 2, ["--batch_size", "-2"], BOUND),
+    (["-m", "nanoparcae.dataset", "tokenizer", "--vocab_size=0"], 2, ["--vocab_size", "0"], BOUND),
+    (["-m", "nanoparcae.dataset", "tokenizer", "--data=fineweb-edu"], 2, ["{base}/fineweb-edu", "shard_01822.parquet"],
+     ["python -m nanoparcae.dataset download -n"]),
+    (["-m", "nanoparcae.dataset", "download", "-n", "1"], 2, ["-n", "1"], ["2"]),  # a train shard and the val one
+    (["-m", "nanoparcae.dataset", "download", "--workers=0"], 2, ["--workers", "0"], BOUND),
+    (["-m", "nanoparcae.dataset", "download", "--tokens", "0"], 2, ["--tokens"], BOUND),
+    (["-m", "nanoparcae.dataset", "download", "-n", "4", "--depth", "6"], 2, ["-n", "--depth"],
+     ["-n", "--depth", "--tokens"]),  # sized two ways: pass one of the three
+    (["-m", "nanoparcae.dataset", "download", "--depth", "5"], 2, ["--depth=5"], ["--tokens", "-n"]),
+    (["eval_core.py", "--eval", "bpb", "--T", "0"], 2, ["--T", "0"], BOUND),
+    (["eval_core.py", "--eval", "bpb", "--T", "1,x"], 2, ["--T", "1,x"], ["integers"]),
+    (["eval_core.py", "--eval", "bpb", "--val_tokens=0"], 2, ["--val_tokens", "0"], BOUND),
+    (["eval_core.py", "--eval", "bpb", "--batch_size=-1"], 2, ["--batch_size", "-1"], BOUND),
+    (["eval_core.py", "--eval", "bpb", "--batch_tokens=0"], 2, ["--batch_tokens", "0"], BOUND),
+    (["eval_core.py", "--eval", "bpb", "--max_docs=0"], 2, ["--max_docs", "0"], BOUND),
+    (["eval_core.py", "--eval", "bpb", "--max_per_task=0"], 2, ["--max_per_task", "0"], ["positive", "-1"]),
+    (["-m", "experiments.bench", "--steps", "0"], 2, ["--steps", "0"], BOUND),
+    (["-m", "experiments.bench", "--seq_len", "-1"], 2, ["--seq_len", "-1"], BOUND),
+    (["-m", "experiments.bench", "--depth", "0"], 2, ["--depth", "0"], BOUND),
+    (["-m", "experiments.decoding", "--repeats", "0"], 2, ["--repeats", "0"], BOUND),
+    (["-m", "experiments.decoding", "--exit_threshold", "0"], 2, ["--exit_threshold"], ["0"]),
+    (["-m", "experiments.gpu_check", ".", ".", "--gpus", "0", "--memory", "1"], 2, ["--gpus", "0"], BOUND),
+    (["-m", "experiments.scaling", "fit", "--mu_rec=1,x"], 2, ["--mu_rec", "1,x"], ["numbers"]),
+    (["-m", "experiments.scaling", "fit", "--preset=cpu"], 2, ["cpu", "{base}/runs"],
+     ["python -m experiments.scaling run --preset=cpu"]),  # no finished run: the command that trains them
+    (["train.py", *TINY, "--data=stdlib", "--depth=4"], 2, ["depth", "4"], ["3"]),  # not a multiple of 3
+    (["train.py", *TINY, "--data=stdlib", "--d_model=100"], 2, ["d_model", "100"], ["head_dim", "32"]),
+    (["train.py", *TINY, "--data=stdlib", "--total_batch_size=300"], 2, ["total_batch_size", "300"],
+     ["device_batch_size"]),
+    (["sample.py", "--prompt=hi"], 2, ["{base}/runs"], ["python train.py"]),  # where it looked, what makes one
+    (["train.py"], 2, ["{base}/fineweb-edu"], ["python -m nanoparcae.dataset download", "bash runs/cpu.sh"]),
+    (["train.py", *TINY, "--data=stdlib", "--run=never", "--resume"], 2, ["never", "{base}/runs/never"],
+     ["--resume"]),
+]
+
+
+def case_id(args):
+    """The command's name and its last two words: train.py --data=stdlib --depth=4."""
+    name = args[1] if args[0] == "-m" else args[0]
+    return " ".join([name, *args[2 if args[0] == "-m" else 1:][-2:]])
+
+
+@pytest.mark.parametrize("args, status, problem, fix", ERRORS, ids=[case_id(case[0]) for case in ERRORS])
+def test_bad_input_ends_in_one_line_naming_the_problem_and_the_fix(args, status, problem, fix, monkeypatch, capsys):
+    base = Path(os.environ["NANOPARCAE_BASE_DIR"])
+    result = run_here(args, monkeypatch, capsys)
+    lines = [line for line in result.stderr.splitlines() if line.strip() and not line.startswith(("usage:", " "))]
+    assert result.returncode == status and len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    named = [word.format(base=base) for word in problem]
+    assert carries(lines[0], *named) and carries(lines[0], *fix), lines[0]
+    made = {path.relative_to(base).as_posix() for path in base.rglob("*")}
+    assert made <= {"fineweb-edu"}, made  # before any work: at most the shards' folder, empty

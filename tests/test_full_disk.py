@@ -1,0 +1,160 @@
+"""A full disk: a save that has no room stops the run in one line, keeps the last checkpoint and leaves no partial
+file; a partial file a run left behind is removed by the next start, which continues the run."""
+
+import errno
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import ROOT, TINY, carries, python, train, train_env
+from model import Parcae, ParcaeConfig
+from nanoparcae import checkpoint, metrics
+
+CONFIG = ParcaeConfig(vocab_size=97, seq_len=16, n_prelude=1, n_recur=1, n_coda=1, d_model=64, head_dim=32)
+
+
+def stopped_in_one_line(call, capsys):
+    """call() must stop with status 1 and one line on stderr -> that line."""
+    with pytest.raises(SystemExit) as stop:
+        call()
+    assert stop.value.code == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+@pytest.fixture
+def saved(tmp_path):
+    """A run folder holding one checkpoint, ckpt_000002.pt -> (its folder, a model to save next)."""
+    model = Parcae(CONFIG)
+    checkpoint.save_checkpoint(tmp_path / "ckpt_000002.pt", model, step=2)
+    return tmp_path, model
+
+
+def kept_as_it_was(folder):
+    """The folder holds the step-2 checkpoint alone, whole, and no partial file."""
+    assert sorted(path.name for path in folder.iterdir()) == ["ckpt_000002.pt"]
+    return checkpoint.read_checkpoint(folder / "ckpt_000002.pt")["step"] == 2
+
+
+def test_a_save_without_room_is_refused_before_it_writes(saved, monkeypatch, capsys):
+    folder, model = saved
+    need = checkpoint.saved_bytes({"model": model.state_dict()})
+    free = need // 2
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: SimpleNamespace(free=free))
+    writes = []
+    monkeypatch.setattr(checkpoint.torch, "save", lambda *args: writes.append(args))
+    line = stopped_in_one_line(lambda: checkpoint.save_checkpoint(folder / "ckpt_000004.pt", model, step=4),
+                               capsys)
+    assert writes == []
+    assert carries(line, str(folder), "full", checkpoint.size(need), checkpoint.size(free)), line
+    assert kept_as_it_was(folder)
+
+
+@pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"),
+                                   RuntimeError("basic_ios::clear: iostream error")])
+def test_a_write_the_disk_cuts_short_removes_its_partial_file_in_one_line(saved, monkeypatch, capsys, error):
+    """torch.save writes part of the file, then the disk is full: no errno in torch's own RuntimeError, so the
+    free space left decides."""
+    folder, model = saved
+    free = [10**12]  # room at the check, none once the partial file has filled the disk
+
+    def filling_save(state, partial):
+        partial.write_bytes(b"x" * 1000)
+        free[0] = 0
+        raise error
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: SimpleNamespace(free=free[0]))
+    monkeypatch.setattr(checkpoint.torch, "save", filling_save)
+    line = stopped_in_one_line(lambda: checkpoint.save_checkpoint(folder / "ckpt_000004.pt", model, step=4),
+                               capsys)
+    need = checkpoint.saved_bytes({"model": model.state_dict()})
+    assert carries(line, str(folder), "full", checkpoint.size(need)), line
+    assert kept_as_it_was(folder)
+
+
+def test_a_write_that_fails_with_room_left_is_not_called_a_full_disk(saved, monkeypatch):
+    folder, model = saved
+
+    def failing_save(state, partial):
+        partial.write_bytes(b"x" * 1000)
+        raise RuntimeError("some other fault")
+    monkeypatch.setattr(checkpoint.torch, "save", failing_save)
+    with pytest.raises(RuntimeError, match="some other fault"):
+        checkpoint.save_checkpoint(folder / "ckpt_000004.pt", model, step=4)
+    assert kept_as_it_was(folder)
+
+
+def test_the_estimate_covers_what_torch_writes(tmp_path):
+    model = Parcae(ParcaeConfig.from_depth(3, d_model=64, head_dim=32, mu_rec=3, vocab_size=320, seq_len=32))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long)).backward()
+    optimizer.step()
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "args": {"depth": 3},
+             "loader": [{"buffer": [[arrival, rank, arrival * 7] for arrival in range(5000)]} for rank in range(4)]}
+    torch.save(state, tmp_path / "written.pt")
+    written = (tmp_path / "written.pt").stat().st_size
+    assert written < checkpoint.saved_bytes(state) < 1.2 * written
+
+
+def no_room(*args):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_metrics_on_a_full_disk_stop_in_one_line(tmp_path, monkeypatch, capsys):
+    log = metrics.Metrics(tmp_path, 0)
+    log.file = SimpleNamespace(name=str(tmp_path / "metrics.jsonl"), write=no_room)
+    line = stopped_in_one_line(lambda: log.record({"step": 1, "loss": 5.0}), capsys)
+    assert carries(line, str(tmp_path), "full", "metrics.jsonl"), line
+    monkeypatch.setattr(metrics, "write_atomically", no_room)  # a resumed run rewrites the file first
+    line = stopped_in_one_line(lambda: metrics.Metrics(tmp_path, 0), capsys)
+    assert carries(line, str(tmp_path), "full", "metrics.jsonl"), line
+
+
+def test_a_stale_partial_file_is_removed_in_one_line(saved, capsys):
+    folder, _ = saved
+    (folder / "ckpt_000004.pt.tmp").write_bytes(b"x" * 3000)
+    checkpoint.remove_partial_saves(folder)
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and carries(out[0], "removed", str(folder / "ckpt_000004.pt.tmp")), out
+    assert kept_as_it_was(folder)
+
+
+# A train.py whose disk fills up after its first checkpoint
+FILLING = f"""
+import runpy, shutil, sys
+from pathlib import Path
+from types import SimpleNamespace
+disk_usage = shutil.disk_usage
+shutil.disk_usage = lambda path: SimpleNamespace(free=0) if any(Path(path).glob("ckpt_*.pt")) else disk_usage(path)
+sys.path.insert(0, {str(ROOT)!r})
+sys.argv = [{str(ROOT / "train.py")!r}, *sys.argv[1:]]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def step_losses(base, name):
+    records = metrics.read_metrics(base / "runs" / name / "metrics.jsonl")
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+@pytest.mark.slow
+def test_a_run_stopped_by_a_full_disk_continues_where_it_saved_once_there_is_room(corpus, tmp_path):
+    """A save at step 4 finds the disk full: one line, status 1, the step-2 checkpoint kept; a partial file left
+    as a kill would leave it is removed at the next start, which finishes with the unbroken run's losses."""
+    (tmp_path / "filling").write_text(FILLING)
+    flags = [f"--data={corpus / 'corpus.txt'}", *TINY, "--save_every=2", "--run=full"]
+    env = train_env(corpus, base=tmp_path / "base")
+    stopped = python([str(tmp_path / "filling"), *flags], env)
+    run_dir = tmp_path / "base" / "runs" / "full"
+    assert stopped.returncode == 1 and len(stopped.stderr.strip().splitlines()) == 1, stopped.stderr[-3000:]
+    assert carries(stopped.stderr, str(run_dir), "full"), stopped.stderr
+    assert sorted(path.name for path in run_dir.glob("ckpt_*")) == ["ckpt_000002.pt"]
+    (run_dir / "ckpt_000004.pt.tmp").write_bytes(b"x" * 1000)  # as a run killed inside its save leaves it
+    resumed = python([str(ROOT / "train.py"), *flags], env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert carries(resumed.stdout, "removed", str(run_dir / "ckpt_000004.pt.tmp")), resumed.stdout
+    assert carries(resumed.stdout, "resumed", "full", "2"), resumed.stdout
+    assert not any(run_dir.glob("*.tmp"))
+    train(corpus, "--run=unbroken", base=tmp_path / "base")
+    assert step_losses(tmp_path / "base", "full") == step_losses(tmp_path / "base", "unbroken")
