@@ -40,7 +40,7 @@ from optim import (build_optimizer, learning_rate_for_depth, lr_multiplier, muon
 from nanoparcae.checkpoint import training_model
 from nanoparcae.common import (fail, init_distributed, no_buffer_sync, parse_device, peak_bf16_flops,
                                print0, rank_and_world, spans, wait_for_rank0)
-from nanoparcae import dataset, memory
+from nanoparcae import dataset, memory, ranks
 from nanoparcae.checkpoint import save_and_prune
 from nanoparcae.core_tasks import shared_eval_bundle
 from nanoparcae.divergence import Divergence
@@ -125,7 +125,8 @@ flag("--dry_run", action="store_true", help="print the configuration and memory 
 flag("--collective_timeout", type=positive(float), default=600,
      help="seconds a collective waits for every rank before the run fails (torch's NCCL default)")
 flag("--rank0_timeout", type=positive(float), default=3600,
-     help="seconds the ranks wait while rank 0 saves, trains the tokenizer or fetches CORE's tasks")
+     help="seconds the ranks wait while rank 0 saves, trains the tokenizer or fetches CORE's tasks, "
+          "or while each reads the checkpoint it resumes from")
 args = parser.parse_args()
 try:
     device = parse_device(args.device)
@@ -230,10 +231,11 @@ print0(f"output: {run.dir}")
 # Data: the tokenizer, the tokens on disk against the horizon's, one loader per virtual rank
 
 try:
-    if rank == 0:
-        dataset.get_tokenizer(args.data, args.vocab_size)  # trains and caches it on first use, once
+    if rank == 0:  # global rank 0 alone trains and caches it on first use, once
+        dataset.get_tokenizer(args.data, args.vocab_size)
     wait_for_rank0()
-    tokenizer = dataset.get_tokenizer(args.data, args.vocab_size)
+    tokenizer = dataset.get_tokenizer(args.data, args.vocab_size, train=False)  # None: not here
+    ranks.agree_on_data(tokenizer, shards)  # rank 0's tokenizer and shards on every node
     dataset.check_data(args.data, tokenizer, tokens)  # a FineWeb-Edu run never repeats unasked
     reader = dataset.ChunkReader()  # one read of each chunk for this process's loaders
     loaders = [DataLoader(tokenizer, args.data, "train", args.device_batch_size, args.seq_len,
@@ -302,10 +304,6 @@ def evaluate(step):
 
 def evaluate_core_subset(step):
     """METHOD.md §3: CORE on the first --core_max_per_task examples of each task, at T = mu_rec."""
-    bundle_dir, why = shared_eval_bundle(device)  # on every rank, or CORE skipped on every rank
-    if bundle_dir is None:
-        print0(f"CORE skipped: {why}")
-        return None
     result = evaluate_core(raw_model, tokenizer, bundle_dir, max_per_task=args.core_max_per_task,
                            verbose=False)
     if result["core"] is None:
@@ -319,6 +317,11 @@ def evaluate_core_subset(step):
     return {"step": step, "core": result["core"], "core_T": result["T"], "core_skipped": skipped}
 
 
+bundle_dir = None  # CORE's tasks, fetched once before step 1, on every rank or on none
+if args.core_every > 0:
+    bundle_dir, why = shared_eval_bundle(device)
+    if bundle_dir is None:
+        print0(f"CORE skipped for this run: {why}")
 peak_flops = peak_bf16_flops(device)
 depth_generator = torch.Generator()  # METHOD.md §2: each virtual rank samples its own depths
 divergence = Divergence(args.vocab_size, args.dtype, args.diverge_steps, args.diverge_h_norm,
@@ -404,7 +407,7 @@ while step < num_steps and (args.stop_at is None or step < args.stop_at):
     with autocast:
         if step % args.eval_every == 0 or step == num_steps:
             results.append(evaluate(step))
-        if args.core_every > 0 and (step % args.core_every == 0 or step == num_steps):
+        if bundle_dir and (step % args.core_every == 0 or step == num_steps):
             results.append(evaluate_core_subset(step))
     results = [result for result in results if result]
     for result in results:  # the graph count after evals: they compile graphs of their own

@@ -64,6 +64,7 @@ def no_buffer_sync():
 def wait_for_rank0():
     """Every rank waits here while rank 0, or a node's local rank 0, works alone.
     Such work: writing a checkpoint, training the tokenizer, fetching the CORE bundle.
+    Each rank's read of the checkpoint it resumes from is such work too.
     The wait lasts up to init_distributed's rank0_timeout.
     Otherwise the others would wait in their next collective and fail at its shorter timeout.
     Without init_distributed's group: the default one."""

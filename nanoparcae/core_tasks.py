@@ -150,7 +150,7 @@ def download_eval_bundle(url=EVAL_BUNDLE_URL, base_dir=None):
         try:
             download_file(url, zip_path)
         except OSError as err:
-            raise ValueError(f"{err}; check the network or --bundle_url") from None
+            raise ValueError(f"{err}; check the network, or download it by hand and unzip it in {base_dir}") from None
     scratch = base_dir / f"eval_bundle.{os.getpid()}.tmp"
     try:
         extract_zip_safely(zip_path, scratch)

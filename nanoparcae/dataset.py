@@ -385,10 +385,12 @@ def tokenizer_dir(source, vocab_size):
     return get_base_dir() / "tokenizers" / tokenizer_key(source, vocab_size)
 
 
-def get_tokenizer(source, vocab_size, max_chars=2_000_000_000, doc_cap=10_000):
+def get_tokenizer(source, vocab_size, max_chars=2_000_000_000, doc_cap=10_000, train=True):
     """The cached tokenizer for this source and vocab size.
-    It trains on the source's train split on first use."""
+    It trains on the source's train split on first use; train=False: None where it is not cached."""
     directory = tokenizer_dir(source, vocab_size)
+    if not train and not (directory / "token_bytes.txt").exists():
+        return None
     if not (directory / "token_bytes.txt").exists():
         documents = iter_documents(source, "train")
         if (first := next(documents, None)) is None:  # a missing or empty source fails here, before the announcement

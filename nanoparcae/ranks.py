@@ -1,16 +1,18 @@
 """
 nanoparcae/ranks.py: ranks that agree.
-Before the first step, every rank checks that all start from the same checkpoint.
+Before the first step, every rank checks that all start from the same checkpoint and read the same data.
 At each checkpoint, the replicas' weights are compared.
 Each check runs before what it protects; docs/distributed.md says what each catches.
 """
 
 import hashlib
+import os
+import socket
 
 import torch
 import torch.distributed as dist
 
-from nanoparcae.common import spans
+from nanoparcae.common import fail, spans
 
 # -----------------------------------------------------------------------------
 # Ranks that agree. DDP keeps replicas equal only through equal averaged gradients and optimiser arithmetic.
@@ -70,6 +72,40 @@ def agree_to_start(run_name, refusal, step, digest):
         raise ValueError(f"the ranks would start run {run_name} from different checkpoints: {where}; every node "
                          f"must see the run's newest checkpoint: keep $NANOPARCAE_BASE_DIR on a filesystem the "
                          f"nodes share, or copy the run folder to each node")
+
+
+def tokenizer_digest(tokenizer):
+    """A tokenizer's vocabulary, every token's bytes in id order, as 12 hex digits of their sha256."""
+    vocabulary = hashlib.sha256()
+    for token in range(tokenizer.vocab_size):
+        piece = tokenizer.enc.decode_single_token_bytes(token)
+        vocabulary.update(len(piece).to_bytes(4, "little") + piece)
+    return vocabulary.hexdigest()[:12]
+
+
+def agree_on_data(tokenizer, shards):
+    """Before the data is read: every rank's tokenizer (None: its node has none) and FineWeb-Edu training shards
+    (spans; None: other data), gathered. A node whose either differs from rank 0's: every rank stops alike, in one
+    line naming that node (status 2)."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    node = int(os.environ.get("GROUP_RANK", rank // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+    held = gather((node, socket.gethostname(), None if tokenizer is None else tokenizer_digest(tokenizer),
+                   shards))
+    _, _, tokenizer0, shards0 = held[0]
+    differ = {}  # (node, host, (what it holds, what rank 0 holds) for each that differs) -> its ranks
+    for rank, (node, host, digest, train_shards) in enumerate(held):
+        what = [] if digest == tokenizer0 else \
+            [("no tokenizer" if digest is None else f"tokenizer {digest}", f"tokenizer {tokenizer0}")]
+        what += [] if train_shards == shards0 else [(f"training shards {train_shards}", f"training shards {shards0}")]
+        if what:
+            differ.setdefault((node, host, tuple(what)), []).append(rank)
+    if differ:
+        (node, host, what), ranks = next(iter(differ.items()))
+        theirs, rank0s = zip(*what)
+        others = f" ({len(differ) - 1} more node(s) differ)" if len(differ) > 1 else ""
+        fail(f"node {node} ({host}, rank {spans(ranks)}) holds {' and '.join(theirs)}, rank 0 {' and '.join(rank0s)}"
+             f"{others}; every node must read rank 0's data: keep $NANOPARCAE_BASE_DIR on a filesystem the nodes "
+             f"share, or copy rank 0's tokenizers/ and fineweb-edu/ folders to each node")
 
 
 def drift(state):

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import torch.distributed as dist
 
 from nanoparcae.checkpoint import find_checkpoint, read_checkpoint, remove_partial_saves, run_dir
-from nanoparcae.common import fail, print0
+from nanoparcae.common import fail, print0, wait_for_rank0
 from nanoparcae.dataset import tokenizer_dir
 from nanoparcae.ranks import agree_to_start, checkpoint_digest
 
@@ -88,6 +88,9 @@ def identify_run(args, run_flags, batch, device, **resolved):
                              f"number of processes it divides")
     except ValueError as err:
         refusal = str(err)
+    # Each rank's read is its own work (16 GB from a shared filesystem, at the 1.3B): the ranks meet
+    # first where the long timeout holds, so a slow reader never outlasts the gather's shorter one
+    wait_for_rank0()
     try:  # every rank starts from the same checkpoint (none: step 0), or none starts
         agree_to_start(name, refusal, *start)
     except ValueError as err:

@@ -10,6 +10,7 @@ the step after step N, as a node fault or the OOM killer would, in torchrun's fi
 last rank adds 1e-3 to its first weight tensor at that clip, so its replica drifts from the others' (a fault DDP
 never sees). pause_step=N: the process waits there for a SIGUSR1 (one sent earlier waits, blocked, until then).
 rank_order=R: rank R reads each epoch's chunks in reverse order (GPU_CHECK_FAULT=rank_order's fault, at R = 1).
+bundle_port=N: CORE's bundle is fetched from 127.0.0.1:N, each of its attempts timing out after 1 s.
 Steps are counted from this process's first; then train.py runs as `python train.py` would run it.
 """
 
@@ -23,7 +24,8 @@ signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})  # before any thread 
 import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-faults = dict(nan_step=-1, nan_steps=1, kill_step=-1, drift_step=-1, pause_step=-1, rank_order=-1)
+faults = dict(nan_step=-1, nan_steps=1, kill_step=-1, drift_step=-1, pause_step=-1, rank_order=-1,
+              bundle_port=-1)
 for item in filter(None, sys.argv[1].split(",")):
     name, _, value = item.partition("=")
     if name not in faults or not value.isdigit():
@@ -53,9 +55,14 @@ def faulty_clip_grad_norm(parameters, *args, **kwargs):
 
 
 torch.nn.utils.clip_grad_norm_ = faulty_clip_grad_norm
-sys.argv = [str(ROOT / "train.py"), *sys.argv[2:]]
 sys.path.insert(0, str(ROOT))
+if faults["bundle_port"] >= 0:
+    import nanoparcae.core_tasks as core_tasks  # noqa: E402
+    download_file = core_tasks.download_file
+    core_tasks.download_file = lambda url, path: download_file(
+        f"http://127.0.0.1:{faults['bundle_port']}/eval_bundle.zip", path, timeout=1)
 if faults["rank_order"] >= 0:
     from experiments.gpu_check import reverse_chunk_order
     reverse_chunk_order(faults["rank_order"])
+sys.argv = [str(ROOT / "train.py"), *sys.argv[2:]]
 runpy.run_path(str(ROOT / "train.py"), run_name="__main__")

@@ -1,8 +1,9 @@
-"""Tests of what keeps a run whole (nanoparcae/ranks.py, as train.py uses it): two "nodes" that would start from different
-checkpoints both refuse and train nothing; a second command on a live run is refused naming the holder, and the
-live run ends as it would have alone, and a filesystem without locks is trained on with a warning; replicas whose
-weights drift apart stop the run at the checkpoint; CORE's eval bundle is on every rank or skipped on every rank.
-The runs are train.py in subprocesses, as users run it; faults come from tests/faulty_train.py."""
+"""Tests of what keeps a run whole (nanoparcae/ranks.py, as train.py uses it): two "nodes" that would start from
+different checkpoints, or that hold other shards or another tokenizer, both refuse and train nothing; a second command
+on a live run is refused naming the holder, and the live run ends as it would have alone, and a filesystem without locks
+is trained on with a warning; replicas whose weights drift apart stop the run at the checkpoint; CORE's eval bundle is
+on every rank or skipped on every rank. The runs are train.py in subprocesses, as users run it; faults come from
+tests/faulty_train.py."""
 
 import errno
 import io
@@ -24,8 +25,11 @@ import torch.multiprocessing as mp
 
 from nanoparcae import run as guards
 from conftest import Started, carries, refused, train, train_command, train_env, untouched
+from nanoparcae import dataset
 from nanoparcae.core_tasks import shared_eval_bundle
 from nanoparcae.run import lock_run, run_holder
+from nanoparcae.tokenizer import Tokenizer
+from test_data import make_documents, write_parquet
 
 
 def free_port():
@@ -87,6 +91,44 @@ def test_two_nodes_that_would_start_from_different_checkpoints_both_refuse(corpu
         assert "step 1/" not in stdout
     assert untouched(run_dir) == before
     assert list(bases[1].iterdir()) == []
+
+
+def two_nodes(corpus, bases, name):
+    """train.py on FineWeb-Edu as two one-process "nodes" through a c10d rendezvous, each with its own base folder
+    -> [(returncode, stdout, stderr)] per node."""
+    torchrun = ["--nnodes=2", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", f"--rdzv_id={name}"]
+    nodes = [Started(train_command(corpus, "--data=fineweb-edu", f"--run={name}", nproc=1, torchrun=torchrun),
+                     train_env(corpus, base)) for base in bases]
+    try:
+        outputs = [node.communicate(timeout=120) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    return [(node.returncode, *output) for node, output in zip(nodes, outputs)]
+
+
+@pytest.mark.slow
+def test_nodes_that_hold_other_shards_or_another_tokenizer_both_refuse(corpus, tmp_path):
+    """Node 1 with one shard fewer and no tokenizer, or the same shards and a tokenizer of its own: each node ends in
+    one line naming node 1 and what differs, node 1 trains no tokenizer of its own, and neither trains a step."""
+    cases = {"fewer": (tmp_path / "fewer0", tmp_path / "fewer1"), "other": (tmp_path / "other0", tmp_path / "other1")}
+    for (base0, base1), node1_shards in zip(cases.values(), ([0, 1], [0, 1, 2])):
+        for base, shards in ((base0, [0, 1, 2]), (base1, node1_shards)):
+            (base / "fineweb-edu").mkdir(parents=True)
+            for i in [*shards, dataset.FINEWEB_VAL_SHARD]:
+                write_parquet(base / "fineweb-edu" / dataset.shard_name(i), make_documents(40, seed=100 + i))
+    other = Tokenizer.train(iter(make_documents(200, seed=7)), 320)  # node 1's own, from other text
+    other.save(cases["other"][1] / "tokenizers" / "fineweb-edu-320")
+    with ThreadPoolExecutor(2) as pool:
+        results = dict(zip(cases, pool.map(lambda case: two_nodes(corpus, cases[case], case), cases)))
+    for case, nodes in results.items():
+        for returncode, stdout, stderr in nodes:
+            assert returncode != 0 and len(errors(stderr)) == 1, stderr[-3000:]
+            line = errors(stderr)[0]
+            differs = ["no tokenizer", "training shards 0-1"] if case == "fewer" else ["tokenizer"]
+            assert carries(line, "node 1", *differs, "rank 0", "$NANOPARCAE_BASE_DIR"), line
+            assert "step 1/" not in stdout
+    assert not (cases["fewer"][1] / "tokenizers").exists()  # node 1 waited for rank 0's, and trained none
 
 
 @pytest.mark.slow

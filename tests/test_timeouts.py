@@ -1,14 +1,17 @@
-"""The ranks wait for rank 0's lone work (a checkpoint's write, here) at a barrier with a timeout of its own, not in
-their next collective: two processes on gloo with a 5 s --collective_timeout, rank 0 slowed 12 s in its first
-checkpoint's write, finish the run; the same run without that barrier dies at the collective's timeout.
+"""The ranks wait for lone work (rank 0's checkpoint write, each rank's checkpoint read on resume) at a barrier with
+a timeout of its own, not in their next collective: two processes on gloo with a 5 s --collective_timeout, one rank
+slowed 12 s in that work, finish the run; the same run without that barrier dies at the collective's timeout.
 
-Run as a script, this file is train.py with rank 0's first save slowed (the test's torchrun workers):
+Run as a script, this file is train.py with rank 0's first save, or rank 1's resume read, slowed (the tests'
+torchrun workers):
 
-    python tests/test_timeouts.py SECONDS wait|skip_wait [train.py flags]
+    python tests/test_timeouts.py SECONDS wait|skip_wait write|read [train.py flags]
 """
 
 import json
+import os
 import runpy
+import shutil
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,12 +21,13 @@ ROOT = Path(__file__).resolve().parent.parent
 COLLECTIVE_TIMEOUT, SLOWED = 5, 12  # seconds; the slow write outlasts the timeout by more than twice over
 
 
-def slowed_train(seconds, wait, *flags):
-    """train.py, its first checkpoint's write (rank 0's alone) slowed by `seconds`; skip_wait: without the ranks'
-    wait for it."""
+def slowed_train(seconds, wait, work, *flags):
+    """train.py with lone work slowed by `seconds`: write, rank 0's first checkpoint write; read, rank 1's read of
+    the checkpoint it resumes from. skip_wait: without the ranks' wait for that work."""
     sys.path.insert(0, str(ROOT))
     import nanoparcae.checkpoint as checkpoint  # noqa: E402
-    save = checkpoint.save_checkpoint
+    import nanoparcae.run as run  # noqa: E402
+    save, read = checkpoint.save_checkpoint, run.read_checkpoint
 
     def slow_save(path, *args, **kwargs):
         if not any(Path(path).parent.glob("ckpt_*.pt")):
@@ -31,9 +35,20 @@ def slowed_train(seconds, wait, *flags):
             time.sleep(float(seconds))
         return save(path, *args, **kwargs)
 
-    checkpoint.save_checkpoint = slow_save
-    if wait == "skip_wait":
-        checkpoint.wait_for_rank0 = lambda: None
+    def slow_read(path, *args, **kwargs):
+        if os.environ.get("RANK") == "1":
+            print(f"rank 1 slowed {seconds} s reading {Path(path).name}", file=sys.stderr, flush=True)
+            time.sleep(float(seconds))
+        return read(path, *args, **kwargs)
+
+    if work == "write":
+        checkpoint.save_checkpoint = slow_save
+        if wait == "skip_wait":
+            checkpoint.wait_for_rank0 = lambda: None
+    else:
+        run.read_checkpoint = slow_read
+        if wait == "skip_wait":
+            run.wait_for_rank0 = lambda: None
     sys.argv = [str(ROOT / "train.py"), *flags]
     runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
 
@@ -44,14 +59,15 @@ if __name__ == "__main__":
 
 import pytest  # noqa: E402
 
-from conftest import TINY, python, train_env  # noqa: E402
+from conftest import TINY, python, train, train_env  # noqa: E402
 
 
-def slowed_run(corpus, base, wait):
-    """Two processes under torchrun, rank 0's first save (at step 2 of 8) slowed past the collective timeout."""
+def slowed_run(corpus, base, wait, work="write"):
+    """Two processes under torchrun, one's lone work slowed past the collective timeout: rank 0's first save (at
+    step 2 of 8), or rank 1's read of the checkpoint the run resumes from."""
     command = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--", __file__, str(SLOWED), wait,
-               f"--data={corpus / 'corpus.txt'}", *TINY, "--save_every=2", f"--collective_timeout={COLLECTIVE_TIMEOUT}",
-               "--run=slowed"]
+               work, f"--data={corpus / 'corpus.txt'}", *TINY, "--save_every=2",
+               f"--collective_timeout={COLLECTIVE_TIMEOUT}", "--run=slowed"]
     return python(command, train_env(corpus, base), timeout=120)
 
 
@@ -77,3 +93,25 @@ def test_the_ranks_wait_out_rank0_writing_a_checkpoint_past_the_collective_timeo
     assert skipped.returncode != 0 and slowed in skipped.stderr, why(skipped)
     assert f"Timed out waiting {COLLECTIVE_TIMEOUT * 1000}ms" in skipped.stderr, why(skipped)
     assert "step 3/8" not in skipped.stdout and not any((tmp_path / "skip_wait" / "runs" / "slowed").glob("ckpt_*"))
+
+
+@pytest.mark.slow
+def test_the_ranks_wait_out_rank1_reading_its_checkpoint_past_the_collective_timeout(corpus, tmp_path):
+    """The run stopped at step 4 resumes on two processes, rank 1's read of ckpt_000004.pt slowed 12 s."""
+    train(corpus, "--run=slowed", "--save_every=2", "--stop_at=4", base=tmp_path / "wait")
+    shutil.copytree(tmp_path / "wait", tmp_path / "skip_wait")
+    with ThreadPoolExecutor(2) as pool:
+        kept, skipped = [pool.submit(slowed_run, corpus, tmp_path / wait, wait, "read")
+                         for wait in ("wait", "skip_wait")]
+        kept, skipped = kept.result(), skipped.result()
+    slowed = f"rank 1 slowed {SLOWED} s reading ckpt_000004.pt"
+    assert kept.returncode == 0 and slowed in kept.stderr, why(kept)
+    assert "resumed slowed at step 4" in kept.stdout and "done: 8 steps" in kept.stdout, kept.stdout[-2000:]
+    run_dir = tmp_path / "wait" / "runs" / "slowed"
+    steps = [r["step"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert steps == list(range(1, 9)) and [p.name for p in run_dir.glob("ckpt_*.pt")] == ["ckpt_000008.pt"]
+    # Without the wait, rank 0 meets rank 1 in agree_to_start's gather, which gives up after the collective timeout
+    assert skipped.returncode != 0 and slowed in skipped.stderr, why(skipped)
+    assert f"Timed out waiting {COLLECTIVE_TIMEOUT * 1000}ms" in skipped.stderr, why(skipped)
+    assert "step 5/8" not in skipped.stdout
+    assert [p.name for p in (tmp_path / "skip_wait" / "runs" / "slowed").glob("ckpt_*.pt")] == ["ckpt_000004.pt"]

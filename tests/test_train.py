@@ -1,9 +1,9 @@
-"""Tests for train.py, run as users run it (processes of their own, forked as conftest.Started says, and one in a
-fresh interpreter to show that forking changes nothing): exact resume, also from a moved base folder, the same
-command again after a kill, a run's identity (other run-defining flags are refused, nothing written), two processes
-and two "nodes" against one, an elastic restart after a killed rank, the non-finite-gradient skip, the divergence
-rule, README's L(T) command against the run's own last eval; in-process, where no training is needed: one-line
-errors for every bad flag value, --dry_run and --help. Faults come from tests/faulty_train.py."""
+"""Tests for train.py, run as users run it (processes of their own, forked as conftest.Started says, and one in a fresh
+interpreter to show that forking changes nothing): exact resume, also from a moved base folder, the same command again
+after a kill, a run's identity (other run-defining flags are refused, nothing written), two processes and two "nodes"
+against one, an elastic restart after a killed rank, the non-finite-gradient skip, the divergence rule, README's L(T)
+command against the run's own last eval, CORE's bundle fetched once before step 1; in-process, where no training is
+needed: one-line errors for every bad flag value, --dry_run and --help. Faults come from tests/faulty_train.py."""
 
 import json
 import math
@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -622,3 +623,44 @@ def test_help_lists_every_default_and_only_what_a_user_sets(monkeypatch, capsys)
     words = " ".join(out.split())  # argparse wraps the help text
     for default in ("(default: 6)", "(default: 32768)", "(default: fineweb-edu)", "(default: bfloat16)"):
         assert default in words, default
+
+
+@pytest.fixture
+def never_answers():
+    """A TCP port on 127.0.0.1 that accepts connections and never replies -> (its port, the connections taken)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    taken = []
+
+    def accept():
+        while True:
+            try:
+                taken.append(listener.accept()[0])  # held open, unanswered
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    yield listener.getsockname()[1], taken
+    listener.close()
+    for connection in taken:
+        connection.close()
+
+
+@pytest.mark.slow
+def test_core_bundle_is_fetched_once_before_step_1_and_a_bundle_on_disk_needs_no_network(corpus, tmp_path,
+                                                                                          never_answers):
+    """CORE at steps 4 and 8 with its bundle's host never answering: one fetch (5 attempts of 1 s), then one
+    line skipping CORE for the run that names the bundle's URL and where to unzip it; the run trains to its end.
+    With a bundle on disk, the run scores from it and fetches nothing."""
+    port, taken = never_answers
+    base = tmp_path / "base"
+    result = train(corpus, "--run=never", "--core_every=4", fault=f"bundle_port={port}", base=base)
+    assert len(taken) == 5, result.stdout[-3000:]  # one fetch's attempts, not one fetch per CORE eval
+    skipped = [line for line in result.stdout.splitlines() if "CORE" in line]
+    assert len(skipped) == 1 and carries(skipped[0], f"http://127.0.0.1:{port}/eval_bundle.zip", str(base)), skipped
+    assert "done: 8 steps" in result.stdout
+    (base / "eval_bundle").mkdir()
+    (base / "eval_bundle" / "eval_meta_data.csv").write_text("Eval Task,Random baseline\n")
+    result = train(corpus, "--run=on_disk", "--core_every=4", fault=f"bundle_port={port}", base=base)
+    assert len(taken) == 5 and "Downloading" not in result.stdout
+    scored = [line for line in result.stdout.splitlines() if "CORE" in line]
+    assert len(scored) == 2 and all(carries(line, str(base / "eval_bundle")) for line in scored), scored
