@@ -9,7 +9,7 @@ import hashlib
 import torch
 import torch.distributed as dist
 
-from nanoparcae.common import spans
+from nanoparcae.common import fail, spans
 
 # -----------------------------------------------------------------------------
 # Ranks that agree. DDP keeps its replicas equal only by giving each the same averaged gradients and the same
@@ -45,16 +45,31 @@ def gather(value):
     return gathered
 
 
+def one_refusal(lines):
+    """Each rank's refusal (a line, or None) -> None when no rank refused, else the line every rank stops with:
+    the first rank's, naming that rank when the others did not refuse alike."""
+    refusals = [(rank, line) for rank, line in enumerate(lines) if line]
+    if not refusals:
+        return None
+    rank, line = refusals[0]
+    alike = len(refusals) == len(lines) and all(other == line for _, other in refusals)
+    return line if alike else f"{line} (rank {rank}; every rank stops)"
+
+
+def refuse_alike(refusal):
+    """Every rank's refusal (a line, or None) gathered: when any rank refused, every rank fails with one line
+    (one_refusal), printed once a node. A refusal that only some ranks meet is never silent."""
+    if line := one_refusal(gather(refusal)):
+        fail(line)
+
+
 def agree_to_start(run_name, refusal, step, digest):
     """Before anything is built: every rank's refusal (a line, or None), the step of the checkpoint it would
     resume from (0: none) and that checkpoint's digest (None: none), gathered. ValueError with one line on every
     rank when any rank refused (the first one's line) or when they would start from different checkpoints."""
     starts = gather((refusal, step, digest))
-    refusals = [(rank, line) for rank, (line, _, _) in enumerate(starts) if line]
-    if refusals:
-        rank, line = refusals[0]
-        alike = len(refusals) == len(starts) and all(other == line for _, other in refusals)
-        raise ValueError(line if alike else f"{line} (rank {rank}; every rank stops)")
+    if line := one_refusal([line for line, _, _ in starts]):
+        raise ValueError(line)
     points = {}
     for rank, (_, step, digest) in enumerate(starts):
         points.setdefault((step, digest), []).append(rank)

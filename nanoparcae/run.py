@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import torch.distributed as dist
 
-from nanoparcae.checkpoint import find_checkpoint, read_checkpoint, run_dir
+from nanoparcae.checkpoint import find_checkpoint, read_checkpoint, resume_refusal, run_dir
 from nanoparcae.common import fail, print0
 from nanoparcae.dataset import tokenizer_dir
 from nanoparcae.ranks import agree_to_start, checkpoint_digest
@@ -41,9 +41,8 @@ def identify_run(args, run_flags, batch, device, **resolved):
         if holder := run_holder(folder):  # before a live run's checkpoint is read onto its GPUs
             raise ValueError(being_trained(folder, holder))
         checkpoint = find_checkpoint(folder.parent, name) if any(folder.glob("ckpt_*.pt")) else None
-        if args.resume and checkpoint is None:
-            raise ValueError(f"there is no checkpoint of run {name} under {folder} to resume; start it "
-                             f"without --resume")
+        if args.resume and (line := resume_refusal(folder)):
+            raise ValueError(line)
         recorded = {}
         if checkpoint:
             ckpt = read_checkpoint(checkpoint, device)  # unreadable: one line naming the file
