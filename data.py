@@ -281,15 +281,16 @@ def val_batches(tokenizer, source, batch_size, seq_len, num_tokens, rank=0, worl
     yield from itertools.islice(loader, max(1, num_tokens // (batch_size * seq_len * world_size)))
     loader.close()
 
-def crop_rate(tokenizer, source, seq_len, seed=0, documents=3000):
-    """The share of the tokens packed that packing crops at seq_len.
+def crop_rate(tokenizer, source, seq_len, seed=0, settle=6, measure=2):
+    """The share of the tokens packed that packing crops at seq_len, as a long run meets it.
     The loader's own packing, over the first train documents it reads.
-    Counted once its buffer is full, as a long run's is, over `documents` more."""
+    Short documents leave first, so the buffer fills with long ones: counted once
+    `settle` buffers of documents have arrived, over `measure` more."""
     loader = DataLoader(tokenizer, source, "train", 1, seq_len, seed=seed)
-    while loader.arrivals < loader.buffer_docs:
+    while loader.arrivals < settle * loader.buffer_docs:
         next(loader)
     used, cropped = loader.tokens_used, loader.tokens_cropped
-    while loader.arrivals < loader.buffer_docs + documents:
+    while loader.arrivals < (settle + measure) * loader.buffer_docs:
         next(loader)
     loader.close()
     cropped = loader.tokens_cropped - cropped

@@ -245,7 +245,7 @@ try:
         tokenizer = dataset.get_tokenizer(args.data, args.vocab_size)
         # the horizon against the tokens the loader keeps: a FineWeb-Edu run never repeats unasked
         crop = crop_rate(tokenizer, args.data, args.seq_len, args.seed)
-        dataset.check_data(args.data, tokenizer, tokens, crop)
+        dataset.check_data(args.data, tokenizer, tokens, crop, args.seq_len)
         reader = dataset.ChunkReader()  # one read of each chunk for this process's loaders
         loaders = [DataLoader(tokenizer, args.data, "train", args.device_batch_size, args.seq_len,
                               rank=rank * grad_accum + micro, world_size=world * grad_accum,

@@ -313,11 +313,11 @@ def data_refusal(err, args, tokens, paper_horizon):
     return str(err)
 
 
-def check_data(source, tokenizer, tokens, crop):
-    """The tokens the horizon needs against those the loader can use: the train split's (train_tokens) less
-    the share `crop` that packing crops -> the times the run reads them. A FineWeb-Edu run that would repeat
-    its data while shards are still to download is refused (ValueError naming the download); another source
-    repeats as it must, and says so."""
+def check_data(source, tokenizer, tokens, crop, seq_len):
+    """The horizon's tokens against those the loader can use: the train split's (train_tokens) less the
+    share `crop` that packing crops at seq_len -> the times the run reads them. A FineWeb-Edu run that would
+    repeat its data while shards are left to fetch is refused (ValueError naming the download). Another
+    source repeats as it must, and says so."""
     held, bytes_per_token = train_tokens(source, tokenizer)
     usable = held * (1 - crop)
     shards = fineweb_train_shards() if source == "fineweb-edu" else None
@@ -329,13 +329,13 @@ def check_data(source, tokenizer, tokens, crop):
                  f"usable tokens, which the run would read {tokens / (FINEWEB_VAL_SHARD * per_shard):.2f} times"
                  if needed > FINEWEB_VAL_SHARD else "")
         raise ValueError(f"the run's {count(tokens)} tokens would read the {len(shards)} FineWeb-Edu training "
-                         f"shards on disk (about {count(usable)} tokens once packing crops {crop:.0%}) "
-                         f"{epochs:.1f} times: run `python -m nanoparcae.dataset download "
+                         f"shards on disk (about {count(usable)} tokens once packing crops {crop:.0%} at "
+                         f"--seq_len={seq_len}) {epochs:.1f} times: run `python -m nanoparcae.dataset download "
                          f"-n {min(needed, FINEWEB_VAL_SHARD) + 1}` first{still}, or give a smaller --max_tokens")
     print0(f"data: {source}, about {count(held)} training tokens ({bytes_per_token:.2f} bytes a token"
-           + (f", {len(shards)} shards" if shards else "") + f"), {crop:.1%} cropped by packing: the run trains on "
-           + (f"{epochs:.1%} of the {count(usable)} left" if epochs < 1
-              else f"the {count(usable)} left about {epochs:.2f} times"))
+           + (f", {len(shards)} shards" if shards else "") + f"), {count(usable)} once packing crops {crop:.1%} "
+           f"at --seq_len={seq_len}: the run trains on "
+           + (f"{epochs:.1%} of them" if epochs < 1 else f"them about {epochs:.2f} times"))
     return epochs
 
 
