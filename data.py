@@ -281,6 +281,7 @@ def val_batches(tokenizer, source, batch_size, seq_len, num_tokens, rank=0, worl
     yield from itertools.islice(loader, max(1, num_tokens // (batch_size * seq_len * world_size)))
     loader.close()
 
+
 def crop_rate(tokenizer, source, seq_len, seed=0, settle=6, measure=2):
     """The share of the tokens packed that packing crops at seq_len, as a long run meets it.
     The loader's own packing, over the first train documents it reads.
