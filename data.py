@@ -280,6 +280,22 @@ def val_batches(tokenizer, source, batch_size, seq_len, num_tokens, rank=0, worl
     yield from itertools.islice(loader, max(1, num_tokens // (batch_size * seq_len * world_size)))
     loader.close()
 
+
+def crop_rate(tokenizer, source, seq_len, seed=0, settle=6, measure=2):
+    """The share of the tokens packed that packing crops at seq_len, as a long run meets it.
+    The loader's own packing, over the first train documents it reads.
+    Short documents leave first, so the buffer fills with long ones: counted once
+    `settle` buffers of documents have arrived, over `measure` more."""
+    loader = DataLoader(tokenizer, source, "train", 1, seq_len, seed=seed)
+    while loader.arrivals < settle * loader.buffer_docs:
+        next(loader)
+    used, cropped = loader.tokens_used, loader.tokens_cropped
+    while loader.arrivals < (settle + measure) * loader.buffer_docs:
+        next(loader)
+    loader.close()
+    cropped = loader.tokens_cropped - cropped
+    return cropped / (loader.tokens_used - used + cropped)
+
 # -----------------------------------------------------------------------------
 # Command line: the loader measured
 

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from data import DataLoader, val_batches
+from data import DataLoader, crop_rate, val_batches
 from eval_core import evaluate_bpb, evaluate_core
 from model import INJECTIONS, PAPER_TOKENS, SAMPLINGS, Parcae, ParcaeConfig
 from optim import (build_optimizer, learning_rate_for_depth, lr_multiplier, muon_momentum,
@@ -41,12 +41,12 @@ from nanoparcae.checkpoint import training_model
 from nanoparcae.common import (fail, init_distributed, no_buffer_sync, parse_device, peak_bf16_flops,
                                print0, rank_and_world, spans, wait_for_rank0)
 from nanoparcae import dataset, memory, ranks
-from nanoparcae.checkpoint import save_and_prune
+from nanoparcae.checkpoint import resume_refusal, save_and_prune
 from nanoparcae.core_tasks import shared_eval_bundle
 from nanoparcae.divergence import Divergence
 from nanoparcae.flags import positive, steps_or_never, unit_fraction, zero_or_more
 from nanoparcae.metrics import Metrics, compile_counts, log_line
-from nanoparcae.run import claim_run, identify_run
+from nanoparcae.run import claim_run, identify_run, run_folder
 
 # -----------------------------------------------------------------------------
 # Flags. The defaults are the paper's 140M recipe (METHOD.md §2); runs/cpu.sh passes a small one's.
@@ -209,10 +209,13 @@ if args.dry_run:
 # FineWeb-Edu the training shards read: its data order is a shuffle of them
 tokens = num_steps * args.total_batch_size
 paper_horizon = max_tokens == PAPER_TOKENS.get(args.depth)
-try:
-    shards = spans(dataset.fineweb_train_shards(), ",") if args.data == "fineweb-edu" else None
-except FileNotFoundError as err:
-    dataset.refuse_data(err, args, tokens, paper_horizon)
+try:  # --resume with nothing to resume says so before any data check
+    refusal = resume_refusal(run_folder(args)) if args.resume else None
+    shards = (spans(dataset.fineweb_train_shards(), ",")
+              if args.data == "fineweb-edu" and not refusal else None)
+except (FileNotFoundError, ValueError) as err:  # no shards, or a base folder that cannot be used
+    refusal, shards = dataset.data_refusal(err, args, tokens, paper_horizon), None
+ranks.refuse_alike(refusal)  # a refusal that one node meets stops every rank, in one line
 run = identify_run(args, RUN_FLAGS, batch, device, d_model=config.d_model, mu_bwd=config.mu_bwd,
                    max_tokens=max_tokens, adamw_lr=adamw_lr,
                    **({"train_shards": shards} if shards else {}))
@@ -230,22 +233,30 @@ print0(f"output: {run.dir}")
 # -----------------------------------------------------------------------------
 # Data: the tokenizer, the tokens on disk against the horizon's, one loader per virtual rank
 
+refusal = None
 try:
     if rank == 0:  # global rank 0 alone trains and caches it on first use, once
         dataset.get_tokenizer(args.data, args.vocab_size)
-    wait_for_rank0()
+except (FileNotFoundError, ValueError) as err:
+    refusal = dataset.data_refusal(err, args, tokens, paper_horizon)
+wait_for_rank0()
+ranks.refuse_alike(refusal)  # rank 0's failed tokenizer stops every rank
+try:
     tokenizer = dataset.get_tokenizer(args.data, args.vocab_size, train=False)  # None: not here
     ranks.agree_on_data(tokenizer, shards)  # rank 0's tokenizer and shards on every node
-    dataset.check_data(args.data, tokenizer, tokens)  # a FineWeb-Edu run never repeats unasked
+    # the horizon against the tokens the loader keeps: a FineWeb-Edu run never repeats unasked
+    crop = crop_rate(tokenizer, args.data, args.seq_len, args.seed)
+    dataset.check_data(args.data, tokenizer, tokens, crop, args.seq_len)
     reader = dataset.ChunkReader()  # one read of each chunk for this process's loaders
     loaders = [DataLoader(tokenizer, args.data, "train", args.device_batch_size, args.seq_len,
                           rank=rank * grad_accum + micro, world_size=world * grad_accum,
                           seed=args.seed, device=device, reader=reader, sharers=grad_accum)
                for micro in range(grad_accum)]
     val_data = list(val_batches(tokenizer, args.data, args.device_batch_size, args.seq_len,
-                                args.eval_tokens, rank, world, device, reader))  # for every eval
+                                args.eval_tokens, rank, world, device, reader))  # every eval's
 except (FileNotFoundError, ValueError) as err:
-    dataset.refuse_data(err, args, tokens, paper_horizon)
+    refusal = dataset.data_refusal(err, args, tokens, paper_horizon)
+ranks.refuse_alike(refusal)  # a rank's own refusal (no documents in its share) stops every rank
 # The lock comes after every check that can refuse the command: a refused one writes nothing
 run_lock = claim_run(run.dir)  # one trainer per run, until this process ends
 

@@ -87,6 +87,13 @@ def save_and_prune(folder, step, model, loaders, **state):
     wait_for_rank0()  # the others wait here, not in their next step's all-reduce, however slow the disk
 
 
+def resume_refusal(folder):
+    """--resume's refusal (a line) when the run folder holds no checkpoint, else None."""
+    if not any(Path(folder).glob("ckpt_*.pt")):
+        return f"there is no checkpoint of run {folder.name} under {folder} to resume; start it without --resume"
+    return None
+
+
 def find_checkpoint(runs_dir, run=None):
     """The newest checkpoint of `run`; run None: of the run written last."""
     runs_dir = Path(runs_dir)

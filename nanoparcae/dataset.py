@@ -52,6 +52,9 @@ from nanoparcae.tokenizer import Tokenizer
 FINEWEB_URL = "https://huggingface.co/datasets/karpathy/fineweb-edu-100b-shuffle/resolve/main"
 FINEWEB_VAL_SHARD = 1822  # METHOD.md §5: shards 0..1822, the last one held out, as nanochat does
 FINEWEB_SHARD_TOKENS = 50e6  # about 250M characters a shard: what a download is sized by, before any is read
+# Best-fit packing crops about 35% of FineWeb-Edu's tokens at 2,048 a row (nanochat/dataloader.py's docstring):
+# what a download is sized by, before any shard is there to measure. A run measures its own (data.crop_rate).
+PACKING_CROP = 0.35
 VAL_EVERY = 20  # stdlib and user files: a document is validation iff crc32(text) % 20 == 0 (~5%)
 FILES_PER_CHUNK = 64  # text files are read (and shared across ranks) in groups of this many
 
@@ -299,10 +302,13 @@ def train_tokens(source, tokenizer, sample_docs=1000):
     """-> (the tokens the train split holds, bytes per token).
     Tokens: the stored text's bytes over bytes per token.
     Bytes per token: of the first sample_docs validation documents, BOS included.
-    An estimate within a few percent, read in seconds at any size."""
+    An estimate within a few percent, read in seconds at any size.
+    No validation document: ValueError naming the cause."""
     texts = list(itertools.islice(iter_documents(source, "val"), sample_docs))
+    if not texts:  # the run's evals need them too: refused here rather than measured another way
+        raise no_documents(source, "val")
     tokens = sum(len(ids) for ids in tokenizer.encode(texts, prepend_bos=True))
-    bytes_per_token = sum(len(text.encode("utf-8")) for text in texts) / max(tokens, 1)
+    bytes_per_token = sum(len(text.encode("utf-8")) for text in texts) / tokens
     return stored_text_bytes(list_chunks(source, "train")) / bytes_per_token, bytes_per_token
 
 
@@ -312,35 +318,38 @@ def count(number):
                 f"{number:,.0f}")
 
 
-def refuse_data(err, args, tokens, paper_horizon):
-    """A data error in one line (status 2).
-    Without FineWeb-Edu's shards, it names the download this run needs, and a small run needing none."""
-    if args.data == "fineweb-edu":
+def data_refusal(err, args, tokens, paper_horizon):
+    """A data error as one line.
+    A missing FineWeb-Edu shard also names the download this run needs, and a small run needing none."""
+    if args.data == "fineweb-edu" and isinstance(err, FileNotFoundError):
         sized = f"--depth={args.depth}" if paper_horizon else f"--tokens={tokens:.4g}"
-        fail(f"{err} (`python -m nanoparcae.dataset download {sized}` fetches what this run reads); without a "
-             f"GPU, `bash runs/cpu.sh` trains a small model on this Python's standard library, no download needed")
-    fail(err)
+        return (f"{err} (`python -m nanoparcae.dataset download {sized}` fetches what this run reads); without a "
+                f"GPU, `bash runs/cpu.sh` trains a small model on this Python's standard library, no download needed")
+    return str(err)
 
 
-def check_data(source, tokenizer, tokens):
-    """The times the run reads its train split: the tokens it needs over those held (train_tokens).
-    A FineWeb-Edu run that would repeat its data while shards remain to download is refused.
-    Its one line names the download. Another source repeats as it must, and says so."""
+def check_data(source, tokenizer, tokens, crop, seq_len):
+    """The times the run reads its train split, as the loader packs it.
+    Usable tokens: those held (train_tokens) less the share `crop` that packing crops at seq_len.
+    A FineWeb-Edu run that would repeat while shards remain to download: ValueError naming the download.
+    Another source repeats as it must, and says so."""
     held, bytes_per_token = train_tokens(source, tokenizer)
+    usable = held * (1 - crop)
     shards = fineweb_train_shards() if source == "fineweb-edu" else None
-    epochs = tokens / held
+    epochs = tokens / usable
     if shards and epochs > 1 and len(shards) < FINEWEB_VAL_SHARD:
-        per_shard = held / len(shards)
+        per_shard = usable / len(shards)
         needed = math.ceil(tokens / per_shard)
         still = (f"; all {FINEWEB_VAL_SHARD:,} training shards hold about {count(FINEWEB_VAL_SHARD * per_shard)} "
-                 f"tokens, which the run would read {tokens / (FINEWEB_VAL_SHARD * per_shard):.2f} times"
+                 f"usable tokens, which the run would read {tokens / (FINEWEB_VAL_SHARD * per_shard):.2f} times"
                  if needed > FINEWEB_VAL_SHARD else "")
-        fail(f"the run's {count(tokens)} tokens would read the {len(shards)} FineWeb-Edu training shards on disk "
-             f"(about {count(held)} tokens) {epochs:.1f} times: run `python -m nanoparcae.dataset download "
-             f"-n {min(needed, FINEWEB_VAL_SHARD) + 1}` first{still}, or give a smaller --max_tokens")
-    # packing crops what does not fit a row, so a run reads a little more than it trains on
+        raise ValueError(f"the run's {count(tokens)} tokens would read the {len(shards)} FineWeb-Edu training "
+                         f"shards on disk (about {count(usable)} tokens once packing crops {crop:.0%} at "
+                         f"--seq_len={seq_len}) {epochs:.1f} times: run `python -m nanoparcae.dataset download "
+                         f"-n {min(needed, FINEWEB_VAL_SHARD) + 1}` first{still}, or give a smaller --max_tokens")
     print0(f"data: {source}, about {count(held)} training tokens ({bytes_per_token:.2f} bytes a token"
-           + (f", {len(shards)} shards" if shards else "") + "): the run trains on "
+           + (f", {len(shards)} shards" if shards else "") + f"), {count(usable)} once packing crops {crop:.1%} "
+           f"at --seq_len={seq_len}: the run trains on "
            + (f"{epochs:.1%} of them" if epochs < 1 else f"them about {epochs:.2f} times"))
     return epochs
 
@@ -418,20 +427,21 @@ def shards_for(args):
     """download's shards, the validation shard always among them.
 
     - -n: that many in all.
-    - --tokens: as many as it needs, at about FINEWEB_SHARD_TOKENS a shard.
-    - --depth: as many as the paper's horizon at that depth needs.
+    - --tokens: as many as it needs, at about FINEWEB_SHARD_TOKENS a shard less PACKING_CROP.
+    - --depth: as many as the paper's horizon at that depth needs, the same way.
 
     Training shards are capped at the 1,822 there are."""
     tokens = None if args.num_shards else args.tokens or PAPER_TOKENS.get(args.depth)
     if tokens is None and args.depth is not None:
         raise ValueError(f"--depth={args.depth} has no paper horizon (depths {', '.join(map(str, PAPER_TOKENS))}); "
                          f"pass --tokens or -n")
-    num_train = args.num_shards - 1 if tokens is None else math.ceil(tokens / FINEWEB_SHARD_TOKENS)
+    per_shard = FINEWEB_SHARD_TOKENS * (1 - PACKING_CROP)  # the tokens a run trains on, of a shard's
+    num_train = args.num_shards - 1 if tokens is None else math.ceil(tokens / per_shard)
     if tokens is not None:
-        print(f"{tokens / 1e9:.1f}B tokens at about {FINEWEB_SHARD_TOKENS / 1e6:.0f}M a shard: "
-              f"{min(num_train, FINEWEB_VAL_SHARD)} training shards"
-              + (f", all there are: the run reads them {tokens / (FINEWEB_VAL_SHARD * FINEWEB_SHARD_TOKENS):.2f} "
-                 f"times" if num_train > FINEWEB_VAL_SHARD else ""))
+        print(f"{tokens / 1e9:.1f}B tokens at about {per_shard / 1e6:.1f}M a shard ({FINEWEB_SHARD_TOKENS / 1e6:.0f}M "
+              f"less the ~{PACKING_CROP:.0%} packing crops): {min(num_train, FINEWEB_VAL_SHARD)} training shards"
+              + (f", all there are: the run reads them {tokens / (FINEWEB_VAL_SHARD * per_shard):.2f} times"
+                 if num_train > FINEWEB_VAL_SHARD else ""))
     return list(range(min(num_train, FINEWEB_VAL_SHARD))) + [FINEWEB_VAL_SHARD]
 
 

@@ -48,6 +48,24 @@ def gather(value):
     return gathered
 
 
+def one_refusal(lines):
+    """Each rank's refusal (a line, or None) -> None when no rank refused, else the line every rank stops with:
+    the first rank's, naming that rank when the others did not refuse alike."""
+    refusals = [(rank, line) for rank, line in enumerate(lines) if line]
+    if not refusals:
+        return None
+    rank, line = refusals[0]
+    alike = len(refusals) == len(lines) and all(other == line for _, other in refusals)
+    return line if alike else f"{line} (rank {rank}; every rank stops)"
+
+
+def refuse_alike(refusal):
+    """Every rank's refusal (a line, or None) gathered: when any rank refused, every rank fails with one line
+    (one_refusal), printed once a node. A refusal that only some ranks meet is never silent."""
+    if line := one_refusal(gather(refusal)):
+        fail(line)
+
+
 def agree_to_start(run_name, refusal, step, digest):
     """Before anything is built, gather each rank's start:
 
@@ -58,11 +76,8 @@ def agree_to_start(run_name, refusal, step, digest):
     Raises ValueError with one line on every rank if any rank refused (the first one's line).
     Likewise if they would start from different checkpoints."""
     starts = gather((refusal, step, digest))
-    refusals = [(rank, line) for rank, (line, _, _) in enumerate(starts) if line]
-    if refusals:
-        rank, line = refusals[0]
-        alike = len(refusals) == len(starts) and all(other == line for _, other in refusals)
-        raise ValueError(line if alike else f"{line} (rank {rank}; every rank stops)")
+    if line := one_refusal([line for line, _, _ in starts]):
+        raise ValueError(line)
     points = {}
     for rank, (_, step, digest) in enumerate(starts):
         points.setdefault((step, digest), []).append(rank)

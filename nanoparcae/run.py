@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import torch.distributed as dist
 
-from nanoparcae.checkpoint import find_checkpoint, read_checkpoint, remove_partial_saves, run_dir
+from nanoparcae.checkpoint import find_checkpoint, read_checkpoint, remove_partial_saves, resume_refusal, run_dir
 from nanoparcae.common import fail, print0, wait_for_rank0
 from nanoparcae.dataset import tokenizer_dir
 from nanoparcae.ranks import agree_to_start, checkpoint_digest
@@ -26,6 +26,11 @@ from nanoparcae.ranks import agree_to_start, checkpoint_digest
 
 # -----------------------------------------------------------------------------
 # The run's identity: its folder, defined by the run flags its checkpoints record, and its lock
+
+
+def run_folder(args):
+    """The folder of the run a command trains: --run, or d<depth>_<injection>."""
+    return run_dir(args.run or f"d{args.depth}_{args.injection}")
 
 
 def identify_run(args, run_flags, batch, device, **resolved):
@@ -47,7 +52,7 @@ def identify_run(args, run_flags, batch, device, **resolved):
     try:
         tokenizer_path = tokenizer_dir(args.data, args.vocab_size)  # recorded in each checkpoint
         data_key = tokenizer_path.name.removesuffix(f"-{args.vocab_size}")  # content, not path
-        folder = run_dir(args.run or f"d{args.depth}_{args.injection}")
+        folder = run_folder(args)
     except (FileNotFoundError, ValueError) as err:
         fail(err)
     name, size, checkpoint, ckpt, refusal, start = folder.name, batch.size, None, None, None, (0, None)
@@ -55,9 +60,8 @@ def identify_run(args, run_flags, batch, device, **resolved):
         if holder := run_holder(folder):  # before a live run's checkpoint is read onto its GPUs
             raise ValueError(being_trained(folder, holder))
         checkpoint = find_checkpoint(folder.parent, name) if any(folder.glob("ckpt_*.pt")) else None
-        if args.resume and checkpoint is None:
-            raise ValueError(f"there is no checkpoint of run {name} under {folder} to resume; start it "
-                             f"without --resume")
+        if args.resume and (line := resume_refusal(folder)):
+            raise ValueError(line)
         recorded = {}
         if checkpoint:
             ckpt = read_checkpoint(checkpoint, device)  # unreadable: one line naming the file

@@ -276,3 +276,7 @@ def server(tmp_path):
     yield SimpleNamespace(root=root, url=f"http://127.0.0.1:{httpd.server_address[1]}", requests=requests_seen)
     httpd.shutdown()
     httpd.server_close()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: starts a process, runs torchrun or trains more than a few steps")

@@ -315,10 +315,69 @@ def test_the_tokens_on_disk_come_from_metadata_within_a_few_percent(monkeypatch)
         assert abs(estimate / held - 1) < 0.03, (source, estimate, held)
 
 
+def write_long_shards(indices, docs=300):
+    """FineWeb-Edu shards whose documents are often longer than a 32-token row: 20 to 80 words each."""
+    rng = random.Random(7)
+    for i in indices:
+        texts = [" ".join(rng.choice(WORDS[:4]) for _ in range(rng.randint(20, 80))) for _ in range(docs)]
+        write_parquet(dataset.fineweb_dir() / dataset.shard_name(i), texts, row_group_size=100)
+
+
+def test_the_crop_rate_is_the_one_the_run_loaders_meet():
+    """crop_rate, measured on the first documents one loader reads, is the share two virtual ranks' loaders crop
+    over the second half of a long read, within 0.03, on documents often longer than a row."""
+    write_long_shards([0, 1, 2, 3, 4, 5, dataset.FINEWEB_VAL_SHARD], docs=3000)
+    tokenizer = dataset.get_tokenizer("fineweb-edu", 300)
+    crop = data.crop_rate(tokenizer, "fineweb-edu", seq_len=32)
+    loaders = [data.DataLoader(tokenizer, "fineweb-edu", "train", 4, 32, rank=r, world_size=2) for r in (0, 1)]
+    for step in range(6000):
+        if step == 3000:
+            start = [(l.tokens_used, l.tokens_cropped) for l in loaders]
+        for loader in loaders:
+            next(loader)
+    used = sum(l.tokens_used - u for l, (u, _) in zip(loaders, start))
+    cropped = sum(l.tokens_cropped - c for l, (_, c) in zip(loaders, start))
+    for loader in loaders:
+        loader.close()
+    assert crop > 0.2 and abs(crop - cropped / (used + cropped)) < 0.03, (crop, cropped / (used + cropped))
+
+
+def test_a_horizon_within_the_tokens_on_disk_but_not_those_packing_keeps_is_refused(monkeypatch, capsys):
+    """At 0.9x the tokens on disk, which packing crops to fewer, the run is refused naming the download of
+    enough shards for the tokens it keeps; within those it runs and says the crop; with every shard on disk it
+    says how often it reads them."""
+    write_long_shards([0, 1, 2, dataset.FINEWEB_VAL_SHARD])
+    tokenizer = dataset.get_tokenizer("fineweb-edu", 300)
+    held, _ = dataset.train_tokens("fineweb-edu", tokenizer)
+    crop = data.crop_rate(tokenizer, "fineweb-edu", seq_len=32)
+    with pytest.raises(ValueError) as refused:
+        dataset.check_data("fineweb-edu", tokenizer, 0.9 * held, crop, 32)
+    shards = -(-0.9 * held // (held * (1 - crop) / 3))
+    assert carries(str(refused.value), f"{crop:.0%}", "python -m nanoparcae.dataset download", "-n",
+                   f"{shards + 1:.0f}"), refused.value
+    assert dataset.check_data("fineweb-edu", tokenizer, 0.9 * held * (1 - crop), crop, 32) == pytest.approx(0.9)
+    assert f"{crop:.1%}" in capsys.readouterr().out
+    every = dataset.train_tokens("fineweb-edu", tokenizer)  # as if these three shards were all 1,822
+    monkeypatch.setattr(dataset, "train_tokens", lambda source, tokenizer: every)
+    monkeypatch.setattr(dataset, "fineweb_train_shards", lambda: list(range(dataset.FINEWEB_VAL_SHARD)))
+    assert dataset.check_data("fineweb-edu", tokenizer, 0.9 * held, crop, 32) > 1
+    assert re.search(r"trains on them about [\d.]+ times", capsys.readouterr().out)
+
+
+def test_a_corpus_without_validation_documents_is_refused_naming_the_split(tmp_path):
+    one = tmp_path / "one.txt"
+    one.write_text("just one document here, nothing more.\n")
+    assert not dataset.is_val_document(one.read_text())
+    tokenizer = dataset.get_tokenizer(str(one), 300)
+    with pytest.raises(ValueError) as refused:
+        dataset.train_tokens(str(one), tokenizer)
+    assert carries(str(refused.value), "val", "no documents", "blank line"), refused.value
+
+
 @pytest.mark.parametrize("flags,shards", [
     (["-n", "4"], [0, 1, 2]),
-    (["--tokens", "1.2e8"], [0, 1, 2]),  # 50M tokens a shard
-    (["--depth", "6"], list(range(224))),  # 11.2B tokens
+    (["--tokens", "1.2e8"], [0, 1, 2, 3]),  # 32.5M tokens a shard: 50M less a 35% crop
+    (["--depth", "6"], list(range(345))),  # 11.2B tokens at 50M a shard less a 35% crop
     (["--depth", "24"], list(range(1822))),  # 104B tokens: more than all of them hold
 ])
 def test_a_download_is_sized_by_count_by_tokens_or_by_the_paper_run_at_a_depth(flags, shards, monkeypatch, capsys):
@@ -328,7 +387,7 @@ def test_a_download_is_sized_by_count_by_tokens_or_by_the_paper_run_at_a_depth(f
     assert dataset.main(main_flags) is None
     assert fetched == shards + [dataset.FINEWEB_VAL_SHARD]
     if flags[0] == "--depth" and flags[1] == "24":
-        assert "the run reads them 1.14 times" in capsys.readouterr().out
+        assert "the run reads them 1.76 times" in capsys.readouterr().out
 
 
 def test_download_retries_server_errors(server):

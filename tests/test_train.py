@@ -589,6 +589,23 @@ def test_a_corpus_read_more_than_once_says_how_often_and_logs_each_epoch(tmp_pat
     assert times > 1 and said[-1] >= times, (said, times)
 
 
+@pytest.mark.slow
+def test_a_refusal_only_one_rank_meets_stops_every_rank_in_one_line(tmp_path):
+    """One validation document: rank 0's share has it, rank 1's is empty. Rank 1's refusal, which its own fail()
+    would print nowhere (LOCAL_RANK 1), is the one line every rank stops with, printed once, before any run
+    folder is made."""
+    from nanoparcae.dataset import is_val_document
+    words = write_corpus(tmp_path / "all.txt").read_text().split("\n\n")
+    long_val = next(text for text in (" ".join(words[i:i + 10]) for i in range(300)) if is_val_document(text))
+    (tmp_path / "corpus.txt").write_text("\n\n".join([w for w in words if not is_val_document(w)] + [long_val]))
+    result = train(tmp_path, "--device_batch_size=1", "--collective_timeout=60", nproc=2, base=tmp_path / "base",
+                   expect_ok=False)
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and carries(lines[0], "rank", "1", "of", "2", "no documents", "val", "fewer ranks"), \
+        result.stderr[-3000:]
+    assert not (tmp_path / "base" / "runs").exists()
+
+
 def test_a_command_refused_before_training_leaves_no_lock_in_the_run_folder(tmp_path, monkeypatch, capsys):
     """Refused for its data (bare `python train.py` without FineWeb-Edu's shards, an empty corpus), for other flags
     than its run's checkpoint, or for a --resume with nothing to resume: one line, status 2, and no `lock` file in

@@ -1,0 +1,79 @@
+"""Bad input ends in one line naming the problem and the fix, never a traceback: a table of commands, each run
+as a user runs it, with the status it must end in and the words its line must carry.
+
+Run: python -m pytest -q tests/test_bad_input.py   (each case starts a process: marked slow)
+"""
+
+import os
+
+import pytest
+
+from conftest import TINY, carries, python
+from nanoparcae import dataset
+
+
+def one_document(tmp_path, base, monkeypatch):
+    """A text file of one document, which the hash rule puts in the train split: no validation document."""
+    path = tmp_path / "one.txt"
+    path.write_text("just one document here, nothing more.\n")
+    assert not dataset.is_val_document(path.read_text())
+    return {"one": path}
+
+
+def base_is_a_file(tmp_path, base, monkeypatch):
+    (tmp_path / "a_file").write_text("")
+    return {"base": tmp_path / "a_file"}
+
+
+def long_documents(tmp_path, base, monkeypatch):
+    """Three FineWeb-Edu shards whose documents are often longer than TINY's 32-token row, and the tokens they
+    hold by train_tokens (the estimate before packing), with the tokenizer train.py loads."""
+    monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(base))
+    from test_data import write_long_shards
+    write_long_shards([0, 1, 2, dataset.FINEWEB_VAL_SHARD])
+    held, _ = dataset.train_tokens("fineweb-edu", dataset.get_tokenizer("fineweb-edu", 320))
+    return {"horizon": f"{0.9 * held:.0f}"}
+
+
+# command (placeholders from the setup), setup, status, words naming the problem, words naming the fix
+CASES = {
+    "one document": (["train.py", *TINY, "--data={one}"], one_document, 2,
+                     ["val", "no documents"], ["blank line"]),
+    "base folder a file": (["train.py"], base_is_a_file, 2,
+                           ["base folder", "{base}"], ["NANOPARCAE_BASE_DIR"]),
+    "base folder a file, --resume": (["train.py", "--resume"], base_is_a_file, 2,
+                                     ["base folder", "{base}"], ["NANOPARCAE_BASE_DIR"]),
+    "base folder a file, sample.py": (["sample.py"], base_is_a_file, 2,
+                                      ["base folder", "{base}"], ["NANOPARCAE_BASE_DIR"]),
+    "base folder a file, eval_core.py": (["eval_core.py"], base_is_a_file, 2,
+                                         ["base folder", "{base}"], ["NANOPARCAE_BASE_DIR"]),
+    "base folder a file, download": (["-m", "nanoparcae.dataset", "download", "-n", "2"], base_is_a_file, 2,
+                                     ["base folder", "{base}"], ["NANOPARCAE_BASE_DIR"]),
+    "base folder a file, tokenizer": (["-m", "nanoparcae.dataset", "tokenizer"], base_is_a_file, 2,
+                                      ["base folder", "{base}"], ["NANOPARCAE_BASE_DIR"]),
+    "base folder a file, hub sample": (["-m", "interop.hub", "sample", "d6_diagonal"], base_is_a_file, 2,
+                                       ["base folder", "{base}"], ["NANOPARCAE_BASE_DIR"]),
+    "--resume, nothing to resume": (["train.py", "--resume"], None, 2,
+                                    ["no checkpoint", "d6_diagonal"], ["without", "--resume"]),
+    "horizon past what packing keeps": (["train.py", *TINY, "--data=fineweb-edu", "--max_tokens={horizon}"],
+                                        long_documents, 2, ["3", "FineWeb-Edu", "crops"],
+                                        ["python -m nanoparcae.dataset download", "-n"]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_is_one_line_naming_the_problem_and_the_fix(case, tmp_path, monkeypatch):
+    command, setup, status, problem, fix = CASES[case]
+    base = tmp_path / "base"
+    values = {"base": base}
+    if setup:
+        values.update(setup(tmp_path, base, monkeypatch))
+    env = {"NANOPARCAE_BASE_DIR": str(values["base"]), "OMP_NUM_THREADS": "1"}
+    result = python([word.format(**values) for word in command], {**os.environ, **env})
+    err = result.stderr.strip()
+    assert result.returncode == status and len(err.splitlines()) == 1 and "Traceback" not in err, err[-3000:]
+    assert carries(err, *[word.format(**values) for word in problem]), err
+    assert carries(err, *fix), err
+    if case == "--resume, nothing to resume":
+        assert "shard" not in err  # the missing run first, not the missing data
