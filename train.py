@@ -37,14 +37,12 @@ from eval_core import evaluate_bpb, evaluate_core
 from model import INJECTIONS, PAPER_TOKENS, SAMPLINGS, Parcae, ParcaeConfig
 from optim import (build_optimizer, learning_rate_for_depth, lr_multiplier, muon_momentum,
                    optimizer_state_bytes, weight_decay_at)
-from nanoparcae.checkpoint import training_model
-from nanoparcae.common import (fail, init_distributed, no_buffer_sync, parse_device, peak_bf16_flops,
-                               print0, rank_and_world, spans, wait_for_rank0)
-from nanoparcae import dataset, memory, ranks
-from nanoparcae.checkpoint import resume_refusal, save_and_prune
+from nanoparcae.common import (fail, init_distributed, no_buffer_sync, parse_device,
+                               peak_bf16_flops, print0, rank_and_world, spans, wait_for_rank0)
+from nanoparcae import dataset, flags, memory, ranks
+from nanoparcae.checkpoint import resume_refusal, save_and_prune, training_model
 from nanoparcae.core_tasks import shared_eval_bundle
 from nanoparcae.divergence import Divergence
-from nanoparcae.flags import positive, steps_or_never, unit_fraction, zero_or_more
 from nanoparcae.metrics import Metrics, compile_counts, log_line
 from nanoparcae.run import claim_run, identify_run, run_folder
 
@@ -61,39 +59,46 @@ parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormat
 parser.error = fail  # an unknown flag or a bad value: one line, status 2
 flag = parser.add_argument
 # the model
-flag("--depth", type=positive(int), default=6, help="layers, L_P = L_R = L_C = depth/3")
-flag("--d_model", type=positive(int), default=None, help="width (None: 128 * (depth/3 + 4))")
-flag("--head_dim", type=positive(int), default=128, help="attention head width")
-flag("--mu_rec", type=positive(int), default=8, help="mean recurrence depth")
-flag("--mu_bwd", type=positive(int), default=None,
+flag("--depth", type=flags.positive(int), default=6, help="layers, L_P = L_R = L_C = depth/3")
+flag("--d_model", type=flags.positive(int), default=None, help="width (None: 128 * (depth/3 + 4))")
+flag("--head_dim", type=flags.positive(int), default=128, help="attention head width")
+flag("--mu_rec", type=flags.positive(int), default=8, help="mean recurrence depth")
+flag("--mu_bwd", type=flags.positive(int), default=None,
      help="backpropagated depth (None: ceil(mu_rec/2))")
 flag("--injection", default="diagonal", choices=INJECTIONS,
      help="diagonal = Parcae, concat = RDM, add, none = fixed-depth Transformer")
 flag("--sampling", default="per_sequence", choices=list(SAMPLINGS), metavar="SCHEME",
      help=f"recurrence-depth sampler, one of {', '.join(SAMPLINGS)} (model.py)")
 flag("--prelude_norm", type=int, default=1, choices=[0, 1], help="RMSNorm on the prelude's output")
-flag("--vocab_size", type=positive(int), default=32768, help="tokens, the specials included")
-flag("--seq_len", type=positive(int), default=2048, help="tokens per row")
+flag("--vocab_size", type=flags.positive(int), default=32768, help="tokens, the specials included")
+flag("--seq_len", type=flags.positive(int), default=2048, help="tokens per row")
 # the data and the horizon: the first given of --max_tokens, --target_flops, --param_data_ratio
 flag("--data", default="fineweb-edu",
      help="fineweb-edu, stdlib, or a path / glob of .txt, .jsonl, .parquet files")
-flag("--max_tokens", type=positive(float), default=None, help="tokens to train (None: the paper's)")
-flag("--target_flops", type=positive(float), default=None, help="horizon in FLOPs (the paper's C)")
-flag("--param_data_ratio", type=positive(float), default=None, help="horizon in tokens per param")
+flag("--max_tokens", type=flags.positive(float), default=None,
+     help="tokens to train (None: the paper's)")
+flag("--target_flops", type=flags.positive(float), default=None,
+     help="horizon in FLOPs (the paper's C)")
+flag("--param_data_ratio", type=flags.positive(float), default=None,
+     help="horizon in tokens per param")
 # the recipe
-flag("--device_batch_size", type=positive(int), default=None,
+flag("--device_batch_size", type=flags.positive(int), default=None,
      help="sequences per micro-batch per process (None: the largest that fits)")
-flag("--total_batch_size", type=positive(int), default=524_288, help="tokens per optimiser step")
+flag("--total_batch_size", type=flags.positive(int), default=524_288,
+     help="tokens per optimiser step")
 flag("--optimizer", default="muon", choices=["muon", "adamw"],
      help="muon: Muon on the blocks' matrices and AdamW on the rest; adamw: AdamW on all")
-flag("--adamw_lr", type=positive(float), default=None,
+flag("--adamw_lr", type=flags.positive(float), default=None,
      help="AdamW's rate (None: 8e-3 up to the 370M, 6e-3 above)")
-flag("--muon_lr", type=positive(float), default=8e-3, help="Muon's rate on the blocks' matrices")
-flag("--weight_decay", type=zero_or_more(float), default=0.2, help="Muon's cautious weight decay")
-flag("--grad_clip", type=positive(float), default=1.0, help="gradient norm clip")
-flag("--warmdown_frac", type=unit_fraction, default=0.5,
+flag("--muon_lr", type=flags.positive(float), default=8e-3,
+     help="Muon's rate on the blocks' matrices")
+flag("--weight_decay", type=flags.zero_or_more(float), default=0.2,
+     help="Muon's cautious weight decay")
+flag("--grad_clip", type=flags.positive(float), default=1.0, help="gradient norm clip")
+flag("--warmdown_frac", type=flags.unit_fraction, default=0.5,
      help="last fraction of steps, decaying the rate to 0")
-flag("--seed", type=zero_or_more(int), default=0, help="initial weights, data order, depths and h0")
+flag("--seed", type=flags.zero_or_more(int), default=0,
+     help="initial weights, data order, depths and h0")
 # how it runs, evaluates, logs and saves
 # Without a GPU, a bare `python train.py` runs the paper's 140M on the CPU (bfloat16, compiled).
 # Without the shards it stops in one line naming their download and runs/cpu.sh.
@@ -104,29 +109,29 @@ flag("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
 flag("--compile", type=int, default=1, choices=[0, 1], help="torch.compile the blocks")
 flag("--compile_backend", default="inductor", choices=["inductor", "eager"],
      help="eager: dynamo's tracing and guards without code generation")
-flag("--eval_every", type=positive(int), default=250, help="steps between validation evals")
-flag("--eval_tokens", type=positive(int), default=10 * 524_288, help="validation tokens per eval")
-flag("--core_every", type=steps_or_never, default=2000,
+flag("--eval_every", type=flags.positive(int), default=250, help="steps between validation evals")
+flag("--eval_tokens", type=flags.positive(int), default=10 * 524_288,
+     help="validation tokens per eval")
+flag("--core_every", type=flags.steps_or_never, default=2000,
      help="steps between CORE evals, and at the end (-1: never)")
-flag("--core_max_per_task", type=positive(int), default=500,
+flag("--core_max_per_task", type=flags.positive(int), default=500,
      help="CORE examples per task during training")
-flag("--save_every", type=positive(int), default=1000, help="steps between checkpoints")
-flag("--log_every", type=positive(int), default=1, help="steps between log lines")
-flag("--rho_every", type=positive(int), default=None,
+flag("--save_every", type=flags.positive(int), default=1000, help="steps between checkpoints")
+flag("--log_every", type=flags.positive(int), default=1, help="steps between log lines")
+flag("--rho_every", type=flags.positive(int), default=None,
      help="steps between concat's rho, computed on the host (None: --eval_every)")
-flag("--diverge_steps", type=zero_or_more(int), default=5,
+flag("--diverge_steps", type=flags.zero_or_more(int), default=5,
      help="bad steps in a row that declare the run diverged (0: never)")
-flag("--diverge_h_norm", type=positive(float), default=None,
+flag("--diverge_h_norm", type=flags.positive(float), default=None,
      help="a state norm ||h_T|| that is a bad step in any dtype (None: 1e4 in bf16 only)")
 flag("--run", default=None, help="run name (None: d<depth>_<injection>)")
 flag("--resume", action="store_true", help="require a checkpoint to continue from")
-flag("--stop_at", type=positive(int), default=None, help="end this command after that step")
+flag("--stop_at", type=flags.positive(int), default=None, help="end this command after that step")
 flag("--dry_run", action="store_true", help="print the configuration and memory plan, and exit")
-flag("--collective_timeout", type=positive(float), default=600,
+flag("--collective_timeout", type=flags.positive(float), default=600,
      help="seconds a collective waits for every rank before the run fails (torch's NCCL default)")
-flag("--rank0_timeout", type=positive(float), default=3600,
-     help="seconds the ranks wait while rank 0 saves, trains the tokenizer or fetches CORE's tasks, "
-          "or while each reads the checkpoint it resumes from")
+flag("--rank0_timeout", type=flags.positive(float), default=3600,
+     help="seconds ranks wait for lone work: rank 0's save, tokenizer, CORE fetch; a resume's read")
 args = parser.parse_args()
 try:
     device = parse_device(args.device)

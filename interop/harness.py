@@ -169,7 +169,8 @@ def main(argv=None):
     which.add_argument("--run", help="a run under <base dir>/runs (default: the most recently written)")
     which.add_argument("--from", dest="from_", help="the authors' release: " + SOURCE_HELP)
     parser.add_argument("--tasks", required=True, help="the harness's task names, e.g. lambada_openai,wikitext")
-    parser.add_argument("--T", type=listed(positive(int)), default=None, help="test-time recurrence(s), e.g. 8 or 1,4,8 (default: mu_rec)")
+    parser.add_argument("--T", type=listed(positive(int)), default=None,
+                        help="test-time recurrence(s), e.g. 8 or 1,4,8 (default: mu_rec)")
     parser.add_argument("--batch_size", type=positive(int), default=8, help="sequences of seq_len tokens per forward")
     parser.add_argument("--max_per_task", type=eval_core.items_or_all, default=-1, help="documents per task (-1: all)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")

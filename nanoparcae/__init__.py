@@ -14,6 +14,7 @@ A package beside them, as nanochat keeps its own.
     divergence.py   the rule that stops a diverged run
     download.py     one resumable, retried HTTP download
     core_tasks.py   CORE's task table and eval bundle, items rendered into scored token rows
+    report.py       a run's report card, report.md, read from the run's own files
 
     python -m nanoparcae.dataset download -n 240    # its one command: the FineWeb-Edu shards
 """

@@ -4,8 +4,8 @@ A name counts as ours when it is a bare file name (`model.py`, `METHOD.md`) or a
 (`tests/`, `docs/`, `experiments/`, `interop/`, `runs/`,
 `nanoparcae/`); a path with any other folder (`parcae_lm/modules/mixer.py`,
 `scripts/base_train.py`) names a file of another project (the authors' code, nanochat) and is left alone. A bare
-name is found at the top level, in experiments/, interop/ or nanoparcae/, or beside the file that names it (a link from one page
-of docs/ to another)."""
+name is found at the top level, in experiments/, interop/ or nanoparcae/, or beside the file that names it (a link
+from one page of docs/ to another)."""
 
 import re
 from pathlib import Path
@@ -18,7 +18,8 @@ REFERENCE = re.compile(r"(?<![\w/.\\-])([\w./-]*\w\.(?:py|md))\b")
 
 def repository_files():
     return [*ROOT.glob("*.py"), *ROOT.glob("*.md"), *ROOT.glob("docs/*.md"), *ROOT.glob("tests/*.py"),
-            *ROOT.glob("experiments/*.py"), *ROOT.glob("interop/*.py"), *ROOT.glob("nanoparcae/*.py"), *ROOT.glob("runs/*.sh"),
+            *ROOT.glob("experiments/*.py"), *ROOT.glob("interop/*.py"), *ROOT.glob("nanoparcae/*.py"),
+            *ROOT.glob("runs/*.sh"),
             ROOT / ".ci" / "run", ROOT / "requirements.txt"]
 
 

@@ -19,9 +19,10 @@ import torch
 
 from conftest import ROOT, write_corpus
 
+STEPS = 30  # within the tokens packing keeps of the one training shard
 TRAIN_FLAGS = ["--d_model=64", "--head_dim=32", "--vocab_size=320", "--seq_len=32", "--device_batch_size=2",
-               "--total_batch_size=256", "--max_tokens=15360", "--eval_every=1000", "--eval_tokens=512",
-               "--save_every=5", "--log_every=1", "--core_every=-1", "--dtype=float32", "--compile=0"]  # 60 steps
+               "--total_batch_size=256", f"--max_tokens={STEPS * 256}", "--eval_every=1000", "--eval_tokens=512",
+               "--save_every=5", "--log_every=1", "--core_every=-1", "--dtype=float32", "--compile=0"]
 EVAL_FLAGS = ["--val_tokens=1024", "--batch_size=4", "--max_docs=8", "--max_per_task=4"]
 KILL_AFTER = 7  # a step logged after the checkpoint of step 5
 
@@ -81,7 +82,7 @@ def test_rehearsal_killed_in_training_continues_and_its_card_reads_its_files(tmp
     os.killpg(first.pid, signal.SIGKILL)  # the recipe, torchrun and its workers, mid-training
     first.wait()
     killed_at = len([line for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in line])
-    assert killed_at < 60 and (run_dir / "ckpt_000005.pt").exists()
+    assert killed_at < STEPS and (run_dir / "ckpt_000005.pt").exists()
 
     second = subprocess.run(["bash", "runs/speedrun.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
                             timeout=400)
@@ -94,8 +95,8 @@ def test_rehearsal_killed_in_training_continues_and_its_card_reads_its_files(tmp
     print(log.read_text() + second.stdout)  # the stages and their times, for the note
 
     card = (run_dir / "report.md").read_text()
-    ckpt = torch.load(run_dir / "ckpt_000060.pt", weights_only=True, map_location="cpu")
-    assert f"- tokens: {60 * 256:,} trained" in card and ckpt["step"] == 60
+    ckpt = torch.load(run_dir / f"ckpt_{STEPS:06d}.pt", weights_only=True, map_location="cpu")
+    assert f"- tokens: {STEPS * 256:,} trained" in card and ckpt["step"] == STEPS
     assert "over 2 attempt(s) (1 interrupted" in card and "| report | 1 | 0 | running |" in card
     bpb = json.loads(next(run_dir.glob("ckpt_000060_bpb_T*.json")).read_text())
     ppl = json.loads(next(run_dir.glob("ckpt_000060_ppl_T*.json")).read_text())
