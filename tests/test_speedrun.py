@@ -98,14 +98,14 @@ def test_rehearsal_killed_in_training_continues_and_its_card_reads_its_files(tmp
     ckpt = torch.load(run_dir / f"ckpt_{STEPS:06d}.pt", weights_only=True, map_location="cpu")
     assert f"- tokens: {STEPS * 256:,} trained" in card and ckpt["step"] == STEPS
     assert "over 2 attempt(s) (1 interrupted" in card and "| report | 1 | 0 | running |" in card
-    bpb = json.loads(next(run_dir.glob("ckpt_000060_bpb_T*.json")).read_text())
-    ppl = json.loads(next(run_dir.glob("ckpt_000060_ppl_T*.json")).read_text())
+    bpb = json.loads(next(run_dir.glob(f"ckpt_{STEPS:06d}_bpb_T*.json")).read_text())
+    ppl = json.loads(next(run_dir.glob(f"ckpt_{STEPS:06d}_ppl_T*.json")).read_text())
     assert bpb["T"] == [1, 2, 4, 8, 16, 32]
     for T, loss, bits in zip(bpb["T"], bpb["loss"], bpb["bpb"]):
         assert f"| {T} | {loss:.4f} | {bits:.4f} | " in card
     assert f"| 8 | {bpb['loss'][3]:.4f} | {bpb['bpb'][3]:.4f} | {ppl['ppl'][0]:.2f} |" in card
     assert f"L_inf {bpb['fit']['L_inf']:.4f}" in card
-    core = json.loads(next(run_dir.glob("ckpt_000060_core_T8.json")).read_text())["runs"][0]
+    core = json.loads(next(run_dir.glob(f"ckpt_{STEPS:06d}_core_T8.json")).read_text())["runs"][0]
     assert f"CORE {core['core']:.4f}, Core-Extended {core['core_extended']:.4f}" in card
     for label, accuracy in core["accuracy"].items():
         assert f"| {label} | {'extended' if label == 'mmlu_zeroshot' else 'CORE'} | {accuracy:.4f} |" in card
@@ -113,7 +113,7 @@ def test_rehearsal_killed_in_training_continues_and_its_card_reads_its_files(tmp
     samples = (run_dir / "recipe" / "samples_T8.txt").read_text()
     assert samples.strip() and samples.strip() in card
     assert "![loss curve](loss.png)" in card and (run_dir / "loss.png").is_file()
-    assert (run_dir / "ckpt_000060_bpb_T1-2-4-8-16-32.png").is_file()
+    assert (run_dir / f"ckpt_{STEPS:06d}_bpb_T1-2-4-8-16-32.png").is_file()
 
 
 def test_without_a_gpu_it_stops_before_anything_naming_cpu_sh(tmp_path):
