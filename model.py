@@ -420,8 +420,8 @@ class Slot(NamedTuple):
 
 
 def value_embedding_layers(config):
-    """METHOD.md §1: layers numbered 0..n-1 across prelude, recurrent block and coda; layer i has
-    a value embedding when i % 2 == (n - 1) % 2 (alternating, the last layer always)."""
+    """METHOD.md §1: layers are numbered 0..n-1 across prelude, recurrent block and coda.
+    Layer i has a value embedding when i % 2 == (n - 1) % 2: every other, the last always."""
     return [i for i in range(config.n_layer) if i % 2 == (config.n_layer - 1) % 2]
 
 

@@ -47,8 +47,8 @@ def save_checkpoint(path, model, **extra):
 
 
 def saved_bytes(state):
-    """An upper estimate of torch.save's file for `state`: its tensors' bytes with 1 KiB of framing
-    each, the rest (the loaders' positions, the args) as long as written out, and 64 KiB."""
+    """An upper estimate of torch.save's file for `state`, in bytes.
+    Tensors count their bytes and 1 KiB of framing each; the rest its written length; then 64 KiB."""
     def walk(value):
         if isinstance(value, torch.Tensor):
             return value.nbytes + 1024

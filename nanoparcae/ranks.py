@@ -49,8 +49,8 @@ def gather(value):
 
 
 def one_refusal(lines):
-    """Each rank's refusal (a line, or None) -> None when no rank refused, else the line every rank stops with:
-    the first rank's, naming that rank when the others did not refuse alike."""
+    """Each rank's refusal (a line, or None) -> the line every rank stops with, or None.
+    It is the first rank's line; it names that rank when the others did not refuse alike."""
     refusals = [(rank, line) for rank, line in enumerate(lines) if line]
     if not refusals:
         return None

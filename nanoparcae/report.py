@@ -4,11 +4,14 @@ nanoparcae/report.py: a run's report card, report.md in its folder, written from
     python -m nanoparcae.report --run=d6_diagonal             # <base dir>/runs/d6_diagonal/report.md
     python -m nanoparcae.report --run=d6_diagonal --machine   # first: record this machine for the card
 
-It reads metrics.jsonl, the newest checkpoint's recorded config and flags, eval_core.py's JSON beside it,
-the figures experiments/plot.py drew there, and recipe/: the stages' times (stages.jsonl), the machine
-(machine.json) and the samples (samples_T*.txt), which runs/speedrun.sh and runs/cpu.sh write. No
-number on the card is typed: each is read from those files or computed by model.py's formulas; the
-paper's numbers and README's come from the two tables below, which cite where they are printed.
+It reads the run's own files:
+
+- metrics.jsonl, and the newest checkpoint's recorded config and flags;
+- eval_core.py's JSON beside it, and the figures experiments/plot.py drew there;
+- recipe/, which runs/speedrun.sh and runs/cpu.sh write: stage times, the machine, the samples.
+
+No number on the card is typed. Each is read from those files or computed by model.py's formulas.
+The paper's numbers and README's come from the two tables below, which cite where they are printed.
 """
 
 import argparse
