@@ -6,8 +6,8 @@ nanoparcae/report.py: a run's report card, report.md in its folder, written from
 
 It reads the run's own files:
 
-- metrics.jsonl, and the newest checkpoint's recorded config and flags;
-- eval_core.py's JSON beside it, and the figures experiments/plot.py drew there;
+- metrics.jsonl, and the newest checkpoint's recorded config and flags.
+- eval_core.py's JSON beside it, and the figures experiments/plot.py drew there.
 - recipe/, which runs/speedrun.sh and runs/cpu.sh write: stage times, the machine, the samples.
 
 No number on the card is typed. Each is read from those files or computed by model.py's formulas.
