@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from nanoparcae.common import get_base_dir, wait_for_rank0
+from nanoparcae.common import get_base_dir, rank_and_world, wait_for_rank0
 from nanoparcae.download import download_file
 
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"  # METHOD.md §5
@@ -181,7 +181,7 @@ def shared_eval_bundle(device, url=EVAL_BUNDLE_URL):
     - The other ranks wait for each fetch in wait_for_rank0.
     - Then the ranks agree with an all_reduce MIN of "I have it".
     """
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = rank_and_world()[0]
     local_rank, why = int(os.environ.get("LOCAL_RANK", 0)), None
     for fetching in (rank == 0, local_rank == 0 and rank != 0):
         if fetching:

@@ -12,7 +12,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from nanoparcae.common import fail, spans
+from nanoparcae.common import fail, rank_and_world, spans
 
 # -----------------------------------------------------------------------------
 # Ranks that agree. DDP keeps replicas equal only through equal averaged gradients and optimiser arithmetic.
@@ -102,7 +102,7 @@ def agree_on_data(tokenizer, shards):
     """Before the data is read: every rank's tokenizer (None: its node has none) and FineWeb-Edu training shards
     (spans; None: other data), gathered. A node whose either differs from rank 0's: every rank stops alike, in one
     line naming that node (status 2)."""
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    rank, world = rank_and_world()
     node = int(os.environ.get("GROUP_RANK", rank // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
     held = gather((node, socket.gethostname(), None if tokenizer is None else tokenizer_digest(tokenizer),
                    shards))

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from model import PAPER_TOKENS, Parcae, ParcaeConfig
-from nanoparcae.checkpoint import find_checkpoint, read_checkpoint, run_dir
+from model import PAPER_TOKENS, ParcaeConfig
+from nanoparcae.checkpoint import find_checkpoint, read_checkpoint, run_dir, sized_model
 from nanoparcae.common import fail, write_atomically
 from nanoparcae.core_tasks import CORE_LABELS
 from nanoparcae.memory import memory_plan
@@ -92,8 +92,7 @@ def read_run(run_dir):
     """Everything the card shows, read from run_dir -> a dict; a file that is missing is None."""
     checkpoint = find_checkpoint(run_dir.parent, run_dir.name)
     ckpt = read_checkpoint(checkpoint, mmap=True)
-    with torch.device("meta"):
-        model = Parcae(ParcaeConfig(**ckpt["config"]))
+    model = sized_model(ParcaeConfig(**ckpt["config"]))  # for its counts: no weights
     stages = read_metrics(run_dir / "recipe" / "stages.jsonl")
     samples = {int(path.stem.split("_T")[1]): path.read_text()
                for path in sorted((run_dir / "recipe").glob("samples_T*.txt"))}
