@@ -23,7 +23,7 @@ In training each sequence loops its own depth (config.sampling, METHOD.md §2).
     loss = model(idx, targets, depths=(n, k))       # a draw of sample_depths, replayed
     stats = {}; model(idx, targets, diagnostics=stats)   # ||h_T|| and the update ratio
 
-The caller owns the randomness (depth_generator= or torch's RNG; h0=).
+The caller owns the randomness: depth_generator= and h0_generator= (or h0=).
 The model keeps no state between forwards.
 model.compile_blocks() compiles each block alone: a new depth never recompiles.
 """
@@ -303,8 +303,8 @@ INJECTION_CLASSES = {"diagonal": DiagonalInjection, "concat": ConcatInjection, "
 
 
 # -----------------------------------------------------------------------------
-# h0: the loop's initial state (METHOD.md §1). A forward given no h0 draws a fresh one;
-# evaluation and decoding pass their own.
+# h0: the loop's initial state (METHOD.md §1). Training draws a fresh one from the generator
+# it hands forward; evaluation and decoding pass their own.
 
 def initial_state(shape, device=None, generator=None):
     """h0 ~ TruncNormal(0, s, -3s..3s), s = sqrt(2 / (5 d)), float32 of `shape` (B, S, d).
@@ -502,12 +502,12 @@ class Parcae(nn.Module):
     # A_bar and Bbar e are float32; RoPE runs in bf16; the logits are float32 for the loss.
 
     def forward(self, idx, targets=None, T=None, depths=None, h0=None, cache=None, reduction="mean",
-                depth_generator=None, diagnostics=None):
+                depth_generator=None, h0_generator=None, diagnostics=None):
         """idx (B, S) -> logits (B, S, vocab).
 
         - targets (-1: ignored): the cross-entropy instead, (B, S) with reduction="none".
         - T or depths: the loop's depths (loop_depths).
-        - h0 (B, S, d): the initial state; None draws a fresh one from torch's RNG.
+        - h0 (B, S, d): the initial state; None draws one from h0_generator (on idx's device).
         - cache: decoding's KV cache, which the S new positions extend.
         - diagnostics: a dict that gets ||h_T|| and the update ratio.
         """
@@ -520,7 +520,8 @@ class Parcae(nn.Module):
             if cache is not None and ((n != n[0]).any() or (k != k[0]).any()):
                 raise ValueError("decoding with a KV cache runs one depth for the whole batch: "
                                  "give T, not depths")
-            h0 = initial_state(e.shape, e.device) if h0 is None else h0  # none given: a fresh draw
+            if h0 is None:  # none given: a fresh draw (torch's global RNG without a generator)
+                h0 = initial_state(e.shape, e.device, h0_generator)
             Bbar_e = self.injection.Bbar_e(e)
             h, h_prev = self.recurrence(h0.to(e.dtype), Bbar_e, n, k, ves, cos, sin, cache)
         if diagnostics is not None:

@@ -339,7 +339,8 @@ if args.core_every > 0:
     if bundle_dir is None:
         print0(f"CORE skipped for this run: {why}")
 peak_flops = peak_bf16_flops(device)
-depth_generator = torch.Generator()  # METHOD.md §2: each virtual rank samples its own depths
+# METHOD.md §2: each virtual rank draws its own depths (on the CPU) and h0 (where it is used)
+depth_generator, h0_generator = torch.Generator(), torch.Generator(device)
 divergence = Divergence(args.vocab_size, args.dtype, args.diverge_steps, args.diverge_h_norm,
                         lowest_val_loss)
 val_key = f"val_loss_T{1 if config.injection == 'none' else config.mu_rec}"  # what the rule reads
@@ -354,12 +355,13 @@ while step < num_steps and (args.stop_at is None or step < args.stop_at):
     for micro in range(grad_accum):
         # one seed per (seed, step, virtual rank): any number of processes draws the same h0, depths
         seed = (args.seed * 1_000_003 + step) * 65_537 + rank * grad_accum + micro
-        torch.manual_seed(seed)  # h0, drawn inside the forward
         depth_generator.manual_seed(seed)
+        h0_generator.manual_seed(seed)
         x, y = next(batches[micro])
         last = micro == grad_accum - 1  # DDP all-reduces the gradients there only
         with (model.no_sync() if ddp and not last else nullcontext()), autocast:
-            loss = model(x, y, depth_generator=depth_generator, diagnostics=stats if last else None)
+            loss = model(x, y, depth_generator=depth_generator, h0_generator=h0_generator,
+                         diagnostics=stats if last else None)
         (loss / grad_accum).backward()
         loss_sum += loss.detach()
     grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), args.grad_clip)
