@@ -290,6 +290,36 @@ def fit_test_time_scaling(Ts, losses):
     return {"L_inf": float(L_inf), "Z": float(Z), "z": math.exp((lo + hi) / 2), "rms": rms}
 
 # -----------------------------------------------------------------------------
+# The evals of a training run, each said in a line
+
+def evaluate_during_training(step, model, tokenizer, val_data):
+    """METHOD.md §2: validation loss (and bits per byte) at T in {1, 2, 4, mu_rec} -> a record."""
+    depths = [1] if model.config.injection == "none" else sorted({1, 2, 4, model.config.mu_rec})
+    result = {"step": step}
+    for T in depths:
+        result[f"val_loss_T{T}"], result[f"val_bpb_T{T}"] = \
+            evaluate_bpb(model, tokenizer, val_data, T)
+    print0("eval | " + " | ".join(f"T={T}: loss {result[f'val_loss_T{T}']:.4f} bpb "
+                                  f"{result[f'val_bpb_T{T}']:.4f}" for T in depths))
+    return result
+
+
+def core_during_training(step, model, tokenizer, bundle_dir, max_per_task):
+    """METHOD.md §3: CORE on each task's first max_per_task examples, at T = mu_rec -> a record.
+    None when the bundle holds none of its tasks."""
+    result = evaluate_core(model, tokenizer, bundle_dir, max_per_task=max_per_task, verbose=False)
+    if result["core"] is None:
+        print0(f"CORE skipped: the bundle at {bundle_dir} holds none of its tasks")
+        return None
+    skipped = sorted(result["skipped"])  # tasks a partial bundle lacks: the mean is over the rest
+    ran = f"over {len(result['centered'])} of {len(result['centered']) + len(skipped)} tasks"
+    print0(f"CORE {result['core']:.4f} at T={result['T']} {ran}"
+           + (f", skipped: {', '.join(skipped)}" if skipped else "")
+           + f" ({result['seconds']:.0f}s)")
+    return {"step": step, "core": result["core"], "core_T": result["T"], "core_skipped": skipped}
+
+
+# -----------------------------------------------------------------------------
 # Command line
 
 def write_json(path, obj):

@@ -104,9 +104,9 @@ def parse_sampling_flags(parser, argv):
     return args
 
 
-def sample(model, tokenizer, args, label, name="sample.py"):
+def sample(model, tokenizer, args, label):
     """Samples of --prompt, of stdin when it is a pipe, else of each line typed.
-    name: the command, in front of an error."""
+    A prompt it cannot sample raises ValueError."""
     device = torch.device(args.device)
     c = model.config
     allowed = tokenizer.known_ids(c.vocab_size)
@@ -125,9 +125,9 @@ def sample(model, tokenizer, args, label, name="sample.py"):
                     except (EOFError, KeyboardInterrupt):
                         break
                     stream_samples(model, tokenizer, prompt, args, device, allowed)
-        except ValueError as err:  # too many positions, or T=auto on the Transformer
+        except ValueError:  # too many positions, or T=auto on the Transformer: after a new line
             print(file=sys.stderr)
-            fail(err)
+            raise
 
 
 def main(argv=None):
@@ -141,9 +141,9 @@ def main(argv=None):
     args = parse_sampling_flags(parser, argv)
     try:
         model, tokenizer, _, path = load_run(args.ckpt or args.run, torch.device(args.device))
+        sample(model, tokenizer, args, path)
     except (FileNotFoundError, ValueError) as err:
         fail(err)
-    sample(model, tokenizer, args, path)
 
 
 if __name__ == "__main__":

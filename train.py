@@ -21,30 +21,32 @@ records.
 """
 
 import argparse
-import math
 import os
 import sys
 import time
 from contextlib import nullcontext
 from datetime import timedelta
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from data import DataLoader, crop_rate, val_batches
-from eval_core import evaluate_bpb, evaluate_core
+from eval_core import core_during_training, evaluate_during_training
 from model import INJECTIONS, PAPER_TOKENS, SAMPLINGS, Parcae, ParcaeConfig
 from optim import (build_optimizer, learning_rate_for_depth, lr_multiplier, muon_momentum,
                    optimizer_state_bytes, weight_decay_at)
-from nanoparcae.common import (fail, init_distributed, no_buffer_sync, parse_device,
-                               peak_bf16_flops, print0, rank_and_world, spans, wait_for_rank0)
+from nanoparcae.common import (exit_in_one_line, fail, init_distributed, no_buffer_sync,
+                               parse_device, peak_bf16_flops, print0, rank_and_world, spans)
 from nanoparcae import dataset, flags, memory, ranks
-from nanoparcae.checkpoint import resume_refusal, save_and_prune, training_model
+from nanoparcae.checkpoint import resume, resume_refusal, save_and_prune, training_model
 from nanoparcae.core_tasks import shared_eval_bundle
 from nanoparcae.divergence import Divergence
-from nanoparcae.metrics import Metrics, compile_counts, log_line
+from nanoparcae.metrics import Metrics, read_at_once
 from nanoparcae.run import claim_run, identify_run, run_folder
+
+sys.excepthook = exit_in_one_line  # a ValueError the library raises: one line, status 2
 
 # -----------------------------------------------------------------------------
 # Flags. The defaults are the paper's 140M recipe (METHOD.md §2); runs/cpu.sh passes a small one's.
@@ -107,8 +109,6 @@ flag("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="c
 flag("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
      help="autocast dtype of the matmuls (bfloat16 on a CPU runs the GPU's numerics)")
 flag("--compile", type=int, default=1, choices=[0, 1], help="torch.compile the blocks")
-flag("--compile_backend", default="inductor", choices=["inductor", "eager"],
-     help="eager: dynamo's tracing and guards without code generation")
 flag("--eval_every", type=flags.positive(int), default=250, help="steps between validation evals")
 flag("--eval_tokens", type=flags.positive(int), default=10 * 524_288,
      help="validation tokens per eval")
@@ -118,25 +118,13 @@ flag("--core_max_per_task", type=flags.positive(int), default=500,
      help="CORE examples per task during training")
 flag("--save_every", type=flags.positive(int), default=1000, help="steps between checkpoints")
 flag("--log_every", type=flags.positive(int), default=1, help="steps between log lines")
-flag("--rho_every", type=flags.positive(int), default=None,
-     help="steps between concat's rho, computed on the host (None: --eval_every)")
-flag("--diverge_steps", type=flags.zero_or_more(int), default=5,
-     help="bad steps in a row that declare the run diverged (0: never)")
-flag("--diverge_h_norm", type=flags.positive(float), default=None,
-     help="a state norm ||h_T|| that is a bad step in any dtype (None: 1e4 in bf16 only)")
 flag("--run", default=None, help="run name (None: d<depth>_<injection>)")
 flag("--resume", action="store_true", help="require a checkpoint to continue from")
 flag("--stop_at", type=flags.positive(int), default=None, help="end this command after that step")
 flag("--dry_run", action="store_true", help="print the configuration and memory plan, and exit")
-flag("--collective_timeout", type=flags.positive(float), default=600,
-     help="seconds a collective waits for every rank before the run fails (torch's NCCL default)")
-flag("--rank0_timeout", type=flags.positive(float), default=3600,
-     help="seconds ranks wait for lone work: rank 0's save, tokenizer, CORE fetch; a resume's read")
+flags.add_operational(parser)  # timeouts, divergence thresholds, the compile backend
 args = parser.parse_args()
-try:
-    device = parse_device(args.device)
-except ValueError as err:
-    fail(err)
+device = parse_device(args.device)
 # A run is these flags' values: its checkpoints record them, and continuing it with another value
 # of one is refused. Every other flag may change when a run continues.
 RUN_FLAGS = ("depth", "d_model", "head_dim", "mu_rec", "mu_bwd", "injection", "sampling",
@@ -147,13 +135,10 @@ RUN_FLAGS = ("depth", "d_model", "head_dim", "mu_rec", "mu_bwd", "injection", "s
 # -----------------------------------------------------------------------------
 # The model and its horizon, sized on the meta device: nothing is allocated
 
-try:
-    config = ParcaeConfig.from_depth(
-        args.depth, vocab_size=args.vocab_size, seq_len=args.seq_len, head_dim=args.head_dim,
-        mu_rec=args.mu_rec, mu_bwd=args.mu_bwd, injection=args.injection, sampling=args.sampling,
-        prelude_norm=bool(args.prelude_norm), **({"d_model": args.d_model} if args.d_model else {}))
-except ValueError as err:
-    fail(err)
+config = ParcaeConfig.from_depth(
+    args.depth, vocab_size=args.vocab_size, seq_len=args.seq_len, head_dim=args.head_dim,
+    mu_rec=args.mu_rec, mu_bwd=args.mu_bwd, injection=args.injection, sampling=args.sampling,
+    prelude_norm=bool(args.prelude_norm), **({"d_model": args.d_model} if args.d_model else {}))
 with torch.device("meta"):
     meta_model = Parcae(config)
 num_params = meta_model.num_params()
@@ -171,16 +156,13 @@ else:
     fail(f"no default horizon for --depth={args.depth}; give --max_tokens, --target_flops or "
          f"--param_data_ratio")
 num_steps = max(1, int(max_tokens // args.total_batch_size))
+tokens = num_steps * args.total_batch_size
 adamw_lr = args.adamw_lr or learning_rate_for_depth(args.depth)
 
 # -----------------------------------------------------------------------------
 # Processes: torchrun sets RANK; NCCL on CUDA, gloo on CPU. A plain `python train.py` is one.
 
 ddp = "RANK" in os.environ and not args.dry_run
-restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))  # > 0: a restarted worker
-if restart_count and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # pytorch #167288
-    fail("torchrun restarted the workers into the failed attempt's rendezvous store; launch it "
-         "with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
 if ddp:
     device = init_distributed(device, timedelta(seconds=args.collective_timeout),
                               timedelta(seconds=args.rank0_timeout))  # the GPU of this local rank
@@ -196,72 +178,56 @@ print0(f"model: depth {args.depth} ({config.n_prelude}/{config.n_recur}/{config.
        f"{config.mu_rec}, mu_bwd {config.mu_bwd}, sampling {config.sampling}, prelude_norm "
        f"{config.prelude_norm}")
 print0(f"parameters: {num_params:,} | FLOPs/token (paper's C, the horizon's unit): "
-       f"{flops_per_token:.4e} | tokens: {num_steps * args.total_batch_size:,} | total FLOPs: "
-       f"{flops_per_token * num_steps * args.total_batch_size:.4e} "
+       f"{flops_per_token:.4e} | tokens: {tokens:,} | total FLOPs: {flops_per_token * tokens:.4e} "
        f"| executed matmul FLOPs/token (MFU's): {executed_flops_per_token:.4e}, C / executed "
        f"{flops_per_token / executed_flops_per_token:.2f}")
 
 # -----------------------------------------------------------------------------
-# The device batch and the run, settled before anything is built or written
+# The device batch, the run and its data, settled before anything is built or written
 
 # On a GPU the device batch is the largest whose memory plan fits (nanoparcae/memory.py)
 batch = memory.choose_device_batch(meta_model, args, device, world,
                                    optimizer_state_bytes(meta_model, muon=args.optimizer == "muon"))
 if args.dry_run:
     sys.exit(0)
-
-# The run is a folder. Its newest checkpoint must have recorded these RUN_FLAGS, and for
-# FineWeb-Edu the training shards read: its data order is a shuffle of them
-tokens = num_steps * args.total_batch_size
-paper_horizon = max_tokens == PAPER_TOKENS.get(args.depth)
-try:  # --resume with nothing to resume says so before any data check
-    refusal = resume_refusal(run_folder(args)) if args.resume else None
-    shards = (spans(dataset.fineweb_train_shards(), ",")
-              if args.data == "fineweb-edu" and not refusal else None)
-except (FileNotFoundError, ValueError) as err:  # no shards, or a base folder that cannot be used
-    refusal, shards = dataset.data_refusal(err, args, tokens, paper_horizon), None
-ranks.refuse_alike(refusal)  # a refusal that one node meets stops every rank, in one line
+# A refusal that one rank meets stops every rank, in one line; a missing shard names its download
+explain = partial(dataset.data_refusal, args=args, tokens=tokens,
+                  paper_horizon=max_tokens == PAPER_TOKENS.get(args.depth))
+with ranks.refusing_alike(explain):  # --resume with nothing to resume says so before any data check
+    if args.resume and (refusal := resume_refusal(run_folder(args))):
+        raise ValueError(refusal)
+    # the run's FineWeb-Edu order is a shuffle of the training shards: its checkpoint records them
+    shards = spans(dataset.fineweb_train_shards(), ",") if args.data == "fineweb-edu" else None
 run = identify_run(args, RUN_FLAGS, batch, device, d_model=config.d_model, mu_bwd=config.mu_bwd,
                    max_tokens=max_tokens, adamw_lr=adamw_lr,
                    **({"train_shards": shards} if shards else {}))
 args.device_batch_size = run.device_batch_size  # a run keeps its batch: it fixes the data order
+grad_accum = run.grad_accum  # micro-batches per step: the step's rows / (world x device batch)
 if run.step >= num_steps:
     print0(f"run {run.name} is done: {run.checkpoint} holds its last step, {num_steps}; nothing "
            f"to train (--run=NAME trains another)")
     sys.exit(0)
-grad_accum = batch.sequences // args.device_batch_size
 print0(f"steps: {num_steps} x {args.total_batch_size:,} tokens = {world} process(es) x "
        f"{grad_accum} micro-batch(es) x {args.device_batch_size} x {args.seq_len} | data: "
        f"{args.data} | device: {device}, {args.dtype}")
 print0(f"output: {run.dir}")
-
-# -----------------------------------------------------------------------------
-# Data: the tokenizer, the tokens on disk against the horizon's, one loader per virtual rank
-
-refusal = None
-try:
-    if rank == 0:  # global rank 0 alone trains and caches it on first use, once
+with ranks.refusing_alike(explain):  # global rank 0 alone trains the tokenizer, on first use
+    if rank == 0:
         dataset.get_tokenizer(args.data, args.vocab_size)
-except (FileNotFoundError, ValueError) as err:
-    refusal = dataset.data_refusal(err, args, tokens, paper_horizon)
-wait_for_rank0()
-ranks.refuse_alike(refusal)  # rank 0's failed tokenizer stops every rank
-try:
+with ranks.refusing_alike(explain):  # a rank's own refusal (none of its share to read) included
     tokenizer = dataset.get_tokenizer(args.data, args.vocab_size, train=False)  # None: not here
     ranks.agree_on_data(tokenizer, shards)  # rank 0's tokenizer and shards on every node
     # the horizon against the tokens the loader keeps: a FineWeb-Edu run never repeats unasked
     crop = crop_rate(tokenizer, args.data, args.seq_len, args.seed)
     dataset.check_data(args.data, tokenizer, tokens, crop, args.seq_len)
-    reader = dataset.ChunkReader()  # one read of each chunk for this process's loaders
+    # one loader per virtual rank v = rank * grad_accum + micro, one read of each chunk for all
+    reader = dataset.ChunkReader()
     loaders = [DataLoader(tokenizer, args.data, "train", args.device_batch_size, args.seq_len,
                           rank=rank * grad_accum + micro, world_size=world * grad_accum,
                           seed=args.seed, device=device, reader=reader, sharers=grad_accum)
                for micro in range(grad_accum)]
     val_data = list(val_batches(tokenizer, args.data, args.device_batch_size, args.seq_len,
                                 args.eval_tokens, rank, world, device, reader))  # every eval's
-except (FileNotFoundError, ValueError) as err:
-    refusal = dataset.data_refusal(err, args, tokens, paper_horizon)
-ranks.refuse_alike(refusal)  # a rank's own refusal (no documents in its share) stops every rank
 # The lock comes after every check that can refuse the command: a refused one writes nothing
 run_lock = claim_run(run.dir)  # one trainer per run, until this process ends
 
@@ -270,11 +236,10 @@ run_lock = claim_run(run.dir)  # one trainer per run, until this process ends
 
 # The random init runs once: on a fresh run's rank 0, whose weights DDP broadcasts to the others;
 # a resume gives every rank its checkpoint's weights instead
-weights = run.ckpt["model"] if run.ckpt else None
-model = raw_model = training_model(config, device, args.seed, weights, initialise=rank == 0)
+model = raw_model = training_model(config, device, args.seed, run.ckpt and run.ckpt["model"],
+                                   initialise=rank == 0)
 if args.compile:
     model.compile_blocks(backend=args.compile_backend)
-    from torch._dynamo.utils import counters as dynamo_counters
 if ddp:  # the RoPE tables are constant: no buffers to sync at each forward
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                 **no_buffer_sync())
@@ -282,56 +247,14 @@ optimizer = build_optimizer(raw_model, adamw_lr=adamw_lr, muon_lr=args.muon_lr,
                             weight_decay=args.weight_decay, muon=args.optimizer == "muon")
 bf16 = args.dtype == "bfloat16"  # autocast: the matmuls in bfloat16, the weights in float32
 autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
-
-start_step, skipped_steps, lowest_val_loss = 0, 0, math.inf
-if run.ckpt:  # also when torchrun --max_restarts restarted the workers
-    ckpt = run.ckpt
-    optimizer.load_state_dict(ckpt["optimizer"])
-    for micro, loader in enumerate(loaders):
-        loader.load_state_dict(ckpt["loader"][rank * grad_accum + micro])
-    start_step, skipped_steps = ckpt["step"], ckpt["skipped_steps"]
-    lowest_val_loss = ckpt["lowest_val_loss"]
-    changed = [f"--{name} {value} -> {getattr(args, name)}" for name, value in ckpt["args"].items()
-               if name in vars(args) and name not in (*RUN_FLAGS, "resume", "dry_run")
-               and getattr(args, name) != value]
-    print0(f"resumed {run.name} at step {start_step}"
-           + (f", elastic restart {restart_count}" if restart_count else "")
-           + f", from {run.checkpoint} (--run=NAME trains another)"
-           + (f"; changed: {', '.join(changed)}" if changed else ""))
-    run.ckpt = ckpt = None  # its copy of the weights and the optimiser state is freed
+# a resume (also of workers torchrun --max_restarts restarted): the optimizer's and loaders' state
+start_step, skipped_steps, lowest_val_loss = resume(run, optimizer, loaders, rank * grad_accum,
+                                                    args, RUN_FLAGS)
 batches = [iter(loader) for loader in loaders]
 data_epoch = loaders[0].next_doc[0]  # the epoch of the training data the loaders read
 
 # -----------------------------------------------------------------------------
 # Training loop, and its evals
-
-
-def evaluate(step):
-    """METHOD.md §2: validation loss (and bits per byte) at T in {1, 2, 4, mu_rec}."""
-    depths = [1] if config.injection == "none" else sorted({1, 2, 4, config.mu_rec})
-    result = {"step": step}
-    for T in depths:
-        result[f"val_loss_T{T}"], result[f"val_bpb_T{T}"] = \
-            evaluate_bpb(raw_model, tokenizer, val_data, T)
-    print0("eval | " + " | ".join(f"T={T}: loss {result[f'val_loss_T{T}']:.4f} bpb "
-                                  f"{result[f'val_bpb_T{T}']:.4f}" for T in depths))
-    return result
-
-
-def evaluate_core_subset(step):
-    """METHOD.md §3: CORE on the first --core_max_per_task examples of each task, at T = mu_rec."""
-    result = evaluate_core(raw_model, tokenizer, bundle_dir, max_per_task=args.core_max_per_task,
-                           verbose=False)
-    if result["core"] is None:
-        print0(f"CORE skipped: the bundle at {bundle_dir} holds none of its tasks")
-        return None
-    skipped = sorted(result["skipped"])  # tasks a partial bundle lacks: the mean is over the rest
-    ran = f"over {len(result['centered'])} of {len(result['centered']) + len(skipped)} tasks"
-    print0(f"CORE {result['core']:.4f} at T={result['T']} {ran}"
-           + (f", skipped: {', '.join(skipped)}" if skipped else "")
-           + f" ({result['seconds']:.0f}s)")
-    return {"step": step, "core": result["core"], "core_T": result["T"], "core_skipped": skipped}
-
 
 bundle_dir = None  # CORE's tasks, fetched once before step 1, on every rank or on none
 if args.core_every > 0:
@@ -365,6 +288,7 @@ while step < num_steps and (args.stop_at is None or step < args.stop_at):
         (loss / grad_accum).backward()
         loss_sum += loss.detach()
     grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), args.grad_clip)
+    # optim.py also scales each Muon group's lr by its shape and its decay by the lr (METHOD.md §2)
     lrm = lr_multiplier(step, num_steps, args.warmdown_frac)
     for group in optimizer.param_groups:
         group["lr"] = group["initial_lr"] * lrm
@@ -393,14 +317,10 @@ while step < num_steps and (args.stop_at is None or step < args.stop_at):
         tokens_per_second = args.total_batch_size / dt if tokens_per_second is None \
             else 0.9 * tokens_per_second + 0.1 * args.total_batch_size / dt
     if step % args.log_every == 0 or step == num_steps:
-        # the line's values are 0-d tensors on the device, read in one transfer: the only wait for
-        # the device beyond the skip rule's (rho after the update, so that wait includes it)
         rho_every = args.rho_every or args.eval_every
         rho_due = not host_rho or step % rho_every == 0 or step == num_steps
-        logged = {"loss": loss_sum, "grad_norm": grad_norm,
-                  "rho": raw_model.spectral_radius() if rho_due else None, **stats}
-        present = [key for key, value in logged.items() if value is not None]
-        logged.update(zip(present, torch.stack([logged[key].float() for key in present]).tolist()))
+        logged = read_at_once({"loss": loss_sum, "grad_norm": grad_norm,  # rho after the update
+                               "rho": raw_model.spectral_radius() if rho_due else None, **stats})
         entry = {"step": step, "loss": logged["loss"] / grad_accum, "lr_mult": lrm,
                  "grad_norm": logged["grad_norm"],
                  **{f"{group['kind']}_lr": group["lr"] for group in optimizer.param_groups},
@@ -408,12 +328,7 @@ while step < num_steps and (args.stop_at is None or step < args.stop_at):
                  "skipped_steps": skipped_steps, **{key: logged[key] for key in stats}}
         if peak_flops and tokens_per_second:
             entry["mfu"] = executed_flops_per_token * tokens_per_second / (peak_flops * world)
-        if args.compile:  # graphs that still grow after the first steps are recompiling
-            entry.update(compile_counts(dynamo_counters))
-        if device.type == "cuda":  # against the memory plan printed at the start
-            entry["peak_memory"] = torch.cuda.max_memory_allocated(device)
-        print0(log_line(entry, num_steps, args.total_batch_size))
-        metrics.record(entry)
+        metrics.log_step(entry, num_steps, args.total_batch_size, args.compile, device)
 
     # --- a new epoch of the training data, read again in a new order
     if loaders[0].next_doc[0] > data_epoch:
@@ -424,29 +339,22 @@ while step < num_steps and (args.stop_at is None or step < args.stop_at):
     results = []
     with autocast:
         if step % args.eval_every == 0 or step == num_steps:
-            results.append(evaluate(step))
+            results.append(evaluate_during_training(step, raw_model, tokenizer, val_data))
         if bundle_dir and (step % args.core_every == 0 or step == num_steps):
-            results.append(evaluate_core_subset(step))
+            results.append(core_during_training(step, raw_model, tokenizer, bundle_dir,
+                                                args.core_max_per_task))
     results = [result for result in results if result]
     for result in results:  # the graph count after evals: they compile graphs of their own
-        metrics.record({**result, **(compile_counts(dynamo_counters) if args.compile else {})})
+        metrics.record(result, args.compile)
 
     # --- every step: the divergence rule (docs/troubleshooting.md)
     val_loss = next((result[val_key] for result in results if val_key in result), None)
     verdict = divergence.check(step, not non_finite, None if h_norm is None else worst_h_norm,
                                val_loss)
-    if verdict and "warning" in verdict:
-        print0(f"warning: step {step}: ||h_T|| {worst_h_norm:.3g} > {verdict['limit']:g}; this "
-               f"{args.dtype} run goes on")
-        metrics.record({"step": step, **verdict})
-    elif verdict:
-        kept = sorted(run.dir.glob("ckpt_*.pt"))
-        print0(f"diverged at step {verdict['diverged_at']}: {verdict['reason']}, "
-               f"{verdict['detail']}; " + (f"the last checkpoint, {kept[-1]}, from before, is kept"
-                                           if kept else "no checkpoint was saved before it"))
-        metrics.record({"step": step, "diverged_at": verdict["diverged_at"],
-                        "reason": verdict["reason"]})
-        break
+    if verdict:
+        metrics.record(divergence.announce(verdict, step, run.dir))
+        if "diverged_at" in verdict:
+            break
 
     # --- once in a while: a checkpoint, never inside a streak of bad steps (it may be diverging)
     save_due = save_due or step % args.save_every == 0 or step == num_steps or step == args.stop_at

@@ -572,9 +572,9 @@ def sample_main(argv):
     device = torch.device(args.device)
     try:
         model, tokenizer = load_pretrained(args.source, device, need_tokenizer=True)
+        sample.sample(model, tokenizer, args, args.source)
     except (FileNotFoundError, ValueError) as err:
         fail(err)
-    sample.sample(model, tokenizer, args, args.source, name="interop.hub sample")
 
 
 def eval_main(argv):

@@ -3,9 +3,12 @@ nanoparcae/checkpoint.py: checkpoints, written and read.
 Each is run_dir(run)/ckpt_<step>.pt, a plain dict torch.load reads with weights_only=True.
 load_run rebuilds a trained model and its tokenizer, reading its weights alone.
 training_model builds the model a rank trains; the random init runs only where it is kept.
+resume continues a run from its checkpoint.
 """
 
 import errno
+import math
+import os
 import shutil
 from dataclasses import asdict
 from pathlib import Path
@@ -13,8 +16,8 @@ from pathlib import Path
 import torch
 
 from model import Parcae, ParcaeConfig
-from nanoparcae.common import (FULL_DISK, disk_full, fail, first_sentence, get_base_dir, print0, rank_and_world,
-                               size, wait_for_rank0, write_atomically)
+from nanoparcae.common import (FULL_DISK, EnvironmentFailure, disk_full, first_sentence, get_base_dir, print0,
+                               rank_and_world, size, wait_for_rank0, write_atomically)
 from nanoparcae.ranks import drift, gather
 from nanoparcae.tokenizer import Tokenizer
 
@@ -26,13 +29,13 @@ def run_dir(name=""):
 
 def save_checkpoint(path, model, **extra):
     """Write under a temporary name, then rename. A killed run never leaves a torn checkpoint.
-    A disk without room stops the run in one line (status 1); the last checkpoint stays."""
+    A disk without room raises EnvironmentFailure (disk_full); the last checkpoint stays."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {"config": asdict(model.config), "model": model.state_dict(), **extra}
     need = saved_bytes(state)
     if shutil.disk_usage(path.parent).free < need:
-        disk_full(path.parent, f"a checkpoint needs {size(need)}")
+        raise disk_full(path.parent, f"a checkpoint needs {size(need)}")
 
     def write(partial):
         try:
@@ -41,7 +44,7 @@ def save_checkpoint(path, model, **extra):
             written = partial.stat().st_size if partial.exists() else 0
             if getattr(err, "errno", None) in FULL_DISK or shutil.disk_usage(path.parent).free < need - written:
                 partial.unlink(missing_ok=True)
-                disk_full(path.parent, f"a checkpoint needs {size(need)}")
+                raise disk_full(path.parent, f"a checkpoint needs {size(need)}") from None
             raise
     write_atomically(path, write)
 
@@ -71,10 +74,11 @@ def save_and_prune(folder, step, model, loaders, **state):
     """Write ckpt_<step>.pt on rank 0, with `state` and every virtual rank's loader position.
     The run's older checkpoints are then removed: a 1.3B one with optimiser state is ~16 GB.
     The RNG state is a function of (seed, step, virtual rank), so nothing else is needed.
-    If the ranks' weights drifted apart (ranks.drift), saves nothing and stops the run (status 1)."""
+    If the ranks' weights drifted apart (ranks.drift), saves nothing: EnvironmentFailure."""
     if drifted := drift(model.state_dict()):
-        fail(f"at step {step} the ranks' weights have drifted apart: {drifted}; nothing saved: the run's "
-             f"last checkpoint stays, and the same command resumes every rank from it", 1)
+        raise EnvironmentFailure(f"at step {step} the ranks' weights have drifted apart: {drifted}; nothing "
+                                 f"saved: the run's last checkpoint stays, and the same command resumes every "
+                                 f"rank from it")
     loader_states = [each for states in gather([loader.state_dict() for loader in loaders]) for each in states]
     if rank_and_world()[0] == 0:
         path = folder / f"ckpt_{step:06d}.pt"
@@ -85,6 +89,26 @@ def save_and_prune(folder, step, model, loaders, **state):
                 stale.unlink()
         print0(f"saved {path}")
     wait_for_rank0()  # the others wait here, not in their next step's all-reduce, however slow the disk
+
+
+def resume(run, optimizer, loaders, first, args, run_flags):
+    """Continue `run` from its checkpoint run.ckpt (None: a fresh run) -> (step, skipped_steps, lowest_val_loss).
+    It loads the optimiser's state and each loader's position (loaders[i] reads for virtual rank first + i).
+    It says which other flags changed, then frees the checkpoint."""
+    if run.ckpt is None:
+        return 0, 0, math.inf
+    ckpt, run.ckpt = run.ckpt, None
+    optimizer.load_state_dict(ckpt["optimizer"])
+    for i, loader in enumerate(loaders):
+        loader.load_state_dict(ckpt["loader"][first + i])
+    changed = [f"--{name} {value} -> {getattr(args, name)}" for name, value in ckpt["args"].items()
+               if name in vars(args) and name not in (*run_flags, "resume", "dry_run")
+               and getattr(args, name) != value]
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))  # torchrun --max_restarts restarted it
+    print0(f"resumed {run.name} at step {ckpt['step']}" + (f", elastic restart {restart}" if restart else "")
+           + f", from {run.checkpoint} (--run=NAME trains another)"
+           + (f"; changed: {', '.join(changed)}" if changed else ""))
+    return ckpt["step"], ckpt["skipped_steps"], ckpt["lowest_val_loss"]
 
 
 def resume_refusal(folder):

@@ -1,6 +1,6 @@
 """
 nanoparcae/common.py: what every command shares.
-Processes and devices, the base folder, one-line errors, atomic writes, spans and first_sentence.
+Processes and devices, the base folder, errors and one-line exits, atomic writes, spans and first_sentence.
 Also the GPU peak table that MFU divides by.
 """
 
@@ -10,6 +10,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -40,10 +41,15 @@ RANK0_GROUP = None  # init_distributed's gloo group with the long timeout, for w
 
 def init_distributed(device, timeout=timedelta(minutes=10), rank0_timeout=timedelta(hours=1)):
     """Join torchrun's process group when RANK is set -> this process's device (its local GPU).
-    Its collectives fail after `timeout`; wait_for_rank0 waits up to `rank0_timeout`."""
+    Its collectives fail after `timeout`; wait_for_rank0 waits up to `rank0_timeout`.
+    Workers restarted into the failed attempt's store would hang: ValueError."""
     global RANK0_GROUP
     if "RANK" not in os.environ:
         return device
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
+    if restarted and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # pytorch #167288
+        raise ValueError("torchrun restarted the workers into the failed attempt's rendezvous store; launch it "
+                         "with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
@@ -111,14 +117,49 @@ def write_atomically(path, write):
     os.replace(partial, path)
 
 
+# -----------------------------------------------------------------------------
+# Errors: library code raises; a command ends in one line (fail) with its status.
+# 2: the command was wrong (ValueError, FileNotFoundError); 1: the machine failed it; 3: diverged.
+
+
+class EnvironmentFailure(Exception):
+    """The machine failed the command, not its input: a full disk, replicas drifted apart."""
+
+
 def fail(message, status=2):
-    """One clear line instead of a traceback, then exit with `status`.
-    Status 2: the command was wrong, not the run.
+    """One clear line instead of a traceback, then exit with `status`: command code only.
     Under torchrun each node's local rank 0 prints it, once in each node's log.
     The checks decide alike on every rank."""
     if int(os.environ.get("LOCAL_RANK", 0)) == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(status)
+
+
+def fail_with(err):
+    """fail(err) with its status: 2 for ValueError and FileNotFoundError, 1 for EnvironmentFailure.
+    Any other error is raised again, with its traceback."""
+    if isinstance(err, EnvironmentFailure):
+        fail(err, 1)
+    if isinstance(err, (ValueError, FileNotFoundError)):
+        fail(err)
+    raise err
+
+
+def exit_in_one_line(kind, err, traceback):
+    """sys.excepthook for a flat script (train.py): an error it does not catch ends it as fail_with says.
+    The line goes straight to stderr: torch.distributed's hook would prefix it with the rank.
+    A hook cannot set the status, so it exits itself; the ranks that do not print wait a moment first:
+    torchrun stops every worker once one exits, and local rank 0 must have said why."""
+    status = 1 if isinstance(err, EnvironmentFailure) else 2 if isinstance(err, (ValueError, FileNotFoundError)) \
+        else None
+    if status is None:
+        return sys.__excepthook__(kind, err, traceback)
+    sys.stdout.flush()
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        os.write(2, f"error: {err}\n".encode())
+    else:
+        time.sleep(2)
+    os._exit(status)
 
 
 FULL_DISK = (errno.ENOSPC, errno.EDQUOT)  # the errors of a disk or quota without room
@@ -130,9 +171,10 @@ def size(n):
 
 
 def disk_full(folder, needs):
-    """Stop the run in one line (status 1): the disk is full, what `needs` room, what is free."""
-    fail(f"the disk holding {folder} is full: {needs} and {size(shutil.disk_usage(folder).free)} is free; "
-         f"the last checkpoint is kept: free space there, then the same command continues from it", 1)
+    """EnvironmentFailure: the disk is full, what `needs` room, what is free."""
+    return EnvironmentFailure(
+        f"the disk holding {folder} is full: {needs} and {size(shutil.disk_usage(folder).free)} is free; "
+        f"the last checkpoint is kept: free space there, then the same command continues from it")
 
 
 def spans(numbers, separator=", "):

@@ -5,6 +5,8 @@ docs/troubleshooting.md states it for users.
 
 import math
 
+from nanoparcae.common import print0
+
 STATE_NORM_LIMIT = 1e4  # ~256 ||e|| (||e|| ~ sqrt(d)): bf16's 8 significant bits no longer resolve e beside h
 VAL_LOSS_MARGIN = 1.0  # nats below a uniform guess ln V that show a run has learned
 
@@ -26,7 +28,7 @@ class Divergence:
     lowest_val_loss: the lowest eval so far, carried across a resume."""
 
     def __init__(self, vocab_size, dtype, patience, h_norm_limit=None, lowest_val_loss=math.inf):
-        self.vocab_size, self.uniform, self.patience = vocab_size, math.log(vocab_size), patience
+        self.vocab_size, self.uniform, self.patience, self.dtype = vocab_size, math.log(vocab_size), patience, dtype
         self.h_norm_stops = h_norm_limit is not None or dtype == "bfloat16"
         self.h_norm_limit = h_norm_limit or STATE_NORM_LIMIT * (1 if self.h_norm_stops else 2 ** 16)
         self.bad_steps, self.lowest_val_loss, self.warned = 0, lowest_val_loss, False
@@ -58,3 +60,16 @@ class Divergence:
             self.warned = True
             return {"warning": "h_norm", "h_norm": h_norm, "limit": self.h_norm_limit}
         return None
+
+    def announce(self, verdict, step, run_dir):
+        """check's verdict said in a line -> its metrics record.
+        A diverged run names the last checkpoint, which comes from before it."""
+        if "warning" in verdict:
+            print0(f"warning: step {step}: ||h_T|| {verdict['h_norm']:.3g} > {verdict['limit']:g}; this "
+                   f"{self.dtype} run goes on")
+            return {"step": step, **verdict}
+        kept = sorted(run_dir.glob("ckpt_*.pt"))
+        print0(f"diverged at step {verdict['diverged_at']}: {verdict['reason']}, {verdict['detail']}; "
+               + (f"the last checkpoint, {kept[-1]}, from before, is kept" if kept
+                  else "no checkpoint was saved before it"))
+        return {"step": step, "diverged_at": verdict["diverged_at"], "reason": verdict["reason"]}

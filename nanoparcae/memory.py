@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from nanoparcae.common import fail, print0
+from nanoparcae.common import print0
 
 
 def activation_bytes(model, batch_size, bf16=True):
@@ -74,16 +74,16 @@ def choose_device_batch(model, args, device, world, optimizer_bytes):
     - on a CPU, is at most 32.
 
     Prints the plan (on a GPU, or for --dry_run) and the choice.
-    A size that does not divide the step or does not fit is one line.
+    A size that does not divide the step or does not fit raises ValueError.
     Returns namespace(size, given, sequences, world, plan, fitting, gpu, gpu_gb).
     gpu_gb: the free GB planned for."""
     given, seq_len, total = args.device_batch_size, args.seq_len, args.total_batch_size
     if given and total % (given * seq_len * world):
-        fail(f"--total_batch_size={total} is not divisible by device_batch_size x seq_len x world = "
-             f"{given} x {seq_len} x {world} = {given * seq_len * world}; change one of them")
+        raise ValueError(f"--total_batch_size={total} is not divisible by device_batch_size x seq_len x world = "
+                         f"{given} x {seq_len} x {world} = {given * seq_len * world}; change one of them")
     if total % (seq_len * world):
-        fail(f"--total_batch_size={total} is not divisible by seq_len x world = {seq_len} x {world}; "
-             f"change one of them")
+        raise ValueError(f"--total_batch_size={total} is not divisible by seq_len x world = {seq_len} x "
+                         f"{world}; change one of them")
     sequences = total // (seq_len * world)  # each process's share of an optimiser step
     bf16 = args.dtype == "bfloat16"
     gpu, gpu_gb = None, None
@@ -103,10 +103,10 @@ def choose_device_batch(model, args, device, world, optimizer_bytes):
     if gpu:
         fitting = largest_divisor(sequences, most[gpu_gb])
         if most[gpu_gb] < (given or 1):
-            fail(f"{f'--device_batch_size={given}' if given else 'one sequence per GPU'} plans "
-                 f"{plan['total'] / 1e9:.1f} GB, over 90% of {gpu}; "
-                 + (f"the largest device batch that fits is {fitting}" if fitting
-                    else "free the GPU, or train a smaller --depth"))
+            raise ValueError(f"{f'--device_batch_size={given}' if given else 'one sequence per GPU'} plans "
+                             f"{plan['total'] / 1e9:.1f} GB, over 90% of {gpu}; "
+                             + (f"the largest device batch that fits is {fitting}" if fitting
+                                else "free the GPU, or train a smaller --depth"))
         how = f"whose memory plan fits in 90% of {gpu}"
     else:
         how = "up to 32 (no GPU; a GPU would get " + ", ".join(

@@ -5,7 +5,9 @@ nanoparcae/metrics.py: what a run logs, metrics.jsonl and the step's log line.
 import json
 from pathlib import Path
 
-from nanoparcae.common import FULL_DISK, disk_full, rank_and_world, write_atomically
+import torch
+
+from nanoparcae.common import FULL_DISK, disk_full, print0, rank_and_world, write_atomically
 
 
 def read_metrics(path):
@@ -42,7 +44,11 @@ class Metrics:
         except OSError as err:
             full_disk(err, run_dir)
 
-    def record(self, entry):
+    def record(self, entry, compiled=False):
+        """One record; compiled: with the graph counts so far (compile_counts)."""
+        if compiled:
+            from torch._dynamo.utils import counters
+            entry = {**entry, **compile_counts(counters)}
         if self.file:
             try:
                 self.file.write(json.dumps(entry) + "\n")
@@ -50,12 +56,28 @@ class Metrics:
             except OSError as err:
                 full_disk(err, Path(self.file.name).parent)
 
+    def log_step(self, entry, num_steps, total_batch_size, compiled, device):
+        """A step's record, printed as its log line: the graph counts when compiled (graphs that still grow
+        after the first steps are recompiling), the peak memory on a GPU (against the memory plan)."""
+        if device.type == "cuda":
+            entry["peak_memory"] = torch.cuda.max_memory_allocated(device)
+        print0(log_line(entry, num_steps, total_batch_size))
+        self.record(entry, compiled)
+
 
 def full_disk(err, folder):
-    """A full disk stops the run in one line; any other error goes on up."""
+    """A full disk raises EnvironmentFailure, saying so; any other error goes on up."""
     if err.errno not in FULL_DISK:
         raise err
-    disk_full(folder, "metrics.jsonl cannot be written")
+    raise disk_full(folder, "metrics.jsonl cannot be written") from None
+
+
+def read_at_once(values):
+    """{name: a 0-d device tensor, or None} -> {name: float, or None}, read in one transfer.
+    It is the only wait for the device beyond the skip rule's."""
+    present = [name for name, value in values.items() if value is not None]
+    floats = dict(zip(present, torch.stack([values[name].float() for name in present]).tolist()))
+    return {name: floats.get(name) for name in values}
 
 
 def compile_counts(counters):

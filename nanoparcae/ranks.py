@@ -8,11 +8,12 @@ Each check runs before what it protects; docs/distributed.md says what each catc
 import hashlib
 import os
 import socket
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 
-from nanoparcae.common import fail, rank_and_world, spans
+from nanoparcae.common import rank_and_world, spans, wait_for_rank0
 
 # -----------------------------------------------------------------------------
 # Ranks that agree. DDP keeps replicas equal only through equal averaged gradients and optimiser arithmetic.
@@ -59,11 +60,25 @@ def one_refusal(lines):
     return line if alike else f"{line} (rank {rank}; every rank stops)"
 
 
+@contextmanager
+def refusing_alike(explain=str):
+    """Around a block every rank runs: its ValueError or FileNotFoundError, as the line explain(err), is gathered
+    once every rank has ended the block (wait_for_rank0's long timeout), then refuse_alike.
+    A refusal on one rank stops every rank, none stops alone."""
+    refusal = None
+    try:
+        yield
+    except (FileNotFoundError, ValueError) as err:
+        refusal = explain(err)
+    wait_for_rank0()
+    refuse_alike(refusal)
+
+
 def refuse_alike(refusal):
-    """Every rank's refusal (a line, or None) gathered: when any rank refused, every rank fails with one line
-    (one_refusal), printed once a node. A refusal that only some ranks meet is never silent."""
+    """Every rank's refusal (a line, or None) gathered: when any rank refused, every rank raises ValueError with
+    one line (one_refusal). A refusal that only some ranks meet is never silent."""
     if line := one_refusal(gather(refusal)):
-        fail(line)
+        raise ValueError(line)
 
 
 def agree_to_start(run_name, refusal, step, digest):
@@ -100,8 +115,8 @@ def tokenizer_digest(tokenizer):
 
 def agree_on_data(tokenizer, shards):
     """Before the data is read: every rank's tokenizer (None: its node has none) and FineWeb-Edu training shards
-    (spans; None: other data), gathered. A node whose either differs from rank 0's: every rank stops alike, in one
-    line naming that node (status 2)."""
+    (spans; None: other data), gathered. A node whose either differs from rank 0's: every rank raises ValueError
+    alike, one line naming that node."""
     rank, world = rank_and_world()
     node = int(os.environ.get("GROUP_RANK", rank // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
     held = gather((node, socket.gethostname(), None if tokenizer is None else tokenizer_digest(tokenizer),
@@ -118,9 +133,10 @@ def agree_on_data(tokenizer, shards):
         (node, host, what), ranks = next(iter(differ.items()))
         theirs, rank0s = zip(*what)
         others = f" ({len(differ) - 1} more node(s) differ)" if len(differ) > 1 else ""
-        fail(f"node {node} ({host}, rank {spans(ranks)}) holds {' and '.join(theirs)}, rank 0 {' and '.join(rank0s)}"
-             f"{others}; every node must read rank 0's data: keep $NANOPARCAE_BASE_DIR on a filesystem the nodes "
-             f"share, or copy rank 0's tokenizers/ and fineweb-edu/ folders to each node")
+        raise ValueError(f"node {node} ({host}, rank {spans(ranks)}) holds {' and '.join(theirs)}, rank 0 "
+                         f"{' and '.join(rank0s)}{others}; every node must read rank 0's data: keep "
+                         f"$NANOPARCAE_BASE_DIR on a filesystem the nodes share, or copy rank 0's tokenizers/ and "
+                         f"fineweb-edu/ folders to each node")
 
 
 def drift(state):

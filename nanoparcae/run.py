@@ -6,7 +6,7 @@ nanoparcae/run.py: the run's identity and its lock.
 - one trainer per run.
 
 None of it is the method (METHOD.md). It decides whether a command trains or continues a run exactly.
-Otherwise it stops in one line, before it writes anything.
+Otherwise it raises ValueError, one line, before it writes anything.
 """
 
 import errno
@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import torch.distributed as dist
 
 from nanoparcae.checkpoint import find_checkpoint, read_checkpoint, remove_partial_saves, resume_refusal, run_dir
-from nanoparcae.common import fail, print0, wait_for_rank0
+from nanoparcae.common import print0, wait_for_rank0
 from nanoparcae.dataset import tokenizer_dir
 from nanoparcae.ranks import agree_to_start, checkpoint_digest
 
@@ -35,13 +35,14 @@ def run_folder(args):
 
 def identify_run(args, run_flags, batch, device, **resolved):
     """The run this command trains, checked on every rank before anything is built or written.
-    Returns namespace(dir, name, tokenizer_dir, flags, checkpoint, ckpt, step, device_batch_size).
+    Returns namespace(dir, name, tokenizer_dir, flags, checkpoint, ckpt, step, device_batch_size, grad_accum).
+    grad_accum: the micro-batches each process runs per optimiser step, decided here alone.
 
     - checkpoint: the run's newest, or None. ckpt: it, read onto `device`.
     - flags: the run_flags' values. Those whose defaults resolve (d_model, ...) take `resolved`'s.
       --data takes the data's content key.
 
-    Every rank stops alike, in one line (status 2), for:
+    Every rank raises ValueError alike, in one line, for:
 
     - a checkpoint that recorded other flag values.
     - a live run.
@@ -49,12 +50,9 @@ def identify_run(args, run_flags, batch, device, **resolved):
     - an unreadable checkpoint.
     - a recorded device batch that does not divide this step.
     """
-    try:
-        tokenizer_path = tokenizer_dir(args.data, args.vocab_size)  # recorded in each checkpoint
-        data_key = tokenizer_path.name.removesuffix(f"-{args.vocab_size}")  # content, not path
-        folder = run_folder(args)
-    except (FileNotFoundError, ValueError) as err:
-        fail(err)
+    tokenizer_path = tokenizer_dir(args.data, args.vocab_size)  # recorded in each checkpoint
+    data_key = tokenizer_path.name.removesuffix(f"-{args.vocab_size}")  # content, not path
+    folder = run_folder(args)
     name, size, checkpoint, ckpt, refusal, start = folder.name, batch.size, None, None, None, (0, None)
     try:  # each rank keeps its refusal for the agreement below rather than stopping alone
         if holder := run_holder(folder):  # before a live run's checkpoint is read onto its GPUs
@@ -95,22 +93,17 @@ def identify_run(args, run_flags, batch, device, **resolved):
     # Each rank's read is its own work (16 GB from a shared filesystem, at the 1.3B): the ranks meet
     # first where the long timeout holds, so a slow reader never outlasts the gather's shorter one
     wait_for_rank0()
-    try:  # every rank starts from the same checkpoint (none: step 0), or none starts
-        agree_to_start(name, refusal, *start)
-    except ValueError as err:
-        fail(err)
+    agree_to_start(name, refusal, *start)  # every rank starts from the same checkpoint (none: step 0), or none
     return SimpleNamespace(dir=folder, name=name, tokenizer_dir=tokenizer_path, flags=flags,
-                           checkpoint=checkpoint, ckpt=ckpt, step=start[0], device_batch_size=size)
+                           checkpoint=checkpoint, ckpt=ckpt, step=start[0], device_batch_size=size,
+                           grad_accum=batch.sequences // size)
 
 
 def claim_run(run_dir):
     """Take the run's lock (lock_run) on rank 0 -> the open lock file, kept until the process ends.
     It is the first write in the run folder, so it comes after every check that can refuse the command.
-    A live run holding it: every rank stops alike, in one line (status 2)."""
-    try:
-        lock = lock_for_every_rank(run_dir)
-    except ValueError as err:
-        fail(err)
+    A live run holding it: every rank raises ValueError alike."""
+    lock = lock_for_every_rank(run_dir)
     if lock:  # rank 0, the one that writes here: a save a full disk or a kill cut short goes
         remove_partial_saves(run_dir)
     return lock

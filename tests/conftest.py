@@ -96,10 +96,14 @@ def _run_as_main(args, env, cwd, out_path, err_path):
     sys.argv = [args[1], *args[2:]] if module else list(args)
     sys.path[:] = [cwd if module else os.path.dirname(os.path.abspath(args[0]))] + \
         [path for path in sys.path if path and Path(path).resolve() not in (ROOT, ROOT / "tests")]
-    if module:
-        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
-    else:
-        runpy.run_path(args[0], run_name="__main__")
+    try:
+        if module:
+            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(args[0], run_name="__main__")
+    except Exception:  # what the interpreter does with an uncaught error: the script's sys.excepthook
+        sys.excepthook(*sys.exc_info())
+        sys.exit(1)
 
 
 def fresh_interpreter(env):
@@ -219,11 +223,18 @@ def run_here(args, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", [args[1], *args[2:]] if module else [str(ROOT / args[0]), *args[1:]])
     if module:
         monkeypatch.delitem(sys.modules, args[1], raising=False)  # run afresh as __main__, as python -m does
+    from nanoparcae import common
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # a script may set its own, undone after the test
     with pytest.raises(SystemExit) as exit_info:
-        if module:
-            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
-        else:
-            runpy.run_path(str(ROOT / args[0]), run_name="__main__")
+        try:
+            if module:
+                runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+            else:
+                runpy.run_path(str(ROOT / args[0]), run_name="__main__")
+        except Exception as err:  # what a script's sys.excepthook of common's would do with it, in this process
+            if sys.excepthook is not common.exit_in_one_line:
+                raise
+            common.fail_with(err)
     out, err = capsys.readouterr()
     status = exit_info.value.code
     if isinstance(status, str):

@@ -84,6 +84,16 @@ def test_fail_prints_once_a_node_and_exits_with_its_status(monkeypatch, capsys):
         assert (capsys.readouterr().err == "error: the disk is full; free some space\n") == printed
 
 
+def test_fail_with_gives_each_kind_of_error_its_status_and_raises_the_rest(capsys):
+    for err, status in ((ValueError("--depth=0 must be positive"), 2), (FileNotFoundError("no shard"), 2),
+                        (common.EnvironmentFailure("the disk is full"), 1)):
+        with pytest.raises(SystemExit) as exit_info:
+            common.fail_with(err)
+        assert exit_info.value.code == status and capsys.readouterr().err.count("\n") == 1
+    with pytest.raises(KeyError):  # a bug keeps its traceback
+        common.fail_with(KeyError("step"))
+
+
 def test_ddp_is_told_not_to_sync_buffers_in_its_torch_release_s_words(monkeypatch):
     assert common.no_buffer_sync() == {"forward_sync_buffers": False}  # torch 2.13 and later
 

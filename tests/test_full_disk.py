@@ -9,15 +9,17 @@ import torch
 
 from conftest import ROOT, TINY, carries, python, train, train_env
 from model import Parcae, ParcaeConfig
-from nanoparcae import checkpoint, metrics
+from nanoparcae import checkpoint, common, metrics
 
 CONFIG = ParcaeConfig(vocab_size=97, seq_len=16, n_prelude=1, n_recur=1, n_coda=1, d_model=64, head_dim=32)
 
 
 def stopped_in_one_line(call, capsys):
-    """call() must stop with status 1 and one line on stderr -> that line."""
-    with pytest.raises(SystemExit) as stop:
+    """call() must raise EnvironmentFailure, which a command ends with in one line, status 1 -> that line."""
+    with pytest.raises(common.EnvironmentFailure) as failure:
         call()
+    with pytest.raises(SystemExit) as stop:
+        common.fail_with(failure.value)
     assert stop.value.code == 1
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1, lines

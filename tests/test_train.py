@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import sample
+from nanoparcae import common
 from nanoparcae.dataset import list_chunks
 from nanoparcae.divergence import Divergence
 from conftest import (ROOT, TINY, Started, carries, python, refused, train, train_command, train_env, untouched,
@@ -483,8 +484,12 @@ def test_authors_per_batch_sampling_trains_and_per_document_ppl_runs(corpus, bes
 def run_train(monkeypatch, capsys, *flags):
     """train.py run in this process with these flags (it must exit before training) -> (status, stdout, stderr)."""
     monkeypatch.setattr(sys, "argv", [str(ROOT / "train.py"), *flags])
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # train.py sets its own, undone after the test
     with pytest.raises(SystemExit) as exit_info:
-        runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+        try:
+            runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+        except Exception as err:  # what train.py's sys.excepthook does at the top level
+            common.fail_with(err)
     out, err = capsys.readouterr()
     return exit_info.value.code, out, err
 
