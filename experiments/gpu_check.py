@@ -1,10 +1,14 @@
 """
-gpu_check.py: the table of runs/gpu_check.sh, built from what its stages left; it runs nothing itself.
+gpu_check.py: runs/gpu_check.sh's Python: the table, built from what its stages left, and the helpers the script
+calls (the GPU count and free memory, the made-up CORE bundle, the depth-24 plan's batch, the injected faults).
 
-    python -m experiments.gpu_check WORK RUNS_DIR --gpus N --memory BYTES [--tiny]   # as runs/gpu_check.sh calls it
+    python -m experiments.gpu_check table WORK RUNS_DIR --gpus N --memory BYTES [--tiny]
+    python -m experiments.gpu_check gpus | free_memory            # what torch sees, printed
+    python -m experiments.gpu_check bundle DIR                    # a CORE bundle of 3 made-up tasks
+    python -m experiments.gpu_check planned_batch LOG BYTES       # the batch a --dry_run log plans for BYTES
+    python -m experiments.gpu_check perturb CKPT                  # a weight scaled by 1.01: a wrong resume
+    python -m experiments.gpu_check run [--fault=F] [--fake_gpu=BYTES] SCRIPT ARGS...   # SCRIPT, with a fault
 
-runs/gpu_check.sh also reads the device batch of the depth-24 step from here (planned_batch), and injects its
-faults with it (run_with_low_recompile_limits, run_with_rank_order_fault, perturb_checkpoint).
 WORK holds each stage's output (NAME.log) and "exit status, time limit" (NAME.rc), and bench.py's --json
 (bench.json; sampling.json, its row 3 at the depth-24 plan's device batch); RUNS_DIR holds the train.py runs
 gpu_check_NAME. Python rather than shell because the rows read JSON and apply targets. Every row is built on its
@@ -14,6 +18,7 @@ failed or a held one says "not met".
 """
 
 import argparse
+import csv
 import json
 import math
 import os
@@ -22,10 +27,12 @@ import runpy
 import statistics
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 from nanoparcae.common import fail, first_sentence
+from nanoparcae.core_tasks import CORE_TASKS
 from nanoparcae.dataset import list_chunks
 from nanoparcae.flags import positive
 from nanoparcae.metrics import read_metrics
@@ -429,9 +436,9 @@ ROWS = [  # number, what a failed row says it was, how it is built
 # The faults runs/gpu_check.sh can inject, each of which a row must catch
 
 
-def run_with_low_recompile_limits(limit=2):
-    """python -c "...; run_with_low_recompile_limits()" SCRIPT ARGS...: SCRIPT with dynamo's recompile limits at
-    `limit` once model.compile_blocks has run (it raises them for its blocks, so setting them earlier does nothing)."""
+def lower_recompile_limits(limit=2):
+    """Dynamo's recompile limits at `limit` once model.compile_blocks has run (it raises them for its blocks, so
+    setting them earlier does nothing)."""
     import model
     compile_blocks = model.Parcae.compile_blocks
 
@@ -440,7 +447,6 @@ def run_with_low_recompile_limits(limit=2):
         torch._dynamo.config.recompile_limit = torch._dynamo.config.accumulated_recompile_limit = limit
 
     model.Parcae.compile_blocks = lowered
-    run_script()
 
 
 def reverse_chunk_order(rank=1):
@@ -452,16 +458,28 @@ def reverse_chunk_order(rank=1):
         data.DocumentStream.order = lambda self, epoch: order(self, epoch)[::-1]
 
 
-def run_with_rank_order_fault():
-    """python -c "...; run_with_rank_order_fault()" SCRIPT ARGS...: SCRIPT with rank 1's chunks reversed."""
-    reverse_chunk_order()
-    run_script()
+FAULTS = {"recompile_limit": lower_recompile_limits, "rank_order": reverse_chunk_order}
 
 
-def run_script():
-    """SCRIPT ARGS... of sys.argv[1:], run as `python SCRIPT ARGS...` would."""
-    sys.argv = sys.argv[1:]
-    runpy.run_path(sys.argv[0], run_name="__main__")
+def fake_gpu(memory):
+    """torch.cuda reporting one GPU of `memory` bytes: train.py's plan for it, on a CPU."""
+    torch.cuda.is_available = lambda: True
+    torch.cuda.device_count = lambda: 1
+    torch.cuda.mem_get_info = lambda device=None: (memory, memory)
+    torch.cuda.get_device_name = lambda device=None: f"a GPU faked to report {memory / 1e9:.0f} GB"
+    torch.cuda.get_device_properties = lambda device=None: SimpleNamespace(
+        name=torch.cuda.get_device_name(), total_memory=memory)
+
+
+def run_script(script, args, fault=None, memory=None):
+    """`python SCRIPT ARGS...`, in this process, with a fault (FAULTS) or a faked GPU of `memory` bytes."""
+    if fault:
+        FAULTS[fault]()
+    if memory:
+        fake_gpu(memory)
+    sys.argv = [script, *args]
+    sys.path.insert(0, str(Path(script).resolve().parent))
+    runpy.run_path(script, run_name="__main__")
 
 
 def perturb_checkpoint(path, factor=1.01):
@@ -472,20 +490,28 @@ def perturb_checkpoint(path, factor=1.01):
     torch.save(ckpt, path)
     return name
 
+def make_bundle(root):
+    """A CORE bundle in the real layout (nanoparcae/core_tasks.py) at root: three made-up tasks, one of each kind."""
+    root, tasks = Path(root), {task.label: task for task in CORE_TASKS}
+    items = {"copa": [{"query": f"Item {i}: the loop", "choices": ["runs", "stops"], "gold": i % 2}
+                      for i in range(16)],
+             "winograd": [{"context_options": [f"The state {i}", f"The depth {i}"], "continuation": "grows.",
+                           "gold": i % 2} for i in range(16)],
+             "lambada_openai": [{"context": f"def f{i}(x):\n    return", "continuation": " x"} for i in range(16)]}
+    for label, records in items.items():
+        path = root / "eval_data" / tasks[label].path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    with open(root / "eval_meta_data.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["Eval Task", "Random baseline"])
+        writer.writerows([["copa", 50], ["winograd", 50], ["lambada_openai", 0]])
+
 # -----------------------------------------------------------------------------
-# The table
+# The table, and the commands runs/gpu_check.sh calls
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     allow_abbrev=False)
-    parser.error = fail  # an unknown flag or a bad value: one line, status 2
-    parser.add_argument("work", type=Path, help="the folder of the stages' logs, exit statuses and bench.json")
-    parser.add_argument("runs_dir", type=Path, help="the runs folder holding gpu_check_* (base dir / runs)")
-    parser.add_argument("--gpus", type=positive(int), required=True, help="the processes torchrun started")
-    parser.add_argument("--memory", type=int, required=True, help="the GPU's memory in bytes (--tiny: the faked one)")
-    parser.add_argument("--tiny", action="store_true", help="the runs were runs/gpu_check.sh --tiny's")
-    args = parser.parse_args(argv)
+def table(args):
     size = "--tiny: a tiny model, figures that test the script, not the claims" if args.tiny else \
         "the 140M (depth 6) and the 1.3B (depth 24)"
     where = torch.cuda.get_device_name(0) if CUDA else "a CPU"
@@ -500,6 +526,51 @@ def main(argv=None):
         failed = failed or cells[1].startswith("failed: ") or cells[2].endswith(": not met")
         print("| " + " | ".join(cell.replace("|", "/") for cell in (number, *cells)) + " |")
     return 1 if failed else 0
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
+    parser.error = fail  # an unknown flag or a bad value: one line, status 2
+    commands = parser.add_subparsers(dest="command", required=True)
+    p = commands.add_parser("table", help="the check's table, from its stages' outputs")
+    p.add_argument("work", type=Path, help="the folder of the stages' logs, exit statuses and bench.json")
+    p.add_argument("runs_dir", type=Path, help="the runs folder holding gpu_check_* (base dir / runs)")
+    p.add_argument("--gpus", type=positive(int), required=True, help="the processes torchrun started")
+    p.add_argument("--memory", type=int, required=True, help="the GPU's memory in bytes (--tiny: the faked one)")
+    p.add_argument("--tiny", action="store_true", help="the runs were runs/gpu_check.sh --tiny's")
+    commands.add_parser("gpus", help="the GPUs torch sees")
+    commands.add_parser("free_memory", help="the first GPU's free bytes (0 without one)")
+    p = commands.add_parser("bundle", help="a CORE bundle of three made-up tasks")
+    p.add_argument("dir", type=Path)
+    p = commands.add_parser("planned_batch", help="the device batch a --dry_run's log plans for a GPU's bytes")
+    p.add_argument("log", type=Path)
+    p.add_argument("memory", type=int)
+    p = commands.add_parser("perturb", help="scale a checkpoint's first weight matrix by 1.01, in place")
+    p.add_argument("ckpt", type=Path)
+    p = commands.add_parser("run", help="python SCRIPT ARGS..., with a fault or a faked GPU")
+    p.add_argument("--fault", choices=sorted(FAULTS))
+    p.add_argument("--fake_gpu", type=positive(int), metavar="BYTES", help="torch.cuda reports one GPU this big")
+    p.add_argument("script")
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    for command in commands.choices.values():
+        command.error, command.allow_abbrev = fail, False
+    args = parser.parse_args(argv)
+    if args.command == "table":
+        return table(args)
+    if args.command == "gpus":
+        print(torch.cuda.device_count())
+    elif args.command == "free_memory":
+        print(torch.cuda.mem_get_info()[0] if CUDA else 0)
+    elif args.command == "bundle":
+        make_bundle(args.dir)
+    elif args.command == "planned_batch":
+        print(planned_batch(args.log.read_text(), args.memory) or "")
+    elif args.command == "perturb":
+        print(f"== fault: {perturb_checkpoint(args.ckpt)} scaled by 1.01 in {args.ckpt}", file=sys.stderr)
+    else:
+        run_script(args.script, args.args, args.fault, args.fake_gpu)
+    return 0
 
 
 if __name__ == "__main__":

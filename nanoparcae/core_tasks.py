@@ -9,8 +9,11 @@ nanoparcae/core_tasks.py: CORE's tasks (METHOD.md §3), up to where a model scor
     bundle_dir = download_eval_bundle()                 # $NANOPARCAE_BASE_DIR/eval_bundle, on first use
     data = load_task_data(bundle_dir, tasks[0], max_per_task=100)
     rows = build_rows(tasks[0], data, range(len(data)), tokenizer, seed=1234, max_len=2048)
+
+    python -m nanoparcae.core_tasks [--url=URL]          # the eval bundle's download alone
 """
 
+import argparse
 import csv
 import json
 import os
@@ -23,7 +26,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from nanoparcae.common import get_base_dir, rank_and_world, wait_for_rank0
+from nanoparcae.common import fail, get_base_dir, rank_and_world, wait_for_rank0
 from nanoparcae.download import download_file
 
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"  # METHOD.md §5
@@ -298,3 +301,19 @@ def build_rows(task, data, indices, tokenizer, seed, max_len):
         rows += [Row(*crop_left(seq, start, end, max_len), idx) for seq, (start, end) in zip(sequences, spans)]
         offset += n
     return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="Download CORE's eval bundle under the base folder, once.",
+                                     allow_abbrev=False)
+    parser.error = fail  # an unknown flag or a bad value: one line, status 2
+    parser.add_argument("--url", default=EVAL_BUNDLE_URL, help="the bundle's zip (default: nanochat's host)")
+    args = parser.parse_args(argv)
+    try:
+        print(f"the eval bundle: {download_eval_bundle(args.url)}")
+    except (OSError, ValueError) as err:  # a failed download, a base folder that cannot be written
+        fail(err)
+
+
+if __name__ == "__main__":
+    main()

@@ -37,7 +37,7 @@ import sysconfig
 import threading
 import time
 import zlib
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import NamedTuple
 
@@ -72,10 +72,10 @@ def shard_name(index):
 
 
 def download_shard(index, base_url=FINEWEB_URL, max_attempts=5, retry_delay=1.0):
+    """-> (the shard's path, whether it was fetched now: False when it was there)."""
     path = fineweb_dir() / shard_name(index)
     if path.exists():  # only complete, checked shards ever get the final name
-        print(f"Skipping {path.name} (already there)")
-        return path
+        return path, False
     url = f"{base_url.rstrip('/')}/{path.name}"
     unchecked = path.with_name(path.name + ".tmp")  # the parquet check comes before the final name
     try:
@@ -95,14 +95,22 @@ def download_shard(index, base_url=FINEWEB_URL, max_attempts=5, retry_delay=1.0)
         unchecked.unlink()
         raise ValueError(f"{url} has no 'text' column (columns: {columns}); deleted it, check --base_url")
     unchecked.rename(path)
-    print(f"Downloaded {path.name}")
-    return path
+    return path, True
 
 
 def download_shards(indices, base_url=FINEWEB_URL, num_workers=4, max_attempts=5, retry_delay=1.0):
+    """-> the shards' paths. A line per shard says how many are done and, from those fetched, the time left."""
     print(f"Downloading {len(indices)} shards from {base_url} to {fineweb_dir()} with {num_workers} workers")
+    start, fetched = time.time(), 0
     with ThreadPoolExecutor(num_workers) as pool:
-        return list(pool.map(lambda i: download_shard(i, base_url, max_attempts, retry_delay), indices))
+        shards = [pool.submit(download_shard, i, base_url, max_attempts, retry_delay) for i in indices]
+        for done, shard in enumerate(as_completed(shards), 1):
+            path, new = shard.result()
+            fetched += new
+            left = (time.time() - start) / fetched * (len(indices) - done) if fetched else 0
+            print(f"{'Downloaded' if new else 'Skipping'} {path.name}{'' if new else ' (already there)'} "
+                  f"[{done}/{len(indices)}, about {left / 60:.0f} min left]", flush=True)
+    return [shard.result()[0] for shard in shards]
 
 # -----------------------------------------------------------------------------
 # Data sources: a split is a list of chunks, each a list of documents.

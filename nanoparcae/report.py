@@ -322,7 +322,11 @@ def main(argv=None):
     parser.error = fail
     parser.add_argument("--run", required=True, help="a run under <base dir>/runs")
     parser.add_argument("--machine", action="store_true", help="record this machine in recipe/machine.json")
+    parser.add_argument("--gpu", action="store_true", help="with --machine: refuse a torch that sees no GPU")
     args = parser.parse_args(argv)
+    if args.gpu and not torch.cuda.is_available():
+        fail(f"torch {torch.__version__} sees no GPU: it is the CPU build, or the driver is too old; remove .venv "
+             f"and run again for PyPI's CUDA build (TORCH_INDEX=URL for another)", 1)
     try:
         folder = run_dir(args.run)
         if args.machine:

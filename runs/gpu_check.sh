@@ -1,6 +1,6 @@
 #!/bin/bash
 # runs/gpu_check.sh: the CUDA path checked in one command before a long run, 10 minutes at most on one H100 or H200
-# node (its stages' limits, which add up to that or less; how long it takes is not yet measured). It prints one
+# node (its stages' limits, which add up to that or less; docs/performance.md records how long it took). It prints one
 # markdown table, the one for docs/performance.md, and writes it to $OUT/gpu_check.md when $OUT is set (with every
 # stage's output in $OUT/gpu_check.log). Each row says met / not met against its target where it has one; a row
 # that cannot run says why in one line, and the rest go on. It exits 1 when a row failed or missed a target it is
@@ -79,7 +79,7 @@ if [ "$tiny" = 1 ]; then
     BENCH_S=300; SAMPLING_S=60
     WHOLE=1800  # a shared CPU can crawl
 else
-    gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null)  # CUDA_VISIBLE_DEVICES counts
+    gpus=$("$PY" -m experiments.gpu_check gpus 2>/dev/null)  # CUDA_VISIBLE_DEVICES counts
     [ "${gpus:-0}" -ge 1 ] || gpus=1
     MODEL=(--depth=6 --mu_rec=8)  # train.py's defaults, the paper's, fill in the rest: d_model 768, vocab 32768
     seq=2048; vocab=32768; micro=8; precision_micro=8; precision_steps=5
@@ -161,68 +161,31 @@ train() {  # train NAME PROCESSES MICRO_BATCH ACCUM STEPS [--kill_after=STEP] FL
         --run="gpu_check_${name%_resume}" "$@"
 }
 
-make_bundle() {  # a CORE bundle in the real layout (nanoparcae/core_tasks.py), three made-up tasks, one of each kind
-    "$PY" - "$base/eval_bundle" <<'EOF'
-import csv, json, sys
-from pathlib import Path
-from nanoparcae.core_tasks import CORE_TASKS
-root, tasks = Path(sys.argv[1]), {task.label: task for task in CORE_TASKS}
-items = {"copa": [{"query": f"Item {i}: the loop", "choices": ["runs", "stops"], "gold": i % 2} for i in range(16)],
-         "winograd": [{"context_options": [f"The state {i}", f"The depth {i}"], "continuation": "grows.",
-                       "gold": i % 2} for i in range(16)],
-         "lambada_openai": [{"context": f"def f{i}(x):\n    return", "continuation": " x"} for i in range(16)]}
-for label, records in items.items():
-    path = root / "eval_data" / tasks[label].path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(record) + "\n" for record in records))
-with open(root / "eval_meta_data.csv", "w", newline="") as f:
-    writer = csv.writer(f)
-    writer.writerow(["Eval Task", "Random baseline"])
-    writer.writerows([["copa", 50], ["winograd", 50], ["lambada_openai", 0]])
-EOF
-}
-
-# python -c "$FAKE_GPU" SCRIPT ARGS...: the script, with torch.cuda reporting one GPU of $FAKE_GPU_BYTES
-FAKE_GPU="import runpy, sys, types
-import torch
-memory = $FAKE_GPU_BYTES
-torch.cuda.is_available = lambda: True
-torch.cuda.device_count = lambda: 1
-torch.cuda.mem_get_info = lambda device=None: (memory, memory)
-torch.cuda.get_device_name = lambda device=None: f'a GPU faked to report {memory / 1e9:.0f} GB'
-torch.cuda.get_device_properties = lambda device=None: types.SimpleNamespace(
-    name=torch.cuda.get_device_name(), total_memory=memory)
-sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name='__main__')"
 # the command each training stage runs: train.py, or the same with the fault of lowered recompile limits or of rank
 # 1's data order
 TRAIN=("$PY" train.py)
-if [ "$fault" = recompile_limit ]; then
-    TRAIN=("$PY" -c "from experiments.gpu_check import run_with_low_recompile_limits; run_with_low_recompile_limits()"
-           train.py)
-elif [ "$fault" = rank_order ]; then
-    TRAIN=("$PY" -c "from experiments.gpu_check import run_with_rank_order_fault; run_with_rank_order_fault()" train.py)
-fi
+case "$fault" in recompile_limit|rank_order) TRAIN=("$PY" -m experiments.gpu_check run --fault="$fault" train.py) ;;
+esac
+FAKE_GPU=("$PY" -m experiments.gpu_check run --fake_gpu=$FAKE_GPU_BYTES)  # SCRIPT ARGS: with torch.cuda faked
 
 rm -rf "$base/eval_bundle"
 mkdir -p "$base"
-make_bundle
+"$PY" -m experiments.gpu_check bundle "$base/eval_bundle"
 # the tokenizer first, under a limit of its own (trained once, then cached under $base)
 stage tokenizer "${LIMIT[tokenizer]}" "$PY" -m nanoparcae.dataset tokenizer --data=stdlib --vocab_size=$vocab
 if [ "$tiny" = 1 ]; then
-    stage plan "${LIMIT[plan]}" "$PY" -c "$FAKE_GPU" train.py --depth=24 --mu_rec=8 --device=cuda --dry_run
+    stage plan "${LIMIT[plan]}" "${FAKE_GPU[@]}" train.py --depth=24 --mu_rec=8 --device=cuda --dry_run
     memory=$FAKE_GPU_BYTES
 else
     stage plan "${LIMIT[plan]}" "$PY" train.py --depth=24 --mu_rec=8 --dry_run
     # the free memory, which train.py plans the device batch for
-    memory=$("$PY" -c "import torch; print(torch.cuda.mem_get_info()[0])" 2>/dev/null || echo 0)
+    memory=$("$PY" -m experiments.gpu_check free_memory 2>/dev/null || echo 0)
 fi
-batch24=$("$PY" -c "import sys; from experiments.gpu_check import planned_batch
-print(planned_batch(open(sys.argv[1]).read(), int(sys.argv[2])) or '')" "$work/plan.log" "$memory" 2>/dev/null)
+batch24=$("$PY" -m experiments.gpu_check planned_batch "$work/plan.log" "$memory" 2>/dev/null)
 echo "== plan: device batch ${batch24:-none} for $memory bytes" >>"$work/plan.log"
 if [ -n "$batch24" ]; then
     if [ "$tiny" = 1 ]; then
-        stage plan_at "${LIMIT[plan_at]}" "$PY" -c "$FAKE_GPU" train.py --depth=24 --mu_rec=8 --device=cuda \
+        stage plan_at "${LIMIT[plan_at]}" "${FAKE_GPU[@]}" train.py --depth=24 --mu_rec=8 --device=cuda \
             --device_batch_size="$batch24" --total_batch_size=$((batch24 * 2048)) --dry_run
         # one step of the tiny model stands in for the 1.3B's: the same launch, a CPU's worth of model
         train step24 1 $micro 1 2 --kill_after=1 --dtype=bfloat16 "${COMPILE[@]}" \
@@ -247,8 +210,7 @@ DDP_FLAGS=("${TRAIN_FLAGS[@]}" --eval_every=$steps --core_every=$steps --core_ma
 train ddp "$gpus" $micro 2 $steps --kill_after=$kill_at "${DDP_FLAGS[@]}"
 if [ "$fault" = perturb_resume ]; then
     resumed=$(ls "$base/runs/gpu_check_ddp"/ckpt_*.pt 2>/dev/null | tail -n 1)
-    "$PY" -c "import sys; from experiments.gpu_check import perturb_checkpoint
-print(f'== fault: {perturb_checkpoint(sys.argv[1])} scaled by 1.01 in {sys.argv[1]}')" "$resumed" >&2
+    "$PY" -m experiments.gpu_check perturb "$resumed"
 fi
 train ddp_resume "$gpus" $micro 2 $steps "${DDP_FLAGS[@]}"
 # the same run without the kill; its evals would come after its last update, so it skips them
@@ -271,7 +233,7 @@ if [ -n "$batch24" ] && [ "$batch24" != 32 ]; then  # row 3 again, at the device
         --json "$work/sampling.json"
 fi
 
-"$PY" -m experiments.gpu_check "$work" "$base/runs" --gpus "$gpus" --memory "$memory" \
+"$PY" -m experiments.gpu_check table "$work" "$base/runs" --gpus "$gpus" --memory "$memory" \
     $([ "$tiny" = 1 ] && echo --tiny) >"$work/table.md"
 status=$?
 cat "$work/table.md"

@@ -6,9 +6,12 @@
 #     . runs/setup.sh requirements.txt                          # .venv with torch and the requirements, activated
 #     . runs/setup.sh requirements.txt requirements-eval.txt    # and lm-eval
 #     TORCH_SPEC="torch==2.13.0" . runs/setup.sh requirements.txt   # the torch to install when none imports
+#     TORCH_INDEX=pypi . runs/setup.sh requirements.txt      # PyPI's torch: on Linux the CUDA build (several GB)
+#     TORCH_INDEX=URL . runs/setup.sh requirements.txt       # torch from that wheel index
 #
-# On Linux torch comes from PyTorch's CPU wheel index, tried with a short timeout; where it cannot be reached,
-# PyPI's wheel, which on Linux is the CUDA build (several GB; it runs on a CPU too). On macOS PyPI's is the CPU build.
+# By default, on Linux torch comes from PyTorch's CPU wheel index, tried with a short timeout; where it cannot be
+# reached, PyPI's wheel, which on Linux is the CUDA build (several GB; it runs on a CPU too). On macOS PyPI's is the
+# CPU build.
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}  # the version the tests pass with
 CPU_INDEX=https://download.pytorch.org/whl/cpu
@@ -25,6 +28,12 @@ torch_version() { python -c "import torch; print(torch.__version__)" 2>/dev/null
 installed=$(torch_version || true)
 if [ -n "$installed" ]; then
     echo "setup: torch $installed is installed"
+elif [ "${TORCH_INDEX:-}" = pypi ]; then
+    echo "setup: installing $TORCH_SPEC from PyPI (on $(uname -s); on Linux the CUDA build, several GB)"
+    pip install -q "$TORCH_SPEC"
+elif [ -n "${TORCH_INDEX:-}" ]; then
+    echo "setup: installing $TORCH_SPEC from $TORCH_INDEX"
+    pip install -q --index-url "$TORCH_INDEX" "$TORCH_SPEC"
 elif [ "$(uname -s)" = Linux ]; then
     echo "setup: installing $TORCH_SPEC, the CPU build, from $CPU_INDEX"
     if ! pip install -q --index-url "$CPU_INDEX" --timeout 10 --retries 1 "$TORCH_SPEC"; then

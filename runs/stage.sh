@@ -6,7 +6,7 @@
 #
 # A stage that finishes leaves $RECIPE/NAME.done; the same recipe run again skips it, so a run that failed at any
 # stage continues from there. Each start, end and skip is a line of $RECIPE/stages.jsonl, which the report card
-# reads for the stages' times. A stage that fails stops the recipe with its status.
+# reads for the stages' times. A stage that fails stops the recipe with its status, saying what to do next.
 
 show() {  # show COMMAND...: prints the command, then runs it (the lines of a stage that is a function)
     echo "\$ $*" >&2  # stderr: the command's own output may be going to a file
@@ -34,8 +34,13 @@ stage() {
     if "$@" 2>&1 | tee -a "$RECIPE/$name.log"; then status=0; else status=${PIPESTATUS[0]}; fi
     local seconds=$((SECONDS - start))
     echo "{\"stage\": \"$name\", \"seconds\": $seconds, \"status\": $status}" >>"$RECIPE/stages.jsonl"
-    if [ "$status" != 0 ]; then
-        echo "== $name: failed (exit status $status) after $(hms $seconds); the same command continues from here" >&2
+    if [ "$status" != 0 ]; then  # 2: bad input and 3: diverged fail again unless something changes
+        case "$status" in
+            2) next="change what its last line names; then the same command continues from here" ;;
+            3) next="the run diverged: docs/troubleshooting.md says what to change; rerun alone repeats it" ;;
+            *) next="the same command continues from here" ;;
+        esac
+        echo "== $name: failed (exit status $status) after $(hms $seconds); $next" >&2
         exit "$status"
     fi
     echo "$seconds" >"$RECIPE/$name.done"

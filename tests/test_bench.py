@@ -95,8 +95,9 @@ def test_row_3_at_the_batch_size_given_and_at_the_papers_32(tmp_path, capsys):
     assert f"overhead {written['figures']['sampling_overhead']:+.1%}" == rows[1][3]
 
 
-@pytest.mark.parametrize("cli, argv", [(main, ["--step", "1"]), (decoding.main, ["--max_new", "8"]),
-                                       (gpu_check.main, [".", ".", "--gpus", "1", "--memory", "1", "--tin", "x"])])
+@pytest.mark.parametrize("cli, argv", [
+    (main, ["--step", "1"]), (decoding.main, ["--max_new", "8"]),
+    (gpu_check.main, ["table", ".", ".", "--gpus", "1", "--memory", "1", "--tin", "x"])])
 def test_an_abbreviated_flag_is_unknown(capsys, cli, argv):
     with pytest.raises(SystemExit):
         cli(argv)

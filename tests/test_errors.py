@@ -35,7 +35,7 @@ ERRORS = [  # (command and flags, status, words naming the problem, words naming
     (["-m", "experiments.bench", "--depth", "0"], 2, ["--depth", "0"], BOUND),
     (["-m", "experiments.decoding", "--repeats", "0"], 2, ["--repeats", "0"], BOUND),
     (["-m", "experiments.decoding", "--exit_threshold", "0"], 2, ["--exit_threshold"], ["0"]),
-    (["-m", "experiments.gpu_check", ".", ".", "--gpus", "0", "--memory", "1"], 2, ["--gpus", "0"], BOUND),
+    (["-m", "experiments.gpu_check", "table", ".", ".", "--gpus", "0", "--memory", "1"], 2, ["--gpus", "0"], BOUND),
     (["-m", "experiments.scaling", "fit", "--mu_rec=1,x"], 2, ["--mu_rec", "1,x"], ["numbers"]),
     (["-m", "experiments.scaling", "fit", "--preset=cpu"], 2, ["cpu", "{base}/runs"],
      ["python -m experiments.scaling run --preset=cpu"]),  # no finished run: the command that trains them

@@ -7,6 +7,7 @@ against one. runs/test.sh runs `bash runs/gpu_check.sh --tiny` itself, every sta
 
 import json
 import shutil
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -96,7 +97,7 @@ def write_passing_check(work, runs_dir):
 
 def check(capsys, work, runs_dir, *flags):
     """gpu_check's exit status and table rows for these stage outputs (2 processes, 80 GB, and flags)."""
-    status = gpu_check.main([str(work), str(runs_dir), "--gpus", "2", "--memory", str(80 * 10**9), *flags])
+    status = gpu_check.main(["table", str(work), str(runs_dir), "--gpus", "2", "--memory", str(80 * 10**9), *flags])
     return status, table_rows(capsys.readouterr().out)
 
 
@@ -208,11 +209,8 @@ def test_a_recompile_limit_hit_fails_4b_though_the_graph_count_stays_flat(tmp_pa
     forces them: its counters and its warning both fail 4b, each on its own."""
     work, runs_dir = tmp_path / "work", tmp_path / "runs"
     write_passing_check(work, runs_dir)
-    wrapper = (tmp_path / "low_limits").with_suffix(".py")
-    wrapper.write_text(f"import sys\nsys.path.insert(0, {str(ROOT)!r})\n"
-                       "from experiments.gpu_check import run_with_low_recompile_limits\n"
-                       "run_with_low_recompile_limits()\n")
-    result = python([str(wrapper), str(ROOT / "train.py"), f"--data={corpus / 'corpus.txt'}", *TINY,
+    faulty = ["-m", "experiments.gpu_check", "run", "--fault=recompile_limit", str(ROOT / "train.py")]
+    result = python([*faulty, f"--data={corpus / 'corpus.txt'}", *TINY,
                      "--compile=1", "--compile_backend=eager", "--max_tokens=256", "--run=low_limits"],
                     train_env(corpus, tmp_path / "base"))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -242,11 +240,8 @@ def test_a_rank_that_reads_another_order_fails_4f(tmp_path, capsys):
     in reverse order) 4f is not met; without it, met."""
     work, base = tmp_path / "work", tmp_path / "base"
     write_passing_check(work, base / "runs")
-    wrapper = tmp_path / "rank_order_train"
-    wrapper.write_text(f"import sys\nsys.path.insert(0, {str(ROOT)!r})\n"
-                       "from experiments.gpu_check import run_with_rank_order_fault\n"
-                       "run_with_rank_order_fault()\n")
-    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--"]
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--no_python", "--",
+                sys.executable]
     flags = ["--data=stdlib", *TINY, "--max_tokens=768"]  # 3 steps of 2 micro-batches of 4 x 32
 
     def run(name, launch):
@@ -255,7 +250,7 @@ def test_a_rank_that_reads_another_order_fails_4f(tmp_path, capsys):
         assert result.returncode == 0, result.stderr[-3000:]
 
     run("world_one", [str(ROOT / "train.py")])
-    run("world", [*torchrun, str(wrapper), str(ROOT / "train.py")])
+    run("world", [*torchrun, "-m", "experiments.gpu_check", "run", "--fault=rank_order", str(ROOT / "train.py")])
     status, rows = check(capsys, work, base / "runs", "--tiny")
     assert rows["4f"][2] == "within 0.001 (relative, each step): not met" and status == 1, rows["4f"]
     run("world", [*torchrun, str(ROOT / "train.py")])

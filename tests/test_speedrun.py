@@ -127,3 +127,30 @@ def test_without_a_gpu_it_stops_before_anything_naming_cpu_sh(tmp_path):
     assert len(result.stderr.strip().splitlines()) == 1 and "runs/cpu.sh" in result.stderr
     assert "GPU" in result.stderr
     assert list(tmp_path.iterdir()) == [bin_dir]  # nothing made, nothing downloaded
+
+
+@pytest.mark.parametrize("args,env,named", [
+    (["6", "diagonal", "--max_tokens=1000"], {}, "--max_tokens=1000"),  # an extra argument is never dropped
+    ([], {"NPROC": "0"}, "NPROC=0"),
+    ([], {"NPROC": "abc"}, "NPROC=abc"),
+    (["7"], {}, "7"),
+])
+def test_the_recipe_s_own_inputs_are_refused_in_one_line_before_anything(args, env, named, tmp_path):
+    result = subprocess.run(["bash", "runs/speedrun.sh", *args], cwd=ROOT, capture_output=True, text=True,
+                            env={**os.environ, "HOME": str(tmp_path), "NANOPARCAE_BASE_DIR": str(tmp_path / "base"),
+                                 **env})
+    assert result.returncode == 2 and result.stdout == "", result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and named in result.stderr, result.stderr
+    assert not (tmp_path / "base").exists()
+
+
+def test_a_failed_stage_that_a_rerun_cannot_fix_says_so(tmp_path):
+    """A stage failing with 2 (bad input) or 3 (diverged) ends on another line than one a rerun continues (1)."""
+    last = {}
+    for status in (1, 2, 3):
+        script = f'set -o pipefail; RECIPE={tmp_path}; . runs/stage.sh; stage s bash -c "exit {status}"'
+        result = subprocess.run(["bash", "-c", script], cwd=ROOT, capture_output=True, text=True)
+        assert result.returncode == status and not (tmp_path / "s.done").exists()
+        last[status] = result.stderr.strip().splitlines()[-1]
+        assert f"exit status {status}" in last[status]
+    assert len({line.split("; ", 1)[1] for line in last.values()}) == 3, last
