@@ -243,7 +243,8 @@ class DiagonalInjection(Injection):
     def discretize(self):
         """Zero-order hold of A = Diag(-exp(A_log)) with step Delta: A_bar in [0, 1), in float32."""
         delta = F.softplus(self.dt_bias)
-        # no 0 * inf; floored where float32 would round A_bar to 1; past ~104, A_bar underflows to 0
+        # no 0 * inf. float32 rounds exp(-rate) to 1 below ~3e-8: the 1e-6 floor keeps A_bar < 1.
+        # Past a rate of ~104, A_bar underflows to 0.
         rate = torch.exp(self.A_log + torch.log(delta)).clamp(min=1e-6)
         return Discretized(A_bar=torch.exp(-rate), delta=delta)
 

@@ -200,7 +200,7 @@ def evaluate(name, mu_rec, with_curve):
 
 def load_results(runs):
     """{name: record} of the finished runs, each with `loss` (final val loss at T = mu_rec, a uniform guess's if
-    it diverged) and `diverged`. The suite counts as diverged what train.py stopped (common.Divergence) and also a
+    it diverged) and `diverged`. The suite counts as diverged what train.py stopped (divergence.Divergence) and also a
     run that ends no better than a uniform guess, which train.py lets finish (it never learned, or lost it between
     evals): the claims compare final losses, and such a run has learned nothing to compare."""
     results = {}

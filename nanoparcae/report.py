@@ -10,8 +10,9 @@ It reads the run's own files:
 - eval_core.py's JSON beside it, and the figures experiments/plot.py drew there.
 - recipe/, which runs/speedrun.sh and runs/cpu.sh write: stage times, the machine, the samples.
 
-No number on the card is typed. Each is read from those files or computed by model.py's formulas.
-The paper's numbers and README's come from the two tables below, which cite where they are printed.
+The run's numbers are read from those files or computed by model.py's formulas.
+The paper's numbers and README's, set beside them, are typed in the two tables below.
+Each table cites where they are printed.
 """
 
 import argparse

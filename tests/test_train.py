@@ -399,7 +399,7 @@ def test_an_eval_back_at_a_uniform_guess_stops_a_run_that_had_learned_also_acros
 
 
 def test_the_divergence_rule_step_by_step():
-    """common.Divergence as train.py calls it after every step."""
+    """divergence.Divergence as train.py calls it after every step."""
     uniform = math.log(320)
     rule = Divergence(320, "float32", patience=3)
     assert rule.check(1, True, 5.0, uniform + 30) is None  # far above, but it never learned
