@@ -20,7 +20,7 @@ In training each sequence loops its own depth (config.sampling, METHOD.md §2).
     model = Parcae(ParcaeConfig.from_depth(6))
     loss = model(idx, targets)                      # training: depths drawn per sequence
     logits = model(idx, T=16)                       # every sequence loops 16 times
-    loss = model(idx, targets, depths=(n, k))       # a draw of sample_depths, replayed
+    loss = model(idx, targets, depths=(n, k))       # n steps without gradient, then k with it
     stats = {}; model(idx, targets, diagnostics=stats)   # ||h_T|| and the update ratio
 
 The caller owns the randomness (depth_generator= or torch's RNG; h0=).
@@ -356,6 +356,7 @@ SAMPLINGS = {
 
 def sample_depths(config, batch_size, generator=None):
     """One training draw of config.sampling -> (n, k), two (B,) long tensors.
+    n: each sequence's loop steps without gradient; k: its steps with gradient, after them.
     Only per_sequence draws per sequence. The others draw once per micro-batch, as the authors'."""
     scheme, mu_bwd = config.sampling, config.mu_bwd
     draws = batch_size if scheme == "per_sequence" else 1
@@ -389,7 +390,8 @@ def split_depths(depths, mu_bwd, training):
 
 
 def mean_steps(config):
-    """The expected (n, k) of one sequence under config.sampling, the means SAMPLINGS states."""
+    """The expected (n, k), steps without / with gradient, of one sequence under config.sampling.
+    These are the means SAMPLINGS states."""
     scheme, mu_rec, mu_bwd = config.sampling, config.mu_rec, config.mu_bwd
     rest = max(mu_rec - mu_bwd, 0)
     if scheme == "poisson_unbounded":
@@ -507,7 +509,7 @@ class Parcae(nn.Module):
         """idx (B, S) -> logits (B, S, vocab).
 
         - targets (-1: ignored): the cross-entropy instead, (B, S) with reduction="none".
-        - T or depths: the loop's depths (loop_depths).
+        - T or depths = (n, k), steps without / with gradient per sequence (loop_depths).
         - h0 (B, S, d): the initial state; None draws a fresh one from torch's RNG.
         - cache: decoding's KV cache, which the S new positions extend.
         - diagnostics: a dict that gets ||h_T|| and the update ratio.
