@@ -15,10 +15,10 @@ config.injection picks the mixing:
 - "add": u = h + e.
 - "none": the Transformer. Its blocks run once.
 
-In training each sequence loops its own depth (config.sampling, METHOD.md §2).
+In training config.sampling draws the depths (METHOD.md §2): by default one per sequence.
 
     model = Parcae(ParcaeConfig.from_depth(6))
-    loss = model(idx, targets)                      # training: depths drawn per sequence
+    loss = model(idx, targets)                      # training: depths drawn by config.sampling
     logits = model(idx, T=16)                       # every sequence loops 16 times
     loss = model(idx, targets, depths=(n, k))       # n steps without gradient, then k with it
     stats = {}; model(idx, targets, diagnostics=stats)   # ||h_T|| and the update ratio
