@@ -688,7 +688,7 @@ class Parcae(nn.Module):
         """Every parameter once (the output head is wte itself)."""
         return sum(p.numel() for p in self.parameters())
 
-    def flops_per_token(self):
+    def paper_flops_per_token(self):
         """The paper's training compute C per token (METHOD.md §2, its Appendix D).
         FLOP budgets use it, so they compare with the paper's; what runs is matmul_flops_per_token.
         N leaves out wte alone: C counts value-embedding lookups as matmuls, not the tied head.

@@ -157,7 +157,7 @@ except ValueError as err:
 with torch.device("meta"):
     meta_model = Parcae(config)
 num_params = meta_model.num_params()
-flops_per_token = meta_model.flops_per_token()  # the paper's C (METHOD.md §2): the horizon's unit
+flops_per_token = meta_model.paper_flops_per_token()  # C (METHOD.md §2): the horizon's unit
 executed_flops_per_token = meta_model.matmul_flops_per_token()  # at the mean depths: MFU's
 if args.max_tokens:
     max_tokens = args.max_tokens

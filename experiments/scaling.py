@@ -100,7 +100,7 @@ def model_size(sweep, mu_rec):
         fail(err)
     with torch.device("meta"):
         model = Parcae(config)
-    return model.num_params(), model.flops_per_token(), model.matmul_flops_per_token()
+    return model.num_params(), model.paper_flops_per_token(), model.matmul_flops_per_token()
 
 
 def points(sweep):

@@ -139,8 +139,8 @@ def run_section(run):
             f"- run flags: `{flags}`",
             f"- parameters: {model.num_params():,}",
             f"- tokens: {tokens:,} trained of {planned:,} planned",
-            f"- FLOPs (the paper's C, METHOD.md §2): {model.flops_per_token():.4e} a token, "
-            f"{model.flops_per_token() * tokens:.4e} trained",
+            f"- FLOPs (the paper's C, METHOD.md §2): {model.paper_flops_per_token():.4e} a token, "
+            f"{model.paper_flops_per_token() * tokens:.4e} trained",
             f"- executed matmul FLOPs (MFU's): {model.matmul_flops_per_token():.4e} a token, "
             f"{model.matmul_flops_per_token() * tokens:.4e} trained",
             f"- last train loss: {number(steps[-1]['loss'] if steps else None)}", ""]
