@@ -138,7 +138,7 @@ def test_auto_with_threshold_zero_equals_fixed_T_max():
 
 def prefilled(model, T=4):
     """The tiny model with PROMPT in a KV cache sized for one more position, and h0 for all 8."""
-    cache = KVCache(max_len=8, depth=T)
+    cache = KVCache(max_len=8, loop_steps=T)
     h0 = initial_state((1, 8, 64), "cpu", torch.Generator().manual_seed(0))
     with torch.no_grad():
         model(torch.tensor(PROMPT), T=T, h0=h0[:, :7], cache=cache)
