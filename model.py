@@ -277,8 +277,8 @@ class ConcatInjection(Injection):
         # the authors' "adapter" rule: i.i.d. truncated normal, even beside orthogonal matrices
         trunc_normal_(self.adapter.weight, std)
 
-    def forward(self, h, e, A_bar=None):
-        return self.adapter(torch.cat([h, e], dim=-1)).to(h.dtype)  # the state stays float32
+    def forward(self, h, Bbar_e, A_bar=None):
+        return self.adapter(torch.cat([h, Bbar_e], dim=-1)).to(h.dtype)  # the state stays float32
 
     @torch.no_grad()
     def spectral_radius(self):
@@ -292,8 +292,8 @@ class AddInjection(Injection):
     def __init__(self, d):
         super().__init__()
 
-    def forward(self, h, e, A_bar=None):
-        return h + e
+    def forward(self, h, Bbar_e, A_bar=None):
+        return h + Bbar_e
 
     def spectral_radius(self):
         return 1.0
