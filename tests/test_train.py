@@ -43,7 +43,7 @@ BESIDE = {
     "exploded": (["--diverge_h_norm=1e-3", "--diverge_steps=2"], dict(expect_ok=False)),
     "hot": (["--adamw_lr=3", "--muon_lr=3", "--eval_every=2"], {}),
     "initial": ([*UNLEARNED, "--stop_at=2"], {}),
-    "per_batch": (["--sampling=per_batch", "--max_tokens=512"], {}),
+    "per_batch": (["--depth_sampling=per_batch", "--max_tokens=512"], {}),
 }
 
 
