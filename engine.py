@@ -21,7 +21,8 @@ The default test is the state's relative change ||h_t - h_{t-1}|| / ||h_t||. It 
 than a step, so the coda and head run once per token. exit="kl" tests KL(p_t || p_{t-1}) instead,
 running the coda and head every step. A token's skipped steps hold its last step's keys and values.
 
-Each row has its own generator for its h0 and its sampling. A sample never depends on its batch.
+With one generator per row, a row's h0 and tokens do not depend on the rows beside it.
+One generator shared by several rows makes each row's draws depend on the others.
 """
 
 import warnings
@@ -43,13 +44,13 @@ class KVCache:
     A site is a prelude or coda layer, or a recurrent layer at one loop step.
     With shared=True a recurrent layer's steps all write one slot (kv="shared").
     Each slot is a (B, H, max_len, D) buffer for k and one for v, written in place (as nanochat).
-    With `depth`, layer i's slots view one (depth, 2, B, H, max_len, D) tensor.
+    With `loop_steps`, layer i's slots view one (loop_steps, 2, B, H, max_len, D) tensor.
     Then one copy fills the steps an early exit skipped (fill_skipped_steps)."""
 
-    def __init__(self, max_len, depth=None, shared=False):
-        self.max_len, self.depth, self.shared = max_len, depth, shared
+    def __init__(self, max_len, loop_steps=None, shared=False):
+        self.max_len, self.loop_steps, self.shared = max_len, loop_steps, shared
         self.slots = {}  # model.Slot -> (k, v) buffers, each (B, H, max_len, D)
-        self.stacks = {}  # recurrent layer i -> (depth, 2, B, H, max_len, D), when depth is given
+        self.stacks = {}  # recurrent layer i -> (loop_steps, 2, B, H, max_len, D), when given
         self.pos = 0  # positions claimed so far, those of the forward under way included
         # shared: (B, 1, 1, 1), the rows whose newest entries stay at the step they stopped at
         self.frozen = None
@@ -67,10 +68,10 @@ class KVCache:
             slot = slot._replace(step=0)
         if slot not in self.slots:
             B, H, _, D = like.shape
-            if slot.part == "recur" and self.depth is not None and slot.step < self.depth:
+            if slot.part == "recur" and self.loop_steps is not None and slot.step < self.loop_steps:
                 if slot.layer not in self.stacks:
                     self.stacks[slot.layer] = like.new_zeros(
-                        self.depth, 2, B, H, self.max_len, D)
+                        self.loop_steps, 2, B, H, self.max_len, D)
                 self.slots[slot] = tuple(self.stacks[slot.layer][slot.step])
             else:
                 self.slots[slot] = tuple(like.new_zeros(B, H, self.max_len, D) for _ in range(2))
@@ -115,8 +116,8 @@ def sample_next(logits, temperature, top_k, generators):
 # One new position: the recurrence at a fixed depth, or stopped per row when it settles
 
 EXITS = ("state", "kl")
-# T="auto"'s default thresholds. "state": the largest that keeps the CPU default checkpoint's
-# teacher-forced loss within 0.5% of fixed T = mu_rec (docs/performance.md)
+# T="auto"'s default thresholds, chosen by hand, not swept. On the CPU default checkpoint,
+# "state" 0.15 keeps the teacher-forced loss within 0.01% of fixed T = mu_rec (docs/performance.md)
 EXIT_THRESHOLDS = {"state": 0.15, "kl": 5e-4}
 
 
@@ -178,12 +179,12 @@ def decode_step(model, idx, cache, h0, T, exit=None, threshold=0.0, A_bar=None):
 def fill_skipped_steps(cache, steps, T_max):
     """Copy each row's last step into the newest position's slots of the steps it skipped.
     Later tokens then see it at every depth. steps: the steps each row ran."""
-    if cache.depth is None or cache.depth < T_max:
+    if cache.loop_steps is None or cache.loop_steps < T_max:
         raise ValueError(f"an early exit fills the steps it skipped in the cache's stacks: "
-                         f"build the cache as KVCache(max_len, depth={T_max})")
+                         f"build the cache as KVCache(max_len, loop_steps={T_max})")
     p = cache.pos - 1
     for r, ran in enumerate(steps):
-        for stack in cache.stacks.values():  # (depth, 2, B, H, max_len, D)
+        for stack in cache.stacks.values():  # (loop_steps, 2, B, H, max_len, D)
             stack[ran:T_max, :, r, :, p] = stack[ran - 1, :, r, :, p]
 
 # -----------------------------------------------------------------------------
@@ -238,8 +239,8 @@ class Decoder:
         self.tokens = torch.zeros(idx.size(0), num_positions, dtype=torch.long, device=device)
         self.tokens[:, :idx.size(1)], self.length = idx, idx.size(1)
         # stacked steps only for T="auto" on the steps cache, whose early exits fill those skipped
-        depth = self.T if adaptive and kv == "steps" else None
-        self.cache = (KVCache(num_positions, depth, shared=kv == "shared") if use_cache
+        loop_steps = self.T if adaptive and kv == "steps" else None
+        self.cache = (KVCache(num_positions, loop_steps, shared=kv == "shared") if use_cache
                       else None)
         with torch.inference_mode():
             # A_bar does not change while decoding: formed once

@@ -15,12 +15,12 @@ config.injection picks the mixing:
 - "add": u = h + e.
 - "none": the Transformer. Its blocks run once.
 
-In training each sequence loops its own depth (config.sampling, METHOD.md §2).
+In training config.sampling draws the depths (METHOD.md §2): by default one per sequence.
 
     model = Parcae(ParcaeConfig.from_depth(6))
-    loss = model(idx, targets)                      # training: depths drawn per sequence
+    loss = model(idx, targets)                      # training: depths drawn by config.sampling
     logits = model(idx, T=16)                       # every sequence loops 16 times
-    loss = model(idx, targets, depths=(n, k))       # a draw of sample_depths, replayed
+    loss = model(idx, targets, depths=(n, k))       # n steps without gradient, then k with it
     stats = {}; model(idx, targets, diagnostics=stats)   # ||h_T|| and the update ratio
 
 The caller owns the randomness: depth_generator= and h0_generator= (or h0=).
@@ -243,7 +243,8 @@ class DiagonalInjection(Injection):
     def discretize(self):
         """Zero-order hold of A = Diag(-exp(A_log)) with step Delta: A_bar in [0, 1), in float32."""
         delta = F.softplus(self.dt_bias)
-        # no 0 * inf; floored where float32 would round A_bar to 1; past ~104, A_bar underflows to 0
+        # no 0 * inf. float32 rounds exp(-rate) to 1 below ~3e-8: the 1e-6 floor keeps A_bar < 1.
+        # Past a rate of ~104, A_bar underflows to 0.
         rate = torch.exp(self.A_log + torch.log(delta)).clamp(min=1e-6)
         return Discretized(A_bar=torch.exp(-rate), delta=delta)
 
@@ -276,8 +277,8 @@ class ConcatInjection(Injection):
         # the authors' "adapter" rule: i.i.d. truncated normal, even beside orthogonal matrices
         trunc_normal_(self.adapter.weight, std)
 
-    def forward(self, h, e, A_bar=None):
-        return self.adapter(torch.cat([h, e], dim=-1)).to(h.dtype)  # the state stays float32
+    def forward(self, h, Bbar_e, A_bar=None):
+        return self.adapter(torch.cat([h, Bbar_e], dim=-1)).to(h.dtype)  # the state stays float32
 
     @torch.no_grad()
     def spectral_radius(self):
@@ -291,8 +292,8 @@ class AddInjection(Injection):
     def __init__(self, d):
         super().__init__()
 
-    def forward(self, h, e, A_bar=None):
-        return h + e
+    def forward(self, h, Bbar_e, A_bar=None):
+        return h + Bbar_e
 
     def spectral_radius(self):
         return 1.0
@@ -355,6 +356,7 @@ SAMPLINGS = {
 
 def sample_depths(config, batch_size, generator=None):
     """One training draw of config.sampling -> (n, k), two (B,) long tensors.
+    n: each sequence's loop steps without gradient; k: its steps with gradient, after them.
     Only per_sequence draws per sequence. The others draw once per micro-batch, as the authors'."""
     scheme, mu_bwd = config.sampling, config.mu_bwd
     draws = batch_size if scheme == "per_sequence" else 1
@@ -388,7 +390,8 @@ def split_depths(depths, mu_bwd, training):
 
 
 def mean_steps(config):
-    """The expected (n, k) of one sequence under config.sampling, the means SAMPLINGS states."""
+    """The expected (n, k), steps without / with gradient, of one sequence under config.sampling.
+    These are the means SAMPLINGS states."""
     scheme, mu_rec, mu_bwd = config.sampling, config.mu_rec, config.mu_bwd
     rest = max(mu_rec - mu_bwd, 0)
     if scheme == "poisson_unbounded":
@@ -506,7 +509,7 @@ class Parcae(nn.Module):
         """idx (B, S) -> logits (B, S, vocab).
 
         - targets (-1: ignored): the cross-entropy instead, (B, S) with reduction="none".
-        - T or depths: the loop's depths (loop_depths).
+        - T or depths = (n, k), steps without / with gradient per sequence (loop_depths).
         - h0 (B, S, d): the initial state; None draws one from h0_generator (on idx's device).
         - cache: decoding's KV cache, which the S new positions extend.
         - diagnostics: a dict that gets ||h_T|| and the update ratio.
@@ -686,7 +689,7 @@ class Parcae(nn.Module):
         """Every parameter once (the output head is wte itself)."""
         return sum(p.numel() for p in self.parameters())
 
-    def flops_per_token(self):
+    def paper_flops_per_token(self):
         """The paper's training compute C per token (METHOD.md §2, its Appendix D).
         FLOP budgets use it, so they compare with the paper's; what runs is matmul_flops_per_token.
         N leaves out wte alone: C counts value-embedding lookups as matmuls, not the tied head.

@@ -176,21 +176,18 @@ class MuonAdamW(torch.optim.Optimizer):
 
 # -----------------------------------------------------------------------------
 # Parameter groups (METHOD.md §2): Muon takes the 2-D matrices inside the blocks (prelude., recur.,
-# coda.); AdamW everything else, the injection's parameters included, which the authors keep on
-# AdamW for stability. They match substrings of their own names; this picks the same by role.
+# coda.); AdamW everything else. The injection (A_log, dt_bias, B or the adapter) and C_proj live
+# outside the blocks, so the prefix alone keeps them on AdamW, as the authors keep them.
+# The authors match substrings of their own names; this picks the same by place.
 
 MUON_PREFIXES = ('prelude.', 'recur.', 'coda.')
-ADAMW_LEAVES = {'A_log', 'dt_bias', 'B.weight', 'C_proj.weight', 'adapter.weight'}
 
 
 def is_muon_param(name: str, p: Tensor) -> bool:
     # names from a compiled or DDP-wrapped model too
     while name.startswith(('_orig_mod.', 'module.')):
         name = name.split('.', 1)[1]
-    parts = name.split('.')
-    leaf = parts[-1] if parts[-1] != 'weight' else '.'.join(parts[-2:])
-    return (p.ndim == 2 and name.startswith(MUON_PREFIXES) and leaf not in ADAMW_LEAVES
-            and 'value_embeds' not in parts)
+    return p.ndim == 2 and name.startswith(MUON_PREFIXES) and 'value_embeds' not in name.split('.')
 
 
 def build_optimizer(model: torch.nn.Module, adamw_lr: float, muon_lr: float = 8e-3,

@@ -69,7 +69,7 @@ flag("--mu_bwd", type=flags.positive(int), default=None,
      help="backpropagated depth (None: ceil(mu_rec/2))")
 flag("--injection", default="diagonal", choices=INJECTIONS,
      help="diagonal = Parcae, concat = RDM, add, none = fixed-depth Transformer")
-flag("--sampling", default="per_sequence", choices=list(SAMPLINGS), metavar="SCHEME",
+flag("--depth_sampling", default="per_sequence", choices=list(SAMPLINGS), metavar="SCHEME",
      help=f"recurrence-depth sampler, one of {', '.join(SAMPLINGS)} (model.py)")
 flag("--prelude_norm", type=int, default=1, choices=[0, 1], help="RMSNorm on the prelude's output")
 flag("--vocab_size", type=flags.positive(int), default=32768, help="tokens, the specials included")
@@ -127,7 +127,7 @@ args = parser.parse_args()
 device = parse_device(args.device)
 # A run is these flags' values: its checkpoints record them, and continuing it with another value
 # of one is refused. Every other flag may change when a run continues.
-RUN_FLAGS = ("depth", "d_model", "head_dim", "mu_rec", "mu_bwd", "injection", "sampling",
+RUN_FLAGS = ("depth", "d_model", "head_dim", "mu_rec", "mu_bwd", "injection", "depth_sampling",
              "prelude_norm", "vocab_size", "seq_len", "data", "max_tokens", "param_data_ratio",
              "target_flops", "device_batch_size", "total_batch_size", "optimizer", "adamw_lr",
              "muon_lr", "weight_decay", "grad_clip", "warmdown_frac", "seed")
@@ -137,12 +137,13 @@ RUN_FLAGS = ("depth", "d_model", "head_dim", "mu_rec", "mu_bwd", "injection", "s
 
 config = ParcaeConfig.from_depth(
     args.depth, vocab_size=args.vocab_size, seq_len=args.seq_len, head_dim=args.head_dim,
-    mu_rec=args.mu_rec, mu_bwd=args.mu_bwd, injection=args.injection, sampling=args.sampling,
-    prelude_norm=bool(args.prelude_norm), **({"d_model": args.d_model} if args.d_model else {}))
+    mu_rec=args.mu_rec, mu_bwd=args.mu_bwd, injection=args.injection,
+    sampling=args.depth_sampling, prelude_norm=bool(args.prelude_norm),
+    **({"d_model": args.d_model} if args.d_model else {}))
 with torch.device("meta"):
     meta_model = Parcae(config)
 num_params = meta_model.num_params()
-flops_per_token = meta_model.flops_per_token()  # the paper's C (METHOD.md §2): the horizon's unit
+flops_per_token = meta_model.paper_flops_per_token()  # C (METHOD.md §2): the horizon's unit
 executed_flops_per_token = meta_model.matmul_flops_per_token()  # at the mean depths: MFU's
 if args.max_tokens:
     max_tokens = args.max_tokens

@@ -12,7 +12,7 @@ the noise of a shared machine falls on both; each is the median of --repeats rep
 Training steps run forward + backward + gradient clip + optimiser step (optim.build_optimizer), on
 fixed batches of random tokens, with the depths of every step drawn up front (model.sample_depths) and
 replayed as forward's depths, so both sides of a comparison run exactly the same depths. Every FLOP/s figure counts the
-matmul FLOPs executed (Parcae.matmul_flops_per_token), not the paper's C (Parcae.flops_per_token, for budgets).
+matmul FLOPs executed (Parcae.matmul_flops_per_token), not the paper's C (Parcae.paper_flops_per_token, for budgets).
 """
 
 import argparse

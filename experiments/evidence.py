@@ -67,7 +67,7 @@ def make_run(injection="diagonal", rate=SHARED_RATE, seed=0, mu_rec=8, sampling=
            f"_mu{mu_rec}_lr{rate:g}_s{seed}"
     steps = SMALL_STEPS if small else STEPS
     flags = (SMALL if small else MAIN) + [
-        f"--injection={injection}", f"--mu_rec={mu_rec}", f"--sampling={sampling}", f"--prelude_norm={prelude_norm}",
+        f"--injection={injection}", f"--mu_rec={mu_rec}", f"--depth_sampling={sampling}", f"--prelude_norm={prelude_norm}",
         f"--optimizer={optimizer}", f"--adamw_lr={rate:g}", f"--muon_lr={rate:g}", f"--seed={seed}",
         f"--max_tokens={steps * BATCH}", f"--eval_every={steps // 10}", f"--run={name}"]
     executed = 1 if injection == "none" else mu_rec * (1.5 if sampling == "per_batch" else 1)  # loop steps
@@ -200,7 +200,7 @@ def evaluate(name, mu_rec, with_curve):
 
 def load_results(runs):
     """{name: record} of the finished runs, each with `loss` (final val loss at T = mu_rec, a uniform guess's if
-    it diverged) and `diverged`. The suite counts as diverged what train.py stopped (common.Divergence) and also a
+    it diverged) and `diverged`. The suite counts as diverged what train.py stopped (divergence.Divergence) and also a
     run that ends no better than a uniform guess, which train.py lets finish (it never learned, or lost it between
     evals): the claims compare final losses, and such a run has learned nothing to compare."""
     results = {}

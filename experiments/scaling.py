@@ -100,7 +100,7 @@ def model_size(sweep, mu_rec):
         fail(err)
     with torch.device("meta"):
         model = Parcae(config)
-    return model.num_params(), model.flops_per_token(), model.matmul_flops_per_token()
+    return model.num_params(), model.paper_flops_per_token(), model.matmul_flops_per_token()
 
 
 def points(sweep):
@@ -125,7 +125,7 @@ def train_flags(sweep, point):
     flags = [f"--depth={sweep['depth']}", f"--mu_rec={point['mu_rec']}", f"--target_flops={point['C']:g}",
              f"--total_batch_size={sweep['batch']}", f"--run={point['name']}", f"--seed={point['seed']}"]
     flags += [f"--{key}={value}" for key, value in sweep["model"].items()] + sweep["train_args"]
-    return flags + (["--sampling=fixed"] if point["mu_rec"] == 1 else [])
+    return flags + (["--depth_sampling=fixed"] if point["mu_rec"] == 1 else [])
 
 
 def launcher(gpus):

@@ -10,8 +10,9 @@ It reads the run's own files:
 - eval_core.py's JSON beside it, and the figures experiments/plot.py drew there.
 - recipe/, which runs/speedrun.sh and runs/cpu.sh write: stage times, the machine, the samples.
 
-No number on the card is typed. Each is read from those files or computed by model.py's formulas.
-The paper's numbers and README's come from the two tables below, which cite where they are printed.
+The run's numbers are read from those files or computed by model.py's formulas.
+The paper's numbers and README's, set beside them, are typed in the two tables below.
+Each table cites where they are printed.
 """
 
 import argparse
@@ -138,8 +139,8 @@ def run_section(run):
             f"- run flags: `{flags}`",
             f"- parameters: {model.num_params():,}",
             f"- tokens: {tokens:,} trained of {planned:,} planned",
-            f"- FLOPs (the paper's C, METHOD.md §2): {model.flops_per_token():.4e} a token, "
-            f"{model.flops_per_token() * tokens:.4e} trained",
+            f"- FLOPs (the paper's C, METHOD.md §2): {model.paper_flops_per_token():.4e} a token, "
+            f"{model.paper_flops_per_token() * tokens:.4e} trained",
             f"- executed matmul FLOPs (MFU's): {model.matmul_flops_per_token():.4e} a token, "
             f"{model.matmul_flops_per_token() * tokens:.4e} trained",
             f"- last train loss: {number(steps[-1]['loss'] if steps else None)}", ""]

@@ -33,6 +33,10 @@ def run_folder(args):
     return run_dir(args.run or f"d{args.depth}_{args.injection}")
 
 
+# Run flags that older checkpoints recorded under a former name: read as today's
+RENAMED_FLAGS = {"sampling": "depth_sampling"}
+
+
 def identify_run(args, run_flags, batch, device, **resolved):
     """The run this command trains, checked on every rank before anything is built or written.
     Returns namespace(dir, name, tokenizer_dir, flags, checkpoint, ckpt, step, device_batch_size, grad_accum).
@@ -63,7 +67,7 @@ def identify_run(args, run_flags, batch, device, **resolved):
         recorded = {}
         if checkpoint:
             ckpt = read_checkpoint(checkpoint, device)  # unreadable: one line naming the file
-            recorded = ckpt.get("run", {})
+            recorded = {RENAMED_FLAGS.get(flag, flag): value for flag, value in ckpt.get("run", {}).items()}
             if not batch.given and recorded.get("device_batch_size", batch.fitting) != batch.fitting:
                 size = recorded["device_batch_size"]  # it fixes the run's data order
                 tight = device.type == "cuda" and size > batch.plan["largest_batch"][batch.gpu_gb]

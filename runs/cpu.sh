@@ -17,7 +17,7 @@ stage train python train.py --depth=3 --d_model=128 --head_dim=64 --mu_rec=4 --v
     --data=stdlib --device_batch_size=16 --total_batch_size=8192 --max_tokens=3.2e6 --dtype=float32 --compile=0 \
     --eval_every=130 --eval_tokens=65536 --save_every=130 --log_every=20 --core_every=-1
 # the loss at each depth and the fit of L(T); CORE needs the eval bundle's download (python eval_core.py)
-stage eval_bpb python eval_core.py --run d3_diagonal --eval bpb --T 1,2,4,8,16,32 --val_tokens 65536 --batch_size 16
+stage eval_bpb python eval_core.py --run $run --eval bpb --T 1,2,4,8,16,32 --val_tokens 65536 --batch_size 16
 figures() {  # in stage's `if`, where set -e is off: `|| return`
     show python -m experiments.plot $run --metrics=loss -o "$(dirname "$RECIPE")/loss.png" || return
     show python -m experiments.plot --test_time=$run
@@ -32,5 +32,5 @@ samples() {  # samples T: sample.py's text at depth T, to recipe/samples_T<T>.tx
 stage samples_T4 samples 4
 stage samples_T1 samples 1
 rm -f "$RECIPE/report.done"  # the card is written again on every run
-stage report python -m nanoparcae.report --run=d3_diagonal
+stage report python -m nanoparcae.report --run=$run
 echo "== the report card: $(dirname "$RECIPE")/report.md"

@@ -4,6 +4,7 @@ a command run as users run it, in a process of its own, forked from one that has
 python, train); what a message must carry (its flags, values and paths, not its sentence); a run folder's files,
 to show a command left them as they were; and a local HTTP server over a folder."""
 
+import contextlib
 import functools
 import http.server
 import multiprocessing.forkserver
@@ -260,6 +261,14 @@ def carries(message, *words):
             return False
         position = found.end()
     return True
+
+
+@contextlib.contextmanager
+def raises_naming(error, *words):
+    """pytest.raises(error), whose message must name each of words (carries): the flag or value, not the sentence."""
+    with pytest.raises(error) as info:
+        yield info
+    assert carries(str(info.value), *words), info.value
 
 
 def untouched(run_dir):

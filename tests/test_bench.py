@@ -38,7 +38,7 @@ def loss_and_grads(loss_fn, model, x, y, depths):
     return loss, torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
 
 
-PER_BATCH = (torch.tensor([4, 4, 4, 4]), torch.tensor([3, 3, 3, 3]))  # an (n, k) draw of --sampling=per_batch
+PER_BATCH = (torch.tensor([4, 4, 4, 4]), torch.tensor([3, 3, 3, 3]))  # an (n, k) draw of --depth_sampling=per_batch
 
 
 @pytest.mark.parametrize("depths", [DEPTHS, UNIFORM, PER_BATCH])

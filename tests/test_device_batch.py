@@ -9,6 +9,7 @@ before it would touch the device.
 import json
 import re
 import runpy
+import shutil
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
@@ -157,7 +158,7 @@ CONCAT = ["--injection=concat", "--max_tokens=1024", "--eval_every=2", "--run=co
 # other flag's continues the run (which, finished, says it is done).
 RUN_DEFINING = {
     "depth": "6", "d_model": "96", "head_dim": "16", "mu_rec": "4", "mu_bwd": "1", "injection": "add",
-    "sampling": "per_batch", "prelude_norm": "0", "vocab_size": "384", "seq_len": "64", "data": "stdlib",
+    "depth_sampling": "per_batch", "prelude_norm": "0", "vocab_size": "384", "seq_len": "64", "data": "stdlib",
     "max_tokens": "2048", "param_data_ratio": "1", "target_flops": "1e12", "device_batch_size": "2",
     "total_batch_size": "512", "optimizer": "adamw", "adamw_lr": "0.01", "muon_lr": "0.01", "weight_decay": "0.1",
     "grad_clip": "0.5", "warmdown_frac": "0.25", "seed": "1",
@@ -190,6 +191,25 @@ def test_every_flag_defines_the_run_or_may_change_when_it_continues(corpus, conc
             assert status == 0 and carries(out, "run", "concat", "done"), (name, out, err)
     checkpoint = torch.load(corpus / "base" / "runs" / "concat" / "ckpt_000004.pt", weights_only=True)
     assert set(checkpoint["run"]) == set(RUN_DEFINING)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_that_recorded_a_former_flag_name_continues(corpus, concat, monkeypatch, capsys):
+    """A checkpoint written before --sampling became --depth_sampling records `sampling`: the same command
+    continues its run (finished: done), and another sampler is still refused, naming the flag."""
+    concat.result()
+    base = corpus / "base" / "runs"
+    shutil.copytree(base / "concat", base / "concat_old", ignore=shutil.ignore_patterns("lock"))
+    path = base / "concat_old" / "ckpt_000004.pt"
+    checkpoint = torch.load(path, weights_only=True)
+    checkpoint["run"]["sampling"] = checkpoint["run"].pop("depth_sampling")
+    torch.save(checkpoint, path)
+    monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(corpus / "base"))
+    command = [f"--data={corpus / 'corpus.txt'}", *TINY, *CONCAT, "--run=concat_old"]
+    status, out, err = run_train(monkeypatch, capsys, *command)
+    assert status == 0 and carries(out, "run", "concat_old", "done"), (out, err)
+    status, _, err = run_train(monkeypatch, capsys, *command, "--depth_sampling=per_batch")
+    assert status == 2 and carries(err, "depth_sampling", "per_sequence", "per_batch"), err
 
 
 def test_readme_and_docs_commands_fit_their_plan_and_the_readme_table_is_the_choice():

@@ -66,7 +66,7 @@ def test_card_shows_the_numbers_of_the_run_files():
     assert "8 x NVIDIA H100 80GB HBM3" in card and "torch 2.13.0, CUDA 12.8" in card and "abc123" in card
     assert f"parameters: {model.num_params():,}" in card
     assert "2,560 trained" in card  # step 10 x 256 tokens
-    assert f"{model.flops_per_token() * 2560:.4e} trained" in card
+    assert f"{model.paper_flops_per_token() * 2560:.4e} trained" in card
     assert f"{model.matmul_flops_per_token() * 2560:.4e} trained" in card
     assert "0.8 min over 2 attempt(s) (1 interrupted" in card and f"{2560 / 50:,.0f} tokens/s" in card
     assert "10,000" in card and "MFU 10.0%" in card  # step 10's, the torn step 12 skipped

@@ -44,7 +44,7 @@ BESIDE = {
     "exploded": (["--diverge_h_norm=1e-3", "--diverge_steps=2"], dict(expect_ok=False)),
     "hot": (["--adamw_lr=3", "--muon_lr=3", "--eval_every=2"], {}),
     "initial": ([*UNLEARNED, "--stop_at=2"], {}),
-    "per_batch": (["--sampling=per_batch", "--max_tokens=512"], {}),
+    "per_batch": (["--depth_sampling=per_batch", "--max_tokens=512"], {}),
 }
 
 
@@ -400,7 +400,7 @@ def test_an_eval_back_at_a_uniform_guess_stops_a_run_that_had_learned_also_acros
 
 
 def test_the_divergence_rule_step_by_step():
-    """common.Divergence as train.py calls it after every step."""
+    """divergence.Divergence as train.py calls it after every step."""
     uniform = math.log(320)
     rule = Divergence(320, "float32", patience=3)
     assert rule.check(1, True, 5.0, uniform + 30) is None  # far above, but it never learned
