@@ -91,7 +91,7 @@ def record_machine(run_dir):
 def read_run(run_dir):
     """Everything the card shows, read from run_dir -> a dict; a file that is missing is None."""
     checkpoint = find_checkpoint(run_dir.parent, run_dir.name)
-    ckpt = read_checkpoint(checkpoint, mmap=True)
+    ckpt = read_checkpoint(checkpoint, mmap=True, unused=("model", "optimizer", "loader"))  # no tensor is read
     model = sized_model(ParcaeConfig(**ckpt["config"]))  # for its counts: no weights
     stages = read_metrics(run_dir / "recipe" / "stages.jsonl")
     samples = {int(path.stem.split("_T")[1]): path.read_text()
