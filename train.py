@@ -262,8 +262,9 @@ try:
 except (FileNotFoundError, ValueError) as err:
     refusal = dataset.data_refusal(err, args, tokens, paper_horizon)
 ranks.refuse_alike(refusal)  # a rank's own refusal (no documents in its share) stops every rank
-# The lock comes after every check that can refuse the command: a refused one writes nothing
-run_lock = claim_run(run.dir)  # one trainer per run, until this process ends
+# The lock comes after every check that can refuse the command: a refused one writes nothing.
+# Holding it, the run's folder must be as identify_run checked it: none trained it meanwhile
+run_lock = claim_run(run)  # one trainer per run, until this process ends
 
 # -----------------------------------------------------------------------------
 # The model and the optimizer: MuonAdamW (METHOD.md §2), or AdamW on all
