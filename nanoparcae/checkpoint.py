@@ -146,17 +146,19 @@ def tensors_digest(value):
 
 
 def check_digest(ckpt, path, unused=()):
-    """Each of ckpt's entries but the unused whose tensors differ from their saved digest: ValueError naming it.
-    A checkpoint saved before digests: a warning, for refusing it would strand every run that holds one."""
-    if "digest" not in ckpt:
-        print0(f"warning: checkpoint {path} carries no digest (it predates them), so damage to its bytes goes "
-               f"unseen; the run's next save adds one", file=sys.stderr)
-        return
-    for key, digest in ckpt["digest"].items():
+    """Each of ckpt's entries but the unused whose tensors differ from their saved digest: ValueError naming it."""
+    for key, digest in ckpt.get("digest", {}).items():
         if key not in unused and tensors_digest(ckpt.get(key)) != digest:
             raise ValueError(f"checkpoint {path} is damaged: its {key} tensors differ from the digest saved with "
                              f"them; remove it to start the run over (a run keeps its newest checkpoint only), or "
                              f"restore it from a copy")
+
+
+def warn_if_undigested(ckpt, path):
+    """A checkpoint saved before digests is used with a warning: refusing it would strand every run holding one."""
+    if "digest" not in ckpt:
+        print0(f"warning: checkpoint {path} carries no digest (it predates them), so damage to its bytes goes "
+               f"unseen; the run's next save adds one", file=sys.stderr)
 
 
 def read_checkpoint(path, device="cpu", mmap=False, unused=()):
@@ -262,5 +264,6 @@ def load_run(ckpt_or_run=None, device="cpu"):
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(f"the tokenizer at {directory} has {tokenizer.vocab_size} tokens, the model "
                          f"{model.config.vocab_size}: they are not from the same run")
+    warn_if_undigested(ckpt, path)
     ckpt = {**{k: v for k, v in ckpt.items() if k not in unused}, "model": model.state_dict()}
     return model, tokenizer, ckpt, path

@@ -18,7 +18,8 @@ from types import SimpleNamespace
 
 import torch.distributed as dist
 
-from nanoparcae.checkpoint import find_checkpoint, read_checkpoint, remove_partial_saves, resume_refusal, run_dir
+from nanoparcae.checkpoint import (find_checkpoint, read_checkpoint, remove_partial_saves, resume_refusal, run_dir,
+                                   warn_if_undigested)
 from nanoparcae.common import fail, print0, wait_for_rank0
 from nanoparcae.dataset import tokenizer_dir
 from nanoparcae.ranks import agree_to_start, checkpoint_digest
@@ -102,6 +103,8 @@ def identify_run(args, run_flags, batch, device, **resolved):
         agree_to_start(name, refusal, *start)
     except ValueError as err:
         fail(err)
+    if ckpt:
+        warn_if_undigested(ckpt, checkpoint)
     return SimpleNamespace(dir=folder, name=name, tokenizer_dir=tokenizer_path, flags=flags,
                            checkpoint=checkpoint, ckpt=ckpt, step=start[0], device_batch_size=size, seen=seen)
 

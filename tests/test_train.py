@@ -24,8 +24,8 @@ import torch
 import sample
 from nanoparcae.dataset import list_chunks
 from nanoparcae.divergence import Divergence
-from conftest import (ROOT, TINY, Started, carries, python, refused, train, train_command, train_env, untouched,
-                      write_corpus)
+from conftest import (ROOT, TINY, Started, carries, corrupt_a_weight, python, refused, train, train_command,
+                      train_env, untouched, write_corpus)
 from model import Parcae, ParcaeConfig
 
 # a concat run that barely moves its initial weights: it never learns
@@ -207,17 +207,20 @@ def test_a_run_whose_files_changed_is_not_continued_on_them(corpus, beside):
 
 
 @pytest.mark.slow
-def test_a_damaged_newest_checkpoint_is_named_and_left_as_it_is(corpus, tmp_path, first_two):
-    """A truncated checkpoint: one line naming the file, that it is truncated or unreadable, what to do; the folder
-    stays as it was."""
+@pytest.mark.parametrize("damage", ["truncated", "damaged"])
+def test_a_damaged_newest_checkpoint_is_named_and_left_as_it_is(corpus, tmp_path, first_two, damage):
+    """A truncated checkpoint, or one with a byte changed amid its weights: one line naming the file, what is wrong,
+    what to do; the folder stays as it was."""
     run_dir = tmp_path / "base" / "runs" / "damaged"
     run_dir.mkdir(parents=True)
     whole = (corpus / "base" / "runs" / "halves" / "ckpt_000002.pt").read_bytes()
-    (run_dir / "ckpt_000002.pt").write_bytes(whole[:len(whole) // 2])
+    (run_dir / "ckpt_000002.pt").write_bytes(whole[:len(whole) // 2] if damage == "truncated" else whole)
+    if damage == "damaged":
+        corrupt_a_weight(run_dir / "ckpt_000002.pt")
     (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
     files = untouched(run_dir)
     message = refused(train(corpus, "--run=damaged", base=tmp_path / "base", expect_ok=False))
-    assert carries(message, str(run_dir / "ckpt_000002.pt"), "truncated", "remove", "restore"), message
+    assert carries(message, str(run_dir / "ckpt_000002.pt"), damage, "remove", "restore"), message
     assert untouched(run_dir) == files
 
 
