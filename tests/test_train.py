@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -222,6 +223,23 @@ def test_a_damaged_newest_checkpoint_is_named_and_left_as_it_is(corpus, tmp_path
     message = refused(train(corpus, "--run=damaged", base=tmp_path / "base", expect_ok=False))
     assert carries(message, str(run_dir / "ckpt_000002.pt"), damage, "remove", "restore"), message
     assert untouched(run_dir) == files
+
+
+@pytest.mark.slow
+def test_a_run_whose_tokenizer_was_replaced_is_not_resumed(corpus, tmp_path, first_two):
+    """Another tokenizer of the same size in the run's tokenizer folder: one line naming the folder and both
+    digests, status 2; the run's folder stays as it was."""
+    from nanoparcae.tokenizer import Tokenizer
+    base = tmp_path / "base"
+    shutil.copytree(corpus / "base" / "runs" / "halves", base / "runs" / "halves")
+    recorded = Path(torch.load(base / "runs" / "halves" / "ckpt_000002.pt", weights_only=True)["tokenizer_dir"])
+    tokenizer_dir = shutil.copytree(recorded, base / "tokenizers" / recorded.name)
+    trained_with = Tokenizer.files_digest(tokenizer_dir)
+    Tokenizer.train(iter(["another corpus altogether, another merge order"] * 40), vocab_size=320).save(tokenizer_dir)
+    files = untouched(base / "runs" / "halves")
+    message = refused(train(corpus, "--run=halves", base=base, expect_ok=False))
+    assert carries(message, str(tokenizer_dir), Tokenizer.files_digest(tokenizer_dir), trained_with), message
+    assert untouched(base / "runs" / "halves") == files
 
 
 @pytest.mark.slow
