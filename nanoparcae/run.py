@@ -21,7 +21,7 @@ import torch.distributed as dist
 from nanoparcae.checkpoint import (find_checkpoint, read_checkpoint, remove_partial_saves, resume_refusal, run_dir,
                                    warn_if_undigested)
 from nanoparcae.common import fail, print0, wait_for_rank0
-from nanoparcae.dataset import tokenizer_dir
+from nanoparcae.dataset import data_key, tokenizer_dir
 from nanoparcae.ranks import agree_to_start, checkpoint_digest
 from nanoparcae.tokenizer import Tokenizer
 
@@ -54,7 +54,7 @@ def identify_run(args, run_flags, batch, device, **resolved):
     """
     try:
         tokenizer_path = tokenizer_dir(args.data, args.vocab_size)  # recorded in each checkpoint
-        data_key = tokenizer_path.name.removesuffix(f"-{args.vocab_size}")  # content, not path
+        content = data_key(args.data)  # not its path
         folder = run_folder(args)
     except (FileNotFoundError, ValueError) as err:
         fail(err)
@@ -77,7 +77,7 @@ def identify_run(args, run_flags, batch, device, **resolved):
                        + (f"; its plan no longer fits {batch.gpu}, where {batch.fitting} does" if tight
                           else ""))
         flags = {flag: getattr(args, flag) for flag in run_flags}
-        flags.update(resolved, data=data_key, device_batch_size=size)
+        flags.update(resolved, data=content, device_batch_size=size)
         if ckpt:
             differ = [f"{flag} {recorded.get(flag, 'unrecorded')} there, {value} here"
                       for flag, value in flags.items() if recorded.get(flag) != value]
