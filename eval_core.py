@@ -40,7 +40,7 @@ from nanoparcae.core_tasks import (CORE_LABELS, EVAL_BUNDLE_URL, LM, build_rows,
                                    load_task_data, read_random_baselines, select_tasks,
                                    shared_eval_bundle)
 from data import val_batches
-from nanoparcae.dataset import iter_documents
+from nanoparcae.dataset import data_key, iter_documents
 from nanoparcae.flags import checked, listed, positive
 from model import evaluation_initial_state
 
@@ -158,7 +158,7 @@ def evaluate_core(model, tokenizer, bundle_dir, T=None, max_per_task=-1, tasks="
     # one seeded h0 table and the chance baselines serve every task
     baselines = read_random_baselines(bundle_dir)
     h0_table = evaluation_initial_state(model.config.d_model, model.config.seq_len, seed, device)
-    accuracy, centered, skipped = {}, {}, {}
+    accuracy, centered, skipped, items = {}, {}, {}, {}
     for task in select_tasks(tasks) if isinstance(tasks, str) else tasks:
         # skip, with why, a task the bundle cannot score
         if not (Path(bundle_dir) / "eval_data" / task.path).is_file():
@@ -172,6 +172,7 @@ def evaluate_core(model, tokenizer, bundle_dir, T=None, max_per_task=-1, tasks="
         # score it: accuracy, then centered on chance
         t0 = time.time()
         data = load_task_data(bundle_dir, task, max_per_task)
+        items[task.label] = len(data)
         accuracy[task.label] = evaluate_task(model, tokenizer, task, data, T, seed, h0_table,
                                              batch_tokens, one_per_forward)
         centered[task.label] = centered_accuracy(accuracy[task.label], baselines[task.label])
@@ -183,7 +184,7 @@ def evaluate_core(model, tokenizer, bundle_dir, T=None, max_per_task=-1, tasks="
     core = [c for label, c in centered.items() if label in CORE_LABELS]
     extended_ran = any(label not in CORE_LABELS for label in centered)
     return {"T": T if T is not None else model.config.mu_rec, "seed": seed,
-            "max_per_task": max_per_task, "accuracy": accuracy, "centered": centered,
+            "max_per_task": max_per_task, "items": items, "accuracy": accuracy, "centered": centered,
             "core": sum(core) / len(core) if core else None,
             "core_extended": sum(centered.values()) / len(centered) if extended_ran else None,
             "skipped": skipped, "seconds": time.time() - t_start}
@@ -368,16 +369,19 @@ def run_core(args, model, tokenizer, Ts, seeds):
                 summary[f"T{T}_{key}"] = {"mean": mean, "std": std, "seeds": seeds}
                 print0(f"T = {T}: {key} over seeds {seeds}: mean {mean:.4f} std {std:.4f} "
                        f"(x100: {100 * mean:.2f} +- {100 * std:.2f})")
-    return {"runs": runs, "summary": summary}
+    scored = sum(sum(run["items"].values()) for run in runs)
+    return {"runs": runs, "summary": summary, "measured": {"data": None, "amount": scored}}  # CORE's own tasks
 
 
 def run_bpb(args, model, tokenizer, ckpt, Ts, device):
     mu_rec = model.config.mu_rec
     Ts = sorted(set(Ts) | {mu_rec})  # METHOD.md §3 compares L_inf with the loss at mu_rec
     source = args.data or ckpt.get("args", {}).get("data", "fineweb-edu")
+    key = data_key(source)
     rank, world = rank_and_world()
     batches = list(val_batches(tokenizer, source, args.batch_size, model.config.seq_len,
                                args.val_tokens, rank, world, device))
+    tokens = len(batches) * args.batch_size * model.config.seq_len * world
     print0(f"Validation: {source}, {len(batches)} batches of {args.batch_size} x "
            f"{model.config.seq_len} per rank")
     losses, bpbs = [], []
@@ -388,7 +392,7 @@ def run_bpb(args, model, tokenizer, ckpt, Ts, device):
         bpbs.append(bpb)
         print0(f"T = {T:>3}: val loss {loss:.4f}  bpb {bpb:.4f}  ppl {math.exp(loss):.2f}  "
                f"{time.time() - t0:.1f}s")
-    out = {"T": Ts, "loss": losses, "bpb": bpbs, "data": source}
+    out = {"T": Ts, "loss": losses, "bpb": bpbs, "data": source, "measured": {"data": key, "amount": tokens}}
     if len(Ts) >= 3:
         fit = fit_test_time_scaling(Ts, losses)
         at_mu = losses[Ts.index(mu_rec)]
@@ -402,6 +406,7 @@ def run_bpb(args, model, tokenizer, ckpt, Ts, device):
 
 def run_ppl(args, model, tokenizer, ckpt, Ts):
     source = args.data or ckpt.get("args", {}).get("data", "fineweb-edu")
+    key = data_key(source)
     docs = list(itertools.islice(iter_documents(source, "val"), args.max_docs))
     print0(f"Validation: the first {len(docs)} documents of {source}'s val split, one per forward, "
            f"up to {model.config.seq_len} tokens each, no BOS")
@@ -412,6 +417,7 @@ def run_ppl(args, model, tokenizer, ckpt, Ts):
         out["loss"].append(loss)
         out["ppl"].append(math.exp(loss))
         out["bpb"].append(bpb)
+        out["measured"] = {"data": key, "amount": tokens}
         print0(f"T = {T:>3}: val loss {loss:.4f}  ppl {math.exp(loss):.2f}  bpb {bpb:.4f}  "
                f"({num_docs} documents, {tokens:,} tokens)  {time.time() - t0:.1f}s")
     return out
@@ -477,13 +483,35 @@ def evaluate(args, model, tokenizer, ckpt, ckpt_path, Ts, seeds, device):
     write_results(out, args, ckpt, ckpt_path, Ts, args.eval)
 
 
+def result_path(ckpt, ckpt_path, kind, Ts, measured):
+    """Where an eval's results go, keyed by what it measured: its data, amount and T -> (path, the run's own kept).
+    The run's own, beside the checkpoint as <stem>_<kind>_T<Ts>.json, is the report card's.
+    An eval replaces it only on the run's own data, measuring at least as much (tokens, CORE items).
+    Any other goes to evals/, named after what it measured; the run's own stays."""
+    name = f"{ckpt_path.stem}_{kind}_T{'-'.join(map(str, Ts))}"
+    own = ckpt_path.with_name(f"{name}.json")
+    try:  # the content key the run recorded; before records, its --data's now
+        recorded = ckpt.get("run", {}).get("data") or data_key(ckpt.get("args", {}).get("data", "fineweb-edu"))
+    except (FileNotFoundError, ValueError):  # its files are gone: no data is its own
+        recorded = None
+    try:
+        there = json.loads(own.read_text()).get("measured", {}) if own.is_file() else {}
+    except ValueError:  # torn: nothing to keep
+        there = {}
+    if measured["data"] in (None, recorded) and measured["amount"] >= there.get("amount", 0):
+        return own, None
+    return ckpt_path.parent / "evals" / f"{name}_{measured['data'] or 'core'}_{measured['amount']}.json", own
+
+
 def write_results(out, args, ckpt, ckpt_path, Ts, kind):
-    """The results as JSON beside the checkpoint, from rank 0."""
+    """The results as JSON beside the checkpoint (result_path), from rank 0."""
     if rank_and_world()[0] == 0:
-        path = ckpt_path.with_name(f"{ckpt_path.stem}_{kind}_T{'-'.join(map(str, Ts))}.json")
+        path, kept = result_path(ckpt, ckpt_path, kind, Ts, out["measured"])
+        path.parent.mkdir(exist_ok=True)
         write_json(path, {"ckpt": str(ckpt_path), "step": ckpt.get("step"), "args": vars(args),
                           **out})
-        print0(f"Wrote {path}")
+        print0(f"Wrote {path}" + (f"; the run's own, {kept}, stays: this eval measured other data, or less"
+                                  if kept else ""))
 
 
 def main(argv=None):

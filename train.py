@@ -229,8 +229,9 @@ with ranks.refusing_alike(explain):  # a rank's own refusal (none of its share t
                for micro in range(grad_accum)]
     val_data = list(val_batches(tokenizer, args.data, args.device_batch_size, args.seq_len,
                                 args.eval_tokens, rank, world, device, reader))  # every eval's
-# The lock comes after every check that can refuse the command: a refused one writes nothing
-run_lock = claim_run(run.dir)  # one trainer per run, until this process ends
+# The lock comes after every check that can refuse the command: a refused one writes nothing.
+# Holding it, the run's folder must be as identify_run checked it: none trained it meanwhile
+run_lock = claim_run(run)  # one trainer per run, until this process ends
 
 # -----------------------------------------------------------------------------
 # The model and the optimizer: MuonAdamW (METHOD.md §2), or AdamW on all

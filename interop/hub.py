@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -30,7 +31,7 @@ import torch.distributed as dist
 import eval_core
 import sample
 from nanoparcae.checkpoint import assign_weights, load_run, sized_model
-from nanoparcae.common import fail, first_sentence, get_base_dir, write_atomically
+from nanoparcae.common import fail, first_sentence, get_base_dir
 from model import SAMPLINGS
 from nanoparcae.download import download_file
 from model import ParcaeConfig, value_embedding_layers
@@ -38,6 +39,8 @@ from nanoparcae.tokenizer import Tokenizer
 
 HUB_URL = os.environ.get("NANOPARCAE_HUB_URL", "https://huggingface.co")  # tests point it at 127.0.0.1
 WEIGHT_FILES = ("pytorch_model.bin", "model.pt")  # the order their from_pretrained tries
+# a model folder's files: what export writes, or their save_pretrained (either weights file)
+MODEL_FILES = ("config.json", *WEIGHT_FILES, "tokenizer.json", "tokenizer_config.json")
 SOURCE_HELP = "a Hub repo id (SandyResearch/parcae-140m) or a local folder with config.json, model.pt, tokenizer.json"
 
 # -----------------------------------------------------------------------------
@@ -80,6 +83,10 @@ def fetch_files(source, need_tokenizer=False):
         return download(source, name)
 
     config_path, tokenizer_path = get("config.json"), get("tokenizer.json")
+    both = [name for name in WEIGHT_FILES if local and (folder / name).is_file()]
+    if len(both) > 1:  # their loader reads the first: it may be another model's, left by an earlier export
+        raise ValueError(f"{folder} holds both {' and '.join(both)}, which may be two models' weights; remove the "
+                         f"one that is not this model's, or export again into a new folder")
     # a weights file already in the cache first, so a cached repo never touches the network
     names = sorted(WEIGHT_FILES, key=lambda name: not (folder / name).is_file())
     weights_path = next((p for p in map(get, names) if p is not None), None)
@@ -526,22 +533,44 @@ def tokenizer_json(tokenizer):
 
 
 def export(model, tokenizer, out_dir):
-    """Write config.json, model.pt, tokenizer.json and tokenizer_config.json for their from_pretrained."""
+    """Write config.json, model.pt, tokenizer.json and tokenizer_config.json for their from_pretrained.
+    out_dir is written whole: a folder beside it, renamed to it at the end. A model folder there is replaced.
+    So an earlier export's pytorch_model.bin never shadows this model.pt. Any other file there: refused."""
     special = {v: k for k, v in tokenizer.enc._special_tokens.items()}
     if tokenizer.bos_id not in special:
         raise ValueError("the tokenizer has no special BOS token to name in tokenizer_config.json")
     config = authors_config(model.config)
-    (out_dir := Path(out_dir)).mkdir(parents=True, exist_ok=True)
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"{out_dir} is a file; pass a folder to export into")
+    if out_dir.is_dir() and (others := sorted(p.name for p in out_dir.iterdir() if p.name not in MODEL_FILES)):
+        raise ValueError(f"{out_dir} holds {', '.join(others[:3])}{', ...' if len(others) > 3 else ''}, not a "
+                         f"model's files; export into a new or empty folder (a model folder there is replaced whole)")
     tokens = {key: name for key, name in (("bos_token", special[tokenizer.bos_id]), ("eos_token", "<|eos|>"),
                                           ("pad_token", "<|pad|>")) if name in tokenizer.enc._special_tokens}
     tokenizer_config = dict(tokenizer_class="PreTrainedTokenizerFast", model_max_length=model.config.seq_len,
                             add_bos_token=False, add_eos_token=False, **tokens)
-    for name, obj in (("config.json", config), ("tokenizer.json", tokenizer_json(tokenizer)),
-                      ("tokenizer_config.json", tokenizer_config)):
-        write_atomically(out_dir / name, lambda path: path.write_text(json.dumps(obj, indent=1, ensure_ascii=False),
-                                                                      encoding="utf-8"))
-    write_atomically(out_dir / "model.pt", lambda path: torch.save(authors_state_dict(model), path))
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    scratch = out_dir.with_name(f".{out_dir.name}.{os.getpid()}.tmp")
+    try:
+        scratch.mkdir()
+        for name, obj in (("config.json", config), ("tokenizer.json", tokenizer_json(tokenizer)),
+                          ("tokenizer_config.json", tokenizer_config)):
+            (scratch / name).write_text(json.dumps(obj, indent=1, ensure_ascii=False), encoding="utf-8")
+        torch.save(authors_state_dict(model), scratch / "model.pt")
+        replace_folder(scratch, out_dir)
+    finally:  # a failed write leaves no folder behind
+        shutil.rmtree(scratch, ignore_errors=True)
     return out_dir
+
+
+def replace_folder(new, old):
+    """Rename the folder new to old, whose earlier folder (if any) is set aside and then removed."""
+    aside = old.with_name(f".{old.name}.{os.getpid()}.old")
+    if old.is_dir():
+        old.rename(aside)
+    new.rename(old)
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def export_main(argv):

@@ -1,6 +1,7 @@
 """
 nanoparcae/checkpoint.py: checkpoints, written and read.
 Each is run_dir(run)/ckpt_<step>.pt, a plain dict torch.load reads with weights_only=True.
+Each carries a digest of its tensors and of its tokenizer's files, checked wherever it is read.
 load_run rebuilds a trained model and its tokenizer, reading its weights alone.
 training_model builds the model a rank trains; the random init runs only where it is kept.
 resume continues a run from its checkpoint.
@@ -8,8 +9,11 @@ resume continues a run from its checkpoint.
 
 import errno
 import math
+import hashlib
 import os
 import shutil
+import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
@@ -33,6 +37,7 @@ def save_checkpoint(path, model, **extra):
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {"config": asdict(model.config), "model": model.state_dict(), **extra}
+    state["digest"] = {key: tensors_digest(value) for key, value in state.items() if tensors_in(value)}
     need = saved_bytes(state)
     if shutil.disk_usage(path.parent).free < need:
         raise disk_full(path.parent, f"a checkpoint needs {size(need)}")
@@ -71,7 +76,7 @@ def remove_partial_saves(folder):
 
 
 def save_and_prune(folder, step, model, loaders, **state):
-    """Write ckpt_<step>.pt on rank 0, with `state` and every virtual rank's loader position.
+    """Write ckpt_<step>.pt on rank 0, with `state`, every virtual rank's loader position and the tokenizer's digest.
     The run's older checkpoints are then removed: a 1.3B one with optimiser state is ~16 GB.
     The RNG state is a function of (seed, step, virtual rank), so nothing else is needed.
     If the ranks' weights drifted apart (ranks.drift), saves nothing: EnvironmentFailure."""
@@ -83,7 +88,8 @@ def save_and_prune(folder, step, model, loaders, **state):
     if rank_and_world()[0] == 0:
         path = folder / f"ckpt_{step:06d}.pt"
         older = sorted(folder.glob("ckpt_*.pt"))
-        save_checkpoint(path, model, step=step, loader=loader_states, **state)
+        tokenizer = Tokenizer.files_digest(state["tokenizer_dir"])  # which one the run trains with
+        save_checkpoint(path, model, step=step, loader=loader_states, tokenizer_digest=tokenizer, **state)
         for stale in older:
             if stale != path:
                 stale.unlink()
@@ -129,19 +135,71 @@ def find_checkpoint(runs_dir, run=None):
     return found[-1]
 
 
-def read_checkpoint(path, device="cpu", mmap=False):
-    """The one reader of checkpoints: torch.load with weights_only=True.
+# -----------------------------------------------------------------------------
+# Digests: torch.load checks a checkpoint's zip framing, never its tensors' bytes.
+# A byte changed on disk would load as a wrong weight, so each entry's tensors carry a sha256.
+# sha256 runs at ~1.7 GB/s a core where the CPU hashes it natively (SHA-NI), and hashlib frees the GIL.
+# So tensors hash on threads; docs/performance.md gives the cost.
+
+def tensors_in(value, where=""):
+    """The tensors of value (a tensor, or dicts and lists of them) as (where, tensor) pairs, in a fixed order."""
+    if isinstance(value, torch.Tensor):
+        return [(where, value)]
+    if isinstance(value, dict):
+        return [pair for key, item in value.items() for pair in tensors_in(item, f"{where}/{key}")]
+    if isinstance(value, (list, tuple)):
+        return [pair for i, item in enumerate(value) for pair in tensors_in(item, f"{where}/{i}")]
+    return []
+
+
+def tensor_sha256(tensor):
+    raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    return hashlib.sha256(raw.numpy()).digest()
+
+
+def tensors_digest(value):
+    """The sha256 of value's tensors: each one's place, dtype, shape and bytes, in tensors_in's order -> hex."""
+    pairs = tensors_in(value)
+    with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+        hashes = pool.map(tensor_sha256, [tensor for _, tensor in pairs])
+        digest = hashlib.sha256()
+        for (where, tensor), each in zip(pairs, hashes):
+            digest.update(f"{where} {tensor.dtype} {tuple(tensor.shape)}".encode() + each)
+    return digest.hexdigest()
+
+
+def check_digest(ckpt, path, unused=()):
+    """Each of ckpt's entries but the unused whose tensors differ from their saved digest: ValueError naming it."""
+    for key, digest in ckpt.get("digest", {}).items():
+        if key not in unused and tensors_digest(ckpt.get(key)) != digest:
+            raise ValueError(f"checkpoint {path} is damaged: its {key} tensors differ from the digest saved with "
+                             f"them; remove it to start the run over (a run keeps its newest checkpoint only), or "
+                             f"restore it from a copy")
+
+
+def warn_if_undigested(ckpt, path):
+    """A checkpoint saved before digests is used with a warning: refusing it would strand every run holding one."""
+    if "digest" not in ckpt:
+        print0(f"warning: checkpoint {path} carries no digest (it predates them), so damage to its bytes goes "
+               f"unseen; the run's next save adds one", file=sys.stderr)
+
+
+def read_checkpoint(path, device="cpu", mmap=False, unused=()):
+    """The one reader of checkpoints: torch.load with weights_only=True, its digest checked (check_digest).
     mmap: tensors map the file on the CPU, read when first touched.
-    Raises FileNotFoundError if it is absent, ValueError naming it if torch cannot read it."""
+    unused: entries whose tensors the caller never reads, left unchecked.
+    Raises FileNotFoundError if it is absent, ValueError naming it if it is unreadable or damaged."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     try:
-        return torch.load(path, map_location="cpu" if mmap else device, weights_only=True, mmap=mmap)
+        ckpt = torch.load(path, map_location="cpu" if mmap else device, weights_only=True, mmap=mmap)
     except Exception as err:
         raise ValueError(f"checkpoint {path} is truncated or unreadable ({first_sentence(err)}): remove it to "
                          f"start the run over (a run keeps its newest checkpoint only), or restore it from a "
                          f"copy") from None
+    check_digest(ckpt, path, unused)
+    return ckpt
 
 
 def sized_model(config):
@@ -190,7 +248,8 @@ def load_run(ckpt_or_run=None, device="cpu"):
 
     The tokenizer is the one the checkpoint records.
     If that folder is gone (a moved NANOPARCAE_BASE_DIR), it is the same-named one in this base folder's tokenizers/.
-    One whose vocabulary outgrows the model's is refused. FileNotFoundError and ValueError carry one line."""
+    One other than the checkpoint was trained with (its files' digest), or whose vocabulary outgrows the model's,
+    is refused. FileNotFoundError and ValueError carry one line."""
     path = Path(ckpt_or_run) if ckpt_or_run else None
     if path is not None and path.is_dir():
         inside = sorted(path.glob("ckpt_*.pt"))
@@ -199,8 +258,9 @@ def load_run(ckpt_or_run=None, device="cpu"):
                                  ", or a run's name"))
     if path is None or not (path.is_file() or path.suffix == ".pt" or len(path.parts) > 1):
         path = find_checkpoint(run_dir(), ckpt_or_run)
-    # mapped: only the weights are read, never the optimizer's or the loaders' state
-    ckpt = read_checkpoint(path, mmap=True)
+    # mapped: only the weights are read (and checked), never the optimizer's or the loaders' state
+    unused = ("optimizer", "loader")
+    ckpt = read_checkpoint(path, mmap=True, unused=unused)
     try:  # torch read it, but it may hold no Parcae
         model = assign_weights(sized_model(ParcaeConfig(**ckpt["config"])), ckpt["model"], device)
     except Exception as err:
@@ -218,9 +278,15 @@ def load_run(ckpt_or_run=None, device="cpu"):
             "`python -m nanoparcae.dataset tokenizer` and the run's --data and --vocab_size"
         where = f"neither at {places[0]} nor at {places[1]}" if len(places) > 1 else f"not at {places[0]}"
         raise FileNotFoundError(f"the tokenizer of checkpoint {path} is {where}; recreate it with {command}")
+    trained_with = ckpt.get("tokenizer_digest")  # None in a checkpoint that predates digests
+    if trained_with and (found := Tokenizer.files_digest(directory)) != trained_with:
+        raise ValueError(f"the tokenizer at {directory} (digest {found}) is not the one checkpoint {path} was "
+                         f"trained with ({recorded}, digest {trained_with}): put that tokenizer back, or "
+                         f"load a checkpoint trained with this one")
     tokenizer = Tokenizer.load(directory)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(f"the tokenizer at {directory} has {tokenizer.vocab_size} tokens, the model "
                          f"{model.config.vocab_size}: they are not from the same run")
-    ckpt = {**{k: v for k, v in ckpt.items() if k not in ("optimizer", "loader")}, "model": model.state_dict()}
+    warn_if_undigested(ckpt, path)
+    ckpt = {**{k: v for k, v in ckpt.items() if k not in unused}, "model": model.state_dict()}
     return model, tokenizer, ckpt, path

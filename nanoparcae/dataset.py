@@ -385,17 +385,21 @@ def no_documents(source, split, rank=0, world_size=1):
 # -----------------------------------------------------------------------------
 # The tokenizer of a data source: trained on its train split on first use, then cached
 
+def data_key(source):
+    """A data source's content, as a name: the same files give the same key, whatever the base folder."""
+    if source == "fineweb-edu":
+        return source
+    if source == "stdlib":  # another Python version has another standard library; where it lives does not count
+        return f"stdlib-py{sys.version_info.major}{sys.version_info.minor}"
+    # the files' sizes and modification times are in the key: a changed corpus trains a new tokenizer
+    files = [(str(Path(p).resolve()), os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in user_files(source)]
+    return "files-" + hashlib.sha1(json.dumps(files).encode()).hexdigest()[:10]
+
+
 def tokenizer_key(source, vocab_size):
     """The name of a source's tokenizer cache folder.
     It identifies the tokenizer and corpus, whatever the base folder."""
-    if source == "fineweb-edu":
-        name = source
-    elif source == "stdlib":  # another Python version has another standard library; where it lives does not count
-        name = f"stdlib-py{sys.version_info.major}{sys.version_info.minor}"
-    else:  # the files' sizes and modification times are in the key: a changed corpus trains a new tokenizer
-        files = [(str(Path(p).resolve()), os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in user_files(source)]
-        name = "files-" + hashlib.sha1(json.dumps(files).encode()).hexdigest()[:10]
-    return f"{name}-{vocab_size}"
+    return f"{data_key(source)}-{vocab_size}"
 
 
 def tokenizer_dir(source, vocab_size):

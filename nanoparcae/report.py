@@ -51,9 +51,13 @@ def read_json(path):
     return json.loads(path.read_text()) if path and path.is_file() else None
 
 
-def newest(run_dir, pattern):
-    """The newest file of run_dir matching pattern, or None."""
-    found = sorted(run_dir.glob(pattern), key=lambda p: (p.stat().st_mtime, p.name))
+def widest(run_dir, pattern):
+    """Of run_dir's eval results matching pattern (eval_core.result_path: the run's own), the one that measured most,
+    then over most depths, then the newest; or None."""
+    def breadth(path):
+        result = read_json(path) or {}
+        return result.get("measured", {}).get("amount", 0), len(result.get("T", [])), path.stat().st_mtime, path.name
+    found = sorted(run_dir.glob(pattern), key=breadth)
     return found[-1] if found else None
 
 # -----------------------------------------------------------------------------
@@ -92,19 +96,19 @@ def record_machine(run_dir):
 def read_run(run_dir):
     """Everything the card shows, read from run_dir -> a dict; a file that is missing is None."""
     checkpoint = find_checkpoint(run_dir.parent, run_dir.name)
-    ckpt = read_checkpoint(checkpoint, mmap=True)
+    ckpt = read_checkpoint(checkpoint, mmap=True, unused=("model", "optimizer", "loader"))  # no tensor is read
     model = sized_model(ParcaeConfig(**ckpt["config"]))  # for its counts: no weights
     stages = read_metrics(run_dir / "recipe" / "stages.jsonl")
     samples = {int(path.stem.split("_T")[1]): path.read_text()
                for path in sorted((run_dir / "recipe").glob("samples_T*.txt"))}
-    bpb_path = newest(run_dir, f"{checkpoint.stem}_bpb_T*.json")
+    bpb_path = widest(run_dir, f"{checkpoint.stem}_bpb_T*.json")
     return {"dir": run_dir, "checkpoint": checkpoint, "config": ckpt["config"], "args": ckpt.get("args", {}),
             "flags": ckpt.get("run", {}), "step": ckpt["step"], "skipped": ckpt.get("skipped_steps", 0),
             "model": model, "metrics": read_metrics(run_dir / "metrics.jsonl"), "stages": stages,
             "machine": read_json(run_dir / "recipe" / "machine.json"), "samples": samples,
             "bpb": read_json(bpb_path), "lt_png": bpb_path and bpb_path.with_suffix(".png"),
-            "ppl": read_json(newest(run_dir, f"{checkpoint.stem}_ppl_T*.json")),
-            "core": read_json(newest(run_dir, f"{checkpoint.stem}_core_T*.json"))}
+            "ppl": read_json(widest(run_dir, f"{checkpoint.stem}_ppl_T*.json")),
+            "core": read_json(widest(run_dir, f"{checkpoint.stem}_core_T*.json"))}
 
 # -----------------------------------------------------------------------------
 # The card's sections, each a list of markdown lines

@@ -3,7 +3,7 @@ nanoparcae/run.py: the run's identity and its lock.
 
 - the folder a command trains.
 - the flags its checkpoint recorded, checked against the command's.
-- one trainer per run.
+- one trainer per run, whose lock is taken before it trains what it checked, or refused.
 
 None of it is the method (METHOD.md). It decides whether a command trains or continues a run exactly.
 Otherwise it raises ValueError, one line, before it writes anything.
@@ -18,10 +18,12 @@ from types import SimpleNamespace
 
 import torch.distributed as dist
 
-from nanoparcae.checkpoint import find_checkpoint, read_checkpoint, remove_partial_saves, resume_refusal, run_dir
+from nanoparcae.checkpoint import (find_checkpoint, read_checkpoint, remove_partial_saves, resume_refusal, run_dir,
+                                   warn_if_undigested)
 from nanoparcae.common import print0, wait_for_rank0
-from nanoparcae.dataset import tokenizer_dir
+from nanoparcae.dataset import data_key, tokenizer_dir
 from nanoparcae.ranks import agree_to_start, checkpoint_digest
+from nanoparcae.tokenizer import Tokenizer
 
 
 # -----------------------------------------------------------------------------
@@ -39,10 +41,11 @@ RENAMED_FLAGS = {"sampling": "depth_sampling"}
 
 def identify_run(args, run_flags, batch, device, **resolved):
     """The run this command trains, checked on every rank before anything is built or written.
-    Returns namespace(dir, name, tokenizer_dir, flags, checkpoint, ckpt, step, device_batch_size, grad_accum).
+    Returns namespace(dir, name, tokenizer_dir, flags, checkpoint, ckpt, step, device_batch_size, grad_accum, seen).
     grad_accum: the micro-batches each process runs per optimiser step, decided here alone.
 
     - checkpoint: the run's newest, or None. ckpt: it, read onto `device`.
+    - seen: the folder's checkpoints as checked (saved_state), for claim_run to find them unchanged.
     - flags: the run_flags' values. Those whose defaults resolve (d_model, ...) take `resolved`'s.
       --data takes the data's content key.
 
@@ -55,12 +58,13 @@ def identify_run(args, run_flags, batch, device, **resolved):
     - a recorded device batch that does not divide this step.
     """
     tokenizer_path = tokenizer_dir(args.data, args.vocab_size)  # recorded in each checkpoint
-    data_key = tokenizer_path.name.removesuffix(f"-{args.vocab_size}")  # content, not path
+    content = data_key(args.data)  # not its path
     folder = run_folder(args)
-    name, size, checkpoint, ckpt, refusal, start = folder.name, batch.size, None, None, None, (0, None)
+    name, size, checkpoint, ckpt, refusal, start, seen = folder.name, batch.size, None, None, None, (0, None), []
     try:  # each rank keeps its refusal for the agreement below rather than stopping alone
         if holder := run_holder(folder):  # before a live run's checkpoint is read onto its GPUs
             raise ValueError(being_trained(folder, holder))
+        seen = saved_state(folder)  # before the newest is chosen: one saved after it differs
         checkpoint = find_checkpoint(folder.parent, name) if any(folder.glob("ckpt_*.pt")) else None
         if args.resume and (line := resume_refusal(folder)):
             raise ValueError(line)
@@ -75,7 +79,7 @@ def identify_run(args, run_flags, batch, device, **resolved):
                        + (f"; its plan no longer fits {batch.gpu}, where {batch.fitting} does" if tight
                           else ""))
         flags = {flag: getattr(args, flag) for flag in run_flags}
-        flags.update(resolved, data=data_key, device_batch_size=size)
+        flags.update(resolved, data=content, device_batch_size=size)
         if ckpt:
             differ = [f"{flag} {recorded.get(flag, 'unrecorded')} there, {value} here"
                       for flag, value in flags.items() if recorded.get(flag) != value]
@@ -98,18 +102,57 @@ def identify_run(args, run_flags, batch, device, **resolved):
     # first where the long timeout holds, so a slow reader never outlasts the gather's shorter one
     wait_for_rank0()
     agree_to_start(name, refusal, *start)  # every rank starts from the same checkpoint (none: step 0), or none
+    if ckpt:
+        warn_if_undigested(ckpt, checkpoint)
     return SimpleNamespace(dir=folder, name=name, tokenizer_dir=tokenizer_path, flags=flags,
                            checkpoint=checkpoint, ckpt=ckpt, step=start[0], device_batch_size=size,
-                           grad_accum=batch.sequences // size)
+                           grad_accum=batch.sequences // size, seen=seen)
 
 
-def claim_run(run_dir):
+def saved_state(folder):
+    """A run folder's checkpoints as sorted (name, bytes, modification time) triples."""
+    state = []
+    for path in Path(folder).glob("ckpt_*.pt"):
+        try:
+            stat = path.stat()
+        except FileNotFoundError:  # removed by a live run's save since the listing
+            continue
+        state.append((path.name, stat.st_size, stat.st_mtime_ns))
+    return sorted(state)
+
+
+def changed_since_checked(run):
+    """Under the run's lock: why this command may not train run (a line), or None.
+    Another command may have trained it between identify_run's checks and the lock.
+    Then its checks were of a folder that is gone, and training would overwrite that command's work."""
+    now = saved_state(run.dir)
+    if now == run.seen:
+        return None
+    newest = sorted(now, key=lambda saved: (saved[2], saved[0]))[-1][0] if now else "no checkpoint"
+    was = run.checkpoint.name if run.checkpoint else "no checkpoint"
+    return (f"run {run.name} changed while this command prepared its data: another command trained it, and "
+            f"{run.dir} now holds {newest}, not {was}; run this command again to check it against the run as it is, "
+            f"or pass --run=NAME to train another")
+
+
+def tokenizer_refusal(run):
+    """A resumed run's tokenizer must be the one its checkpoint was trained with: the line refusing it, or None."""
+    trained_with = (run.ckpt or {}).get("tokenizer_digest")  # None: a new run, or one that predates digests
+    if not trained_with or (found := Tokenizer.files_digest(run.tokenizer_dir)) == trained_with:
+        return None
+    return (f"the tokenizer at {run.tokenizer_dir} (digest {found}) is not the one {run.checkpoint} was trained "
+            f"with (digest {trained_with}); put that tokenizer back, or pass --run=NAME to start another run")
+
+
+def claim_run(run):
     """Take the run's lock (lock_run) on rank 0 -> the open lock file, kept until the process ends.
+    Holding it, the folder is checked unchanged since identify_run: no command trains a run it did not check.
     It is the first write in the run folder, so it comes after every check that can refuse the command.
-    A live run holding it: every rank raises ValueError alike."""
-    lock = lock_for_every_rank(run_dir)
+    A live run holding it, a run trained meanwhile, a resumed run's tokenizer not its own:
+    every rank raises ValueError alike, the folder as it was."""
+    lock = lock_for_every_rank(run)
     if lock:  # rank 0, the one that writes here: a save a full disk or a kill cut short goes
-        remove_partial_saves(run_dir)
+        remove_partial_saves(run.dir)
     return lock
 
 # -----------------------------------------------------------------------------
@@ -143,11 +186,12 @@ def run_holder(run_dir):
     return None
 
 
-def lock_run(run_dir):
+def lock_run(run_dir, check=lambda: None):
     """Take the run's lock for this process -> the open lock file; keep a reference.
     It holds the lock until the process ends.
 
     - Another process has it: ValueError naming the holder. The file stays the holder's.
+    - check(), called holding it, gives a line: ValueError with it, the lock dropped, nothing written.
     - A filesystem without locks (Lustre without its flock option): a warning; the run goes on unguarded.
 
     It is the first thing a run writes in its folder.
@@ -156,29 +200,38 @@ def lock_run(run_dir):
     handle = open(run_dir / "lock", "a+")  # "a+": opened without emptying what the holder wrote
     try:
         fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        locked = True
     except OSError as err:
-        if err.errno not in HELD:
-            print(f"warning: {run_dir / 'lock'} cannot be locked ({err.strerror}); nothing stops a second command "
-                  f"on run {run_dir.name} while this one trains", flush=True)
-            return handle
-        handle.seek(0)
-        holder = handle.read().strip() or "another process"
+        if err.errno in HELD:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            handle.close()
+            raise ValueError(being_trained(run_dir, holder)) from None
+        print(f"warning: {run_dir / 'lock'} cannot be locked ({err.strerror}); nothing stops a second command "
+              f"on run {run_dir.name} while this one trains", flush=True)
+        locked = False
+    if refusal := check():
         handle.close()
-        raise ValueError(being_trained(run_dir, holder)) from None
+        raise ValueError(refusal)
+    if not locked:
+        return handle
     handle.truncate(0)
     handle.write(f"process {os.getpid()} on host {socket.gethostname()}\n")
     handle.flush()
     return handle
 
 
-def lock_for_every_rank(run_dir):
-    """Rank 0, the one rank writing in the run folder, takes its lock; every rank learns the outcome.
+def lock_for_every_rank(run):
+    """Rank 0, the one rank writing in the run folder, checks the run's tokenizer and takes its lock.
+    Holding it, it finds the folder as identify_run checked it. Every rank learns the outcome.
     -> the lock file on rank 0, None on the others.
     Or ValueError on every rank, so that all stop together."""
     handle, refusal = None, [None]
     if not dist.is_initialized() or dist.get_rank() == 0:
         try:
-            handle = lock_run(run_dir)
+            refusal[0] = tokenizer_refusal(run)
+            if not refusal[0]:
+                handle = lock_run(run.dir, lambda: changed_since_checked(run))
         except ValueError as err:
             refusal[0] = str(err)
     if dist.is_initialized():

@@ -9,6 +9,7 @@ rustbpe trains it and tiktoken runs it. nanoparcae.dataset.get_tokenizer caches 
 """
 
 import base64
+import hashlib
 import json
 import warnings
 from pathlib import Path
@@ -79,6 +80,16 @@ class Tokenizer:
         config = {"pattern": self.enc._pat_str, "special_tokens": self.enc._special_tokens}
         (directory / "tokenizer.json").write_text(json.dumps(config, indent=1))
         (directory / "token_bytes.txt").write_text("".join(f"{n}\n" for n in self.token_bytes.tolist()))
+
+    FILES = ("tokenizer.tiktoken", "tokenizer.json", "token_bytes.txt")  # what save writes
+
+    @classmethod
+    def files_digest(cls, directory):
+        """The sha256 of the saved files' bytes, 16 hex digits: which tokenizer a checkpoint was trained with."""
+        digest = hashlib.sha256()
+        for name in cls.FILES:
+            digest.update(name.encode() + b"\0" + (Path(directory) / name).read_bytes())
+        return digest.hexdigest()[:16]
 
     @classmethod
     def load(cls, directory):

@@ -13,11 +13,13 @@ import random
 import re
 import runpy
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import zipfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -269,6 +271,17 @@ def raises_naming(error, *words):
     with pytest.raises(error) as info:
         yield info
     assert carries(str(info.value), *words), info.value
+def corrupt_a_weight(path):
+    """Flip one byte amid the largest tensor of the checkpoint at path, its size unchanged, as a disk or a copy may."""
+    with zipfile.ZipFile(path) as archive:
+        record = max((info for info in archive.infolist() if "/data/" in info.filename), key=lambda i: i.file_size)
+    with open(path, "r+b") as file:
+        file.seek(record.header_offset + 26)  # a zip local header: 30 bytes, then its name and extra field
+        name, extra = struct.unpack("<HH", file.read(4))
+        file.seek(record.header_offset + 30 + name + extra + record.file_size // 2)
+        byte = file.read(1)[0]
+        file.seek(-1, os.SEEK_CUR)
+        file.write(bytes([byte ^ 0x40]))
 
 
 def untouched(run_dir):

@@ -9,6 +9,7 @@ non-finite just before train.py clips them. kill_step=N: the last rank SIGKILLs 
 the step after step N, as a node fault or the OOM killer would, in torchrun's first attempt only. drift_step=N: the
 last rank adds 1e-3 to its first weight tensor at that clip, so its replica drifts from the others' (a fault DDP
 never sees). pause_step=N: the process waits there for a SIGUSR1 (one sent earlier waits, blocked, until then).
+pause_lock=1: the process waits so for a SIGUSR1 once its checks are done, before it takes the run's lock.
 rank_order=R: rank R reads each epoch's chunks in reverse order (GPU_CHECK_FAULT=rank_order's fault, at R = 1).
 bundle_port=N: CORE's bundle is fetched from 127.0.0.1:N, each of its attempts timing out after 1 s.
 Steps are counted from this process's first; then train.py runs as `python train.py` would run it.
@@ -25,7 +26,7 @@ import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 faults = dict(nan_step=-1, nan_steps=1, kill_step=-1, drift_step=-1, pause_step=-1, rank_order=-1,
-              bundle_port=-1)
+              bundle_port=-1, pause_lock=-1)
 for item in filter(None, sys.argv[1].split(",")):
     name, _, value = item.partition("=")
     if name not in faults or not value.isdigit():
@@ -61,6 +62,15 @@ if faults["bundle_port"] >= 0:
     download_file = core_tasks.download_file
     core_tasks.download_file = lambda url, path: download_file(
         f"http://127.0.0.1:{faults['bundle_port']}/eval_bundle.zip", path, timeout=1)
+if faults["pause_lock"] >= 0:
+    import nanoparcae.run as run_module  # noqa: E402
+    claim_run = run_module.claim_run
+
+    def paused_claim_run(run):
+        signal.sigwait({signal.SIGUSR1})
+        return claim_run(run)
+
+    run_module.claim_run = paused_claim_run
 if faults["rank_order"] >= 0:
     from experiments.gpu_check import reverse_chunk_order
     reverse_chunk_order(faults["rank_order"])

@@ -399,3 +399,39 @@ def test_a_prefix_of_a_flag_is_not_taken_for_it(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit:  # a prefix of --batch_size is not taken for it
         eval_core.main(["--eval", "bpb", "--batch=4"])
     assert exit.value.code == 2 and carries(capsys.readouterr().err, "--batch=4")
+
+
+def test_an_eval_on_other_data_or_fewer_tokens_never_replaces_the_runs_own(tmp_path, capsys):
+    """The run's own result beside its checkpoint, which the report card reads, is replaced only by an eval on the
+    run's own data measuring at least as many tokens; one on --data=OTHER, or with fewer --val_tokens, goes to the
+    run's evals/ folder, named after what it measured."""
+    from nanoparcae.checkpoint import run_dir, save_checkpoint
+    from nanoparcae.dataset import data_key
+    from nanoparcae.report import read_run
+    from nanoparcae.tokenizer import Tokenizer
+    from conftest import write_corpus
+    ours, other = write_corpus(tmp_path / "ours.txt"), tmp_path / "other.txt"
+    other.write_text(ours.read_text().replace("loop", "ring"))
+    Tokenizer.train(iter([ours.read_text()]), vocab_size=260).save(tmp_path / "tok")
+    torch.manual_seed(0)
+    model = Parcae(ParcaeConfig(vocab_size=260, seq_len=32, n_prelude=1, n_recur=1, n_coda=1, d_model=64,
+                                head_dim=32, mu_rec=3))
+    path = run_dir("tiny") / "ckpt_000007.pt"
+    save_checkpoint(path, model, step=7, args={"data": str(ours)}, run={"data": data_key(str(ours))},
+                    tokenizer_dir=str(tmp_path / "tok"))
+    own, evals = path.with_name("ckpt_000007_bpb_T1.json"), path.parent / "evals"
+
+    def evaluate(*flags):
+        eval_core.main(["--eval=bpb", f"--ckpt={path}", "--T=1", "--batch_size=2", "--device=cpu", *flags])
+        return json.loads(own.read_text())["measured"]
+
+    assert evaluate("--val_tokens=256") == {"data": data_key(str(ours)), "amount": 256}
+    kept = own.read_bytes()
+    evaluate("--val_tokens=64")
+    evaluate(f"--data={other}", "--val_tokens=512")
+    assert own.read_bytes() == kept and carries(capsys.readouterr().out, str(own))
+    assert sorted(p.name for p in evals.iterdir()) == sorted([f"ckpt_000007_bpb_T1_{data_key(str(ours))}_64.json",
+                                                               f"ckpt_000007_bpb_T1_{data_key(str(other))}_512.json"])
+    assert read_run(path.parent)["bpb"]["measured"]["amount"] == 256
+    assert evaluate(f"--data={ours}", "--val_tokens=512")["amount"] == 512  # the same files, more tokens
+    assert read_run(path.parent)["bpb"]["measured"]["amount"] == 512

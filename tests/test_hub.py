@@ -462,8 +462,8 @@ def test_export_holds_one_copy_of_the_weights(tmp_path, monkeypatch):
     new = {name for name, tensor in saved.items() if tensor.untyped_storage().data_ptr() not in ours}
     assert new and new == {name for name in saved if name.endswith(("attn.c_q.weight", "attn.c_k.weight"))}
     (tmp_path / "copied").mkdir()  # the same file name: the zip's records are named after it
-    save({name: tensor.clone() for name, tensor in saved.items()}, tmp_path / "copied" / "model.pt.tmp")
-    assert (tmp_path / "out" / "model.pt").read_bytes() == (tmp_path / "copied" / "model.pt.tmp").read_bytes()
+    save({name: tensor.clone() for name, tensor in saved.items()}, tmp_path / "copied" / "model.pt")
+    assert (tmp_path / "out" / "model.pt").read_bytes() == (tmp_path / "copied" / "model.pt").read_bytes()
 
 
 def test_exported_config_round_trips():
@@ -577,3 +577,28 @@ def test_export_refuses_what_their_loader_would_compute_differently(tmp_path):
     result = python(["-m", "interop.hub", "export", str(tmp_path / "none.pt"), str(tmp_path / "out")])
     assert result.returncode != 0 and result.stderr.strip().count("\n") == 0
     assert "none.pt does not exist" in result.stderr
+
+
+def test_an_export_replaces_a_model_folder_whole_and_two_weight_files_are_refused(tmp_path, capsys):
+    """The issue's shadow: export into a folder holding another model's pytorch_model.bin. The folder is replaced
+    whole (no weights file beside model.pt, no scratch folder left) and loads the new model; a folder with both
+    files is refused in one line naming them, status 2; a folder holding other files is refused, kept as it was."""
+    original, folder = exported(tmp_path, "diagonal")
+    torch.save(authors_state_dict(tiny_model("diagonal", seed=4)), folder / "pytorch_model.bin")  # another model's
+    with pytest.raises(SystemExit) as status:
+        hub.main([str(folder)])
+    message = capsys.readouterr().err
+    assert status.value.code == 2 and len(message.strip().splitlines()) == 1
+    assert carries(message, str(folder), "pytorch_model.bin", "model.pt"), message
+    hub.main(["export", str(tmp_path / "ckpt.pt"), str(folder)])
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.pt", "tokenizer.json",
+                                                        "tokenizer_config.json"]
+    assert not list(tmp_path.glob(".*"))  # neither the scratch folder nor the old one set aside
+    assert_same_logits(original, hub.load_pretrained(str(folder))[0])
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    with pytest.raises(SystemExit) as status:
+        hub.main(["export", str(tmp_path / "ckpt.pt"), str(tmp_path / "mine")])
+    message = capsys.readouterr().err
+    assert status.value.code == 2 and carries(message, str(tmp_path / "mine"), "notes.txt"), message
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]

@@ -2,6 +2,7 @@
 after the base folder has moved; the ways a checkpoint or its tokenizer can be wrong, each in one line; and that it
 reads the weights alone, mapped, into a model without a random init whose logits are those of one loaded in full."""
 
+import os
 import re
 import shutil
 from pathlib import Path
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from nanoparcae.checkpoint import load_run
-from conftest import Started, train, train_env
+from conftest import Started, carries, corrupt_a_weight, refused, run_here, train, train_env
 
 
 @pytest.fixture(scope="module")
@@ -201,3 +202,63 @@ def test_a_truncated_checkpoint_is_one_line_naming_it(tmp_path, tokenizer_dir):
     with pytest.raises(ValueError, match=re.escape(f"checkpoint {path} is truncated or unreadable")) as err:
         load_run(path)
     assert "\n" not in str(err.value)
+
+
+# -----------------------------------------------------------------------------
+# Files that say whether they are whole and what they belong to: the tensors' digest, the tokenizer's
+
+def run_with_tokenizer(base, tokenizer_dir):
+    """A tiny run's checkpoint under base/runs/tiny, trained (as it records) with a copy of tokenizer_dir -> path."""
+    from nanoparcae.tokenizer import Tokenizer
+    ours = shutil.copytree(tokenizer_dir, base / "tokenizers" / "files-0-260")
+    path = base / "runs" / "tiny" / "ckpt_000007.pt"
+    model, _ = tiny_checkpoint(path, ours)
+    ckpt = torch.load(path, weights_only=True)
+    from nanoparcae.checkpoint import save_checkpoint
+    save_checkpoint(path, model, **{key: ckpt[key] for key in ("step", "args", "optimizer", "loader", "tokenizer_dir")},
+                    tokenizer_digest=Tokenizer.files_digest(ours))
+    return path
+
+
+@pytest.mark.parametrize("command", [["sample.py", "--prompt=a", "--max_new_tokens=2", "--ckpt={ckpt}"],
+                                     ["eval_core.py", "--eval=bpb", "--data=stdlib", "--ckpt={ckpt}"],
+                                     ["-m", "interop.hub", "export", "{ckpt}", "{out}"]])
+def test_a_checkpoint_with_a_changed_byte_is_refused_by_every_command_that_loads_it(command, tmp_path, tokenizer_dir,
+                                                                                   monkeypatch, capsys):
+    """One byte amid the weights, the file's size unchanged: each command ends in one line naming the file, status
+    2, and writes nothing; the same file whole loads."""
+    path = run_with_tokenizer(Path(os.environ["NANOPARCAE_BASE_DIR"]), tokenizer_dir)
+    load_run(path)
+    corrupt_a_weight(path)
+    args = [arg.format(ckpt=path, out=tmp_path / "exported") for arg in command]
+    message = refused(run_here(args, monkeypatch, capsys))
+    assert carries(message, str(path), "damaged", "model") and "remove" in message, message
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name] and not (tmp_path / "exported").exists()
+
+
+def test_a_checkpoint_saved_before_digests_loads_with_one_warning_naming_it(tmp_path, tokenizer_dir, capsys):
+    _, path = tiny_checkpoint(tmp_path / "ckpt_000007.pt", tokenizer_dir)
+    ckpt = torch.load(path, weights_only=True)
+    del ckpt["digest"]
+    torch.save(ckpt, path)
+    model = load_run(path)[0]
+    assert all(torch.equal(model.state_dict()[name], tensor) for name, tensor in ckpt["model"].items())
+    warning = capsys.readouterr().err.strip().splitlines()
+    assert len(warning) == 1 and carries(warning[0], "warning:", str(path), "digest"), warning
+
+
+def test_a_tokenizer_other_than_the_checkpoints_is_refused_naming_both(tmp_path, tokenizer_dir, monkeypatch, capsys):
+    """Another tokenizer of the same size in the checkpoint's tokenizer folder (another run's, say): refused in one
+    line naming the folder and the two digests; sample.py ends so, status 2."""
+    from nanoparcae.tokenizer import Tokenizer
+    path = run_with_tokenizer(Path(os.environ["NANOPARCAE_BASE_DIR"]), tokenizer_dir)
+    ours = Path(torch.load(path, weights_only=True)["tokenizer_dir"])
+    trained_with = Tokenizer.files_digest(ours)
+    Tokenizer.train(iter(["another corpus altogether, another merge order"] * 20), vocab_size=260).save(ours)
+    other = Tokenizer.files_digest(ours)
+    assert other != trained_with
+    with pytest.raises(ValueError) as err:
+        load_run(path)
+    assert carries(str(err.value), str(ours), other, str(path), trained_with) and "\n" not in str(err.value)
+    message = refused(run_here(["sample.py", "--prompt=a", f"--ckpt={path}"], monkeypatch, capsys))
+    assert carries(message, str(ours), other, trained_with), message

@@ -17,6 +17,7 @@ import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -159,6 +160,29 @@ def test_a_second_command_on_a_live_run_is_refused_and_the_run_ends_as_it_would_
     assert weights.keys() == reference.keys()
     for name in reference:
         assert torch.equal(weights[name], reference[name]), name
+
+
+@pytest.mark.slow
+def test_a_run_trained_between_a_commands_checks_and_its_lock_is_not_trained_again(corpus):
+    """The issue's race: a command with another --seed checks the empty run, then pauses before the run's lock. A
+    second command trains the run to its end meanwhile. Released, the first ends in one line naming the run and the
+    checkpoint it did not check, status 2, and the finished run's files stay as they were."""
+    run_dir = corpus / "base" / "runs" / "race"
+    late = Started(train_command(corpus, "--run=race", "--seed=1", fault="pause_lock=1"), train_env(corpus))
+    try:
+        deadline = time.time() + 120
+        while late.poll() is None and time.time() < deadline and "output: " not in late.out.read_text():
+            time.sleep(0.05)  # it has checked the run: nothing there yet
+        assert "output: " in late.out.read_text() and not run_dir.exists(), late.communicate()[1][-3000:]
+        train(corpus, "--run=race")
+        files = untouched(run_dir)
+        late.send_signal(signal.SIGUSR1)
+        _, stderr = late.communicate(timeout=120)
+    finally:
+        late.kill()
+    message = refused(SimpleNamespace(returncode=late.returncode, stderr=stderr))
+    assert carries(message, "race", "ckpt_000008.pt", "--run=NAME"), message
+    assert untouched(run_dir) == files
 
 
 def test_a_filesystem_without_locks_warns_and_the_run_goes_on(tmp_path, monkeypatch, capsys):

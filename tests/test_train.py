@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,8 +26,8 @@ import sample
 from nanoparcae import common
 from nanoparcae.dataset import list_chunks
 from nanoparcae.divergence import Divergence
-from conftest import (ROOT, TINY, Started, carries, python, refused, train, train_command, train_env, untouched,
-                      write_corpus)
+from conftest import (ROOT, TINY, Started, carries, corrupt_a_weight, python, refused, train, train_command,
+                      train_env, untouched, write_corpus)
 from model import Parcae, ParcaeConfig
 
 # a concat run that barely moves its initial weights: it never learns
@@ -208,18 +209,38 @@ def test_a_run_whose_files_changed_is_not_continued_on_them(corpus, beside):
 
 
 @pytest.mark.slow
-def test_a_damaged_newest_checkpoint_is_named_and_left_as_it_is(corpus, tmp_path, first_two):
-    """A truncated checkpoint: one line naming the file, that it is truncated or unreadable, what to do; the folder
-    stays as it was."""
+@pytest.mark.parametrize("damage", ["truncated", "damaged"])
+def test_a_damaged_newest_checkpoint_is_named_and_left_as_it_is(corpus, tmp_path, first_two, damage):
+    """A truncated checkpoint, or one with a byte changed amid its weights: one line naming the file, what is wrong,
+    what to do; the folder stays as it was."""
     run_dir = tmp_path / "base" / "runs" / "damaged"
     run_dir.mkdir(parents=True)
     whole = (corpus / "base" / "runs" / "halves" / "ckpt_000002.pt").read_bytes()
-    (run_dir / "ckpt_000002.pt").write_bytes(whole[:len(whole) // 2])
+    (run_dir / "ckpt_000002.pt").write_bytes(whole[:len(whole) // 2] if damage == "truncated" else whole)
+    if damage == "damaged":
+        corrupt_a_weight(run_dir / "ckpt_000002.pt")
     (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
     files = untouched(run_dir)
     message = refused(train(corpus, "--run=damaged", base=tmp_path / "base", expect_ok=False))
-    assert carries(message, str(run_dir / "ckpt_000002.pt"), "truncated", "remove", "restore"), message
+    assert carries(message, str(run_dir / "ckpt_000002.pt"), damage, "remove", "restore"), message
     assert untouched(run_dir) == files
+
+
+@pytest.mark.slow
+def test_a_run_whose_tokenizer_was_replaced_is_not_resumed(corpus, tmp_path, first_two):
+    """Another tokenizer of the same size in the run's tokenizer folder: one line naming the folder and both
+    digests, status 2; the run's folder stays as it was."""
+    from nanoparcae.tokenizer import Tokenizer
+    base = tmp_path / "base"
+    shutil.copytree(corpus / "base" / "runs" / "halves", base / "runs" / "halves")
+    recorded = Path(torch.load(base / "runs" / "halves" / "ckpt_000002.pt", weights_only=True)["tokenizer_dir"])
+    tokenizer_dir = shutil.copytree(recorded, base / "tokenizers" / recorded.name)
+    trained_with = Tokenizer.files_digest(tokenizer_dir)
+    Tokenizer.train(iter(["another corpus altogether, another merge order"] * 40), vocab_size=320).save(tokenizer_dir)
+    files = untouched(base / "runs" / "halves")
+    message = refused(train(corpus, "--run=halves", base=base, expect_ok=False))
+    assert carries(message, str(tokenizer_dir), Tokenizer.files_digest(tokenizer_dir), trained_with), message
+    assert untouched(base / "runs" / "halves") == files
 
 
 @pytest.mark.slow
