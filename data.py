@@ -26,6 +26,7 @@ import torch
 from nanoparcae.common import fail, get_base_dir
 from nanoparcae.dataset import ChunkReader, get_tokenizer, list_chunks, no_documents
 from nanoparcae.flags import positive
+from nanoparcae.tokenizer import vocab_size_flag
 
 # -----------------------------------------------------------------------------
 # The document stream: one rank's share of a split, epoch after epoch, each document with an id
@@ -306,7 +307,7 @@ def main(argv=None):
     parser.error = fail  # an unknown flag or a bad value: one line, status 2
     parser.add_argument("--data", default="stdlib",
                         help="fineweb-edu, stdlib, or a path/folder/glob of your files")
-    parser.add_argument("--vocab_size", type=positive(int), default=4096)
+    parser.add_argument("--vocab_size", type=vocab_size_flag, default=4096)
     parser.add_argument("--batch_size", type=positive(int), default=8)
     parser.add_argument("--seq_len", type=positive(int), default=2048)
     parser.add_argument("--tokens", type=positive(int), default=4_000_000,

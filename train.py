@@ -34,17 +34,19 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from data import DataLoader, crop_rate, val_batches
 from eval_core import evaluate_bpb, evaluate_core
-from model import INJECTIONS, PAPER_TOKENS, SAMPLINGS, Parcae, ParcaeConfig
+from model import INJECTIONS, PAPER_TOKENS, SAMPLINGS, Parcae, ParcaeConfig, mean_steps
 from optim import (build_optimizer, learning_rate_for_depth, lr_multiplier, muon_momentum,
                    optimizer_state_bytes, weight_decay_at)
-from nanoparcae.common import (fail, init_distributed, no_buffer_sync, parse_device,
-                               peak_bf16_flops, print0, rank_and_world, spans, wait_for_rank0)
+from nanoparcae.common import (check_writable, fail, init_distributed, no_buffer_sync,
+                               parse_device, peak_bf16_flops, print0, rank_and_world, spans,
+                               wait_for_rank0)
 from nanoparcae import dataset, flags, memory, ranks
-from nanoparcae.checkpoint import resume_refusal, save_and_prune, training_model
+from nanoparcae.checkpoint import resume_refusal, save_and_prune, saved_bytes, training_model
 from nanoparcae.core_tasks import shared_eval_bundle
 from nanoparcae.divergence import Divergence
 from nanoparcae.metrics import Metrics, compile_counts, log_line
 from nanoparcae.run import claim_run, identify_run, run_folder
+from nanoparcae.tokenizer import vocab_size_flag
 
 # -----------------------------------------------------------------------------
 # Flags. The defaults are the paper's 140M recipe (METHOD.md §2); runs/cpu.sh passes a small one's.
@@ -70,7 +72,7 @@ flag("--injection", default="diagonal", choices=INJECTIONS,
 flag("--sampling", default="per_sequence", choices=list(SAMPLINGS), metavar="SCHEME",
      help=f"recurrence-depth sampler, one of {', '.join(SAMPLINGS)} (model.py)")
 flag("--prelude_norm", type=int, default=1, choices=[0, 1], help="RMSNorm on the prelude's output")
-flag("--vocab_size", type=flags.positive(int), default=32768, help="tokens, the specials included")
+flag("--vocab_size", type=vocab_size_flag, default=32768, help="tokens, the specials included")
 flag("--seq_len", type=flags.positive(int), default=2048, help="tokens per row")
 # the data and the horizon: the first given of --max_tokens, --target_flops, --param_data_ratio
 flag("--data", default="fineweb-edu",
@@ -195,6 +197,12 @@ print0(f"model: depth {args.depth} ({config.n_prelude}/{config.n_recur}/{config.
        f"d_model {config.d_model}, {config.n_head} heads, injection {config.injection}, mu_rec "
        f"{config.mu_rec}, mu_bwd {config.mu_bwd}, sampling {config.sampling}, prelude_norm "
        f"{config.prelude_norm}")
+if config.mu_bwd > config.mu_rec:  # warned, not refused: full backprop is an ablation
+    no_grad, with_grad = mean_steps(config)
+    print0(f"warning: --mu_bwd={config.mu_bwd} > --mu_rec={config.mu_rec}: "
+           f"{with_grad / (no_grad + with_grad):.0%} of the loop's steps are backpropagated, and "
+           f"memory grows with the depth drawn; for the paper's truncation (METHOD.md §2) pass "
+           f"--mu_bwd={math.ceil(config.mu_rec / 2)} or leave it out")
 print0(f"parameters: {num_params:,} | FLOPs/token (paper's C, the horizon's unit): "
        f"{flops_per_token:.4e} | tokens: {num_steps * args.total_batch_size:,} | total FLOPs: "
        f"{flops_per_token * num_steps * args.total_batch_size:.4e} "
@@ -205,8 +213,8 @@ print0(f"parameters: {num_params:,} | FLOPs/token (paper's C, the horizon's unit
 # The device batch and the run, settled before anything is built or written
 
 # On a GPU the device batch is the largest whose memory plan fits (nanoparcae/memory.py)
-batch = memory.choose_device_batch(meta_model, args, device, world,
-                                   optimizer_state_bytes(meta_model, muon=args.optimizer == "muon"))
+optimizer_bytes = optimizer_state_bytes(meta_model, muon=args.optimizer == "muon")
+batch = memory.choose_device_batch(meta_model, args, device, world, optimizer_bytes)
 if args.dry_run:
     sys.exit(0)
 
@@ -234,6 +242,9 @@ print0(f"steps: {num_steps} x {args.total_batch_size:,} tokens = {world} process
        f"{grad_accum} micro-batch(es) x {args.device_batch_size} x {args.seq_len} | data: "
        f"{args.data} | device: {device}, {args.dtype}")
 print0(f"output: {run.dir}")
+if rank == 0:  # the writer: a folder or disk that cannot take a checkpoint stops it before the data
+    check_writable(run.dir, "the run's checkpoints",
+                   needs=saved_bytes({"model": meta_model.state_dict()}) + optimizer_bytes)
 
 # -----------------------------------------------------------------------------
 # Data: the tokenizer, the tokens on disk against the horizon's, one loader per virtual rank

@@ -32,6 +32,7 @@ import json
 import math
 import os
 import re
+import shutil
 import sys
 import sysconfig
 import threading
@@ -44,12 +45,14 @@ from typing import NamedTuple
 import pyarrow.parquet as pq
 
 from model import PAPER_TOKENS
-from nanoparcae.common import fail, get_base_dir, print0
+from nanoparcae.common import cannot_write, check_writable, fail, get_base_dir, print0
 from nanoparcae.download import download_file
 from nanoparcae.flags import positive
-from nanoparcae.tokenizer import Tokenizer
+from nanoparcae.tokenizer import Tokenizer, vocab_size_flag
 
 FINEWEB_URL = "https://huggingface.co/datasets/karpathy/fineweb-edu-100b-shuffle/resolve/main"
+# The mirror's setting, named as each caller names it: download's flag, the recipe's variable
+BASE_URL = "--base_url (runs/speedrun.sh: FINEWEB_URL)"
 FINEWEB_VAL_SHARD = 1822  # METHOD.md §5: shards 0..1822, the last one held out, as nanochat does
 FINEWEB_SHARD_TOKENS = 50e6  # about 250M characters a shard: what a download is sized by, before any is read
 # Best-fit packing crops about 35% of FineWeb-Edu's tokens at 2,048 a row (nanochat/dataloader.py's docstring):
@@ -81,19 +84,19 @@ def download_shard(index, base_url=FINEWEB_URL, max_attempts=5, retry_delay=1.0)
     try:
         download_file(url, unchecked, max_attempts, retry_delay)
     except FileNotFoundError as e:
-        raise FileNotFoundError(f"{e}: check --base_url and that the shard index is in 0..{FINEWEB_VAL_SHARD}") \
+        raise FileNotFoundError(f"{e}: check {BASE_URL} and that the shard index is in 0..{FINEWEB_VAL_SHARD}") \
             from None
     except OSError as e:
-        raise OSError(f"{e}; check the network or --base_url") from None
+        raise OSError(f"{e}; check the network or {BASE_URL}") from None
     try:
         columns = pq.read_metadata(unchecked).schema.names
     except Exception as e:
         unchecked.unlink()
-        raise ValueError(f"{url} is not a valid parquet file ({e}); deleted it, check --base_url and download again") \
-            from None
+        raise ValueError(f"{url} is not a valid parquet file ({e}); deleted it, check {BASE_URL} and download "
+                         f"again") from None
     if "text" not in columns:
         unchecked.unlink()
-        raise ValueError(f"{url} has no 'text' column (columns: {columns}); deleted it, check --base_url")
+        raise ValueError(f"{url} has no 'text' column (columns: {columns}); deleted it, check {BASE_URL}")
     unchecked.rename(path)
     print(f"Downloaded {path.name}")
     return path
@@ -404,18 +407,23 @@ def get_tokenizer(source, vocab_size, max_chars=2_000_000_000, doc_cap=10_000, t
         documents = iter_documents(source, "train")
         if (first := next(documents, None)) is None:  # a missing or empty source fails here, before the announcement
             raise no_documents(source, "train")
+        # its three files hold a line of under 64 bytes per token
+        check_writable(directory.parent, f"the {vocab_size}-token tokenizer", needs=3 * 64 * vocab_size)
         print(f"Training a {vocab_size}-token tokenizer on {source} (train split, <= {max_chars:,} chars) ...")
         t0 = time.time()
         tokenizer = Tokenizer.train(itertools.chain([first], documents), vocab_size, max_chars, doc_cap)
         # save under a private name and rename, so a crash or a concurrent rank never sees half a tokenizer
         scratch = directory.with_name(f"{directory.name}.{os.getpid()}.tmp")
-        tokenizer.save(scratch)
+        try:
+            tokenizer.save(scratch)
+        except BaseException as err:  # a full disk: no half-written folder left behind
+            shutil.rmtree(scratch, ignore_errors=True)
+            cannot_write(directory, err)
+            raise
         try:
             scratch.rename(directory)
         except OSError:  # another process finished first: keep its copy
-            for path in scratch.iterdir():
-                path.unlink()
-            scratch.rmdir()
+            shutil.rmtree(scratch)
         print(f"Trained in {time.time() - t0:.1f}s, saved to {directory}")
     return Tokenizer.load(directory)
 
@@ -477,7 +485,7 @@ def main(argv=None):
                             help="train (once) and cache the tokenizer of a data source")
     p.error = fail
     p.add_argument("--data", default="fineweb-edu", help="fineweb-edu, stdlib, or a path/folder/glob of your files")
-    p.add_argument("--vocab_size", type=positive(int), default=32768, help="special tokens included (default 32768)")
+    p.add_argument("--vocab_size", type=vocab_size_flag, default=32768, help="special tokens included (default 32768)")
     p.add_argument("--max_chars", type=positive(int), default=2_000_000_000, help="characters to train on (default 2B)")
     p.add_argument("--doc_cap", type=positive(int), default=10_000, help="characters kept per document (default 10k)")
     args = parser.parse_args(argv)
