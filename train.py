@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from data import DataLoader, crop_rate, val_batches
+from data import DataLoader, packing, val_batches
 from eval_core import evaluate_bpb, evaluate_core
 from model import INJECTIONS, PAPER_TOKENS, SAMPLINGS, Parcae, ParcaeConfig, mean_steps
 from optim import (build_optimizer, learning_rate_for_depth, lr_multiplier, muon_momentum,
@@ -261,8 +261,8 @@ try:
     tokenizer = dataset.get_tokenizer(args.data, args.vocab_size, train=False)  # None: not here
     ranks.agree_on_data(tokenizer, shards)  # rank 0's tokenizer and shards on every node
     # the horizon against the tokens the loader keeps: a FineWeb-Edu run never repeats unasked
-    crop = crop_rate(tokenizer, args.data, args.seq_len, args.seed)
-    dataset.check_data(args.data, tokenizer, tokens, crop, args.seq_len)
+    packed = packing(tokenizer, args.data, args.seq_len, args.seed, world * grad_accum)
+    dataset.check_data(args.data, tokenizer, tokens, packed, args.seq_len, world * grad_accum)
     reader = dataset.ChunkReader()  # one read of each chunk for this process's loaders
     loaders = [DataLoader(tokenizer, args.data, "train", args.device_batch_size, args.seq_len,
                           rank=rank * grad_accum + micro, world_size=world * grad_accum,

@@ -56,7 +56,7 @@ BASE_URL = "--base_url (runs/speedrun.sh: FINEWEB_URL)"
 FINEWEB_VAL_SHARD = 1822  # METHOD.md §5: shards 0..1822, the last one held out, as nanochat does
 FINEWEB_SHARD_TOKENS = 50e6  # about 250M characters a shard: what a download is sized by, before any is read
 # Best-fit packing crops about 35% of FineWeb-Edu's tokens at 2,048 a row (nanochat/dataloader.py's docstring):
-# what a download is sized by, before any shard is there to measure. A run measures its own (data.crop_rate).
+# what a download is sized by, before any shard is there to measure. A run measures its own (data.packing).
 PACKING_CROP = 0.35
 VAL_EVERY = 20  # stdlib and user files: a document is validation iff crc32(text) % 20 == 0 (~5%)
 FILES_PER_CHUNK = 64  # text files are read (and shared across ranks) in groups of this many
@@ -331,13 +331,20 @@ def data_refusal(err, args, tokens, paper_horizon):
     return str(err)
 
 
-def check_data(source, tokenizer, tokens, crop, seq_len):
-    """The times the run reads its train split, as the loader packs it.
-    Usable tokens: those held (train_tokens) less the share `crop` that packing crops at seq_len.
+def check_data(source, tokenizer, tokens, packed, seq_len, world_size=1):
+    """The times the run reads its train split, as its world_size loaders pack it (data.packing's `packed`).
+    Usable tokens, those a pass trains on: the rows the loaders yield in a pass, where they were packed.
+    Else those held (train_tokens), less what the loaders' buffers hold back at the pass's end
+    (held_back), less the share packing crops, each row's seq_len + 1 tokens training seq_len.
     A FineWeb-Edu run that would repeat while shards remain to download: ValueError naming the download.
     Another source repeats as it must, and says so."""
     held, bytes_per_token = train_tokens(source, tokenizer)
-    usable = held * (1 - crop)
+    crop = packed.crop
+    if packed.rows is not None:
+        usable = max(packed.rows * seq_len * world_size, 1)
+    else:
+        usable = max(held - held_back(held, packed, world_size), 1) * (1 - crop) * seq_len / (seq_len + 1)
+    packs = f"packing crops {crop:.1%} at --seq_len={seq_len} and {world_size} loader(s) keep a buffer back"
     shards = fineweb_train_shards() if source == "fineweb-edu" else None
     epochs = tokens / usable
     if shards and epochs > 1 and len(shards) < FINEWEB_VAL_SHARD:
@@ -347,14 +354,23 @@ def check_data(source, tokenizer, tokens, crop, seq_len):
                  f"usable tokens, which the run would read {tokens / (FINEWEB_VAL_SHARD * per_shard):.2f} times"
                  if needed > FINEWEB_VAL_SHARD else "")
         raise ValueError(f"the run's {count(tokens)} tokens would read the {len(shards)} FineWeb-Edu training "
-                         f"shards on disk (about {count(usable)} tokens once packing crops {crop:.0%} at "
-                         f"--seq_len={seq_len}) {epochs:.1f} times: run `python -m nanoparcae.dataset download "
-                         f"-n {min(needed, FINEWEB_VAL_SHARD) + 1}` first{still}, or give a smaller --max_tokens")
+                         f"shards on disk (about {count(usable)} tokens once {packs}) {epochs:.1f} times: "
+                         f"run `python -m nanoparcae.dataset download -n {min(needed, FINEWEB_VAL_SHARD) + 1}` "
+                         f"first{still}, or give a smaller --max_tokens")
     print0(f"data: {source}, about {count(held)} training tokens ({bytes_per_token:.2f} bytes a token"
-           + (f", {len(shards)} shards" if shards else "") + f"), {count(usable)} once packing crops {crop:.1%} "
-           f"at --seq_len={seq_len}: the run trains on "
-           + (f"{epochs:.1%} of them" if epochs < 1 else f"them about {epochs:.2f} times"))
+           + (f", {len(shards)} shards" if shards else "") + f"), {count(usable)} a pass once {packs}: the run "
+           f"trains on " + (f"{epochs:.1%} of them" if epochs < 1 else f"them about {epochs:.2f} times"))
     return epochs
+
+
+def held_back(held, packed, world_size):
+    """The tokens world_size loaders hold unpacked in their buffers when a pass of `held` tokens ends.
+    Long documents wait there (data.DataLoader packs the longest that fits), so a buffer holds at most
+    a share's buffer_docs longest. Their sum, from the sample of lengths, scaled to a share: a bound."""
+    lengths = sorted(packed.lengths, reverse=True)
+    share_docs = held / world_size / (sum(lengths) / len(lengths))
+    top = lengths[:math.ceil(packed.buffer_docs * len(lengths) / share_docs)]
+    return min(world_size * sum(top) * share_docs / len(lengths), held)
 
 
 def no_documents(source, split, rank=0, world_size=1):

@@ -2,6 +2,8 @@
 file; a partial file a run left behind is removed by the next start, which continues the run."""
 
 import errno
+import os
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -9,7 +11,8 @@ import torch
 
 from conftest import ROOT, TINY, carries, python, train, train_env
 from model import Parcae, ParcaeConfig
-from nanoparcae import checkpoint, metrics
+from nanoparcae import checkpoint, common, dataset, metrics
+from nanoparcae.tokenizer import Tokenizer
 
 CONFIG = ParcaeConfig(vocab_size=97, seq_len=16, n_prelude=1, n_recur=1, n_coda=1, d_model=64, head_dim=32)
 
@@ -158,3 +161,63 @@ def test_a_run_stopped_by_a_full_disk_continues_where_it_saved_once_there_is_roo
     assert not any(run_dir.glob("*.tmp"))
     train(corpus, "--run=unbroken", base=tmp_path / "base")
     assert step_losses(tmp_path / "base", "full") == step_losses(tmp_path / "base", "unbroken")
+
+
+# -----------------------------------------------------------------------------
+# A folder that cannot take a command's result: refused before the work, or the write cleaned up
+
+def refusing(code):
+    def refuse(*args, **kwargs):
+        raise OSError(code, os.strerror(code))
+    return refuse
+
+
+@pytest.mark.parametrize("code", [errno.EROFS, errno.ENOSPC])
+def test_a_folder_that_cannot_be_written_is_refused_before_the_work(tmp_path, monkeypatch, capsys, code):
+    monkeypatch.setattr(common.tempfile, "TemporaryFile", refusing(code))
+    line = stopped_in_one_line(lambda: common.check_writable(tmp_path / "out", "the results"), capsys)
+    assert carries(line, str(tmp_path / "out")), line
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_disk_without_room_for_the_result_is_refused_before_the_work(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(common.shutil, "disk_usage", lambda path: SimpleNamespace(free=1000))
+    line = stopped_in_one_line(lambda: common.check_writable(tmp_path, "the export", needs=10**6), capsys)
+    assert carries(line, str(tmp_path), "full"), line
+
+
+def test_a_file_named_as_the_folder_is_bad_input(tmp_path, capsys):
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(SystemExit) as stop:
+        common.check_writable(tmp_path / "a_file", "the export")
+    assert stop.value.code == 2 and carries(capsys.readouterr().err, str(tmp_path / "a_file"))
+
+
+@pytest.mark.parametrize("code", [errno.EROFS, errno.ENOSPC])
+def test_an_atomic_write_that_fails_leaves_nothing_in_one_line(tmp_path, capsys, code):
+    (tmp_path / "report.md").write_text("the old card")
+
+    def half_then_fail(partial):
+        partial.write_text("half")
+        refusing(code)()
+    line = stopped_in_one_line(lambda: common.write_atomically(tmp_path / "report.md", half_then_fail), capsys)
+    assert carries(line, str(tmp_path / "report.md")), line
+    assert [path.name for path in tmp_path.iterdir()] == ["report.md"]
+    assert (tmp_path / "report.md").read_text() == "the old card"
+
+
+def test_a_tokenizer_save_without_room_leaves_no_folder(tmp_path, monkeypatch, capsys):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(f"document {i} of a few words" for i in range(60)))
+    monkeypatch.setattr(Tokenizer, "save", lambda self, directory: (Path(directory).mkdir(parents=True),
+                                                                   refusing(errno.ENOSPC)()))
+    line = stopped_in_one_line(lambda: dataset.get_tokenizer(str(corpus), 300), capsys)
+    assert carries(line, "tokenizers"), line
+    assert list((common.get_base_dir() / "tokenizers").iterdir()) == []
+
+
+def test_a_torn_json_file_is_named(tmp_path):
+    (tmp_path / "ckpt_000008_bpb_T1-2-4.json").write_text('{"T": [1, 2\n "lo')
+    with pytest.raises(ValueError) as torn:
+        common.read_json(tmp_path / "ckpt_000008_bpb_T1-2-4.json")
+    assert carries(str(torn.value), str(tmp_path / "ckpt_000008_bpb_T1-2-4.json"), "delete"), torn.value
