@@ -381,7 +381,7 @@ def test_a_horizon_within_the_tokens_on_disk_but_not_those_packing_keeps_is_refu
     """At 0.9x the tokens on disk, which packing crops to fewer, the run is refused naming the download of
     enough shards for the tokens it keeps; within those it runs and says the crop; with every shard on disk it
     says how often it reads them."""
-    write_long_shards([0, 1, 2, dataset.FINEWEB_VAL_SHARD])
+    write_long_shards([0, 1, 2, dataset.FINEWEB_VAL_SHARD], docs=3000)  # each share past a buffer
     tokenizer = dataset.get_tokenizer("fineweb-edu", 300)
     held, _ = dataset.train_tokens("fineweb-edu", tokenizer)
     packed = data.packing(tokenizer, "fineweb-edu", seq_len=32)
