@@ -113,7 +113,8 @@ def unwritable(folder, needs=0):
     A missing folder is tried at the nearest folder above it, and not made."""
     folder, there = Path(folder).absolute(), nearest(folder)
     if not there.is_dir():
-        return f"{folder} is a file, not a folder" if there == folder else f"{there}, above {folder}, is a file"
+        return (f"{folder} is a file, not a folder" if there == folder else
+                f"{folder} cannot be made ({os.strerror(errno.ENOTDIR)}: {there} is a file)")
     try:
         tempfile.TemporaryFile(dir=there).close()  # a write: what a read-only mount or mode refuses
     except OSError as err:

@@ -332,35 +332,40 @@ def data_refusal(err, args, tokens, paper_horizon):
 
 
 def check_data(source, tokenizer, tokens, packed, seq_len, world_size=1):
-    """The times the run reads its train split, as its world_size loaders pack it (data.packing's `packed`).
-    Usable tokens, those a pass trains on: the rows the loaders yield in a pass, where they were packed.
-    Else those held (train_tokens), less what the loaders' buffers hold back at the pass's end
-    (held_back), less the share packing crops, each row's seq_len + 1 tokens training seq_len.
-    A FineWeb-Edu run that would repeat while shards remain to download: ValueError naming the download.
-    Another source repeats as it must, and says so."""
+    """The passes the run makes over its train split, as its world_size loaders pack it (data.packing's).
+    A pass: the tokens trained before a loader reads the second epoch.
+
+    - where the loaders were packed through one: their rows.
+    - else: those held (train_tokens), less the long documents their buffers hold back at its end
+      (held_back), less the share packing crops; a row's seq_len + 1 tokens train seq_len.
+
+    A FineWeb-Edu run that would pass its first pass while shards remain to download: ValueError
+    naming the download. Another source repeats as it must, and says how often."""
     held, bytes_per_token = train_tokens(source, tokenizer)
-    crop = packed.crop
+    crop, row_share = packed.crop, seq_len / (seq_len + 1)
+    trained = held * (1 - crop) * row_share  # the tokens trained on, whoever holds them back
     if packed.rows is not None:
-        usable = max(packed.rows * seq_len * world_size, 1)
+        one_pass = max(packed.rows * seq_len * world_size, 1)
     else:
-        usable = max(held - held_back(held, packed, world_size), 1) * (1 - crop) * seq_len / (seq_len + 1)
-    packs = f"packing crops {crop:.1%} at --seq_len={seq_len} and {world_size} loader(s) keep a buffer back"
+        one_pass = max((held - held_back(held, packed, world_size)) * (1 - crop) * row_share, 1)
+    packs = f"packing crops {crop:.1%} at --seq_len={seq_len} and {world_size} loader(s) hold a buffer back"
     shards = fineweb_train_shards() if source == "fineweb-edu" else None
-    epochs = tokens / usable
-    if shards and epochs > 1 and len(shards) < FINEWEB_VAL_SHARD:
-        per_shard = usable / len(shards)
-        needed = math.ceil(tokens / per_shard)
+    passes = tokens / one_pass
+    if shards and passes > 1 and len(shards) < FINEWEB_VAL_SHARD:
+        per_shard = trained / len(shards)
+        needed = math.ceil((tokens + max(trained - one_pass, 0)) / per_shard)  # the buffers' too
         still = (f"; all {FINEWEB_VAL_SHARD:,} training shards hold about {count(FINEWEB_VAL_SHARD * per_shard)} "
                  f"usable tokens, which the run would read {tokens / (FINEWEB_VAL_SHARD * per_shard):.2f} times"
                  if needed > FINEWEB_VAL_SHARD else "")
-        raise ValueError(f"the run's {count(tokens)} tokens would read the {len(shards)} FineWeb-Edu training "
-                         f"shards on disk (about {count(usable)} tokens once {packs}) {epochs:.1f} times: "
-                         f"run `python -m nanoparcae.dataset download -n {min(needed, FINEWEB_VAL_SHARD) + 1}` "
-                         f"first{still}, or give a smaller --max_tokens")
+        raise ValueError(f"the run's {count(tokens)} tokens would pass the {len(shards)} FineWeb-Edu training "
+                         f"shards on disk (about {count(one_pass)} tokens a pass once {packs}) {passes:.1f} "
+                         f"times: run `python -m nanoparcae.dataset download -n "
+                         f"{min(needed, FINEWEB_VAL_SHARD) + 1}` first{still}, or give a smaller --max_tokens")
     print0(f"data: {source}, about {count(held)} training tokens ({bytes_per_token:.2f} bytes a token"
-           + (f", {len(shards)} shards" if shards else "") + f"), {count(usable)} a pass once {packs}: the run "
-           f"trains on " + (f"{epochs:.1%} of them" if epochs < 1 else f"them about {epochs:.2f} times"))
-    return epochs
+           + (f", {len(shards)} shards" if shards else "") + f"), {count(one_pass)} a pass once {packs}: the run "
+           + (f"trains on {passes:.1%} of them" if passes <= 1 else
+              f"trains on them about {max(tokens / trained, 1):.2f} times"))
+    return passes
 
 
 def held_back(held, packed, world_size):

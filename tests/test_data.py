@@ -379,11 +379,12 @@ def test_a_run_the_data_check_passes_never_reads_a_second_epoch(world_size, caps
 
 def test_a_horizon_within_the_tokens_on_disk_but_not_those_packing_keeps_is_refused(monkeypatch, capsys):
     """At 0.9x the tokens on disk, which packing crops to fewer, the run is refused naming the download of
-    enough shards for the tokens it keeps; within those it runs and says the crop; with every shard on disk it
-    says how often it reads them."""
+    enough shards for the tokens it keeps, which then passes; within those it runs and says the crop; with
+    every shard on disk it says how often it reads them."""
     write_long_shards([0, 1, 2, dataset.FINEWEB_VAL_SHARD], docs=3000)  # each share past a buffer
     tokenizer = dataset.get_tokenizer("fineweb-edu", 300)
-    held, _ = dataset.train_tokens("fineweb-edu", tokenizer)
+    three = dataset.train_tokens("fineweb-edu", tokenizer)
+    held = three[0]
     packed = data.packing(tokenizer, "fineweb-edu", seq_len=32)
     crop = packed.crop
     usable = 1 / dataset.check_data("fineweb-edu", tokenizer, 1.0, packed, 32)
@@ -391,13 +392,16 @@ def test_a_horizon_within_the_tokens_on_disk_but_not_those_packing_keeps_is_refu
     assert usable < held * (1 - crop)
     with pytest.raises(ValueError) as refused:
         dataset.check_data("fineweb-edu", tokenizer, 0.9 * held, packed, 32)
-    shards = -(-0.9 * held // (usable / 3))
-    assert carries(str(refused.value), f"{crop:.1%}", "python -m nanoparcae.dataset download", "-n",
-                   f"{shards + 1:.0f}"), refused.value
+    assert carries(str(refused.value), f"{crop:.1%}", "python -m nanoparcae.dataset download", "-n"), refused.value
     assert dataset.check_data("fineweb-edu", tokenizer, 0.9 * usable, packed, 32) == pytest.approx(0.9)
     assert f"{crop:.1%}" in capsys.readouterr().out
-    every = dataset.train_tokens("fineweb-edu", tokenizer)  # as if these three shards were all 1,822
-    monkeypatch.setattr(dataset, "train_tokens", lambda source, tokenizer: every)
+    named = int(re.search(r"download -n (\d+)", str(refused.value))[1])
+    write_long_shards(range(3, named - 1), docs=3000)  # the download it names: enough
+    more = data.packing(tokenizer, "fineweb-edu", seq_len=32)
+    assert dataset.check_data("fineweb-edu", tokenizer, 0.9 * held, more, 32) <= 1
+    capsys.readouterr()
+    # as if the first three shards were all 1,822
+    monkeypatch.setattr(dataset, "train_tokens", lambda source, tokenizer: three)
     monkeypatch.setattr(dataset, "fineweb_train_shards", lambda: list(range(dataset.FINEWEB_VAL_SHARD)))
     assert dataset.check_data("fineweb-edu", tokenizer, 0.9 * held, packed, 32) > 1
     assert re.search(r"trains on them about [\d.]+ times", capsys.readouterr().out)
