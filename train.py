@@ -261,8 +261,9 @@ try:
     tokenizer = dataset.get_tokenizer(args.data, args.vocab_size, train=False)  # None: not here
     ranks.agree_on_data(tokenizer, shards)  # rank 0's tokenizer and shards on every node
     # the horizon against the tokens the loader keeps: a FineWeb-Edu run never repeats unasked
+    held = dataset.train_tokens(args.data, tokenizer)  # a split without documents is named first
     packed = packing(tokenizer, args.data, args.seq_len, args.seed, world * grad_accum)
-    dataset.check_data(args.data, tokenizer, tokens, packed, args.seq_len, world * grad_accum)
+    dataset.check_data(args.data, held, tokens, packed, args.seq_len, world * grad_accum)
     reader = dataset.ChunkReader()  # one read of each chunk for this process's loaders
     loaders = [DataLoader(tokenizer, args.data, "train", args.device_batch_size, args.seq_len,
                           rank=rank * grad_accum + micro, world_size=world * grad_accum,

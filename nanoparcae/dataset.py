@@ -331,17 +331,18 @@ def data_refusal(err, args, tokens, paper_horizon):
     return str(err)
 
 
-def check_data(source, tokenizer, tokens, packed, seq_len, world_size=1):
+def check_data(source, held, tokens, packed, seq_len, world_size=1):
     """The passes the run makes over its train split, as its world_size loaders pack it (data.packing's).
+    held: train_tokens' (tokens, bytes per token).
     A pass: the tokens trained before a loader reads the second epoch.
 
     - where the loaders were packed through one: their rows.
-    - else: those held (train_tokens), less the long documents their buffers hold back at its end
+    - else: those held, less the long documents their buffers hold back at its end
       (held_back), less the share packing crops; a row's seq_len + 1 tokens train seq_len.
 
     A FineWeb-Edu run that would pass its first pass while shards remain to download: ValueError
     naming the download. Another source repeats as it must, and says how often."""
-    held, bytes_per_token = train_tokens(source, tokenizer)
+    held, bytes_per_token = held
     crop, row_share = packed.crop, seq_len / (seq_len + 1)
     trained = held * (1 - crop) * row_share  # the tokens trained on, whoever holds them back
     if packed.rows is not None:

@@ -358,7 +358,8 @@ def test_a_run_the_data_check_passes_never_reads_a_second_epoch(world_size, caps
     seq_len = 64
     packed = data.packing(tokenizer, "fineweb-edu", seq_len, world_size=world_size)
     assert (packed.rows is None) == (world_size == 1)  # the bound, or the loaders' own pass
-    usable = 1 / dataset.check_data("fineweb-edu", tokenizer, 1.0, packed, seq_len, world_size)
+    held = dataset.train_tokens("fineweb-edu", tokenizer)
+    usable = 1 / dataset.check_data("fineweb-edu", held, 1.0, packed, seq_len, world_size)
     steps = int(0.99 * usable) // (seq_len * world_size)
     loaders = [data.DataLoader(tokenizer, "fineweb-edu", "train", 1, seq_len, rank=r, world_size=world_size)
                for r in range(world_size)]
@@ -372,8 +373,7 @@ def test_a_run_the_data_check_passes_never_reads_a_second_epoch(world_size, caps
         steps += 1
     for loader in loaders:
         loader.close()
-    held, _ = dataset.train_tokens("fineweb-edu", tokenizer)
-    assert steps * seq_len * world_size < 0.9 * held * (1 - packed.crop)  # the count before: a second epoch
+    assert steps * seq_len * world_size < 0.9 * held[0] * (1 - packed.crop)  # the count before: a second epoch
     assert steps * seq_len * world_size < 1.15 * usable  # and this one is close: a bound, within 15%
 
 
@@ -387,23 +387,23 @@ def test_a_horizon_within_the_tokens_on_disk_but_not_those_packing_keeps_is_refu
     held = three[0]
     packed = data.packing(tokenizer, "fineweb-edu", seq_len=32)
     crop = packed.crop
-    usable = 1 / dataset.check_data("fineweb-edu", tokenizer, 1.0, packed, 32)
+    usable = 1 / dataset.check_data("fineweb-edu", three, 1.0, packed, 32)
     capsys.readouterr()
     assert usable < held * (1 - crop)
     with pytest.raises(ValueError) as refused:
-        dataset.check_data("fineweb-edu", tokenizer, 0.9 * held, packed, 32)
+        dataset.check_data("fineweb-edu", three, 0.9 * held, packed, 32)
     assert carries(str(refused.value), f"{crop:.1%}", "python -m nanoparcae.dataset download", "-n"), refused.value
-    assert dataset.check_data("fineweb-edu", tokenizer, 0.9 * usable, packed, 32) == pytest.approx(0.9)
+    assert dataset.check_data("fineweb-edu", three, 0.9 * usable, packed, 32) == pytest.approx(0.9)
     assert f"{crop:.1%}" in capsys.readouterr().out
     named = int(re.search(r"download -n (\d+)", str(refused.value))[1])
     write_long_shards(range(3, named - 1), docs=3000)  # the download it names: enough
     more = data.packing(tokenizer, "fineweb-edu", seq_len=32)
-    assert dataset.check_data("fineweb-edu", tokenizer, 0.9 * held, more, 32) <= 1
+    assert dataset.check_data("fineweb-edu", dataset.train_tokens("fineweb-edu", tokenizer), 0.9 * held, more,
+                              32) <= 1
     capsys.readouterr()
     # as if the first three shards were all 1,822
-    monkeypatch.setattr(dataset, "train_tokens", lambda source, tokenizer: three)
     monkeypatch.setattr(dataset, "fineweb_train_shards", lambda: list(range(dataset.FINEWEB_VAL_SHARD)))
-    assert dataset.check_data("fineweb-edu", tokenizer, 0.9 * held, packed, 32) > 1
+    assert dataset.check_data("fineweb-edu", three, 0.9 * held, packed, 32) > 1
     assert re.search(r"trains on them about [\d.]+ times", capsys.readouterr().out)
 
 
@@ -457,9 +457,10 @@ def test_corrupt_shard_is_deleted_and_named(server):
 
 
 def test_missing_shard_fails_fast(server):
-    with pytest.raises(FileNotFoundError, match="HTTP 404"):
+    with pytest.raises(FileNotFoundError, match="HTTP 404") as missing:
         dataset.download_shards([7], base_url=server.url)
     assert server.requests == 1
+    assert carries(str(missing.value), "--base_url", "FINEWEB_URL"), missing.value  # the flag, the recipe's
 
 
 def test_download_file_resumes_with_range(tmp_path):

@@ -3,13 +3,16 @@ file; a partial file a run left behind is removed by the next start, which conti
 
 import errno
 import os
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from conftest import ROOT, TINY, carries, python, train, train_env
+from conftest import ROOT, TINY, carries, python, train, train_env, untouched
 from model import Parcae, ParcaeConfig
 from nanoparcae import checkpoint, common, dataset, metrics
 from nanoparcae.tokenizer import Tokenizer
@@ -221,3 +224,63 @@ def test_a_torn_json_file_is_named(tmp_path):
     with pytest.raises(ValueError) as torn:
         common.read_json(tmp_path / "ckpt_000008_bpb_T1-2-4.json")
     assert carries(str(torn.value), str(tmp_path / "ckpt_000008_bpb_T1-2-4.json"), "delete"), torn.value
+
+
+# A real read-only folder: root ignores file modes, but a read-only bind mount refuses root too. Each command runs
+# in a mount namespace of its own (unshare), so the mount is gone when it ends.
+
+def can_unshare():
+    try:
+        return subprocess.run(["unshare", "-rm", "true"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def read_only_run(args, folder, env):
+    """`python *args` with `folder` mounted read-only -> the finished process."""
+    mount = f"mount --bind -o ro {shlex.quote(str(folder))} {shlex.quote(str(folder))}"
+    command = " ".join(shlex.quote(word) for word in [sys.executable, *args])
+    return subprocess.run(["unshare", "-rm", "sh", "-c", f"{mount} && exec {command}"], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+
+READ_ONLY = {  # command ({run}: the run's folder), the folder mounted read-only, the status, the words it names
+    "eval": (["eval_core.py", "--run=ro", "--eval=bpb", "--T=1,2,4", "--val_tokens=256"], "{run}", 1, ["{run}"]),
+    "report": (["-m", "nanoparcae.report", "--run=ro"], "{run}", 1, ["{run}/report.md"]),
+    "report --machine": (["-m", "nanoparcae.report", "--run=ro", "--machine"], "{run}", 1, ["{run}/recipe"]),
+    "plot": (["-m", "experiments.plot", "ro", "-o", "{run}/plot.png"], "{run}", 1, ["{run}"]),
+    "export": (["-m", "interop.hub", "export", "ro", "{run}/export"], "{run}", 1, ["{run}/export"]),
+    "export onto a file": (["-m", "interop.hub", "export", "ro", "{run}/metrics.jsonl"], "{run}", 2,
+                           ["{run}/metrics.jsonl"]),
+    "train": (["train.py", "--data={corpus}", *TINY, "--run=other"], "{runs}", 1, ["{runs}/other"]),
+    "tokenizer": (["-m", "nanoparcae.dataset", "tokenizer", "--data={corpus}", "--vocab_size=300"], "{tokenizers}", 1,
+                  ["{tokenizers}"]),
+}
+
+
+@pytest.fixture(scope="module")
+def trained(corpus):
+    """A run, ro, trained on the corpus in the module's base folder."""
+    train(corpus, "--run=ro")
+    return corpus
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not can_unshare(), reason="no mount namespace here (unshare -rm)")
+@pytest.mark.parametrize("case", READ_ONLY)
+def test_a_read_only_folder_stops_the_command_before_its_work_in_one_line(trained, case):
+    """Status 1 (2 for a file named as the export's folder), one line naming the folder, before the work: no
+    depth evaluated, no data prepared, no tokenizer trained; nothing changed, no temporary file left."""
+    command, folder, status, words = READ_ONLY[case]
+    base = trained / "base"
+    values = {"run": base / "runs" / "ro", "runs": base / "runs", "corpus": trained / "corpus.txt",
+              "tokenizers": base / "tokenizers"}
+    before = untouched(values["run"])
+    result = read_only_run([word.format(**values) for word in command], str(folder).format(**values),
+                           train_env(trained))
+    err = result.stderr.strip()
+    assert result.returncode == status and len(err.splitlines()) == 1 and "Traceback" not in err, err[-3000:]
+    assert carries(err, *[word.format(**values) for word in words]), err
+    assert "T =" not in result.stdout and "data:" not in result.stdout and "Training" not in result.stdout
+    assert untouched(values["run"]) == before
+    assert not list(base.rglob("*.tmp"))
