@@ -20,12 +20,14 @@ import queue
 import random
 import threading
 import time
+from typing import NamedTuple
 
 import torch
 
 from nanoparcae.common import fail, get_base_dir
 from nanoparcae.dataset import ChunkReader, get_tokenizer, list_chunks, no_documents
 from nanoparcae.flags import positive
+from nanoparcae.tokenizer import vocab_size_flag
 
 # -----------------------------------------------------------------------------
 # The document stream: one rank's share of a split, epoch after epoch, each document with an id
@@ -281,20 +283,40 @@ def val_batches(tokenizer, source, batch_size, seq_len, num_tokens, rank=0, worl
     loader.close()
 
 
-def crop_rate(tokenizer, source, seq_len, seed=0, settle=6, measure=2):
-    """The share of the tokens packed that packing crops at seq_len, as a long run meets it.
-    The loader's own packing, over the first train documents it reads.
-    Short documents leave first, so the buffer fills with long ones: counted once
-    `settle` buffers of documents have arrived, over `measure` more."""
-    loader = DataLoader(tokenizer, source, "train", 1, seq_len, seed=seed)
-    while loader.arrivals < settle * loader.buffer_docs:
-        next(loader)
-    used, cropped = loader.tokens_used, loader.tokens_cropped
-    while loader.arrivals < (settle + measure) * loader.buffer_docs:
-        next(loader)
-    loader.close()
-    cropped = loader.tokens_cropped - cropped
-    return cropped / (loader.tokens_used - used + cropped)
+class Packing(NamedTuple):
+    crop: float  # the share of the tokens packed that packing crops
+    rows: int | None  # rows each loader yields before it reads a second epoch; None: not reached
+    lengths: list  # the tokens of each document the first loader read, BOS included
+    buffer_docs: int  # documents a loader holds back unpacked, in its buffer
+
+
+def packing(tokenizer, source, seq_len, seed=0, world_size=1, settle=6, measure=2):
+    """How packing meets a run's train split, read by the run's world_size loaders.
+    The first reads `settle` + `measure` buffers of documents, or its share if that ends first.
+
+    - crop: over the last `measure` buffers, or the whole share if it is shorter.
+      Short documents leave first, so the buffer fills with long ones as a long run goes on.
+    - rows: where the first's share ended, every loader packs its pass: the fewest rows one
+      yields before reading its second epoch.
+    - lengths: what dataset.check_data bounds a longer pass's buffer with."""
+    loaders = [DataLoader(tokenizer, source, "train", 1, seq_len, rank=rank, world_size=world_size,
+                          seed=seed) for rank in range(world_size)]
+    first, start, rows = loaders[0], (0, 0), None
+    while first.arrivals < (settle + measure) * first.buffer_docs and first.next_doc[0] == 0:
+        if first.arrivals < settle * first.buffer_docs:
+            start = first.tokens_used, first.tokens_cropped
+        next(first)
+    used, cropped = first.tokens_used - start[0], first.tokens_cropped - start[1]
+    if first.next_doc[0] > 0:  # the row just packed took a document of the next epoch
+        for loader in loaders[1:]:
+            while loader.next_doc[0] == 0:
+                next(loader)
+        rows = min(loader.batches - 1 for loader in loaders)
+    texts = [text for _, text in itertools.islice(first.stream.iterate(loop=False), first.arrivals)]
+    for loader in loaders:
+        loader.close()
+    lengths = [len(ids) for ids in tokenizer.encode(texts, prepend_bos=True)]
+    return Packing(cropped / max(used + cropped, 1), rows, lengths, first.buffer_docs)
 
 # -----------------------------------------------------------------------------
 # Command line: the loader measured
@@ -306,7 +328,7 @@ def main(argv=None):
     parser.error = fail  # an unknown flag or a bad value: one line, status 2
     parser.add_argument("--data", default="stdlib",
                         help="fineweb-edu, stdlib, or a path/folder/glob of your files")
-    parser.add_argument("--vocab_size", type=positive(int), default=4096)
+    parser.add_argument("--vocab_size", type=vocab_size_flag, default=4096)
     parser.add_argument("--batch_size", type=positive(int), default=8)
     parser.add_argument("--seq_len", type=positive(int), default=2048)
     parser.add_argument("--tokens", type=positive(int), default=4_000_000,

@@ -34,8 +34,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from nanoparcae.checkpoint import load_run
-from nanoparcae.common import (fail, init_distributed, parse_device, print0, rank_and_world,
-                               write_atomically)
+from nanoparcae.common import (check_writable, fail, init_distributed, parse_device, print0,
+                               rank_and_world, write_atomically)
 from nanoparcae.core_tasks import (CORE_LABELS, EVAL_BUNDLE_URL, LM, build_rows,
                                    load_task_data, read_random_baselines, select_tasks,
                                    shared_eval_bundle)
@@ -472,6 +472,8 @@ def start_device(args):
 def evaluate(args, model, tokenizer, ckpt, ckpt_path, Ts, seeds, device):
     """--eval on a loaded model; the results go beside ckpt_path."""
     Ts = Ts or [model.config.mu_rec]
+    if rank_and_world()[0] == 0:  # the writer: results it could not keep are never computed
+        check_writable(ckpt_path.parent, "the results")
     print0(f"Checkpoint {ckpt_path} (step {ckpt.get('step')}), {model.num_params():,} parameters, "
            f"mu_rec {model.config.mu_rec}, on {device} x {rank_and_world()[1]}")
     if args.eval == "core":

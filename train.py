@@ -21,6 +21,7 @@ records.
 """
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -32,19 +33,22 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from data import DataLoader, crop_rate, val_batches
+from data import DataLoader, packing, val_batches
 from eval_core import core_during_training, evaluate_during_training
-from model import INJECTIONS, PAPER_TOKENS, SAMPLINGS, Parcae, ParcaeConfig
+from model import INJECTIONS, PAPER_TOKENS, SAMPLINGS, Parcae, ParcaeConfig, mean_steps
 from optim import (build_optimizer, learning_rate_for_depth, lr_multiplier, muon_momentum,
                    optimizer_state_bytes, weight_decay_at)
-from nanoparcae.common import (exit_in_one_line, fail, init_distributed, no_buffer_sync,
-                               parse_device, peak_bf16_flops, print0, rank_and_world, spans)
+from nanoparcae.common import (check_writable, exit_in_one_line, fail, init_distributed,
+                               no_buffer_sync, parse_device, peak_bf16_flops, print0,
+                               rank_and_world, spans)
 from nanoparcae import dataset, flags, memory, ranks
-from nanoparcae.checkpoint import resume, resume_refusal, save_and_prune, training_model
+from nanoparcae.checkpoint import (resume, resume_refusal, save_and_prune, saved_bytes,
+                                   training_model)
 from nanoparcae.core_tasks import shared_eval_bundle
 from nanoparcae.divergence import Divergence
 from nanoparcae.metrics import Metrics, read_at_once
 from nanoparcae.run import claim_run, identify_run, run_folder
+from nanoparcae.tokenizer import vocab_size_flag
 
 sys.excepthook = exit_in_one_line  # a ValueError the library raises: one line, status 2
 
@@ -72,7 +76,7 @@ flag("--injection", default="diagonal", choices=INJECTIONS,
 flag("--depth_sampling", default="per_sequence", choices=list(SAMPLINGS), metavar="SCHEME",
      help=f"recurrence-depth sampler, one of {', '.join(SAMPLINGS)} (model.py)")
 flag("--prelude_norm", type=int, default=1, choices=[0, 1], help="RMSNorm on the prelude's output")
-flag("--vocab_size", type=flags.positive(int), default=32768, help="tokens, the specials included")
+flag("--vocab_size", type=vocab_size_flag, default=32768, help="tokens, the specials included")
 flag("--seq_len", type=flags.positive(int), default=2048, help="tokens per row")
 # the data and the horizon: the first given of --max_tokens, --target_flops, --param_data_ratio
 flag("--data", default="fineweb-edu",
@@ -178,6 +182,12 @@ print0(f"model: depth {args.depth} ({config.n_prelude}/{config.n_recur}/{config.
        f"d_model {config.d_model}, {config.n_head} heads, injection {config.injection}, mu_rec "
        f"{config.mu_rec}, mu_bwd {config.mu_bwd}, sampling {config.sampling}, prelude_norm "
        f"{config.prelude_norm}")
+if config.mu_bwd > config.mu_rec:  # warned, not refused: full backprop is an ablation
+    no_grad, with_grad = mean_steps(config)
+    print0(f"warning: --mu_bwd={config.mu_bwd} > --mu_rec={config.mu_rec}: "
+           f"{with_grad / (no_grad + with_grad):.0%} of the loop's steps are backpropagated, and "
+           f"memory grows with the depth drawn; for the paper's truncation (METHOD.md §2) pass "
+           f"--mu_bwd={math.ceil(config.mu_rec / 2)} or leave it out")
 print0(f"parameters: {num_params:,} | FLOPs/token (paper's C, the horizon's unit): "
        f"{flops_per_token:.4e} | tokens: {tokens:,} | total FLOPs: {flops_per_token * tokens:.4e} "
        f"| executed matmul FLOPs/token (MFU's): {executed_flops_per_token:.4e}, C / executed "
@@ -187,8 +197,8 @@ print0(f"parameters: {num_params:,} | FLOPs/token (paper's C, the horizon's unit
 # The device batch, the run and its data, settled before anything is built or written
 
 # On a GPU the device batch is the largest whose memory plan fits (nanoparcae/memory.py)
-batch = memory.choose_device_batch(meta_model, args, device, world,
-                                   optimizer_state_bytes(meta_model, muon=args.optimizer == "muon"))
+optimizer_bytes = optimizer_state_bytes(meta_model, muon=args.optimizer == "muon")
+batch = memory.choose_device_batch(meta_model, args, device, world, optimizer_bytes)
 if args.dry_run:
     sys.exit(0)
 # A refusal that one rank meets stops every rank, in one line; a missing shard names its download
@@ -212,6 +222,9 @@ print0(f"steps: {num_steps} x {args.total_batch_size:,} tokens = {world} process
        f"{grad_accum} micro-batch(es) x {args.device_batch_size} x {args.seq_len} | data: "
        f"{args.data} | device: {device}, {args.dtype}")
 print0(f"output: {run.dir}")
+if rank == 0:  # the writer: a folder or disk that cannot take a checkpoint stops it before the data
+    check_writable(run.dir, "the run's checkpoints",
+                   needs=saved_bytes({"model": meta_model.state_dict()}) + optimizer_bytes)
 with ranks.refusing_alike(explain):  # global rank 0 alone trains the tokenizer, on first use
     if rank == 0:
         dataset.get_tokenizer(args.data, args.vocab_size)
@@ -219,8 +232,9 @@ with ranks.refusing_alike(explain):  # a rank's own refusal (none of its share t
     tokenizer = dataset.get_tokenizer(args.data, args.vocab_size, train=False)  # None: not here
     ranks.agree_on_data(tokenizer, shards)  # rank 0's tokenizer and shards on every node
     # the horizon against the tokens the loader keeps: a FineWeb-Edu run never repeats unasked
-    crop = crop_rate(tokenizer, args.data, args.seq_len, args.seed)
-    dataset.check_data(args.data, tokenizer, tokens, crop, args.seq_len)
+    held = dataset.train_tokens(args.data, tokenizer)  # a split without documents is named first
+    packed = packing(tokenizer, args.data, args.seq_len, args.seed, world * grad_accum)
+    dataset.check_data(args.data, held, tokens, packed, args.seq_len, world * grad_accum)
     # one loader per virtual rank v = rank * grad_accum + micro, one read of each chunk for all
     reader = dataset.ChunkReader()
     loaders = [DataLoader(tokenizer, args.data, "train", args.device_batch_size, args.seq_len,

@@ -15,7 +15,6 @@ step where its streak of bad steps began. A run that stopped early, even mid-lin
 """
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -67,7 +66,8 @@ def read_test_time(run=None):
     if not found:
         raise FileNotFoundError(f"no results of `python eval_core.py --eval bpb` for {run or 'any run'} ({where}); "
                                 f"run it first, e.g. with --T 1,2,4,8")
-    results = json.loads(found[-1].read_text())
+    from nanoparcae.common import read_json  # imports torch: only when results are read
+    results = read_json(found[-1])
     if "fit" not in results:
         raise ValueError(f"{found[-1]} holds no fit of L(T): evaluate at 3 or more depths, e.g. --T 1,2,4,8")
     return found[-1], results
@@ -281,14 +281,16 @@ def main(argv=None):
     parser.add_argument("--title", help="a title above the panels")
     parser.add_argument("--table", action="store_true", help="also print a markdown row per run")
     args = parser.parse_args(argv)
+    from nanoparcae.common import check_writable  # imports torch: only when a figure is to be drawn
     if args.test_time is not None:
         if args.runs:
             raise ValueError(f"--test_time draws one evaluation; pass its run as --test_time={args.runs[0]}")
         path, results = read_test_time(args.test_time)
+        out = Path(args.out or path.with_suffix(".png"))
+        check_writable(out.parent, out.name)
+        out.parent.mkdir(parents=True, exist_ok=True)
         fig = draw_test_time(results, args.title or f"L(T) of {Path(results['ckpt']).parent.name}/"
                                                     f"{Path(results['ckpt']).name} on {results['data']}")
-        out = Path(args.out or path.with_suffix(".png"))
-        out.parent.mkdir(parents=True, exist_ok=True)
         save_png(fig, out)
         print(f"wrote {out}: L(T) of {path}")
         return
@@ -298,6 +300,9 @@ def main(argv=None):
     unknown = [m for m in metrics if m not in METRICS]
     if unknown:
         raise ValueError(f"unknown metric(s) {', '.join(unknown)}; choose from {', '.join(METRICS)}")
+    out = Path(args.out or "plot.png")
+    check_writable(out.parent, out.name)
+    out.parent.mkdir(parents=True, exist_ok=True)
     runs = {}
     for run in args.runs:
         path = run_dir(run)
@@ -306,8 +311,6 @@ def main(argv=None):
     if args.title:
         fig.suptitle(args.title, fontsize=9)
         fig.tight_layout()
-    out = Path(args.out or "plot.png")
-    out.parent.mkdir(parents=True, exist_ok=True)
     save_png(fig, out)
     print(f"wrote {out}: {', '.join(runs)}")
     if args.table:

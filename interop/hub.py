@@ -31,7 +31,7 @@ import torch.distributed as dist
 import eval_core
 import sample
 from nanoparcae.checkpoint import assign_weights, load_run, sized_model
-from nanoparcae.common import fail, first_sentence, get_base_dir
+from nanoparcae.common import check_writable, fail, first_sentence, get_base_dir, write_atomically
 from model import SAMPLINGS
 from nanoparcae.download import download_file
 from model import ParcaeConfig, value_embedding_layers
@@ -584,6 +584,7 @@ def export_main(argv):
     warnings.formatwarning = lambda message, *_, **__: f"interop.hub export: {message}\n"
     try:
         model, tokenizer, _, path = load_run(args.source)
+        check_writable(Path(args.out_dir), "the export", needs=sum(t.nbytes for t in model.state_dict().values()))
         out = export(model, tokenizer, args.out_dir)
     except (FileNotFoundError, ValueError) as err:
         fail(err)

@@ -191,7 +191,8 @@ def read_checkpoint(path, device="cpu", mmap=False, unused=()):
     Raises FileNotFoundError if it is absent, ValueError naming it if it is unreadable or damaged."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {path} does not exist")
+        raise FileNotFoundError(f"checkpoint {path} does not exist: pass a ckpt_*.pt file, or a run's name under "
+                                f"{run_dir()} for its newest")
     try:
         ckpt = torch.load(path, map_location="cpu" if mmap else device, weights_only=True, mmap=mmap)
     except Exception as err:

@@ -1,11 +1,13 @@
 """
 nanoparcae/common.py: what every command shares.
-Processes and devices, the base folder, errors and one-line exits, atomic writes, spans and first_sentence.
+Processes and devices, the base folder, errors and one-line exits, checked and atomic writes, spans and
+first_sentence.
 Also the GPU peak table that MFU divides by.
 """
 
 import errno
 import inspect
+import json
 import os
 import shutil
 import sys
@@ -95,26 +97,81 @@ def get_base_dir():
     """$NANOPARCAE_BASE_DIR (default ~/.cache/nanoparcae), created on first use.
     A folder that cannot be written raises ValueError naming it and the variable."""
     base_dir = Path(os.environ.get("NANOPARCAE_BASE_DIR", Path.home() / ".cache" / "nanoparcae")).expanduser()
-    try:
-        base_dir.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=base_dir).close()  # a write: what a read-only mount or mode refuses
-    except OSError as err:
-        raise ValueError(f"the base folder {base_dir} cannot be written to ({err.strerror}): set "
-                         f"NANOPARCAE_BASE_DIR to a writable folder") from None
+    if why := unwritable(base_dir):
+        raise ValueError(f"the base folder {why}: set NANOPARCAE_BASE_DIR to a writable folder")
+    base_dir.mkdir(parents=True, exist_ok=True)
     return base_dir
+
+# -----------------------------------------------------------------------------
+# Writes: checked before the work whose result they keep, and never torn
+
+FULL_DISK = (errno.ENOSPC, errno.EDQUOT)  # the errors of a disk or quota without room
+NO_WRITE = (*FULL_DISK, errno.EROFS, errno.EACCES, errno.EPERM)  # a full disk, a read-only mount or mode
+
+
+def nearest(folder):
+    """`folder`, or the nearest path above it that exists: where a write would be tried."""
+    folder = Path(folder).absolute()
+    return next(path for path in (folder, *folder.parents) if path.exists())
+
+
+def unwritable(folder, needs=0):
+    """Why `folder` cannot take a file of `needs` bytes, as a clause; None if it can.
+    A missing folder is tried at the nearest folder above it, and not made."""
+    folder, there = Path(folder).absolute(), nearest(folder)
+    if not there.is_dir():
+        return (f"{folder} is a file, not a folder" if there == folder else
+                f"{folder} cannot be made ({os.strerror(errno.ENOTDIR)}: {there} is a file)")
+    try:
+        tempfile.TemporaryFile(dir=there).close()  # a write: what a read-only mount or mode refuses
+    except OSError as err:
+        return f"{folder} cannot be written to ({err.strerror})"
+    free = shutil.disk_usage(there).free
+    return f"the disk holding {folder} is full ({size(free)} free, {size(needs)} needed)" if free < needs else None
+
+
+def check_writable(folder, what, needs=0):
+    """Before work whose result `what` goes to `folder`: stop in one line if it could not be written.
+    Status 1 for the machine (a read-only or full disk), 2 for a file named as the folder.
+    Called on the rank that writes."""
+    if why := unwritable(folder, needs):
+        a_file = not nearest(folder).is_dir()
+        fix = "name a folder instead" if a_file else "make it writable or free space on its disk, then run again"
+        fail(f"{why}, and {what} would be written there; nothing was computed: {fix}", 2 if a_file else 1)
 
 
 def write_atomically(path, write):
     """write(a temporary path beside `path`), then rename.
     An interrupted write never leaves a torn file under the real name.
+    A full disk or read-only folder stops the command in one line (status 1), the temporary file removed.
     The temporary name ends in .tmp, so a figure's writer names its format."""
     partial = path.with_name(path.name + ".tmp")
     try:
         write(partial)
-    except BaseException:  # a failed write leaves no partial file behind
-        partial.unlink(missing_ok=True)
+        os.replace(partial, path)
+    except BaseException as err:  # a failed write leaves no partial file behind
+        if partial.exists():  # (a read-only folder refuses even the unlink of a missing file)
+            partial.unlink()
+        cannot_write(path, err)
         raise
-    os.replace(partial, path)
+
+
+def cannot_write(path, err):
+    """A write of `path` that failed for want of room or of leave: one line, status 1. Other errors return."""
+    if isinstance(err, OSError) and err.errno in NO_WRITE:
+        fail(f"{path} could not be written ({err.strerror}); nothing else changed: free space on its disk or "
+             f"make {path.parent} writable, then run the same command again", 1)
+
+
+def read_json(path):
+    """A JSON file -> its value; None when it is absent. A torn file: ValueError naming it."""
+    if not (path and Path(path).is_file()):
+        return None
+    try:
+        return json.loads(Path(path).read_text())
+    except ValueError as err:
+        raise ValueError(f"{path} is not whole JSON ({err}): delete it, or run again the command that "
+                         f"wrote it") from None
 
 
 # -----------------------------------------------------------------------------
@@ -160,9 +217,6 @@ def exit_in_one_line(kind, err, traceback):
     else:
         time.sleep(2)
     os._exit(status)
-
-
-FULL_DISK = (errno.ENOSPC, errno.EDQUOT)  # the errors of a disk or quota without room
 
 
 def size(n):

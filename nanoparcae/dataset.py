@@ -32,6 +32,7 @@ import json
 import math
 import os
 import re
+import shutil
 import sys
 import sysconfig
 import threading
@@ -44,16 +45,18 @@ from typing import NamedTuple
 import pyarrow.parquet as pq
 
 from model import PAPER_TOKENS
-from nanoparcae.common import fail, get_base_dir, print0
+from nanoparcae.common import cannot_write, check_writable, fail, get_base_dir, print0
 from nanoparcae.download import download_file
 from nanoparcae.flags import positive
-from nanoparcae.tokenizer import Tokenizer
+from nanoparcae.tokenizer import Tokenizer, vocab_size_flag
 
 FINEWEB_URL = "https://huggingface.co/datasets/karpathy/fineweb-edu-100b-shuffle/resolve/main"
+# The mirror's setting, named as each caller names it: download's flag, the recipe's variable
+BASE_URL = "--base_url (runs/speedrun.sh: FINEWEB_URL)"
 FINEWEB_VAL_SHARD = 1822  # METHOD.md §5: shards 0..1822, the last one held out, as nanochat does
 FINEWEB_SHARD_TOKENS = 50e6  # about 250M characters a shard: what a download is sized by, before any is read
 # Best-fit packing crops about 35% of FineWeb-Edu's tokens at 2,048 a row (nanochat/dataloader.py's docstring):
-# what a download is sized by, before any shard is there to measure. A run measures its own (data.crop_rate).
+# what a download is sized by, before any shard is there to measure. A run measures its own (data.packing).
 PACKING_CROP = 0.35
 VAL_EVERY = 20  # stdlib and user files: a document is validation iff crc32(text) % 20 == 0 (~5%)
 FILES_PER_CHUNK = 64  # text files are read (and shared across ranks) in groups of this many
@@ -81,19 +84,19 @@ def download_shard(index, base_url=FINEWEB_URL, max_attempts=5, retry_delay=1.0)
     try:
         download_file(url, unchecked, max_attempts, retry_delay)
     except FileNotFoundError as e:
-        raise FileNotFoundError(f"{e}: check --base_url and that the shard index is in 0..{FINEWEB_VAL_SHARD}") \
+        raise FileNotFoundError(f"{e}: check {BASE_URL} and that the shard index is in 0..{FINEWEB_VAL_SHARD}") \
             from None
     except OSError as e:
-        raise OSError(f"{e}; check the network or --base_url") from None
+        raise OSError(f"{e}; check the network or {BASE_URL}") from None
     try:
         columns = pq.read_metadata(unchecked).schema.names
     except Exception as e:
         unchecked.unlink()
-        raise ValueError(f"{url} is not a valid parquet file ({e}); deleted it, check --base_url and download again") \
-            from None
+        raise ValueError(f"{url} is not a valid parquet file ({e}); deleted it, check {BASE_URL} and download "
+                         f"again") from None
     if "text" not in columns:
         unchecked.unlink()
-        raise ValueError(f"{url} has no 'text' column (columns: {columns}); deleted it, check --base_url")
+        raise ValueError(f"{url} has no 'text' column (columns: {columns}); deleted it, check {BASE_URL}")
     unchecked.rename(path)
     return path, True
 
@@ -336,30 +339,52 @@ def data_refusal(err, args, tokens, paper_horizon):
     return str(err)
 
 
-def check_data(source, tokenizer, tokens, crop, seq_len):
-    """The times the run reads its train split, as the loader packs it.
-    Usable tokens: those held (train_tokens) less the share `crop` that packing crops at seq_len.
-    A FineWeb-Edu run that would repeat while shards remain to download: ValueError naming the download.
-    Another source repeats as it must, and says so."""
-    held, bytes_per_token = train_tokens(source, tokenizer)
-    usable = held * (1 - crop)
+def check_data(source, held, tokens, packed, seq_len, world_size=1):
+    """The passes the run makes over its train split, as its world_size loaders pack it (data.packing's).
+    held: train_tokens' (tokens, bytes per token).
+    A pass: the tokens trained before a loader reads the second epoch.
+
+    - where the loaders were packed through one: their rows.
+    - else: those held, less the long documents their buffers hold back at its end
+      (held_back), less the share packing crops; a row's seq_len + 1 tokens train seq_len.
+
+    A FineWeb-Edu run that would pass its first pass while shards remain to download: ValueError
+    naming the download. Another source repeats as it must, and says how often."""
+    held, bytes_per_token = held
+    crop, row_share = packed.crop, seq_len / (seq_len + 1)
+    trained = held * (1 - crop) * row_share  # the tokens trained on, whoever holds them back
+    if packed.rows is not None:
+        one_pass = max(packed.rows * seq_len * world_size, 1)
+    else:
+        one_pass = max((held - held_back(held, packed, world_size)) * (1 - crop) * row_share, 1)
+    packs = f"packing crops {crop:.1%} at --seq_len={seq_len} and {world_size} loader(s) hold a buffer back"
     shards = fineweb_train_shards() if source == "fineweb-edu" else None
-    epochs = tokens / usable
-    if shards and epochs > 1 and len(shards) < FINEWEB_VAL_SHARD:
-        per_shard = usable / len(shards)
-        needed = math.ceil(tokens / per_shard)
+    passes = tokens / one_pass
+    if shards and passes > 1 and len(shards) < FINEWEB_VAL_SHARD:
+        per_shard = trained / len(shards)
+        needed = math.ceil((tokens + max(trained - one_pass, 0)) / per_shard)  # the buffers' too
         still = (f"; all {FINEWEB_VAL_SHARD:,} training shards hold about {count(FINEWEB_VAL_SHARD * per_shard)} "
                  f"usable tokens, which the run would read {tokens / (FINEWEB_VAL_SHARD * per_shard):.2f} times"
                  if needed > FINEWEB_VAL_SHARD else "")
-        raise ValueError(f"the run's {count(tokens)} tokens would read the {len(shards)} FineWeb-Edu training "
-                         f"shards on disk (about {count(usable)} tokens once packing crops {crop:.0%} at "
-                         f"--seq_len={seq_len}) {epochs:.1f} times: run `python -m nanoparcae.dataset download "
-                         f"-n {min(needed, FINEWEB_VAL_SHARD) + 1}` first{still}, or give a smaller --max_tokens")
+        raise ValueError(f"the run's {count(tokens)} tokens would pass the {len(shards)} FineWeb-Edu training "
+                         f"shards on disk (about {count(one_pass)} tokens a pass once {packs}) {passes:.1f} "
+                         f"times: run `python -m nanoparcae.dataset download -n "
+                         f"{min(needed, FINEWEB_VAL_SHARD) + 1}` first{still}, or give a smaller --max_tokens")
     print0(f"data: {source}, about {count(held)} training tokens ({bytes_per_token:.2f} bytes a token"
-           + (f", {len(shards)} shards" if shards else "") + f"), {count(usable)} once packing crops {crop:.1%} "
-           f"at --seq_len={seq_len}: the run trains on "
-           + (f"{epochs:.1%} of them" if epochs < 1 else f"them about {epochs:.2f} times"))
-    return epochs
+           + (f", {len(shards)} shards" if shards else "") + f"), {count(one_pass)} a pass once {packs}: the run "
+           + (f"trains on {passes:.1%} of them" if passes <= 1 else
+              f"trains on them about {max(tokens / trained, 1):.2f} times"))
+    return passes
+
+
+def held_back(held, packed, world_size):
+    """The tokens world_size loaders hold unpacked in their buffers when a pass of `held` tokens ends.
+    Long documents wait there (data.DataLoader packs the longest that fits), so a buffer holds at most
+    a share's buffer_docs longest. Their sum, from the sample of lengths, scaled to a share: a bound."""
+    lengths = sorted(packed.lengths, reverse=True)
+    share_docs = held / world_size / (sum(lengths) / len(lengths))
+    top = lengths[:math.ceil(packed.buffer_docs * len(lengths) / share_docs)]
+    return min(world_size * sum(top) * share_docs / len(lengths), held)
 
 
 def no_documents(source, split, rank=0, world_size=1):
@@ -416,18 +441,23 @@ def get_tokenizer(source, vocab_size, max_chars=2_000_000_000, doc_cap=10_000, t
         documents = iter_documents(source, "train")
         if (first := next(documents, None)) is None:  # a missing or empty source fails here, before the announcement
             raise no_documents(source, "train")
+        # its three files hold a line of under 64 bytes per token
+        check_writable(directory.parent, f"the {vocab_size}-token tokenizer", needs=3 * 64 * vocab_size)
         print(f"Training a {vocab_size}-token tokenizer on {source} (train split, <= {max_chars:,} chars) ...")
         t0 = time.time()
         tokenizer = Tokenizer.train(itertools.chain([first], documents), vocab_size, max_chars, doc_cap)
         # save under a private name and rename, so a crash or a concurrent rank never sees half a tokenizer
         scratch = directory.with_name(f"{directory.name}.{os.getpid()}.tmp")
-        tokenizer.save(scratch)
+        try:
+            tokenizer.save(scratch)
+        except BaseException as err:  # a full disk: no half-written folder left behind
+            shutil.rmtree(scratch, ignore_errors=True)
+            cannot_write(directory, err)
+            raise
         try:
             scratch.rename(directory)
         except OSError:  # another process finished first: keep its copy
-            for path in scratch.iterdir():
-                path.unlink()
-            scratch.rmdir()
+            shutil.rmtree(scratch)
         print(f"Trained in {time.time() - t0:.1f}s, saved to {directory}")
     return Tokenizer.load(directory)
 
@@ -489,7 +519,7 @@ def main(argv=None):
                             help="train (once) and cache the tokenizer of a data source")
     p.error = fail
     p.add_argument("--data", default="fineweb-edu", help="fineweb-edu, stdlib, or a path/folder/glob of your files")
-    p.add_argument("--vocab_size", type=positive(int), default=32768, help="special tokens included (default 32768)")
+    p.add_argument("--vocab_size", type=vocab_size_flag, default=32768, help="special tokens included (default 32768)")
     p.add_argument("--max_chars", type=positive(int), default=2_000_000_000, help="characters to train on (default 2B)")
     p.add_argument("--doc_cap", type=positive(int), default=10_000, help="characters kept per document (default 10k)")
     args = parser.parse_args(argv)

@@ -28,7 +28,7 @@ import torch
 
 from model import PAPER_TOKENS, ParcaeConfig
 from nanoparcae.checkpoint import find_checkpoint, read_checkpoint, run_dir, sized_model
-from nanoparcae.common import fail, write_atomically
+from nanoparcae.common import check_writable, fail, read_json, write_atomically
 from nanoparcae.core_tasks import CORE_LABELS
 from nanoparcae.memory import memory_plan
 from nanoparcae.metrics import read_metrics
@@ -45,10 +45,6 @@ PAPER = {
 CPU_README = {"run": {"depth": 3, "d_model": 128, "mu_rec": 4, "data": "stdlib", "max_tokens": 3.2e6},
               "val_loss": {1: 3.7575, 2: 3.7170, 4: 3.7109}}
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def read_json(path):
-    return json.loads(path.read_text()) if path and path.is_file() else None
 
 
 def widest(run_dir, pattern):
@@ -85,6 +81,7 @@ def this_machine():
 
 def record_machine(run_dir):
     path = run_dir / "recipe" / "machine.json"
+    check_writable(path.parent, path.name)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(path, lambda partial: partial.write_text(json.dumps(this_machine(), indent=1)))
     return path

@@ -18,7 +18,14 @@ import rustbpe
 import tiktoken
 import torch
 
+from nanoparcae.flags import checked
+
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>"]
+MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # every byte a token of its own, then the specials
+# --vocab_size's type: a smaller one is refused before any tokenizer trains
+vocab_size_flag = checked(int, f"at least {MIN_VOCAB_SIZE} (256 byte tokens and {len(SPECIAL_TOKENS)} "
+                                f"specials); pass --vocab_size={MIN_VOCAB_SIZE} or more",
+                          lambda value: MIN_VOCAB_SIZE <= value < 2**31)
 # METHOD.md §2: GPT-4's split, but digits group by 1-2 (GPT-4: 1-3), as in nanochat.
 # That wastes fewer tokens on numbers at small vocab sizes.
 SPLIT_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*"""
@@ -51,10 +58,10 @@ class Tokenizer:
     def train(cls, text_iterator, vocab_size, max_chars=2_000_000_000, doc_cap=10_000):
         """Train on at most max_chars characters, each document cut to doc_cap.
         METHOD.md §2: ~2B chars, 10k cap. vocab_size counts the special tokens."""
-        num_merged = vocab_size - len(SPECIAL_TOKENS)
-        if num_merged < 256:
+        if vocab_size < MIN_VOCAB_SIZE:
             raise ValueError(f"vocab_size {vocab_size} is too small: it needs 256 byte tokens "
                              f"+ {len(SPECIAL_TOKENS)} specials")
+        num_merged = vocab_size - len(SPECIAL_TOKENS)
 
         def capped():
             seen = 0

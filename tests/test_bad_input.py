@@ -77,3 +77,16 @@ def test_bad_input_is_one_line_naming_the_problem_and_the_fix(case, tmp_path, mo
     assert carries(err, *fix), err
     if case == "--resume, nothing to resume":
         assert "shard" not in err  # the missing run first, not the missing data
+
+
+@pytest.mark.slow
+def test_a_backpropagated_depth_above_the_mean_is_said_with_its_fix(tmp_path):
+    """--mu_bwd above --mu_rec trains (full backprop through the loop is an ablation), with a warning naming both
+    flags and the paper's value."""
+    env = {**os.environ, "NANOPARCAE_BASE_DIR": str(tmp_path / "base"), "OMP_NUM_THREADS": "1"}
+    result = python(["train.py", *TINY, "--mu_rec=4", "--mu_bwd=9", "--dry_run"], env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    warning = [line for line in result.stdout.splitlines() if line.startswith("warning:")]
+    assert len(warning) == 1 and carries(warning[0], "--mu_bwd=9", "--mu_rec=4", "--mu_bwd=2"), result.stdout
+    quiet = python(["train.py", *TINY, "--mu_rec=4", "--mu_bwd=4", "--dry_run"], env)
+    assert quiet.returncode == 0 and "warning:" not in quiet.stdout, quiet.stdout

@@ -325,11 +325,11 @@ def write_long_shards(indices, docs=300):
 
 
 def test_the_crop_rate_is_the_one_the_run_loaders_meet():
-    """crop_rate, measured on the first documents one loader reads, is the share two virtual ranks' loaders crop
-    over the second half of a long read, within 0.03, on documents often longer than a row."""
+    """packing's crop, measured on the first documents one loader reads, is the share two virtual ranks' loaders
+    crop over the second half of a long read, within 0.03, on documents often longer than a row."""
     write_long_shards([0, 1, 2, 3, 4, 5, dataset.FINEWEB_VAL_SHARD], docs=3000)
     tokenizer = dataset.get_tokenizer("fineweb-edu", 300)
-    crop = data.crop_rate(tokenizer, "fineweb-edu", seq_len=32)
+    crop = data.packing(tokenizer, "fineweb-edu", seq_len=32).crop
     loaders = [data.DataLoader(tokenizer, "fineweb-edu", "train", 4, 32, rank=r, world_size=2) for r in (0, 1)]
     for step in range(6000):
         if step == 3000:
@@ -343,25 +343,68 @@ def test_the_crop_rate_is_the_one_the_run_loaders_meet():
     assert crop > 0.2 and abs(crop - cropped / (used + cropped)) < 0.03, (crop, cropped / (used + cropped))
 
 
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_a_run_the_data_check_passes_never_reads_a_second_epoch(world_size, capsys):
+    """Short documents, three shards of 3,000 (a share past the first loader's 8,000-document measure at one
+    loader, within it at three): a horizon at 99% of what check_data counts ends before any loader reads its
+    second epoch. What packing crops alone counted more: the long documents the buffers hold back at a pass's
+    end are never packed."""
+    rng = random.Random(3)
+    words = ["the", "loop", "stable", "model", "depth", "state", "runs", "of", "a", "token"]
+    for i, docs in ((0, 3000), (1, 3000), (2, 3000), (dataset.FINEWEB_VAL_SHARD, 300)):
+        texts = [" ".join(rng.choice(words) for _ in range(int(rng.lognormvariate(3.0, 0.8)) + 1))
+                 for _ in range(docs)]
+        write_parquet(dataset.fineweb_dir() / dataset.shard_name(i), texts, row_group_size=1000)
+    tokenizer = dataset.get_tokenizer("fineweb-edu", 320)
+    seq_len = 64
+    packed = data.packing(tokenizer, "fineweb-edu", seq_len, world_size=world_size)
+    assert (packed.rows is None) == (world_size == 1)  # the bound, or the loaders' own pass
+    held = dataset.train_tokens("fineweb-edu", tokenizer)
+    usable = 1 / dataset.check_data("fineweb-edu", held, 1.0, packed, seq_len, world_size)
+    steps = int(0.99 * usable) // (seq_len * world_size)
+    loaders = [data.DataLoader(tokenizer, "fineweb-edu", "train", 1, seq_len, rank=r, world_size=world_size)
+               for r in range(world_size)]
+    for _ in range(steps):
+        for loader in loaders:
+            next(loader)
+    assert all(loader.next_doc[0] == 0 for loader in loaders)
+    while all(loader.next_doc[0] == 0 for loader in loaders):  # where the second epoch begins
+        for loader in loaders:
+            next(loader)
+        steps += 1
+    for loader in loaders:
+        loader.close()
+    assert steps * seq_len * world_size < 0.9 * held[0] * (1 - packed.crop)  # the count before: a second epoch
+    assert steps * seq_len * world_size < 1.15 * usable  # and this one is close: a bound, within 15%
+
+
 def test_a_horizon_within_the_tokens_on_disk_but_not_those_packing_keeps_is_refused(monkeypatch, capsys):
     """At 0.9x the tokens on disk, which packing crops to fewer, the run is refused naming the download of
-    enough shards for the tokens it keeps; within those it runs and says the crop; with every shard on disk it
-    says how often it reads them."""
-    write_long_shards([0, 1, 2, dataset.FINEWEB_VAL_SHARD])
+    enough shards for the tokens it keeps, which then passes; within those it runs and says the crop; with
+    every shard on disk it says how often it reads them."""
+    write_long_shards([0, 1, 2, dataset.FINEWEB_VAL_SHARD], docs=3000)  # each share past a buffer
     tokenizer = dataset.get_tokenizer("fineweb-edu", 300)
-    held, _ = dataset.train_tokens("fineweb-edu", tokenizer)
-    crop = data.crop_rate(tokenizer, "fineweb-edu", seq_len=32)
+    three = dataset.train_tokens("fineweb-edu", tokenizer)
+    held = three[0]
+    packed = data.packing(tokenizer, "fineweb-edu", seq_len=32)
+    crop = packed.crop
+    usable = 1 / dataset.check_data("fineweb-edu", three, 1.0, packed, 32)
+    capsys.readouterr()
+    assert usable < held * (1 - crop)
     with pytest.raises(ValueError) as refused:
-        dataset.check_data("fineweb-edu", tokenizer, 0.9 * held, crop, 32)
-    shards = -(-0.9 * held // (held * (1 - crop) / 3))
-    assert carries(str(refused.value), f"{crop:.0%}", "python -m nanoparcae.dataset download", "-n",
-                   f"{shards + 1:.0f}"), refused.value
-    assert dataset.check_data("fineweb-edu", tokenizer, 0.9 * held * (1 - crop), crop, 32) == pytest.approx(0.9)
+        dataset.check_data("fineweb-edu", three, 0.9 * held, packed, 32)
+    assert carries(str(refused.value), f"{crop:.1%}", "python -m nanoparcae.dataset download", "-n"), refused.value
+    assert dataset.check_data("fineweb-edu", three, 0.9 * usable, packed, 32) == pytest.approx(0.9)
     assert f"{crop:.1%}" in capsys.readouterr().out
-    every = dataset.train_tokens("fineweb-edu", tokenizer)  # as if these three shards were all 1,822
-    monkeypatch.setattr(dataset, "train_tokens", lambda source, tokenizer: every)
+    named = int(re.search(r"download -n (\d+)", str(refused.value))[1])
+    write_long_shards(range(3, named - 1), docs=3000)  # the download it names: enough
+    more = data.packing(tokenizer, "fineweb-edu", seq_len=32)
+    assert dataset.check_data("fineweb-edu", dataset.train_tokens("fineweb-edu", tokenizer), 0.9 * held, more,
+                              32) <= 1
+    capsys.readouterr()
+    # as if the first three shards were all 1,822
     monkeypatch.setattr(dataset, "fineweb_train_shards", lambda: list(range(dataset.FINEWEB_VAL_SHARD)))
-    times = dataset.check_data("fineweb-edu", tokenizer, 0.9 * held, crop, 32)
+    times = dataset.check_data("fineweb-edu", three, 0.9 * held, packed, 32)
     assert times > 1 and carries(capsys.readouterr().out, f"{times:.2f}")  # repeats as it must, and says so
 
 
@@ -415,9 +458,10 @@ def test_corrupt_shard_is_deleted_and_named(server):
 
 
 def test_missing_shard_fails_fast(server):
-    with raises_naming(FileNotFoundError, "shard_00007.parquet", "404", "--base_url"):
+    with raises_naming(FileNotFoundError, "shard_00007.parquet", "404", "--base_url") as missing:
         dataset.download_shards([7], base_url=server.url)
     assert server.requests == 1
+    assert carries(str(missing.value), "--base_url", "FINEWEB_URL"), missing.value  # the flag, the recipe's
 
 
 def test_download_file_resumes_with_range(tmp_path):

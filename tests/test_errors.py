@@ -14,7 +14,10 @@ BOUND = ["positive"]  # the rule a value broke
 ERRORS = [  # (command and flags, status, words naming the problem, words naming the fix)
     (["data.py", "--seq_len=0"], 2, ["--seq_len", "0"], BOUND),
     (["data.py", "--batch_size=-2"], 2, ["--batch_size", "-2"], BOUND),
-    (["-m", "nanoparcae.dataset", "tokenizer", "--vocab_size=0"], 2, ["--vocab_size", "0"], BOUND),
+    (["-m", "nanoparcae.dataset", "tokenizer", "--vocab_size=0"], 2, ["--vocab_size", "0"], ["--vocab_size=259"]),
+    # below the 256 byte tokens and the specials: refused before a tokenizer trains
+    (["train.py", *TINY, "--data=stdlib", "--vocab_size=10"], 2, ["--vocab_size", "10"], ["--vocab_size=259"]),
+    (["sample.py", "--ckpt=/nonexistent.pt"], 2, ["/nonexistent.pt"], ["ckpt_*.pt", "{base}/runs"]),
     (["-m", "nanoparcae.dataset", "tokenizer", "--data=fineweb-edu"], 2, ["{base}/fineweb-edu", "shard_01822.parquet"],
      ["python -m nanoparcae.dataset download -n"]),
     (["-m", "nanoparcae.dataset", "download", "-n", "1"], 2, ["-n", "1"], ["2"]),  # a train shard and the val one
@@ -63,6 +66,6 @@ def test_bad_input_ends_in_one_line_naming_the_problem_and_the_fix(args, status,
     lines = [line for line in result.stderr.splitlines() if line.strip() and not line.startswith(("usage:", " "))]
     assert result.returncode == status and len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
     named = [word.format(base=base) for word in problem]
-    assert carries(lines[0], *named) and carries(lines[0], *fix), lines[0]
+    assert carries(lines[0], *named) and carries(lines[0], *[word.format(base=base) for word in fix]), lines[0]
     made = {path.relative_to(base).as_posix() for path in base.rglob("*")}
     assert made <= {"fineweb-edu"}, made  # before any work: at most the shards' folder, empty

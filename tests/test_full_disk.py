@@ -2,14 +2,21 @@
 file; a partial file a run left behind is removed by the next start, which continues the run."""
 
 import errno
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from conftest import ROOT, TINY, carries, python, train, train_env
+from conftest import ROOT, TINY, carries, python, train, train_env, untouched
 from model import Parcae, ParcaeConfig
-from nanoparcae import checkpoint, common, metrics
+from nanoparcae import checkpoint, common, dataset, metrics
+from nanoparcae.tokenizer import Tokenizer
 
 CONFIG = ParcaeConfig(vocab_size=97, seq_len=16, n_prelude=1, n_recur=1, n_coda=1, d_model=64, head_dim=32)
 
@@ -160,3 +167,123 @@ def test_a_run_stopped_by_a_full_disk_continues_where_it_saved_once_there_is_roo
     assert not any(run_dir.glob("*.tmp"))
     train(corpus, "--run=unbroken", base=tmp_path / "base")
     assert step_losses(tmp_path / "base", "full") == step_losses(tmp_path / "base", "unbroken")
+
+
+# -----------------------------------------------------------------------------
+# A folder that cannot take a command's result: refused before the work, or the write cleaned up
+
+def refusing(code):
+    def refuse(*args, **kwargs):
+        raise OSError(code, os.strerror(code))
+    return refuse
+
+
+@pytest.mark.parametrize("code", [errno.EROFS, errno.ENOSPC])
+def test_a_folder_that_cannot_be_written_is_refused_before_the_work(tmp_path, monkeypatch, capsys, code):
+    monkeypatch.setattr(common.tempfile, "TemporaryFile", refusing(code))
+    line = stopped_in_one_line(lambda: common.check_writable(tmp_path / "out", "the results"), capsys)
+    assert carries(line, str(tmp_path / "out")), line
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_disk_without_room_for_the_result_is_refused_before_the_work(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(common.shutil, "disk_usage", lambda path: SimpleNamespace(free=1000))
+    line = stopped_in_one_line(lambda: common.check_writable(tmp_path, "the export", needs=10**6), capsys)
+    assert carries(line, str(tmp_path), "full"), line
+
+
+def test_a_file_named_as_the_folder_is_bad_input(tmp_path, capsys):
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(SystemExit) as stop:
+        common.check_writable(tmp_path / "a_file", "the export")
+    assert stop.value.code == 2 and carries(capsys.readouterr().err, str(tmp_path / "a_file"))
+
+
+@pytest.mark.parametrize("code", [errno.EROFS, errno.ENOSPC])
+def test_an_atomic_write_that_fails_leaves_nothing_in_one_line(tmp_path, capsys, code):
+    (tmp_path / "report.md").write_text("the old card")
+
+    def half_then_fail(partial):
+        partial.write_text("half")
+        refusing(code)()
+    line = stopped_in_one_line(lambda: common.write_atomically(tmp_path / "report.md", half_then_fail), capsys)
+    assert carries(line, str(tmp_path / "report.md")), line
+    assert [path.name for path in tmp_path.iterdir()] == ["report.md"]
+    assert (tmp_path / "report.md").read_text() == "the old card"
+
+
+def test_a_tokenizer_save_without_room_leaves_no_folder(tmp_path, monkeypatch, capsys):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(f"document {i} of a few words" for i in range(60)))
+    monkeypatch.setattr(Tokenizer, "save", lambda self, directory: (Path(directory).mkdir(parents=True),
+                                                                   refusing(errno.ENOSPC)()))
+    line = stopped_in_one_line(lambda: dataset.get_tokenizer(str(corpus), 300), capsys)
+    assert carries(line, "tokenizers"), line
+    assert list((common.get_base_dir() / "tokenizers").iterdir()) == []
+
+
+def test_a_torn_json_file_is_named(tmp_path):
+    (tmp_path / "ckpt_000008_bpb_T1-2-4.json").write_text('{"T": [1, 2\n "lo')
+    with pytest.raises(ValueError) as torn:
+        common.read_json(tmp_path / "ckpt_000008_bpb_T1-2-4.json")
+    assert carries(str(torn.value), str(tmp_path / "ckpt_000008_bpb_T1-2-4.json"), "delete"), torn.value
+
+
+# A real read-only folder: root ignores file modes, but a read-only bind mount refuses root too. Each command runs
+# in a mount namespace of its own (unshare), so the mount is gone when it ends.
+
+def can_unshare():
+    try:
+        return subprocess.run(["unshare", "-rm", "true"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def read_only_run(args, folder, env):
+    """`python *args` with `folder` mounted read-only -> the finished process."""
+    mount = f"mount --bind -o ro {shlex.quote(str(folder))} {shlex.quote(str(folder))}"
+    command = " ".join(shlex.quote(word) for word in [sys.executable, *args])
+    return subprocess.run(["unshare", "-rm", "sh", "-c", f"{mount} && exec {command}"], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+
+READ_ONLY = {  # command ({run}: the run's folder), the folder mounted read-only, the status, the words it names
+    "eval": (["eval_core.py", "--run=ro", "--eval=bpb", "--T=1,2,4", "--val_tokens=256"], "{run}", 1, ["{run}"]),
+    "report": (["-m", "nanoparcae.report", "--run=ro"], "{run}", 1, ["{run}/report.md"]),
+    "report --machine": (["-m", "nanoparcae.report", "--run=ro", "--machine"], "{run}", 1, ["{run}/recipe"]),
+    "plot": (["-m", "experiments.plot", "ro", "-o", "{run}/plot.png"], "{run}", 1, ["{run}"]),
+    "export": (["-m", "interop.hub", "export", "ro", "{run}/export"], "{run}", 1, ["{run}/export"]),
+    "export onto a file": (["-m", "interop.hub", "export", "ro", "{run}/metrics.jsonl"], "{run}", 2,
+                           ["{run}/metrics.jsonl"]),
+    "train": (["train.py", "--data={corpus}", *TINY, "--run=other"], "{runs}", 1, ["{runs}/other"]),
+    "tokenizer": (["-m", "nanoparcae.dataset", "tokenizer", "--data={corpus}", "--vocab_size=300"], "{tokenizers}", 1,
+                  ["{tokenizers}"]),
+}
+
+
+@pytest.fixture(scope="module")
+def trained(corpus):
+    """A run, ro, trained on the corpus in the module's base folder."""
+    train(corpus, "--run=ro")
+    return corpus
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not can_unshare(), reason="no mount namespace here (unshare -rm)")
+@pytest.mark.parametrize("case", READ_ONLY)
+def test_a_read_only_folder_stops_the_command_before_its_work_in_one_line(trained, case):
+    """Status 1 (2 for a file named as the export's folder), one line naming the folder, before the work: no
+    depth evaluated, no data prepared, no tokenizer trained; nothing changed, no temporary file left."""
+    command, folder, status, words = READ_ONLY[case]
+    base = trained / "base"
+    values = {"run": base / "runs" / "ro", "runs": base / "runs", "corpus": trained / "corpus.txt",
+              "tokenizers": base / "tokenizers"}
+    before = untouched(values["run"])
+    result = read_only_run([word.format(**values) for word in command], str(folder).format(**values),
+                           train_env(trained))
+    err = result.stderr.strip()
+    assert result.returncode == status and len(err.splitlines()) == 1 and "Traceback" not in err, err[-3000:]
+    assert carries(err, *[word.format(**values) for word in words]), err
+    assert not re.search(r"^(T =|data:|Training)", result.stdout, re.M), result.stdout  # the work's lines
+    assert untouched(values["run"]) == before
+    assert not list(base.rglob("*.tmp"))

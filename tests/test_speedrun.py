@@ -19,7 +19,7 @@ import torch
 
 from conftest import ROOT, write_corpus
 
-STEPS = 30  # within the tokens packing keeps of the one training shard
+STEPS = 30  # within a pass of the one training shard
 TRAIN_FLAGS = ["--d_model=64", "--head_dim=32", "--vocab_size=320", "--seq_len=32", "--device_batch_size=2",
                "--total_batch_size=256", f"--max_tokens={STEPS * 256}", "--eval_every=1000", "--eval_tokens=512",
                "--save_every=5", "--log_every=1", "--core_every=-1", "--dtype=float32", "--compile=0"]
@@ -28,9 +28,11 @@ KILL_AFTER = 7  # a step logged after the checkpoint of step 5
 
 
 def serve_data(server, tmp_path):
-    """FineWeb-Edu's shard 0 and validation shard, and an eval bundle of 4 tasks (one of them extended)."""
+    """FineWeb-Edu's shard 0 and validation shard, and an eval bundle of 4 tasks (one of them extended). Shard 0's
+    4,800 documents give each of the run's 4 loaders more than its 1,000-document buffer."""
     paragraphs = write_corpus(tmp_path / "corpus.txt").read_text().split("\n\n")
-    pq.write_table(pa.table({"text": paragraphs[:360]}), server.root / "shard_00000.parquet", row_group_size=16)
+    documents = [f"{n}: {paragraphs[n % 360]}" for n in range(4800)]
+    pq.write_table(pa.table({"text": documents}), server.root / "shard_00000.parquet", row_group_size=64)
     pq.write_table(pa.table({"text": paragraphs[360:]}), server.root / "shard_01822.parquet", row_group_size=8)
     records = {
         "commonsense_reasoning/copa.jsonl": [{"query": f"Item {i}: the loop", "choices": ["runs", "stops"],

@@ -569,12 +569,14 @@ def test_bad_input_ends_with_one_clear_line(flags, named, monkeypatch, capsys):
 
 
 def write_fineweb_shards(base, indices):
-    """FineWeb-Edu's layout under `base`: each shard 300 documents of the tiny corpus's words."""
+    """FineWeb-Edu's layout under `base`: each shard 1,200 documents of the tiny corpus's words, so that each of
+    TINY's two loaders holds more than its 1,000-document buffer of two shards."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     (base / "fineweb-edu").mkdir(parents=True, exist_ok=True)
+    paragraphs = write_corpus(base / "shard.txt").read_text().split("\n\n")
     for i in indices:
-        documents = write_corpus(base / "shard.txt").read_text().split("\n\n")[i % 100:][:300]
+        documents = [f"{n}: {paragraphs[(i + n) % len(paragraphs)]}" for n in range(1200)]
         pq.write_table(pa.table({"text": documents}), base / "fineweb-edu" / f"shard_{i:05d}.parquet",
                        row_group_size=100)
     (base / "shard.txt").unlink()
