@@ -273,7 +273,7 @@ run_lock = claim_run(run.dir)  # one trainer per run, until this process ends
 weights = run.ckpt["model"] if run.ckpt else None
 model = raw_model = training_model(config, device, args.seed, weights, initialise=rank == 0)
 if args.compile:
-    model.compile_blocks(backend=args.compile_backend)
+    model.compile_regions(backend=args.compile_backend)
     from torch._dynamo.utils import counters as dynamo_counters
 if ddp:  # the RoPE tables are constant: no buffers to sync at each forward
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
