@@ -349,7 +349,7 @@ tokens_per_second, t_run, step, save_due, verdict = None, time.time(), start_ste
 while step < num_steps and (args.stop_at is None or step < args.stop_at):
 
     # --- one step: grad_accum micro-batches forward and backward, clip, the schedules, the update
-    t0 = time.time()
+    t0, graphs = time.time(), compile_counts(dynamo_counters)["graphs"] if args.compile else 0
     loss_sum, stats = torch.zeros((), device=device), {}
     for micro in range(grad_accum):
         # one seed per (seed, step, virtual rank): any number of processes draws the same h0, depths
@@ -376,7 +376,11 @@ while step < num_steps and (args.stop_at is None or step < args.stop_at):
     if ddp:
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
-    non_finite, worst_h_norm = worst.tolist()
+    # the skip rule's read brings the log line's values too: one wait for the device, not two
+    logged = {"loss": loss_sum, "grad_norm": grad_norm, **stats}
+    present = [key for key, value in logged.items() if value is not None]
+    values = torch.cat([worst, torch.stack([logged[key].float() for key in present])]).tolist()
+    (non_finite, worst_h_norm), logged = values[:2], {**logged, **dict(zip(present, values[2:]))}
     if non_finite:
         skipped_steps += 1
         print0(f"step {step + 1}: non-finite gradients, update skipped ({skipped_steps} so far)")
@@ -387,18 +391,17 @@ while step < num_steps and (args.stop_at is None or step < args.stop_at):
 
     # --- once in a while: the log line
     dt = time.time() - t0
-    if step > start_step + 1:  # the first step pays for compilation and warm-up
+    # steady state: past the first step's warm-up, and not a step that compiled a graph
+    if step > start_step + 1 and (not args.compile or compile_counts(dynamo_counters)["graphs"]
+                                  == graphs):
         tokens_per_second = args.total_batch_size / dt if tokens_per_second is None \
             else 0.9 * tokens_per_second + 0.1 * args.total_batch_size / dt
     if step % args.log_every == 0 or step == num_steps:
-        # the line's values are 0-d tensors on the device, read in one transfer: the only wait for
-        # the device beyond the skip rule's (rho after the update, so that wait includes it)
+        # rho after the update: the line's only wait for the device beyond the skip rule's
         rho_every = args.rho_every or args.eval_every
         rho_due = not host_rho or step % rho_every == 0 or step == num_steps
-        logged = {"loss": loss_sum, "grad_norm": grad_norm,
-                  "rho": raw_model.spectral_radius() if rho_due else None, **stats}
-        present = [key for key, value in logged.items() if value is not None]
-        logged.update(zip(present, torch.stack([logged[key].float() for key in present]).tolist()))
+        rho = raw_model.spectral_radius() if rho_due else None
+        logged["rho"] = None if rho is None else rho.item()
         entry = {"step": step, "loss": logged["loss"] / grad_accum, "lr_mult": lrm,
                  "grad_norm": logged["grad_norm"],
                  **{f"{group['kind']}_lr": group["lr"] for group in optimizer.param_groups},

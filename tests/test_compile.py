@@ -74,7 +74,8 @@ def assert_compiled_equals_eager(eager, compiled, autocast, rtol, atol):
     for model in (eager, compiled):
         build_optimizer(model, adamw_lr=8e-3).step()
     for got, want in zip(compiled.parameters(), eager.parameters()):
-        torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+        # Muon orthogonalises in bf16: its update rounds to a few of bf16's steps times muon_lr 8e-3
+        torch.testing.assert_close(got, want, rtol=rtol, atol=max(atol, 8e-3 * 2 ** -5))
 
 
 @pytest.mark.parametrize("injection", ["diagonal", "none"])
