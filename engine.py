@@ -137,10 +137,9 @@ def decode_step(model, idx, cache, h0, T, exit=None, threshold=0.0, A_bar=None):
     A_bar: injection.A_bar(), if already formed.
     """
     # the prelude and the injection's input, once per position
-    e, ves, cos, sin = model.run_prelude(idx, cache)
+    Bbar_e, ves, cos, sin = model.run_prelude(idx, cache)
     A_bar = model.injection.A_bar() if A_bar is None else A_bar
-    Bbar_e = model.injection.Bbar_e(e)
-    h, B = h0.to(e.dtype), idx.size(0)
+    h, B = h0.to(Bbar_e.dtype), idx.size(0)
     if exit is None:  # fixed depth: T steps, then the coda
         for step in range(T):
             h = model.loop_step(h, Bbar_e, A_bar, step, ves, cos, sin, cache)
@@ -242,7 +241,8 @@ class Decoder:
         loop_steps = self.T if adaptive and kv == "steps" else None
         self.cache = (KVCache(num_positions, loop_steps, shared=kv == "shared") if use_cache
                       else None)
-        with torch.inference_mode():
+        # eager even under compiled regions (model.compile_regions): each token's cache is new
+        with torch.inference_mode(), torch.compiler.set_stance("force_eager"):
             # A_bar does not change while decoding: formed once
             self.A_bar = model.injection.A_bar() if model.injection is not None else None
             # prefill the prompt but its last token, which next_logits runs like any new token
@@ -252,18 +252,19 @@ class Decoder:
     @torch.inference_mode()
     def next_logits(self):
         """-> (logits (B, V) of the next position, recurrent steps (B,) each row took)."""
-        n, model, B = self.length, self.model, self.tokens.size(0)
-        depth = self.T if model.injection is not None else 1
-        if self.cache is None:
-            logits = model(self.tokens[:, :n], T=self.T, h0=self.h0[:, :n])
-        elif model.injection is None:
-            logits = model(self.tokens[:, n - 1:n], cache=self.cache)
-        else:
-            logits, steps = decode_step(model, self.tokens[:, n - 1:n], self.cache,
-                                        self.h0[:, n - 1:n], self.T, self.exit, self.threshold,
-                                        self.A_bar)
-            return logits[:, -1], steps
-        return logits[:, -1], torch.full((B,), depth)
+        with torch.compiler.set_stance("force_eager"):  # as the prefill
+            n, model, B = self.length, self.model, self.tokens.size(0)
+            depth = self.T if model.injection is not None else 1
+            if self.cache is None:
+                logits = model(self.tokens[:, :n], T=self.T, h0=self.h0[:, :n])
+            elif model.injection is None:
+                logits = model(self.tokens[:, n - 1:n], cache=self.cache)
+            else:
+                logits, steps = decode_step(model, self.tokens[:, n - 1:n], self.cache,
+                                            self.h0[:, n - 1:n], self.T, self.exit,
+                                            self.threshold, self.A_bar)
+                return logits[:, -1], steps
+            return logits[:, -1], torch.full((B,), depth)
 
     def append(self, ids):
         """ids (B,): the next token of every row."""

@@ -25,7 +25,8 @@ In training config.sampling draws the depths (METHOD.md §2): by default one per
 
 The caller owns the randomness: depth_generator= and h0_generator= (or h0=).
 The model keeps no state between forwards.
-model.compile_blocks() compiles each block alone: a new depth never recompiles.
+model.compile_regions() compiles the prelude, one loop step and the coda with the loss:
+a new depth never recompiles.
 """
 
 import math
@@ -503,6 +504,7 @@ class Parcae(nn.Module):
     # The matmuls' bf16 outputs are added into it, so rounding does not build up over T steps.
     # Every RMSNorm sees float32 with its float32 weight (the fused kernel).
     # A_bar and Bbar e are float32; RoPE runs in bf16; the logits are float32 for the loss.
+    # Compiled (compile_regions), the loss reads the bf16 logits and never stores float32 ones.
 
     def forward(self, idx, targets=None, T=None, depths=None, h0=None, cache=None, reduction="mean",
                 depth_generator=None, h0_generator=None, diagnostics=None):
@@ -514,27 +516,22 @@ class Parcae(nn.Module):
         - cache: decoding's KV cache, which the S new positions extend.
         - diagnostics: a dict that gets ||h_T|| and the update ratio.
         """
-        B, S = idx.shape
-        e, ves, cos, sin = self.run_prelude(idx, cache)
-        if self.injection is None:  # the Transformer: its recurrent blocks run once, no h0
-            h, h_prev = self.recurrent_block(e, 0, ves, cos, sin, cache), None
+        Bbar_e, ves, cos, sin = self.run_prelude(idx, cache)
+        if self.injection is None:  # the Transformer: its recurrent blocks run once on e, no h0
+            h, h_prev = self.recurrent_block(Bbar_e, 0, ves, cos, sin, cache), None
         else:
-            n, k = self.loop_depths(B, T, depths, depth_generator)
+            n, k = self.loop_depths(idx.size(0), T, depths, depth_generator)
             if cache is not None and ((n != n[0]).any() or (k != k[0]).any()):
                 raise ValueError("decoding with a KV cache runs one depth for the whole batch: "
                                  "give T, not depths")
             if h0 is None:  # none given: a fresh draw (torch's global RNG without a generator)
-                h0 = initial_state(e.shape, e.device, h0_generator)
-            Bbar_e = self.injection.Bbar_e(e)
-            h, h_prev = self.recurrence(h0.to(e.dtype), Bbar_e, n, k, ves, cos, sin, cache)
+                h0 = initial_state(Bbar_e.shape, Bbar_e.device, h0_generator)
+            h, h_prev = self.recurrence(h0.to(Bbar_e.dtype), Bbar_e, n, k, ves, cos, sin, cache)
         if diagnostics is not None:
             diagnostics.update(stability_diagnostics(h, h_prev))
-        logits = self.run_coda(h, ves, cos, sin, cache)
         if targets is None:
-            return logits
-        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
-                               ignore_index=-1, reduction=reduction)
-        return loss.view(B, S) if reduction == "none" else loss
+            return self.run_coda(h, ves, cos, sin, cache)
+        return self.coda_loss(h, ves, cos, sin, targets, reduction)
 
     def loop_depths(self, batch_size, T=None, depths=None, generator=None):
         """forward's T or depths -> (n, k), two (B,) CPU long tensors (METHOD.md §2).
@@ -624,9 +621,11 @@ class Parcae(nn.Module):
     # The prelude and the coda stand apart from forward so that decoding can run the loop itself.
 
     def run_prelude(self, idx, cache=None):
-        """ids (B, S) -> (e, ves, cos, sin).
-        e (B, S, d) is the prelude's normed output; ves, the value embeddings by layer.
-        cos, sin: the RoPE tables of the S positions, claimed in the cache."""
+        """ids (B, S) -> (Bbar_e, ves, cos, sin).
+        Bbar_e (B, S, d): the loop's input term, Bbar e of the prelude's normed output e.
+        It is e itself for the baselines without a B, and the Transformer's blocks read e.
+        ves: the value embeddings by layer. cos, sin: the S positions' RoPE tables, claimed in
+        the cache."""
         pos = cache.pos if cache is not None else 0
         S = idx.size(1)
         if pos + S > self.rope_cos.size(1):
@@ -639,7 +638,8 @@ class Parcae(nn.Module):
         x = self.wte(idx)
         for i, block in enumerate(self.prelude):
             x = block(x, ves.get(i), cos, sin, cache, Slot("prelude", i))
-        return (self.prelude_norm(x) if self.prelude_norm is not None else x), ves, cos, sin
+        e = self.prelude_norm(x) if self.prelude_norm is not None else x
+        return (self.injection.Bbar_e(e) if self.injection is not None else e), ves, cos, sin
 
     def run_coda(self, h, ves, cos, sin, cache=None):
         """The loop's output (B, S, d) -> logits (B, S, vocab), float32 or the weights' if wider."""
@@ -650,23 +650,35 @@ class Parcae(nn.Module):
         logits = (self.norm_f(x) @ self.wte.weight.t())[..., :c.vocab_size]
         return logits.to(torch.promote_types(self.wte.weight.dtype, torch.float32))
 
+    def coda_loss(self, h, ves, cos, sin, targets, reduction="mean"):
+        """run_coda, then the cross-entropy with targets (B, S) (-1: ignored).
+        reduction="none": (B, S)."""
+        logits = self.run_coda(h, ves, cos, sin)
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
+                               ignore_index=-1, reduction=reduction)
+        return loss.view(targets.shape) if reduction == "none" else loss
+
     # --- compilation and the spectral radius
 
-    def compile_blocks(self, backend="inductor"):
-        """Compile each block alone and keep the loop in Python.
-        A depth that changes every batch then never recompiles.
-        The recurrent blocks see a prefix of the batch: a dynamic batch size."""
-        blocks = [*self.prelude, *self.recur, *self.coda]
-        for block in [*self.prelude, *self.coda]:
-            block.compile(dynamic=False, backend=backend)
-        for block in self.recur:
-            block.compile(dynamic=None, backend=backend)
-        # all blocks' graphs share Block.forward's cache, whose limit (8) is meant for one function
-        budget = 8 * len(blocks)
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, budget)
-        torch._dynamo.config.accumulated_recompile_limit = max(
-            torch._dynamo.config.accumulated_recompile_limit, budget)
-        # a block is already a small graph whose backward overlaps DDP's all-reduces block by block;
+    def compile_regions(self, backend="inductor"):
+        """Compile the forward in regions, each a plain method above, and keep the loop in Python.
+
+        - run_prelude: the prelude, its norm and Bbar e.
+        - loop_step: the injection and the recurrent block (the Transformer: recurrent_block).
+        - coda_loss: the coda, the head and the loss. In one graph the loss reads the head's bf16
+          logits: float32 ones are never stored, for the forward or the backward.
+        - run_coda: the logits alone, for evals.
+
+        The loop step runs on the rows still looping, a prefix of the batch.
+        Its row count is dynamic: a new depth never recompiles, one row included.
+        Decoding runs them eagerly (engine.py): each token's cache position is new."""
+        for name, dynamic in (("run_prelude", False), ("coda_loss", False), ("run_coda", False),
+                              ("loop_step" if self.injection else "recurrent_block", None)):
+            plain = getattr(type(self), name).__get__(self)  # the method, compiled before or not
+            setattr(self, name, torch.compile(plain, dynamic=dynamic, backend=backend))
+        # a row count of one is then not a graph of its own: no broadcast reads it as special
+        torch.fx.experimental._config.backed_size_oblivious = True
+        # a region's backward hands DDP its gradients region by region, to all-reduce meanwhile;
         # DDP's graph splitting would only compile other graphs than one process does
         torch._dynamo.config.optimize_ddp = False
 

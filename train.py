@@ -46,7 +46,7 @@ from nanoparcae.checkpoint import (resume, resume_refusal, save_and_prune, saved
                                    training_model)
 from nanoparcae.core_tasks import shared_eval_bundle
 from nanoparcae.divergence import Divergence
-from nanoparcae.metrics import Metrics, read_at_once
+from nanoparcae.metrics import Metrics, compile_counts, read_at_once
 from nanoparcae.run import claim_run, identify_run, run_folder
 from nanoparcae.tokenizer import vocab_size_flag
 
@@ -255,7 +255,8 @@ run_lock = claim_run(run)  # one trainer per run, until this process ends
 model = raw_model = training_model(config, device, args.seed, run.ckpt and run.ckpt["model"],
                                    initialise=rank == 0)
 if args.compile:
-    model.compile_blocks(backend=args.compile_backend)
+    model.compile_regions(backend=args.compile_backend)
+    from torch._dynamo.utils import counters as dynamo_counters
 if ddp:  # the RoPE tables are constant: no buffers to sync at each forward
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                 **no_buffer_sync())
@@ -289,7 +290,7 @@ tokens_per_second, t_run, step, save_due, verdict = None, time.time(), start_ste
 while step < num_steps and (args.stop_at is None or step < args.stop_at):
 
     # --- one step: grad_accum micro-batches forward and backward, clip, the schedules, the update
-    t0 = time.time()
+    t0, graphs = time.time(), compile_counts(dynamo_counters)["graphs"] if args.compile else 0
     loss_sum, stats = torch.zeros((), device=device), {}
     for micro in range(grad_accum):
         # one seed per (seed, step, virtual rank): any number of processes draws the same h0, depths
@@ -318,7 +319,11 @@ while step < num_steps and (args.stop_at is None or step < args.stop_at):
     if ddp:
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
-    non_finite, worst_h_norm = worst.tolist()
+    # the skip rule's read brings the log line's values too: one wait for the device, not two
+    non_finite, worst_h_norm = worst.unbind()
+    logged = read_at_once({"non_finite": non_finite, "worst_h_norm": worst_h_norm, "loss": loss_sum,
+                           "grad_norm": grad_norm, **stats})
+    non_finite, worst_h_norm = logged["non_finite"], logged["worst_h_norm"]
     if non_finite:
         skipped_steps += 1
         print0(f"step {step + 1}: non-finite gradients, update skipped ({skipped_steps} so far)")
@@ -329,14 +334,16 @@ while step < num_steps and (args.stop_at is None or step < args.stop_at):
 
     # --- once in a while: the log line
     dt = time.time() - t0
-    if step > start_step + 1:  # the first step pays for compilation and warm-up
+    # steady state: past the first step's warm-up, and not a step that compiled a graph
+    if step > start_step + 1 and (not args.compile or compile_counts(dynamo_counters)["graphs"]
+                                  == graphs):
         tokens_per_second = args.total_batch_size / dt if tokens_per_second is None \
             else 0.9 * tokens_per_second + 0.1 * args.total_batch_size / dt
     if step % args.log_every == 0 or step == num_steps:
         rho_every = args.rho_every or args.eval_every
         rho_due = not host_rho or step % rho_every == 0 or step == num_steps
-        logged = read_at_once({"loss": loss_sum, "grad_norm": grad_norm,  # rho after the update
-                               "rho": raw_model.spectral_radius() if rho_due else None, **stats})
+        rho = raw_model.spectral_radius() if rho_due else None  # after the update: a wait of its own
+        logged["rho"] = None if rho is None else rho.item()
         entry = {"step": step, "loss": logged["loss"] / grad_accum, "lr_mult": lrm,
                  "grad_norm": logged["grad_norm"],
                  **{f"{group['kind']}_lr": group["lr"] for group in optimizer.param_groups},

@@ -78,9 +78,9 @@ def masked_reference_loss(model, x, y, depths):
     """Per-sequence depths the way the paper runs them (METHOD.md §2): the whole batch steps max(n) times without
     grad and max(k) times with it, and torch.where keeps the state of a sequence whose count is used up.
     Built from the model's pieces: the reference row 8 measures model.py's loop against, loss and gradients alike."""
-    e, ves, cos, sin = model.run_prelude(x)
+    Bbar_e, ves, cos, sin = model.run_prelude(x)
     n, k = model.loop_depths(x.size(0), depths=depths)
-    h, Bbar_e = initial_state(e.shape, e.device).to(e.dtype), model.injection.Bbar_e(e)
+    h = initial_state(Bbar_e.shape, Bbar_e.device).to(Bbar_e.dtype)
     A_bar, n_max = model.injection.A_bar(), int(n.max())
     for step in range(n_max + int(k.max())):
         active = n > step if step < n_max else k > step - n_max
@@ -329,7 +329,7 @@ def row_core_and_loader(args, device, training, figures):
 
 
 def row_compile(args, device, training, figures):
-    """model.compile_blocks() (as train.py calls it) against eager, over 50 steps of per-sequence depths; the
+    """model.compile_regions() (as train.py calls it) against eager, over 50 steps of per-sequence depths; the
     graphs dynamo compiles are counted after every 10 steps (model.py lets the recurrent blocks' batch
     dimension go dynamic once, so a few early recompilations are by design; later ones are not)."""
     if CUDA:
@@ -339,7 +339,7 @@ def row_compile(args, device, training, figures):
     from torch._dynamo.utils import counters as dynamo_counters  # only this row needs dynamo, slow to import
     schedule = depth_schedule(config, batch_size, COMPILE_STEPS + 1)
     eager, compiled = Trainer(config, batch_size, device), Trainer(config, batch_size, device)
-    compiled.model.compile_blocks(backend=args.compile_backend)
+    compiled.model.compile_regions(backend=args.compile_backend)
     log(f"torch.compile: compiling the blocks (d_model {config.d_model}, {batch_size} x {config.seq_len})")
     compile_seconds = timed(lambda: compiled.run(schedule[:1]))
     eager.run(schedule[:1])
@@ -357,7 +357,7 @@ def row_compile(args, device, training, figures):
     rates = {name: COMPILE_CHUNK / s for name, s in seconds.items()}
     settled = sum(per_chunk[1:]) == 0
     backend = "" if args.compile_backend == "inductor" else f", backend {args.compile_backend}"
-    return [("7", f"torch.compile (compile_blocks{backend}, d_model {config.d_model}, {batch_size} x "
+    return [("7", f"torch.compile (compile_regions{backend}, d_model {config.d_model}, {batch_size} x "
              f"{config.seq_len}): steps/s compiled vs eager; recompilations over {COMPILE_STEPS} steps of changing "
              "depths",
              f"compiled {rates['compiled']:.2f} steps/s, eager {rates['eager']:.2f} steps/s; first step "

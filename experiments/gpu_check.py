@@ -437,16 +437,16 @@ ROWS = [  # number, what a failed row says it was, how it is built
 
 
 def lower_recompile_limits(limit=2):
-    """Dynamo's recompile limits at `limit` once model.compile_blocks has run (it raises them for its blocks, so
+    """Dynamo's recompile limits at `limit` once model.compile_regions has run (it raises them for its regions, so
     setting them earlier does nothing)."""
     import model
-    compile_blocks = model.Parcae.compile_blocks
+    compile_regions = model.Parcae.compile_regions
 
     def lowered(self, *args, **kwargs):
-        compile_blocks(self, *args, **kwargs)
+        compile_regions(self, *args, **kwargs)
         torch._dynamo.config.recompile_limit = torch._dynamo.config.accumulated_recompile_limit = limit
 
-    model.Parcae.compile_blocks = lowered
+    model.Parcae.compile_regions = lowered
 
 
 def reverse_chunk_order(rank=1):

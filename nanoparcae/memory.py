@@ -9,50 +9,76 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
+from model import poisson_tail
 from nanoparcae.common import print0
 
+# Bytes a training step saves for backward per token, from saved tensors on small CPU models:
+# (a block run with grad per d, a value embedding per d, the loop per d per (4 + k) steps,
+# the head per d, the logits per vocab entry). Compiled (model.compile_regions), the backward
+# recomputes the cheap elementwise work, and the loss keeps the bf16 logits alone.
+SAVED_PER_TOKEN = {(False, False): (80, 4, 4, 12, 4), (False, True): (56, 4, 4, 12, 4),
+                   (True, False): (64, 6, 3, 10, 4), (True, True): (36, 4, 2, 4, 2)}  # (compiled, bf16)
+POISSON_FULL_MISS = 1e-6  # poisson_full plans for its depth exceeded once in 10^6 draws
 
-def activation_bytes(model, batch_size, bf16=True):
+
+def backprop_depth(config):
+    """The most loop steps a sequence backpropagates under config.sampling (model.sample_depths).
+
+    - mu_bwd for the samplers that cap k at it (per_sequence and the rest).
+    - poisson_unbounded: 2 mu_bwd, the top of its k ~ U{1..2 mu_bwd}.
+    - poisson_full: k = max(1, Poisson(r)) has no top; the k it passes once in 10^6 draws."""
+    if config.sampling == "poisson_unbounded":
+        return 2 * config.mu_bwd
+    if config.sampling == "poisson_full":
+        rate = max(config.mu_rec, config.mu_bwd)
+        return next(k for k in range(1, 10 * rate + 100) if poisson_tail(rate, k + 1) < POISSON_FULL_MISS)
+    if config.sampling == "fixed":
+        return min(config.mu_rec, config.mu_bwd)
+    return config.mu_bwd
+
+
+def activation_bytes(model, batch_size, bf16=True, compiled=False):
     """Bytes saved for backward by a training forward of batch_size sequences.
-    Each backpropagates through mu_bwd loop steps, the most any can.
-    So memory follows mu_bwd, not the sampled depth. Per token, from eager saved tensors:
-
-    - each block run with grad: 80 d bytes in float32, 56 d under bf16 autocast.
-    - a value embedding: 4 d.
-    - the loop: 4 (4 + mu_bwd) d (prelude norm, B, A_bar h per step, C_proj).
-    - the head: 12 d, and the float32 log-softmax 4 vocab.
-
-    bf16 also keeps one bf16 copy of every matrix (autocast's weight cache)."""
+    Each backpropagates through at most backprop_depth steps, which memory follows, not the mean.
+    Per token, SAVED_PER_TOKEN's bytes for the step as it runs (eager or compiled, its dtype).
+    bf16 also keeps a bf16 copy of every matrix (eager: autocast's weight cache)."""
     c = model.config
     d = c.d_model
     looped = model.injection is not None
+    k = backprop_depth(c)
+    block, ve, loop, head, vocab = SAVED_PER_TOKEN[compiled, bf16]
 
     def runs(i):  # how many times layer i runs with grad in one forward
-        return c.mu_bwd if looped and c.n_prelude <= i < c.n_prelude + c.n_recur else 1
+        return k if looped and c.n_prelude <= i < c.n_prelude + c.n_recur else 1
 
     block_runs = sum(runs(i) for i in range(c.n_layer))
-    per_token = (block_runs * (56 if bf16 else 80) * d + sum(runs(i) for i in model.ve_layers) * 4 * d
-                 + (4 * (4 + c.mu_bwd) * d if looped else 0) + 12 * d + 4 * c.vocab_size)
-    matrices = sum(p.numel() for name, p in model.named_parameters()
-                   if p.ndim == 2 and not name.startswith("value_embeds"))  # embeddings are read, not cast
-    return batch_size * c.seq_len * per_token + (2 * matrices if bf16 else 0)
+    per_token = (block_runs * block * d + sum(runs(i) for i in model.ve_layers) * ve * d
+                 + (loop * (4 + k) * d if looped else 0) + head * d + vocab * c.vocab_size)
+    def matrices(modules):  # embeddings are read, not cast
+        return sum(p.numel() for module in modules for name, p in module.named_parameters()
+                   if p.ndim == 2 and not name.startswith("value_embeds"))
+
+    # compiled, each loop step's graph casts its own copy of the loop's matrices
+    in_loop = [model.recur, *([model.injection] if c.injection == "concat" else [])]
+    copies = matrices([model]) + (compiled and looped) * (k - 1) * matrices(in_loop)
+    return batch_size * c.seq_len * per_token + (2 * copies if bf16 else 0)
 
 
-def memory_plan(model, device_batch_size, bf16, optimizer_bytes, gpu_gb=(80, 141)):
+def memory_plan(model, device_batch_size, bf16, optimizer_bytes, gpu_gb=(80, 141), compiled=True):
     """Estimated bytes per GPU of training at device_batch_size sequences. It counts:
 
     - float32 weights and gradients, and DDP's gradient buckets (another copy).
     - the optimiser's state (optim.optimizer_state_bytes).
-    - activations at mu_bwd (activation_bytes).
+    - activations at backprop_depth, of the step compiled (train.py's default) or eager.
 
     "largest_batch" maps each gb of gpu_gb to the most sequences per GPU within 90% of it.
     The rest is left for the backward's transient buffers, the CUDA context and fragmentation.
     0: not even one fits."""
     weights = 4 * model.num_params()
     static = 3 * weights + optimizer_bytes
-    per_sequence = activation_bytes(model, 2, bf16) - activation_bytes(model, 1, bf16)
-    activations = activation_bytes(model, device_batch_size, bf16)
-    fixed = activations - device_batch_size * per_sequence  # bf16's weight copies
+    per_sequence = activation_bytes(model, 2, bf16, compiled) - activation_bytes(model, 1, bf16, compiled)
+    activations = activation_bytes(model, device_batch_size, bf16, compiled)
+    fixed = activations - device_batch_size * per_sequence  # eager bf16's weight copies
     largest = {gb: max(0, int((0.9 * gb * 1e9 - static - fixed) // per_sequence)) for gb in gpu_gb}
     return {"weights": weights, "grads": weights, "ddp_buckets": weights, "optimizer": optimizer_bytes,
             "activations": activations, "total": static + activations, "largest_batch": largest}
@@ -85,7 +111,7 @@ def choose_device_batch(model, args, device, world, optimizer_bytes):
         raise ValueError(f"--total_batch_size={total} is not divisible by seq_len x world = {seq_len} x "
                          f"{world}; change one of them")
     sequences = total // (seq_len * world)  # each process's share of an optimiser step
-    bf16 = args.dtype == "bfloat16"
+    bf16, compiled = args.dtype == "bfloat16", bool(args.compile)
     gpu, gpu_gb = None, None
     if device.type == "cuda":  # what is free now: another process may hold some of the GPU
         free, total = (gb / 1e9 for gb in torch.cuda.mem_get_info(device))
@@ -98,7 +124,8 @@ def choose_device_batch(model, args, device, world, optimizer_bytes):
                                 f"({torch.cuda.get_device_name(device)})")
     else:  # no GPU memory to plan for: the plans for the two GPUs the paper's runs are sized for
         gpus = (80, 141)
-    plan = memory_plan(model, given or 1, bf16, optimizer_bytes, gpus)  # its largest_batch holds at any size
+    # its largest_batch holds at any size
+    plan = memory_plan(model, given or 1, bf16, optimizer_bytes, gpus, compiled)
     most = plan["largest_batch"]
     if gpu:
         fitting = largest_divisor(sequences, most[gpu_gb])
@@ -114,12 +141,12 @@ def choose_device_batch(model, args, device, world, optimizer_bytes):
         fitting = largest_divisor(sequences, 32)
     size = given or fitting
     if size != (given or 1):
-        plan = memory_plan(model, size, bf16, optimizer_bytes, gpus)
+        plan = memory_plan(model, size, bf16, optimizer_bytes, gpus, compiled)
     if device.type == "cuda" or args.dry_run:
         print0(f"memory per GPU (GB): weights {plan['weights'] / 1e9:.1f} + grads {plan['grads'] / 1e9:.1f} "
                f"+ DDP buckets {plan['ddp_buckets'] / 1e9:.1f} + optimizer {plan['optimizer'] / 1e9:.1f} + "
-               f"activations {plan['activations'] / 1e9:.1f} ({size} x {seq_len} at mu_bwd "
-               f"{model.config.mu_bwd}, {args.dtype}) = {plan['total'] / 1e9:.1f} | largest device batch: "
+               f"activations {plan['activations'] / 1e9:.1f} ({size} x {seq_len} backpropagating up to "
+               f"{backprop_depth(model.config)} steps, {args.dtype}, {'compiled' if compiled else 'eager'}) = {plan['total'] / 1e9:.1f} | largest device batch: "
                + ", ".join(f"{n} in {gb:.4g} GB" for gb, n in plan["largest_batch"].items())
                + " | an estimate until a GPU measures it (runs/gpu_check.sh)")
     print0(f"device batch: {size}, " + ("as given" if given else

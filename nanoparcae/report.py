@@ -180,7 +180,8 @@ def how_it_ran_section(run):
     if peaks:
         bf16 = args.get("dtype", "bfloat16") == "bfloat16"
         optimizer = optimizer_state_bytes(model, muon=args.get("optimizer", "muon") == "muon")
-        plan = memory_plan(model, run["flags"]["device_batch_size"], bf16, optimizer)["total"]
+        plan = memory_plan(model, run["flags"]["device_batch_size"], bf16, optimizer,
+                           compiled=bool(args.get("compile", 1)))["total"]
         lines.append(f"- peak memory per GPU: {max(peaks) / 1e9:.1f} GB measured, {plan / 1e9:.1f} GB planned "
                      f"({max(peaks) / plan:.0%} of the plan)")
     else:

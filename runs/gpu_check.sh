@@ -32,7 +32,7 @@
 # --tiny runs the same stages with a tiny model (dynamo's eager backend, bf16 autocast, 2 processes over gloo),
 # and the depth-24 plan against a GPU faked to report 80 GB; figures that test the script, not the claims: it holds
 # only the rows a CPU can meet to their targets (the run's life: the loss, recompilation, the kill and the resume).
-# The faults: recompile_limit sets dynamo's recompile limits to 2 once model.compile_blocks has raised them, in
+# The faults: recompile_limit sets dynamo's recompile limits to 2 once model.compile_regions has run, in
 # every train.py; perturb_resume scales a weight of the checkpoint the resume reads by 1.01; rank_order has rank 1
 # read each epoch's chunks in reverse order, in every train.py.
 # On a GPU machine without internet, install the requirements from wheel files fetched elsewhere first

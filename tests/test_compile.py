@@ -1,8 +1,10 @@
-"""torch.compile as train.py uses it (model.compile_blocks, DDP over gloo, bf16 autocast, dynamo's eager backend):
-the graphs dynamo builds through training steps with sampled depths and gradient accumulation, evals at every T
-from 1 to 2 x mu_rec, and CORE's scoring at batch sizes and lengths training never saw. The recompile limit is never
-hit, the evals add compiled graphs of their own, CORE adds none (eager by choice), and two DDP processes build the
-same graphs as one plain process."""
+"""torch.compile as train.py uses it (model.compile_regions): the compiled regions equal the eager forward (loss,
+gradients, one optimizer step), a training step calls the regions it should, per-sequence depths never recompile
+after warm-up, and evals and decoding run on a compiled model. Then, in processes of their own (DDP over gloo, bf16
+autocast, dynamo's eager backend): the graphs dynamo builds through training steps with sampled depths and gradient
+accumulation, evals at every T from 1 to 2 x mu_rec, and CORE's scoring at batch sizes and lengths training never
+saw. The recompile limit is never hit, the evals add compiled graphs of their own, CORE adds none (eager by choice),
+and two DDP processes build the same graphs as one plain process."""
 
 import json
 import logging
@@ -13,19 +15,145 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch._dynamo
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from engine import generate
 from nanoparcae.core_tasks import Row
 from eval_core import evaluate_bpb, score_rows
-from model import Parcae, ParcaeConfig, evaluation_initial_state
+from model import Parcae, ParcaeConfig, evaluation_initial_state, split_depths
+from optim import build_optimizer
 
 # d_model 256: a block holds 3 MB of weights, past the 1 MB of DDP's first bucket, so dynamo's DDP optimizer, left
 # on, would split every block compiled inside DDP's forward
 CONFIG = dict(d_model=256, head_dim=64, mu_rec=3, vocab_size=320, seq_len=32)
 BATCH, STEPS, GRAD_ACCUM = 4, 3, 2
-pytestmark = pytest.mark.slow  # compiles, and starts two processes
+
+
+SMALL = dict(d_model=64, head_dim=32, mu_rec=3, mu_bwd=2, vocab_size=257, seq_len=16)
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles from nothing, and leaves dynamo's settings as it found them."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    with torch._dynamo.config.patch(optimize_ddp=True), \
+            torch.fx.experimental._config.patch(backed_size_oblivious=False):  # compile_regions sets them
+        yield
+    torch._dynamo.reset()
+
+
+def small_pair(injection="diagonal", backend="aot_eager"):
+    """Two copies of one small model: eager, and compiled by model.compile_regions."""
+    torch.manual_seed(0)
+    eager, compiled = (Parcae(ParcaeConfig.from_depth(3, injection=injection, **SMALL)) for _ in range(2))
+    compiled.load_state_dict(eager.state_dict())
+    compiled.compile_regions(backend=backend)
+    return eager, compiled
+
+
+def train_step(model, x, depths, autocast=False):
+    """One forward and backward at the given depths, h0 seeded -> (loss, gradients)."""
+    torch.manual_seed(1)
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        loss = model(x, x, depths=depths)
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def assert_compiled_equals_eager(eager, compiled, autocast, rtol, atol):
+    x = torch.randint(0, 257, (4, 16), generator=torch.Generator().manual_seed(0))
+    depths = split_depths(torch.tensor([5, 4, 2, 1]), 2, training=True)  # rows stop at different steps
+    results = [train_step(model, x, depths, autocast) for model in (eager, compiled)]
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=rtol, atol=atol)
+    for got, want in zip(results[1][1], results[0][1]):
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+    for model in (eager, compiled):
+        build_optimizer(model, adamw_lr=8e-3).step()
+    for got, want in zip(compiled.parameters(), eager.parameters()):
+        # Muon orthogonalises in bf16: its update rounds to a few of bf16's steps times muon_lr 8e-3
+        torch.testing.assert_close(got, want, rtol=rtol, atol=max(atol, 8e-3 * 2 ** -5))
+
+
+@pytest.mark.parametrize("injection", ["diagonal", "none"])
+def test_compiled_regions_equal_eager(injection):
+    """dynamo's graphs and autograd's compiled backward (aot_eager), in float32: loss, gradients, one step."""
+    assert_compiled_equals_eager(*small_pair(injection), autocast=False, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow  # inductor generates and builds C++ for each region
+@pytest.mark.parametrize("autocast", [False, True])
+def test_inductor_regions_equal_eager(autocast):
+    """Inductor's kernels, the fused loss among them: float32 within its rounding, bf16 within bf16's."""
+    eager, compiled = small_pair(backend="inductor")
+    assert_compiled_equals_eager(eager, compiled, autocast, *((2e-2, 2e-3) if autocast else (1e-4, 1e-5)))
+
+
+def counting_backend(calls):
+    """dynamo's eager backend, counting each call of each compiled graph."""
+    def backend(graph, example_inputs):
+        def run(*args):
+            calls.append(graph)
+            return graph.forward(*args)
+        return run
+    return backend
+
+
+@pytest.mark.parametrize("injection", ["diagonal", "none"])
+def test_a_step_calls_its_regions_and_new_depths_never_recompile_after_warm_up(injection):
+    """Per sequence, the loop step runs on the rows still looping: a dynamic row count, one row included.
+    The warm-up steps never step one row with gradient; the later ones do, and at new depths."""
+    torch.manual_seed(0)
+    model = Parcae(ParcaeConfig.from_depth(3, injection=injection, **SMALL))
+    calls = []
+    model.compile_regions(backend=counting_backend(calls))
+    x = torch.randint(0, 257, (4, 16))
+
+    def step(T):
+        calls.clear()
+        n, k = split_depths(torch.tensor(T), model.config.mu_bwd, training=True)
+        model(x, x, depths=(n, k)).backward()
+        loop_steps = int(n.max() + k.max()) if model.injection is not None else 1
+        assert len(calls) == 1 + loop_steps + 1  # the prelude, each loop step, the coda with the loss
+
+    for T in ([5, 4, 3, 3], [6, 2, 2, 2]):  # warm-up
+        step(T)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert 3 <= graphs <= 8  # each region's own, within dynamo's recompile limit of 8
+    for T in ([4, 1, 1, 1], [3, 3, 2, 1], [7, 7, 7, 7], [1, 1, 1, 1], [9, 5, 1, 1]):
+        step(T)
+    generator = torch.Generator()
+    for seed in range(4):  # the sampler's draws
+        torch.manual_seed(seed)
+        model(x, x, depth_generator=generator.manual_seed(seed)).backward()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
+def test_evals_and_decoding_run_on_a_compiled_model():
+    """evaluate_bpb compiles graphs of its own and training after it none; decoding runs eagerly, the same tokens."""
+    eager, compiled = small_pair(backend="eager")
+    x = torch.randint(0, 257, (4, 16))
+    for model in (eager, compiled):
+        for T in ([5, 4, 3, 3], [6, 2, 2, 1]):
+            train_step(model, x, split_depths(torch.tensor(T), 2, training=True))
+    trained = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    tokenizer = SimpleNamespace(token_bytes=torch.ones(257, dtype=torch.long))
+    batches = [(x, x)]
+    for T in (1, 3, 6):
+        assert evaluate_bpb(compiled, tokenizer, batches, T) == pytest.approx(evaluate_bpb(eager, tokenizer, batches, T))
+    evals = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert evals > trained
+    train_step(compiled, x, split_depths(torch.tensor([3, 2, 2, 1]), 2, training=True))
+    compiled.eval(), eager.eval()
+    for T in (2, "auto"):
+        samples = [[ids.tolist() for ids, _ in generate(model, [[5, 6, 7]] * 2, 5, T=T, top_k=20,
+                                                          generator=[torch.Generator().manual_seed(i) for i in range(2)])]
+                   for model in (eager, compiled)]
+        assert samples[0] == samples[1]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == evals
 
 
 def free_port():
@@ -63,7 +191,7 @@ def count_graphs(rank, world, port, out_dir):
 
     torch.manual_seed(0)
     raw = Parcae(ParcaeConfig.from_depth(6, **CONFIG))
-    raw.compile_blocks(backend=eager_backend)
+    raw.compile_regions(backend=eager_backend)
     model = DDP(raw, broadcast_buffers=False) if world > 1 else raw
     optimizer = torch.optim.SGD(raw.parameters(), lr=1e-3)
     depth_generator, data = torch.Generator(), torch.Generator().manual_seed(0)
@@ -109,6 +237,7 @@ def counts(tmp_path_factory):
             for world in (1, 2) for rank in range(world)}
 
 
+@pytest.mark.slow  # compiles, and starts two processes
 def test_no_recompile_limit_and_evals_compiled_and_core_eager(counts):
     for result in counts.values():
         assert result["limit_hits"] == [], result
@@ -117,5 +246,6 @@ def test_no_recompile_limit_and_evals_compiled_and_core_eager(counts):
         assert graphs["core"] == graphs["evals"], graphs  # CORE's shapes compiled nothing
 
 
+@pytest.mark.slow
 def test_ddp_compiles_the_graphs_of_one_process(counts):
     assert counts[2, 0]["graphs"] == counts[2, 1]["graphs"] == counts[1, 0]["graphs"]

@@ -110,11 +110,11 @@ def test_eval_and_sampling_run_under_cpu_bf16_autocast():
 
 
 def compiled_graphs(model, depths, autocast, reset=True):
-    """Graphs dynamo has compiled for the blocks after training steps at the given per-sequence depths."""
+    """Graphs dynamo has compiled for the regions after training steps at the given per-sequence depths."""
     if reset:
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
-        model.compile_blocks(backend="eager")  # dynamo's tracing and guards, without code generation
+        model.compile_regions(backend="eager")  # dynamo's tracing and guards, without code generation
     x = torch.randint(0, 257, (4, 32))
     for T in depths:
         with autocast:
@@ -124,7 +124,7 @@ def compiled_graphs(model, depths, autocast, reset=True):
 
 
 @pytest.mark.slow
-def test_compiled_blocks_do_not_recompile_under_autocast():
+def test_compiled_regions_do_not_recompile_under_autocast():
     model = tiny(mu_bwd=2).train()
     # with mu_bwd 2, the no-grad and the grad steps each see the full batch, a prefix of 2 and a prefix of 1
     depths = [[3, 3, 3, 3], [4, 4, 1, 1], [4, 1, 1, 1]]

@@ -174,10 +174,10 @@ def test_state_exit_stops_at_the_first_small_relative_change():
     idx = torch.tensor([[11]])
     with torch.no_grad():  # the full-depth trajectory of the new position's state, step by step
         reference = copy.deepcopy(cache)
-        e, ves, cos, sin = model.run_prelude(idx, reference)
+        Bbar_e, ves, cos, sin = model.run_prelude(idx, reference)
         states = [h0[:, 7:]]
         for step in range(6):
-            u = model.injection(states[-1], model.injection.Bbar_e(e))
+            u = model.injection(states[-1], Bbar_e)
             states.append(model.recurrent_block(u, step, ves, cos, sin, reference))
     changes = [float(relative_change(new, old)) for old, new in zip(states[1:], states[2:])]  # at t = 2..6
     assert len(set(changes)) == 5
