@@ -80,7 +80,7 @@ flag("--vocab_size", type=vocab_size_flag, default=32768, help="tokens, the spec
 flag("--seq_len", type=flags.positive(int), default=2048, help="tokens per row")
 # the data and the horizon: the first given of --max_tokens, --target_flops, --param_data_ratio
 flag("--data", default="fineweb-edu",
-     help="fineweb-edu, stdlib, or a path / glob of .txt, .jsonl, .parquet files")
+     help="fineweb-edu, stdlib, or a path / glob of .txt, .jsonl, .parquet, .py files")
 flag("--max_tokens", type=flags.positive(float), default=None,
      help="tokens to train (None: the paper's)")
 flag("--target_flops", type=flags.positive(float), default=None,

@@ -141,7 +141,7 @@ def user_files(pattern):
     found = glob.glob(str(path / "**" / "*"), recursive=True) if path.is_dir() else glob.glob(str(path), recursive=True)
     files = sorted(f for f in found if Path(f).suffix in (".txt", ".jsonl", ".parquet", ".py") and Path(f).is_file())
     if not files:
-        raise FileNotFoundError(f"no .txt, .jsonl or .parquet files match '{pattern}': pass --data=stdlib, "
+        raise FileNotFoundError(f"no .txt, .jsonl, .parquet or .py files match '{pattern}': pass --data=stdlib, "
                                 f"--data=fineweb-edu, or a path, folder or glob of your own files")
     return files
 
