@@ -299,22 +299,25 @@ def packing(tokenizer, source, seq_len, seed=0, world_size=1, settle=6, measure=
     - rows: where the first's share ended, every loader packs its pass: the fewest rows one
       yields before reading its second epoch.
     - lengths: what dataset.check_data bounds a longer pass's buffer with."""
-    loaders = [DataLoader(tokenizer, source, "train", 1, seq_len, rank=rank, world_size=world_size,
-                          seed=seed) for rank in range(world_size)]
-    first, start, rows = loaders[0], (0, 0), None
+    def loader(rank):
+        return DataLoader(tokenizer, source, "train", 1, seq_len, rank=rank, world_size=world_size,
+                          seed=seed)
+    first, start, rows = loader(0), (0, 0), None
     while first.arrivals < (settle + measure) * first.buffer_docs and first.next_doc[0] == 0:
         if first.arrivals < settle * first.buffer_docs:
             start = first.tokens_used, first.tokens_cropped
         next(first)
+    first.close()
     used, cropped = first.tokens_used - start[0], first.tokens_cropped - start[1]
     if first.next_doc[0] > 0:  # the row just packed took a document of the next epoch
-        for loader in loaders[1:]:
-            while loader.next_doc[0] == 0:
-                next(loader)
-        rows = min(loader.batches - 1 for loader in loaders)
+        rows = first.batches - 1
+        for rank in range(1, world_size):  # the others' shares are short too: each packed through
+            other = loader(rank)
+            while other.next_doc[0] == 0:
+                next(other)
+            other.close()
+            rows = min(rows, other.batches - 1)
     texts = [text for _, text in itertools.islice(first.stream.iterate(loop=False), first.arrivals)]
-    for loader in loaders:
-        loader.close()
     lengths = [len(ids) for ids in tokenizer.encode(texts, prepend_bos=True)]
     return Packing(cropped / max(used + cropped, 1), rows, lengths, first.buffer_docs)
 
