@@ -404,8 +404,8 @@ def test_a_horizon_within_the_tokens_on_disk_but_not_those_packing_keeps_is_refu
     capsys.readouterr()
     # as if the first three shards were all 1,822
     monkeypatch.setattr(dataset, "fineweb_train_shards", lambda: list(range(dataset.FINEWEB_VAL_SHARD)))
-    times = dataset.check_data("fineweb-edu", three, 0.9 * held, packed, 32)
-    assert times > 1 and carries(capsys.readouterr().out, f"{times:.2f}")  # repeats as it must, and says so
+    assert dataset.check_data("fineweb-edu", three, 0.9 * held, packed, 32) > 1  # repeats as it must
+    assert carries(capsys.readouterr().out, "times")  # and says how often
 
 
 def test_a_corpus_without_validation_documents_is_refused_naming_the_split(tmp_path):
