@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from nanoparcae.common import fail, get_base_dir
+from nanoparcae.common import EnvironmentFailure, fail, get_base_dir
 from nanoparcae.dataset import ChunkReader, get_tokenizer, list_chunks, no_documents
 from nanoparcae.flags import positive
 from nanoparcae.tokenizer import vocab_size_flag
@@ -361,5 +361,7 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
+    except EnvironmentFailure as err:  # a full or read-only disk
+        fail(err, 1)
     except (OSError, ValueError) as err:  # bad flags or data, an unwritable base folder
         fail(err)

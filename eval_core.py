@@ -34,8 +34,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from nanoparcae.checkpoint import load_run
-from nanoparcae.common import (check_writable, fail, init_distributed, parse_device, print0,
-                               rank_and_world, write_atomically)
+from nanoparcae.common import (REFUSED, check_writable, fail, fail_with, init_distributed,
+                               parse_device, print0, rank_and_world, write_atomically)
 from nanoparcae.core_tasks import (CORE_LABELS, EVAL_BUNDLE_URL, LM, build_rows,
                                    load_task_data, read_random_baselines, select_tasks,
                                    shared_eval_bundle)
@@ -527,8 +527,8 @@ def main(argv=None):
         device = start_device(args)
         model, tokenizer, ckpt, ckpt_path = load_run(args.ckpt or args.run, device)
         evaluate(args, model, tokenizer, ckpt, ckpt_path, args.T, args.seeds, device)
-    except (FileNotFoundError, ValueError) as err:
-        fail(err)
+    except REFUSED as err:
+        fail_with(err)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

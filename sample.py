@@ -23,7 +23,7 @@ import warnings
 import torch
 
 from nanoparcae.checkpoint import load_run
-from nanoparcae.common import fail, parse_device
+from nanoparcae.common import REFUSED, fail, fail_with, parse_device
 from nanoparcae.flags import positive, zero_or_more
 from engine import EXIT_THRESHOLDS, EXITS, KV_CACHES, generate
 
@@ -142,8 +142,8 @@ def main(argv=None):
     try:
         model, tokenizer, _, path = load_run(args.ckpt or args.run, torch.device(args.device))
         sample(model, tokenizer, args, path)
-    except (FileNotFoundError, ValueError) as err:
-        fail(err)
+    except REFUSED as err:
+        fail_with(err)
 
 
 if __name__ == "__main__":

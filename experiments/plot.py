@@ -323,6 +323,6 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-    except (FileNotFoundError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    except Exception as err:  # a refusal: one line and its status (fail_with); the rest, a traceback
+        from nanoparcae.common import fail_with
+        fail_with(err)

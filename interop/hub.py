@@ -31,7 +31,8 @@ import torch.distributed as dist
 import eval_core
 import sample
 from nanoparcae.checkpoint import assign_weights, load_run, sized_model
-from nanoparcae.common import check_writable, fail, first_sentence, get_base_dir, write_atomically
+from nanoparcae.common import (REFUSED, check_writable, fail, fail_with, first_sentence, get_base_dir,
+                               write_atomically)
 from model import SAMPLINGS
 from nanoparcae.download import download_file
 from model import ParcaeConfig, value_embedding_layers
@@ -586,8 +587,8 @@ def export_main(argv):
         model, tokenizer, _, path = load_run(args.source)
         check_writable(Path(args.out_dir), "the export", needs=sum(t.nbytes for t in model.state_dict().values()))
         out = export(model, tokenizer, args.out_dir)
-    except (FileNotFoundError, ValueError) as err:
-        fail(err)
+    except REFUSED as err:
+        fail_with(err)
     print(f"{path} -> {out}: config.json ({model.config.injection}), model.pt, tokenizer.json, tokenizer_config.json")
 
 
@@ -603,8 +604,8 @@ def sample_main(argv):
     try:
         model, tokenizer = load_pretrained(args.source, device, need_tokenizer=True)
         sample.sample(model, tokenizer, args, args.source)
-    except (FileNotFoundError, ValueError) as err:
-        fail(err)
+    except REFUSED as err:
+        fail_with(err)
 
 
 def eval_main(argv):
@@ -618,8 +619,8 @@ def eval_main(argv):
         model, tokenizer = load_pretrained(args.source, device, need_tokenizer=True)
         eval_core.evaluate(args, model, tokenizer, {}, local_dir(args.source) / "authors", args.T, args.seeds,
                            device)
-    except (FileNotFoundError, ValueError) as err:
-        fail(err)
+    except REFUSED as err:
+        fail_with(err)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -634,8 +635,8 @@ def summary_main(argv):
     args = parser.parse_args(argv)
     try:
         model, tokenizer = load_pretrained(args.source, need_tokenizer=True)
-    except (FileNotFoundError, ValueError) as err:
-        fail(err)
+    except REFUSED as err:
+        fail_with(err)
     c = model.config
     print(f"{args.source}: injection={c.injection} layers={c.n_prelude}/{c.n_recur}/{c.n_coda} d={c.d_model} "
           f"mu_rec={c.mu_rec} params={model.num_params():,} vocab={tokenizer.vocab_size} "

@@ -131,19 +131,20 @@ def unwritable(folder, needs=0):
 
 
 def check_writable(folder, what, needs=0):
-    """Before work whose result `what` goes to `folder`: stop in one line if it could not be written.
-    Status 1 for the machine (a read-only or full disk), 2 for a file named as the folder.
+    """Before work whose result `what` goes to `folder`: raise if it could not be written.
+    EnvironmentFailure for the machine (a read-only or full disk), ValueError for a file named as the folder.
     Called on the rank that writes."""
     if why := unwritable(folder, needs):
-        a_file = not nearest(folder).is_dir()
-        fix = "name a folder instead" if a_file else "make it writable or free space on its disk, then run again"
-        fail(f"{why}, and {what} would be written there; nothing was computed: {fix}", 2 if a_file else 1)
+        said = f"{why}, and {what} would be written there; nothing was computed"
+        if not nearest(folder).is_dir():
+            raise ValueError(f"{said}: name a folder instead")
+        raise EnvironmentFailure(f"{said}: make it writable or free space on its disk, then run again")
 
 
 def write_atomically(path, write):
     """write(a temporary path beside `path`), then rename.
     An interrupted write never leaves a torn file under the real name.
-    A full disk or read-only folder stops the command in one line (status 1), the temporary file removed.
+    A full disk or read-only folder raises EnvironmentFailure, the temporary file removed.
     The temporary name ends in .tmp, so a figure's writer names its format."""
     partial = path.with_name(path.name + ".tmp")
     try:
@@ -157,10 +158,11 @@ def write_atomically(path, write):
 
 
 def cannot_write(path, err):
-    """A write of `path` that failed for want of room or of leave: one line, status 1. Other errors return."""
+    """A write of `path` that failed for want of room or of leave: EnvironmentFailure. Other errors return."""
     if isinstance(err, OSError) and err.errno in NO_WRITE:
-        fail(f"{path} could not be written ({err.strerror}); nothing else changed: free space on its disk or "
-             f"make {path.parent} writable, then run the same command again", 1)
+        raise EnvironmentFailure(f"{path} could not be written ({err.strerror}); nothing else changed: free space "
+                                 f"on its disk or make {path.parent} writable, then run the same command again") \
+            from err
 
 
 def read_json(path):
@@ -181,6 +183,9 @@ def read_json(path):
 
 class EnvironmentFailure(Exception):
     """The machine failed the command, not its input: a full disk, replicas drifted apart."""
+
+
+REFUSED = (ValueError, FileNotFoundError, EnvironmentFailure)  # what a command ends in one line (fail_with)
 
 
 def fail(message, status=2):

@@ -45,7 +45,7 @@ from typing import NamedTuple
 import pyarrow.parquet as pq
 
 from model import PAPER_TOKENS
-from nanoparcae.common import cannot_write, check_writable, fail, get_base_dir, print0
+from nanoparcae.common import EnvironmentFailure, cannot_write, check_writable, fail, get_base_dir, print0
 from nanoparcae.download import download_file
 from nanoparcae.flags import positive
 from nanoparcae.tokenizer import Tokenizer, vocab_size_flag
@@ -539,5 +539,7 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
+    except EnvironmentFailure as err:  # a full or read-only disk
+        fail(err, 1)
     except (OSError, ValueError) as err:  # bad flags or data, a failed download, a base folder that cannot be written
         fail(err)

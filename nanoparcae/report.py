@@ -28,7 +28,7 @@ import torch
 
 from model import PAPER_TOKENS, ParcaeConfig
 from nanoparcae.checkpoint import find_checkpoint, read_checkpoint, run_dir, sized_model
-from nanoparcae.common import check_writable, fail, read_json, write_atomically
+from nanoparcae.common import REFUSED, check_writable, fail, fail_with, read_json, write_atomically
 from nanoparcae.core_tasks import CORE_LABELS
 from nanoparcae.memory import memory_plan
 from nanoparcae.metrics import read_metrics
@@ -336,8 +336,8 @@ def main(argv=None):
             print(f"recorded the machine in {record_machine(folder)}")
             return
         print(f"wrote {write_card(folder)}")
-    except (FileNotFoundError, ValueError) as err:
-        fail(err)
+    except REFUSED as err:
+        fail_with(err)
 
 
 if __name__ == "__main__":

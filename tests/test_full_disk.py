@@ -194,8 +194,10 @@ def test_a_disk_without_room_for_the_result_is_refused_before_the_work(tmp_path,
 
 def test_a_file_named_as_the_folder_is_bad_input(tmp_path, capsys):
     (tmp_path / "a_file").write_text("")
-    with pytest.raises(SystemExit) as stop:
+    with pytest.raises(ValueError) as refused:
         common.check_writable(tmp_path / "a_file", "the export")
+    with pytest.raises(SystemExit) as stop:
+        common.fail_with(refused.value)
     assert stop.value.code == 2 and carries(capsys.readouterr().err, str(tmp_path / "a_file"))
 
 
