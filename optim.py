@@ -15,7 +15,7 @@ A library, not a script:
 
 Sources: the authors' recpre/optim/muon_adamw.py and scripts/train.py (sandyresearch/parcae).
 They follow nanochat's nanochat/optim.py, itself from modded-nanogpt.
-It runs eagerly by default; optimizer.compile() runs the same updates compiled (train.py --compile=1).
+It runs eagerly; optimizer.compile() runs the same updates compiled.
 """
 
 import math
@@ -78,7 +78,7 @@ def normuon(U: Tensor, v: Tensor, beta2: float) -> Tensor:
 # that the two agree to the last bit on CPU.
 
 def adamw_update(params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, eps, wd) -> None:
-    """AdamW on a group's tensors, in place; steps: each tensor's count of updates, this one included."""
+    """AdamW on a group's tensors, in place; steps: each one's updates, this one included."""
     for p, g, m, v, t in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
         p.mul_(1 - lr * wd)
         m.lerp_(g, 1 - beta1)
@@ -106,8 +106,7 @@ def muon_update(P, g, momentum_buffer, second_momentum_buffer, momentum, lr, wd,
 # Compiled, each group's update is one graph of few fused kernels, not dozens of small ones.
 # The hyperparameters go in as 0-d CPU tensors, graph inputs, as nanochat does: a schedule that
 # changes lr, momentum or wd every step then never recompiles. float64, as Python's floats: the
-# scalars reach the kernels as the plain update's do, and bf16's orthogonalisation rounds alike.
-# dynamic=False: a group's shapes are fixed.
+# scalars reach the kernels as the plain update's do. dynamic=False: a group's shapes are fixed.
 
 def compiled_update(update, backend: str):
     """update, compiled; called with numbers, it passes them on as 0-d float64 tensors."""

@@ -5,13 +5,15 @@ bench.py: nanoparcae's performance figures, measured side by side on whatever ma
     python -m experiments.bench --rows 1,8 --steps 1   # a quick look at two rows
     python -m experiments.bench --depth 6 --d_model 384 --seq_len 512
     python -m experiments.bench --json bench.json      # also the rows and the raw figures behind their verdicts
+    python -m experiments.bench --rows 9 --seq_len 256 --batch_size 2 --vocab_size 4096   # the compiled step
 
 It prints ONE markdown table (progress goes to stderr), the one docs/performance.md quotes.
 Each speed figure is a ratio of two things timed in the same run, interleaved repeat by repeat so that
 the noise of a shared machine falls on both; each is the median of --repeats repeats after a warm-up.
 Training steps run forward + backward + gradient clip + optimiser step (optim.build_optimizer), on
 fixed batches of random tokens, with the depths of every step drawn up front (model.sample_depths) and
-replayed as forward's depths, so both sides of a comparison run exactly the same depths. Every FLOP/s figure counts the
+replayed as forward's depths, so both sides of a comparison run exactly the same depths. Row 9 compiles them as
+train.py does (compile_step). Every FLOP/s figure counts the
 matmul FLOPs executed (Parcae.matmul_flops_per_token), not the paper's C (Parcae.flops_per_token, for budgets).
 """
 
@@ -473,7 +475,8 @@ def profile_steps(fn, num_steps, device):
 
 def row_step(args, device, training, figures):
     """Row 9: each model's own Trainer, compiled by compile_step, warmed up (its graphs built), then the three
-    timed in turn; memory and the profile one model at a time."""
+    timed in turn; memory and the profile one model at a time. Fixed depth against per-sequence is time per
+    FLOP (matmul FLOPs executed), as row 3: the two sample different mean depths."""
     dtype = torch.bfloat16 if CUDA else torch.float32
     rate, peak = mlp_matmul_rate(args, device, dtype), peak_bf16_flops(device)
     tokens = args.steps * args.batch_size * args.seq_len
@@ -501,7 +504,8 @@ def row_step(args, device, training, figures):
     overhead = fixed["flops"] / per_seq["flops"] - 1
     figures["step"] = dict(results, matmul_rate=rate, listed_peak=peak, overhead=overhead)
     what = f"the {'bf16' if CUDA else 'float32'} matmul rate at the MLP's shape"
-    rows = [("9", f"the step train.py runs (compile_step, backend {args.compile_backend}; autocast, clip, MuonAdamW), "
+    autocast = "bf16 autocast, " if CUDA else ""
+    rows = [("9", f"the step train.py runs (compile_step, backend {args.compile_backend}; {autocast}clip, MuonAdamW), "
              f"{args.batch_size} x {args.seq_len} tokens: MFU of the matmul FLOPs executed against {what}"
              + (" and the listed bf16 peak" if peak else ""),
              f"measured {si(rate, 'FLOP/s')}" + (f", listed peak {si(peak, 'FLOP/s')}" if peak else ""), "", "")]
