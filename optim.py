@@ -107,10 +107,11 @@ def muon_update(P, g, momentum_buffer, second_momentum_buffer, momentum, lr, wd,
 # The hyperparameters go in as 0-d CPU tensors, graph inputs, as nanochat does: a schedule that
 # changes lr, momentum or wd every step then never recompiles. float64, as Python's floats: the
 # scalars reach the kernels as the plain update's do. dynamic=False: a group's shapes are fixed.
+# Not fullgraph: past dynamo's recompile limit an update runs eagerly, with its warning, not fails.
 
 def compiled_update(update, backend: str):
     """update, compiled; called with numbers, it passes them on as 0-d float64 tensors."""
-    compiled = torch.compile(update, dynamic=False, fullgraph=True, backend=backend)
+    compiled = torch.compile(update, dynamic=False, backend=backend)
 
     def scalar(value):
         return torch.tensor(float(value), dtype=torch.float64)
@@ -143,9 +144,6 @@ class MuonAdamW(torch.optim.Optimizer):
         """Run the updates compiled from now on (the state and its checkpoints are unchanged)."""
         self.adamw_update = compiled_update(adamw_update, backend)
         self.muon_update = compiled_update(muon_update, backend)
-        # one graph per group, in a cache whose limit (8) is meant for one function
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
-                                                   len(self.param_groups))
 
     def add_param_group(self, group: dict) -> None:
         kind = group.get('kind')
