@@ -15,7 +15,7 @@ A library, not a script:
 
 Sources: the authors' recpre/optim/muon_adamw.py and scripts/train.py (sandyresearch/parcae).
 They follow nanochat's nanochat/optim.py, itself from modded-nanogpt.
-It runs eagerly, without torch.compile: hyperparameters are plain floats that may change any step.
+It runs eagerly; optimizer.compile() runs the same updates compiled.
 """
 
 import math
@@ -73,6 +73,60 @@ def normuon(U: Tensor, v: Tensor, beta2: float) -> Tensor:
 
 
 # -----------------------------------------------------------------------------
+# The updates, as plain functions of tensors. The hyperparameters are numbers, or 0-d tensors when
+# compiled (below). AdamW follows torch.optim.AdamW's order of operations (single-tensor path), so
+# that the two agree to the last bit on CPU.
+
+def adamw_update(params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, eps, wd) -> None:
+    """AdamW on a group's tensors, in place; steps: each one's updates, this one included."""
+    for p, g, m, v, t in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
+        p.mul_(1 - lr * wd)
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g * (1 - beta2))  # addcmul_'s value= takes no tensor
+        denom = (v.sqrt() / (1 - beta2 ** t) ** 0.5).add_(eps)
+        p.add_(m * (-lr / (1 - beta1 ** t)) / denom)  # addcdiv_, in the same order
+
+
+def muon_update(P, g, momentum_buffer, second_momentum_buffer, momentum, lr, wd, beta2,
+                ns_steps: int) -> None:
+    """Muon on a stack P (n, rows, cols) and its gradients g, both changed in place."""
+    # Nesterov momentum
+    momentum_buffer.lerp_(g, 1 - momentum)
+    g = g.lerp_(momentum_buffer, momentum)
+    # fp32 from here, as nanochat; the authors stay in bf16, which differs only by rounding
+    U = polar_express(g, ns_steps).float()
+    U = normuon(U, second_momentum_buffer, beta2)
+    # Cautious weight decay (METHOD.md §2), where update * param >= 0, the update being U as
+    # in the authors' code: only entries the update already moves towards zero decay, so the
+    # decay never fights the optimiser.
+    mask = (U * P) >= 0
+    P.sub_(lr * U + (lr * wd) * P * mask)
+
+
+# Compiled, each group's update is one graph of few fused kernels, not dozens of small ones.
+# The hyperparameters go in as 0-d CPU tensors, graph inputs, as nanochat does: a schedule that
+# changes lr, momentum or wd every step then never recompiles. float64, as Python's floats: the
+# scalars reach the kernels as the plain update's do. dynamic=False: a group's shapes are fixed.
+# Not fullgraph: past dynamo's recompile limit an update runs eagerly, with its warning, not fails.
+
+def compiled_update(update, backend: str):
+    """update, compiled; called with numbers, it passes them on as 0-d float64 tensors."""
+    compiled = torch.compile(update, dynamic=False, backend=backend)
+
+    def scalar(value):
+        return torch.tensor(float(value), dtype=torch.float64)
+
+    def run(*tensors, steps=None, ns_steps=None, **hyper):
+        hyper = {k: scalar(v) for k, v in hyper.items()}
+        if steps is not None:
+            hyper['steps'] = [scalar(t) for t in steps]
+        if ns_steps is not None:
+            hyper['ns_steps'] = ns_steps
+        compiled(*tensors, **hyper)
+    return run
+
+
+# -----------------------------------------------------------------------------
 # The optimiser. Every group has params, kind, lr and initial_lr, the lr the schedule scales;
 # AdamW groups add betas, eps, weight_decay; Muon groups momentum, weight_decay, beta2, ns_steps.
 # A missing key takes METHOD.md §2's value, below.
@@ -84,6 +138,12 @@ MUON_DEFAULTS = dict(momentum=0.95, weight_decay=0.2, beta2=0.95, ns_steps=5)
 class MuonAdamW(torch.optim.Optimizer):
     def __init__(self, param_groups: list[dict]):
         super().__init__(param_groups, defaults={})
+        self.adamw_update, self.muon_update = adamw_update, muon_update
+
+    def compile(self, backend: str = "inductor") -> None:
+        """Run the updates compiled from now on (the state and its checkpoints are unchanged)."""
+        self.adamw_update = compiled_update(adamw_update, backend)
+        self.muon_update = compiled_update(muon_update, backend)
 
     def add_param_group(self, group: dict) -> None:
         kind = group.get('kind')
@@ -99,26 +159,23 @@ class MuonAdamW(torch.optim.Optimizer):
                              "(they are stacked)")
         super().add_param_group(group)
 
-    # AdamW in torch.optim.AdamW's order of operations (single-tensor path), so that the two
-    # agree to the last bit on CPU.
     def _step_adamw(self, group: dict) -> None:
-        lr, (beta1, beta2), eps, wd = (group['lr'], group['betas'], group['eps'],
-                                       group['weight_decay'])
-        for p in group['params']:
-            if p.grad is None:
-                continue
+        params = [p for p in group['params'] if p.grad is not None]
+        for p in params:
             state = self.state[p]
             if not state:
                 state['step'] = 0
                 state['exp_avg'] = torch.zeros_like(p)
                 state['exp_avg_sq'] = torch.zeros_like(p)
             state['step'] += 1
-            m, v, g, t = state['exp_avg'], state['exp_avg_sq'], p.grad, state['step']
-            p.mul_(1 - lr * wd)
-            m.lerp_(g, 1 - beta1)
-            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-            denom = (v.sqrt() / math.sqrt(1 - beta2 ** t)).add_(eps)
-            p.addcdiv_(m, denom, value=-lr / (1 - beta1 ** t))
+        if not params:
+            return
+        states = [self.state[p] for p in params]
+        (beta1, beta2) = group['betas']
+        self.adamw_update(params, [p.grad for p in params], [s['exp_avg'] for s in states],
+                          [s['exp_avg_sq'] for s in states], steps=[s['step'] for s in states],
+                          lr=group['lr'], beta1=beta1, beta2=beta2, eps=group['eps'],
+                          wd=group['weight_decay'])
 
     # Muon on one group's stack (n, rows, cols). Its buffers live in the first parameter's state,
     # as in the authors' code: state_dict saves them like any optimiser state.
@@ -137,27 +194,12 @@ class MuonAdamW(torch.optim.Optimizer):
         # no gradient counts as a zero gradient, as in the authors' code
         g = torch.stack([p.grad if p.grad is not None else torch.zeros_like(p) for p in params])
         P = torch.stack(params)
-
-        # Nesterov momentum
-        mom = group['momentum']
-        buf = state['momentum_buffer']
-        buf.lerp_(g, 1 - mom)
-        g = g.lerp_(buf, mom)
-
-        # fp32 from here, as nanochat; the authors stay in bf16, which differs only by rounding
-        U = polar_express(g, group['ns_steps']).float()
-        U = normuon(U, state['second_momentum_buffer'], group['beta2'])
-
         # METHOD.md §2: the factor makes an update's RMS entry 1/sqrt(fan_in) for every shape,
         # so tall matrices are not under-stepped
         lr = group['lr'] * math.sqrt(max(1.0, rows / cols))
-        wd = group['weight_decay']
-
-        # Cautious weight decay (METHOD.md §2), where update * param >= 0, the update being U as
-        # in the authors' code: only entries the update already moves towards zero decay, so the
-        # decay never fights the optimiser.
-        mask = (U * P) >= 0
-        P.sub_(lr * U + (lr * wd) * P * mask)
+        self.muon_update(P, g, state['momentum_buffer'], state['second_momentum_buffer'],
+                         momentum=group['momentum'], lr=lr, wd=group['weight_decay'],
+                         beta2=group['beta2'], ns_steps=group['ns_steps'])
         torch._foreach_copy_(params, list(P.unbind(0)))
 
     @torch.no_grad()

@@ -262,6 +262,8 @@ if ddp:  # the RoPE tables are constant: no buffers to sync at each forward
                 **no_buffer_sync())
 optimizer = build_optimizer(raw_model, adamw_lr=adamw_lr, muon_lr=args.muon_lr,
                             weight_decay=args.weight_decay, muon=args.optimizer == "muon")
+if args.compile:
+    optimizer.compile(backend=args.compile_backend)  # each group's update fused (optim.py)
 bf16 = args.dtype == "bfloat16"  # autocast: the matmuls in bfloat16, the weights in float32
 autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
 # a resume (also of workers torchrun --max_restarts restarted): the optimizer's and loaders' state

@@ -5,14 +5,16 @@ bench.py: nanoparcae's performance figures, measured side by side on whatever ma
     python -m experiments.bench --rows 1,8 --steps 1   # a quick look at two rows
     python -m experiments.bench --depth 6 --d_model 384 --seq_len 512
     python -m experiments.bench --json bench.json      # also the rows and the raw figures behind their verdicts
+    python -m experiments.bench --rows 9 --seq_len 256 --batch_size 2 --vocab_size 4096   # the compiled step
 
 It prints ONE markdown table (progress goes to stderr), the one docs/performance.md quotes.
 Each speed figure is a ratio of two things timed in the same run, interleaved repeat by repeat so that
 the noise of a shared machine falls on both; each is the median of --repeats repeats after a warm-up.
 Training steps run forward + backward + gradient clip + optimiser step (optim.build_optimizer), on
 fixed batches of random tokens, with the depths of every step drawn up front (model.sample_depths) and
-replayed as forward's depths, so both sides of a comparison run exactly the same depths. Every FLOP/s figure counts the
-matmul FLOPs executed (Parcae.matmul_flops_per_token), not the paper's C (Parcae.paper_flops_per_token, for budgets).
+replayed as forward's depths, so both sides of a comparison run exactly the same depths. Row 9 compiles them as
+train.py does (compile_step). Every FLOP/s figure counts the matmul FLOPs executed (Parcae.matmul_flops_per_token),
+not the paper's C (Parcae.paper_flops_per_token, for budgets).
 """
 
 import argparse
@@ -32,11 +34,11 @@ from nanoparcae.core_tasks import MC, Task
 from data import DataLoader
 from nanoparcae.dataset import iter_documents
 from nanoparcae.flags import positive
-from model import sample_depths
 from eval_core import bf16_autocast, evaluate_task
 from experiments.decoding import decoding_rows, stdlib_tokens
 from experiments.timing import log, median_seconds, print_table, timed
-from model import Parcae, ParcaeConfig, evaluation_initial_state, initial_state
+from model import (Parcae, ParcaeConfig, evaluation_initial_state, initial_state, sample_depths,
+                   split_depths)
 from optim import build_optimizer
 from nanoparcae.tokenizer import Tokenizer
 
@@ -399,8 +401,131 @@ def row_active_only(args, device, training, figures):
     return rows
 
 
+# -----------------------------------------------------------------------------
+# Row 9: the step train.py runs, compiled as train.py compiles it, for Parcae per-sequence, Parcae at fixed
+# depths and the Transformer: tokens/s, MFU, peak memory, and where the time goes (torch.profiler)
+
+def compile_step(trainer, backend):
+    """train.py's compile entry point, applied to a Trainer: the model's regions and the optimiser's updates."""
+    trainer.model.compile_regions(backend=backend)
+    trainer.optimizer.compile(backend=backend)
+
+
+def fixed_schedule(config, batch_size, num_steps):
+    """Every sequence at the mean depths, (mu_rec - mu_bwd, mu_bwd): the fixed-depth draw of each step."""
+    n, k = split_depths(torch.full((batch_size,), config.mu_rec), config.mu_bwd, training=True)
+    return [(n, k)] * num_steps
+
+
+STEP_MODELS = {"Parcae per-sequence": ({}, depth_schedule), "Parcae fixed depth": ({}, fixed_schedule),
+               "Transformer": ({"injection": "none"}, depth_schedule)}
+
+
+def mlp_matmul_rate(args, device, dtype):
+    """FLOP/s of one matmul at the MLP's up-projection, (batch x seq_len, d) @ (d, 4 d), in the step's dtype."""
+    rows, d = args.batch_size * args.seq_len, args.d_model
+    a, b = torch.randn(rows, d, device=device, dtype=dtype), torch.randn(d, 4 * d, device=device, dtype=dtype)
+    return 2 * rows * d * 4 * d / median_seconds({"mm": lambda: a @ b}, args.repeats)["mm"]
+
+
+def peak_memory(fn, device):
+    """Bytes allocated at fn()'s peak over those allocated before it; None off CUDA."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    baseline = torch.cuda.memory_allocated(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - baseline
+
+
+def busy_time(intervals):
+    """The length of the union of (start, end) intervals."""
+    total, end = 0.0, -float("inf")
+    for start, stop in sorted(intervals):
+        total += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    return total
+
+
+def profile_steps(fn, num_steps, device):
+    """(launches per step, the device's idle share) over num_steps calls of fn, from torch.profiler. On CUDA the
+    kernels and copies, idle outside all of them; on a CPU the operators dispatched outside any other operator
+    (a compiled kernel's call is one), and no idle share."""
+    from torch.profiler import DeviceType, ProfilerActivity, profile
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        wall = timed(lambda: [fn() for _ in range(num_steps)])
+    events = prof.events()
+    if cuda:
+        kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+        busy = busy_time([(e.time_range.start, e.time_range.end) for e in kernels]) / 1e6
+        return len(kernels) / num_steps, max(0.0, 1 - busy / wall)
+
+    def outermost(event):
+        parent = event.cpu_parent
+        while parent is not None and not parent.name.startswith("aten::"):
+            parent = parent.cpu_parent
+        return parent is None
+    ops = [e for e in events if e.name.startswith("aten::") and outermost(e)]
+    return len(ops) / num_steps, None
+
+
+def row_step(args, device, training, figures):
+    """Row 9: each model's own Trainer, compiled by compile_step, warmed up (its graphs built), then the three
+    timed in turn; memory and the profile one model at a time. Fixed depth against per-sequence is time per
+    FLOP (matmul FLOPs executed), as row 3: the two sample different mean depths."""
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    rate, peak = mlp_matmul_rate(args, device, dtype), peak_bf16_flops(device)
+    tokens = args.steps * args.batch_size * args.seq_len
+    models = {}
+    for name, (overrides, schedule_fn) in STEP_MODELS.items():
+        config = model_config(args, **overrides)
+        trainer = Trainer(config, args.batch_size, device)
+        compile_step(trainer, args.compile_backend)
+        schedule = schedule_fn(config, args.batch_size, args.steps)
+        log(f"the step, {name}: compiling and warming up")
+        trainer.run(schedule)
+        memory = peak_memory(lambda: trainer.run(schedule[:1]), device)
+        kernels, idle = profile_steps(lambda: trainer.run(schedule[:1]), args.steps, device)
+        models[name] = dict(trainer=trainer, schedule=schedule, memory=memory, kernels=kernels, idle=idle,
+                            flops_per_token=sampled_flops_per_token(config, schedule))
+    seconds = median_seconds({name: (lambda m=m: m["trainer"].run(m["schedule"])) for name, m in models.items()},
+                             args.repeats, warmup=0)
+    results = {}
+    for name, m in models.items():
+        flops = m["flops_per_token"] * tokens / seconds[name]
+        results[name] = dict(tokens_per_s=tokens / seconds[name], flops=flops, mfu_measured=flops / rate,
+                             mfu_listed=flops / peak if peak else None, peak_memory=m["memory"],
+                             kernels_per_step=m["kernels"], idle=m["idle"])
+    per_seq, fixed, gpt = (results[name] for name in STEP_MODELS)
+    overhead = fixed["flops"] / per_seq["flops"] - 1
+    figures["step"] = dict(results, matmul_rate=rate, listed_peak=peak, overhead=overhead)
+    what = f"the {'bf16' if CUDA else 'float32'} matmul rate at the MLP's shape"
+    autocast = "bf16 autocast, " if CUDA else ""
+    rows = [("9", f"the step train.py runs (compile_step, backend {args.compile_backend}; {autocast}clip, MuonAdamW), "
+             f"{args.batch_size} x {args.seq_len} tokens: MFU of the matmul FLOPs executed against {what}"
+             + (" and the listed bf16 peak" if peak else ""),
+             f"measured {si(rate, 'FLOP/s')}" + (f", listed peak {si(peak, 'FLOP/s')}" if peak else ""), "", "")]
+    targets = {"Parcae per-sequence": 0.45, "Transformer": 0.46}
+    for (name, r), letter in zip(results.items(), "abc"):
+        mfu = f"MFU {r['mfu_measured']:.1%} of measured" + (f", {r['mfu_listed']:.1%} of listed" if peak else "")
+        memory = f"peak {si(r['peak_memory'], 'B')}" if r["peak_memory"] is not None else "peak memory: no GPU"
+        launches = (f"{r['kernels_per_step']:.0f} kernels per step, GPU idle {r['idle']:.0%}" if CUDA else
+                    f"{r['kernels_per_step']:.0f} operators per step")
+        ratio = (f"against fixed depth: time per FLOP {overhead:+.1%}, tok/s "
+                 f"{r['tokens_per_s'] / fixed['tokens_per_s']:.2f}x" if r is per_seq else "")
+        target = (f">= {targets[name]:.0%} of listed: {'met' if r['mfu_listed'] >= targets[name] else 'not met'}"
+                  if peak and name in targets else "")
+        rows.append((f"9{letter}", f"{name}: tok/s, MFU, peak memory, launches",
+                     f"{si(r['tokens_per_s'], 'tok/s')}, {mfu}; {memory}; {launches}", ratio, target))
+    return rows
+
+
 ROWS = {1: row_throughput, 2: row_mfu, 3: row_sampling, 4: row_memory, 5: row_decode, 6: row_core_and_loader,
-        7: row_compile, 8: row_active_only}
+        7: row_compile, 8: row_active_only, 9: row_step}
 NEEDS_TRAINING = {1, 2, 3, 6}
 
 # -----------------------------------------------------------------------------

@@ -6,9 +6,10 @@
 # that cannot run says why in one line, and the rest go on. It exits 1 when a row failed or missed a target it is
 # held to (the GPU's figures only on a GPU), 0 otherwise.
 #
-#   1. versions: torch, CUDA, the GPUs, and the bf16 matmul rate at the 140M's shapes (bench.py's row 2);
-#   2. bench.py at the 140M (its CUDA default), rows 1-5 and 7: FLOP/s Parcae vs the Transformer and MFU against
-#      the measured matmul rate (both of the matmul FLOPs executed), per-sequence sampling's overhead at 32
+#   1. versions: torch, CUDA, the GPUs, and the bf16 matmul rate at the 140M's MLP shape (bench.py's row 9);
+#   2. bench.py at the 140M (its CUDA default), rows 3-5, 7 and 9: FLOP/s Parcae vs the Transformer and MFU against
+#      the measured matmul rate of the step train.py runs, compiled (row 9; matmul FLOPs executed), per-sequence
+#      sampling's overhead at 32
 #      sequences per GPU and at the device batch the depth-24 plan picks (row 3 again, at that batch), memory flat
 #      in T, decoding, torch.compile;
 #   3. the paper's 1.3B as users type it: `train.py --depth=24 --mu_rec=8 --dry_run`, the device batch it picks
@@ -226,7 +227,7 @@ train fp32 0 $precision_micro 1 $precision_steps --dtype=float32 --compile=0 --e
 train bf16 0 $precision_micro 1 $precision_steps --dtype=bfloat16 --compile=0 --eval_every=100000 \
     --eval_tokens=$((precision_micro * seq)) --core_every=-1 --save_every=100000
 ckpt=$(ls "$base/runs/gpu_check_ddp"/ckpt_*.pt 2>/dev/null | tail -n 1)
-stage bench "${LIMIT[bench]}" "$PY" -m experiments.bench --rows 1,2,3,4,5,7 "${BENCH[@]}" ${ckpt:+--ckpt "$ckpt"} \
+stage bench "${LIMIT[bench]}" "$PY" -m experiments.bench --rows 3,4,5,7,9 "${BENCH[@]}" ${ckpt:+--ckpt "$ckpt"} \
     --json "$work/bench.json"
 if [ -n "$batch24" ] && [ "$batch24" != 32 ]; then  # row 3 again, at the device batch the 1.3B trains at
     stage sampling "${LIMIT[sampling]}" "$PY" -m experiments.bench --rows 3 "${BENCH[@]}" --batch_size="$batch24" \

@@ -1,6 +1,7 @@
 """Tests for bench.py's helpers, the masked reference recurrence and the executed-pass counter, and through
 them the claim that model.py's prefix recurrence gives the masked loop's loss and gradients; then row 3's two
-batch sizes, and the benchmarks' command lines refusing bad sizes and abbreviated flags."""
+batch sizes; row 9's profile, memory and the row itself; and the benchmarks' command lines refusing bad sizes and
+abbreviated flags."""
 
 import json
 
@@ -11,8 +12,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from model import split_depths
 from experiments import decoding, gpu_check
-from experiments.bench import (PassCounter, depth_schedule, main, masked_reference_loss, model_loss,
-                               sampled_flops_per_token)
+from experiments.bench import (STEP_MODELS, PassCounter, busy_time, depth_schedule, main, masked_reference_loss,
+                               model_loss, peak_memory, profile_steps, sampled_flops_per_token)
 from model import Parcae, ParcaeConfig
 
 DEPTHS = split_depths(torch.tensor([1, 5, 2, 8]), 3, training=True)  # mu_bwd 3: n = [0, 2, 0, 5], k = [1, 3, 2, 3]
@@ -93,6 +94,52 @@ def test_row_3_at_the_batch_size_given_and_at_the_papers_32(tmp_path, capsys):
     assert "4 sequences per micro-batch" in rows[0][1] and "32 sequences per micro-batch" in rows[1][1]
     written = json.loads((tmp_path / "bench.json").read_text())
     assert f"overhead {written['figures']['sampling_overhead']:+.1%}" == rows[1][3]
+
+
+def test_busy_time_is_the_union_of_the_intervals():
+    assert busy_time([(5, 6), (0, 2), (1, 3), (1.5, 2.5)]) == 4
+    assert busy_time([]) == 0
+
+
+def test_profile_steps_counts_the_operators_of_a_step_on_a_cpu():
+    a, b = torch.randn(8, 8), torch.randn(8, 8)
+    ops, idle = profile_steps(lambda: torch.mm(a + b, b).sum(), 3, torch.device("cpu"))
+    assert ops == 3 and idle is None  # add, mm, sum: their inner calls are not counted
+
+
+def test_peak_memory_is_the_peak_over_what_was_allocated_before(monkeypatch):
+    """On CUDA, with torch.cuda patched: the peak is reset before the step, so an earlier higher one does not count."""
+    memory = {"allocated": 100, "peak": 900}
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats",
+                        lambda device=None: memory.update(peak=memory["allocated"]))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: memory["allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: memory["peak"])
+
+    def step():
+        memory["peak"] = max(memory["peak"], 350)
+
+    assert peak_memory(step, torch.device("cuda")) == 250
+    assert peak_memory(step, torch.device("cpu")) is None
+
+
+@pytest.mark.slow
+def test_row_9_times_the_step_of_each_model_and_puts_per_sequence_against_fixed_depth(tmp_path, capsys):
+    main(["--rows", "9", "--depth", "3", "--d_model", "64", "--head_dim", "32", "--vocab_size", "97", "--seq_len",
+          "16", "--batch_size", "4", "--steps", "2", "--repeats", "1", "--compile_backend", "eager",
+          "--json", str(tmp_path / "bench.json")])
+    rows = {row[0][2:]: row[1:] for row in (line.split(" | ") for line in capsys.readouterr().out.splitlines()
+                                             if line.startswith("| 9"))}
+    assert list(rows) == ["9", "9a", "9b", "9c"]
+    step = json.loads((tmp_path / "bench.json").read_text())["figures"]["step"]
+    for name, number in zip(STEP_MODELS, ("9a", "9b", "9c")):
+        assert rows[number][0].startswith(name)
+        figures = step[name]
+        assert figures["tokens_per_s"] > 0 and figures["kernels_per_step"] > 0 and figures["peak_memory"] is None
+        assert figures["mfu_measured"] == pytest.approx(figures["flops"] / step["matmul_rate"])
+    per_seq, fixed = step["Parcae per-sequence"], step["Parcae fixed depth"]
+    assert step["overhead"] == pytest.approx(fixed["flops"] / per_seq["flops"] - 1)
+    assert f"time per FLOP {step['overhead']:+.1%}" in rows["9a"][2]
 
 
 @pytest.mark.parametrize("cli, argv", [

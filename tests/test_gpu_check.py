@@ -24,8 +24,11 @@ DRY_RUN = ("steps: 198364 x 524,288 tokens = 1 process(es) x 8 micro-batch(es) x
            "2048 at mu_bwd 4, bfloat16) = 318.8 | largest device batch: 5 in 80 GB, 11 in 141 GB\n")
 DRY_RUN_AT_4 = DRY_RUN.replace("294.7 (32 x", "36.8 (4 x").replace("= 318.8", "= 61.0")
 # bench.py's rows as --json writes them: figures that miss the GPU's targets, and its own verdicts
-BENCH = {"sizes": "tiny", "figures": {"matmul_rate": 5e10, "flops_ratio": 0.8, "mfu": 0.05, "sampling_overhead": 0.25},
-         "rows": [["1", "throughput", "Parcae 1 ktok/s", "FLOP/s 0.80x", ""], ["2", "MFU", "50 GFLOP/s", "5%", ""],
+STEP = {"Parcae per-sequence": {"flops": 8e8, "mfu_measured": 0.05}, "Parcae fixed depth": {"flops": 8.4e8},
+        "Transformer": {"flops": 1e9}, "matmul_rate": 5e10}
+BENCH = {"sizes": "tiny", "figures": {"step": STEP, "sampling_overhead": 0.25},
+         "rows": [["9", "the step", "measured 50 GFLOP/s", "", ""], ["9a", "per-sequence", "1 ktok/s", "+5%", ""],
+                  ["9b", "fixed depth", "1.1 ktok/s", "", ""], ["9c", "Transformer", "2 ktok/s", "", ""],
                   ["3b", "sampling", "per-sequence", "overhead +25%", ""],
                   ["4", "memory", "T=8: 9 MB", "max/min 1.00x", "flat within 10%: met"],
                   ["5a", "decoding depth", "auto", "-64%", "time saved >= steps saved - 20%: not met"],
@@ -118,6 +121,10 @@ def test_a_cpu_holds_the_run_to_its_targets_and_only_reports_the_gpus_figures(tm
     for number in ("2a", "2b", "2c", "2e", "2f", "3a", "5"):  # each misses its target here, unjudged on a CPU
         assert rows[number][2].endswith(": not judged (no GPU)"), rows[number]
     assert rows["2d"][2] == "flat within 10%: met" and rows["2g"][2] == "none after step 11: met"
+    # the throughput rows are bench.py's row 9, the step train.py runs
+    assert rows["2a"][1] == "Parcae 1 ktok/s; Transformer 2 ktok/s; FLOP/s 0.80x"
+    assert rows["2b"][1] == "measured 50 GFLOP/s; Parcae 5.0% of the measured rate"
+    assert rows["1"][1].endswith("matmul 50 GFLOP/s")
     assert rows["3a"][1] == "device batch 4: plan 61.0 GB per GPU, a GPU faked to report 80 GB free; peak: no GPU"
     assert rows["4a"][1:] == ("loss 5.800 -> 4.700 (means of steps 1-5 and 12-16)", "falls: met")
     assert rows["4b"][1:] == ("graphs 4 after step 3, 4 after step 12, 4 after step 16, 5 after the eval, 5 after "
