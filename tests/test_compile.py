@@ -40,7 +40,7 @@ def fresh_dynamo():
     """Each test compiles from nothing, and leaves dynamo's settings as it found them."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    with torch._dynamo.config.patch(optimize_ddp=True), \
+    with torch._dynamo.config.patch(optimize_ddp=True, recompile_limit=torch._dynamo.config.recompile_limit), \
             torch.fx.experimental._config.patch(backed_size_oblivious=False):  # compile_regions sets them
         yield
     torch._dynamo.reset()

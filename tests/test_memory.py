@@ -42,7 +42,7 @@ def test_activation_estimate_within_2_percent_of_the_saved_tensors(depth, d_mode
     torch.manual_seed(0)
     model = Parcae(config).train()
     torch._dynamo.reset()
-    with torch._dynamo.config.patch(optimize_ddp=True), \
+    with torch._dynamo.config.patch(optimize_ddp=True, recompile_limit=torch._dynamo.config.recompile_limit), \
             torch.fx.experimental._config.patch(backed_size_oblivious=False):  # compile_regions sets them
         if compiled:
             model.compile_regions(backend="aot_eager_decomp_partition")
