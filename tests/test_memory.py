@@ -29,8 +29,8 @@ def saved_bytes(model, batch_size, bf16):
     return sum(storages.values())
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("bf16,compiled", [(False, False), (True, False),
+                                           pytest.param(True, True, marks=pytest.mark.slow)])  # compiles
 @pytest.mark.parametrize("depth,d_model,vocab,mu_rec,injection", [
     (3, 64, 500, 5, "diagonal"), (9, 64, 320, 4, "concat"), (6, 128, 320, 2, "none"),
 ])
