@@ -26,7 +26,7 @@ In training config.sampling draws the depths (METHOD.md §2): by default one per
 The caller owns the randomness: depth_generator= and h0_generator= (or h0=).
 The model keeps no state between forwards.
 model.compile_regions() compiles the prelude, one loop step and the coda with the loss:
-a new depth never recompiles.
+a new depth does not recompile.
 """
 
 import math
@@ -670,7 +670,8 @@ class Parcae(nn.Module):
         - run_coda: the logits alone, for evals.
 
         The loop step runs on the rows still looping, a prefix of the batch.
-        Its row count is dynamic: a new depth never recompiles, one row included.
+        Its row count is dynamic: a new depth does not recompile, one row included.
+        Inductor alone may add a one-row graph per gradient variant, once.
         Decoding runs them eagerly (engine.py): each token's cache position is new."""
         for name, dynamic in (("run_prelude", False), ("coda_loss", False), ("run_coda", False),
                               ("loop_step" if self.injection else "recurrent_block", None)):
@@ -678,6 +679,8 @@ class Parcae(nn.Module):
             setattr(self, name, torch.compile(plain, dynamic=dynamic, backend=backend))
         # a row count of one is then not a graph of its own: no broadcast reads it as special
         torch.fx.experimental._config.backed_size_oblivious = True
+        # the loop step's graphs: with and without gradient, its first step's, one-row ones, evals'
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
         # a region's backward hands DDP its gradients region by region, to all-reduce meanwhile;
         # DDP's graph splitting would only compile other graphs than one process does
         torch._dynamo.config.optimize_ddp = False

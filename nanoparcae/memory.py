@@ -146,7 +146,8 @@ def choose_device_batch(model, args, device, world, optimizer_bytes):
         print0(f"memory per GPU (GB): weights {plan['weights'] / 1e9:.1f} + grads {plan['grads'] / 1e9:.1f} "
                f"+ DDP buckets {plan['ddp_buckets'] / 1e9:.1f} + optimizer {plan['optimizer'] / 1e9:.1f} + "
                f"activations {plan['activations'] / 1e9:.1f} ({size} x {seq_len} backpropagating up to "
-               f"{backprop_depth(model.config)} steps, {args.dtype}, {'compiled' if compiled else 'eager'}) = {plan['total'] / 1e9:.1f} | largest device batch: "
+               f"{backprop_depth(model.config)} steps, {args.dtype}, {'compiled' if compiled else 'eager'}) = "
+               f"{plan['total'] / 1e9:.1f} | largest device batch: "
                + ", ".join(f"{n} in {gb:.4g} GB" for gb, n in plan["largest_batch"].items())
                + " | an estimate until a GPU measures it (runs/gpu_check.sh)")
     print0(f"device batch: {size}, " + ("as given" if given else

@@ -40,7 +40,7 @@ def fresh_dynamo():
     """Each test compiles from nothing, and leaves dynamo's settings as it found them."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    with torch._dynamo.config.patch(optimize_ddp=True), \
+    with torch._dynamo.config.patch(optimize_ddp=True, recompile_limit=torch._dynamo.config.recompile_limit), \
             torch.fx.experimental._config.patch(backed_size_oblivious=False):  # compile_regions sets them
         yield
     torch._dynamo.reset()
@@ -143,15 +143,16 @@ def test_evals_and_decoding_run_on_a_compiled_model():
     tokenizer = SimpleNamespace(token_bytes=torch.ones(257, dtype=torch.long))
     batches = [(x, x)]
     for T in (1, 3, 6):
-        assert evaluate_bpb(compiled, tokenizer, batches, T) == pytest.approx(evaluate_bpb(eager, tokenizer, batches, T))
+        got, want = (evaluate_bpb(model, tokenizer, batches, T) for model in (compiled, eager))
+        assert got == pytest.approx(want)
     evals = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert evals > trained
     train_step(compiled, x, split_depths(torch.tensor([3, 2, 2, 1]), 2, training=True))
     compiled.eval(), eager.eval()
     for T in (2, "auto"):
-        samples = [[ids.tolist() for ids, _ in generate(model, [[5, 6, 7]] * 2, 5, T=T, top_k=20,
-                                                          generator=[torch.Generator().manual_seed(i) for i in range(2)])]
-                   for model in (eager, compiled)]
+        generators = [[torch.Generator().manual_seed(i) for i in range(2)] for _ in range(2)]
+        samples = [[ids.tolist() for ids, _ in generate(model, [[5, 6, 7]] * 2, 5, T=T, top_k=20, generator=rows)]
+                   for model, rows in zip((eager, compiled), generators)]
         assert samples[0] == samples[1]
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == evals
 
