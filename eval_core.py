@@ -482,7 +482,9 @@ def result_path(ckpt, ckpt_path, kind, Ts, measured):
 def write_results(out, args, ckpt, ckpt_path, Ts, kind):
     """The results as JSON beside the checkpoint (result_path), from rank 0."""
     if rank_and_world()[0] == 0:
-        path, kept = result_path(ckpt, ckpt_path, kind, Ts, out["measured"])
+        # the harness's results say nothing of what they measured: they replace as before
+        measured = out.get("measured", {"data": None, "amount": 0})
+        path, kept = result_path(ckpt, ckpt_path, kind, Ts, measured)
         path.parent.mkdir(exist_ok=True)
         write_json(path, {"ckpt": str(ckpt_path), "step": ckpt.get("step"), "args": vars(args),
                           **out})
