@@ -184,7 +184,8 @@ def evaluate_core(model, tokenizer, bundle_dir, T=None, max_per_task=-1, tasks="
     core = [c for label, c in centered.items() if label in CORE_LABELS]
     extended_ran = any(label not in CORE_LABELS for label in centered)
     return {"T": T if T is not None else model.config.mu_rec, "seed": seed,
-            "max_per_task": max_per_task, "items": items, "accuracy": accuracy, "centered": centered,
+            "max_per_task": max_per_task, "items": items, "accuracy": accuracy,
+            "centered": centered,
             "core": sum(core) / len(core) if core else None,
             "core_extended": sum(centered.values()) / len(centered) if extended_ran else None,
             "skipped": skipped, "seconds": time.time() - t_start}
@@ -370,7 +371,8 @@ def run_core(args, model, tokenizer, Ts, seeds):
                 print0(f"T = {T}: {key} over seeds {seeds}: mean {mean:.4f} std {std:.4f} "
                        f"(x100: {100 * mean:.2f} +- {100 * std:.2f})")
     scored = sum(sum(run["items"].values()) for run in runs)
-    return {"runs": runs, "summary": summary, "measured": {"data": None, "amount": scored}}  # CORE's own tasks
+    # CORE's tasks are every run's own data: only the items scored count
+    return {"runs": runs, "summary": summary, "measured": {"data": None, "amount": scored}}
 
 
 def run_bpb(args, model, tokenizer, ckpt, Ts, device):
@@ -392,7 +394,8 @@ def run_bpb(args, model, tokenizer, ckpt, Ts, device):
         bpbs.append(bpb)
         print0(f"T = {T:>3}: val loss {loss:.4f}  bpb {bpb:.4f}  ppl {math.exp(loss):.2f}  "
                f"{time.time() - t0:.1f}s")
-    out = {"T": Ts, "loss": losses, "bpb": bpbs, "data": source, "measured": {"data": key, "amount": tokens}}
+    out = {"T": Ts, "loss": losses, "bpb": bpbs, "data": source,
+           "measured": {"data": key, "amount": tokens}}
     if len(Ts) >= 3:
         fit = fit_test_time_scaling(Ts, losses)
         at_mu = losses[Ts.index(mu_rec)]
@@ -486,14 +489,16 @@ def evaluate(args, model, tokenizer, ckpt, ckpt_path, Ts, seeds, device):
 
 
 def result_path(ckpt, ckpt_path, kind, Ts, measured):
-    """Where an eval's results go, keyed by what it measured: its data, amount and T -> (path, the run's own kept).
+    """Where an eval's results go, keyed by what it measured (data, amount, T).
+    -> (path, the run's own result it leaves as it is, or None).
     The run's own, beside the checkpoint as <stem>_<kind>_T<Ts>.json, is the report card's.
-    An eval replaces it only on the run's own data, measuring at least as much (tokens, CORE items).
-    Any other goes to evals/, named after what it measured; the run's own stays."""
+    An eval replaces it only on the run's own data, measuring as much or more (tokens, CORE items).
+    Any other goes to evals/, named after what it measured."""
     name = f"{ckpt_path.stem}_{kind}_T{'-'.join(map(str, Ts))}"
     own = ckpt_path.with_name(f"{name}.json")
     try:  # the content key the run recorded; before records, its --data's now
-        recorded = ckpt.get("run", {}).get("data") or data_key(ckpt.get("args", {}).get("data", "fineweb-edu"))
+        recorded = (ckpt.get("run", {}).get("data")
+                    or data_key(ckpt.get("args", {}).get("data", "fineweb-edu")))
     except (FileNotFoundError, ValueError):  # its files are gone: no data is its own
         recorded = None
     try:
@@ -502,18 +507,21 @@ def result_path(ckpt, ckpt_path, kind, Ts, measured):
         there = {}
     if measured["data"] in (None, recorded) and measured["amount"] >= there.get("amount", 0):
         return own, None
-    return ckpt_path.parent / "evals" / f"{name}_{measured['data'] or 'core'}_{measured['amount']}.json", own
+    aside = f"{name}_{measured['data'] or 'core'}_{measured['amount']}.json"
+    return ckpt_path.parent / "evals" / aside, own
 
 
 def write_results(out, args, ckpt, ckpt_path, Ts, kind):
     """The results as JSON beside the checkpoint (result_path), from rank 0."""
     if rank_and_world()[0] == 0:
-        path, kept = result_path(ckpt, ckpt_path, kind, Ts, out["measured"])
+        # the harness's results say nothing of what they measured: they replace as before
+        measured = out.get("measured", {"data": None, "amount": 0})
+        path, kept = result_path(ckpt, ckpt_path, kind, Ts, measured)
         path.parent.mkdir(exist_ok=True)
         write_json(path, {"ckpt": str(ckpt_path), "step": ckpt.get("step"), "args": vars(args),
                           **out})
-        print0(f"Wrote {path}" + (f"; the run's own, {kept}, stays: this eval measured other data, or less"
-                                  if kept else ""))
+        print0(f"Wrote {path}" + (f"; the run's own, {kept}, stays: this eval measured other "
+                                  f"data, or less" if kept else ""))
 
 
 def main(argv=None):

@@ -19,16 +19,18 @@ not the paper's C (Parcae.paper_flops_per_token, for budgets).
 
 import argparse
 import json
+import os
 import platform
 import random
 import string
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from nanoparcae.checkpoint import load_run
+from nanoparcae.checkpoint import load_run, sized_model, tensors_digest
 from nanoparcae.common import fail, peak_bf16_flops, write_atomically
 from nanoparcae.core_tasks import MC, Task
 from data import DataLoader
@@ -39,7 +41,7 @@ from experiments.decoding import decoding_rows, stdlib_tokens
 from experiments.timing import log, median_seconds, print_table, timed
 from model import (Parcae, ParcaeConfig, evaluation_initial_state, initial_state, sample_depths,
                    split_depths)
-from optim import build_optimizer
+from optim import build_optimizer, optimizer_state_bytes
 from nanoparcae.tokenizer import Tokenizer
 
 CUDA = torch.cuda.is_available()
@@ -524,8 +526,38 @@ def row_step(args, device, training, figures):
     return rows
 
 
+def row_digest(args, device, training, figures):
+    """Row 10: a checkpoint's digest (checkpoint.tensors_digest), checked on every load, against torch.save and
+    torch.load of the same file, in a temporary folder (torch.load reads it from the page cache). The weights are
+    the bench's model's; the optimizer's state is a stand-in of optim.optimizer_state_bytes's size."""
+    model = sized_model(model_config(args)).to_empty(device="cpu")
+    with torch.no_grad():
+        for tensor in model.state_dict().values():
+            tensor.normal_()
+    moments = torch.randn(optimizer_state_bytes(model) // 4)
+    state = {"model": model.state_dict(), "optimizer": {"state": {0: {"moments": moments}}}}
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "ckpt_000001.pt"
+        torch.save(state, path)
+        loaded = torch.load(path, weights_only=True)
+        seconds = median_seconds({
+            "save": lambda: torch.save(state, path),
+            "load": lambda: torch.load(path, weights_only=True),
+            "digest_weights": lambda: tensors_digest(loaded["model"]),
+            "digest_all": lambda: [tensors_digest(value) for value in loaded.values()],
+        }, args.repeats)
+        weights, whole = sum(t.nbytes for t in state["model"].values()), path.stat().st_size
+    figures["digest"] = {**seconds, "weights_bytes": weights, "checkpoint_bytes": whole}
+    weights_s, all_s = seconds["digest_weights"], seconds["digest_all"]
+    return [("10", f"checkpoint digest (sha256 on {min(8, os.cpu_count() or 1)} threads), model {si(weights, 'B')}"
+                  f", checkpoint {si(whole, 'B')}",
+             f"weights {weights_s:.2f} s ({si(weights / weights_s, 'B/s')}); whole checkpoint {all_s:.2f} s; "
+             f"torch.save {seconds['save']:.2f} s, torch.load {seconds['load']:.2f} s",
+             f"the whole digest / torch.load {all_s / seconds['load']:.2f}x", "")]
+
+
 ROWS = {1: row_throughput, 2: row_mfu, 3: row_sampling, 4: row_memory, 5: row_decode, 6: row_core_and_loader,
-        7: row_compile, 8: row_active_only, 9: row_step}
+        7: row_compile, 8: row_active_only, 9: row_step, 10: row_digest}
 NEEDS_TRAINING = {1, 2, 3, 6}
 
 # -----------------------------------------------------------------------------
