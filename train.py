@@ -344,7 +344,7 @@ while step < num_steps and (args.stop_at is None or step < args.stop_at):
     if step % args.log_every == 0 or step == num_steps:
         rho_every = args.rho_every or args.eval_every
         rho_due = not host_rho or step % rho_every == 0 or step == num_steps
-        rho = raw_model.spectral_radius() if rho_due else None  # after the update: a wait of its own
+        rho = raw_model.spectral_radius() if rho_due else None  # after the update: its own wait
         logged["rho"] = None if rho is None else rho.item()
         entry = {"step": step, "loss": logged["loss"] / grad_accum, "lr_mult": lrm,
                  "grad_norm": logged["grad_norm"],

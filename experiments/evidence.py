@@ -67,7 +67,8 @@ def make_run(injection="diagonal", rate=SHARED_RATE, seed=0, mu_rec=8, sampling=
            f"_mu{mu_rec}_lr{rate:g}_s{seed}"
     steps = SMALL_STEPS if small else STEPS
     flags = (SMALL if small else MAIN) + [
-        f"--injection={injection}", f"--mu_rec={mu_rec}", f"--depth_sampling={sampling}", f"--prelude_norm={prelude_norm}",
+        f"--injection={injection}", f"--mu_rec={mu_rec}", f"--depth_sampling={sampling}",
+        f"--prelude_norm={prelude_norm}",
         f"--optimizer={optimizer}", f"--adamw_lr={rate:g}", f"--muon_lr={rate:g}", f"--seed={seed}",
         f"--max_tokens={steps * BATCH}", f"--eval_every={steps // 10}", f"--run={name}"]
     executed = 1 if injection == "none" else mu_rec * (1.5 if sampling == "per_batch" else 1)  # loop steps

@@ -1,4 +1,5 @@
-"""Tests for nanoparcae.common and nanoparcae.checkpoint: the base directory, the GPU peak table, reading a checkpoint that is missing or damaged."""
+"""Tests for nanoparcae.common and nanoparcae.checkpoint: the base directory, the GPU peak table, reading a
+checkpoint that is missing or damaged."""
 
 import json
 
