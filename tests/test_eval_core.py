@@ -1,6 +1,6 @@
-"""Tests of eval_core.py and nanoparcae/core_tasks.py: the eval bundle download and safe extraction, CORE scoring with
-a model whose preferences are known (all three task types), centered accuracy, the LM prompt strip, left cropping, batched
-= one item per forward, one rank = two ranks, bits per byte, and the test-time scaling fit."""
+"""Tests of eval_core.py and nanoparcae/core_tasks.py: the eval bundle download and safe extraction, CORE scoring with a
+model whose preferences are known (all three task types), centered accuracy, the LM prompt strip, left cropping,
+batched = one item per forward, one rank = two ranks, bits per byte, and the test-time scaling fit."""
 
 import csv
 import io

@@ -1,6 +1,7 @@
 """Tests for nanoparcae.checkpoint.load_run, the one loader of a run: every command that loads a run finds it, and its
-tokenizer, after the base folder has moved; the ways a checkpoint or its tokenizer can be wrong, each in one line; and that it
-reads the weights alone, mapped, into a model without a random init whose logits are those of one loaded in full."""
+tokenizer, after the base folder has moved; the ways a checkpoint or its tokenizer can be wrong, each in one line;
+and that it reads the weights alone, mapped, into a model without a random init whose logits are those of one loaded
+in full."""
 
 import os
 import re
