@@ -334,8 +334,8 @@ def row_core_and_loader(args, device, training, figures):
 
 def row_compile(args, device, training, figures):
     """model.compile_regions() (as train.py calls it) against eager, over 50 steps of per-sequence depths; the
-    graphs dynamo compiles are counted after every 10 steps (model.py lets the recurrent blocks' batch
-    dimension go dynamic once, so a few early recompilations are by design; later ones are not)."""
+    graphs dynamo compiles are counted after every 10 steps (the loop step's row count goes dynamic once, so a
+    few early recompilations are by design; later ones are not)."""
     if CUDA:
         config, batch_size = model_config(args), args.batch_size
     else:
@@ -344,7 +344,7 @@ def row_compile(args, device, training, figures):
     schedule = depth_schedule(config, batch_size, COMPILE_STEPS + 1)
     eager, compiled = Trainer(config, batch_size, device), Trainer(config, batch_size, device)
     compiled.model.compile_regions(backend=args.compile_backend)
-    log(f"torch.compile: compiling the blocks (d_model {config.d_model}, {batch_size} x {config.seq_len})")
+    log(f"torch.compile: compiling the regions (d_model {config.d_model}, {batch_size} x {config.seq_len})")
     compile_seconds = timed(lambda: compiled.run(schedule[:1]))
     eager.run(schedule[:1])
     graphs = [dynamo_counters["stats"]["unique_graphs"]]
@@ -365,7 +365,7 @@ def row_compile(args, device, training, figures):
              f"{config.seq_len}): steps/s compiled vs eager; recompilations over {COMPILE_STEPS} steps of changing "
              "depths",
              f"compiled {rates['compiled']:.2f} steps/s, eager {rates['eager']:.2f} steps/s; first step "
-             f"{compile_seconds:.0f} s, {graphs[0]} graphs for {config.n_layer} blocks; "
+             f"{compile_seconds:.0f} s, {graphs[0]} graphs for its regions; "
              f"then {sum(per_chunk)} recompilations "
              f"(per {COMPILE_CHUNK} steps: {', '.join(map(str, per_chunk))})",
              f"{rates['compiled'] / rates['eager']:.2f}x",

@@ -210,8 +210,9 @@ def fail_with(err):
 def exit_in_one_line(kind, err, traceback):
     """sys.excepthook for a flat script (train.py): an error it does not catch ends it as fail_with says.
     The line goes straight to stderr: torch.distributed's hook would prefix it with the rank.
-    A hook cannot set the status, so it exits itself; the ranks that do not print wait a moment first:
-    torchrun stops every worker once one exits, and local rank 0 must have said why."""
+    A hook cannot set the status, so it exits itself.
+    The ranks that do not print wait a moment first: torchrun stops every worker once one exits.
+    By then local rank 0 must have said why."""
     status = 1 if isinstance(err, EnvironmentFailure) else 2 if isinstance(err, (ValueError, FileNotFoundError)) \
         else None
     if status is None:

@@ -57,8 +57,9 @@ class Metrics:
                 full_disk(err, Path(self.file.name).parent)
 
     def log_step(self, entry, num_steps, total_batch_size, compiled, device):
-        """A step's record, printed as its log line: the graph counts when compiled (graphs that still grow
-        after the first steps are recompiling), the peak memory on a GPU (against the memory plan)."""
+        """A step's record, printed as its log line.
+        Compiled, it adds the graph counts: graphs that still grow after the first steps are recompiling.
+        On a GPU it adds the peak memory, to hold against the memory plan."""
         if device.type == "cuda":
             entry["peak_memory"] = torch.cuda.max_memory_allocated(device)
         print0(log_line(entry, num_steps, total_batch_size))
