@@ -375,7 +375,7 @@ def polar_express_float64(G, steps=5):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shape", [(3, 8, 8), (3, 32, 64), (2, 128, 128)])
+@pytest.mark.parametrize("shape", [(3, 32, 64)])  # a stack of non-square matrices
 def test_compiled_polar_express_is_as_close_to_float64_as_the_plain_one(shape):
     torch.manual_seed(0)
     G = torch.randn(*shape)
