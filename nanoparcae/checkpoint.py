@@ -177,6 +177,16 @@ def check_digest(ckpt, path, unused=()):
                              f"restore it from a copy")
 
 
+def other_tokenizer(ckpt, path, directory):
+    """How the tokenizer at directory differs from the one checkpoint path was trained with, or None.
+    A checkpoint that predates digests records none, and any tokenizer passes."""
+    trained_with = ckpt.get("tokenizer_digest")
+    if not trained_with or (found := Tokenizer.files_digest(directory)) == trained_with:
+        return None
+    return (f"the tokenizer at {directory} (digest {found}) is not the one {path} was trained with "
+            f"(digest {trained_with})")
+
+
 def warn_if_undigested(ckpt, path):
     """A checkpoint saved before digests is used with a warning: refusing it would strand every run holding one."""
     if "digest" not in ckpt:
@@ -279,11 +289,9 @@ def load_run(ckpt_or_run=None, device="cpu"):
             "`python -m nanoparcae.dataset tokenizer` and the run's --data and --vocab_size"
         where = f"neither at {places[0]} nor at {places[1]}" if len(places) > 1 else f"not at {places[0]}"
         raise FileNotFoundError(f"the tokenizer of checkpoint {path} is {where}; recreate it with {command}")
-    trained_with = ckpt.get("tokenizer_digest")  # None in a checkpoint that predates digests
-    if trained_with and (found := Tokenizer.files_digest(directory)) != trained_with:
-        raise ValueError(f"the tokenizer at {directory} (digest {found}) is not the one checkpoint {path} was "
-                         f"trained with ({recorded}, digest {trained_with}): put that tokenizer back, or "
-                         f"load a checkpoint trained with this one")
+    if mismatch := other_tokenizer(ckpt, path, directory):
+        raise ValueError(f"{mismatch} ({recorded}): put that tokenizer back, or load a checkpoint trained "
+                         f"with this one")
     tokenizer = Tokenizer.load(directory)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(f"the tokenizer at {directory} has {tokenizer.vocab_size} tokens, the model "

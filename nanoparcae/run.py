@@ -18,12 +18,11 @@ from types import SimpleNamespace
 
 import torch.distributed as dist
 
-from nanoparcae.checkpoint import (find_checkpoint, read_checkpoint, remove_partial_saves, resume_refusal, run_dir,
-                                   warn_if_undigested)
+from nanoparcae.checkpoint import (find_checkpoint, other_tokenizer, read_checkpoint, remove_partial_saves,
+                                   resume_refusal, run_dir, warn_if_undigested)
 from nanoparcae.common import print0, wait_for_rank0
 from nanoparcae.dataset import data_key, tokenizer_dir
 from nanoparcae.ranks import agree_to_start, checkpoint_digest
-from nanoparcae.tokenizer import Tokenizer
 
 
 # -----------------------------------------------------------------------------
@@ -137,11 +136,8 @@ def changed_since_checked(run):
 
 def tokenizer_refusal(run):
     """A resumed run's tokenizer must be the one its checkpoint was trained with: the line refusing it, or None."""
-    trained_with = (run.ckpt or {}).get("tokenizer_digest")  # None: a new run, or one that predates digests
-    if not trained_with or (found := Tokenizer.files_digest(run.tokenizer_dir)) == trained_with:
-        return None
-    return (f"the tokenizer at {run.tokenizer_dir} (digest {found}) is not the one {run.checkpoint} was trained "
-            f"with (digest {trained_with}); put that tokenizer back, or pass --run=NAME to start another run")
+    mismatch = other_tokenizer(run.ckpt or {}, run.checkpoint, run.tokenizer_dir)  # {}: a new run
+    return mismatch and f"{mismatch}; put that tokenizer back, or pass --run=NAME to start another run"
 
 
 def claim_run(run):
