@@ -197,13 +197,15 @@ def fail(message, status=2):
     sys.exit(status)
 
 
+def exit_status(err):
+    """A refusal's status: 1 for EnvironmentFailure, 2 for ValueError and FileNotFoundError; else None."""
+    return 1 if isinstance(err, EnvironmentFailure) else 2 if isinstance(err, REFUSED) else None
+
+
 def fail_with(err):
-    """fail(err) with its status: 2 for ValueError and FileNotFoundError, 1 for EnvironmentFailure.
-    Any other error is raised again, with its traceback."""
-    if isinstance(err, EnvironmentFailure):
-        fail(err, 1)
-    if isinstance(err, (ValueError, FileNotFoundError)):
-        fail(err)
+    """fail(err) with its exit_status. Any other error is raised again, with its traceback."""
+    if status := exit_status(err):
+        fail(err, status)
     raise err
 
 
@@ -213,8 +215,7 @@ def exit_in_one_line(kind, err, traceback):
     A hook cannot set the status, so it exits itself.
     The ranks that do not print wait a moment first: torchrun stops every worker once one exits.
     By then local rank 0 must have said why."""
-    status = 1 if isinstance(err, EnvironmentFailure) else 2 if isinstance(err, (ValueError, FileNotFoundError)) \
-        else None
+    status = exit_status(err)
     if status is None:
         return sys.__excepthook__(kind, err, traceback)
     sys.stdout.flush()
