@@ -75,7 +75,7 @@ def full_disk(err, folder):
 
 def read_at_once(values):
     """{name: a 0-d device tensor, or None} -> {name: float, or None}, read in one transfer.
-    It is the only wait for the device beyond the skip rule's."""
+    The step's skip rule and its log line share it: one wait for the device."""
     present = [name for name, value in values.items() if value is not None]
     floats = dict(zip(present, torch.stack([values[name].float() for name in present]).tolist()))
     return {name: floats.get(name) for name in values}
