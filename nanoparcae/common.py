@@ -5,6 +5,7 @@ first_sentence.
 Also the GPU peak table that MFU divides by.
 """
 
+import argparse
 import errno
 import inspect
 import json
@@ -165,6 +166,11 @@ def cannot_write(path, err):
             from err
 
 
+def write_json(path, value):
+    """Write value as indented JSON, atomically (write_atomically)."""
+    write_atomically(Path(path), lambda partial: partial.write_text(json.dumps(value, indent=2) + "\n"))
+
+
 def read_json(path):
     """A JSON file -> its value; None when it is absent. A torn file: ValueError naming it."""
     if not (path and Path(path).is_file()):
@@ -177,14 +183,61 @@ def read_json(path):
 
 
 # -----------------------------------------------------------------------------
-# Errors: library code raises; a command ends in one line (fail) with its status.
-# 2: the command was wrong (ValueError, FileNotFoundError); 1: the machine failed it; 3: diverged.
+# Errors: library code raises, and run_command ends a command's main() in one line.
+# Status 2: the user gave something wrong (ValueError, FileNotFoundError).
+# Status 1: the machine lacks something (EnvironmentFailure). A command may return 3 (diverged).
 
 
 class EnvironmentFailure(Exception):
-    """The machine failed the command, not its input: a full disk, replicas drifted apart."""
+    """The machine failed the command, not its input: a full disk, a read-only folder, replicas apart."""
 
 
+def exit_status(err):
+    """A refusal's status: 1 for EnvironmentFailure, 2 for ValueError and FileNotFoundError; else None."""
+    if isinstance(err, EnvironmentFailure):
+        return 1
+    return 2 if isinstance(err, (ValueError, FileNotFoundError)) else None
+
+
+class CommandParser(argparse.ArgumentParser):
+    """argparse that raises ValueError for a bad flag, so run_command says it in one line."""
+
+    def error(self, message):
+        raise ValueError(message)
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """--help keeps the docstring's layout and shows every default."""
+
+
+def command_parser(description):
+    """Every command's parser: its module docstring as --help, defaults shown, no abbreviations."""
+    return CommandParser(description=description, formatter_class=HelpFormatter, allow_abbrev=False)
+
+
+def run_command(main, argv=None):
+    """Run a command's main(argv) and exit with its status: what it returns, or its refusal's.
+    A refusal is one line on stderr, from local rank 0 under torchrun; anything else keeps its traceback.
+    Every rank closes its process group first, so no rank aborts on the way out."""
+    try:
+        status = main(argv) or 0
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr, flush=True)
+        status = 130
+    except Exception as err:
+        status = exit_status(err)
+        if status is None:
+            raise
+        sys.stdout.flush()
+        if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+            print(f"error: {err}", file=sys.stderr, flush=True)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    sys.exit(status)
+
+
+# The old way to fail, kept only until every command runs under run_command. TEMPORARY.
 REFUSED = (ValueError, FileNotFoundError, EnvironmentFailure)  # what a command ends in one line (fail_with)
 
 
