@@ -291,6 +291,18 @@ def disk_full(folder, needs):
         f"the last checkpoint is kept: free space there, then the same command continues from it")
 
 
+def comma_list(text, kind=int):
+    """"1,2,4" -> [1, 2, 4]: a flag's values separated by commas, each read by kind.
+    Raises ValueError naming the text when it holds no value or one that kind cannot read."""
+    try:
+        values = [kind(value) for value in str(text).split(",") if value.strip()]
+    except ValueError:
+        values = []
+    if not values:
+        raise ValueError(f"{text!r} must be values separated by commas, e.g. 1,2,4")
+    return values
+
+
 def spans(numbers, separator=", "):
     """[0, 1, 2, 5] -> "0-2, 5": ascending numbers (64 ranks, 1,822 shards) in a line."""
     runs = []
