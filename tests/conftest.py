@@ -2,7 +2,8 @@
 ~/.cache/nanoparcae); TINY, the flags of a train.py run that takes seconds on a CPU; the tiny corpus it trains on;
 a command run as users run it, in a process of its own, forked from one that has imported torch already (Started,
 python, train); what a message must carry (its flags, values and paths, not its sentence); a run folder's files,
-to show a command left them as they were; and a local HTTP server over a folder."""
+to show a command left them as they were; a local HTTP server over a folder; and jobs started as the session
+starts, on a thread of their own, whose results a test awaits."""
 
 import contextlib
 import functools
@@ -20,6 +21,7 @@ import tempfile
 import threading
 import time
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -33,6 +35,7 @@ TINY = ["--depth=3", "--d_model=64", "--head_dim=32", "--mu_rec=3", "--vocab_siz
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: starts a process, runs torchrun or trains more than a few steps")
+    config.addinivalue_line("markers", "beforehand(job): job(folder) starts as the session starts (awaited)")
 
 
 # Whether the test being set up carries the slow mark: only such a test may start a process.
@@ -77,8 +80,17 @@ def train_command(corpus, *flags, nproc=1, torchrun=None, fault=None):
     return launcher + script + [f"--data={corpus / 'corpus.txt'}", *TINY, *flags]
 
 
+# The environment the session began with: a background thread's commands see it, not what a running test has set.
+SESSION_ENV = dict(os.environ)
+
+
+def environment():
+    """os.environ in the main thread; SESSION_ENV in a thread that runs beside the tests."""
+    return os.environ if threading.current_thread() is threading.main_thread() else SESSION_ENV
+
+
 def train_env(corpus, base=None, **extra):
-    return {**os.environ, "NANOPARCAE_BASE_DIR": str(base or corpus / "base"), "OMP_NUM_THREADS": "1", **extra}
+    return {**environment(), "NANOPARCAE_BASE_DIR": str(base or corpus / "base"), "OMP_NUM_THREADS": "1", **extra}
 
 
 # A process that has imported these and run nothing: each command a test starts is a fork of it (`Started`), so it
@@ -127,7 +139,7 @@ class Started:
         # a slow fixture's thread may start its runs while a later test runs
         assert RUNNING["slow"] or threading.current_thread() is not threading.main_thread(), \
             "a test that starts a process carries @pytest.mark.slow"
-        env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+        env = {**environment(), "OMP_NUM_THREADS": "1", **(env or {})}
         self.args, self.returncode, self.folder = args, None, tempfile.TemporaryDirectory()
         self.out, self.err = Path(self.folder.name, "stdout"), Path(self.folder.name, "stderr")
         self.out.touch()
@@ -202,11 +214,34 @@ def start_fork_server():
     return server_env
 
 
+# job -> the future of its result, for each job a selected test marks @beforehand(job)
+BEFOREHAND = {}
+
+
 @pytest.fixture(scope="session", autouse=True)
-def fork_server(request):
-    """The fork server imports torch while the first tests run, where a slow test will need it."""
+def fork_server(request, tmp_path_factory):
+    """The fork server imports torch while the first tests run, where a slow test will need it. Then the jobs of the
+    selected tests start, one at a time on one thread, each given a folder of its own: they run while the tests
+    before theirs do."""
     if any(item.get_closest_marker("slow") for item in request.session.items):
         start_fork_server()
+    jobs = dict.fromkeys(marker.args[0] for item in request.session.items for marker in item.iter_markers("beforehand"))
+    with ThreadPoolExecutor(1) as pool:
+        for job in jobs:
+            BEFOREHAND[job] = pool.submit(job, tmp_path_factory.mktemp(job.__name__))
+        yield
+        for future in BEFOREHAND.values():
+            future.cancel()  # not started: no test that ran awaits it
+
+
+def beforehand(job):
+    """The mark of a test that awaits job(folder): it starts as the session starts, where the test is selected."""
+    return pytest.mark.beforehand.with_args(job)
+
+
+def awaited(job):
+    """The result of a job the test marks @beforehand(job), once it is done (its error, if it raised)."""
+    return BEFOREHAND[job].result()
 
 
 def train(corpus, *flags, nproc=1, torchrun=None, env=None, expect_ok=True, fault=None, base=None):
@@ -271,6 +306,8 @@ def raises_naming(error, *words):
     with pytest.raises(error) as info:
         yield info
     assert carries(str(info.value), *words), info.value
+
+
 def corrupt_a_weight(path):
     """Flip one byte amid the largest tensor of the checkpoint at path, its size unchanged, as a disk or a copy may."""
     with zipfile.ZipFile(path) as archive:
@@ -291,8 +328,14 @@ def untouched(run_dir):
 
 @pytest.fixture
 def server(tmp_path):
-    """A local HTTP server over tmp_path/www (root), at url, with the path of every GET it answered (requests)."""
-    root = tmp_path / "www"
+    """A local HTTP server over tmp_path/www (serving)."""
+    with serving(tmp_path / "www") as served:
+        yield served
+
+
+@contextlib.contextmanager
+def serving(root):
+    """A local HTTP server over root, a new folder, at url, with the path of every GET it answered (requests)."""
     root.mkdir()
     requests_seen = []
 
@@ -310,6 +353,3 @@ def server(tmp_path):
     httpd.shutdown()
     httpd.server_close()
 
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: starts a process, runs torchrun or trains more than a few steps")
