@@ -693,7 +693,7 @@ def never_answers():
 @pytest.mark.slow
 def test_core_bundle_is_fetched_once_before_step_1_and_a_bundle_on_disk_needs_no_network(corpus, tmp_path,
                                                                                           never_answers):
-    """CORE at steps 4 and 8 with its bundle's host never answering: one fetch (5 attempts of 1 s), then one
+    """CORE at steps 4 and 8 with its bundle's host never answering: one fetch (5 attempts of 0.2 s), then one
     line skipping CORE for the run that names the bundle's URL and where to unzip it; the run trains to its end.
     With a bundle on disk, the run scores from it and fetches nothing."""
     port, taken = never_answers
