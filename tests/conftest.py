@@ -308,6 +308,14 @@ def raises_naming(error, *words):
     assert carries(str(info.value), *words), info.value
 
 
+@contextlib.contextmanager
+def warns_naming(category, *words):
+    """pytest.warns(category), one of whose warnings must name each of words (carries)."""
+    with pytest.warns(category) as record:
+        yield record
+    assert any(carries(str(warning.message), *words) for warning in record), [str(w.message) for w in record]
+
+
 def corrupt_a_weight(path):
     """Flip one byte amid the largest tensor of the checkpoint at path, its size unchanged, as a disk or a copy may."""
     with zipfile.ZipFile(path) as archive:
