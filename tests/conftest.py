@@ -47,6 +47,18 @@ def pytest_runtest_setup(item):
     RUNNING["slow"] = item.get_closest_marker("slow") is not None
 
 
+def pytest_collection_modifyitems(items):
+    """Tests marked @beforehand(job) run last: their jobs run while the others do."""
+    items.sort(key=lambda item: item.get_closest_marker("beforehand") is not None)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_call(item):
+    """A test marked @beforehand(job) runs once its jobs are done."""
+    for marker in item.iter_markers("beforehand"):
+        awaited(marker.args[0])
+
+
 @pytest.fixture(autouse=True)
 def private_base_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(tmp_path / "nanoparcae_base"))
@@ -214,8 +226,8 @@ def start_fork_server():
     return server_env
 
 
-# job -> the future of its result, for each job a selected test marks @beforehand(job)
-BEFOREHAND = {}
+# job -> the future of its result, for each job a selected test marks @beforehand(job); job -> those tests
+BEFOREHAND, AWAITING = {}, {}
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -225,9 +237,11 @@ def fork_server(request, tmp_path_factory):
     before theirs do."""
     if any(item.get_closest_marker("slow") for item in request.session.items):
         start_fork_server()
-    jobs = dict.fromkeys(marker.args[0] for item in request.session.items for marker in item.iter_markers("beforehand"))
+    for item in request.session.items:
+        for marker in item.iter_markers("beforehand"):
+            AWAITING.setdefault(marker.args[0], []).append(f"{item.path}::{item.name}")
     with ThreadPoolExecutor(1) as pool:
-        for job in jobs:
+        for job in AWAITING if "NANOPARCAE_TESTS_WARMING" not in os.environ else ():  # compile_cache's starts none
             BEFOREHAND[job] = pool.submit(job, tmp_path_factory.mktemp(job.__name__))
         yield
         for future in BEFOREHAND.values():
@@ -241,7 +255,16 @@ def beforehand(job):
 
 def awaited(job):
     """The result of a job the test marks @beforehand(job), once it is done (its error, if it raised)."""
-    return BEFOREHAND[job].result()
+    return BEFOREHAND[job].result() if job in BEFOREHAND else None  # None: in compile_cache's process
+
+
+def compile_cache(folder):
+    """Runs the tests that await it in a process of their own, which fills torch's compile cache (inductor's C++,
+    seconds per kernel to build): those tests then find their kernels built. Their verdict is their own. The
+    process has this one's threads, which inductor's code depends on."""
+    import torch
+    python(["-m", "pytest", "-q", "-p", "no:cacheprovider", *AWAITING[compile_cache]],
+           {"NANOPARCAE_TESTS_WARMING": "1", "OMP_NUM_THREADS": str(torch.get_num_threads())}, timeout=900)
 
 
 def train(corpus, *flags, nproc=1, torchrun=None, env=None, expect_ok=True, fault=None, base=None):
