@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from conftest import beforehand, compile_cache
 from engine import generate
 from nanoparcae.core_tasks import Row
 from eval_core import evaluate_bpb, score_rows
@@ -85,6 +86,7 @@ def test_compiled_regions_equal_eager(injection):
 
 
 @pytest.mark.slow  # inductor generates and builds C++ for each region
+@beforehand(compile_cache)
 def test_inductor_regions_equal_eager_in_bf16():
     """Inductor's kernels, the fused loss reading bf16 logits among them: within bf16's rounding.
     float32's numerics are the aot_eager test's above."""
