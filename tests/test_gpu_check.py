@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import ROOT, TINY, awaited, beforehand, python, train_env
+from conftest import ROOT, TINY, awaited, beforehand, python, train_env, write_corpus
 from experiments import gpu_check
 from model import Parcae, ParcaeConfig
 from nanoparcae.checkpoint import save_checkpoint
@@ -210,19 +210,25 @@ def test_a_resume_that_is_not_the_unbroken_run_fails_4d(tmp_path, capsys, monkey
                                                                     "unbroken one 1-16")
 
 
-@pytest.mark.slow
-def test_a_recompile_limit_hit_fails_4b_though_the_graph_count_stays_flat(tmp_path, capsys, corpus):
+def low_limits_run(folder):
     """A real train.py run with dynamo's recompile limits forced to 2 as the fault GPU_CHECK_FAULT=recompile_limit
-    forces them: its counters and its warning both fail 4b, each on its own."""
+    forces them -> the folder, the finished process."""
+    write_corpus(folder / "corpus.txt")
+    faulty = ["-m", "experiments.gpu_check", "run", "--fault=recompile_limit", str(ROOT / "train.py")]
+    return folder, python([*faulty, f"--data={folder / 'corpus.txt'}", *TINY, "--compile=1",
+                           "--compile_backend=eager", "--max_tokens=256", "--run=low_limits"], train_env(folder))
+
+
+@pytest.mark.slow
+@beforehand(low_limits_run)
+def test_a_recompile_limit_hit_fails_4b_though_the_graph_count_stays_flat(tmp_path, capsys):
+    """That run's counters and its warning both fail 4b, each on its own."""
     work, runs_dir = tmp_path / "work", tmp_path / "runs"
     write_passing_check(work, runs_dir)
-    faulty = ["-m", "experiments.gpu_check", "run", "--fault=recompile_limit", str(ROOT / "train.py")]
-    result = python([*faulty, f"--data={corpus / 'corpus.txt'}", *TINY,
-                     "--compile=1", "--compile_backend=eager", "--max_tokens=256", "--run=low_limits"],
-                    train_env(corpus, tmp_path / "base"))
+    folder, result = awaited(low_limits_run)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "hit config." in result.stderr
-    real = json.loads((tmp_path / "base" / "runs" / "low_limits" / "metrics.jsonl").read_text().splitlines()[-1])
+    real = json.loads((folder / "base" / "runs" / "low_limits" / "metrics.jsonl").read_text().splitlines()[-1])
     assert real["recompile_limits"] >= 1, real
 
     # its counters in every record, the graph count flat: 4b not met
