@@ -2,7 +2,8 @@
 ~/.cache/nanoparcae); TINY, the flags of a train.py run that takes seconds on a CPU; the tiny corpus it trains on;
 a command run as users run it, in a process of its own, forked from one that has imported torch already (Started,
 python, train); what a message must carry (its flags, values and paths, not its sentence); a run folder's files,
-to show a command left them as they were; and a local HTTP server over a folder."""
+to show a command left them as they were; a local HTTP server over a folder; and jobs started as the session
+starts, on a thread of their own, whose results a test awaits."""
 
 import contextlib
 import functools
@@ -20,11 +21,15 @@ import tempfile
 import threading
 import time
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+# One thread for torch and numpy in this process too, set before either is imported: the suite runs its commands and
+# jobs beside its tests, and threads waiting for a core another process holds spin.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--depth=3", "--d_model=64", "--head_dim=32", "--mu_rec=3", "--vocab_size=320", "--seq_len=32",
         "--device_batch_size=4", "--total_batch_size=256", "--max_tokens=2048", "--eval_every=1000",
@@ -33,6 +38,7 @@ TINY = ["--depth=3", "--d_model=64", "--head_dim=32", "--mu_rec=3", "--vocab_siz
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: starts a process, runs torchrun or trains more than a few steps")
+    config.addinivalue_line("markers", "beforehand(job): job(folder) starts as the session starts (awaited)")
 
 
 # Whether the test being set up carries the slow mark: only such a test may start a process.
@@ -42,6 +48,18 @@ RUNNING = {"slow": True}
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     RUNNING["slow"] = item.get_closest_marker("slow") is not None
+
+
+def pytest_collection_modifyitems(items):
+    """Tests marked @beforehand(job) run last: their jobs run while the others do."""
+    items.sort(key=lambda item: item.get_closest_marker("beforehand") is not None)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_call(item):
+    """A test marked @beforehand(job) runs once its jobs are done."""
+    for marker in item.iter_markers("beforehand"):
+        awaited(marker.args[0])
 
 
 @pytest.fixture(autouse=True)
@@ -77,8 +95,17 @@ def train_command(corpus, *flags, nproc=1, torchrun=None, fault=None):
     return launcher + script + [f"--data={corpus / 'corpus.txt'}", *TINY, *flags]
 
 
+# The environment the session began with: a background thread's commands see it, not what a running test has set.
+SESSION_ENV = dict(os.environ)
+
+
+def environment():
+    """os.environ in the main thread; SESSION_ENV in a thread that runs beside the tests."""
+    return os.environ if threading.current_thread() is threading.main_thread() else SESSION_ENV
+
+
 def train_env(corpus, base=None, **extra):
-    return {**os.environ, "NANOPARCAE_BASE_DIR": str(base or corpus / "base"), "OMP_NUM_THREADS": "1", **extra}
+    return {**environment(), "NANOPARCAE_BASE_DIR": str(base or corpus / "base"), "OMP_NUM_THREADS": "1", **extra}
 
 
 # A process that has imported these and run nothing: each command a test starts is a fork of it (`Started`), so it
@@ -127,7 +154,7 @@ class Started:
         # a slow fixture's thread may start its runs while a later test runs
         assert RUNNING["slow"] or threading.current_thread() is not threading.main_thread(), \
             "a test that starts a process carries @pytest.mark.slow"
-        env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+        env = {**environment(), "OMP_NUM_THREADS": "1", **(env or {})}
         self.args, self.returncode, self.folder = args, None, tempfile.TemporaryDirectory()
         self.out, self.err = Path(self.folder.name, "stdout"), Path(self.folder.name, "stderr")
         self.out.touch()
@@ -202,11 +229,45 @@ def start_fork_server():
     return server_env
 
 
+# job -> the future of its result, for each job a selected test marks @beforehand(job); job -> those tests
+BEFOREHAND, AWAITING = {}, {}
+
+
 @pytest.fixture(scope="session", autouse=True)
-def fork_server(request):
-    """The fork server imports torch while the first tests run, where a slow test will need it."""
+def fork_server(request, tmp_path_factory):
+    """The fork server imports torch while the first tests run, where a slow test will need it. Then the jobs of the
+    selected tests start, one at a time on one thread, each given a folder of its own: they run while the tests
+    before theirs do."""
     if any(item.get_closest_marker("slow") for item in request.session.items):
         start_fork_server()
+    for item in request.session.items:
+        for marker in item.iter_markers("beforehand"):
+            AWAITING.setdefault(marker.args[0], []).append(f"{item.path}::{item.name}")
+    with ThreadPoolExecutor(1) as pool:
+        for job in AWAITING if "NANOPARCAE_TESTS_WARMING" not in os.environ else ():  # compile_cache's starts none
+            BEFOREHAND[job] = pool.submit(job, tmp_path_factory.mktemp(job.__name__))
+        yield
+        for future in BEFOREHAND.values():
+            future.cancel()  # not started: no test that ran awaits it
+
+
+def beforehand(job):
+    """The mark of a test that awaits job(folder): it starts as the session starts, where the test is selected."""
+    return pytest.mark.beforehand.with_args(job)
+
+
+def awaited(job):
+    """The result of a job the test marks @beforehand(job), once it is done (its error, if it raised)."""
+    return BEFOREHAND[job].result() if job in BEFOREHAND else None  # None: in compile_cache's process
+
+
+def compile_cache(folder):
+    """Runs the tests that await it in a process of their own, which fills torch's compile cache (inductor's C++,
+    seconds per kernel to build): those tests then find their kernels built. Their verdict is their own. The
+    process has this one's threads, which inductor's code depends on."""
+    import torch
+    python(["-m", "pytest", "-q", "-p", "no:cacheprovider", *AWAITING[compile_cache]],
+           {"NANOPARCAE_TESTS_WARMING": "1", "OMP_NUM_THREADS": str(torch.get_num_threads())}, timeout=900)
 
 
 def train(corpus, *flags, nproc=1, torchrun=None, env=None, expect_ok=True, fault=None, base=None):
@@ -271,6 +332,16 @@ def raises_naming(error, *words):
     with pytest.raises(error) as info:
         yield info
     assert carries(str(info.value), *words), info.value
+
+
+@contextlib.contextmanager
+def warns_naming(category, *words):
+    """pytest.warns(category), one of whose warnings must name each of words (carries)."""
+    with pytest.warns(category) as record:
+        yield record
+    assert any(carries(str(warning.message), *words) for warning in record), [str(w.message) for w in record]
+
+
 def corrupt_a_weight(path):
     """Flip one byte amid the largest tensor of the checkpoint at path, its size unchanged, as a disk or a copy may."""
     with zipfile.ZipFile(path) as archive:
@@ -291,8 +362,14 @@ def untouched(run_dir):
 
 @pytest.fixture
 def server(tmp_path):
-    """A local HTTP server over tmp_path/www (root), at url, with the path of every GET it answered (requests)."""
-    root = tmp_path / "www"
+    """A local HTTP server over tmp_path/www (serving)."""
+    with serving(tmp_path / "www") as served:
+        yield served
+
+
+@contextlib.contextmanager
+def serving(root):
+    """A local HTTP server over root, a new folder, at url, with the path of every GET it answered (requests)."""
     root.mkdir()
     requests_seen = []
 
@@ -310,6 +387,3 @@ def server(tmp_path):
     httpd.shutdown()
     httpd.server_close()
 
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: starts a process, runs torchrun or trains more than a few steps")

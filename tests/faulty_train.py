@@ -11,7 +11,7 @@ last rank adds 1e-3 to its first weight tensor at that clip, so its replica drif
 never sees). pause_step=N: the process waits there for a SIGUSR1 (one sent earlier waits, blocked, until then).
 pause_lock=1: the process waits so for a SIGUSR1 once its checks are done, before it takes the run's lock.
 rank_order=R: rank R reads each epoch's chunks in reverse order (GPU_CHECK_FAULT=rank_order's fault, at R = 1).
-bundle_port=N: CORE's bundle is fetched from 127.0.0.1:N, each of its attempts timing out after 1 s.
+bundle_port=N: CORE's bundle is fetched from 127.0.0.1:N, each attempt timing out after 0.2 s, 10 ms apart.
 Steps are counted from this process's first; then train.py runs as `python train.py` would run it.
 """
 
@@ -61,7 +61,7 @@ if faults["bundle_port"] >= 0:
     import nanoparcae.core_tasks as core_tasks  # noqa: E402
     download_file = core_tasks.download_file
     core_tasks.download_file = lambda url, path: download_file(
-        f"http://127.0.0.1:{faults['bundle_port']}/eval_bundle.zip", path, timeout=1)
+        f"http://127.0.0.1:{faults['bundle_port']}/eval_bundle.zip", path, timeout=0.2, retry_delay=0.01)
 if faults["pause_lock"] >= 0:
     import nanoparcae.run as run_module  # noqa: E402
     claim_run = run_module.claim_run

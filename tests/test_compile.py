@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from conftest import awaited, beforehand, compile_cache
 from engine import generate
 from nanoparcae.core_tasks import Row
 from eval_core import evaluate_bpb, score_rows
@@ -85,6 +86,7 @@ def test_compiled_regions_equal_eager(injection):
 
 
 @pytest.mark.slow  # inductor generates and builds C++ for each region
+@beforehand(compile_cache)
 def test_inductor_regions_equal_eager_in_bf16():
     """Inductor's kernels, the fused loss reading bf16 logits among them: within bf16's rounding.
     float32's numerics are the aot_eager test's above."""
@@ -223,10 +225,8 @@ def count_graphs(rank, world, port, out_dir):
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def counts(tmp_path_factory):
+def graph_counts(out):
     """{(world, rank): what count_graphs wrote} for one plain process and two DDP processes."""
-    out = tmp_path_factory.mktemp("compile")
     # the plain process and the DDP pair share nothing: they run side by side, each process one thread, each forked
     # from the server conftest started, which has imported torch
     jobs = [mp.start_processes(count_graphs, args=(world, free_port(), str(out)), nprocs=world, join=False,
@@ -238,7 +238,13 @@ def counts(tmp_path_factory):
             for world in (1, 2) for rank in range(world)}
 
 
+@pytest.fixture
+def counts():
+    return awaited(graph_counts)
+
+
 @pytest.mark.slow  # compiles, and starts two processes
+@beforehand(graph_counts)
 def test_no_recompile_limit_and_evals_compiled_and_core_eager(counts):
     for result in counts.values():
         assert result["limit_hits"] == [], result
@@ -248,5 +254,6 @@ def test_no_recompile_limit_and_evals_compiled_and_core_eager(counts):
 
 
 @pytest.mark.slow
+@beforehand(graph_counts)
 def test_ddp_compiles_the_graphs_of_one_process(counts):
     assert counts[2, 0]["graphs"] == counts[2, 1]["graphs"] == counts[1, 0]["graphs"]

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from conftest import ROOT, TINY, carries, python, train, train_command, train_env
+from conftest import ROOT, TINY, awaited, beforehand, carries, python, train, train_command, train_env, write_corpus
 from model import Parcae, ParcaeConfig
 from nanoparcae import common
 from nanoparcae.memory import activation_bytes, largest_divisor, memory_plan
@@ -103,12 +103,18 @@ def test_the_plan_is_for_the_memory_free_at_start_up_not_the_gpus_total(gpu_80gb
     assert sizes[20e9] < sizes[80e9], sizes
 
 
+def dry_run_under_torchrun(folder):
+    tiny = [flag for flag in TINY if not flag.startswith("--device_batch_size")]
+    return python(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--",
+                   str(ROOT / "train.py"), *tiny, "--data=stdlib", "--device=cpu", "--dry_run"],
+                  {"NANOPARCAE_BASE_DIR": str(folder / "base")})
+
+
 @pytest.mark.slow
+@beforehand(dry_run_under_torchrun)
 def test_dry_run_under_torchrun_prints_one_plan_for_its_processes():
     """The 8 sequences of a step, 256 tokens of 32, over torchrun's 2 processes: 4 each, said once."""
-    tiny = [flag for flag in TINY if not flag.startswith("--device_batch_size")]
-    result = python(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--",
-                     str(ROOT / "train.py"), *tiny, "--data=stdlib", "--device=cpu", "--dry_run"])
+    result = awaited(dry_run_under_torchrun)
     assert result.returncode == 0, result.stderr[-3000:]
     assert len(re.findall("^device batch:", result.stdout, re.M)) == result.stdout.count("parameters:") == 1
     assert "device batch: 4, the largest divisor of the 4 sequences a process runs" in result.stdout
@@ -129,16 +135,23 @@ def concat(corpus):
         yield pool.submit(train, corpus, "--injection=concat", "--max_tokens=1024", "--eval_every=2", "--run=concat")
 
 
-@pytest.mark.slow
-def test_a_resume_keeps_the_recorded_batch(corpus, concat):
-    """Started at --device_batch_size=2, continued without the flag: the CPU's own choice would be 8."""
-    train(corpus, "--device_batch_size=2", "--max_tokens=512", "--stop_at=1", "--run=kept")
-    command = [flag for flag in train_command(corpus, "--max_tokens=512", "--run=kept")
+def kept_batch(folder):
+    """A run started at --device_batch_size=2, then continued without the flag -> the folder, the continuation."""
+    write_corpus(folder / "corpus.txt")
+    train(folder, "--device_batch_size=2", "--max_tokens=512", "--stop_at=1", "--run=kept")
+    command = [flag for flag in train_command(folder, "--max_tokens=512", "--run=kept")
                if not flag.startswith("--device_batch_size")]
-    result = python(command, train_env(corpus))
+    return folder, python(command, train_env(folder))
+
+
+@pytest.mark.slow
+@beforehand(kept_batch)
+def test_a_resume_keeps_the_recorded_batch():
+    """Started at --device_batch_size=2, continued without the flag: the CPU's own choice would be 8."""
+    folder, result = awaited(kept_batch)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "device batch: 2, as run kept recorded" in result.stdout and "4 micro-batch(es) x 2 x 32" in result.stdout
-    checkpoint = torch.load(next((corpus / "base" / "runs" / "kept").glob("ckpt_*.pt")), weights_only=True)
+    checkpoint = torch.load(next((folder / "base" / "runs" / "kept").glob("ckpt_*.pt")), weights_only=True)
     assert checkpoint["step"] == 2 and checkpoint["run"]["device_batch_size"] == 2
 
 

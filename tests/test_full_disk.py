@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import ROOT, TINY, carries, python, train, train_env, untouched
+from conftest import ROOT, TINY, awaited, beforehand, carries, python, train, train_env, untouched, write_corpus
 from model import Parcae, ParcaeConfig
 from nanoparcae import checkpoint, common, dataset, metrics
 from nanoparcae.tokenizer import Tokenizer
@@ -263,29 +263,38 @@ READ_ONLY = {  # command ({run}: the run's folder), the folder mounted read-only
 }
 
 
-@pytest.fixture(scope="module")
-def trained(corpus):
-    """A run, ro, trained on the corpus in the module's base folder."""
-    train(corpus, "--run=ro")
-    return corpus
+def read_only_runs(folder):
+    """A run, ro, trained on a corpus in folder's base; then each command of READ_ONLY with its folder mounted
+    read-only -> the folders, and {case: (the finished process, the run's files before and after, .tmp files)}."""
+    if not can_unshare():
+        return None
+    write_corpus(folder / "corpus.txt")
+    train(folder, "--run=ro")
+    base = folder / "base"
+    values = {"run": base / "runs" / "ro", "runs": base / "runs", "corpus": folder / "corpus.txt",
+              "tokenizers": base / "tokenizers"}
+    results = {}
+    for case, (command, mounted, _, _) in READ_ONLY.items():
+        before = untouched(values["run"])
+        result = read_only_run([word.format(**values) for word in command], str(mounted).format(**values),
+                               train_env(folder))
+        results[case] = result, before, untouched(values["run"]), list(base.rglob("*.tmp"))
+    return values, results
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not can_unshare(), reason="no mount namespace here (unshare -rm)")
+@beforehand(read_only_runs)
 @pytest.mark.parametrize("case", READ_ONLY)
-def test_a_read_only_folder_stops_the_command_before_its_work_in_one_line(trained, case):
+def test_a_read_only_folder_stops_the_command_before_its_work_in_one_line(case):
     """Status 1 (2 for a file named as the export's folder), one line naming the folder, before the work: no
     depth evaluated, no data prepared, no tokenizer trained; nothing changed, no temporary file left."""
-    command, folder, status, words = READ_ONLY[case]
-    base = trained / "base"
-    values = {"run": base / "runs" / "ro", "runs": base / "runs", "corpus": trained / "corpus.txt",
-              "tokenizers": base / "tokenizers"}
-    before = untouched(values["run"])
-    result = read_only_run([word.format(**values) for word in command], str(folder).format(**values),
-                           train_env(trained))
+    _, _, status, words = READ_ONLY[case]
+    values, results = awaited(read_only_runs)
+    result, before, after, temporary = results[case]
     err = result.stderr.strip()
     assert result.returncode == status and len(err.splitlines()) == 1 and "Traceback" not in err, err[-3000:]
     assert carries(err, *[word.format(**values) for word in words]), err
     assert not re.search(r"^(T =|data:|Training)", result.stdout, re.M), result.stdout  # the work's lines
-    assert untouched(values["run"]) == before
-    assert not list(base.rglob("*.tmp"))
+    assert after == before
+    assert not temporary

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import ROOT, TINY, python, train_env
+from conftest import ROOT, TINY, awaited, beforehand, python, train_env, write_corpus
 from experiments import gpu_check
 from model import Parcae, ParcaeConfig
 from nanoparcae.checkpoint import save_checkpoint
@@ -210,19 +210,25 @@ def test_a_resume_that_is_not_the_unbroken_run_fails_4d(tmp_path, capsys, monkey
                                                                     "unbroken one 1-16")
 
 
-@pytest.mark.slow
-def test_a_recompile_limit_hit_fails_4b_though_the_graph_count_stays_flat(tmp_path, capsys, corpus):
+def low_limits_run(folder):
     """A real train.py run with dynamo's recompile limits forced to 2 as the fault GPU_CHECK_FAULT=recompile_limit
-    forces them: its counters and its warning both fail 4b, each on its own."""
+    forces them -> the folder, the finished process."""
+    write_corpus(folder / "corpus.txt")
+    faulty = ["-m", "experiments.gpu_check", "run", "--fault=recompile_limit", str(ROOT / "train.py")]
+    return folder, python([*faulty, f"--data={folder / 'corpus.txt'}", *TINY, "--compile=1",
+                           "--compile_backend=eager", "--max_tokens=256", "--run=low_limits"], train_env(folder))
+
+
+@pytest.mark.slow
+@beforehand(low_limits_run)
+def test_a_recompile_limit_hit_fails_4b_though_the_graph_count_stays_flat(tmp_path, capsys):
+    """That run's counters and its warning both fail 4b, each on its own."""
     work, runs_dir = tmp_path / "work", tmp_path / "runs"
     write_passing_check(work, runs_dir)
-    faulty = ["-m", "experiments.gpu_check", "run", "--fault=recompile_limit", str(ROOT / "train.py")]
-    result = python([*faulty, f"--data={corpus / 'corpus.txt'}", *TINY,
-                     "--compile=1", "--compile_backend=eager", "--max_tokens=256", "--run=low_limits"],
-                    train_env(corpus, tmp_path / "base"))
+    folder, result = awaited(low_limits_run)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "hit config." in result.stderr
-    real = json.loads((tmp_path / "base" / "runs" / "low_limits" / "metrics.jsonl").read_text().splitlines()[-1])
+    real = json.loads((folder / "base" / "runs" / "low_limits" / "metrics.jsonl").read_text().splitlines()[-1])
     assert real["recompile_limits"] >= 1, real
 
     # its counters in every record, the graph count flat: 4b not met
@@ -240,12 +246,11 @@ def test_a_recompile_limit_hit_fails_4b_though_the_graph_count_stays_flat(tmp_pa
     assert status == 1
 
 
-@pytest.mark.slow
-def test_a_rank_that_reads_another_order_fails_4f(tmp_path, capsys):
+def rank_order_runs(folder):
     """Real train.py runs on the stdlib corpus (many chunks), as runs/gpu_check.sh starts them: one process with two
-    micro-batches, then two processes with one each. With GPU_CHECK_FAULT=rank_order's fault (rank 1 reads the chunks
-    in reverse order) 4f is not met; without it, met."""
-    work, base = tmp_path / "work", tmp_path / "base"
+    micro-batches, then two processes with one each, with GPU_CHECK_FAULT=rank_order's fault (rank 1 reads the chunks
+    in reverse order), then without -> the stage outputs, the runs with the fault and the runs without it."""
+    work, base = folder / "work", folder / "base"
     write_passing_check(work, base / "runs")
     torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--no_python", "--",
                 sys.executable]
@@ -253,13 +258,22 @@ def test_a_rank_that_reads_another_order_fails_4f(tmp_path, capsys):
 
     def run(name, launch):
         shutil.rmtree(base / "runs" / f"gpu_check_{name}")  # write_passing_check's, or the last run's
-        result = python([*launch, *flags, f"--run=gpu_check_{name}"], train_env(tmp_path, base))
+        result = python([*launch, *flags, f"--run=gpu_check_{name}"], train_env(folder, base))
         assert result.returncode == 0, result.stderr[-3000:]
 
     run("world_one", [str(ROOT / "train.py")])
     run("world", [*torchrun, "-m", "experiments.gpu_check", "run", "--fault=rank_order", str(ROOT / "train.py")])
-    status, rows = check(capsys, work, base / "runs", "--tiny")
-    assert rows["4f"][2] == "within 0.001 (relative, each step): not met" and status == 1, rows["4f"]
+    shutil.copytree(base / "runs", folder / "faulty_runs")
     run("world", [*torchrun, str(ROOT / "train.py")])
-    status, rows = check(capsys, work, base / "runs", "--tiny")
+    return work, folder / "faulty_runs", base / "runs"
+
+
+@pytest.mark.slow
+@beforehand(rank_order_runs)
+def test_a_rank_that_reads_another_order_fails_4f(capsys):
+    """With the fault 4f is not met; without it, met."""
+    work, faulty_runs, runs = awaited(rank_order_runs)
+    status, rows = check(capsys, work, faulty_runs, "--tiny")
+    assert rows["4f"][2] == "within 0.001 (relative, each step): not met" and status == 1, rows["4f"]
+    status, rows = check(capsys, work, runs, "--tiny")
     assert rows["4f"][2] == "within 0.001 (relative, each step): met" and status == 0, rows["4f"]

@@ -4,7 +4,6 @@ and that it reads the weights alone, mapped, into a model without a random init 
 in full."""
 
 import os
-import re
 import shutil
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import pytest
 import torch
 
 from nanoparcae.checkpoint import load_run
-from conftest import Started, carries, corrupt_a_weight, refused, run_here, train, train_env
+from conftest import Started, carries, corrupt_a_weight, raises_naming, refused, run_here, train, train_env
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +160,7 @@ def test_load_run_runs_no_random_init(tmp_path, tokenizer_dir, monkeypatch):
     monkeypatch.setattr(model_module.Parcae, "init_weights", init_weights_on_meta_only)
     model = load_run(path)[0]
     assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
-    with pytest.raises(AssertionError, match="filled a cpu tensor"):  # the guards do catch an init
+    with raises_naming(AssertionError, "cpu"):  # the guards do catch an init
         model_module.Parcae(model.config)
 
 
@@ -200,7 +199,7 @@ def test_load_run_reads_the_weights_alone_into_the_model_itself(tmp_path, tokeni
 def test_a_truncated_checkpoint_is_one_line_naming_it(tmp_path, tokenizer_dir):
     _, path = tiny_checkpoint(tmp_path / "ckpt_000007.pt", tokenizer_dir, optimizer_bytes=4096)
     path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
-    with pytest.raises(ValueError, match=re.escape(f"checkpoint {path} is truncated or unreadable")) as err:
+    with raises_naming(ValueError, str(path)) as err:
         load_run(path)
     assert "\n" not in str(err.value)
 

@@ -4,7 +4,7 @@ without it, and train as before."""
 import pytest
 import torch
 
-from conftest import ROOT, TINY, carries, python, train_env
+from conftest import ROOT, TINY, awaited, beforehand, carries, python, train_env, write_corpus
 from model import Parcae, ParcaeConfig
 from nanoparcae.checkpoint import training_model
 
@@ -66,15 +66,22 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-@pytest.mark.slow
-def test_two_ranks_initialise_once_on_rank_0_and_a_resume_never(corpus, tmp_path):
-    (tmp_path / "counting").write_text(COUNTING)
+def counted_runs(folder):
+    """A run on two processes stopped after step 2, then resumed -> both finished processes."""
+    write_corpus(folder / "corpus.txt")
+    (folder / "counting").write_text(COUNTING)
     command = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--",
-               str(tmp_path / "counting"), f"--data={corpus / 'corpus.txt'}", *TINY, "--run=counted"]
-    env = train_env(corpus, base=tmp_path / "base")
-    fresh = python([*command, "--stop_at=2"], env)
+               str(folder / "counting"), f"--data={folder / 'corpus.txt'}", *TINY, "--run=counted"]
+    env = train_env(folder, base=folder / "base")
+    return python([*command, "--stop_at=2"], env), python([*command, "--resume"], env)
+
+
+@pytest.mark.slow
+@beforehand(counted_runs)
+def test_two_ranks_initialise_once_on_rank_0_and_a_resume_never():
+    fresh, resumed = awaited(counted_runs)
     assert fresh.returncode == 0, fresh.stderr[-3000:]
-    assert fresh.stderr.count("random init on rank") == 1 and "random init on rank 0" in fresh.stderr
-    resumed = python([*command, "--resume"], env)
+    inits = [line for line in fresh.stderr.splitlines() if "random init" in line]
+    assert len(inits) == 1 and carries(inits[0], "rank", "0"), inits
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert carries(resumed.stdout, "resumed", "counted", "2") and "random init" not in resumed.stderr

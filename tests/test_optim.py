@@ -11,6 +11,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import optim  # noqa: E402
+from conftest import beforehand, compile_cache  # noqa: E402
 
 
 def svdvals(X):
@@ -333,7 +334,8 @@ def train_fake_parcae(compile_backend=None, steps=5):
     return model, opt, graphs
 
 
-@pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("backend", ["eager",
+                                     pytest.param("inductor", marks=[pytest.mark.slow, beforehand(compile_cache)])])
 def test_compiled_updates_equal_the_plain_ones(backend, monkeypatch):
     plain_model, plain, _ = train_fake_parcae()
     compiled_model, compiled, graphs = train_fake_parcae(backend)
@@ -375,6 +377,7 @@ def polar_express_float64(G, steps=5):
 
 
 @pytest.mark.slow
+@beforehand(compile_cache)
 @pytest.mark.parametrize("shape", [(3, 32, 64)])  # a stack of non-square matrices
 def test_compiled_polar_express_is_as_close_to_float64_as_the_plain_one(shape):
     torch.manual_seed(0)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nanoparcae import run as guards
-from conftest import Started, carries, refused, train, train_command, train_env, untouched
+from conftest import Started, awaited, beforehand, carries, refused, train, train_command, train_env, untouched
 from nanoparcae import dataset
 from nanoparcae.core_tasks import shared_eval_bundle
 from nanoparcae.run import lock_run, run_holder
@@ -108,11 +108,10 @@ def two_nodes(corpus, bases, name):
     return [(node.returncode, *output) for node, output in zip(nodes, outputs)]
 
 
-@pytest.mark.slow
-def test_nodes_that_hold_other_shards_or_another_tokenizer_both_refuse(corpus, tmp_path):
-    """Node 1 with one shard fewer and no tokenizer, or the same shards and a tokenizer of its own: each node ends in
-    one line naming node 1 and what differs, node 1 trains no tokenizer of its own, and neither trains a step."""
-    cases = {"fewer": (tmp_path / "fewer0", tmp_path / "fewer1"), "other": (tmp_path / "other0", tmp_path / "other1")}
+def other_shards_or_tokenizer(folder):
+    """Node 1 with one shard fewer and no tokenizer, or the same shards and a tokenizer of its own, side by side ->
+    each case's base folders, and {case: [(returncode, stdout, stderr)] per node}."""
+    cases = {"fewer": (folder / "fewer0", folder / "fewer1"), "other": (folder / "other0", folder / "other1")}
     for (base0, base1), node1_shards in zip(cases.values(), ([0, 1], [0, 1, 2])):
         for base, shards in ((base0, [0, 1, 2]), (base1, node1_shards)):
             (base / "fineweb-edu").mkdir(parents=True)
@@ -121,7 +120,15 @@ def test_nodes_that_hold_other_shards_or_another_tokenizer_both_refuse(corpus, t
     other = Tokenizer.train(iter(make_documents(200, seed=7)), 320)  # node 1's own, from other text
     other.save(cases["other"][1] / "tokenizers" / "fineweb-edu-320")
     with ThreadPoolExecutor(2) as pool:
-        results = dict(zip(cases, pool.map(lambda case: two_nodes(corpus, cases[case], case), cases)))
+        return cases, dict(zip(cases, pool.map(lambda case: two_nodes(folder, cases[case], case), cases)))
+
+
+@pytest.mark.slow
+@beforehand(other_shards_or_tokenizer)
+def test_nodes_that_hold_other_shards_or_another_tokenizer_both_refuse():
+    """Each node ends in one line naming node 1 and what differs, node 1 trains no tokenizer of its own, and neither
+    trains a step."""
+    cases, results = awaited(other_shards_or_tokenizer)
     for case, nodes in results.items():
         for returncode, stdout, stderr in nodes:
             assert returncode != 0 and len(errors(stderr)) == 1, stderr[-3000:]

@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import ROOT, write_corpus
+from conftest import ROOT, awaited, beforehand, environment, serving, write_corpus
 
 STEPS = 30  # within a pass of the one training shard
 TRAIN_FLAGS = ["--d_model=64", "--head_dim=32", "--vocab_size=320", "--seq_len=32", "--device_batch_size=2",
@@ -54,7 +54,7 @@ def serve_data(server, tmp_path):
 
 
 def rehearsal_env(base, server):
-    return {**os.environ, "NANOPARCAE_BASE_DIR": str(base), "CPU_REHEARSAL": "1", "SKIP_SETUP": "1", "NPROC": "2",
+    return {**environment(), "NANOPARCAE_BASE_DIR": str(base), "CPU_REHEARSAL": "1", "SKIP_SETUP": "1", "NPROC": "2",
             "OMP_NUM_THREADS": "1", "TRAIN_FLAGS": " ".join(TRAIN_FLAGS), "EVAL_FLAGS": " ".join(EVAL_FLAGS),
             "DOWNLOAD_FLAGS": "-n 2", "FINEWEB_URL": server.url, "EVAL_BUNDLE_URL": f"{server.url}/eval_bundle.zip",
             "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
@@ -66,35 +66,45 @@ def stage_times(output):
             if line.startswith("== ") and (" done in " in line or "skipped" in line)}
 
 
-@pytest.mark.slow
-def test_rehearsal_killed_in_training_continues_and_its_card_reads_its_files(tmp_path, server):
-    serve_data(server, tmp_path)
-    base = tmp_path / "base"
-    run_dir = base / "runs" / "d6_diagonal"
-    env = rehearsal_env(base, server)
-    log = tmp_path / "first.log"
-    with log.open("w") as out:
-        first = subprocess.Popen(["bash", "runs/speedrun.sh"], cwd=ROOT, env=env, stdout=out,
-                                 stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.time() + 240
-    while f'"step": {KILL_AFTER}, "loss"' not in ((run_dir / "metrics.jsonl").read_text()
-                                                   if (run_dir / "metrics.jsonl").exists() else ""):
-        assert first.poll() is None and time.time() < deadline, log.read_text()[-3000:]
-        time.sleep(0.05)
-    os.killpg(first.pid, signal.SIGKILL)  # the recipe, torchrun and its workers, mid-training
-    first.wait()
-    killed_at = len([line for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in line])
-    assert killed_at < STEPS and (run_dir / "ckpt_000005.pt").exists()
+def rehearsal(folder):
+    """The recipe killed mid-training, then run again to its end -> the folder, the first run's log, the steps it
+    logged and the checkpoints it left, and the second run (its CompletedProcess)."""
+    with serving(folder / "www") as server:
+        serve_data(server, folder)
+        base = folder / "base"
+        run_dir = base / "runs" / "d6_diagonal"
+        env = rehearsal_env(base, server)
+        log = folder / "first.log"
+        with log.open("w") as out:
+            first = subprocess.Popen(["bash", "runs/speedrun.sh"], cwd=ROOT, env=env, stdout=out,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.time() + 240
+        while f'"step": {KILL_AFTER}, "loss"' not in ((run_dir / "metrics.jsonl").read_text()
+                                                       if (run_dir / "metrics.jsonl").exists() else ""):
+            assert first.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        os.killpg(first.pid, signal.SIGKILL)  # the recipe, torchrun and its workers, mid-training
+        first.wait()
+        killed_at = len([line for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in line])
+        saved = sorted(path.name for path in run_dir.glob("ckpt_*.pt"))
+        second = subprocess.run(["bash", "runs/speedrun.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                                timeout=400)
+    return folder, log.read_text(), (killed_at, saved), second
 
-    second = subprocess.run(["bash", "runs/speedrun.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
-                            timeout=400)
+
+@pytest.mark.slow
+@beforehand(rehearsal)
+def test_rehearsal_killed_in_training_continues_and_its_card_reads_its_files():
+    folder, first_log, (killed_at, saved), second = awaited(rehearsal)
+    run_dir = folder / "base" / "runs" / "d6_diagonal"
+    assert killed_at < STEPS and "ckpt_000005.pt" in saved
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     times = stage_times(second.stdout)
     assert {name for name, text in times.items() if "skipped" in text} == {"machine", "download", "tokenizer"}
     assert "resumed d6_diagonal at step 5" in second.stdout
     assert "the eval bundle: " in (run_dir / "recipe" / "download.log").read_text()  # fetched before training
     assert {"train", "eval_bpb", "eval_ppl", "eval_core", "figures", "samples_T1", "samples_T8"} <= set(times)
-    print(log.read_text() + second.stdout)  # the stages and their times, for the note
+    print(first_log + second.stdout)  # the stages and their times, for the note
 
     card = (run_dir / "report.md").read_text()
     ckpt = torch.load(run_dir / f"ckpt_{STEPS:06d}.pt", weights_only=True, map_location="cpu")
