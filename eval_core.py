@@ -18,10 +18,8 @@ Results print as a table and go to a JSON file beside the checkpoint. Two valida
 - --eval ppl scores one document per forward: the authors' protocol, behind the paper's val PPL.
 """
 
-import argparse
 import functools
 import itertools
-import json
 import math
 import statistics
 import time
@@ -34,14 +32,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from nanoparcae.checkpoint import load_run
-from nanoparcae.common import (REFUSED, check_writable, fail, fail_with, init_distributed,
-                               parse_device, print0, rank_and_world, write_atomically)
+from nanoparcae.common import (check_writable, command_parser, init_distributed, parse_device,
+                               print0, rank_and_world, run_command)
 from nanoparcae.core_tasks import (CORE_LABELS, EVAL_BUNDLE_URL, LM, build_rows,
                                    load_task_data, read_random_baselines, select_tasks,
                                    shared_eval_bundle)
 from data import val_batches
 from nanoparcae.dataset import data_key, iter_documents
 from nanoparcae.flags import checked, listed, positive
+from nanoparcae.results import keep_results, run_data
 from model import evaluation_initial_state
 
 # -----------------------------------------------------------------------------
@@ -322,13 +321,10 @@ def core_during_training(step, model, tokenizer, bundle_dir, max_per_task):
 
 
 # -----------------------------------------------------------------------------
-# Command line
-
-def write_json(path, obj):
-    write_atomically(path, lambda partial: partial.write_text(json.dumps(obj, indent=1)))
-
+# Command line: the flags, one evaluation per --eval, the results kept (nanoparcae/results.py)
 
 def aggregate_line(result):
+    """A CORE result's means, skipped tasks and time, in one line."""
     parts = [f"{result['seconds']:.1f}s"]
     if result["core"] is not None:
         n_core = sum(label in CORE_LABELS for label in result["centered"])
@@ -343,6 +339,7 @@ def aggregate_line(result):
 
 
 def run_core(args, model, tokenizer, Ts, seeds):
+    """CORE at each T and few-shot seed, with the mean and spread over seeds."""
     bundle_dir, why = shared_eval_bundle(next(model.parameters()).device, args.bundle_url)
     if bundle_dir is None:
         raise ValueError(why)
@@ -375,11 +372,10 @@ def run_core(args, model, tokenizer, Ts, seeds):
     return {"runs": runs, "summary": summary, "measured": {"data": None, "amount": scored}}
 
 
-def run_bpb(args, model, tokenizer, ckpt, Ts, device):
+def run_bpb(args, model, tokenizer, source, Ts, device):
+    """Val loss and bpb at each T, and the fit of L(T) over 3 or more depths."""
     mu_rec = model.config.mu_rec
     Ts = sorted(set(Ts) | {mu_rec})  # METHOD.md §3 compares L_inf with the loss at mu_rec
-    source = args.data or ckpt.get("args", {}).get("data", "fineweb-edu")
-    key = data_key(source)
     rank, world = rank_and_world()
     batches = list(val_batches(tokenizer, source, args.batch_size, model.config.seq_len,
                                args.val_tokens, rank, world, device))
@@ -395,7 +391,7 @@ def run_bpb(args, model, tokenizer, ckpt, Ts, device):
         print0(f"T = {T:>3}: val loss {loss:.4f}  bpb {bpb:.4f}  ppl {math.exp(loss):.2f}  "
                f"{time.time() - t0:.1f}s")
     out = {"T": Ts, "loss": losses, "bpb": bpbs, "data": source,
-           "measured": {"data": key, "amount": tokens}}
+           "measured": {"data": data_key(source), "amount": tokens}}
     if len(Ts) >= 3:
         fit = fit_test_time_scaling(Ts, losses)
         at_mu = losses[Ts.index(mu_rec)]
@@ -407,12 +403,12 @@ def run_bpb(args, model, tokenizer, ckpt, Ts, device):
     return out
 
 
-def run_ppl(args, model, tokenizer, ckpt, Ts):
-    source = args.data or ckpt.get("args", {}).get("data", "fineweb-edu")
+def run_ppl(args, model, tokenizer, source, Ts):
+    """The paper's val PPL at each T: one document per forward."""
     key = data_key(source)
     docs = list(itertools.islice(iter_documents(source, "val"), args.max_docs))
-    print0(f"Validation: the first {len(docs)} documents of {source}'s val split, one per forward, "
-           f"up to {model.config.seq_len} tokens each, no BOS")
+    print0(f"Validation: the first {len(docs)} documents of {source}'s val split, one per "
+           f"forward, up to {model.config.seq_len} tokens each, no BOS")
     out = {"T": Ts, "loss": [], "ppl": [], "bpb": [], "data": source}
     for T in Ts:
         t0 = time.time()
@@ -432,10 +428,7 @@ items_or_all = checked(int, "a positive number, or -1 for every item",
 
 def eval_parser(description):
     """The flags of an evaluation, for any command that evaluates a loaded model."""
-    parser = argparse.ArgumentParser(description=description,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     allow_abbrev=False)
-    parser.error = fail  # an unknown flag or a bad value: one line, status 2
+    parser = command_parser(description)
     parser.add_argument("--eval", default="core", choices=["core", "bpb", "ppl"],
                         help="core: CORE; bpb: loss on packed rows; ppl: one document per forward")
     parser.add_argument("--T", type=listed(positive(int)), default=None,
@@ -468,60 +461,26 @@ def eval_parser(description):
 
 
 def start_device(args):
+    """--device, or CUDA when there is one, joined to torchrun's process group."""
     return init_distributed(parse_device(args.device
                                          or ("cuda" if torch.cuda.is_available() else "cpu")))
 
 
-def evaluate(args, model, tokenizer, ckpt, ckpt_path, Ts, seeds, device):
+def evaluate(args, model, tokenizer, ckpt, ckpt_path, device):
     """--eval on a loaded model; the results go beside ckpt_path."""
-    Ts = Ts or [model.config.mu_rec]
+    Ts = args.T or [model.config.mu_rec]
     if rank_and_world()[0] == 0:  # the writer: results it could not keep are never computed
         check_writable(ckpt_path.parent, "the results")
-    print0(f"Checkpoint {ckpt_path} (step {ckpt.get('step')}), {model.num_params():,} parameters, "
-           f"mu_rec {model.config.mu_rec}, on {device} x {rank_and_world()[1]}")
+    print0(f"Checkpoint {ckpt_path} (step {ckpt.get('step')}), {model.num_params():,} "
+           f"parameters, mu_rec {model.config.mu_rec}, on {device} x {rank_and_world()[1]}")
+    source = args.data or run_data(ckpt)
     if args.eval == "core":
-        out = run_core(args, model, tokenizer, Ts, seeds)
+        out = run_core(args, model, tokenizer, Ts, args.seeds)
     elif args.eval == "bpb":
-        out = run_bpb(args, model, tokenizer, ckpt, Ts, device)
+        out = run_bpb(args, model, tokenizer, source, Ts, device)
     else:
-        out = run_ppl(args, model, tokenizer, ckpt, Ts)
-    write_results(out, args, ckpt, ckpt_path, Ts, args.eval)
-
-
-def result_path(ckpt, ckpt_path, kind, Ts, measured):
-    """Where an eval's results go, keyed by what it measured (data, amount, T).
-    -> (path, the run's own result it leaves as it is, or None).
-    The run's own, beside the checkpoint as <stem>_<kind>_T<Ts>.json, is the report card's.
-    An eval replaces it only on the run's own data, measuring as much or more (tokens, CORE items).
-    Any other goes to evals/, named after what it measured."""
-    name = f"{ckpt_path.stem}_{kind}_T{'-'.join(map(str, Ts))}"
-    own = ckpt_path.with_name(f"{name}.json")
-    try:  # the content key the run recorded; before records, its --data's now
-        recorded = (ckpt.get("run", {}).get("data")
-                    or data_key(ckpt.get("args", {}).get("data", "fineweb-edu")))
-    except (FileNotFoundError, ValueError):  # its files are gone: no data is its own
-        recorded = None
-    try:
-        there = json.loads(own.read_text()).get("measured", {}) if own.is_file() else {}
-    except ValueError:  # torn: nothing to keep
-        there = {}
-    if measured["data"] in (None, recorded) and measured["amount"] >= there.get("amount", 0):
-        return own, None
-    aside = f"{name}_{measured['data'] or 'core'}_{measured['amount']}.json"
-    return ckpt_path.parent / "evals" / aside, own
-
-
-def write_results(out, args, ckpt, ckpt_path, Ts, kind):
-    """The results as JSON beside the checkpoint (result_path), from rank 0."""
-    if rank_and_world()[0] == 0:
-        # the harness's results say nothing of what they measured: they replace as before
-        measured = out.get("measured", {"data": None, "amount": 0})
-        path, kept = result_path(ckpt, ckpt_path, kind, Ts, measured)
-        path.parent.mkdir(exist_ok=True)
-        write_json(path, {"ckpt": str(ckpt_path), "step": ckpt.get("step"), "args": vars(args),
-                          **out})
-        print0(f"Wrote {path}" + (f"; the run's own, {kept}, stays: this eval measured other "
-                                  f"data, or less" if kept else ""))
+        out = run_ppl(args, model, tokenizer, source, Ts)
+    keep_results(out, args, ckpt, ckpt_path, Ts, args.eval)
 
 
 def main(argv=None):
@@ -531,16 +490,10 @@ def main(argv=None):
     parser.add_argument("--run", default=None,
                         help="a run under <base dir>/runs, its latest checkpoint")
     args = parser.parse_args(argv)
-    try:
-        device = start_device(args)
-        model, tokenizer, ckpt, ckpt_path = load_run(args.ckpt or args.run, device)
-        evaluate(args, model, tokenizer, ckpt, ckpt_path, args.T, args.seeds, device)
-    except REFUSED as err:
-        fail_with(err)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    device = start_device(args)
+    model, tokenizer, ckpt, ckpt_path = load_run(args.ckpt or args.run, device)
+    evaluate(args, model, tokenizer, ckpt, ckpt_path, device)
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

@@ -17,10 +17,7 @@ train.py does (compile_step). Every FLOP/s figure counts the matmul FLOPs execut
 not the paper's C (Parcae.paper_flops_per_token, for budgets).
 """
 
-import argparse
-import json
 import os
-import platform
 import random
 import string
 import tempfile
@@ -31,11 +28,12 @@ import torch
 import torch.nn.functional as F
 
 from nanoparcae.checkpoint import load_run, sized_model, tensors_digest
-from nanoparcae.common import fail, peak_bf16_flops, write_atomically
+from nanoparcae.common import comma_list, command_parser, peak_bf16_flops, run_command, size, write_json
 from nanoparcae.core_tasks import MC, Task
 from data import DataLoader
 from nanoparcae.dataset import iter_documents
 from nanoparcae.flags import positive
+from nanoparcae.report import cpu_name
 from eval_core import bf16_autocast, evaluate_task
 from experiments.decoding import decoding_rows, stdlib_tokens
 from experiments.timing import log, median_seconds, print_table, timed
@@ -60,6 +58,7 @@ DECODE_PROMPT = 16  # row 5: tokens of prompt before the decoded ones
 
 
 def si(value, unit=""):
+    """A rate in SI prefixes: 3.1 Mtok/s, 45 TFLOP/s; bytes go through common.size."""
     for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
         if abs(value) >= scale:
             return f"{value / scale:.3g} {prefix}{unit}"
@@ -74,17 +73,17 @@ def model_config(args, **overrides):
                                    head_dim=args.head_dim, mu_rec=args.mu_rec, **{**sizes, **overrides})
 
 
-def model_loss(model, x, y, depths):
-    return model(x, y, depths=depths)
+def model_loss(model, x, y, depths, generator):
+    return model(x, y, depths=depths, h0_generator=generator)
 
 
-def masked_reference_loss(model, x, y, depths):
+def masked_reference_loss(model, x, y, depths, generator):
     """Per-sequence depths the way the paper runs them (METHOD.md §2): the whole batch steps max(n) times without
     grad and max(k) times with it, and torch.where keeps the state of a sequence whose count is used up.
     Built from the model's pieces: the reference row 8 measures model.py's loop against, loss and gradients alike."""
     Bbar_e, ves, cos, sin = model.run_prelude(x)
     n, k = model.loop_depths(x.size(0), depths=depths)
-    h = initial_state(Bbar_e.shape, Bbar_e.device).to(Bbar_e.dtype)
+    h = initial_state(Bbar_e.shape, Bbar_e.device, generator).to(Bbar_e.dtype)
     A_bar, n_max = model.injection.A_bar(), int(n.max())
     for step in range(n_max + int(k.max())):
         active = n > step if step < n_max else k > step - n_max
@@ -96,7 +95,8 @@ def masked_reference_loss(model, x, y, depths):
 
 
 class Trainer:
-    """A model, its optimiser as train.py builds it, and one fixed batch of random tokens."""
+    """A model, its optimiser as train.py builds it, and one fixed batch of random tokens.
+    Its h0 generator, seeded like the rest, serves every step."""
 
     def __init__(self, config, batch_size, device, seed=0):
         torch.manual_seed(seed)
@@ -105,12 +105,13 @@ class Trainer:
         tokens = torch.randint(0, config.vocab_size, (batch_size, config.seq_len + 1),
                                generator=torch.Generator().manual_seed(seed))
         self.x, self.y = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+        self.h0_generator = torch.Generator(device).manual_seed(seed)
 
     def run(self, schedule, loss_fn=model_loss):
         """One training step per entry of schedule: an (n, k) draw each (model.sample_depths)."""
         for depths in schedule:
             with bf16_autocast(DEVICE):
-                loss = loss_fn(self.model, self.x, self.y, depths)
+                loss = loss_fn(self.model, self.x, self.y, depths, self.h0_generator)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
             self.optimizer.step()
@@ -242,6 +243,7 @@ def row_memory(args, device, training, figures):
     model = Parcae(config).to(device).train()
     param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
     x = torch.randint(0, config.vocab_size, (args.batch_size, config.seq_len), device=device)
+    generator = torch.Generator(device).manual_seed(0)
     saved, peaks = {}, {}
     for T in (8, 16, 32):
         storages = {}
@@ -256,16 +258,16 @@ def row_memory(args, device, training, figures):
             torch.cuda.reset_peak_memory_stats(device)
             baseline = torch.cuda.memory_allocated(device)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), bf16_autocast(DEVICE):
-            loss = model(x, x, T=T)
+            loss = model(x, x, T=T, h0_generator=generator)
         loss.backward()
         model.zero_grad(set_to_none=True)
         saved[T] = sum(storages.values())
         if CUDA:
             peaks[T] = torch.cuda.max_memory_allocated(device) - baseline
     spread = max(saved.values()) / min(saved.values())
-    result = ", ".join(f"T={T}: {si(b, 'B')}" for T, b in saved.items())
+    result = ", ".join(f"T={T}: {size(b)}" for T, b in saved.items())
     if peaks:
-        result += "; peak CUDA " + ", ".join(f"T={T}: {si(b, 'B')}" for T, b in peaks.items())
+        result += "; peak CUDA " + ", ".join(f"T={T}: {size(b)}" for T, b in peaks.items())
         spread = max(spread, max(peaks.values()) / min(peaks.values()))
     return [("4", f"memory saved for backward, mu_bwd 4 (saved-tensor hooks, exact{', and peak CUDA' if CUDA else ''})",
              result, f"max/min {spread:.2f}x", f"flat within 10%: {'met' if spread <= 1.10 else 'not met'}")]
@@ -280,7 +282,7 @@ def row_decode(args, device, training, figures):
         where = f"checkpoint {path.parent.name}/{path.name}"
     except (FileNotFoundError, ValueError) as err:
         if args.ckpt:
-            fail(err)
+            raise
         torch.manual_seed(0)
         model = Parcae(model_config(args)).to(device).eval()
         ids = torch.randint(0, model.config.vocab_size, (1, DECODE_PROMPT + args.new_tokens), device=device)
@@ -514,7 +516,7 @@ def row_step(args, device, training, figures):
     targets = {"Parcae per-sequence": 0.45, "Transformer": 0.46}
     for (name, r), letter in zip(results.items(), "abc"):
         mfu = f"MFU {r['mfu_measured']:.1%} of measured" + (f", {r['mfu_listed']:.1%} of listed" if peak else "")
-        memory = f"peak {si(r['peak_memory'], 'B')}" if r["peak_memory"] is not None else "peak memory: no GPU"
+        memory = f"peak {size(r['peak_memory'])}" if r["peak_memory"] is not None else "peak memory: no GPU"
         launches = (f"{r['kernels_per_step']:.0f} kernels per step, GPU idle {r['idle']:.0%}" if CUDA else
                     f"{r['kernels_per_step']:.0f} operators per step")
         ratio = (f"against fixed depth: time per FLOP {overhead:+.1%}, tok/s "
@@ -549,9 +551,9 @@ def row_digest(args, device, training, figures):
         weights, whole = sum(t.nbytes for t in state["model"].values()), path.stat().st_size
     figures["digest"] = {**seconds, "weights_bytes": weights, "checkpoint_bytes": whole}
     weights_s, all_s = seconds["digest_weights"], seconds["digest_all"]
-    return [("10", f"checkpoint digest (sha256 on {min(8, os.cpu_count() or 1)} threads), model {si(weights, 'B')}"
-                  f", checkpoint {si(whole, 'B')}",
-             f"weights {weights_s:.2f} s ({si(weights / weights_s, 'B/s')}); whole checkpoint {all_s:.2f} s; "
+    return [("10", f"checkpoint digest (sha256 on {min(8, os.cpu_count() or 1)} threads), model {size(weights)}"
+                  f", checkpoint {size(whole)}",
+             f"weights {weights_s:.2f} s ({size(weights / weights_s)}/s); whole checkpoint {all_s:.2f} s; "
              f"torch.save {seconds['save']:.2f} s, torch.load {seconds['load']:.2f} s",
              f"the whole digest / torch.load {all_s / seconds['load']:.2f}x", "")]
 
@@ -564,29 +566,23 @@ NEEDS_TRAINING = {1, 2, 3, 6}
 # Command line
 
 def device_name(device):
+    """The GPU's name, or the CPU's with the threads torch uses."""
     if CUDA:
         return torch.cuda.get_device_name(device)
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu}, {torch.get_num_threads()} threads"
+    return f"{cpu_name()}, {torch.get_num_threads()} threads"
 
 
 def parse_rows(text):
-    rows = text.split(",")
-    if not all(r.strip().isdigit() and int(r) in ROWS for r in rows):
-        raise argparse.ArgumentTypeError(f"--rows takes numbers from 1 to {len(ROWS)} separated by commas, "
-                                         f"got {text!r}")
-    return sorted({int(r) for r in rows})
+    """--rows' value -> the row numbers, sorted; a number that is no row raises ValueError."""
+    rows = comma_list(text)
+    if not set(rows) <= set(ROWS):
+        raise ValueError(f"--rows={text} takes numbers from 1 to {len(ROWS)}")
+    return sorted(set(rows))
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     allow_abbrev=False)
-    parser.error = fail  # an unknown flag or a bad value: one line, status 2
-    parser.add_argument("--rows", type=parse_rows, default=sorted(ROWS), help="e.g. 1,3,8 (default: all)")
+    parser = command_parser(__doc__)
+    parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="e.g. 1,3,8")
     parser.add_argument("--depth", type=positive(int), help="layers, a multiple of 3")
     parser.add_argument("--d_model", type=positive(int),
                         help="width (default: 128 on CPU, 128 * (depth/3 + 4) on CUDA)")
@@ -603,14 +599,12 @@ def main(argv=None):
                         help="row 7's backend; eager: dynamo's tracing and guards without code generation")
     parser.add_argument("--json", help="also write the table and the raw figures behind its verdicts to this file")
     args = parser.parse_args(argv)
+    args.rows = parse_rows(args.rows)
     width_from_depth = args.depth is not None  # --depth alone takes METHOD.md §1's width for that depth
     for name, value in (CUDA_SIZES if CUDA else CPU_SIZES).items():
         if getattr(args, name) is None and not (name == "d_model" and width_from_depth):
             setattr(args, name, value)
-    try:
-        config = model_config(args)
-    except ValueError as err:
-        parser.error(str(err))
+    config = model_config(args)
     args.d_model = config.d_model
     device = torch.device("cuda" if CUDA else "cpu")
     if CUDA:
@@ -629,11 +623,11 @@ def main(argv=None):
         table += ROWS[row](args, device, training, figures)
         log(f"row {row} ({ROWS[row].__name__}) took {time.perf_counter() - t0:.0f} s")
         if args.json:  # after every row: a row that fails or runs out of time leaves the ones before it
-            write_atomically(Path(args.json), lambda path: path.write_text(json.dumps(
-                {"sizes": sizes, "device": device_name(device), "rows": table, "figures": figures}, indent=1)))
+            write_json(args.json, {"sizes": sizes, "device": device_name(device), "rows": table,
+                                   "figures": figures})
     print(header + "\n")
     print_table(table, f"measured on {device_name(device)}")
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

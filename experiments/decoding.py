@@ -9,14 +9,13 @@ KV caches instead (engine.py: steps, the exact one, and shared): bytes, loss, gr
     python -m experiments.decoding --kv                     # steps vs shared KV cache
 """
 
-import argparse
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from nanoparcae.checkpoint import load_run
-from nanoparcae.common import fail, parse_device
+from nanoparcae.common import command_parser, parse_device, run_command
 from nanoparcae.dataset import iter_documents
 from nanoparcae.flags import positive
 from engine import EXIT_THRESHOLDS, EXITS, KV_CACHES, Decoder, forced_logits, generate, teacher_forced
@@ -282,9 +281,7 @@ def compare_caches(model, tokenizer, args, device):
 # Command line
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     allow_abbrev=False)
-    parser.error = fail  # an unknown flag or a bad value: one line, status 2
+    parser = command_parser(__doc__)
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--ckpt", help="a checkpoint file (default: the latest of --run)")
     which.add_argument("--run", help="a run under <base dir>/runs (default: the most recently written)")
@@ -300,15 +297,12 @@ def main(argv=None):
                         help="--kv: where the figure goes")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
-    try:
-        device = parse_device(args.device)
-        model, tokenizer, _, path = load_run(args.ckpt or args.run, device)
-        ids = stdlib_tokens(tokenizer, PROMPT + args.max_new_tokens, device)
-    except (FileNotFoundError, ValueError) as err:
-        fail(err)
+    device = parse_device(args.device)
+    model, tokenizer, _, path = load_run(args.ckpt or args.run, device)
+    ids = stdlib_tokens(tokenizer, PROMPT + args.max_new_tokens, device)
     log(f"{path}: {model.num_params():,} parameters, mu_rec={model.config.mu_rec}, injection={model.config.injection}")
     if args.kv and model.injection is None:
-        fail("--kv compares caches of a looped model; this is the Transformer baseline")
+        raise ValueError("--kv compares caches of a looped model; this is the Transformer baseline")
     with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
         if args.kv:
             compare_caches(model, tokenizer, args, device)
@@ -318,4 +312,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

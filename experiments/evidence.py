@@ -10,8 +10,6 @@ The setup, the claims, the paired design (the two arms of a pair share the seed:
 initial weights), the verdict rules and the results: docs/evidence.md.
 """
 
-import argparse
-import json
 import math
 import os
 import subprocess
@@ -23,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from nanoparcae.checkpoint import load_run, run_dir
-from nanoparcae.common import get_base_dir, write_atomically
+from nanoparcae.common import command_parser, read_json, run_command, write_atomically, write_json
 from nanoparcae.divergence import STATE_NORM_LIMIT
 from data import val_batches
 from eval_core import evaluate_bpb, fit_test_time_scaling
@@ -196,7 +194,7 @@ def evaluate(name, mu_rec, with_curve):
         batches = list(val_batches(tokenizer, "stdlib", 16, model.config.seq_len, 8192))
         rows = [evaluate_bpb(model, tokenizer, batches, T, state_norm=True) for T in CURVE_T]
         record["curve"] = dict(T=CURVE_T, loss=[r[0] for r in rows], h_norm=[r[2] for r in rows])
-    write_atomically(directory / "evidence.json", lambda path: path.write_text(json.dumps(record)))
+    write_json(directory / "evidence.json", record)
 
 
 def load_results(runs):
@@ -206,10 +204,10 @@ def load_results(runs):
     evals): the claims compare final losses, and such a run has learned nothing to compare."""
     results = {}
     for run in runs:
-        path = run_dir(run["name"]) / "evidence.json"
-        if not path.exists():
+        recorded = read_json(run_dir(run["name"]) / "evidence.json")
+        if recorded is None:
             continue
-        record = dict(run, **json.loads(path.read_text()))  # what the run recorded, beside how it was planned
+        record = dict(run, **recorded)  # what the run recorded, beside how it was planned
         final = record["val"][-1]["loss"] if record["val"] and record["val"][-1]["step"] == run["steps"] else None
         record["diverged"] = record["diverged_at"] is not None or final is None or not final < UNIFORM_LOSS
         record["loss"] = UNIFORM_LOSS if record["diverged"] else final
@@ -498,9 +496,8 @@ def report(args):
     runs, results = all_results(args.seeds, args.max_seeds)
     missing = [r["name"] for r in runs if r["name"] not in results]
     if missing:
-        print(f"error: {len(missing)} of {len(runs)} runs are unfinished ({missing[0]}, ...); run "
-              f"`python -m experiments.evidence run` first", file=sys.stderr)
-        return 2
+        raise ValueError(f"{len(missing)} of {len(runs)} runs are unfinished ({missing[0]}, ...); run "
+                         f"`python -m experiments.evidence run` first")
     verdicts = []
     for claim, optimizer in claim_arms(results):
         paper, n = PAPER[claim], seeds_for(claim, args.seeds, args.max_seeds)
@@ -515,8 +512,7 @@ def report(args):
                    sweep={o: sweep_details(results, o) for o in OPTIMIZERS}, depth=depth_details(results, seeds),
                    transformer=transformer_details(results, seeds), test_time=test_time_details(results, seeds))
     OUT.mkdir(parents=True, exist_ok=True)
-    write_atomically(OUT / "verdicts.json", lambda p: p.write_text(json.dumps(dict(verdicts=verdicts, details=details),
-                                                                             indent=1)))
+    write_json(OUT / "verdicts.json", dict(verdicts=verdicts, details=details))
     table = table_markdown(verdicts)
     write_atomically(TABLE, lambda p: p.write_text(table))
     write_atomically(DETAILS, lambda p: p.write_text("# The laptop evidence suite: the numbers behind its verdicts\n\n"
@@ -559,9 +555,9 @@ def fill_table(page):
     text, table = page.read_text(), TABLE.read_text()
     start, end = "<!-- evidence-table -->\n", "<!-- /evidence-table -->"
     if start not in text or end not in text:
-        raise SystemExit(f"error: {page} has no {start.strip()} ... {end} block to fill")
+        raise ValueError(f"{page} has no {start.strip()} ... {end} block to fill")
     head, rest = text.split(start, 1)
-    page.write_text(head + start + table + end + rest.split(end, 1)[1])
+    write_atomically(page, lambda partial: partial.write_text(head + start + table + end + rest.split(end, 1)[1]))
 
 
 # -----------------------------------------------------------------------------
@@ -580,8 +576,7 @@ def plan(args):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     allow_abbrev=False)
+    parser = command_parser(__doc__)
     parser.add_argument("command", choices=["plan", "run", "report", "evaluate"])
     parser.add_argument("names", nargs="*", help="evaluate: a run name, its mu_rec and 1 for the T curve (internal)")
     parser.add_argument("--jobs", type=int, default=2, help="runs at once (one thread each)")
@@ -590,7 +585,8 @@ def main(argv=None):
     parser.add_argument("--page", help="report: also fill this page's evidence table, e.g. docs/evidence.md")
     args = parser.parse_args(argv)
     if args.seeds < 2 or args.max_seeds < args.seeds or args.jobs < 1:
-        parser.error("--seeds must be >= 2 (an interval needs two pairs), --max_seeds >= --seeds, --jobs >= 1")
+        raise ValueError(f"--seeds={args.seeds} must be >= 2 (an interval needs two pairs), --max_seeds="
+                         f"{args.max_seeds} >= --seeds, --jobs={args.jobs} >= 1")
     if args.command == "evaluate":
         return evaluate(args.names[0], int(args.names[1]), args.names[2] == "1")
     code = {"plan": plan, "run": run, "report": report}[args.command](args)
@@ -600,4 +596,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_command(main)

@@ -31,7 +31,7 @@ from types import SimpleNamespace
 
 import torch
 
-from nanoparcae.common import fail, first_sentence
+from nanoparcae.common import command_parser, first_sentence, read_json, run_command
 from nanoparcae.core_tasks import CORE_TASKS
 from nanoparcae.dataset import list_chunks
 from nanoparcae.flags import positive
@@ -106,12 +106,15 @@ def step_records(runs_dir, name):
     return records
 
 
+def bench_json(work, name="bench"):
+    """What bench.py --json wrote in stage `name`; {} when it wrote nothing."""
+    return read_json(work / f"{name}.json") or {}
+
+
 def bench_row(work, number, name="bench"):
-    """bench.py's row `number` as (what, result, ratio, target), from stage `name`'s json; Failed with the stage's
-    reason if it has none."""
-    path = work / f"{name}.json"
-    rows = json.loads(path.read_text())["rows"] if path.exists() else []
-    found = [row for row in rows if row[0] == number]
+    """bench.py's row `number` as (what, result, ratio, target), from stage `name`'s json.
+    A row it did not write raises Failed with the stage's reason."""
+    found = [row for row in bench_json(work, name).get("rows", []) if row[0] == number]
     if not found:
         stage(work, name)
         raise Failed(f"bench.py wrote no row {number} in stage {name}")
@@ -119,8 +122,7 @@ def bench_row(work, number, name="bench"):
 
 
 def bench_figure(work, key):
-    path = work / "bench.json"
-    figures = json.loads(path.read_text())["figures"] if path.exists() else {}
+    figures = bench_json(work).get("figures", {})
     if key not in figures:
         stage(work, "bench")
         raise Failed(f"bench.py recorded no {key}")
@@ -139,7 +141,7 @@ def versions(work, runs_dir, args):
         rate = si(bench_figure(work, "step")["matmul_rate"], "FLOP/s")
     except Failed as err:
         rate = f"failed: {err}"
-    sizes = json.loads((work / "bench.json").read_text())["sizes"] if (work / "bench.json").exists() else "?"
+    sizes = bench_json(work).get("sizes", "?")
     return (f"versions; the {'bf16' if CUDA else 'float32'} matmul rate at the MLP's shape (bench.py row 9, {sizes})",
             f"torch {torch.__version__}, {where}; matmul {rate}", "")
 
@@ -533,9 +535,7 @@ def table(args):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     allow_abbrev=False)
-    parser.error = fail  # an unknown flag or a bad value: one line, status 2
+    parser = command_parser(__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     p = commands.add_parser("table", help="the check's table, from its stages' outputs")
     p.add_argument("work", type=Path, help="the folder of the stages' logs, exit statuses and bench.json")
@@ -557,8 +557,8 @@ def main(argv=None):
     p.add_argument("--fake_gpu", type=positive(int), metavar="BYTES", help="torch.cuda reports one GPU this big")
     p.add_argument("script")
     p.add_argument("args", nargs=argparse.REMAINDER)
-    for command in commands.choices.values():
-        command.error, command.allow_abbrev = fail, False
+    for command in commands.choices.values():  # each a CommandParser, as its parent
+        command.allow_abbrev = False
     args = parser.parse_args(argv)
     if args.command == "table":
         return table(args)
@@ -578,4 +578,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_command(main)

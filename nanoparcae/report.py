@@ -15,9 +15,6 @@ The paper's numbers and README's, set beside them, are typed in the two tables b
 Each table cites where they are printed.
 """
 
-import argparse
-import json
-import math
 import os
 import platform
 import subprocess
@@ -28,10 +25,12 @@ import torch
 
 from model import PAPER_TOKENS, ParcaeConfig
 from nanoparcae.checkpoint import find_checkpoint, read_checkpoint, run_dir, sized_model
-from nanoparcae.common import REFUSED, check_writable, fail, fail_with, read_json, write_atomically
+from nanoparcae.common import (EnvironmentFailure, check_writable, command_parser, read_json, run_command,
+                               write_atomically, write_json)
 from nanoparcae.core_tasks import CORE_LABELS
 from nanoparcae.memory import memory_plan
 from nanoparcae.metrics import read_metrics
+from nanoparcae.results import widest
 from optim import optimizer_state_bytes
 
 # METHOD.md §4 (the paper's nanochat table, Parcae at T = 8): val PPL, LAMBADA PPL, CORE, Core-Extended
@@ -47,43 +46,51 @@ CPU_README = {"run": {"depth": 3, "d_model": 128, "mu_rec": 4, "data": "stdlib",
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def widest(run_dir, pattern):
-    """Of run_dir's eval results matching pattern (eval_core.result_path: the run's own), the one that measured most,
-    then over most depths, then the newest; or None."""
-    def breadth(path):
-        result = read_json(path) or {}
-        return result.get("measured", {}).get("amount", 0), len(result.get("T", [])), path.stat().st_mtime, path.name
-    found = sorted(run_dir.glob(pattern), key=breadth)
-    return found[-1] if found else None
-
 # -----------------------------------------------------------------------------
 # The machine, recorded by the recipe before it trains
+
+
+def cpu_name():
+    """The CPU's model name, from /proc/cpuinfo where there is one."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def git_commit():
+    """This checkout's commit, marked +changes when tracked files differ; None outside git."""
+    def git(*args):
+        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+    try:
+        commit = git("rev-parse", "--short=12", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return commit + ("+changes" if dirty else "") if commit else None
 
 
 def this_machine():
     """GPUs (names), CPU, torch, CUDA and the git commit of this checkout -> a dict."""
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    try:
-        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=12", "HEAD"], capture_output=True,
-                                text=True, timeout=10).stdout.strip() or None
-        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        commit, dirty = None, ""
-    cpu = platform.processor() or platform.machine()
-    if Path("/proc/cpuinfo").is_file():
-        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name")), cpu)
-    return {"gpus": gpus, "cpu": cpu, "cpu_count": os.cpu_count(), "torch": torch.__version__,
-            "cuda": torch.version.cuda, "commit": commit and commit + ("+changes" if dirty else ""),
+    return {"gpus": gpus, "cpu": cpu_name(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "commit": git_commit(),
             "processes": int(os.environ.get("NPROC", 0)) or max(1, len(gpus))}
 
 
-def record_machine(run_dir):
+def record_machine(run_dir, gpu=False):
+    """Write this machine to the run's recipe/machine.json -> its path.
+    gpu: refuse a torch that sees no GPU, since the recipe would train on the CPU."""
+    if gpu and not torch.cuda.is_available():
+        raise EnvironmentFailure(f"torch {torch.__version__} sees no GPU: it is the CPU build, or the driver is "
+                                 f"too old; remove .venv and run again for PyPI's CUDA build (TORCH_INDEX=URL "
+                                 f"for another)")
     path = run_dir / "recipe" / "machine.json"
     check_writable(path.parent, path.name)
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomically(path, lambda partial: partial.write_text(json.dumps(this_machine(), indent=1)))
+    write_json(path, this_machine())
     return path
 
 # -----------------------------------------------------------------------------
@@ -320,25 +327,17 @@ def write_card(run_dir):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     allow_abbrev=False)
-    parser.error = fail
+    parser = command_parser(__doc__)
     parser.add_argument("--run", required=True, help="a run under <base dir>/runs")
     parser.add_argument("--machine", action="store_true", help="record this machine in recipe/machine.json")
     parser.add_argument("--gpu", action="store_true", help="with --machine: refuse a torch that sees no GPU")
     args = parser.parse_args(argv)
-    if args.gpu and not torch.cuda.is_available():
-        fail(f"torch {torch.__version__} sees no GPU: it is the CPU build, or the driver is too old; remove .venv "
-             f"and run again for PyPI's CUDA build (TORCH_INDEX=URL for another)", 1)
-    try:
-        folder = run_dir(args.run)
-        if args.machine:
-            print(f"recorded the machine in {record_machine(folder)}")
-            return
+    folder = run_dir(args.run)
+    if args.machine:
+        print(f"recorded the machine in {record_machine(folder, args.gpu)}")
+    else:
         print(f"wrote {write_card(folder)}")
-    except REFUSED as err:
-        fail_with(err)
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from conftest import forked
+from conftest import forked, raises_naming
 from experiments import evidence
 
 
@@ -143,7 +143,7 @@ def test_the_table_is_replaced_between_its_markers(tmp_path, monkeypatch):
     evidence.fill_table(page)
     assert page.read_text() == "a\n<!-- evidence-table -->\n| new |\n<!-- /evidence-table -->\nb\n"
     page.write_text("no markers\n")
-    with pytest.raises(SystemExit, match="no <!-- evidence-table --> ... <!-- /evidence-table --> block"):
+    with raises_naming(ValueError, str(page), "<!-- evidence-table -->"):
         evidence.fill_table(page)
 
 
