@@ -22,8 +22,6 @@ Runs live under <base dir>/runs/<sweep>_C<budget>_mu<mu_rec>[_s<seed>]; the JSON
 <base dir>/scaling/<sweep>.
 """
 
-import argparse
-import json
 import math
 import subprocess
 import sys
@@ -34,7 +32,8 @@ import numpy as np
 import torch
 
 from nanoparcae.checkpoint import run_dir
-from nanoparcae.common import PEAK_BF16_FLOPS, fail, get_base_dir, write_atomically
+from nanoparcae.common import (PEAK_BF16_FLOPS, comma_list, command_parser, get_base_dir, read_json, run_command,
+                               write_atomically, write_json)
 from nanoparcae.metrics import read_metrics
 from experiments.scaling_fit import (bootstrap_exponents, fit_unified, interval_verdict, mean_relative_error,
                                      paired_interval, parabola_optimum, pooled_spread, power_law, t_interval,
@@ -78,9 +77,9 @@ def make_sweep(args):
             sweep[key] = getattr(args, key)
     sweep["name"] = args.sweep or sweep["name"]
     if not sweep["flops"] or not sweep["mu_rec"]:
-        fail("give --flops and --mu_rec (e.g. --flops=1e18,3e18 --mu_rec=1,2,4,8) or a --preset")
+        raise ValueError("give --flops and --mu_rec (e.g. --flops=1e18,3e18 --mu_rec=1,2,4,8) or a --preset")
     if sweep["seeds"] < 1:
-        fail(f"--seeds={sweep['seeds']} must be at least 1")
+        raise ValueError(f"--seeds={sweep['seeds']} must be at least 1")
     return sweep
 
 
@@ -93,11 +92,8 @@ def model_size(sweep, mu_rec):
     """-> (parameters, the paper's C per token, executed matmul FLOPs per token) from model.py: C is what train.py's
     --target_flops divides, the executed count what the GPU-hour estimate's MFU applies to (sampling as train_flags
     runs the point: mu_rec = 1 at fixed depth)."""
-    try:
-        config = ParcaeConfig.from_depth(sweep["depth"], mu_rec=mu_rec, **sweep["model"],
-                                         sampling="fixed" if mu_rec == 1 else "per_sequence")
-    except ValueError as err:
-        fail(err)
+    config = ParcaeConfig.from_depth(sweep["depth"], mu_rec=mu_rec, **sweep["model"],
+                                     sampling="fixed" if mu_rec == 1 else "per_sequence")
     with torch.device("meta"):
         model = Parcae(config)
     return model.num_params(), model.paper_flops_per_token(), model.matmul_flops_per_token()
@@ -156,16 +152,12 @@ def plan(sweep, gpus):
     commands = [" ".join(launcher(gpus) + ["train.py"] + train_flags(sweep, p)) for p in rows]
     out_dir = get_base_dir() / "scaling" / sweep["name"]
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_text(out_dir / "commands.sh", "\n".join(commands) + "\n")
+    write_atomically(out_dir / "commands.sh", lambda partial: partial.write_text("\n".join(commands) + "\n"))
     print(f"\nGPU-hours: the matmul FLOPs the D tokens execute at {MFU:.0%} MFU of an H100's {H100_BF16 / 1e12:.0f} "
           f"TFLOP/s. One command per point "
           f"(also in {out_dir / 'commands.sh'}, one per line, for a scheduler such as a SLURM array):")
     print("\n".join(commands))
     return rows
-
-
-def write_text(path, text):
-    write_atomically(path, lambda partial: partial.write_text(text))
 
 
 # -----------------------------------------------------------------------------
@@ -182,7 +174,7 @@ def final_eval(point):
 def bpb_result(point, Ts):
     """eval_core.py's `--eval bpb` JSON of this run covering every T, or None."""
     for path in sorted(run_dir(point["name"]).glob("ckpt_*_bpb_T*.json")):
-        result = json.loads(path.read_text())
+        result = read_json(path)
         if set(Ts) <= set(result["T"]) and result.get("step") == point["steps"]:
             return result
     return None
@@ -389,7 +381,7 @@ def fit(sweep, runs=None, out_dir=None):
                            "power laws refitted, 2000 draws, 5th-95th percentiles")
     result = dict(sweep=sweep, runs=runs, budgets={f"{C:.3g}": b for C, b in budgets.items()}, noise=noise,
                   power_laws=laws, unified=unified, notes=notes)
-    write_text(out_dir / "fit.json", json.dumps(result, indent=1))
+    write_json(out_dir / "fit.json", result)
     print_report(runs, budgets, noise, laws, unified, notes)
     figures = draw(runs, budgets, sigma, laws, unified, out_dir)
     print(f"\nwrote {out_dir / 'fit.json'} and {', '.join(str(f) for f in figures)}")
@@ -541,25 +533,22 @@ def draw(runs, budgets, sigma, laws, unified, out_dir):
 # -----------------------------------------------------------------------------
 # Command line
 
-def parse_list(text, kind, flag):
-    try:
-        values = [kind(float(v)) if kind is int and "e" in v else kind(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        values = []
-    if not values:
-        fail(f"{flag}={text!r} must be numbers separated by commas, e.g. {flag}=1,2,4")
-    return values
+def numbers(kind):
+    """An argparse type: values separated by commas (common.comma_list), each read by kind."""
+    def parse(text):
+        return comma_list(text, kind)
+    parse.__name__ = f"comma-separated {kind.__name__}"  # argparse names it in "invalid ... value"
+    return parse
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     allow_abbrev=False)
+    parser = command_parser(__doc__)
     parser.add_argument("command", choices=["plan", "run", "fit"])
     parser.add_argument("--preset", choices=sorted(PRESETS), help="a ready sweep: cpu = the CPU study")
     parser.add_argument("--depth", type=int, help="model size (train.py --depth; default 6, the 140M)")
-    parser.add_argument("--flops", type=lambda s: parse_list(s, float, "--flops"), help="budgets C, e.g. 1e18,3e18")
-    parser.add_argument("--mu_rec", type=lambda s: parse_list(s, int, "--mu_rec"), help="e.g. 1,2,4,8")
-    parser.add_argument("--T", type=lambda s: parse_list(s, int, "--T"), help="test-time depths of the unified fit")
+    parser.add_argument("--flops", type=numbers(float), help="budgets C, e.g. 1e18,3e18")
+    parser.add_argument("--mu_rec", type=numbers(int), help="e.g. 1,2,4,8")
+    parser.add_argument("--T", type=numbers(int), help="test-time depths of the unified fit")
     parser.add_argument("--seeds", type=int, help="seeds at the middle budget, which measure the noise (default 1)")
     parser.add_argument("--sweep", help="sweep name (default: the preset's, or d<depth>)")
     parser.add_argument("--refit", type=Path, metavar="FIT_JSON",
@@ -568,11 +557,11 @@ def main(argv=None):
                         help="processes per point (default: every GPU here for run, 8 for plan's commands)")
     args = parser.parse_args(argv)
     if args.command == "fit" and args.refit:
-        try:
-            recorded = json.loads(args.refit.read_text())
-        except (OSError, ValueError) as err:
-            fail(f"cannot read {args.refit} ({err}): give a fit.json that `python -m experiments.scaling fit` wrote")
-        return fit(recorded["sweep"], recorded["runs"], args.refit.parent)
+        recorded = read_json(args.refit)
+        if recorded is None:
+            raise FileNotFoundError(f"no {args.refit}: give a fit.json that `python -m experiments.scaling fit` wrote")
+        fit(recorded["sweep"], recorded["runs"], args.refit.parent)
+        return
     sweep = make_sweep(args)
     if args.command == "plan":
         plan(sweep, 8 if args.gpus is None else args.gpus)
@@ -582,10 +571,10 @@ def main(argv=None):
     else:
         if not any(final_eval(p) for p in points(sweep)):  # nothing to fit: one line, nothing written
             flags = [a for a in (sys.argv[1:] if argv is None else argv) if a != "fit"]
-            fail(f"no finished run of sweep '{sweep['name']}' under {run_dir()}; train them first: "
-                 f"python -m experiments.scaling run {' '.join(flags)}")
+            raise ValueError(f"no finished run of sweep '{sweep['name']}' under {run_dir()}; train them first: "
+                             f"python -m experiments.scaling run {' '.join(flags)}")
         fit(sweep)
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

@@ -16,7 +16,6 @@ becomes such a folder, for their from_pretrained.
     model, tokenizer = interop.hub.load_pretrained("SandyResearch/parcae-140m")   # or a local folder
 """
 
-import argparse
 import json
 import os
 import re
@@ -26,16 +25,14 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 import eval_core
 import sample
 from nanoparcae.checkpoint import assign_weights, load_run, sized_model
-from nanoparcae.common import (REFUSED, check_writable, fail, fail_with, first_sentence, get_base_dir,
+from nanoparcae.common import (check_writable, command_parser, first_sentence, get_base_dir, read_json, run_command,
                                write_atomically)
-from model import SAMPLINGS
 from nanoparcae.download import download_file
-from model import ParcaeConfig, value_embedding_layers
+from model import SAMPLINGS, ParcaeConfig, value_embedding_layers
 from nanoparcae.tokenizer import Tokenizer
 
 HUB_URL = os.environ.get("NANOPARCAE_HUB_URL", "https://huggingface.co")  # tests point it at 127.0.0.1
@@ -349,7 +346,7 @@ def split_pattern(pre_tokenizer):
 def tokenizer_from_json(path, bos_token=None):
     """tokenizer.json -> tokenizer.Tokenizer: the vocabulary mapped back to bytes, ranks = ids (BPE merges
     in id order, as a trainer mints them), added tokens kept as special tokens."""
-    spec = json.loads(Path(path).read_text(encoding="utf-8"))
+    spec = read_json(path)
     bpe = spec.get("model", {})
     if bpe.get("type") != "BPE" or spec.get("normalizer"):
         raise ValueError(f"{path} is not a plain BPE tokenizer (model {bpe.get('type')}, normalizer "
@@ -381,10 +378,7 @@ def load_pretrained(source, device="cpu", need_tokenizer=False):
     """A Hub repo id (e.g. SandyResearch/parcae-140m) or a local folder -> (model in eval mode, tokenizer); the
     tokenizer is None for a folder without tokenizer.json, or a one-line error if need_tokenizer (fetch_files)."""
     config_path, weights_path, tokenizer_path = fetch_files(source, need_tokenizer)
-    try:
-        authors_config = json.loads(Path(config_path).read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{config_path} is not valid JSON ({err})") from None
+    authors_config = read_json(config_path)
     config = config_from_authors(authors_config)
     try:
         state_dict = torch.load(weights_path, map_location="cpu", weights_only=True)
@@ -575,37 +569,28 @@ def replace_folder(new, old):
 
 
 def export_main(argv):
-    parser = argparse.ArgumentParser(prog="python -m interop.hub export", allow_abbrev=False,
-                                     description="Write a nanoparcae checkpoint as a folder the authors' "
-                                     "parcae_lm.from_pretrained reads")
-    parser.error = fail  # an unknown flag or a bad value: one line, status 2
+    """A nanoparcae checkpoint -> a folder the authors' from_pretrained reads."""
+    parser = command_parser("Write a nanoparcae checkpoint as a folder the authors' parcae_lm.from_pretrained reads")
+    parser.prog = "python -m interop.hub export"
     parser.add_argument("source", help="a checkpoint file, or a run under <base dir>/runs (its latest checkpoint)")
     parser.add_argument("out_dir", help="the folder to write (upload it with `hf upload`)")
     args = parser.parse_args(argv)
     warnings.formatwarning = lambda message, *_, **__: f"interop.hub export: {message}\n"
-    try:
-        model, tokenizer, _, path = load_run(args.source)
-        check_writable(Path(args.out_dir), "the export", needs=sum(t.nbytes for t in model.state_dict().values()))
-        out = export(model, tokenizer, args.out_dir)
-    except REFUSED as err:
-        fail_with(err)
+    model, tokenizer, _, path = load_run(args.source)
+    check_writable(Path(args.out_dir), "the export", needs=sum(t.nbytes for t in model.state_dict().values()))
+    out = export(model, tokenizer, args.out_dir)
     print(f"{path} -> {out}: config.json ({model.config.injection}), model.pt, tokenizer.json, tokenizer_config.json")
 
 
 def sample_main(argv):
     """sample.py's sampling, on the authors' release."""
-    parser = argparse.ArgumentParser(prog="python -m interop.hub sample", allow_abbrev=False,
-                                     description="Sample from the authors' release with sample.py's flags")
-    parser.error = fail  # an unknown flag or a bad value: one line, status 2
+    parser = command_parser("Sample from the authors' release with sample.py's flags")
+    parser.prog = "python -m interop.hub sample"
     parser.add_argument("source", help=SOURCE_HELP)
     sample.add_sampling_flags(parser)
     args = sample.parse_sampling_flags(parser, argv)
-    device = torch.device(args.device)
-    try:
-        model, tokenizer = load_pretrained(args.source, device, need_tokenizer=True)
-        sample.sample(model, tokenizer, args, args.source)
-    except REFUSED as err:
-        fail_with(err)
+    model, tokenizer = load_pretrained(args.source, torch.device(args.device), need_tokenizer=True)
+    sample.sample(model, tokenizer, args, args.source)
 
 
 def eval_main(argv):
@@ -614,29 +599,19 @@ def eval_main(argv):
     parser.prog = "python -m interop.hub eval"
     parser.add_argument("source", help=SOURCE_HELP)
     args = parser.parse_args(argv)
-    try:
-        device = eval_core.start_device(args)
-        model, tokenizer = load_pretrained(args.source, device, need_tokenizer=True)
-        eval_core.evaluate(args, model, tokenizer, {}, local_dir(args.source) / "authors", args.T, args.seeds,
-                           device)
-    except REFUSED as err:
-        fail_with(err)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    device = eval_core.start_device(args)
+    model, tokenizer = load_pretrained(args.source, device, need_tokenizer=True)
+    eval_core.evaluate(args, model, tokenizer, {}, local_dir(args.source) / "authors", device)
 
 
 def summary_main(argv):
-    parser = argparse.ArgumentParser(prog="python -m interop.hub", allow_abbrev=False,
-                                     description="Download and load an authors' Parcae checkpoint and print a "
-                                     "summary; the subcommands sample, eval and export take their own --help")
-    parser.error = fail  # an unknown flag or a bad value: one line, status 2
+    """Load a release and print its summary and one greedy next token."""
+    parser = command_parser("Download and load an authors' Parcae checkpoint and print a summary; the subcommands "
+                            "sample, eval and export take their own --help")
+    parser.prog = "python -m interop.hub"
     parser.add_argument("source", help=SOURCE_HELP)
     args = parser.parse_args(argv)
-    try:
-        model, tokenizer = load_pretrained(args.source, need_tokenizer=True)
-    except REFUSED as err:
-        fail_with(err)
+    model, tokenizer = load_pretrained(args.source, need_tokenizer=True)
     c = model.config
     print(f"{args.source}: injection={c.injection} layers={c.n_prelude}/{c.n_recur}/{c.n_coda} d={c.d_model} "
           f"mu_rec={c.mu_rec} params={model.num_params():,} vocab={tokenizer.vocab_size} "
@@ -644,7 +619,7 @@ def summary_main(argv):
     ids = tokenizer.encode("The capital of France is", prepend_bos=True)
     allowed = tokenizer.known_ids(c.vocab_size)
     with torch.no_grad():
-        logits = model(torch.tensor([ids]))[0, -1]
+        logits = model(torch.tensor([ids]), h0_generator=torch.Generator().manual_seed(0))[0, -1]
     logits = logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))
     print("next token after 'The capital of France is':", repr(tokenizer.decode([int(logits.argmax())])))
 
@@ -654,8 +629,8 @@ def main(argv=None):
     commands = {"export": export_main, "sample": sample_main, "eval": eval_main}
     if argv[:1] and argv[0] in commands:
         return commands[argv[0]](argv[1:])
-    summary_main(argv)
+    return summary_main(argv)
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)
