@@ -8,13 +8,16 @@ bench.py: nanoparcae's performance figures, measured side by side on whatever ma
     python -m experiments.bench --rows 9 --seq_len 256 --batch_size 2 --vocab_size 4096   # the compiled step
 
 It prints ONE markdown table (progress goes to stderr), the one docs/performance.md quotes.
-Each speed figure is a ratio of two things timed in the same run, interleaved repeat by repeat so that
-the noise of a shared machine falls on both; each is the median of --repeats repeats after a warm-up.
-Training steps run forward + backward + gradient clip + optimiser step (optim.build_optimizer), on
-fixed batches of random tokens, with the depths of every step drawn up front (model.sample_depths) and
-replayed as forward's depths, so both sides of a comparison run exactly the same depths. Row 9 compiles them as
-train.py does (compile_step). Every FLOP/s figure counts the matmul FLOPs executed (Parcae.matmul_flops_per_token),
-not the paper's C (Parcae.paper_flops_per_token, for budgets).
+Each speed figure is a ratio of two things timed in the same run.
+Their repeats interleave, so the noise of a shared machine falls on both.
+Each figure is the median of --repeats repeats after a warm-up.
+Training steps run forward, backward, gradient clip and optimiser step (optim.build_optimizer).
+They run on fixed batches of random tokens.
+The depths of every step are drawn up front (model.sample_depths) and replayed as forward's depths.
+So both sides of a comparison run exactly the same depths.
+Row 9 compiles them as train.py does (compile_step).
+Every FLOP/s figure counts the matmul FLOPs executed (Parcae.matmul_flops_per_token).
+The paper's C (Parcae.paper_flops_per_token) is for budgets only.
 """
 
 import os
@@ -78,9 +81,10 @@ def model_loss(model, x, y, depths, generator):
 
 
 def masked_reference_loss(model, x, y, depths, generator):
-    """Per-sequence depths the way the paper runs them (METHOD.md §2): the whole batch steps max(n) times without
-    grad and max(k) times with it, and torch.where keeps the state of a sequence whose count is used up.
-    Built from the model's pieces: the reference row 8 measures model.py's loop against, loss and gradients alike."""
+    """Run per-sequence depths the way the paper does (METHOD.md §2).
+    The whole batch steps max(n) times without grad and max(k) times with it.
+    torch.where keeps the state of a sequence whose count is used up.
+    Row 8 measures model.py's loop against this reference, loss and gradients alike."""
     Bbar_e, ves, cos, sin = model.run_prelude(x)
     n, k = model.loop_depths(x.size(0), depths=depths)
     h = initial_state(Bbar_e.shape, Bbar_e.device, generator).to(Bbar_e.dtype)
@@ -124,17 +128,19 @@ def depth_schedule(config, batch_size, num_steps, seed=0):
 
 
 def sampled_flops_per_token(config, schedule):
-    """Executed matmul FLOPs per token at the depths the schedule sampled: linear in the steps without and with
-    gradient, so at the mean sampled n_i and k_i it counts exactly the passes sampled (not those a masked batch
-    wastes). The Transformer's count does not depend on depth."""
+    """Count the executed matmul FLOPs per token at the depths the schedule sampled.
+    The count is linear in the steps without and with gradient.
+    So at the mean sampled n_i and k_i it counts exactly the passes sampled, not those a masked batch wastes.
+    The Transformer's count does not depend on depth."""
     n, k = (torch.cat(steps).double() for steps in zip(*schedule))
     with torch.device("meta"):
         return Parcae(config).matmul_flops_per_token(n, k)
 
 
 class PassCounter:
-    """Executed recurrent passes, one per sequence per run of the recurrent block: the tokens its first layer
-    sees over seq_len, so a step run on a subset of the batch counts that subset only."""
+    """Count executed recurrent passes, one per sequence per run of the recurrent block.
+    It divides the tokens the block's first layer sees by seq_len.
+    So a step run on a subset of the batch counts that subset only."""
 
     def __init__(self, model):
         self.model, self.tokens = model, 0
@@ -202,8 +208,9 @@ def row_throughput(args, device, training, figures):
 
 
 def row_mfu(args, device, training, figures):
-    """MFU against the matmul rate measured here at the model's own shapes, which a training step could reach at
-    best; and against the GPU's listed dense bf16 peak where common.PEAK_BF16_FLOPS has it."""
+    """Row 2: MFU against the matmul rate measured here at the model's own shapes.
+    A training step could reach that rate at best.
+    Where common.PEAK_BF16_FLOPS lists the GPU, MFU against its dense bf16 peak too."""
     rate = figures["matmul_rate"] = matmul_rate(args, device)
     peak = peak_bf16_flops(device)
     parcae, gpt = training["per-sequence"][1], training["Transformer"][1]
@@ -274,8 +281,8 @@ def row_memory(args, device, training, figures):
 
 
 def row_decode(args, device, training, figures):
-    """Row 5 on a trained checkpoint (--ckpt, else the newest under the base dir) and the stdlib's text; on
-    an untrained model of the bench's size and random tokens when there is none."""
+    """Row 5 on a trained checkpoint (--ckpt, else the newest) and the stdlib's text.
+    Without a checkpoint it uses an untrained model of the bench's size and random tokens."""
     try:
         model, tokenizer, _, path = load_run(args.ckpt, device)
         ids = stdlib_tokens(tokenizer, DECODE_PROMPT + args.new_tokens, device)
@@ -335,9 +342,10 @@ def row_core_and_loader(args, device, training, figures):
 
 
 def row_compile(args, device, training, figures):
-    """model.compile_regions() (as train.py calls it) against eager, over 50 steps of per-sequence depths; the
-    graphs dynamo compiles are counted after every 10 steps (the loop step's row count goes dynamic once, so a
-    few early recompilations are by design; later ones are not)."""
+    """Row 7: model.compile_regions(), as train.py calls it, against eager.
+    It runs 50 steps of per-sequence depths and counts dynamo's graphs after every 10 steps.
+    The loop step's row count goes dynamic once, so a few early recompilations are by design.
+    Later ones are not."""
     if CUDA:
         config, batch_size = model_config(args), args.batch_size
     else:
@@ -454,9 +462,10 @@ def busy_time(intervals):
 
 
 def profile_steps(fn, num_steps, device):
-    """(launches per step, the device's idle share) over num_steps calls of fn, from torch.profiler. On CUDA the
-    kernels and copies, idle outside all of them; on a CPU the operators dispatched outside any other operator
-    (a compiled kernel's call is one), and no idle share."""
+    """Profile num_steps calls of fn -> (launches per step, the device's idle share).
+    On CUDA it counts kernels and copies, and the idle time outside all of them.
+    On a CPU it counts the operators dispatched outside any other operator, and no idle share.
+    A compiled kernel's call counts as one operator."""
     from torch.profiler import DeviceType, ProfilerActivity, profile
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])

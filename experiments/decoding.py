@@ -1,8 +1,11 @@
 """
-decoding.py: the decoding benchmark, teacher-forced decoding of the stdlib's validation text timed side by side:
-fixed T, T_max = 2 mu_rec and --T=auto with either exit test; then the preallocated KV cache against a concatenating
-one and full recomputation. These are bench.py's rows 5a and 5b, here for one checkpoint. --kv compares the two
-KV caches instead (engine.py: steps, the exact one, and shared): bytes, loss, greedy agreement, tokens/s, a figure.
+decoding.py: the decoding benchmark, timed side by side for one checkpoint.
+It decodes the stdlib's validation text teacher-forced at fixed T, at T_max = 2 mu_rec, and with --T=auto.
+--T=auto runs with either exit test.
+Then it times the preallocated KV cache against a concatenating one and against full recomputation.
+These are bench.py's rows 5a and 5b.
+--kv compares the two KV caches of engine.py instead, steps (the exact one) and shared.
+It reports bytes, loss, greedy agreement and tokens/s, and draws a figure.
 
     python -m experiments.decoding                          # the latest checkpoint of the latest run
     python -m experiments.decoding --run=d12 --T=8 --max_new_tokens=512
@@ -72,9 +75,10 @@ def stdlib_tokens(tokenizer, length, device):
 
 
 def decoding_rows(model, ids, prompt_len, T=None, exit_threshold=None, repeats=3, number="5"):
-    """Teacher-forced decoding of ids[:, prompt_len:] (engine.teacher_forced), timed side by side: fixed T
-    (default mu_rec), T_max = 2 mu_rec, --T=auto with either exit test; then the KV cache against a
-    concatenating one and full recomputation, at T. -> two table rows (tokens/s, loss, steps per token)."""
+    """Time teacher-forced decoding of ids[:, prompt_len:] (engine.teacher_forced) -> two table rows.
+    The first compares fixed T (default mu_rec), T_max = 2 mu_rec and --T=auto with either exit test.
+    The second compares the KV cache at T with a concatenating one and with full recomputation.
+    Each row gives tokens/s, loss and steps per token."""
     c = model.config
     T, T_max, new = T or c.mu_rec, 2 * c.mu_rec, ids.size(1) - prompt_len
     modes = {f"T={T}": dict(T=T), f"recompute T={T}": dict(T=T, use_cache=False)}
@@ -124,10 +128,12 @@ def decoding_rows(model, ids, prompt_len, T=None, exit_threshold=None, repeats=3
 
 
 def cost_split(rate, T, T_max, auto, auto_steps):
-    """Where a decoded token's time goes, from the two fixed depths: time(T) = fixed + T * step, the fixed
-    part being the prelude, the coda, the head and the loop around them. In steps: the fixed part, and what
-    --T=auto costs beyond its steps (the exit tests, the skipped slots' fill); then the most any exit test,
-    however cheap, could save against T_max at auto's steps. Empty when T = T_max."""
+    """Split a decoded token's time using the two fixed depths, time(T) = fixed + T * step.
+    The fixed part is the prelude, the coda, the head and the loop around them.
+    In steps it shows the fixed part and what --T=auto costs beyond its steps.
+    That cost is the exit tests and the skipped slots' fill.
+    Then it shows the most any exit test could save against T_max at auto's steps.
+    It is empty when T = T_max."""
     if T == T_max:
         return ""
     step = (1 / rate[f"T={T_max}"] - 1 / rate[f"T={T}"]) / (T_max - T)
@@ -147,8 +153,9 @@ BIG_POSITIONS = 2048
 
 
 def kv_bytes(config, T, kv, positions, bytes_per_value):
-    """A KV cache's bytes by count: keys and values of d_model per position, per slot: one per prelude and coda
-    layer, and per recurrent layer one (shared) or one per loop step (steps)."""
+    """Count a KV cache's bytes: keys and values of d_model per position, per slot.
+    Each prelude and coda layer has one slot.
+    Each recurrent layer has one (shared) or one per loop step (steps)."""
     slots = config.n_prelude + config.n_coda + config.n_recur * (1 if kv == "shared" else T)
     return slots * 2 * positions * config.d_model * bytes_per_value
 

@@ -179,9 +179,10 @@ def largest(steps, key):
 
 
 def evaluate(name, mu_rec, with_curve):
-    """The run's record (evidence.json): its logged curves and divergence, and, if it trained and with_curve, the
-    val loss and ||h_T|| at every CURVE_T (eval_core.evaluate_bpb, as train.py's evals: 8,192 tokens, one seeded h0;
-    about 30 s a run on one core)."""
+    """Write the run's record, evidence.json: its logged curves and divergence.
+    If it trained and with_curve, add the val loss and ||h_T|| at every CURVE_T.
+    They come from eval_core.evaluate_bpb, as in train.py's evals: 8,192 tokens, one seeded h0.
+    That takes about 30 s a run on one core."""
     directory = run_dir(name)
     logged = read_run(directory)
     evals = [e for e in logged["evals"] if f"val_loss_T{mu_rec}" in e or "val_loss_T1" in e]
@@ -198,10 +199,11 @@ def evaluate(name, mu_rec, with_curve):
 
 
 def load_results(runs):
-    """{name: record} of the finished runs, each with `loss` (final val loss at T = mu_rec, a uniform guess's if
-    it diverged) and `diverged`. The suite counts as diverged what train.py stopped (divergence.Divergence) and also a
-    run that ends no better than a uniform guess, which train.py lets finish (it never learned, or lost it between
-    evals): the claims compare final losses, and such a run has learned nothing to compare."""
+    """Read the finished runs -> {name: record}, each with `loss` and `diverged`.
+    The loss is the final val loss at T = mu_rec, or a uniform guess's if the run diverged.
+    The suite counts a run as diverged when train.py stopped it (divergence.Divergence).
+    It also counts a run that ends no better than a uniform guess, which train.py lets finish.
+    Such a run never learned, or lost it between evals, so it has nothing to compare."""
     results = {}
     for run in runs:
         recorded = read_json(run_dir(run["name"]) / "evidence.json")
@@ -299,8 +301,9 @@ def depth_loss(record, T):
 
 
 def loss_at(record, fraction, T1=False):
-    """The val loss at the eval nearest `fraction` of the run's steps, at T = 1 if T1 else T = mu_rec (train.py's
-    evals); a diverged run counts as a uniform guess at every one."""
+    """Read the val loss at the eval nearest `fraction` of the run's steps.
+    It is at T = 1 if T1, else at T = mu_rec, as train.py's evals give it.
+    A diverged run counts as a uniform guess at every eval."""
     if record["diverged"]:
         return UNIFORM_LOSS
     nearest = min(record["val"], key=lambda v: abs(v["step"] - fraction * record["steps"]))
@@ -321,15 +324,16 @@ def fit_test_time(T, loss):
 
 
 def gains_stop(record, tolerance=1e-3):
-    """The smallest T whose val loss is within `tolerance` nats of the lowest over every T: measured, not fitted
-    (a curve that turns up after its minimum has no decay constant to read it from)."""
+    """Find the smallest T whose val loss is within `tolerance` nats of the lowest over every T.
+    It is measured, not fitted, since a curve that turns up after its minimum has no decay constant."""
     T, loss = record["curve"]["T"], record["curve"]["loss"]
     return next(t for t, L in zip(T, loss) if L - min(loss) <= tolerance)
 
 
 def pair_value(claim, a, b):
-    """A - B for one seed of claims 2 and 7, or None when the quantity does not exist for that pair (a diverged run
-    has no state to measure, nor a curve to fit)."""
+    """Compute A - B for one seed of claims 2 and 7 -> the difference, or None.
+    None means the quantity does not exist for that pair.
+    A diverged run has no state to measure, nor a curve to fit."""
     if a["diverged"] or b["diverged"]:
         return None
     return log_growth(a) - log_growth(b) if claim == "2" else gains_stop(a) - gains_stop(b)
@@ -367,8 +371,9 @@ def judge(claim, optimizer, results, seeds):
 # Details behind each verdict: the sweep's table, claim 2's ratios, claim 6's crossing, claim 7's fits
 
 def sweep_details(results, optimizer):
-    """Claims 1 and 5 per optimiser: per model, the highest rate that trained (seed 0) and each rate's loss, max rho,
-    max ||h_T|| and whether that passed bf16's limit (a warning in these float32 runs, not a divergence)."""
+    """Sum up claims 1 and 5 for one optimiser, per model.
+    It gives the highest rate that trained (seed 0), and each rate's loss, max rho and max ||h_T||.
+    It marks where ||h_T|| passed bf16's limit, a warning in these float32 runs, not a divergence."""
     table = {}
     for injection, norm in sweep_models(optimizer):
         rows = [results[make_run(injection, rate, prelude_norm=norm, optimizer=optimizer)["name"]] for rate in RATES]

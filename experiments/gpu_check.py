@@ -1,6 +1,7 @@
 """
-gpu_check.py: runs/gpu_check.sh's Python: the table, built from what its stages left, and the helpers the script
-calls (the GPU count and free memory, the made-up CORE bundle, the depth-24 plan's batch, the injected faults).
+gpu_check.py: runs/gpu_check.sh's Python, the table and the helpers the script calls.
+The table is built from what the stages left.
+The helpers give the GPU count and free memory, a made-up CORE bundle, the depth-24 plan's batch and the faults.
 
     python -m experiments.gpu_check table WORK RUNS_DIR --gpus N --memory BYTES [--tiny]
     python -m experiments.gpu_check gpus | free_memory            # what torch sees, printed
@@ -9,12 +10,14 @@ calls (the GPU count and free memory, the made-up CORE bundle, the depth-24 plan
     python -m experiments.gpu_check perturb CKPT                  # a weight scaled by 1.01: a wrong resume
     python -m experiments.gpu_check run [--fault=F] [--fake_gpu=BYTES] SCRIPT ARGS...   # SCRIPT, with a fault
 
-WORK holds each stage's output (NAME.log) and "exit status, time limit" (NAME.rc), and bench.py's --json
-(bench.json; sampling.json, its row 3 at the depth-24 plan's device batch); RUNS_DIR holds the train.py runs
-gpu_check_NAME. Python rather than shell because the rows read JSON and apply targets. Every row is built on its
-own: one that cannot be built says "failed: " and why in one line, the others still print. A row is held to its
-target where this machine can meet it (the GPU's figures only on a GPU, not --tiny); the exit status is 1 when a row
-failed or a held one says "not met".
+WORK holds each stage's output (NAME.log) and its "exit status, time limit" (NAME.rc).
+It also holds bench.py's --json, bench.json, and sampling.json, row 3 at the depth-24 plan's device batch.
+RUNS_DIR holds the train.py runs gpu_check_NAME.
+It is Python rather than shell because the rows read JSON and apply targets.
+Every row is built on its own; one that cannot be built says "failed: " and why in one line.
+A row is held to its target where this machine can meet it.
+The GPU's figures are held only on a GPU, and not with --tiny.
+The exit status is 1 when a row failed or a held one says "not met".
 """
 
 import argparse
@@ -165,8 +168,9 @@ def mfu(work, runs_dir, args):
 
 
 def sampling(work, runs_dir, args):
-    """3b at the paper's 32 sequences, held to the paper's overhead; beside it, row 3 of stage sampling at the
-    device batch the depth-24 plan picks, where the 1.3B's calls of one or two rows show."""
+    """Show row 3b at the paper's 32 sequences, held to the paper's overhead.
+    Beside it goes row 3 of stage sampling, at the device batch the depth-24 plan picks.
+    There the 1.3B's calls of one or two rows show."""
     what, result, ratio, _ = bench_row(work, "3b")
     overhead = bench_figure(work, "sampling_overhead")
     stage(work, "plan")
@@ -204,9 +208,10 @@ def plan_figures(text):
 
 
 def planned_batch(text, memory_bytes):
-    """The device batch the check runs the depth-24 step at: the dry run's own when its plan fits this GPU's memory
-    (train.py plans the batch it picks), else the largest size dividing the default step's sequences (train.py's
-    rule) that its plan says fits the biggest GPU size it lists within this one."""
+    """Pick the device batch the check runs the depth-24 step at.
+    It is the dry run's own when its plan fits this GPU's memory, since train.py plans the batch it picks.
+    Otherwise it is the largest size dividing the default step's sequences, as train.py's rule says.
+    That size must fit, by the plan, the biggest GPU size it lists within this one."""
     planned, total, largest = plan_figures(text)
     if planned is not None and total is not None and total * 1e9 <= memory_bytes:
         return planned
@@ -326,8 +331,9 @@ def relative_gap(ours, theirs):
 
 
 def resume_gaps(runs_dir, n):
-    """The resumed run against the unbroken one: (the largest relative difference of their losses, step by step; that
-    of their weights at step n, tensor by tensor); Failed where the two cannot be put side by side."""
+    """Compare the resumed run with the unbroken one -> two largest relative differences.
+    The first is of their losses, step by step; the second of their weights at step n, tensor by tensor.
+    It raises Failed where the two cannot be put side by side."""
     ours, theirs = ({r["step"]: r["loss"] for r in step_records(runs_dir, name)} for name in ("ddp", "unbroken"))
     if sorted(ours) != sorted(theirs):
         raise Failed(f"the resumed run logged steps {min(ours)}-{max(ours)}, the unbroken one {min(theirs)}-"

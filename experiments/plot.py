@@ -53,8 +53,10 @@ def run_dir(run):
 
 
 def read_test_time(run=None):
-    """eval_core.py --eval bpb's JSON -> (its path, its results): RUN itself when it is a .json file, else the newest
-    in RUN's folder (a path, else a run name under the base dir); no RUN: the newest of every run."""
+    """Find eval_core.py --eval bpb's JSON -> (its path, its results).
+    RUN itself is taken when it is a .json file.
+    Otherwise it is the newest in RUN's folder, a path or a run name under the base dir.
+    Without RUN it is the newest of every run."""
     if run and run.endswith(".json"):
         where, found = Path(run), [Path(run)] if Path(run).is_file() else []
     else:

@@ -7,19 +7,22 @@ scaling.py: the paper's scaling laws for looping (paper §5.2-5.3, Appendices L 
     python -m experiments.scaling run --depth=6 --flops=1e18,3e18 --mu_rec=1,2,4,8 --seeds=3  # on a GPU node (torchrun)
     python -m experiments.scaling fit --refit figures/scaling_cpu/fit.json                   # recorded runs, refitted
 
-An isoFLOP sweep trains one model size at a few training-FLOP budgets C; inside a budget it trades recurrence
-for data: tokens D = C / FLOPs-per-token(mu_rec), the arithmetic of train.py's --target_flops. The middle budget
-is trained with --seeds seeds (init, data order, depths and h0 all change), which measures the noise. The fit
-(scaling_fit.py) reports:
-- per budget, a parabola of final loss in ln mu_rec: mu_rec*(C), D*(C), L*(C) (paper §5.2, Fig. 4);
-- the power laws mu_rec* = a C^g_mu and D* = b C^g_D (paper: 0.40 and 0.78) with bootstrap 90% intervals over
-  the seed spread, and, fitted on all budgets but the largest, their error predicting its mu_rec*, D* and L*;
-- the unified law L(T | mu_rec, D) = E + X mu_rec^-x + Y D^-y + Z exp(-z T / mu_rec) (paper §5.3, App. L),
-  fitted on every budget but the largest, at ten T, and its error on the largest budget's runs at every T;
-- the frontier: the best looped loss against the fixed-depth (mu_rec = 1) loss at each budget (Fig. 6), with a
-  paired 90% t-interval over seeds (scaling_fit.paired_interval); looping wins only where it excludes 0.
-Runs live under <base dir>/runs/<sweep>_C<budget>_mu<mu_rec>[_s<seed>]; the JSON and figures under
-<base dir>/scaling/<sweep>.
+An isoFLOP sweep trains one model size at a few training-FLOP budgets C.
+Inside a budget it trades recurrence for data, D = C / FLOPs-per-token(mu_rec), as train.py's --target_flops does.
+The middle budget is trained with --seeds seeds, which measures the noise.
+A seed changes the init, the data order, the depths and h0.
+The fit (scaling_fit.py) reports these:
+
+- per budget, a parabola of final loss in ln mu_rec, giving mu_rec*(C), D*(C) and L*(C) (paper §5.2, Fig. 4).
+- the power laws mu_rec* = a C^g_mu and D* = b C^g_D (paper: 0.40 and 0.78), with bootstrap 90% intervals.
+- the same laws fitted on all budgets but the largest, and their error predicting its mu_rec*, D* and L*.
+- the unified law L(T | mu_rec, D) = E + X mu_rec^-x + Y D^-y + Z exp(-z T / mu_rec) (paper §5.3, App. L).
+- its error on the largest budget's runs at every T, fitted on the other budgets at ten T.
+- the frontier, the best looped loss against the fixed-depth loss at each budget (Fig. 6).
+- the frontier's paired 90% t-interval over seeds; looping wins only where it excludes 0.
+
+Runs live under <base dir>/runs/<sweep>_C<budget>_mu<mu_rec>[_s<seed>].
+The JSON and figures go under <base dir>/scaling/<sweep>.
 """
 
 import math
@@ -89,9 +92,9 @@ def seed_budget(sweep):
 
 
 def model_size(sweep, mu_rec):
-    """-> (parameters, the paper's C per token, executed matmul FLOPs per token) from model.py: C is what train.py's
-    --target_flops divides, the executed count what the GPU-hour estimate's MFU applies to (sampling as train_flags
-    runs the point: mu_rec = 1 at fixed depth)."""
+    """Size one point from model.py -> (parameters, the paper's C per token, executed matmul FLOPs per token).
+    train.py's --target_flops divides C; the GPU-hour estimate's MFU applies to the executed count.
+    It samples depths as train_flags runs the point, so mu_rec = 1 is at fixed depth."""
     config = ParcaeConfig.from_depth(sweep["depth"], mu_rec=mu_rec, **sweep["model"],
                                      sampling="fixed" if mu_rec == 1 else "per_sequence")
     with torch.device("meta"):
@@ -202,8 +205,9 @@ def minutes(seconds):
 
 
 def run(sweep, gpus):
-    """Each point trained (or resumed), then, if looped, evaluated at every T; a line per point with the time so
-    far and an ETA: the time per training FLOP of this invocation's points times the FLOPs still to train."""
+    """Train (or resume) each point, then evaluate a looped one at every T.
+    Each point prints a line with the time so far and an ETA.
+    The ETA is this invocation's time per training FLOP times the FLOPs still to train."""
     rows = points(sweep)
     start, done_flops, fresh_s, fresh_tokens = time.time(), 0.0, 0.0, 0
     left_flops = sum(p["C"] for p in rows if final_eval(p) is None)
@@ -284,8 +288,9 @@ def fit_budgets(runs, notes):
 
 
 def paired_spread(runs):
-    """The seed spread of looped - fixed-depth loss within one seed and budget, pooled over the looped mu_rec: a
-    seed's data order moves every mu_rec of it together, so the difference can vary less than the losses do."""
+    """Measure the seed spread of looped minus fixed-depth loss, pooled over the looped mu_rec.
+    A seed's data order moves every mu_rec of it together.
+    So the difference can vary less than the losses do."""
     loss = {(r["C"], r["mu_rec"], r["seed"]): r["loss"] for r in runs}
     groups = {}
     for (C, mu, seed), L in loss.items():
@@ -295,9 +300,10 @@ def paired_spread(runs):
 
 
 def judge_frontier(budgets, runs, paired_sigma=None, paired_dof=0):
-    """Per budget, the margin fixed - best looped with a paired 90% t-interval (scaling_fit.paired_interval): from
-    the budget's own seeds where it has two or more, else one pair with the pooled paired spread of the seeded
-    budget. 'looped' or 'fixed' when the interval excludes 0 on that side, 'within noise' when it holds 0."""
+    """Judge each budget's margin, fixed minus best looped, with a paired 90% t-interval.
+    The interval (scaling_fit.paired_interval) uses the budget's own seeds where it has two or more.
+    Otherwise it uses one pair with the pooled paired spread of the seeded budget.
+    The verdict is 'looped' or 'fixed' when the interval excludes 0 on that side, 'within noise' when it holds 0."""
     loss = {(r["C"], r["mu_rec"], r["seed"]): r["loss"] for r in runs}
     for C, b in budgets.items():
         if b["fixed_depth_loss"] is None or b["best_looped"] is None:
@@ -316,8 +322,9 @@ def judge_frontier(budgets, runs, paired_sigma=None, paired_dof=0):
 
 
 def fit_power_laws(budgets, sigma, notes):
-    """g_mu and g_D on every budget, with bootstrap 90% intervals over the seed spread; then, fitted on all but the
-    largest budget, the error predicting the largest's mu_rec*, D* and L* (paper §5.2's extrapolation test)."""
+    """Fit g_mu and g_D on every budget, with bootstrap 90% intervals over the seed spread.
+    Then fit on all but the largest budget and measure the error predicting its mu_rec*, D* and L*.
+    That is paper §5.2's extrapolation test."""
     C = sorted(budgets)
     if len(C) < 2:
         notes.append(f"{len(C)} budget(s) with a parabola; the power laws need 2 (the extrapolation test 3)")
@@ -340,9 +347,11 @@ def fit_power_laws(budgets, sigma, notes):
 
 
 def fit_unified_law(runs, notes):
-    """Fitted on the looped runs (the law's exp(-z T / mu) describes depth-sampled training) of every budget but the
-    largest, at every T; the largest budget's runs are the held-out models. With one budget there is nothing to
-    hold out, and D moves with mu_rec alone, so the fit describes the curves but does not separate x from y."""
+    """Fit the unified law on the looped runs of every budget but the largest, at every T.
+    The law's exp(-z T / mu) describes depth-sampled training, so fixed-depth runs stay out.
+    The largest budget's runs are the held-out models.
+    With one budget there is nothing to hold out, and D moves with mu_rec alone.
+    Then the fit describes the curves but does not separate x from y."""
     looped = [r for r in runs if r["mu_rec"] > 1 and r["curve"]]
     budgets = sorted({r["C"] for r in looped})
     if len(looped) < 2:

@@ -1,7 +1,7 @@
 """
-harness.py: nanoparcae as a model of EleutherAI's lm-evaluation-harness, at a chosen recurrence depth T, so
-that every task of the harness runs on it (the authors evaluate LAMBADA this way; the paper reports WikiText
-perplexity, §5.1).
+harness.py: nanoparcae as a model of EleutherAI's lm-evaluation-harness, at a chosen recurrence depth T.
+Every task of the harness runs on it.
+The authors evaluate LAMBADA this way, and the paper reports WikiText perplexity (§5.1).
 
     pip install -r requirements-eval.txt                    # lm-eval is optional: not in requirements.txt
     python -m interop.harness --tasks lambada_openai,wikitext --T 8       # the latest checkpoint, or --ckpt / --run
@@ -15,9 +15,10 @@ From Python, with the harness's own evaluator:
     results = lm_eval.simple_evaluate(model=lm, tasks=["lambada_openai", "wikitext"])
 
 The harness downloads each task's data set on first use (Hugging Face datasets, cached under ~/.cache/huggingface).
-Requests are scored as eval_core scores CORE: rows of at most seq_len tokens (the last one only a target), BOS
-first, cropped from the left, many per forward, one seeded h0 for every row (so a score does not depend on the
-batch). Generation is engine.py's greedy decoding, as sample.py runs it.
+Requests are scored as eval_core scores CORE, many rows per forward.
+A row holds at most seq_len tokens, BOS first, cropped from the left; its last token is only a target.
+One seeded h0 serves every row, so a score does not depend on the batch.
+Generation is engine.py's greedy decoding, as sample.py runs it.
 """
 
 import itertools
@@ -84,8 +85,9 @@ class HarnessLM(LM):
         return self.score(rows, len(requests))
 
     def loglikelihood_rolling(self, requests):
-        """(text,) -> log p(text | BOS): every token scored once, in the harness's disjoint windows (each later
-        window starts from the token before it), a window being a row of at most seq_len tokens."""
+        """Score (text,) -> log p(text | BOS), every token once.
+        Tokens go in the harness's disjoint windows, each a row of at most seq_len tokens.
+        Each later window starts from the token before it."""
         rows = []
         for i, request in enumerate(requests):
             ids = self.tokenizer.encode(request.args[0])

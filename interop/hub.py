@@ -1,13 +1,14 @@
 """
-hub.py: run the authors' released Parcae checkpoints (SandyResearch/parcae-140m and the other sizes, and
-their GPT baselines) with nanoparcae's model and a tiktoken tokenizer.
+hub.py: run the authors' released Parcae checkpoints with nanoparcae's model and a tiktoken tokenizer.
+The releases are SandyResearch/parcae-140m, the other sizes, and their GPT baselines.
 
-Their package parcae_lm writes a folder with config.json (its config dataclass as JSON plus
-`_class_name`), a state dict (model.pt or pytorch_model.bin) and a byte-level BPE tokenizer.json
-(METHOD.md §5). This file downloads such a folder (or reads a local one), builds our ParcaeConfig from
-theirs, renames their parameters onto ours with one explicit table, and turns tokenizer.json into a
-tiktoken Encoding wrapped in tokenizer.Tokenizer. `export` goes the other way: a nanoparcae checkpoint
-becomes such a folder, for their from_pretrained.
+Their package parcae_lm writes a folder with config.json, a state dict and a byte-level BPE tokenizer.json.
+config.json is its config dataclass as JSON plus `_class_name`; the weights are model.pt or pytorch_model.bin.
+METHOD.md §5 describes the format.
+This file downloads such a folder, or reads a local one, and builds our ParcaeConfig from theirs.
+It renames their parameters onto ours with one explicit table.
+It turns tokenizer.json into a tiktoken Encoding wrapped in tokenizer.Tokenizer.
+`export` goes the other way, writing a nanoparcae checkpoint as such a folder for their from_pretrained.
 
     python -m interop.hub SandyResearch/parcae-140m                   # download, load, print a summary
     python -m interop.hub sample SandyResearch/parcae-140m --T=8 --prompt="The ocean"   # sample.py's flags
@@ -70,8 +71,10 @@ def download(repo_id, filename):
 
 
 def fetch_files(source, need_tokenizer=False):
-    """-> (config.json, weights, tokenizer.json) paths from a local folder or a Hub repo id; the last is None where
-    their save_pretrained wrote none, unless need_tokenizer (text is read or written): then one line says so."""
+    """Find a source's files -> the paths of config.json, the weights and tokenizer.json.
+    The source is a local folder or a Hub repo id.
+    The tokenizer is None where their save_pretrained wrote none.
+    With need_tokenizer (text is read or written) a missing one is refused in one line."""
     folder, local = local_dir(source), Path(source).is_dir()
     where = source if local else f"{HUB_URL}/{source}"
 
@@ -179,9 +182,10 @@ def config_from_authors(cfg):
 
 
 def gated_layers(config, mean_backprop_depth):
-    """The layers their Parcae gives a ve_gate, without which it ignores the value embedding: has_ve(layer id,
-    R * mean_backprop_depth) (parcae_lm/modules/mixer.py, parcae/config.py's n_layer), layer ids i, P + i
-    (recurrent) and P + R * mean_recurrence + i (coda). Only the parities of R * mu_rec and R * mbd matter."""
+    """List the layers their Parcae gives a ve_gate; without one it ignores the value embedding.
+    The rule is has_ve(layer id, R * mean_backprop_depth), from parcae_lm/modules/mixer.py and parcae/config.py.
+    Layer ids are i (prelude), P + i (recurrent) and P + R * mean_recurrence + i (coda).
+    Only the parities of R * mu_rec and R * mbd matter."""
     c = config
     ids = [*range(c.n_prelude + c.n_recur), *(c.n_prelude + c.n_recur * c.mu_rec + i for i in range(c.n_coda))]
     return [i for i, layer_id in enumerate(ids) if layer_id % 2 == (c.n_recur * mean_backprop_depth - 1) % 2]
@@ -258,8 +262,9 @@ def our_name(name, config):
 
 
 def map_names(their_shapes, our_shapes, config):
-    """{their name: shape} -> {their name: our name}: every name of theirs (but CHECKED_NAMES) lands on
-    exactly one of ours with the same shape, and every one of ours is covered."""
+    """Map {their name: shape} -> {their name: our name}.
+    Every name of theirs, but CHECKED_NAMES, lands on exactly one of ours with the same shape.
+    Every one of ours is covered."""
     mapping = {}
     for name, shape in their_shapes.items():
         if name in CHECKED_NAMES:
@@ -477,10 +482,10 @@ def their_name(name, config):
 
 
 def authors_state_dict(model):
-    """Our model -> its state dict under their names, q and k rows back in their interleaved RoPE order. Left
-    out: lm_head.weight (their Parcae ties it to wte; their GPT, without the fused head, builds a (d, V) one it
-    never reads when tied) and freqs_cis (their model computes it). A CPU model's tensors are shared, not
-    copied: only the reordered q and k rows are new."""
+    """Rename our model's state dict to their names, q and k rows back in their interleaved RoPE order.
+    It leaves out freqs_cis, which their model computes, and lm_head.weight.
+    Their Parcae ties lm_head to wte; their GPT without the fused head builds one it never reads when tied.
+    A CPU model's tensors are shared, not copied; only the reordered q and k rows are new."""
     c = model.config
     back = torch.argsort(rope_order(c.head_dim))
     out = {}
@@ -495,11 +500,12 @@ def authors_state_dict(model):
 
 
 def tokenizer_json(tokenizer):
-    """tokenizer.Tokenizer -> a tokenizer.json dict (HF tokenizers' byte-level BPE) that encodes as its tiktoken
-    Encoding does: the same split regex; every token spelled in GPT-2's byte alphabet with its rank as id;
-    for each token of two or more bytes, a merge for every cut into two tokens, ordered by the token's rank
-    (tiktoken joins the adjacent pair whose join ranks lowest); ignore_merges: a piece that is one token
-    whole is that token, tiktoken's shortcut."""
+    """Write tokenizer.Tokenizer as a tokenizer.json dict that encodes as its tiktoken Encoding does.
+    The format is HF tokenizers' byte-level BPE, with the same split regex.
+    Every token is spelled in GPT-2's byte alphabet, with its rank as id.
+    Each token of two or more bytes gets a merge for every cut into two tokens, ordered by the token's rank.
+    That is because tiktoken joins the adjacent pair whose join ranks lowest.
+    ignore_merges matches tiktoken's shortcut: a piece that is one token whole is that token."""
     enc = tokenizer.enc
     char_of = {b: ch for ch, b in byte_level_alphabet().items()}
     ranks = enc._mergeable_ranks
