@@ -182,12 +182,11 @@ def measure_training(args, device, batch_size, names=tuple(TRAINING_MODELS)):
     return results
 
 
-def matmul_rate(args, device):
-    """FLOP/s of the model's own matmuls (q/k/v/out, MLP up and down, the head) at batch x seq_len rows."""
-    d, rows, vocab = args.d_model, args.batch_size * args.seq_len, args.vocab_size
-    dtype = torch.bfloat16 if CUDA else torch.float32
+def matmul_rate(args, device, shapes):
+    """Time (batch x seq_len, k) @ (k, n) at each (k, n) of shapes -> FLOP/s, in the step's dtype."""
+    rows, dtype = args.batch_size * args.seq_len, torch.bfloat16 if CUDA else torch.float32
     pairs = [(torch.randn(rows, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype))
-             for k, n in ((d, d), (d, 4 * d), (4 * d, d), (d, vocab))]
+             for k, n in shapes]
     flops = sum(2 * a.size(0) * a.size(1) * b.size(1) for a, b in pairs)
     seconds = median_seconds({"mm": lambda: [a @ b for a, b in pairs]}, args.repeats)["mm"]
     return flops / seconds
@@ -211,7 +210,8 @@ def row_mfu(args, device, training, figures):
     """Row 2: MFU against the matmul rate measured here at the model's own shapes.
     A training step could reach that rate at best.
     Where common.PEAK_BF16_FLOPS lists the GPU, MFU against its dense bf16 peak too."""
-    rate = figures["matmul_rate"] = matmul_rate(args, device)
+    d = args.d_model  # the model's own matmuls: q/k/v/out, MLP up and down, the head
+    rate = figures["matmul_rate"] = matmul_rate(args, device, ((d, d), (d, 4 * d), (4 * d, d), (d, args.vocab_size)))
     peak = peak_bf16_flops(device)
     parcae, gpt = training["per-sequence"][1], training["Transformer"][1]
     figures["mfu"] = parcae / rate
@@ -433,13 +433,6 @@ STEP_MODELS = {"Parcae per-sequence": ({}, depth_schedule), "Parcae fixed depth"
                "Transformer": ({"injection": "none"}, depth_schedule)}
 
 
-def mlp_matmul_rate(args, device, dtype):
-    """FLOP/s of one matmul at the MLP's up-projection, (batch x seq_len, d) @ (d, 4 d), in the step's dtype."""
-    rows, d = args.batch_size * args.seq_len, args.d_model
-    a, b = torch.randn(rows, d, device=device, dtype=dtype), torch.randn(d, 4 * d, device=device, dtype=dtype)
-    return 2 * rows * d * 4 * d / median_seconds({"mm": lambda: a @ b}, args.repeats)["mm"]
-
-
 def peak_memory(fn, device):
     """Bytes allocated at fn()'s peak over those allocated before it; None off CUDA."""
     if device.type != "cuda":
@@ -490,8 +483,8 @@ def row_step(args, device, training, figures):
     """Row 9: each model's own Trainer, compiled by compile_step, warmed up (its graphs built), then the three
     timed in turn; memory and the profile one model at a time. Fixed depth against per-sequence is time per
     FLOP (matmul FLOPs executed), as row 3: the two sample different mean depths."""
-    dtype = torch.bfloat16 if CUDA else torch.float32
-    rate, peak = mlp_matmul_rate(args, device, dtype), peak_bf16_flops(device)
+    rate = matmul_rate(args, device, [(args.d_model, 4 * args.d_model)])  # the MLP's up-projection
+    peak = peak_bf16_flops(device)
     tokens = args.steps * args.batch_size * args.seq_len
     models = {}
     for name, (overrides, schedule_fn) in STEP_MODELS.items():

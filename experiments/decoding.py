@@ -22,7 +22,7 @@ from nanoparcae.common import command_parser, parse_device, run_command
 from nanoparcae.dataset import iter_documents
 from nanoparcae.flags import positive
 from engine import EXIT_THRESHOLDS, EXITS, KV_CACHES, Decoder, forced_logits, generate, teacher_forced
-from experiments.plot import save_png
+from experiments.plot import pyplot, save_png
 from experiments.scaling_fit import paired_interval
 from experiments.timing import log, median_seconds, print_table
 from model import ParcaeConfig, decoding_initial_state
@@ -248,10 +248,7 @@ def kv_rows(model, docs, timing_T, repeats):
 def draw_kv(data, title):
     """KV memory against T (the 1.3B at 2,048 positions, bf16) and shared - steps loss against T with its 90%
     interval, for both caches."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (left, right) = pyplot().subplots(1, 2, figsize=(10, 4))
     for kv, marker in zip(KV_CACHES, "os"):
         left.plot(BYTES_TS, [data["big"][T, kv] / 2 ** 30 for T in BYTES_TS], marker=marker, label=kv)
     left.set(xscale="log", xlabel="recurrence depth T", ylabel="KV cache per sequence (GiB)",
@@ -269,7 +266,6 @@ def draw_kv(data, title):
     right.set(xlabel="recurrence depth T", ylabel="loss minus steps' (nats)", title=title)
     right.set_xticks(list(x), labels)
     right.legend()
-    fig.tight_layout()
     return fig
 
 

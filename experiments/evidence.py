@@ -12,7 +12,6 @@ initial weights), the verdict rules and the results: docs/evidence.md.
 
 import math
 import os
-import subprocess
 import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait

@@ -111,11 +111,17 @@ def series(run, metric):
     return [points(run["steps"], metric) + ("-",)]
 
 
-def draw(runs, metrics):
-    """runs: {label: read_run(...)} -> a matplotlib figure, one panel per metric."""
+def pyplot():
+    """matplotlib's pyplot on Agg, which needs no display; imported only when a figure is drawn."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    return plt
+
+
+def draw(runs, metrics):
+    """runs: {label: read_run(...)} -> a matplotlib figure, one panel per metric."""
+    plt = pyplot()
     fig, axes = plt.subplots(len(metrics), 1, figsize=(7, 2.4 * len(metrics)), sharex=True, squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, metric in zip(axes[:, 0], metrics):
@@ -138,7 +144,6 @@ def draw(runs, metrics):
     axes[0, 0].legend(fontsize=7, ncol=2, title="x: diverged" if any(r["diverged_at"] for r in runs.values()) else None,
                       title_fontsize=7)
     axes[-1, 0].set_xlabel("step")
-    fig.tight_layout()
     return fig
 
 
@@ -160,10 +165,8 @@ def summary_row(label, run):
 def draw_test_time(results, title):
     """eval_core.py --eval bpb's results -> a figure: the measured losses, the fitted L(T) = L_inf + Z exp(-z T)
     (METHOD.md §3) and the loss at T = mu_rec."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
+    plt = pyplot()
     fit, Ts = results["fit"], np.array(results["T"], dtype=np.float64)
     grid = np.geomspace(Ts.min(), Ts.max(), 200)
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -175,13 +178,14 @@ def draw_test_time(results, title):
     ax.set_xticks(Ts, [str(int(T)) for T in Ts])
     ax.minorticks_off()
     ax.legend(fontsize=8)
-    fig.tight_layout()
     return fig
 
 
 def save_png(fig, path):
-    """fig as a PNG at path, written whole under a temporary name, then renamed."""
+    """Lay fig out and write it as a PNG at path, atomically, then close it."""
+    fig.tight_layout()
     write_atomically(path, lambda partial: fig.savefig(partial, dpi=110, format="png"))
+    pyplot().close(fig)
 
 
 # -----------------------------------------------------------------------------
@@ -189,18 +193,14 @@ def save_png(fig, path):
 
 def draw_evidence(out, data):
     """out/{lr_sweep, depth, sampling, transformer, test_time, drift}.png from evidence.figure_data's dict."""
-    import matplotlib
-    matplotlib.use("Agg")  # no display needed
-    import matplotlib.pyplot as plt
     import numpy as np
+    plt = pyplot()
 
     def save(fig, axes, name, xscale="log", **labels):
         for ax in np.ravel(axes):
             ax.set(xscale=xscale, **labels)
         np.ravel(axes)[0].legend(fontsize=8)
-        fig.tight_layout()
         save_png(fig, out / f"{name}.png")
-        plt.close(fig)
 
     def seed_lines(ax, groups, x, y):
         """One line per run of each group {label: [run]}, one colour per group."""
@@ -305,7 +305,6 @@ def main(argv=None):
     fig = draw(runs, metrics)
     if args.title:
         fig.suptitle(args.title, fontsize=9)
-        fig.tight_layout()
     save_png(fig, out)
     print(f"wrote {out}: {', '.join(runs)}")
     if args.table:

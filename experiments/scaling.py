@@ -41,6 +41,7 @@ from nanoparcae.metrics import read_metrics
 from experiments.scaling_fit import (bootstrap_exponents, fit_unified, interval_verdict, mean_relative_error,
                                      paired_interval, parabola_optimum, pooled_spread, power_law, t_interval,
                                      unified_predict)
+from experiments.plot import pyplot, save_png
 from model import Parcae, ParcaeConfig
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository: train.py runs from there
@@ -454,18 +455,14 @@ def print_report(runs, budgets, noise, laws, unified, notes):
 # Figures (matplotlib, Agg: no display needed)
 
 def draw(runs, budgets, sigma, laws, unified, out_dir):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """Draw the sweep's figures into out_dir -> their paths."""
+    plt = pyplot()
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     paths = []
 
     def save(fig, name):
-        path = out_dir / name
-        fig.tight_layout()
-        write_atomically(path, lambda partial: fig.savefig(partial, format="png", dpi=110))
-        plt.close(fig)
-        paths.append(path)
+        save_png(fig, out_dir / name)
+        paths.append(out_dir / name)
 
     fig, ax = plt.subplots(figsize=(6.5, 4.3))
     for i, (C, b) in enumerate(budgets.items()):

@@ -30,8 +30,7 @@ import torch
 import eval_core
 import sample
 from nanoparcae.checkpoint import assign_weights, load_run, sized_model
-from nanoparcae.common import (check_writable, command_parser, first_sentence, get_base_dir, read_json, run_command,
-                               write_atomically)
+from nanoparcae.common import check_writable, command_parser, first_sentence, get_base_dir, read_json, run_command
 from nanoparcae.download import download_file
 from model import SAMPLINGS, ParcaeConfig, value_embedding_layers
 from nanoparcae.tokenizer import Tokenizer

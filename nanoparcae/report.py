@@ -18,7 +18,6 @@ Each table cites where they are printed.
 import os
 import platform
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
