@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from nanoparcae.checkpoint import load_run
-from nanoparcae.common import (check_writable, command_parser, init_distributed, parse_device,
+from nanoparcae.common import (command_parser, init_distributed, parse_device,
                                print0, rank_and_world, run_command)
 from nanoparcae.core_tasks import (CORE_LABELS, EVAL_BUNDLE_URL, LM, build_rows,
                                    load_task_data, read_random_baselines, select_tasks,
@@ -40,7 +40,7 @@ from nanoparcae.core_tasks import (CORE_LABELS, EVAL_BUNDLE_URL, LM, build_rows,
 from data import val_batches
 from nanoparcae.dataset import data_key, iter_documents
 from nanoparcae.flags import checked, listed, positive
-from nanoparcae.results import keep_results, run_data
+from nanoparcae.results import check_results_folder, keep_results, run_data
 from model import evaluation_initial_state
 
 # -----------------------------------------------------------------------------
@@ -475,8 +475,7 @@ def start_device(args):
 def evaluate(args, model, tokenizer, ckpt, ckpt_path, device):
     """Run --eval on a loaded model and keep the results beside ckpt_path."""
     Ts = args.T or [model.config.mu_rec]
-    if rank_and_world()[0] == 0:  # the writer checks first, so no result is computed in vain
-        check_writable(ckpt_path.parent, "the results")
+    check_results_folder(ckpt_path)
     print0(f"Checkpoint {ckpt_path} (step {ckpt.get('step')}), {model.num_params():,} "
            f"parameters, mu_rec {model.config.mu_rec}, on {device} x {rank_and_world()[1]}")
     source = args.data or run_data(ckpt)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoparcae.checkpoint import load_run
-from nanoparcae.common import command_parser, parse_device, run_command
+from nanoparcae.common import check_writable, command_parser, parse_device, run_command
 from nanoparcae.dataset import iter_documents
 from nanoparcae.flags import positive
 from engine import EXIT_THRESHOLDS, EXITS, KV_CACHES, Decoder, forced_logits, generate, teacher_forced
@@ -301,6 +301,8 @@ def main(argv=None):
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
     device = parse_device(args.device)
+    if args.kv:  # the figure's folder, checked before the work
+        check_writable(args.figure.parent, args.figure.name)
     model, tokenizer, _, path = load_run(args.ckpt or args.run, device)
     ids = stdlib_tokens(tokenizer, PROMPT + args.max_new_tokens, device)
     log(f"{path}: {model.num_params():,} parameters, mu_rec={model.config.mu_rec}, injection={model.config.injection}")

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from nanoparcae.checkpoint import load_run, run_dir
-from nanoparcae.common import command_parser, read_json, run_command, write_atomically, write_json
+from nanoparcae.common import check_writable, command_parser, read_json, run_command, write_atomically, write_json
 from nanoparcae.divergence import STATE_NORM_LIMIT
 from data import val_batches
 from eval_core import evaluate_bpb, fit_test_time_scaling
@@ -235,6 +235,7 @@ def run(args):
     start, done_cost, failed, count = time.time(), 0.0, set(), None
     threads = max(1, (os.cpu_count() or 1) // args.jobs)
     sweep_parcae = {r["name"] for r in sweep_runs() if r["injection"] == "diagonal"}
+    check_writable(OUT / "logs", "the runs' logs")
     (OUT / "logs").mkdir(parents=True, exist_ok=True)
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         running = {}

@@ -30,7 +30,7 @@ from nanoparcae.checkpoint import load_run
 from nanoparcae.common import (EnvironmentFailure, comma_list, command_parser, first_sentence, print0, rank_and_world,
                                run_command)
 from nanoparcae.flags import listed, positive
-from nanoparcae.results import keep_results
+from nanoparcae.results import check_results_folder, keep_results
 from nanoparcae.core_tasks import Row, common_length, crop_left
 from engine import generate
 from eval_core import bf16_autocast, score_rows
@@ -184,6 +184,7 @@ def main(argv=None):
         ckpt, ckpt_path = {}, local_dir(args.from_) / "authors"
     else:
         model, tokenizer, ckpt, ckpt_path = load_run(args.ckpt or args.run, device)
+    check_results_folder(ckpt_path)
     Ts = args.T or [model.config.mu_rec]
     out = run_harness(model, tokenizer, args.tasks, Ts, args.batch_size,
                       args.max_per_task if args.max_per_task > 0 else None)

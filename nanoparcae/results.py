@@ -3,7 +3,7 @@ nanoparcae/results.py: where an evaluation's results are kept, and which kept re
 The run's own result sits beside its checkpoint as <stem>_<kind>_T<Ts>.json; the report card reads it.
 """
 
-from nanoparcae.common import print0, rank_and_world, read_json, write_json
+from nanoparcae.common import check_writable, print0, rank_and_world, read_json, write_json
 from nanoparcae.dataset import data_key
 
 
@@ -31,6 +31,12 @@ def result_path(ckpt, ckpt_path, kind, Ts, measured):
         return own, None
     aside = f"{name}_{measured['data'] or 'core'}_{measured['amount']}.json"
     return ckpt_path.parent / "evals" / aside, own
+
+
+def check_results_folder(ckpt_path):
+    """Refuse before any work when rank 0 could not keep results beside ckpt_path."""
+    if rank_and_world()[0] == 0:
+        check_writable(ckpt_path.parent, "the results")
 
 
 def keep_results(out, args, ckpt, ckpt_path, Ts, kind):
