@@ -26,6 +26,7 @@ from data import val_batches
 from eval_core import evaluate_bpb, fit_test_time_scaling
 from experiments.plot import draw_evidence, read_run
 from experiments.scaling import run_logged
+from experiments.timing import markdown_table
 from experiments.scaling_fit import (drift_check, interval_verdict, mean_relative_error, paired_interval,
                                      seeds_needed, t_quantile)
 
@@ -446,11 +447,6 @@ def fmt_interval(j, digits=3):
 def fmt_drift(drift):
     return "-" if drift is None else f"{fmt_interval(drift['drift'])} (within ±{drift['limit']:.3f}: " \
                                      f"{'yes' if drift['long_enough'] else 'no'})"
-
-
-def markdown_table(header, rows):
-    return "\n".join([f"| {' | '.join(header)} |", "|---" * len(header) + "|"]
-                     + [f"| {' | '.join(map(str, row))} |" for row in rows]) + "\n"
 
 
 def table_markdown(verdicts):

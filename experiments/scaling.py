@@ -42,6 +42,7 @@ from experiments.scaling_fit import (bootstrap_exponents, fit_unified, interval_
                                      paired_interval, parabola_optimum, pooled_spread, power_law, t_interval,
                                      unified_predict)
 from experiments.plot import pyplot, save_png
+from experiments.timing import markdown_table
 from model import Parcae, ParcaeConfig
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository: train.py runs from there
@@ -142,13 +143,12 @@ def plan(sweep, gpus):
     rows = points(sweep)
     print(f"isoFLOP plan '{sweep['name']}': depth {sweep['depth']}, {rows[0]['params']:,} parameters, "
           f"{sweep['batch']:,} tokens per step")
-    print("| C (FLOPs) | mu_rec | seed | FLOPs/token | tokens D = C / FLOPs per token | steps | tokens/param "
-          "| GPU-hours |")
-    print("|---|---|---|---|---|---|---|---|")
-    for p in rows:
-        hours = p["executed_flops"] / (H100_BF16 * MFU) / 3600
-        print(f"| {p['C']:.3g} | {p['mu_rec']} | {p['seed']} | {p['flops_per_token']:.4e} | {p['tokens']:,.0f} "
-              f"| {p['steps']:,} | {p['tokens'] / p['params']:.1f} | {hours:.2f} |")
+    print(markdown_table(
+        ["C (FLOPs)", "mu_rec", "seed", "FLOPs/token", "tokens D = C / FLOPs per token", "steps", "tokens/param",
+         "GPU-hours"],
+        [(f"{p['C']:.3g}", p["mu_rec"], p["seed"], f"{p['flops_per_token']:.4e}", f"{p['tokens']:,.0f}",
+          f"{p['steps']:,}", f"{p['tokens'] / p['params']:.1f}",
+          f"{p['executed_flops'] / (H100_BF16 * MFU) / 3600:.2f}") for p in rows]), end="")
     per_param = [p["tokens"] / p["params"] for p in rows]
     print(f"\n{len(rows)} runs, {sum(p['C'] for p in rows):.3g} training FLOPs in all; {len(sweep['flops'])} budgets "
           f"spanning {max(sweep['flops']) / min(sweep['flops']):.3g}x; {min(per_param):.1f}-{max(per_param):.1f} "
@@ -405,8 +405,7 @@ def print_report(runs, budgets, noise, laws, unified, notes):
     sigma, paired = noise["sigma"], noise["paired_sigma"]
     mus = sorted({r["mu_rec"] for r in runs})
     print("final val loss at T = mu_rec (nats); mean +- seed standard deviation where several seeds ran\n")
-    print("| budget C | tokens/param | " + " | ".join(f"mu_rec {m}" for m in mus) + " | mu_rec* | looped vs fixed |")
-    print("|---" * (len(mus) + 4) + "|")
+    rows = []
     for C, b in budgets.items():
         cells = {mu: f"{L:.4f}" + (f" +- {s:.4f}" if s is not None else "")
                  for mu, L, s in zip(b["mu_rec"], b["loss"], b["spread"])}
@@ -415,8 +414,10 @@ def print_report(runs, budgets, noise, laws, unified, notes):
         per_param = f"{b['tokens'][-1] / runs[0]['params']:.1f}-{b['tokens'][0] / runs[0]['params']:.1f}"
         ci = "" if b.get("ci90") is None else f" [{b['ci90'][0]:+.4f}, {b['ci90'][1]:+.4f}]"
         verdict = f"{b['margin']:+.4f}{ci}: {b['verdict']}" if "margin" in b else "-"
-        print(f"| {C:.3g} | {per_param} | " + " | ".join(cells.get(m, "-") for m in mus) +
-              f" | {b['mu_star']:.2f}{'' if b['vertex_inside'] else ' (outside)'} | {verdict} |")
+        rows.append([f"{C:.3g}", per_param, *(cells.get(m, "-") for m in mus),
+                     f"{b['mu_star']:.2f}{'' if b['vertex_inside'] else ' (outside)'}", verdict])
+    print(markdown_table(["budget C", "tokens/param", *(f"mu_rec {m}" for m in mus), "mu_rec*", "looped vs fixed"],
+                         rows), end="")
     if sigma is not None:
         print(f"\nseed spread: {sigma:.4f} nats (pooled standard deviation, {noise['degrees_of_freedom']} degrees of "
               f"freedom)")
