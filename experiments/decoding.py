@@ -202,8 +202,7 @@ def kv_rows(model, docs, timing_T, repeats):
     for T in BYTES_TS:
         for kv in KV_CACHES:
             counted = measured_kv_bytes(model, T, kv, positions)
-            if counted != kv_bytes(c, T, kv, positions, model.wte.weight.element_size()):
-                raise RuntimeError(f"the {kv} cache at T={T} holds {counted} bytes, not kv_bytes'")
+            assert counted == kv_bytes(c, T, kv, positions, model.wte.weight.element_size()), (kv, T, counted)
             data["bytes"][T, kv] = counted
             data["big"][T, kv] = kv_bytes(BIG, T, kv, BIG_POSITIONS, 2)
     layers = f"{c.n_prelude}/{c.n_recur}/{c.n_coda} layers, d_model {c.d_model}"
