@@ -25,6 +25,7 @@ Runs live under <base dir>/runs/<sweep>_C<budget>_mu<mu_rec>[_s<seed>].
 The JSON and figures go under <base dir>/scaling/<sweep>.
 """
 
+import argparse
 import math
 import subprocess
 import sys
@@ -541,10 +542,12 @@ def draw(runs, budgets, sigma, laws, unified, out_dir):
 # Command line
 
 def numbers(kind):
-    """An argparse type: values separated by commas (common.comma_list), each read by kind."""
+    """An argparse type: numbers separated by commas (common.comma_list), each read by kind."""
     def parse(text):
-        return comma_list(text, kind)
-    parse.__name__ = f"comma-separated {kind.__name__}"  # argparse names it in "invalid ... value"
+        try:
+            return comma_list(text, kind)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} must be numbers separated by commas, e.g. 1,2,4") from None
     return parse
 
 
