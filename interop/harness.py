@@ -139,9 +139,9 @@ class HarnessLM(LM):
 def run_harness(model, tokenizer, tasks, Ts, batch_size=8, limit=None):
     """The harness's tasks (names separated by commas) at each T, tables printed.
     -> {"tasks", "T", "results": {T: the harness's results per task}}. limit: documents per task (None: all)."""
+    names = [name.strip() for name in comma_list(tasks, str)]  # ValueError naming the text when it has none
     if tasks in ("core", "extended"):
         raise ValueError(f"--tasks={tasks} is eval_core.py's; give the harness's task names, e.g. lambada_openai")
-    names = [name.strip() for name in comma_list(tasks, str)]
     if rank_and_world()[1] > 1:
         raise ValueError("the harness runs in one process; start it with python, not torchrun")
     task_manager = TaskManager()
