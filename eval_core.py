@@ -1,6 +1,6 @@
 """
-eval_core.py: evaluate a checkpoint (METHOD.md §3): CORE and Core-Extended, bits per byte, and the
-test-time scaling law L(T).
+eval_core.py: evaluate a checkpoint (METHOD.md §3).
+It scores CORE and Core-Extended, bits per byte, and the test-time scaling law L(T).
 
     python eval_core.py                                   # CORE of the latest checkpoint
     python eval_core.py --T 8 --max_per_task 50           # quicker: 50 examples per task
@@ -12,16 +12,14 @@ test-time scaling law L(T).
 
 CORE is DCLM's 22-task ensemble, scored as nanochat scores it, from nanochat's task files.
 They are downloaded on first use to $NANOPARCAE_BASE_DIR/eval_bundle.
-Results print as a table and go to a JSON file beside the checkpoint. Two validation losses:
-
-- --eval bpb scores packed BOS-aligned rows, as training does.
-- --eval ppl scores one document per forward: the authors' protocol, behind the paper's val PPL.
+Results print as a table and go to a JSON file beside the checkpoint.
+There are two validation losses.
+--eval bpb scores packed BOS-aligned rows, as training does.
+--eval ppl scores one document per forward, as the authors do for the paper's val PPL.
 """
 
-import argparse
 import functools
 import itertools
-import json
 import math
 import statistics
 import time
@@ -34,22 +32,24 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from nanoparcae.checkpoint import load_run
-from nanoparcae.common import (REFUSED, check_writable, fail, fail_with, init_distributed,
-                               parse_device, print0, rank_and_world, write_atomically)
+from nanoparcae.common import (command_parser, init_distributed, parse_device,
+                               print0, rank_and_world, run_command)
 from nanoparcae.core_tasks import (CORE_LABELS, EVAL_BUNDLE_URL, LM, build_rows,
                                    load_task_data, read_random_baselines, select_tasks,
                                    shared_eval_bundle)
 from data import val_batches
 from nanoparcae.dataset import data_key, iter_documents
 from nanoparcae.flags import checked, listed, positive
+from nanoparcae.results import check_results_folder, keep_results, run_data
 from model import evaluation_initial_state
 
 # -----------------------------------------------------------------------------
-# Scoring token rows, many per forward (METHOD.md §3). Rows are grouped by length and padded on
-# the right. One seeded h0 serves every row; each gets its mean cross-entropy over its span.
+# Scoring token rows, many per forward (METHOD.md §3).
+# Rows are grouped by length and padded on the right.
+# One seeded h0 serves every row, and each gets its mean cross-entropy over its span.
 
 def in_eval_mode(evaluate):
-    """evaluate(model, ...) with the model in eval mode, its mode restored after."""
+    """Run evaluate(model, ...) in eval mode, then restore the model's mode."""
     @functools.wraps(evaluate)
     def run(model, *args, **kwargs):
         was_training = model.training
@@ -62,15 +62,17 @@ def in_eval_mode(evaluate):
 
 
 def bf16_autocast(device):
-    """bf16 autocast on CUDA, as in training; on a CPU it keeps an enclosing autocast on."""
+    """Autocast to bf16 on CUDA, as training does.
+    On a CPU it keeps an enclosing autocast on."""
     return torch.autocast(device.type, torch.bfloat16,
                           enabled=device.type == "cuda"
                           or torch.is_autocast_enabled(device.type))
 
 
 def forward_batches(rows, batch_tokens, one_per_forward):
-    """Row indices, one list per forward, longest first.
-    A forward holds as many rows as fit batch_tokens (rows x width), or one item's, as nanochat."""
+    """Split rows into forwards -> row indices, one list per forward, longest first.
+    A forward holds as many rows as fit batch_tokens (rows x width).
+    With one_per_forward it holds one item's rows, as nanochat does."""
     if one_per_forward:
         by_example = defaultdict(list)
         for i, row in enumerate(rows):
@@ -88,14 +90,14 @@ def forward_batches(rows, batch_tokens, one_per_forward):
 
 @torch.no_grad()
 def score_rows(model, rows, T, h0_table, batch_tokens=1024, one_per_forward=False):
-    """-> per row, (mean cross-entropy over its span, whether greedy argmax reproduces it).
-    Eager even under compiled blocks: nearly every forward has a new shape."""
+    """Score each row -> its mean cross-entropy over its span, and whether greedy argmax matches it.
+    It runs eagerly even under compiled blocks, since nearly every forward has a new shape."""
     with torch.compiler.set_stance("force_eager"):  # a decorator would import dynamo here
         device = h0_table.device
         losses, exact = [0.0] * len(rows), [False] * len(rows)
         for batch in forward_batches(rows, batch_tokens, one_per_forward):
             width = max(len(rows[i].tokens) for i in batch)
-            # padded with id 0 on the right, which causal attention never reads
+            # Pad with id 0 on the right, which causal attention never reads.
             ids = torch.zeros(len(batch), width, dtype=torch.long)
             for j, i in enumerate(batch):
                 ids[j, :len(rows[i].tokens)] = torch.tensor(rows[i].tokens)
@@ -116,16 +118,17 @@ def score_rows(model, rows, T, h0_table, batch_tokens=1024, one_per_forward=Fals
 
 
 # -----------------------------------------------------------------------------
-# CORE: accuracy per task, centered by the random baseline, averaged
+# CORE: accuracy per task, centered on the random baseline, then averaged
 
 def centered_accuracy(accuracy, random_baseline):
-    """METHOD.md §3: 0 at chance, 1 when perfect."""
+    """Center an accuracy on chance (METHOD.md §3), so chance is 0 and perfect is 1."""
     return (accuracy - 0.01 * random_baseline) / (1.0 - 0.01 * random_baseline)
 
 
 def evaluate_task(model, tokenizer, task, data, T, seed, h0_table, batch_tokens=1024,
                   one_per_forward=False):
-    """Accuracy on data, its items striped across ranks and summed: any number of ranks agree."""
+    """Score a task's items -> its accuracy.
+    Items are striped across ranks and summed, so any number of ranks agree."""
     rank, world = rank_and_world()
     rows = build_rows(task, data, range(rank, len(data), world), tokenizer, seed,
                       model.config.seq_len)
@@ -135,7 +138,7 @@ def evaluate_task(model, tokenizer, task, data, T, seed, h0_table, batch_tokens=
         per_item[row.example].append((loss, hit))
     correct = torch.zeros(len(data), dtype=torch.float64, device=h0_table.device)
     for idx, scores in per_item.items():
-        if task.kind == LM:  # right iff greedy decoding reproduces every continuation token
+        if task.kind == LM:  # right when greedy decoding reproduces every continuation token
             correct[idx] = float(scores[0][1])
         else:  # the option with the lowest mean loss wins (the first one on a tie)
             option_losses = [loss for loss, _ in scores]
@@ -148,19 +151,19 @@ def evaluate_task(model, tokenizer, task, data, T, seed, h0_table, batch_tokens=
 @in_eval_mode
 def evaluate_core(model, tokenizer, bundle_dir, T=None, max_per_task=-1, tasks="core", seed=1234,
                   batch_tokens=None, one_per_forward=False, verbose=True):
-    """CORE / Core-Extended at recurrence T (None: mu_rec) -> a dict of results.
+    """Score CORE or Core-Extended at recurrence T, mu_rec by default -> a dict of results.
     It holds per-task accuracies, their means ("core", "core_extended") and the tasks skipped.
-    tasks: "core", "extended", labels separated by commas, or a list of Task."""
+    The tasks are "core", "extended", labels separated by commas, or a list of Task."""
     t_start = time.time()
     device = next(model.parameters()).device
-    # a GPU wants big batches; on a CPU a small batch's elementwise ops stay in cache
+    # A GPU wants big batches; on a CPU a small batch's elementwise ops stay in cache.
     batch_tokens = batch_tokens or (16384 if device.type == "cuda" else 1024)
-    # one seeded h0 table and the chance baselines serve every task
+    # One seeded h0 table and the chance baselines serve every task.
     baselines = read_random_baselines(bundle_dir)
     h0_table = evaluation_initial_state(model.config.d_model, model.config.seq_len, seed, device)
     accuracy, centered, skipped, items = {}, {}, {}, {}
     for task in select_tasks(tasks) if isinstance(tasks, str) else tasks:
-        # skip, with why, a task the bundle cannot score
+        # Skip a task the bundle cannot score, and say why.
         if not (Path(bundle_dir) / "eval_data" / task.path).is_file():
             skipped[task.label] = f"eval_data/{task.path} is not in the bundle"
         elif task.label not in baselines:
@@ -169,7 +172,7 @@ def evaluate_core(model, tokenizer, bundle_dir, T=None, max_per_task=-1, tasks="
             if verbose:
                 print0(f"{task.label:<34} skipped: {skipped[task.label]}")
             continue
-        # score it: accuracy, then centered on chance
+        # Score it, then center its accuracy on chance.
         t0 = time.time()
         data = load_task_data(bundle_dir, task, max_per_task)
         items[task.label] = len(data)
@@ -180,7 +183,7 @@ def evaluate_core(model, tokenizer, bundle_dir, T=None, max_per_task=-1, tasks="
             print0(f"{task.label:<34} {task.shots:>2}-shot {task.kind:<17} {len(data):>6} items  "
                    f"accuracy {accuracy[task.label]:.4f}  centered {centered[task.label]:+.4f}  "
                    f"{time.time() - t0:6.1f}s")
-    # the means: CORE over its 22 tasks, Core-Extended over all that ran
+    # Average CORE over its 22 tasks and Core-Extended over all that ran.
     core = [c for label, c in centered.items() if label in CORE_LABELS]
     extended_ran = any(label not in CORE_LABELS for label in centered)
     return {"T": T if T is not None else model.config.mu_rec, "seed": seed,
@@ -196,12 +199,13 @@ def evaluate_core(model, tokenizer, bundle_dir, T=None, max_per_task=-1, tasks="
 @torch.no_grad()
 @in_eval_mode
 def evaluate_bpb(model, tokenizer, batches, T=None, seed=1234, state_norm=False):
-    """-> (loss, bpb) over (x, y) batches and ranks.
-    loss: mean nats per target (y = -1 ignored). bpb: bits per UTF-8 byte of the targets with bytes.
-    state_norm adds the mean ||h_T||."""
+    """Score (x, y) batches over all ranks -> (loss, bpb).
+    The loss is the mean nats per target, ignoring y = -1.
+    Bits per byte count the UTF-8 bytes of the targets that have bytes.
+    With state_norm it also returns the mean ||h_T||."""
     device = next(model.parameters()).device
     token_bytes = tokenizer.token_bytes.to(device)
-    # nats, targets, nats of byte tokens, bytes, ||h_T|| x positions, positions
+    # Sums of nats, targets, nats of byte tokens, bytes, ||h_T|| x positions, positions.
     sums = torch.zeros(6, dtype=torch.float64, device=device)
     h0_table = None
     for x, y in batches:
@@ -233,16 +237,17 @@ def evaluate_bpb(model, tokenizer, batches, T=None, seed=1234, state_norm=False)
 @torch.no_grad()
 @in_eval_mode
 def evaluate_ppl(model, tokenizer, docs, T=None, seed=1234):
-    """The authors' validation loss, behind the paper's val PPL (METHOD.md §3).
-    Each document runs alone in one forward: its first seq_len + 1 tokens, no BOS.
-    -> (loss, bpb, documents, tokens) over the targets with bytes; PPL = exp(loss).
-    One seeded h0, as in evaluate_bpb; the authors draw one per forward, from the same law."""
+    """Score the authors' validation loss, behind the paper's val PPL (METHOD.md §3).
+    Each document runs alone in one forward, its first seq_len + 1 tokens, without BOS.
+    It returns (loss, bpb, documents, tokens) over the targets with bytes; PPL is exp(loss).
+    One seeded h0 serves all, as in evaluate_bpb.
+    The authors draw one per forward from the same law."""
     device = next(model.parameters()).device
     rank, world = rank_and_world()
     seq_len = model.config.seq_len
     token_bytes = tokenizer.token_bytes.to(device)
     h0_table = evaluation_initial_state(model.config.d_model, seq_len, seed, device)
-    # nats of byte tokens, their count, bytes, documents
+    # Sums of nats of byte tokens, their count, bytes, documents.
     sums = torch.zeros(4, dtype=torch.float64, device=device)
     for ids in tokenizer.encode(docs[rank::world]):
         ids = ids[:seq_len + 1]
@@ -265,9 +270,9 @@ def evaluate_ppl(model, tokenizer, docs, T=None, seed=1234):
 
 
 def fit_test_time_scaling(Ts, losses):
-    """Least-squares fit of L(T) = L_inf + Z exp(-z T) (METHOD.md §3) -> L_inf, Z, z, rms.
+    """Fit L(T) = L_inf + Z exp(-z T) by least squares (METHOD.md §3) -> L_inf, Z, z, rms.
     For fixed z the law is linear in (L_inf, Z), so only z is searched.
-    The search: a log grid, then golden-section search around the best point."""
+    A log grid finds the best point, then golden-section search refines it."""
     T, L = np.asarray(Ts, dtype=np.float64), np.asarray(losses, dtype=np.float64)
     if len(T) < 3 or len(set(T.tolist())) < 3:
         raise ValueError(f"fitting L(T) = L_inf + Z exp(-z T) needs at least 3 distinct T, "
@@ -292,10 +297,10 @@ def fit_test_time_scaling(Ts, losses):
     return {"L_inf": float(L_inf), "Z": float(Z), "z": math.exp((lo + hi) / 2), "rms": rms}
 
 # -----------------------------------------------------------------------------
-# The evals of a training run, each said in a line
+# The evals of a training run, each printed in a line
 
 def evaluate_during_training(step, model, tokenizer, val_data):
-    """METHOD.md §2: validation loss (and bits per byte) at T in {1, 2, 4, mu_rec} -> a record."""
+    """Score validation loss and bpb at T in {1, 2, 4, mu_rec} (METHOD.md §2) -> a record."""
     depths = [1] if model.config.injection == "none" else sorted({1, 2, 4, model.config.mu_rec})
     result = {"step": step}
     for T in depths:
@@ -307,13 +312,13 @@ def evaluate_during_training(step, model, tokenizer, val_data):
 
 
 def core_during_training(step, model, tokenizer, bundle_dir, max_per_task):
-    """METHOD.md §3: CORE on each task's first max_per_task examples, at T = mu_rec -> a record.
-    None when the bundle holds none of its tasks."""
+    """Score CORE on each task's first max_per_task items at T = mu_rec (METHOD.md §3) -> a record.
+    It returns None when the bundle holds none of its tasks."""
     result = evaluate_core(model, tokenizer, bundle_dir, max_per_task=max_per_task, verbose=False)
     if result["core"] is None:
         print0(f"CORE skipped: the bundle at {bundle_dir} holds none of its tasks")
         return None
-    skipped = sorted(result["skipped"])  # tasks a partial bundle lacks: the mean is over the rest
+    skipped = sorted(result["skipped"])  # tasks a partial bundle lacks; the mean is over the rest
     ran = f"over {len(result['centered'])} of {len(result['centered']) + len(skipped)} tasks"
     print0(f"CORE {result['core']:.4f} at T={result['T']} {ran}"
            + (f", skipped: {', '.join(skipped)}" if skipped else "")
@@ -322,13 +327,10 @@ def core_during_training(step, model, tokenizer, bundle_dir, max_per_task):
 
 
 # -----------------------------------------------------------------------------
-# Command line
-
-def write_json(path, obj):
-    write_atomically(path, lambda partial: partial.write_text(json.dumps(obj, indent=1)))
-
+# Command line. Each --eval has one function; nanoparcae/results.py keeps the results.
 
 def aggregate_line(result):
+    """Say a CORE result's means, skipped tasks and time in one line."""
     parts = [f"{result['seconds']:.1f}s"]
     if result["core"] is not None:
         n_core = sum(label in CORE_LABELS for label in result["centered"])
@@ -343,6 +345,7 @@ def aggregate_line(result):
 
 
 def run_core(args, model, tokenizer, Ts, seeds):
+    """Score CORE at each T and few-shot seed, with the mean and spread over seeds."""
     bundle_dir, why = shared_eval_bundle(next(model.parameters()).device, args.bundle_url)
     if bundle_dir is None:
         raise ValueError(why)
@@ -371,15 +374,14 @@ def run_core(args, model, tokenizer, Ts, seeds):
                 print0(f"T = {T}: {key} over seeds {seeds}: mean {mean:.4f} std {std:.4f} "
                        f"(x100: {100 * mean:.2f} +- {100 * std:.2f})")
     scored = sum(sum(run["items"].values()) for run in runs)
-    # CORE's tasks are every run's own data: only the items scored count
+    # CORE's tasks are every run's own data, so only the items scored count.
     return {"runs": runs, "summary": summary, "measured": {"data": None, "amount": scored}}
 
 
-def run_bpb(args, model, tokenizer, ckpt, Ts, device):
+def run_bpb(args, model, tokenizer, source, Ts, device):
+    """Score val loss and bpb at each T, and fit L(T) over 3 or more depths."""
     mu_rec = model.config.mu_rec
     Ts = sorted(set(Ts) | {mu_rec})  # METHOD.md §3 compares L_inf with the loss at mu_rec
-    source = args.data or ckpt.get("args", {}).get("data", "fineweb-edu")
-    key = data_key(source)
     rank, world = rank_and_world()
     batches = list(val_batches(tokenizer, source, args.batch_size, model.config.seq_len,
                                args.val_tokens, rank, world, device))
@@ -395,7 +397,7 @@ def run_bpb(args, model, tokenizer, ckpt, Ts, device):
         print0(f"T = {T:>3}: val loss {loss:.4f}  bpb {bpb:.4f}  ppl {math.exp(loss):.2f}  "
                f"{time.time() - t0:.1f}s")
     out = {"T": Ts, "loss": losses, "bpb": bpbs, "data": source,
-           "measured": {"data": key, "amount": tokens}}
+           "measured": {"data": data_key(source), "amount": tokens}}
     if len(Ts) >= 3:
         fit = fit_test_time_scaling(Ts, losses)
         at_mu = losses[Ts.index(mu_rec)]
@@ -407,12 +409,12 @@ def run_bpb(args, model, tokenizer, ckpt, Ts, device):
     return out
 
 
-def run_ppl(args, model, tokenizer, ckpt, Ts):
-    source = args.data or ckpt.get("args", {}).get("data", "fineweb-edu")
+def run_ppl(args, model, tokenizer, source, Ts):
+    """Score the paper's val PPL at each T, one document per forward."""
     key = data_key(source)
     docs = list(itertools.islice(iter_documents(source, "val"), args.max_docs))
-    print0(f"Validation: the first {len(docs)} documents of {source}'s val split, one per forward, "
-           f"up to {model.config.seq_len} tokens each, no BOS")
+    print0(f"Validation: the first {len(docs)} documents of {source}'s val split, one per "
+           f"forward, up to {model.config.seq_len} tokens each, no BOS")
     out = {"T": Ts, "loss": [], "ppl": [], "bpb": [], "data": source}
     for T in Ts:
         t0 = time.time()
@@ -431,11 +433,8 @@ items_or_all = checked(int, "a positive number, or -1 for every item",
 
 
 def eval_parser(description):
-    """The flags of an evaluation, for any command that evaluates a loaded model."""
-    parser = argparse.ArgumentParser(description=description,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     allow_abbrev=False)
-    parser.error = fail  # an unknown flag or a bad value: one line, status 2
+    """Build the flags of an evaluation, for any command that evaluates a loaded model."""
+    parser = command_parser(description)
     parser.add_argument("--eval", default="core", choices=["core", "bpb", "ppl"],
                         help="core: CORE; bpb: loss on packed rows; ppl: one document per forward")
     parser.add_argument("--T", type=listed(positive(int)), default=None,
@@ -468,60 +467,25 @@ def eval_parser(description):
 
 
 def start_device(args):
+    """Pick --device, or CUDA when there is one, and join torchrun's process group."""
     return init_distributed(parse_device(args.device
                                          or ("cuda" if torch.cuda.is_available() else "cpu")))
 
 
-def evaluate(args, model, tokenizer, ckpt, ckpt_path, Ts, seeds, device):
-    """--eval on a loaded model; the results go beside ckpt_path."""
-    Ts = Ts or [model.config.mu_rec]
-    if rank_and_world()[0] == 0:  # the writer: results it could not keep are never computed
-        check_writable(ckpt_path.parent, "the results")
-    print0(f"Checkpoint {ckpt_path} (step {ckpt.get('step')}), {model.num_params():,} parameters, "
-           f"mu_rec {model.config.mu_rec}, on {device} x {rank_and_world()[1]}")
+def evaluate(args, model, tokenizer, ckpt, ckpt_path, device):
+    """Run --eval on a loaded model and keep the results beside ckpt_path."""
+    Ts = args.T or [model.config.mu_rec]
+    check_results_folder(ckpt_path)
+    print0(f"Checkpoint {ckpt_path} (step {ckpt.get('step')}), {model.num_params():,} "
+           f"parameters, mu_rec {model.config.mu_rec}, on {device} x {rank_and_world()[1]}")
+    source = args.data or run_data(ckpt)
     if args.eval == "core":
-        out = run_core(args, model, tokenizer, Ts, seeds)
+        out = run_core(args, model, tokenizer, Ts, args.seeds)
     elif args.eval == "bpb":
-        out = run_bpb(args, model, tokenizer, ckpt, Ts, device)
+        out = run_bpb(args, model, tokenizer, source, Ts, device)
     else:
-        out = run_ppl(args, model, tokenizer, ckpt, Ts)
-    write_results(out, args, ckpt, ckpt_path, Ts, args.eval)
-
-
-def result_path(ckpt, ckpt_path, kind, Ts, measured):
-    """Where an eval's results go, keyed by what it measured (data, amount, T).
-    -> (path, the run's own result it leaves as it is, or None).
-    The run's own, beside the checkpoint as <stem>_<kind>_T<Ts>.json, is the report card's.
-    An eval replaces it only on the run's own data, measuring as much or more (tokens, CORE items).
-    Any other goes to evals/, named after what it measured."""
-    name = f"{ckpt_path.stem}_{kind}_T{'-'.join(map(str, Ts))}"
-    own = ckpt_path.with_name(f"{name}.json")
-    try:  # the content key the run recorded; before records, its --data's now
-        recorded = (ckpt.get("run", {}).get("data")
-                    or data_key(ckpt.get("args", {}).get("data", "fineweb-edu")))
-    except (FileNotFoundError, ValueError):  # its files are gone: no data is its own
-        recorded = None
-    try:
-        there = json.loads(own.read_text()).get("measured", {}) if own.is_file() else {}
-    except ValueError:  # torn: nothing to keep
-        there = {}
-    if measured["data"] in (None, recorded) and measured["amount"] >= there.get("amount", 0):
-        return own, None
-    aside = f"{name}_{measured['data'] or 'core'}_{measured['amount']}.json"
-    return ckpt_path.parent / "evals" / aside, own
-
-
-def write_results(out, args, ckpt, ckpt_path, Ts, kind):
-    """The results as JSON beside the checkpoint (result_path), from rank 0."""
-    if rank_and_world()[0] == 0:
-        # the harness's results say nothing of what they measured: they replace as before
-        measured = out.get("measured", {"data": None, "amount": 0})
-        path, kept = result_path(ckpt, ckpt_path, kind, Ts, measured)
-        path.parent.mkdir(exist_ok=True)
-        write_json(path, {"ckpt": str(ckpt_path), "step": ckpt.get("step"), "args": vars(args),
-                          **out})
-        print0(f"Wrote {path}" + (f"; the run's own, {kept}, stays: this eval measured other "
-                                  f"data, or less" if kept else ""))
+        out = run_ppl(args, model, tokenizer, source, Ts)
+    keep_results(out, args, ckpt, ckpt_path, Ts, args.eval)
 
 
 def main(argv=None):
@@ -531,16 +495,10 @@ def main(argv=None):
     parser.add_argument("--run", default=None,
                         help="a run under <base dir>/runs, its latest checkpoint")
     args = parser.parse_args(argv)
-    try:
-        device = start_device(args)
-        model, tokenizer, ckpt, ckpt_path = load_run(args.ckpt or args.run, device)
-        evaluate(args, model, tokenizer, ckpt, ckpt_path, args.T, args.seeds, device)
-    except REFUSED as err:
-        fail_with(err)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    device = start_device(args)
+    model, tokenizer, ckpt, ckpt_path = load_run(args.ckpt or args.run, device)
+    evaluate(args, model, tokenizer, ckpt, ckpt_path, device)
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

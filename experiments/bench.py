@@ -8,19 +8,19 @@ bench.py: nanoparcae's performance figures, measured side by side on whatever ma
     python -m experiments.bench --rows 9 --seq_len 256 --batch_size 2 --vocab_size 4096   # the compiled step
 
 It prints ONE markdown table (progress goes to stderr), the one docs/performance.md quotes.
-Each speed figure is a ratio of two things timed in the same run, interleaved repeat by repeat so that
-the noise of a shared machine falls on both; each is the median of --repeats repeats after a warm-up.
-Training steps run forward + backward + gradient clip + optimiser step (optim.build_optimizer), on
-fixed batches of random tokens, with the depths of every step drawn up front (model.sample_depths) and
-replayed as forward's depths, so both sides of a comparison run exactly the same depths. Row 9 compiles them as
-train.py does (compile_step). Every FLOP/s figure counts the matmul FLOPs executed (Parcae.matmul_flops_per_token),
-not the paper's C (Parcae.paper_flops_per_token, for budgets).
+Each speed figure is a ratio of two things timed in the same run.
+Their repeats interleave, so the noise of a shared machine falls on both.
+Each figure is the median of --repeats repeats after a warm-up.
+Training steps run forward, backward, gradient clip and optimiser step (optim.build_optimizer).
+They run on fixed batches of random tokens.
+The depths of every step are drawn up front (model.sample_depths) and replayed as forward's depths.
+So both sides of a comparison run exactly the same depths.
+Row 9 compiles them as train.py does (compile_step).
+Every FLOP/s figure counts the matmul FLOPs executed (Parcae.matmul_flops_per_token).
+The paper's C (Parcae.paper_flops_per_token) is for budgets only.
 """
 
-import argparse
-import json
 import os
-import platform
 import random
 import string
 import tempfile
@@ -31,11 +31,12 @@ import torch
 import torch.nn.functional as F
 
 from nanoparcae.checkpoint import load_run, sized_model, tensors_digest
-from nanoparcae.common import fail, peak_bf16_flops, write_atomically
+from nanoparcae.common import comma_list, command_parser, peak_bf16_flops, run_command, size, write_json
 from nanoparcae.core_tasks import MC, Task
 from data import DataLoader
 from nanoparcae.dataset import iter_documents
 from nanoparcae.flags import positive
+from nanoparcae.report import cpu_name
 from eval_core import bf16_autocast, evaluate_task
 from experiments.decoding import decoding_rows, stdlib_tokens
 from experiments.timing import log, median_seconds, print_table, timed
@@ -60,6 +61,7 @@ DECODE_PROMPT = 16  # row 5: tokens of prompt before the decoded ones
 
 
 def si(value, unit=""):
+    """A rate in SI prefixes: 3.1 Mtok/s, 45 TFLOP/s; bytes go through common.size."""
     for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
         if abs(value) >= scale:
             return f"{value / scale:.3g} {prefix}{unit}"
@@ -74,17 +76,18 @@ def model_config(args, **overrides):
                                    head_dim=args.head_dim, mu_rec=args.mu_rec, **{**sizes, **overrides})
 
 
-def model_loss(model, x, y, depths):
-    return model(x, y, depths=depths)
+def model_loss(model, x, y, depths, generator):
+    return model(x, y, depths=depths, h0_generator=generator)
 
 
-def masked_reference_loss(model, x, y, depths):
-    """Per-sequence depths the way the paper runs them (METHOD.md §2): the whole batch steps max(n) times without
-    grad and max(k) times with it, and torch.where keeps the state of a sequence whose count is used up.
-    Built from the model's pieces: the reference row 8 measures model.py's loop against, loss and gradients alike."""
+def masked_reference_loss(model, x, y, depths, generator):
+    """Run per-sequence depths the way the paper does (METHOD.md §2).
+    The whole batch steps max(n) times without grad and max(k) times with it.
+    torch.where keeps the state of a sequence whose count is used up.
+    Row 8 measures model.py's loop against this reference, loss and gradients alike."""
     Bbar_e, ves, cos, sin = model.run_prelude(x)
     n, k = model.loop_depths(x.size(0), depths=depths)
-    h = initial_state(Bbar_e.shape, Bbar_e.device).to(Bbar_e.dtype)
+    h = initial_state(Bbar_e.shape, Bbar_e.device, generator).to(Bbar_e.dtype)
     A_bar, n_max = model.injection.A_bar(), int(n.max())
     for step in range(n_max + int(k.max())):
         active = n > step if step < n_max else k > step - n_max
@@ -96,7 +99,8 @@ def masked_reference_loss(model, x, y, depths):
 
 
 class Trainer:
-    """A model, its optimiser as train.py builds it, and one fixed batch of random tokens."""
+    """A model, its optimiser as train.py builds it, and one fixed batch of random tokens.
+    Its h0 generator, seeded like the rest, serves every step."""
 
     def __init__(self, config, batch_size, device, seed=0):
         torch.manual_seed(seed)
@@ -105,12 +109,13 @@ class Trainer:
         tokens = torch.randint(0, config.vocab_size, (batch_size, config.seq_len + 1),
                                generator=torch.Generator().manual_seed(seed))
         self.x, self.y = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+        self.h0_generator = torch.Generator(device).manual_seed(seed)
 
     def run(self, schedule, loss_fn=model_loss):
         """One training step per entry of schedule: an (n, k) draw each (model.sample_depths)."""
         for depths in schedule:
             with bf16_autocast(DEVICE):
-                loss = loss_fn(self.model, self.x, self.y, depths)
+                loss = loss_fn(self.model, self.x, self.y, depths, self.h0_generator)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
             self.optimizer.step()
@@ -123,17 +128,19 @@ def depth_schedule(config, batch_size, num_steps, seed=0):
 
 
 def sampled_flops_per_token(config, schedule):
-    """Executed matmul FLOPs per token at the depths the schedule sampled: linear in the steps without and with
-    gradient, so at the mean sampled n_i and k_i it counts exactly the passes sampled (not those a masked batch
-    wastes). The Transformer's count does not depend on depth."""
+    """Count the executed matmul FLOPs per token at the depths the schedule sampled.
+    The count is linear in the steps without and with gradient.
+    So at the mean sampled n_i and k_i it counts exactly the passes sampled, not those a masked batch wastes.
+    The Transformer's count does not depend on depth."""
     n, k = (torch.cat(steps).double() for steps in zip(*schedule))
     with torch.device("meta"):
         return Parcae(config).matmul_flops_per_token(n, k)
 
 
 class PassCounter:
-    """Executed recurrent passes, one per sequence per run of the recurrent block: the tokens its first layer
-    sees over seq_len, so a step run on a subset of the batch counts that subset only."""
+    """Count executed recurrent passes, one per sequence per run of the recurrent block.
+    It divides the tokens the block's first layer sees by seq_len.
+    So a step run on a subset of the batch counts that subset only."""
 
     def __init__(self, model):
         self.model, self.tokens = model, 0
@@ -175,12 +182,11 @@ def measure_training(args, device, batch_size, names=tuple(TRAINING_MODELS)):
     return results
 
 
-def matmul_rate(args, device):
-    """FLOP/s of the model's own matmuls (q/k/v/out, MLP up and down, the head) at batch x seq_len rows."""
-    d, rows, vocab = args.d_model, args.batch_size * args.seq_len, args.vocab_size
-    dtype = torch.bfloat16 if CUDA else torch.float32
+def matmul_rate(args, device, shapes):
+    """Time (batch x seq_len, k) @ (k, n) at each (k, n) of shapes -> FLOP/s, in the step's dtype."""
+    rows, dtype = args.batch_size * args.seq_len, torch.bfloat16 if CUDA else torch.float32
     pairs = [(torch.randn(rows, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype))
-             for k, n in ((d, d), (d, 4 * d), (4 * d, d), (d, vocab))]
+             for k, n in shapes]
     flops = sum(2 * a.size(0) * a.size(1) * b.size(1) for a, b in pairs)
     seconds = median_seconds({"mm": lambda: [a @ b for a, b in pairs]}, args.repeats)["mm"]
     return flops / seconds
@@ -201,9 +207,11 @@ def row_throughput(args, device, training, figures):
 
 
 def row_mfu(args, device, training, figures):
-    """MFU against the matmul rate measured here at the model's own shapes, which a training step could reach at
-    best; and against the GPU's listed dense bf16 peak where common.PEAK_BF16_FLOPS has it."""
-    rate = figures["matmul_rate"] = matmul_rate(args, device)
+    """Row 2: MFU against the matmul rate measured here at the model's own shapes.
+    A training step could reach that rate at best.
+    Where common.PEAK_BF16_FLOPS lists the GPU, MFU against its dense bf16 peak too."""
+    d = args.d_model  # the model's own matmuls: q/k/v/out, MLP up and down, the head
+    rate = figures["matmul_rate"] = matmul_rate(args, device, ((d, d), (d, 4 * d), (4 * d, d), (d, args.vocab_size)))
     peak = peak_bf16_flops(device)
     parcae, gpt = training["per-sequence"][1], training["Transformer"][1]
     figures["mfu"] = parcae / rate
@@ -242,6 +250,7 @@ def row_memory(args, device, training, figures):
     model = Parcae(config).to(device).train()
     param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
     x = torch.randint(0, config.vocab_size, (args.batch_size, config.seq_len), device=device)
+    generator = torch.Generator(device).manual_seed(0)
     saved, peaks = {}, {}
     for T in (8, 16, 32):
         storages = {}
@@ -256,31 +265,31 @@ def row_memory(args, device, training, figures):
             torch.cuda.reset_peak_memory_stats(device)
             baseline = torch.cuda.memory_allocated(device)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), bf16_autocast(DEVICE):
-            loss = model(x, x, T=T)
+            loss = model(x, x, T=T, h0_generator=generator)
         loss.backward()
         model.zero_grad(set_to_none=True)
         saved[T] = sum(storages.values())
         if CUDA:
             peaks[T] = torch.cuda.max_memory_allocated(device) - baseline
     spread = max(saved.values()) / min(saved.values())
-    result = ", ".join(f"T={T}: {si(b, 'B')}" for T, b in saved.items())
+    result = ", ".join(f"T={T}: {size(b)}" for T, b in saved.items())
     if peaks:
-        result += "; peak CUDA " + ", ".join(f"T={T}: {si(b, 'B')}" for T, b in peaks.items())
+        result += "; peak CUDA " + ", ".join(f"T={T}: {size(b)}" for T, b in peaks.items())
         spread = max(spread, max(peaks.values()) / min(peaks.values()))
     return [("4", f"memory saved for backward, mu_bwd 4 (saved-tensor hooks, exact{', and peak CUDA' if CUDA else ''})",
              result, f"max/min {spread:.2f}x", f"flat within 10%: {'met' if spread <= 1.10 else 'not met'}")]
 
 
 def row_decode(args, device, training, figures):
-    """Row 5 on a trained checkpoint (--ckpt, else the newest under the base dir) and the stdlib's text; on
-    an untrained model of the bench's size and random tokens when there is none."""
+    """Row 5 on a trained checkpoint (--ckpt, else the newest) and the stdlib's text.
+    Without a checkpoint it uses an untrained model of the bench's size and random tokens."""
     try:
         model, tokenizer, _, path = load_run(args.ckpt, device)
         ids = stdlib_tokens(tokenizer, DECODE_PROMPT + args.new_tokens, device)
         where = f"checkpoint {path.parent.name}/{path.name}"
     except (FileNotFoundError, ValueError) as err:
         if args.ckpt:
-            fail(err)
+            raise
         torch.manual_seed(0)
         model = Parcae(model_config(args)).to(device).eval()
         ids = torch.randint(0, model.config.vocab_size, (1, DECODE_PROMPT + args.new_tokens), device=device)
@@ -333,9 +342,10 @@ def row_core_and_loader(args, device, training, figures):
 
 
 def row_compile(args, device, training, figures):
-    """model.compile_regions() (as train.py calls it) against eager, over 50 steps of per-sequence depths; the
-    graphs dynamo compiles are counted after every 10 steps (the loop step's row count goes dynamic once, so a
-    few early recompilations are by design; later ones are not)."""
+    """Row 7: model.compile_regions(), as train.py calls it, against eager.
+    It runs 50 steps of per-sequence depths and counts dynamo's graphs after every 10 steps.
+    The loop step's row count goes dynamic once, so a few early recompilations are by design.
+    Later ones are not."""
     if CUDA:
         config, batch_size = model_config(args), args.batch_size
     else:
@@ -423,13 +433,6 @@ STEP_MODELS = {"Parcae per-sequence": ({}, depth_schedule), "Parcae fixed depth"
                "Transformer": ({"injection": "none"}, depth_schedule)}
 
 
-def mlp_matmul_rate(args, device, dtype):
-    """FLOP/s of one matmul at the MLP's up-projection, (batch x seq_len, d) @ (d, 4 d), in the step's dtype."""
-    rows, d = args.batch_size * args.seq_len, args.d_model
-    a, b = torch.randn(rows, d, device=device, dtype=dtype), torch.randn(d, 4 * d, device=device, dtype=dtype)
-    return 2 * rows * d * 4 * d / median_seconds({"mm": lambda: a @ b}, args.repeats)["mm"]
-
-
 def peak_memory(fn, device):
     """Bytes allocated at fn()'s peak over those allocated before it; None off CUDA."""
     if device.type != "cuda":
@@ -452,9 +455,10 @@ def busy_time(intervals):
 
 
 def profile_steps(fn, num_steps, device):
-    """(launches per step, the device's idle share) over num_steps calls of fn, from torch.profiler. On CUDA the
-    kernels and copies, idle outside all of them; on a CPU the operators dispatched outside any other operator
-    (a compiled kernel's call is one), and no idle share."""
+    """Profile num_steps calls of fn -> (launches per step, the device's idle share).
+    On CUDA it counts kernels and copies, and the idle time outside all of them.
+    On a CPU it counts the operators dispatched outside any other operator, and no idle share.
+    A compiled kernel's call counts as one operator."""
     from torch.profiler import DeviceType, ProfilerActivity, profile
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -479,8 +483,8 @@ def row_step(args, device, training, figures):
     """Row 9: each model's own Trainer, compiled by compile_step, warmed up (its graphs built), then the three
     timed in turn; memory and the profile one model at a time. Fixed depth against per-sequence is time per
     FLOP (matmul FLOPs executed), as row 3: the two sample different mean depths."""
-    dtype = torch.bfloat16 if CUDA else torch.float32
-    rate, peak = mlp_matmul_rate(args, device, dtype), peak_bf16_flops(device)
+    rate = matmul_rate(args, device, [(args.d_model, 4 * args.d_model)])  # the MLP's up-projection
+    peak = peak_bf16_flops(device)
     tokens = args.steps * args.batch_size * args.seq_len
     models = {}
     for name, (overrides, schedule_fn) in STEP_MODELS.items():
@@ -514,7 +518,7 @@ def row_step(args, device, training, figures):
     targets = {"Parcae per-sequence": 0.45, "Transformer": 0.46}
     for (name, r), letter in zip(results.items(), "abc"):
         mfu = f"MFU {r['mfu_measured']:.1%} of measured" + (f", {r['mfu_listed']:.1%} of listed" if peak else "")
-        memory = f"peak {si(r['peak_memory'], 'B')}" if r["peak_memory"] is not None else "peak memory: no GPU"
+        memory = f"peak {size(r['peak_memory'])}" if r["peak_memory"] is not None else "peak memory: no GPU"
         launches = (f"{r['kernels_per_step']:.0f} kernels per step, GPU idle {r['idle']:.0%}" if CUDA else
                     f"{r['kernels_per_step']:.0f} operators per step")
         ratio = (f"against fixed depth: time per FLOP {overhead:+.1%}, tok/s "
@@ -549,9 +553,9 @@ def row_digest(args, device, training, figures):
         weights, whole = sum(t.nbytes for t in state["model"].values()), path.stat().st_size
     figures["digest"] = {**seconds, "weights_bytes": weights, "checkpoint_bytes": whole}
     weights_s, all_s = seconds["digest_weights"], seconds["digest_all"]
-    return [("10", f"checkpoint digest (sha256 on {min(8, os.cpu_count() or 1)} threads), model {si(weights, 'B')}"
-                  f", checkpoint {si(whole, 'B')}",
-             f"weights {weights_s:.2f} s ({si(weights / weights_s, 'B/s')}); whole checkpoint {all_s:.2f} s; "
+    return [("10", f"checkpoint digest (sha256 on {min(8, os.cpu_count() or 1)} threads), model {size(weights)}"
+                  f", checkpoint {size(whole)}",
+             f"weights {weights_s:.2f} s ({size(weights / weights_s)}/s); whole checkpoint {all_s:.2f} s; "
              f"torch.save {seconds['save']:.2f} s, torch.load {seconds['load']:.2f} s",
              f"the whole digest / torch.load {all_s / seconds['load']:.2f}x", "")]
 
@@ -564,29 +568,23 @@ NEEDS_TRAINING = {1, 2, 3, 6}
 # Command line
 
 def device_name(device):
+    """The GPU's name, or the CPU's with the threads torch uses."""
     if CUDA:
         return torch.cuda.get_device_name(device)
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu}, {torch.get_num_threads()} threads"
+    return f"{cpu_name()}, {torch.get_num_threads()} threads"
 
 
 def parse_rows(text):
-    rows = text.split(",")
-    if not all(r.strip().isdigit() and int(r) in ROWS for r in rows):
-        raise argparse.ArgumentTypeError(f"--rows takes numbers from 1 to {len(ROWS)} separated by commas, "
-                                         f"got {text!r}")
-    return sorted({int(r) for r in rows})
+    """--rows' value -> the row numbers, sorted; a number that is no row raises ValueError."""
+    rows = comma_list(text)
+    if not set(rows) <= set(ROWS):
+        raise ValueError(f"--rows={text} takes numbers from 1 to {len(ROWS)}")
+    return sorted(set(rows))
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     allow_abbrev=False)
-    parser.error = fail  # an unknown flag or a bad value: one line, status 2
-    parser.add_argument("--rows", type=parse_rows, default=sorted(ROWS), help="e.g. 1,3,8 (default: all)")
+    parser = command_parser(__doc__)
+    parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="e.g. 1,3,8")
     parser.add_argument("--depth", type=positive(int), help="layers, a multiple of 3")
     parser.add_argument("--d_model", type=positive(int),
                         help="width (default: 128 on CPU, 128 * (depth/3 + 4) on CUDA)")
@@ -603,14 +601,12 @@ def main(argv=None):
                         help="row 7's backend; eager: dynamo's tracing and guards without code generation")
     parser.add_argument("--json", help="also write the table and the raw figures behind its verdicts to this file")
     args = parser.parse_args(argv)
+    args.rows = parse_rows(args.rows)
     width_from_depth = args.depth is not None  # --depth alone takes METHOD.md §1's width for that depth
     for name, value in (CUDA_SIZES if CUDA else CPU_SIZES).items():
         if getattr(args, name) is None and not (name == "d_model" and width_from_depth):
             setattr(args, name, value)
-    try:
-        config = model_config(args)
-    except ValueError as err:
-        parser.error(str(err))
+    config = model_config(args)
     args.d_model = config.d_model
     device = torch.device("cuda" if CUDA else "cpu")
     if CUDA:
@@ -629,11 +625,11 @@ def main(argv=None):
         table += ROWS[row](args, device, training, figures)
         log(f"row {row} ({ROWS[row].__name__}) took {time.perf_counter() - t0:.0f} s")
         if args.json:  # after every row: a row that fails or runs out of time leaves the ones before it
-            write_atomically(Path(args.json), lambda path: path.write_text(json.dumps(
-                {"sizes": sizes, "device": device_name(device), "rows": table, "figures": figures}, indent=1)))
+            write_json(args.json, {"sizes": sizes, "device": device_name(device), "rows": table,
+                                   "figures": figures})
     print(header + "\n")
     print_table(table, f"measured on {device_name(device)}")
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

@@ -1,26 +1,28 @@
 """
-decoding.py: the decoding benchmark, teacher-forced decoding of the stdlib's validation text timed side by side:
-fixed T, T_max = 2 mu_rec and --T=auto with either exit test; then the preallocated KV cache against a concatenating
-one and full recomputation. These are bench.py's rows 5a and 5b, here for one checkpoint. --kv compares the two
-KV caches instead (engine.py: steps, the exact one, and shared): bytes, loss, greedy agreement, tokens/s, a figure.
+decoding.py: the decoding benchmark, timed side by side for one checkpoint.
+It decodes the stdlib's validation text teacher-forced at fixed T, at T_max = 2 mu_rec, and with --T=auto.
+--T=auto runs with either exit test.
+Then it times the preallocated KV cache against a concatenating one and against full recomputation.
+These are bench.py's rows 5a and 5b.
+--kv compares the two KV caches of engine.py instead, steps (the exact one) and shared.
+It reports bytes, loss, greedy agreement and tokens/s, and draws a figure.
 
     python -m experiments.decoding                          # the latest checkpoint of the latest run
     python -m experiments.decoding --run=d12 --T=8 --max_new_tokens=512
     python -m experiments.decoding --kv                     # steps vs shared KV cache
 """
 
-import argparse
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from nanoparcae.checkpoint import load_run
-from nanoparcae.common import fail, parse_device
+from nanoparcae.common import check_writable, command_parser, parse_device, run_command
 from nanoparcae.dataset import iter_documents
 from nanoparcae.flags import positive
 from engine import EXIT_THRESHOLDS, EXITS, KV_CACHES, Decoder, forced_logits, generate, teacher_forced
-from experiments.plot import save_png
+from experiments.plot import pyplot, save_png
 from experiments.scaling_fit import paired_interval
 from experiments.timing import log, median_seconds, print_table
 from model import ParcaeConfig, decoding_initial_state
@@ -73,9 +75,10 @@ def stdlib_tokens(tokenizer, length, device):
 
 
 def decoding_rows(model, ids, prompt_len, T=None, exit_threshold=None, repeats=3, number="5"):
-    """Teacher-forced decoding of ids[:, prompt_len:] (engine.teacher_forced), timed side by side: fixed T
-    (default mu_rec), T_max = 2 mu_rec, --T=auto with either exit test; then the KV cache against a
-    concatenating one and full recomputation, at T. -> two table rows (tokens/s, loss, steps per token)."""
+    """Time teacher-forced decoding of ids[:, prompt_len:] (engine.teacher_forced) -> two table rows.
+    The first compares fixed T (default mu_rec), T_max = 2 mu_rec and --T=auto with either exit test.
+    The second compares the KV cache at T with a concatenating one and with full recomputation.
+    Each row gives tokens/s, loss and steps per token."""
     c = model.config
     T, T_max, new = T or c.mu_rec, 2 * c.mu_rec, ids.size(1) - prompt_len
     modes = {f"T={T}": dict(T=T), f"recompute T={T}": dict(T=T, use_cache=False)}
@@ -125,10 +128,12 @@ def decoding_rows(model, ids, prompt_len, T=None, exit_threshold=None, repeats=3
 
 
 def cost_split(rate, T, T_max, auto, auto_steps):
-    """Where a decoded token's time goes, from the two fixed depths: time(T) = fixed + T * step, the fixed
-    part being the prelude, the coda, the head and the loop around them. In steps: the fixed part, and what
-    --T=auto costs beyond its steps (the exit tests, the skipped slots' fill); then the most any exit test,
-    however cheap, could save against T_max at auto's steps. Empty when T = T_max."""
+    """Split a decoded token's time using the two fixed depths, time(T) = fixed + T * step.
+    The fixed part is the prelude, the coda, the head and the loop around them.
+    In steps it shows the fixed part and what --T=auto costs beyond its steps.
+    That cost is the exit tests and the skipped slots' fill.
+    Then it shows the most any exit test could save against T_max at auto's steps.
+    It is empty when T = T_max."""
     if T == T_max:
         return ""
     step = (1 / rate[f"T={T_max}"] - 1 / rate[f"T={T}"]) / (T_max - T)
@@ -148,8 +153,9 @@ BIG_POSITIONS = 2048
 
 
 def kv_bytes(config, T, kv, positions, bytes_per_value):
-    """A KV cache's bytes by count: keys and values of d_model per position, per slot: one per prelude and coda
-    layer, and per recurrent layer one (shared) or one per loop step (steps)."""
+    """Count a KV cache's bytes: keys and values of d_model per position, per slot.
+    Each prelude and coda layer has one slot.
+    Each recurrent layer has one (shared) or one per loop step (steps)."""
     slots = config.n_prelude + config.n_coda + config.n_recur * (1 if kv == "shared" else T)
     return slots * 2 * positions * config.d_model * bytes_per_value
 
@@ -196,8 +202,7 @@ def kv_rows(model, docs, timing_T, repeats):
     for T in BYTES_TS:
         for kv in KV_CACHES:
             counted = measured_kv_bytes(model, T, kv, positions)
-            if counted != kv_bytes(c, T, kv, positions, model.wte.weight.element_size()):
-                raise RuntimeError(f"the {kv} cache at T={T} holds {counted} bytes, not kv_bytes'")
+            assert counted == kv_bytes(c, T, kv, positions, model.wte.weight.element_size()), (kv, T, counted)
             data["bytes"][T, kv] = counted
             data["big"][T, kv] = kv_bytes(BIG, T, kv, BIG_POSITIONS, 2)
     layers = f"{c.n_prelude}/{c.n_recur}/{c.n_coda} layers, d_model {c.d_model}"
@@ -242,10 +247,7 @@ def kv_rows(model, docs, timing_T, repeats):
 def draw_kv(data, title):
     """KV memory against T (the 1.3B at 2,048 positions, bf16) and shared - steps loss against T with its 90%
     interval, for both caches."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (left, right) = pyplot().subplots(1, 2, figsize=(10, 4))
     for kv, marker in zip(KV_CACHES, "os"):
         left.plot(BYTES_TS, [data["big"][T, kv] / 2 ** 30 for T in BYTES_TS], marker=marker, label=kv)
     left.set(xscale="log", xlabel="recurrence depth T", ylabel="KV cache per sequence (GiB)",
@@ -263,7 +265,6 @@ def draw_kv(data, title):
     right.set(xlabel="recurrence depth T", ylabel="loss minus steps' (nats)", title=title)
     right.set_xticks(list(x), labels)
     right.legend()
-    fig.tight_layout()
     return fig
 
 
@@ -282,9 +283,7 @@ def compare_caches(model, tokenizer, args, device):
 # Command line
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     allow_abbrev=False)
-    parser.error = fail  # an unknown flag or a bad value: one line, status 2
+    parser = command_parser(__doc__)
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--ckpt", help="a checkpoint file (default: the latest of --run)")
     which.add_argument("--run", help="a run under <base dir>/runs (default: the most recently written)")
@@ -300,15 +299,14 @@ def main(argv=None):
                         help="--kv: where the figure goes")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
-    try:
-        device = parse_device(args.device)
-        model, tokenizer, _, path = load_run(args.ckpt or args.run, device)
-        ids = stdlib_tokens(tokenizer, PROMPT + args.max_new_tokens, device)
-    except (FileNotFoundError, ValueError) as err:
-        fail(err)
+    device = parse_device(args.device)
+    if args.kv:  # the figure's folder, checked before the work
+        check_writable(args.figure.parent, args.figure.name)
+    model, tokenizer, _, path = load_run(args.ckpt or args.run, device)
+    ids = stdlib_tokens(tokenizer, PROMPT + args.max_new_tokens, device)
     log(f"{path}: {model.num_params():,} parameters, mu_rec={model.config.mu_rec}, injection={model.config.injection}")
     if args.kv and model.injection is None:
-        fail("--kv compares caches of a looped model; this is the Transformer baseline")
+        raise ValueError("--kv compares caches of a looped model; this is the Transformer baseline")
     with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
         if args.kv:
             compare_caches(model, tokenizer, args, device)
@@ -318,4 +316,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

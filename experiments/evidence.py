@@ -10,11 +10,8 @@ The setup, the claims, the paired design (the two arms of a pair share the seed:
 initial weights), the verdict rules and the results: docs/evidence.md.
 """
 
-import argparse
-import json
 import math
 import os
-import subprocess
 import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
@@ -23,12 +20,13 @@ from pathlib import Path
 import numpy as np
 
 from nanoparcae.checkpoint import load_run, run_dir
-from nanoparcae.common import get_base_dir, write_atomically
+from nanoparcae.common import check_writable, command_parser, read_json, run_command, write_atomically, write_json
 from nanoparcae.divergence import STATE_NORM_LIMIT
 from data import val_batches
 from eval_core import evaluate_bpb, fit_test_time_scaling
 from experiments.plot import draw_evidence, read_run
 from experiments.scaling import run_logged
+from experiments.timing import markdown_table
 from experiments.scaling_fit import (drift_check, interval_verdict, mean_relative_error, paired_interval,
                                      seeds_needed, t_quantile)
 
@@ -181,9 +179,10 @@ def largest(steps, key):
 
 
 def evaluate(name, mu_rec, with_curve):
-    """The run's record (evidence.json): its logged curves and divergence, and, if it trained and with_curve, the
-    val loss and ||h_T|| at every CURVE_T (eval_core.evaluate_bpb, as train.py's evals: 8,192 tokens, one seeded h0;
-    about 30 s a run on one core)."""
+    """Write the run's record, evidence.json: its logged curves and divergence.
+    If it trained and with_curve, add the val loss and ||h_T|| at every CURVE_T.
+    They come from eval_core.evaluate_bpb, as in train.py's evals: 8,192 tokens, one seeded h0.
+    That takes about 30 s a run on one core."""
     directory = run_dir(name)
     logged = read_run(directory)
     evals = [e for e in logged["evals"] if f"val_loss_T{mu_rec}" in e or "val_loss_T1" in e]
@@ -196,20 +195,21 @@ def evaluate(name, mu_rec, with_curve):
         batches = list(val_batches(tokenizer, "stdlib", 16, model.config.seq_len, 8192))
         rows = [evaluate_bpb(model, tokenizer, batches, T, state_norm=True) for T in CURVE_T]
         record["curve"] = dict(T=CURVE_T, loss=[r[0] for r in rows], h_norm=[r[2] for r in rows])
-    write_atomically(directory / "evidence.json", lambda path: path.write_text(json.dumps(record)))
+    write_json(directory / "evidence.json", record)
 
 
 def load_results(runs):
-    """{name: record} of the finished runs, each with `loss` (final val loss at T = mu_rec, a uniform guess's if
-    it diverged) and `diverged`. The suite counts as diverged what train.py stopped (divergence.Divergence) and also a
-    run that ends no better than a uniform guess, which train.py lets finish (it never learned, or lost it between
-    evals): the claims compare final losses, and such a run has learned nothing to compare."""
+    """Read the finished runs -> {name: record}, each with `loss` and `diverged`.
+    The loss is the final val loss at T = mu_rec, or a uniform guess's if the run diverged.
+    The suite counts a run as diverged when train.py stopped it (divergence.Divergence).
+    It also counts a run that ends no better than a uniform guess, which train.py lets finish.
+    Such a run never learned, or lost it between evals, so it has nothing to compare."""
     results = {}
     for run in runs:
-        path = run_dir(run["name"]) / "evidence.json"
-        if not path.exists():
+        recorded = read_json(run_dir(run["name"]) / "evidence.json")
+        if recorded is None:
             continue
-        record = dict(run, **json.loads(path.read_text()))  # what the run recorded, beside how it was planned
+        record = dict(run, **recorded)  # what the run recorded, beside how it was planned
         final = record["val"][-1]["loss"] if record["val"] and record["val"][-1]["step"] == run["steps"] else None
         record["diverged"] = record["diverged_at"] is not None or final is None or not final < UNIFORM_LOSS
         record["loss"] = UNIFORM_LOSS if record["diverged"] else final
@@ -236,6 +236,7 @@ def run(args):
     start, done_cost, failed, count = time.time(), 0.0, set(), None
     threads = max(1, (os.cpu_count() or 1) // args.jobs)
     sweep_parcae = {r["name"] for r in sweep_runs() if r["injection"] == "diagonal"}
+    check_writable(OUT / "logs", "the runs' logs")
     (OUT / "logs").mkdir(parents=True, exist_ok=True)
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         running = {}
@@ -301,8 +302,9 @@ def depth_loss(record, T):
 
 
 def loss_at(record, fraction, T1=False):
-    """The val loss at the eval nearest `fraction` of the run's steps, at T = 1 if T1 else T = mu_rec (train.py's
-    evals); a diverged run counts as a uniform guess at every one."""
+    """Read the val loss at the eval nearest `fraction` of the run's steps.
+    It is at T = 1 if T1, else at T = mu_rec, as train.py's evals give it.
+    A diverged run counts as a uniform guess at every eval."""
     if record["diverged"]:
         return UNIFORM_LOSS
     nearest = min(record["val"], key=lambda v: abs(v["step"] - fraction * record["steps"]))
@@ -323,15 +325,16 @@ def fit_test_time(T, loss):
 
 
 def gains_stop(record, tolerance=1e-3):
-    """The smallest T whose val loss is within `tolerance` nats of the lowest over every T: measured, not fitted
-    (a curve that turns up after its minimum has no decay constant to read it from)."""
+    """Find the smallest T whose val loss is within `tolerance` nats of the lowest over every T.
+    It is measured, not fitted, since a curve that turns up after its minimum has no decay constant."""
     T, loss = record["curve"]["T"], record["curve"]["loss"]
     return next(t for t, L in zip(T, loss) if L - min(loss) <= tolerance)
 
 
 def pair_value(claim, a, b):
-    """A - B for one seed of claims 2 and 7, or None when the quantity does not exist for that pair (a diverged run
-    has no state to measure, nor a curve to fit)."""
+    """Compute A - B for one seed of claims 2 and 7 -> the difference, or None.
+    None means the quantity does not exist for that pair.
+    A diverged run has no state to measure, nor a curve to fit."""
     if a["diverged"] or b["diverged"]:
         return None
     return log_growth(a) - log_growth(b) if claim == "2" else gains_stop(a) - gains_stop(b)
@@ -369,8 +372,9 @@ def judge(claim, optimizer, results, seeds):
 # Details behind each verdict: the sweep's table, claim 2's ratios, claim 6's crossing, claim 7's fits
 
 def sweep_details(results, optimizer):
-    """Claims 1 and 5 per optimiser: per model, the highest rate that trained (seed 0) and each rate's loss, max rho,
-    max ||h_T|| and whether that passed bf16's limit (a warning in these float32 runs, not a divergence)."""
+    """Sum up claims 1 and 5 for one optimiser, per model.
+    It gives the highest rate that trained (seed 0), and each rate's loss, max rho and max ||h_T||.
+    It marks where ||h_T|| passed bf16's limit, a warning in these float32 runs, not a divergence."""
     table = {}
     for injection, norm in sweep_models(optimizer):
         rows = [results[make_run(injection, rate, prelude_norm=norm, optimizer=optimizer)["name"]] for rate in RATES]
@@ -445,11 +449,6 @@ def fmt_drift(drift):
                                      f"{'yes' if drift['long_enough'] else 'no'})"
 
 
-def markdown_table(header, rows):
-    return "\n".join([f"| {' | '.join(header)} |", "|---" * len(header) + "|"]
-                     + [f"| {' | '.join(map(str, row))} |" for row in rows]) + "\n"
-
-
 def table_markdown(verdicts):
     return markdown_table(["#", "optimiser", "claim", "the paper", "this run: A - B, 90% interval",
                            "drift: 100% - 80% of training", "verdict"],
@@ -498,9 +497,8 @@ def report(args):
     runs, results = all_results(args.seeds, args.max_seeds)
     missing = [r["name"] for r in runs if r["name"] not in results]
     if missing:
-        print(f"error: {len(missing)} of {len(runs)} runs are unfinished ({missing[0]}, ...); run "
-              f"`python -m experiments.evidence run` first", file=sys.stderr)
-        return 2
+        raise ValueError(f"{len(missing)} of {len(runs)} runs are unfinished ({missing[0]}, ...); run "
+                         f"`python -m experiments.evidence run` first")
     verdicts = []
     for claim, optimizer in claim_arms(results):
         paper, n = PAPER[claim], seeds_for(claim, args.seeds, args.max_seeds)
@@ -515,8 +513,7 @@ def report(args):
                    sweep={o: sweep_details(results, o) for o in OPTIMIZERS}, depth=depth_details(results, seeds),
                    transformer=transformer_details(results, seeds), test_time=test_time_details(results, seeds))
     OUT.mkdir(parents=True, exist_ok=True)
-    write_atomically(OUT / "verdicts.json", lambda p: p.write_text(json.dumps(dict(verdicts=verdicts, details=details),
-                                                                             indent=1)))
+    write_json(OUT / "verdicts.json", dict(verdicts=verdicts, details=details))
     table = table_markdown(verdicts)
     write_atomically(TABLE, lambda p: p.write_text(table))
     write_atomically(DETAILS, lambda p: p.write_text("# The laptop evidence suite: the numbers behind its verdicts\n\n"
@@ -559,9 +556,9 @@ def fill_table(page):
     text, table = page.read_text(), TABLE.read_text()
     start, end = "<!-- evidence-table -->\n", "<!-- /evidence-table -->"
     if start not in text or end not in text:
-        raise SystemExit(f"error: {page} has no {start.strip()} ... {end} block to fill")
+        raise ValueError(f"{page} has no {start.strip()} ... {end} block to fill")
     head, rest = text.split(start, 1)
-    page.write_text(head + start + table + end + rest.split(end, 1)[1])
+    write_atomically(page, lambda partial: partial.write_text(head + start + table + end + rest.split(end, 1)[1]))
 
 
 # -----------------------------------------------------------------------------
@@ -580,8 +577,7 @@ def plan(args):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     allow_abbrev=False)
+    parser = command_parser(__doc__)
     parser.add_argument("command", choices=["plan", "run", "report", "evaluate"])
     parser.add_argument("names", nargs="*", help="evaluate: a run name, its mu_rec and 1 for the T curve (internal)")
     parser.add_argument("--jobs", type=int, default=2, help="runs at once (one thread each)")
@@ -590,7 +586,8 @@ def main(argv=None):
     parser.add_argument("--page", help="report: also fill this page's evidence table, e.g. docs/evidence.md")
     args = parser.parse_args(argv)
     if args.seeds < 2 or args.max_seeds < args.seeds or args.jobs < 1:
-        parser.error("--seeds must be >= 2 (an interval needs two pairs), --max_seeds >= --seeds, --jobs >= 1")
+        raise ValueError(f"--seeds={args.seeds} must be >= 2 (an interval needs two pairs), --max_seeds="
+                         f"{args.max_seeds} >= --seeds, --jobs={args.jobs} >= 1")
     if args.command == "evaluate":
         return evaluate(args.names[0], int(args.names[1]), args.names[2] == "1")
     code = {"plan": plan, "run": run, "report": report}[args.command](args)
@@ -600,4 +597,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_command(main)

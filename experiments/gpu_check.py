@@ -1,6 +1,7 @@
 """
-gpu_check.py: runs/gpu_check.sh's Python: the table, built from what its stages left, and the helpers the script
-calls (the GPU count and free memory, the made-up CORE bundle, the depth-24 plan's batch, the injected faults).
+gpu_check.py: runs/gpu_check.sh's Python, the table and the helpers the script calls.
+The table is built from what the stages left.
+The helpers give the GPU count and free memory, a made-up CORE bundle, the depth-24 plan's batch and the faults.
 
     python -m experiments.gpu_check table WORK RUNS_DIR --gpus N --memory BYTES [--tiny]
     python -m experiments.gpu_check gpus | free_memory            # what torch sees, printed
@@ -9,12 +10,14 @@ calls (the GPU count and free memory, the made-up CORE bundle, the depth-24 plan
     python -m experiments.gpu_check perturb CKPT                  # a weight scaled by 1.01: a wrong resume
     python -m experiments.gpu_check run [--fault=F] [--fake_gpu=BYTES] SCRIPT ARGS...   # SCRIPT, with a fault
 
-WORK holds each stage's output (NAME.log) and "exit status, time limit" (NAME.rc), and bench.py's --json
-(bench.json; sampling.json, its row 3 at the depth-24 plan's device batch); RUNS_DIR holds the train.py runs
-gpu_check_NAME. Python rather than shell because the rows read JSON and apply targets. Every row is built on its
-own: one that cannot be built says "failed: " and why in one line, the others still print. A row is held to its
-target where this machine can meet it (the GPU's figures only on a GPU, not --tiny); the exit status is 1 when a row
-failed or a held one says "not met".
+WORK holds each stage's output (NAME.log) and its "exit status, time limit" (NAME.rc).
+It also holds bench.py's --json, bench.json, and sampling.json, row 3 at the depth-24 plan's device batch.
+RUNS_DIR holds the train.py runs gpu_check_NAME.
+It is Python rather than shell because the rows read JSON and apply targets.
+Every row is built on its own; one that cannot be built says "failed: " and why in one line.
+A row is held to its target where this machine can meet it.
+The GPU's figures are held only on a GPU, and not with --tiny.
+The exit status is 1 when a row failed or a held one says "not met".
 """
 
 import argparse
@@ -31,7 +34,7 @@ from types import SimpleNamespace
 
 import torch
 
-from nanoparcae.common import fail, first_sentence
+from nanoparcae.common import command_parser, first_sentence, read_json, run_command
 from nanoparcae.core_tasks import CORE_TASKS
 from nanoparcae.dataset import list_chunks
 from nanoparcae.flags import positive
@@ -106,12 +109,15 @@ def step_records(runs_dir, name):
     return records
 
 
+def bench_json(work, name="bench"):
+    """What bench.py --json wrote in stage `name`; {} when it wrote nothing."""
+    return read_json(work / f"{name}.json") or {}
+
+
 def bench_row(work, number, name="bench"):
-    """bench.py's row `number` as (what, result, ratio, target), from stage `name`'s json; Failed with the stage's
-    reason if it has none."""
-    path = work / f"{name}.json"
-    rows = json.loads(path.read_text())["rows"] if path.exists() else []
-    found = [row for row in rows if row[0] == number]
+    """bench.py's row `number` as (what, result, ratio, target), from stage `name`'s json.
+    A row it did not write raises Failed with the stage's reason."""
+    found = [row for row in bench_json(work, name).get("rows", []) if row[0] == number]
     if not found:
         stage(work, name)
         raise Failed(f"bench.py wrote no row {number} in stage {name}")
@@ -119,8 +125,7 @@ def bench_row(work, number, name="bench"):
 
 
 def bench_figure(work, key):
-    path = work / "bench.json"
-    figures = json.loads(path.read_text())["figures"] if path.exists() else {}
+    figures = bench_json(work).get("figures", {})
     if key not in figures:
         stage(work, "bench")
         raise Failed(f"bench.py recorded no {key}")
@@ -139,7 +144,7 @@ def versions(work, runs_dir, args):
         rate = si(bench_figure(work, "step")["matmul_rate"], "FLOP/s")
     except Failed as err:
         rate = f"failed: {err}"
-    sizes = json.loads((work / "bench.json").read_text())["sizes"] if (work / "bench.json").exists() else "?"
+    sizes = bench_json(work).get("sizes", "?")
     return (f"versions; the {'bf16' if CUDA else 'float32'} matmul rate at the MLP's shape (bench.py row 9, {sizes})",
             f"torch {torch.__version__}, {where}; matmul {rate}", "")
 
@@ -163,8 +168,9 @@ def mfu(work, runs_dir, args):
 
 
 def sampling(work, runs_dir, args):
-    """3b at the paper's 32 sequences, held to the paper's overhead; beside it, row 3 of stage sampling at the
-    device batch the depth-24 plan picks, where the 1.3B's calls of one or two rows show."""
+    """Show row 3b at the paper's 32 sequences, held to the paper's overhead.
+    Beside it goes row 3 of stage sampling, at the device batch the depth-24 plan picks.
+    There the 1.3B's calls of one or two rows show."""
     what, result, ratio, _ = bench_row(work, "3b")
     overhead = bench_figure(work, "sampling_overhead")
     stage(work, "plan")
@@ -202,9 +208,10 @@ def plan_figures(text):
 
 
 def planned_batch(text, memory_bytes):
-    """The device batch the check runs the depth-24 step at: the dry run's own when its plan fits this GPU's memory
-    (train.py plans the batch it picks), else the largest size dividing the default step's sequences (train.py's
-    rule) that its plan says fits the biggest GPU size it lists within this one."""
+    """Pick the device batch the check runs the depth-24 step at.
+    It is the dry run's own when its plan fits this GPU's memory, since train.py plans the batch it picks.
+    Otherwise it is the largest size dividing the default step's sequences, as train.py's rule says.
+    That size must fit, by the plan, the biggest GPU size it lists within this one."""
     planned, total, largest = plan_figures(text)
     if planned is not None and total is not None and total * 1e9 <= memory_bytes:
         return planned
@@ -324,8 +331,9 @@ def relative_gap(ours, theirs):
 
 
 def resume_gaps(runs_dir, n):
-    """The resumed run against the unbroken one: (the largest relative difference of their losses, step by step; that
-    of their weights at step n, tensor by tensor); Failed where the two cannot be put side by side."""
+    """Compare the resumed run with the unbroken one -> two largest relative differences.
+    The first is of their losses, step by step; the second of their weights at step n, tensor by tensor.
+    It raises Failed where the two cannot be put side by side."""
     ours, theirs = ({r["step"]: r["loss"] for r in step_records(runs_dir, name)} for name in ("ddp", "unbroken"))
     if sorted(ours) != sorted(theirs):
         raise Failed(f"the resumed run logged steps {min(ours)}-{max(ours)}, the unbroken one {min(theirs)}-"
@@ -533,9 +541,7 @@ def table(args):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     allow_abbrev=False)
-    parser.error = fail  # an unknown flag or a bad value: one line, status 2
+    parser = command_parser(__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     p = commands.add_parser("table", help="the check's table, from its stages' outputs")
     p.add_argument("work", type=Path, help="the folder of the stages' logs, exit statuses and bench.json")
@@ -557,8 +563,8 @@ def main(argv=None):
     p.add_argument("--fake_gpu", type=positive(int), metavar="BYTES", help="torch.cuda reports one GPU this big")
     p.add_argument("script")
     p.add_argument("args", nargs=argparse.REMAINDER)
-    for command in commands.choices.values():
-        command.error, command.allow_abbrev = fail, False
+    for command in commands.choices.values():  # each a CommandParser, as its parent
+        command.allow_abbrev = False
     args = parser.parse_args(argv)
     if args.command == "table":
         return table(args)
@@ -578,4 +584,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_command(main)

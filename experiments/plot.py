@@ -14,10 +14,13 @@ exploding ||h_T||) gets a log axis. A run that train.py declared diverged gets a
 step where its streak of bad steps began. A run that stopped early, even mid-line, draws as far as it got.
 """
 
-import argparse
 import math
-import sys
 from pathlib import Path
+
+from nanoparcae.checkpoint import run_dir as named_run
+from nanoparcae.common import (check_writable, comma_list, command_parser, read_json, run_command,
+                               write_atomically)
+from nanoparcae.metrics import read_metrics
 
 # -----------------------------------------------------------------------------
 # The metrics: the key in metrics.jsonl and the axis label. "loss" draws the training loss as a line and
@@ -37,16 +40,11 @@ LOG_SPAN = 100  # a panel whose positive values span more than this factor gets 
 # -----------------------------------------------------------------------------
 # Reading runs
 
-def runs_dir():
-    from nanoparcae.checkpoint import run_dir as named_run  # imports torch: only when a name has to be resolved
-    return named_run()
-
-
 def run_dir(run):
     """RUN -> its folder: the path itself if it holds metrics.jsonl, else base dir / runs / RUN."""
     if (Path(run) / "metrics.jsonl").is_file():
         return Path(run)
-    named = runs_dir() / run
+    named = named_run(run)
     if not (named / "metrics.jsonl").is_file():
         raise FileNotFoundError(f"no metrics for run {run!r}: neither {Path(run) / 'metrics.jsonl'} nor "
                                 f"{named / 'metrics.jsonl'} exists; pass a run folder or a train.py --run name "
@@ -55,18 +53,19 @@ def run_dir(run):
 
 
 def read_test_time(run=None):
-    """eval_core.py --eval bpb's JSON -> (its path, its results): RUN itself when it is a .json file, else the newest
-    in RUN's folder (a path, else a run name under the base dir); no RUN: the newest of every run."""
+    """Find eval_core.py --eval bpb's JSON -> (its path, its results).
+    RUN itself is taken when it is a .json file.
+    Otherwise it is the newest in RUN's folder, a path or a run name under the base dir.
+    Without RUN it is the newest of every run."""
     if run and run.endswith(".json"):
         where, found = Path(run), [Path(run)] if Path(run).is_file() else []
     else:
-        where = (Path(run) if Path(run).is_dir() else runs_dir() / run) if run else runs_dir()
+        where = (Path(run) if Path(run).is_dir() else named_run(run)) if run else named_run()
         found = sorted(where.glob("*_bpb_T*.json" if run else "*/*_bpb_T*.json"),
                        key=lambda p: (p.stat().st_mtime, p.name))
     if not found:
         raise FileNotFoundError(f"no results of `python eval_core.py --eval bpb` for {run or 'any run'} ({where}); "
                                 f"run it first, e.g. with --T 1,2,4,8")
-    from nanoparcae.common import read_json  # imports torch: only when results are read
     results = read_json(found[-1])
     if "fit" not in results:
         raise ValueError(f"{found[-1]} holds no fit of L(T): evaluate at 3 or more depths, e.g. --T 1,2,4,8")
@@ -76,7 +75,6 @@ def read_test_time(run=None):
 def read_run(path):
     """metrics.jsonl -> {"steps": training records, "evals": eval records, "diverged_at": step or None}.
     A line cut short (a run killed while writing it) is skipped."""
-    from nanoparcae.metrics import read_metrics  # imports torch: only when a run is read
     run = {"steps": [], "evals": [], "diverged_at": None}
     for record in read_metrics(Path(path) / "metrics.jsonl"):
         if "diverged_at" in record:
@@ -113,11 +111,17 @@ def series(run, metric):
     return [points(run["steps"], metric) + ("-",)]
 
 
-def draw(runs, metrics):
-    """runs: {label: read_run(...)} -> a matplotlib figure, one panel per metric."""
+def pyplot():
+    """matplotlib's pyplot on Agg, which needs no display; imported only when a figure is drawn."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    return plt
+
+
+def draw(runs, metrics):
+    """runs: {label: read_run(...)} -> a matplotlib figure, one panel per metric."""
+    plt = pyplot()
     fig, axes = plt.subplots(len(metrics), 1, figsize=(7, 2.4 * len(metrics)), sharex=True, squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, metric in zip(axes[:, 0], metrics):
@@ -140,7 +144,6 @@ def draw(runs, metrics):
     axes[0, 0].legend(fontsize=7, ncol=2, title="x: diverged" if any(r["diverged_at"] for r in runs.values()) else None,
                       title_fontsize=7)
     axes[-1, 0].set_xlabel("step")
-    fig.tight_layout()
     return fig
 
 
@@ -162,10 +165,8 @@ def summary_row(label, run):
 def draw_test_time(results, title):
     """eval_core.py --eval bpb's results -> a figure: the measured losses, the fitted L(T) = L_inf + Z exp(-z T)
     (METHOD.md §3) and the loss at T = mu_rec."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
+    plt = pyplot()
     fit, Ts = results["fit"], np.array(results["T"], dtype=np.float64)
     grid = np.geomspace(Ts.min(), Ts.max(), 200)
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -177,14 +178,14 @@ def draw_test_time(results, title):
     ax.set_xticks(Ts, [str(int(T)) for T in Ts])
     ax.minorticks_off()
     ax.legend(fontsize=8)
-    fig.tight_layout()
     return fig
 
 
 def save_png(fig, path):
-    """fig as a PNG at path, written whole under a temporary name, then renamed."""
-    from nanoparcae.common import write_atomically  # imports torch: only when a figure is written
+    """Lay fig out and write it as a PNG at path, atomically, then close it."""
+    fig.tight_layout()
     write_atomically(path, lambda partial: fig.savefig(partial, dpi=110, format="png"))
+    pyplot().close(fig)
 
 
 # -----------------------------------------------------------------------------
@@ -192,18 +193,14 @@ def save_png(fig, path):
 
 def draw_evidence(out, data):
     """out/{lr_sweep, depth, sampling, transformer, test_time, drift}.png from evidence.figure_data's dict."""
-    import matplotlib
-    matplotlib.use("Agg")  # no display needed
-    import matplotlib.pyplot as plt
     import numpy as np
+    plt = pyplot()
 
     def save(fig, axes, name, xscale="log", **labels):
         for ax in np.ravel(axes):
             ax.set(xscale=xscale, **labels)
         np.ravel(axes)[0].legend(fontsize=8)
-        fig.tight_layout()
         save_png(fig, out / f"{name}.png")
-        plt.close(fig)
 
     def seed_lines(ax, groups, x, y):
         """One line per run of each group {label: [run]}, one colour per group."""
@@ -270,8 +267,7 @@ def draw_evidence(out, data):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     allow_abbrev=False)
+    parser = command_parser(__doc__)
     parser.add_argument("runs", nargs="*", metavar="RUN", help="a run folder, or a run name under the base dir")
     parser.add_argument("--metrics", default=",".join(METRICS), help=f"comma-separated, of: {', '.join(METRICS)}")
     parser.add_argument("--test_time", nargs="?", const="", metavar="RUN",
@@ -281,7 +277,6 @@ def main(argv=None):
     parser.add_argument("--title", help="a title above the panels")
     parser.add_argument("--table", action="store_true", help="also print a markdown row per run")
     args = parser.parse_args(argv)
-    from nanoparcae.common import check_writable  # imports torch: only when a figure is to be drawn
     if args.test_time is not None:
         if args.runs:
             raise ValueError(f"--test_time draws one evaluation; pass its run as --test_time={args.runs[0]}")
@@ -296,7 +291,7 @@ def main(argv=None):
         return
     if not args.runs:
         raise ValueError("name a RUN to plot, or pass --test_time")
-    metrics = args.metrics.split(",")
+    metrics = comma_list(args.metrics, str)
     unknown = [m for m in metrics if m not in METRICS]
     if unknown:
         raise ValueError(f"unknown metric(s) {', '.join(unknown)}; choose from {', '.join(METRICS)}")
@@ -310,7 +305,6 @@ def main(argv=None):
     fig = draw(runs, metrics)
     if args.title:
         fig.suptitle(args.title, fontsize=9)
-        fig.tight_layout()
     save_png(fig, out)
     print(f"wrote {out}: {', '.join(runs)}")
     if args.table:
@@ -321,8 +315,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except Exception as err:  # a refusal: one line and its status (fail_with); the rest, a traceback
-        from nanoparcae.common import fail_with
-        fail_with(err)
+    run_command(main)

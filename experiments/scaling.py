@@ -7,23 +7,25 @@ scaling.py: the paper's scaling laws for looping (paper §5.2-5.3, Appendices L 
     python -m experiments.scaling run --depth=6 --flops=1e18,3e18 --mu_rec=1,2,4,8 --seeds=3  # on a GPU node (torchrun)
     python -m experiments.scaling fit --refit figures/scaling_cpu/fit.json                   # recorded runs, refitted
 
-An isoFLOP sweep trains one model size at a few training-FLOP budgets C; inside a budget it trades recurrence
-for data: tokens D = C / FLOPs-per-token(mu_rec), the arithmetic of train.py's --target_flops. The middle budget
-is trained with --seeds seeds (init, data order, depths and h0 all change), which measures the noise. The fit
-(scaling_fit.py) reports:
-- per budget, a parabola of final loss in ln mu_rec: mu_rec*(C), D*(C), L*(C) (paper §5.2, Fig. 4);
-- the power laws mu_rec* = a C^g_mu and D* = b C^g_D (paper: 0.40 and 0.78) with bootstrap 90% intervals over
-  the seed spread, and, fitted on all budgets but the largest, their error predicting its mu_rec*, D* and L*;
-- the unified law L(T | mu_rec, D) = E + X mu_rec^-x + Y D^-y + Z exp(-z T / mu_rec) (paper §5.3, App. L),
-  fitted on every budget but the largest, at ten T, and its error on the largest budget's runs at every T;
-- the frontier: the best looped loss against the fixed-depth (mu_rec = 1) loss at each budget (Fig. 6), with a
-  paired 90% t-interval over seeds (scaling_fit.paired_interval); looping wins only where it excludes 0.
-Runs live under <base dir>/runs/<sweep>_C<budget>_mu<mu_rec>[_s<seed>]; the JSON and figures under
-<base dir>/scaling/<sweep>.
+An isoFLOP sweep trains one model size at a few training-FLOP budgets C.
+Inside a budget it trades recurrence for data, D = C / FLOPs-per-token(mu_rec), as train.py's --target_flops does.
+The middle budget is trained with --seeds seeds, which measures the noise.
+A seed changes the init, the data order, the depths and h0.
+The fit (scaling_fit.py) reports these:
+
+- per budget, a parabola of final loss in ln mu_rec, giving mu_rec*(C), D*(C) and L*(C) (paper §5.2, Fig. 4).
+- the power laws mu_rec* = a C^g_mu and D* = b C^g_D (paper: 0.40 and 0.78), with bootstrap 90% intervals.
+- the same laws fitted on all budgets but the largest, and their error predicting its mu_rec*, D* and L*.
+- the unified law L(T | mu_rec, D) = E + X mu_rec^-x + Y D^-y + Z exp(-z T / mu_rec) (paper §5.3, App. L).
+- its error on the largest budget's runs at every T, fitted on the other budgets at ten T.
+- the frontier, the best looped loss against the fixed-depth loss at each budget (Fig. 6).
+- the frontier's paired 90% t-interval over seeds; looping wins only where it excludes 0.
+
+Runs live under <base dir>/runs/<sweep>_C<budget>_mu<mu_rec>[_s<seed>].
+The JSON and figures go under <base dir>/scaling/<sweep>.
 """
 
 import argparse
-import json
 import math
 import subprocess
 import sys
@@ -34,11 +36,14 @@ import numpy as np
 import torch
 
 from nanoparcae.checkpoint import run_dir
-from nanoparcae.common import PEAK_BF16_FLOPS, fail, get_base_dir, write_atomically
+from nanoparcae.common import (PEAK_BF16_FLOPS, comma_list, command_parser, get_base_dir, read_json, run_command,
+                               write_atomically, write_json)
 from nanoparcae.metrics import read_metrics
 from experiments.scaling_fit import (bootstrap_exponents, fit_unified, interval_verdict, mean_relative_error,
                                      paired_interval, parabola_optimum, pooled_spread, power_law, t_interval,
                                      unified_predict)
+from experiments.plot import pyplot, save_png
+from experiments.timing import markdown_table
 from model import Parcae, ParcaeConfig
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository: train.py runs from there
@@ -78,9 +83,9 @@ def make_sweep(args):
             sweep[key] = getattr(args, key)
     sweep["name"] = args.sweep or sweep["name"]
     if not sweep["flops"] or not sweep["mu_rec"]:
-        fail("give --flops and --mu_rec (e.g. --flops=1e18,3e18 --mu_rec=1,2,4,8) or a --preset")
+        raise ValueError("give --flops and --mu_rec (e.g. --flops=1e18,3e18 --mu_rec=1,2,4,8) or a --preset")
     if sweep["seeds"] < 1:
-        fail(f"--seeds={sweep['seeds']} must be at least 1")
+        raise ValueError(f"--seeds={sweep['seeds']} must be at least 1")
     return sweep
 
 
@@ -90,14 +95,11 @@ def seed_budget(sweep):
 
 
 def model_size(sweep, mu_rec):
-    """-> (parameters, the paper's C per token, executed matmul FLOPs per token) from model.py: C is what train.py's
-    --target_flops divides, the executed count what the GPU-hour estimate's MFU applies to (sampling as train_flags
-    runs the point: mu_rec = 1 at fixed depth)."""
-    try:
-        config = ParcaeConfig.from_depth(sweep["depth"], mu_rec=mu_rec, **sweep["model"],
-                                         sampling="fixed" if mu_rec == 1 else "per_sequence")
-    except ValueError as err:
-        fail(err)
+    """Size one point from model.py -> (parameters, the paper's C per token, executed matmul FLOPs per token).
+    train.py's --target_flops divides C; the GPU-hour estimate's MFU applies to the executed count.
+    It samples depths as train_flags runs the point, so mu_rec = 1 is at fixed depth."""
+    config = ParcaeConfig.from_depth(sweep["depth"], mu_rec=mu_rec, **sweep["model"],
+                                     sampling="fixed" if mu_rec == 1 else "per_sequence")
     with torch.device("meta"):
         model = Parcae(config)
     return model.num_params(), model.paper_flops_per_token(), model.matmul_flops_per_token()
@@ -142,13 +144,12 @@ def plan(sweep, gpus):
     rows = points(sweep)
     print(f"isoFLOP plan '{sweep['name']}': depth {sweep['depth']}, {rows[0]['params']:,} parameters, "
           f"{sweep['batch']:,} tokens per step")
-    print("| C (FLOPs) | mu_rec | seed | FLOPs/token | tokens D = C / FLOPs per token | steps | tokens/param "
-          "| GPU-hours |")
-    print("|---|---|---|---|---|---|---|---|")
-    for p in rows:
-        hours = p["executed_flops"] / (H100_BF16 * MFU) / 3600
-        print(f"| {p['C']:.3g} | {p['mu_rec']} | {p['seed']} | {p['flops_per_token']:.4e} | {p['tokens']:,.0f} "
-              f"| {p['steps']:,} | {p['tokens'] / p['params']:.1f} | {hours:.2f} |")
+    print(markdown_table(
+        ["C (FLOPs)", "mu_rec", "seed", "FLOPs/token", "tokens D = C / FLOPs per token", "steps", "tokens/param",
+         "GPU-hours"],
+        [(f"{p['C']:.3g}", p["mu_rec"], p["seed"], f"{p['flops_per_token']:.4e}", f"{p['tokens']:,.0f}",
+          f"{p['steps']:,}", f"{p['tokens'] / p['params']:.1f}",
+          f"{p['executed_flops'] / (H100_BF16 * MFU) / 3600:.2f}") for p in rows]), end="")
     per_param = [p["tokens"] / p["params"] for p in rows]
     print(f"\n{len(rows)} runs, {sum(p['C'] for p in rows):.3g} training FLOPs in all; {len(sweep['flops'])} budgets "
           f"spanning {max(sweep['flops']) / min(sweep['flops']):.3g}x; {min(per_param):.1f}-{max(per_param):.1f} "
@@ -156,16 +157,12 @@ def plan(sweep, gpus):
     commands = [" ".join(launcher(gpus) + ["train.py"] + train_flags(sweep, p)) for p in rows]
     out_dir = get_base_dir() / "scaling" / sweep["name"]
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_text(out_dir / "commands.sh", "\n".join(commands) + "\n")
+    write_atomically(out_dir / "commands.sh", lambda partial: partial.write_text("\n".join(commands) + "\n"))
     print(f"\nGPU-hours: the matmul FLOPs the D tokens execute at {MFU:.0%} MFU of an H100's {H100_BF16 / 1e12:.0f} "
           f"TFLOP/s. One command per point "
           f"(also in {out_dir / 'commands.sh'}, one per line, for a scheduler such as a SLURM array):")
     print("\n".join(commands))
     return rows
-
-
-def write_text(path, text):
-    write_atomically(path, lambda partial: partial.write_text(text))
 
 
 # -----------------------------------------------------------------------------
@@ -182,7 +179,7 @@ def final_eval(point):
 def bpb_result(point, Ts):
     """eval_core.py's `--eval bpb` JSON of this run covering every T, or None."""
     for path in sorted(run_dir(point["name"]).glob("ckpt_*_bpb_T*.json")):
-        result = json.loads(path.read_text())
+        result = read_json(path)
         if set(Ts) <= set(result["T"]) and result.get("step") == point["steps"]:
             return result
     return None
@@ -210,8 +207,9 @@ def minutes(seconds):
 
 
 def run(sweep, gpus):
-    """Each point trained (or resumed), then, if looped, evaluated at every T; a line per point with the time so
-    far and an ETA: the time per training FLOP of this invocation's points times the FLOPs still to train."""
+    """Train (or resume) each point, then evaluate a looped one at every T.
+    Each point prints a line with the time so far and an ETA.
+    The ETA is this invocation's time per training FLOP times the FLOPs still to train."""
     rows = points(sweep)
     start, done_flops, fresh_s, fresh_tokens = time.time(), 0.0, 0.0, 0
     left_flops = sum(p["C"] for p in rows if final_eval(p) is None)
@@ -292,8 +290,9 @@ def fit_budgets(runs, notes):
 
 
 def paired_spread(runs):
-    """The seed spread of looped - fixed-depth loss within one seed and budget, pooled over the looped mu_rec: a
-    seed's data order moves every mu_rec of it together, so the difference can vary less than the losses do."""
+    """Measure the seed spread of looped minus fixed-depth loss, pooled over the looped mu_rec.
+    A seed's data order moves every mu_rec of it together.
+    So the difference can vary less than the losses do."""
     loss = {(r["C"], r["mu_rec"], r["seed"]): r["loss"] for r in runs}
     groups = {}
     for (C, mu, seed), L in loss.items():
@@ -303,9 +302,10 @@ def paired_spread(runs):
 
 
 def judge_frontier(budgets, runs, paired_sigma=None, paired_dof=0):
-    """Per budget, the margin fixed - best looped with a paired 90% t-interval (scaling_fit.paired_interval): from
-    the budget's own seeds where it has two or more, else one pair with the pooled paired spread of the seeded
-    budget. 'looped' or 'fixed' when the interval excludes 0 on that side, 'within noise' when it holds 0."""
+    """Judge each budget's margin, fixed minus best looped, with a paired 90% t-interval.
+    The interval (scaling_fit.paired_interval) uses the budget's own seeds where it has two or more.
+    Otherwise it uses one pair with the pooled paired spread of the seeded budget.
+    The verdict is 'looped' or 'fixed' when the interval excludes 0 on that side, 'within noise' when it holds 0."""
     loss = {(r["C"], r["mu_rec"], r["seed"]): r["loss"] for r in runs}
     for C, b in budgets.items():
         if b["fixed_depth_loss"] is None or b["best_looped"] is None:
@@ -324,8 +324,9 @@ def judge_frontier(budgets, runs, paired_sigma=None, paired_dof=0):
 
 
 def fit_power_laws(budgets, sigma, notes):
-    """g_mu and g_D on every budget, with bootstrap 90% intervals over the seed spread; then, fitted on all but the
-    largest budget, the error predicting the largest's mu_rec*, D* and L* (paper §5.2's extrapolation test)."""
+    """Fit g_mu and g_D on every budget, with bootstrap 90% intervals over the seed spread.
+    Then fit on all but the largest budget and measure the error predicting its mu_rec*, D* and L*.
+    That is paper §5.2's extrapolation test."""
     C = sorted(budgets)
     if len(C) < 2:
         notes.append(f"{len(C)} budget(s) with a parabola; the power laws need 2 (the extrapolation test 3)")
@@ -348,9 +349,11 @@ def fit_power_laws(budgets, sigma, notes):
 
 
 def fit_unified_law(runs, notes):
-    """Fitted on the looped runs (the law's exp(-z T / mu) describes depth-sampled training) of every budget but the
-    largest, at every T; the largest budget's runs are the held-out models. With one budget there is nothing to
-    hold out, and D moves with mu_rec alone, so the fit describes the curves but does not separate x from y."""
+    """Fit the unified law on the looped runs of every budget but the largest, at every T.
+    The law's exp(-z T / mu) describes depth-sampled training, so fixed-depth runs stay out.
+    The largest budget's runs are the held-out models.
+    With one budget there is nothing to hold out, and D moves with mu_rec alone.
+    Then the fit describes the curves but does not separate x from y."""
     looped = [r for r in runs if r["mu_rec"] > 1 and r["curve"]]
     budgets = sorted({r["C"] for r in looped})
     if len(looped) < 2:
@@ -389,7 +392,7 @@ def fit(sweep, runs=None, out_dir=None):
                            "power laws refitted, 2000 draws, 5th-95th percentiles")
     result = dict(sweep=sweep, runs=runs, budgets={f"{C:.3g}": b for C, b in budgets.items()}, noise=noise,
                   power_laws=laws, unified=unified, notes=notes)
-    write_text(out_dir / "fit.json", json.dumps(result, indent=1))
+    write_json(out_dir / "fit.json", result)
     print_report(runs, budgets, noise, laws, unified, notes)
     figures = draw(runs, budgets, sigma, laws, unified, out_dir)
     print(f"\nwrote {out_dir / 'fit.json'} and {', '.join(str(f) for f in figures)}")
@@ -403,8 +406,7 @@ def print_report(runs, budgets, noise, laws, unified, notes):
     sigma, paired = noise["sigma"], noise["paired_sigma"]
     mus = sorted({r["mu_rec"] for r in runs})
     print("final val loss at T = mu_rec (nats); mean +- seed standard deviation where several seeds ran\n")
-    print("| budget C | tokens/param | " + " | ".join(f"mu_rec {m}" for m in mus) + " | mu_rec* | looped vs fixed |")
-    print("|---" * (len(mus) + 4) + "|")
+    rows = []
     for C, b in budgets.items():
         cells = {mu: f"{L:.4f}" + (f" +- {s:.4f}" if s is not None else "")
                  for mu, L, s in zip(b["mu_rec"], b["loss"], b["spread"])}
@@ -413,8 +415,10 @@ def print_report(runs, budgets, noise, laws, unified, notes):
         per_param = f"{b['tokens'][-1] / runs[0]['params']:.1f}-{b['tokens'][0] / runs[0]['params']:.1f}"
         ci = "" if b.get("ci90") is None else f" [{b['ci90'][0]:+.4f}, {b['ci90'][1]:+.4f}]"
         verdict = f"{b['margin']:+.4f}{ci}: {b['verdict']}" if "margin" in b else "-"
-        print(f"| {C:.3g} | {per_param} | " + " | ".join(cells.get(m, "-") for m in mus) +
-              f" | {b['mu_star']:.2f}{'' if b['vertex_inside'] else ' (outside)'} | {verdict} |")
+        rows.append([f"{C:.3g}", per_param, *(cells.get(m, "-") for m in mus),
+                     f"{b['mu_star']:.2f}{'' if b['vertex_inside'] else ' (outside)'}", verdict])
+    print(markdown_table(["budget C", "tokens/param", *(f"mu_rec {m}" for m in mus), "mu_rec*", "looped vs fixed"],
+                         rows), end="")
     if sigma is not None:
         print(f"\nseed spread: {sigma:.4f} nats (pooled standard deviation, {noise['degrees_of_freedom']} degrees of "
               f"freedom)")
@@ -453,18 +457,14 @@ def print_report(runs, budgets, noise, laws, unified, notes):
 # Figures (matplotlib, Agg: no display needed)
 
 def draw(runs, budgets, sigma, laws, unified, out_dir):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """Draw the sweep's figures into out_dir -> their paths."""
+    plt = pyplot()
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     paths = []
 
     def save(fig, name):
-        path = out_dir / name
-        fig.tight_layout()
-        write_atomically(path, lambda partial: fig.savefig(partial, format="png", dpi=110))
-        plt.close(fig)
-        paths.append(path)
+        save_png(fig, out_dir / name)
+        paths.append(out_dir / name)
 
     fig, ax = plt.subplots(figsize=(6.5, 4.3))
     for i, (C, b) in enumerate(budgets.items()):
@@ -541,25 +541,24 @@ def draw(runs, budgets, sigma, laws, unified, out_dir):
 # -----------------------------------------------------------------------------
 # Command line
 
-def parse_list(text, kind, flag):
-    try:
-        values = [kind(float(v)) if kind is int and "e" in v else kind(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        values = []
-    if not values:
-        fail(f"{flag}={text!r} must be numbers separated by commas, e.g. {flag}=1,2,4")
-    return values
+def numbers(kind):
+    """An argparse type: numbers separated by commas (common.comma_list), each read by kind."""
+    def parse(text):
+        try:
+            return comma_list(text, kind)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} must be numbers separated by commas, e.g. 1,2,4") from None
+    return parse
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     allow_abbrev=False)
+    parser = command_parser(__doc__)
     parser.add_argument("command", choices=["plan", "run", "fit"])
     parser.add_argument("--preset", choices=sorted(PRESETS), help="a ready sweep: cpu = the CPU study")
     parser.add_argument("--depth", type=int, help="model size (train.py --depth; default 6, the 140M)")
-    parser.add_argument("--flops", type=lambda s: parse_list(s, float, "--flops"), help="budgets C, e.g. 1e18,3e18")
-    parser.add_argument("--mu_rec", type=lambda s: parse_list(s, int, "--mu_rec"), help="e.g. 1,2,4,8")
-    parser.add_argument("--T", type=lambda s: parse_list(s, int, "--T"), help="test-time depths of the unified fit")
+    parser.add_argument("--flops", type=numbers(float), help="budgets C, e.g. 1e18,3e18")
+    parser.add_argument("--mu_rec", type=numbers(int), help="e.g. 1,2,4,8")
+    parser.add_argument("--T", type=numbers(int), help="test-time depths of the unified fit")
     parser.add_argument("--seeds", type=int, help="seeds at the middle budget, which measure the noise (default 1)")
     parser.add_argument("--sweep", help="sweep name (default: the preset's, or d<depth>)")
     parser.add_argument("--refit", type=Path, metavar="FIT_JSON",
@@ -568,11 +567,11 @@ def main(argv=None):
                         help="processes per point (default: every GPU here for run, 8 for plan's commands)")
     args = parser.parse_args(argv)
     if args.command == "fit" and args.refit:
-        try:
-            recorded = json.loads(args.refit.read_text())
-        except (OSError, ValueError) as err:
-            fail(f"cannot read {args.refit} ({err}): give a fit.json that `python -m experiments.scaling fit` wrote")
-        return fit(recorded["sweep"], recorded["runs"], args.refit.parent)
+        recorded = read_json(args.refit)
+        if recorded is None:
+            raise FileNotFoundError(f"no {args.refit}: give a fit.json that `python -m experiments.scaling fit` wrote")
+        fit(recorded["sweep"], recorded["runs"], args.refit.parent)
+        return
     sweep = make_sweep(args)
     if args.command == "plan":
         plan(sweep, 8 if args.gpus is None else args.gpus)
@@ -582,10 +581,10 @@ def main(argv=None):
     else:
         if not any(final_eval(p) for p in points(sweep)):  # nothing to fit: one line, nothing written
             flags = [a for a in (sys.argv[1:] if argv is None else argv) if a != "fit"]
-            fail(f"no finished run of sweep '{sweep['name']}' under {run_dir()}; train them first: "
-                 f"python -m experiments.scaling run {' '.join(flags)}")
+            raise ValueError(f"no finished run of sweep '{sweep['name']}' under {run_dir()}; train them first: "
+                             f"python -m experiments.scaling run {' '.join(flags)}")
         fit(sweep)
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

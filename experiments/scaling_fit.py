@@ -1,11 +1,11 @@
 """
 scaling_fit.py: the fitters of scaling.py (paper §5.2-5.3, Appendix L), with the noise the seeds measure.
 
-- isoFLOP parabolas in ln mu_rec and their vertices, for one set of losses or thousands of resampled ones;
-- power laws y = k C^g, least squares in log-log;
-- a parametric bootstrap of the exponents g_mu and g_D: every budget's losses are redrawn with the measured
-  seed-to-seed spread, the parabolas and power laws refitted, and the 5th and 95th percentiles kept;
+- isoFLOP parabolas in ln mu_rec and their vertices, for one set of losses or thousands of resampled ones.
+- power laws y = k C^g, least squares in log-log.
+- a parametric bootstrap of the exponents g_mu and g_D (bootstrap_exponents says how).
 - the unified law L(T | mu, D) = E + X mu^-x + Y D^-y + Z exp(-z T / mu), Huber loss and L-BFGS.
+
 numpy does the fits; torch only the unified law's gradients.
 """
 
@@ -19,10 +19,12 @@ import torch
 
 
 def parabola_vertices(mu_rec, losses, tokens):
-    """Final loss ~ a (ln mu)^2 + b ln mu + c inside one budget, for each row of losses (shape (n,) or (B, n)).
-    -> dict of arrays: mu_star (the vertex, at most one sampled range beyond the samples; the best sampled point
-    when the parabola has no minimum), D_star (ln D is linear in ln mu inside a budget, read off at the vertex),
-    L_star (the parabola there), a, b, c, and inside (the vertex lies within the sampled mu_rec)."""
+    """Fit final loss ~ a (ln mu)^2 + b ln mu + c inside one budget, per row of losses ((n,) or (B, n)).
+    It returns a dict of arrays: mu_star, D_star, L_star, a, b, c and inside.
+    mu_star is the vertex, at most one sampled range beyond the samples.
+    When the parabola has no minimum, mu_star is the best sampled point.
+    D_star is read off at the vertex, since ln D is linear in ln mu inside a budget.
+    L_star is the parabola's value there; inside says the vertex lies within the sampled mu_rec."""
     x = np.log(np.asarray(mu_rec, float))
     L = np.atleast_2d(np.asarray(losses, float))
     a, b, c = np.linalg.lstsq(np.stack([x * x, x, np.ones_like(x)], 1), L.T, rcond=None)[0]
@@ -96,8 +98,9 @@ HUBER_DELTA = 1e-3  # on log-loss residuals, as in Chinchilla's fits (Hoffmann e
 
 
 def unified_log_terms(theta, mu, D, T):
-    """L(T | mu, D) = E + X mu^-x + Y D^-y + Z exp(-z T / mu), every term positive, so ln L = logsumexp of four
-    log-terms (Chinchilla's parametrisation: theta = ln E, ln X, x, ln Y, y, ln Z, z)."""
+    """Compute the four log-terms of L(T | mu, D) = E + X mu^-x + Y D^-y + Z exp(-z T / mu).
+    Every term is positive, so ln L is the logsumexp of the four.
+    theta follows Chinchilla's parametrisation: ln E, ln X, x, ln Y, y, ln Z, z."""
     e, lx, x, ly, y, lz, z = theta
     return torch.stack([e.expand_as(mu), lx - x * mu.log(), ly - y * D.log(), lz - z * T / mu])
 
@@ -186,8 +189,9 @@ def paired_interval(differences, level=0.9):
 
 
 def interval_verdict(ci, expected_sign):
-    """'shown' when the interval excludes 0 on the side the paper predicts (expected_sign +1 or -1),
-    'opposite' when it excludes 0 on the other side, 'not shown' when it holds 0 (or there is none)."""
+    """Judge an interval against the side the paper predicts (expected_sign +1 or -1).
+    It is 'shown' when the interval excludes 0 on that side, 'opposite' when it excludes 0 on the other.
+    It is 'not shown' when it holds 0, or when there is no interval."""
     if ci is None or ci[0] <= 0 <= ci[1]:
         return "not shown"
     return "shown" if (ci[0] > 0) == (expected_sign > 0) else "opposite"
@@ -217,8 +221,9 @@ def drift_check(fractions, differences, level=0.9):
 
 
 def seeds_needed(sd, effect, floor=3, cap=5, level=0.9):
-    """Paired seeds fixed before an experiment from a pilot's spread: the fewest n in [floor, cap] whose interval's
-    half-width t sd / sqrt(n) is at most half the effect to detect (cap when none is)."""
+    """Fix the paired seeds of an experiment from a pilot's spread, before it runs.
+    It is the fewest n in [floor, cap] whose interval's half-width t sd / sqrt(n) is at most half the effect.
+    It is cap when no n is enough."""
     q = 1 - (1 - level) / 2
     return next((n for n in range(floor, cap + 1) if t_quantile(q, n - 1) * sd / math.sqrt(n) <= abs(effect) / 2),
                 cap)

@@ -1,6 +1,7 @@
 """
-timing.py: the benchmarks' timers (experiments/bench.py and decoding.py): progress on stderr, interleaved repeats
-timed and their medians, one markdown table. Imported, not run.
+timing.py: the experiments' timers and tables.
+It logs progress on stderr, times interleaved repeats and takes their medians, and formats markdown tables.
+Imported, not run.
 """
 
 import statistics
@@ -40,8 +41,12 @@ def median_seconds(fns, repeats, warmup=1):
     return {name: statistics.median(s) for name, s in seconds.items()}
 
 
+def markdown_table(header, rows):
+    """A markdown table of header and rows, each a sequence of cells, as text."""
+    return "\n".join([f"| {' | '.join(header)} |", "|---" * len(header) + "|"]
+                     + [f"| {' | '.join(map(str, row))} |" for row in rows]) + "\n"
+
+
 def print_table(rows, what):
-    print(f"| # | {what} | result | ratio | target |")
-    print("|---|---|---|---|---|")
-    for cells in rows:
-        print("| " + " | ".join(cells) + " |")
+    """Print a benchmark's rows under the columns #, what, result, ratio and target."""
+    print(markdown_table(["#", what, "result", "ratio", "target"], rows), end="")

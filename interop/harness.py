@@ -1,7 +1,7 @@
 """
-harness.py: nanoparcae as a model of EleutherAI's lm-evaluation-harness, at a chosen recurrence depth T, so
-that every task of the harness runs on it (the authors evaluate LAMBADA this way; the paper reports WikiText
-perplexity, §5.1).
+harness.py: nanoparcae as a model of EleutherAI's lm-evaluation-harness, at a chosen recurrence depth T.
+Every task of the harness runs on it.
+The authors evaluate LAMBADA this way, and the paper reports WikiText perplexity (§5.1).
 
     pip install -r requirements-eval.txt                    # lm-eval is optional: not in requirements.txt
     python -m interop.harness --tasks lambada_openai,wikitext --T 8       # the latest checkpoint, or --ckpt / --run
@@ -15,21 +15,22 @@ From Python, with the harness's own evaluator:
     results = lm_eval.simple_evaluate(model=lm, tasks=["lambada_openai", "wikitext"])
 
 The harness downloads each task's data set on first use (Hugging Face datasets, cached under ~/.cache/huggingface).
-Requests are scored as eval_core scores CORE: rows of at most seq_len tokens (the last one only a target), BOS
-first, cropped from the left, many per forward, one seeded h0 for every row (so a score does not depend on the
-batch). Generation is engine.py's greedy decoding, as sample.py runs it.
+Requests are scored as eval_core scores CORE, many rows per forward.
+A row holds at most seq_len tokens, BOS first, cropped from the left; its last token is only a target.
+One seeded h0 serves every row, so a score does not depend on the batch.
+Generation is engine.py's greedy decoding, as sample.py runs it.
 """
 
-import argparse
 import itertools
 
 import torch
-import torch.distributed as dist
 
 import eval_core
 from nanoparcae.checkpoint import load_run
-from nanoparcae.common import fail, first_sentence, print0, rank_and_world
+from nanoparcae.common import (EnvironmentFailure, comma_list, command_parser, first_sentence, print0, rank_and_world,
+                               run_command)
 from nanoparcae.flags import listed, positive
+from nanoparcae.results import check_results_folder, keep_results
 from nanoparcae.core_tasks import Row, common_length, crop_left
 from engine import generate
 from eval_core import bf16_autocast, score_rows
@@ -43,9 +44,9 @@ try:
     from lm_eval.tasks import TaskManager
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, make_table
 except ImportError:
-    if __name__ == "__main__":  # the command ends in one line; an importer gets the error
-        fail(NO_LM_EVAL)
-    raise ImportError(NO_LM_EVAL) from None
+    if __name__ != "__main__":  # an importer gets the error; the command, one line from main
+        raise ImportError(NO_LM_EVAL) from None
+    lm_eval, LM = None, object
 
 
 class HarnessLM(LM):
@@ -84,8 +85,9 @@ class HarnessLM(LM):
         return self.score(rows, len(requests))
 
     def loglikelihood_rolling(self, requests):
-        """(text,) -> log p(text | BOS): every token scored once, in the harness's disjoint windows (each later
-        window starts from the token before it), a window being a row of at most seq_len tokens."""
+        """Score (text,) -> log p(text | BOS), every token once.
+        Tokens go in the harness's disjoint windows, each a row of at most seq_len tokens.
+        Each later window starts from the token before it."""
         rows = []
         for i, request in enumerate(requests):
             ids = self.tokenizer.encode(request.args[0])
@@ -137,9 +139,9 @@ class HarnessLM(LM):
 def run_harness(model, tokenizer, tasks, Ts, batch_size=8, limit=None):
     """The harness's tasks (names separated by commas) at each T, tables printed.
     -> {"tasks", "T", "results": {T: the harness's results per task}}. limit: documents per task (None: all)."""
-    names = [name.strip() for name in tasks.split(",") if name.strip()]
-    if tasks in ("core", "extended") or not names:
-        raise ValueError("--tasks takes the harness's task names, e.g. --tasks lambada_openai,wikitext")
+    names = [name.strip() for name in comma_list(tasks, str)]  # ValueError naming the text when it has none
+    if tasks in ("core", "extended"):
+        raise ValueError(f"--tasks={tasks} is eval_core.py's; give the harness's task names, e.g. lambada_openai")
     if rank_and_world()[1] > 1:
         raise ValueError("the harness runs in one process; start it with python, not torchrun")
     task_manager = TaskManager()
@@ -161,9 +163,8 @@ def run_harness(model, tokenizer, tasks, Ts, batch_size=8, limit=None):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m interop.harness", description=__doc__, allow_abbrev=False,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.error = fail  # an unknown flag or a bad value: one line, status 2
+    parser = command_parser(__doc__)
+    parser.prog = "python -m interop.harness"
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--ckpt", help="a checkpoint file (default: the latest of --run)")
     which.add_argument("--run", help="a run under <base dir>/runs (default: the most recently written)")
@@ -175,23 +176,20 @@ def main(argv=None):
     parser.add_argument("--max_per_task", type=eval_core.items_or_all, default=-1, help="documents per task (-1: all)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     args = parser.parse_args(argv)
-    try:
-        device = eval_core.start_device(args)
-        if args.from_:
-            model, tokenizer = load_pretrained(args.from_, device, need_tokenizer=True)
-            ckpt, ckpt_path = {}, local_dir(args.from_) / "authors"
-        else:
-            model, tokenizer, ckpt, ckpt_path = load_run(args.ckpt or args.run, device)
-        Ts = args.T or [model.config.mu_rec]
-        out = run_harness(model, tokenizer, args.tasks, Ts, args.batch_size,
-                          args.max_per_task if args.max_per_task > 0 else None)
-        eval_core.write_results(out, args, ckpt, ckpt_path, Ts, "harness")
-    except (FileNotFoundError, ValueError) as err:
-        fail(err)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    if lm_eval is None:
+        raise EnvironmentFailure(NO_LM_EVAL)
+    device = eval_core.start_device(args)
+    if args.from_:
+        model, tokenizer = load_pretrained(args.from_, device, need_tokenizer=True)
+        ckpt, ckpt_path = {}, local_dir(args.from_) / "authors"
+    else:
+        model, tokenizer, ckpt, ckpt_path = load_run(args.ckpt or args.run, device)
+    check_results_folder(ckpt_path)
+    Ts = args.T or [model.config.mu_rec]
+    out = run_harness(model, tokenizer, args.tasks, Ts, args.batch_size,
+                      args.max_per_task if args.max_per_task > 0 else None)
+    keep_results(out, args, ckpt, ckpt_path, Ts, "harness")
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

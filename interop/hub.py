@@ -1,13 +1,14 @@
 """
-hub.py: run the authors' released Parcae checkpoints (SandyResearch/parcae-140m and the other sizes, and
-their GPT baselines) with nanoparcae's model and a tiktoken tokenizer.
+hub.py: run the authors' released Parcae checkpoints with nanoparcae's model and a tiktoken tokenizer.
+The releases are SandyResearch/parcae-140m, the other sizes, and their GPT baselines.
 
-Their package parcae_lm writes a folder with config.json (its config dataclass as JSON plus
-`_class_name`), a state dict (model.pt or pytorch_model.bin) and a byte-level BPE tokenizer.json
-(METHOD.md §5). This file downloads such a folder (or reads a local one), builds our ParcaeConfig from
-theirs, renames their parameters onto ours with one explicit table, and turns tokenizer.json into a
-tiktoken Encoding wrapped in tokenizer.Tokenizer. `export` goes the other way: a nanoparcae checkpoint
-becomes such a folder, for their from_pretrained.
+Their package parcae_lm writes a folder with config.json, a state dict and a byte-level BPE tokenizer.json.
+config.json is its config dataclass as JSON plus `_class_name`; the weights are model.pt or pytorch_model.bin.
+METHOD.md §5 describes the format.
+This file downloads such a folder, or reads a local one, and builds our ParcaeConfig from theirs.
+It renames their parameters onto ours with one explicit table.
+It turns tokenizer.json into a tiktoken Encoding wrapped in tokenizer.Tokenizer.
+`export` goes the other way, writing a nanoparcae checkpoint as such a folder for their from_pretrained.
 
     python -m interop.hub SandyResearch/parcae-140m                   # download, load, print a summary
     python -m interop.hub sample SandyResearch/parcae-140m --T=8 --prompt="The ocean"   # sample.py's flags
@@ -16,7 +17,6 @@ becomes such a folder, for their from_pretrained.
     model, tokenizer = interop.hub.load_pretrained("SandyResearch/parcae-140m")   # or a local folder
 """
 
-import argparse
 import json
 import os
 import re
@@ -26,16 +26,13 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 import eval_core
 import sample
 from nanoparcae.checkpoint import assign_weights, load_run, sized_model
-from nanoparcae.common import (REFUSED, check_writable, fail, fail_with, first_sentence, get_base_dir,
-                               write_atomically)
-from model import SAMPLINGS
+from nanoparcae.common import check_writable, command_parser, first_sentence, get_base_dir, read_json, run_command
 from nanoparcae.download import download_file
-from model import ParcaeConfig, value_embedding_layers
+from model import SAMPLINGS, ParcaeConfig, value_embedding_layers
 from nanoparcae.tokenizer import Tokenizer
 
 HUB_URL = os.environ.get("NANOPARCAE_HUB_URL", "https://huggingface.co")  # tests point it at 127.0.0.1
@@ -73,8 +70,10 @@ def download(repo_id, filename):
 
 
 def fetch_files(source, need_tokenizer=False):
-    """-> (config.json, weights, tokenizer.json) paths from a local folder or a Hub repo id; the last is None where
-    their save_pretrained wrote none, unless need_tokenizer (text is read or written): then one line says so."""
+    """Find a source's files -> the paths of config.json, the weights and tokenizer.json.
+    The source is a local folder or a Hub repo id.
+    The tokenizer is None where their save_pretrained wrote none.
+    With need_tokenizer (text is read or written) a missing one is refused in one line."""
     folder, local = local_dir(source), Path(source).is_dir()
     where = source if local else f"{HUB_URL}/{source}"
 
@@ -182,9 +181,10 @@ def config_from_authors(cfg):
 
 
 def gated_layers(config, mean_backprop_depth):
-    """The layers their Parcae gives a ve_gate, without which it ignores the value embedding: has_ve(layer id,
-    R * mean_backprop_depth) (parcae_lm/modules/mixer.py, parcae/config.py's n_layer), layer ids i, P + i
-    (recurrent) and P + R * mean_recurrence + i (coda). Only the parities of R * mu_rec and R * mbd matter."""
+    """List the layers their Parcae gives a ve_gate; without one it ignores the value embedding.
+    The rule is has_ve(layer id, R * mean_backprop_depth), from parcae_lm/modules/mixer.py and parcae/config.py.
+    Layer ids are i (prelude), P + i (recurrent) and P + R * mean_recurrence + i (coda).
+    Only the parities of R * mu_rec and R * mbd matter."""
     c = config
     ids = [*range(c.n_prelude + c.n_recur), *(c.n_prelude + c.n_recur * c.mu_rec + i for i in range(c.n_coda))]
     return [i for i, layer_id in enumerate(ids) if layer_id % 2 == (c.n_recur * mean_backprop_depth - 1) % 2]
@@ -261,8 +261,9 @@ def our_name(name, config):
 
 
 def map_names(their_shapes, our_shapes, config):
-    """{their name: shape} -> {their name: our name}: every name of theirs (but CHECKED_NAMES) lands on
-    exactly one of ours with the same shape, and every one of ours is covered."""
+    """Map {their name: shape} -> {their name: our name}.
+    Every name of theirs, but CHECKED_NAMES, lands on exactly one of ours with the same shape.
+    Every one of ours is covered."""
     mapping = {}
     for name, shape in their_shapes.items():
         if name in CHECKED_NAMES:
@@ -349,7 +350,7 @@ def split_pattern(pre_tokenizer):
 def tokenizer_from_json(path, bos_token=None):
     """tokenizer.json -> tokenizer.Tokenizer: the vocabulary mapped back to bytes, ranks = ids (BPE merges
     in id order, as a trainer mints them), added tokens kept as special tokens."""
-    spec = json.loads(Path(path).read_text(encoding="utf-8"))
+    spec = read_json(path)
     bpe = spec.get("model", {})
     if bpe.get("type") != "BPE" or spec.get("normalizer"):
         raise ValueError(f"{path} is not a plain BPE tokenizer (model {bpe.get('type')}, normalizer "
@@ -381,10 +382,7 @@ def load_pretrained(source, device="cpu", need_tokenizer=False):
     """A Hub repo id (e.g. SandyResearch/parcae-140m) or a local folder -> (model in eval mode, tokenizer); the
     tokenizer is None for a folder without tokenizer.json, or a one-line error if need_tokenizer (fetch_files)."""
     config_path, weights_path, tokenizer_path = fetch_files(source, need_tokenizer)
-    try:
-        authors_config = json.loads(Path(config_path).read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{config_path} is not valid JSON ({err})") from None
+    authors_config = read_json(config_path)
     config = config_from_authors(authors_config)
     try:
         state_dict = torch.load(weights_path, map_location="cpu", weights_only=True)
@@ -483,10 +481,10 @@ def their_name(name, config):
 
 
 def authors_state_dict(model):
-    """Our model -> its state dict under their names, q and k rows back in their interleaved RoPE order. Left
-    out: lm_head.weight (their Parcae ties it to wte; their GPT, without the fused head, builds a (d, V) one it
-    never reads when tied) and freqs_cis (their model computes it). A CPU model's tensors are shared, not
-    copied: only the reordered q and k rows are new."""
+    """Rename our model's state dict to their names, q and k rows back in their interleaved RoPE order.
+    It leaves out freqs_cis, which their model computes, and lm_head.weight.
+    Their Parcae ties lm_head to wte; their GPT without the fused head builds one it never reads when tied.
+    A CPU model's tensors are shared, not copied; only the reordered q and k rows are new."""
     c = model.config
     back = torch.argsort(rope_order(c.head_dim))
     out = {}
@@ -501,11 +499,12 @@ def authors_state_dict(model):
 
 
 def tokenizer_json(tokenizer):
-    """tokenizer.Tokenizer -> a tokenizer.json dict (HF tokenizers' byte-level BPE) that encodes as its tiktoken
-    Encoding does: the same split regex; every token spelled in GPT-2's byte alphabet with its rank as id;
-    for each token of two or more bytes, a merge for every cut into two tokens, ordered by the token's rank
-    (tiktoken joins the adjacent pair whose join ranks lowest); ignore_merges: a piece that is one token
-    whole is that token, tiktoken's shortcut."""
+    """Write tokenizer.Tokenizer as a tokenizer.json dict that encodes as its tiktoken Encoding does.
+    The format is HF tokenizers' byte-level BPE, with the same split regex.
+    Every token is spelled in GPT-2's byte alphabet, with its rank as id.
+    Each token of two or more bytes gets a merge for every cut into two tokens, ordered by the token's rank.
+    That is because tiktoken joins the adjacent pair whose join ranks lowest.
+    ignore_merges matches tiktoken's shortcut: a piece that is one token whole is that token."""
     enc = tokenizer.enc
     char_of = {b: ch for ch, b in byte_level_alphabet().items()}
     ranks = enc._mergeable_ranks
@@ -575,37 +574,28 @@ def replace_folder(new, old):
 
 
 def export_main(argv):
-    parser = argparse.ArgumentParser(prog="python -m interop.hub export", allow_abbrev=False,
-                                     description="Write a nanoparcae checkpoint as a folder the authors' "
-                                     "parcae_lm.from_pretrained reads")
-    parser.error = fail  # an unknown flag or a bad value: one line, status 2
+    """A nanoparcae checkpoint -> a folder the authors' from_pretrained reads."""
+    parser = command_parser("Write a nanoparcae checkpoint as a folder the authors' parcae_lm.from_pretrained reads")
+    parser.prog = "python -m interop.hub export"
     parser.add_argument("source", help="a checkpoint file, or a run under <base dir>/runs (its latest checkpoint)")
     parser.add_argument("out_dir", help="the folder to write (upload it with `hf upload`)")
     args = parser.parse_args(argv)
     warnings.formatwarning = lambda message, *_, **__: f"interop.hub export: {message}\n"
-    try:
-        model, tokenizer, _, path = load_run(args.source)
-        check_writable(Path(args.out_dir), "the export", needs=sum(t.nbytes for t in model.state_dict().values()))
-        out = export(model, tokenizer, args.out_dir)
-    except REFUSED as err:
-        fail_with(err)
+    model, tokenizer, _, path = load_run(args.source)
+    check_writable(Path(args.out_dir), "the export", needs=sum(t.nbytes for t in model.state_dict().values()))
+    out = export(model, tokenizer, args.out_dir)
     print(f"{path} -> {out}: config.json ({model.config.injection}), model.pt, tokenizer.json, tokenizer_config.json")
 
 
 def sample_main(argv):
     """sample.py's sampling, on the authors' release."""
-    parser = argparse.ArgumentParser(prog="python -m interop.hub sample", allow_abbrev=False,
-                                     description="Sample from the authors' release with sample.py's flags")
-    parser.error = fail  # an unknown flag or a bad value: one line, status 2
+    parser = command_parser("Sample from the authors' release with sample.py's flags")
+    parser.prog = "python -m interop.hub sample"
     parser.add_argument("source", help=SOURCE_HELP)
     sample.add_sampling_flags(parser)
     args = sample.parse_sampling_flags(parser, argv)
-    device = torch.device(args.device)
-    try:
-        model, tokenizer = load_pretrained(args.source, device, need_tokenizer=True)
-        sample.sample(model, tokenizer, args, args.source)
-    except REFUSED as err:
-        fail_with(err)
+    model, tokenizer = load_pretrained(args.source, torch.device(args.device), need_tokenizer=True)
+    sample.sample(model, tokenizer, args, args.source)
 
 
 def eval_main(argv):
@@ -614,29 +604,19 @@ def eval_main(argv):
     parser.prog = "python -m interop.hub eval"
     parser.add_argument("source", help=SOURCE_HELP)
     args = parser.parse_args(argv)
-    try:
-        device = eval_core.start_device(args)
-        model, tokenizer = load_pretrained(args.source, device, need_tokenizer=True)
-        eval_core.evaluate(args, model, tokenizer, {}, local_dir(args.source) / "authors", args.T, args.seeds,
-                           device)
-    except REFUSED as err:
-        fail_with(err)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    device = eval_core.start_device(args)
+    model, tokenizer = load_pretrained(args.source, device, need_tokenizer=True)
+    eval_core.evaluate(args, model, tokenizer, {}, local_dir(args.source) / "authors", device)
 
 
 def summary_main(argv):
-    parser = argparse.ArgumentParser(prog="python -m interop.hub", allow_abbrev=False,
-                                     description="Download and load an authors' Parcae checkpoint and print a "
-                                     "summary; the subcommands sample, eval and export take their own --help")
-    parser.error = fail  # an unknown flag or a bad value: one line, status 2
+    """Load a release and print its summary and one greedy next token."""
+    parser = command_parser("Download and load an authors' Parcae checkpoint and print a summary; the subcommands "
+                            "sample, eval and export take their own --help")
+    parser.prog = "python -m interop.hub"
     parser.add_argument("source", help=SOURCE_HELP)
     args = parser.parse_args(argv)
-    try:
-        model, tokenizer = load_pretrained(args.source, need_tokenizer=True)
-    except REFUSED as err:
-        fail_with(err)
+    model, tokenizer = load_pretrained(args.source, need_tokenizer=True)
     c = model.config
     print(f"{args.source}: injection={c.injection} layers={c.n_prelude}/{c.n_recur}/{c.n_coda} d={c.d_model} "
           f"mu_rec={c.mu_rec} params={model.num_params():,} vocab={tokenizer.vocab_size} "
@@ -644,7 +624,7 @@ def summary_main(argv):
     ids = tokenizer.encode("The capital of France is", prepend_bos=True)
     allowed = tokenizer.known_ids(c.vocab_size)
     with torch.no_grad():
-        logits = model(torch.tensor([ids]))[0, -1]
+        logits = model(torch.tensor([ids]), h0_generator=torch.Generator().manual_seed(0))[0, -1]
     logits = logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))
     print("next token after 'The capital of France is':", repr(tokenizer.decode([int(logits.argmax())])))
 
@@ -654,8 +634,8 @@ def main(argv=None):
     commands = {"export": export_main, "sample": sample_main, "eval": eval_main}
     if argv[:1] and argv[0] in commands:
         return commands[argv[0]](argv[1:])
-    summary_main(argv)
+    return summary_main(argv)
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

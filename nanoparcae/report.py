@@ -1,89 +1,97 @@
 """
-nanoparcae/report.py: a run's report card, report.md in its folder, written from the run's own files.
+nanoparcae/report.py: write a run's report card, report.md in its folder, from the run's own files.
 
     python -m nanoparcae.report --run=d6_diagonal             # <base dir>/runs/d6_diagonal/report.md
     python -m nanoparcae.report --run=d6_diagonal --machine   # first: record this machine for the card
 
-It reads the run's own files:
+It reads these files of the run:
 
 - metrics.jsonl, and the newest checkpoint's recorded config and flags.
 - eval_core.py's JSON beside it, and the figures experiments/plot.py drew there.
-- recipe/, which runs/speedrun.sh and runs/cpu.sh write: stage times, the machine, the samples.
+- recipe/, where runs/speedrun.sh and runs/cpu.sh keep stage times, the machine and samples.
 
-The run's numbers are read from those files or computed by model.py's formulas.
-The paper's numbers and README's, set beside them, are typed in the two tables below.
+The run's numbers come from those files or from model.py's formulas.
+The paper's numbers and README's are typed in the two tables below.
 Each table cites where they are printed.
 """
 
-import argparse
-import json
-import math
 import os
 import platform
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
 from model import PAPER_TOKENS, ParcaeConfig
 from nanoparcae.checkpoint import find_checkpoint, read_checkpoint, run_dir, sized_model
-from nanoparcae.common import REFUSED, check_writable, fail, fail_with, read_json, write_atomically
+from nanoparcae.common import (EnvironmentFailure, check_writable, command_parser, read_json, run_command,
+                               write_atomically, write_json)
 from nanoparcae.core_tasks import CORE_LABELS
 from nanoparcae.memory import memory_plan
 from nanoparcae.metrics import read_metrics
+from nanoparcae.results import widest
 from optim import optimizer_state_bytes
 
-# METHOD.md §4 (the paper's nanochat table, Parcae at T = 8): val PPL, LAMBADA PPL, CORE, Core-Extended
+# The paper's nanochat table (METHOD.md §4), Parcae at T = 8. Columns:
+# val PPL, LAMBADA PPL, CORE, Core-Extended.
 PAPER = {
     6: {"none": (21.48, 127.39, 13.00, 8.80), "diagonal": (19.06, 80.64, 14.04, 9.67)},
     12: {"none": (15.79, 40.77, 17.46, 11.71), "diagonal": (14.49, 32.74, 20.00, 12.75)},
     18: {"none": (13.08, 22.37, 22.42, 14.20), "diagonal": (12.49, 19.71, 25.07, 15.19)},
     24: {"none": (11.95, 17.26, 25.45, 15.90), "diagonal": (11.42, 14.71, 28.44, 17.08)},
 }
-# README's "What to expect": runs/cpu.sh's run, its last eval on a 2-core AMD EPYC (val loss at each T)
+# README's "What to expect" gives runs/cpu.sh's run and its last val loss at each T.
+# It was measured on a 2-core AMD EPYC.
 CPU_README = {"run": {"depth": 3, "d_model": 128, "mu_rec": 4, "data": "stdlib", "max_tokens": 3.2e6},
               "val_loss": {1: 3.7575, 2: 3.7170, 4: 3.7109}}
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def widest(run_dir, pattern):
-    """Of run_dir's eval results matching pattern (eval_core.result_path: the run's own), the one that measured most,
-    then over most depths, then the newest; or None."""
-    def breadth(path):
-        result = read_json(path) or {}
-        return result.get("measured", {}).get("amount", 0), len(result.get("T", [])), path.stat().st_mtime, path.name
-    found = sorted(run_dir.glob(pattern), key=breadth)
-    return found[-1] if found else None
-
 # -----------------------------------------------------------------------------
 # The machine, recorded by the recipe before it trains
 
 
-def this_machine():
-    """GPUs (names), CPU, torch, CUDA and the git commit of this checkout -> a dict."""
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+def cpu_name():
+    """The CPU's model name, from /proc/cpuinfo where there is one."""
     try:
-        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=12", "HEAD"], capture_output=True,
-                                text=True, timeout=10).stdout.strip() or None
-        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        with open("/proc/cpuinfo") as info:
+            return next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def git_commit():
+    """This checkout's commit, marked +changes when tracked files differ; None outside git."""
+    def git(*args):
+        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+    try:
+        commit = git("rev-parse", "--short=12", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
-        commit, dirty = None, ""
-    cpu = platform.processor() or platform.machine()
-    if Path("/proc/cpuinfo").is_file():
-        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name")), cpu)
-    return {"gpus": gpus, "cpu": cpu, "cpu_count": os.cpu_count(), "torch": torch.__version__,
-            "cuda": torch.version.cuda, "commit": commit and commit + ("+changes" if dirty else ""),
+        return None
+    return commit + ("+changes" if dirty else "") if commit else None
+
+
+def this_machine():
+    """Describe this machine -> a dict of GPUs, CPU, torch, CUDA and the git commit."""
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return {"gpus": gpus, "cpu": cpu_name(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "commit": git_commit(),
             "processes": int(os.environ.get("NPROC", 0)) or max(1, len(gpus))}
 
 
-def record_machine(run_dir):
+def record_machine(run_dir, gpu=False):
+    """Write this machine to the run's recipe/machine.json -> its path.
+    With gpu it refuses a torch that sees no GPU, which would train on the CPU."""
+    if gpu and not torch.cuda.is_available():
+        raise EnvironmentFailure(f"torch {torch.__version__} sees no GPU: it is the CPU build, or the driver is "
+                                 f"too old; remove .venv and run again for PyPI's CUDA build (TORCH_INDEX=URL "
+                                 f"for another)")
     path = run_dir / "recipe" / "machine.json"
     check_writable(path.parent, path.name)
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomically(path, lambda partial: partial.write_text(json.dumps(this_machine(), indent=1)))
+    write_json(path, this_machine())
     return path
 
 # -----------------------------------------------------------------------------
@@ -91,10 +99,11 @@ def record_machine(run_dir):
 
 
 def read_run(run_dir):
-    """Everything the card shows, read from run_dir -> a dict; a file that is missing is None."""
+    """Read everything the card shows from run_dir -> a dict.
+    A missing file reads as None."""
     checkpoint = find_checkpoint(run_dir.parent, run_dir.name)
-    ckpt = read_checkpoint(checkpoint, mmap=True, unused=("model", "optimizer", "loader"))  # no tensor is read
-    model = sized_model(ParcaeConfig(**ckpt["config"]))  # for its counts: no weights
+    ckpt = read_checkpoint(checkpoint, mmap=True, unused=("model", "optimizer", "loader"))  # reads no tensor
+    model = sized_model(ParcaeConfig(**ckpt["config"]))  # for its counts, without weights
     stages = read_metrics(run_dir / "recipe" / "stages.jsonl")
     samples = {int(path.stem.split("_T")[1]): path.read_text()
                for path in sorted((run_dir / "recipe").glob("samples_T*.txt"))}
@@ -148,12 +157,13 @@ def run_section(run):
 
 
 def stage_attempts(run, name):
-    """A recipe stage's records in stages.jsonl -> (attempts, seconds of those that ended, interrupted, skips,
-    its result: "done", "exit status N", "interrupted", or "running" for the stage writing this card)."""
+    """Sum up a recipe stage's records in stages.jsonl -> a tuple of five.
+    They are attempts, seconds of those that ended, interrupted, skips and the result.
+    The result is "done", "exit status N", "interrupted", or "running" for the stage writing this card."""
     records = [r for r in run["stages"] if r["stage"] == name]
     started = [r for r in records if "started" in r]
     ended = [r for r in records if "seconds" in r]
-    running = bool(started) and started[-1] is run["stages"][-1]  # the last line of all: still going
+    running = bool(started) and started[-1] is run["stages"][-1]  # the last line of all is still going
     last = next((r for r in reversed(records) if "started" in r or "seconds" in r), {})
     result = "running" if running else "interrupted" if "started" in last else \
         "done" if last.get("status") == 0 else f"exit status {last['status']}" if last else "-"
@@ -216,7 +226,7 @@ def figures_section(run):
 
 
 def loss_section(run):
-    """Val loss and bpb at each T (eval_core.py --eval bpb), the paper's val PPL (--eval ppl), the fit."""
+    """Show val loss and bpb at each T (eval_core.py --eval bpb), the val PPL (--eval ppl) and the fit."""
     lines = ["## Validation", ""]
     evals = [r for r in run["metrics"] if any(key.startswith("val_loss_T") for key in r)]
     if evals:
@@ -262,7 +272,7 @@ def core_section(run):
 
 
 def comparison_section(run):
-    """The paper's numbers beside the run's at its sizes; README's beside runs/cpu.sh's run."""
+    """Set the paper's numbers beside the run's at its sizes, or README's beside runs/cpu.sh's run."""
     flags, config, args = run["flags"], run["config"], run["args"]
     depth, injection = args.get("depth"), config["injection"]
     if depth in PAPER and injection in PAPER[depth]:
@@ -308,7 +318,7 @@ def samples_section(run):
 
 
 def write_card(run_dir):
-    """report.md in run_dir -> its path."""
+    """Write report.md in run_dir -> its path."""
     run = read_run(run_dir)
     card = [f"# Report card: {run_dir.name}", ""]
     for section in (machine_section, run_section, how_it_ran_section, comparison_section, loss_section,
@@ -320,25 +330,17 @@ def write_card(run_dir):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     allow_abbrev=False)
-    parser.error = fail
+    parser = command_parser(__doc__)
     parser.add_argument("--run", required=True, help="a run under <base dir>/runs")
     parser.add_argument("--machine", action="store_true", help="record this machine in recipe/machine.json")
     parser.add_argument("--gpu", action="store_true", help="with --machine: refuse a torch that sees no GPU")
     args = parser.parse_args(argv)
-    if args.gpu and not torch.cuda.is_available():
-        fail(f"torch {torch.__version__} sees no GPU: it is the CPU build, or the driver is too old; remove .venv "
-             f"and run again for PyPI's CUDA build (TORCH_INDEX=URL for another)", 1)
-    try:
-        folder = run_dir(args.run)
-        if args.machine:
-            print(f"recorded the machine in {record_machine(folder)}")
-            return
+    folder = run_dir(args.run)
+    if args.machine:
+        print(f"recorded the machine in {record_machine(folder, args.gpu)}")
+    else:
         print(f"wrote {write_card(folder)}")
-    except REFUSED as err:
-        fail_with(err)
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import forked, raises_naming
-from experiments import evidence
+from experiments import evidence, scaling
 
 
 def record(run, loss=2.0, diverged=False, fall=0.0, gap_left=0.0, curve=None):
@@ -143,7 +143,7 @@ def test_the_table_is_replaced_between_its_markers(tmp_path, monkeypatch):
     evidence.fill_table(page)
     assert page.read_text() == "a\n<!-- evidence-table -->\n| new |\n<!-- /evidence-table -->\nb\n"
     page.write_text("no markers\n")
-    with raises_naming(SystemExit, "<!-- evidence-table -->", "<!-- /evidence-table -->"):
+    with raises_naming(ValueError, str(page), "<!-- evidence-table -->"):
         evidence.fill_table(page)
 
 
@@ -151,7 +151,7 @@ def test_the_table_is_replaced_between_its_markers(tmp_path, monkeypatch):
 def test_a_real_run_its_curve_at_mu_rec_equals_train_pys_own_eval(tmp_path, monkeypatch):
     """A tiny run through train_and_evaluate: the final evaluation's loss at T = mu_rec is train.py's last val loss
     (the same batches and h0), the curve is recorded at every CURVE_T, and load_results reads the run back."""
-    forked(evidence, monkeypatch)
+    forked(scaling, monkeypatch)  # evidence runs its commands through scaling.run_logged
     run = evidence.make_run(mu_rec=2, seed=0)
     run.update(steps=4, flags=[f for f in run["flags"] if not f.startswith(("--d_model", "--head_dim", "--seq_len",
                                                                              "--max_tokens", "--eval_every"))]

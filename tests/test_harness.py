@@ -52,9 +52,9 @@ def model_and_tokenizer():
     x, y = torch.zeros(len(DOCS), 48, dtype=torch.long), torch.full((len(DOCS), 48), -1)
     for i, ids in enumerate(tokenizer.encode(DOCS, prepend_bos=True)):
         x[i, :len(ids) - 1], y[i, :len(ids) - 1] = torch.tensor(ids[:-1]), torch.tensor(ids[1:])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer, generator = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.Generator().manual_seed(0)
     for _ in range(60):
-        model(x, targets=y, T=3).backward()
+        model(x, targets=y, T=3, h0_generator=generator).backward()
         optimizer.step()
         optimizer.zero_grad()
     return model.eval(), tokenizer

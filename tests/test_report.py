@@ -2,11 +2,14 @@
 
 import json
 
+import pytest
 import torch
+
+from conftest import carries
 
 from model import Parcae, ParcaeConfig
 from nanoparcae.checkpoint import save_checkpoint
-from nanoparcae.common import get_base_dir
+from nanoparcae.common import get_base_dir, run_command
 from nanoparcae.memory import memory_plan
 from nanoparcae.report import main
 from optim import optimizer_state_bytes
@@ -95,9 +98,8 @@ def test_card_of_another_horizon_says_it_is_not_the_papers(capsys):
 
 
 def test_a_run_without_a_checkpoint_is_one_line(capsys):
-    try:
-        main(["--run=nothing"])
-    except SystemExit as exit:
-        assert exit.code == 2
+    with pytest.raises(SystemExit) as exit:
+        run_command(main, ["--run=nothing"])
     error = capsys.readouterr().err
-    assert len(error.strip().splitlines()) == 1 and "nothing" in error and "train.py" in error
+    assert exit.value.code == 2 and len(error.strip().splitlines()) == 1, error
+    assert carries(error, "nothing", "train.py"), error
