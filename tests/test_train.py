@@ -538,6 +538,17 @@ def test_every_bad_flag_value_ends_in_one_line_naming_it_and_writes_nothing(flag
         assert not base.exists() or not any(base.rglob("*")), list(base.rglob("*"))
 
 
+@pytest.mark.parametrize("name", ["../escape", "team/exp1", "", ".", "[a]", "-x", "x y"])
+def test_a_run_name_that_is_not_one_safe_folder_name_is_refused_before_anything_is_made(name, tmp_path,
+                                                                                      monkeypatch, capsys):
+    base = tmp_path / "base"
+    monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(base))
+    status, _, err = run_train(monkeypatch, capsys, *TINY, "--data=stdlib", f"--run={name}")
+    assert status == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert carries(err, "--run") and repr(name) in err, err
+    assert not base.exists() or not any(base.rglob("*")), list(base.rglob("*"))
+
+
 SAMPLE_BAD_VALUES = {  # sample.py's flags and values it refuses before loading anything
     "num_samples": ["0", "-1"], "max_new_tokens": ["0"], "T_max": ["0"], "temperature": ["-1", "nan"],
     "top_k": ["-1"], "exit_threshold": ["0", "-1"], "T": ["0", "-3", "deep"], "exit": ["never"], "temp": ["0.5"],
