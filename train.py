@@ -7,11 +7,11 @@ train.py: train Parcae (or a baseline) with the paper's recipe (METHOD.md §2), 
     bash runs/cpu.sh                                 # a small looped model on a CPU: its flags
 
 Every optimiser step sees the same rows, depths and h0 whatever the number of processes.
-Its micro-batches are "virtual ranks" v = rank * grad_accum + micro, each with its own data and seed.
+Its micro-batches are "virtual ranks" v = rank * grad_accum + micro, each with its data and seed.
 So two processes reproduce one, a resumed run continues exactly, and so do the workers that
 torchrun --max_restarts restarts, from the last checkpoint.
 
-A run (--run, default d<depth>_<injection>) is defined by its RUN_FLAGS; its checkpoint records them.
+A run (--run, default d<depth>_<injection>) is its RUN_FLAGS' values; its checkpoint records them.
 
 - The same command continues it from its last checkpoint; a finished run exits at once.
 - A command whose run flags differ is refused, naming those flags.
@@ -129,7 +129,7 @@ def check_values(args):
         "zero or more": (lambda v: 0 <= v < math.inf, ("weight_decay", "seed", "diverge_steps")),
         "between 0 and 1": (lambda v: 0 <= v <= 1, ("warmdown_frac",)),
         "a number of steps, or -1 for never": (lambda v: v > 0 or v == -1, ("core_every",)),
-        f"at least {MIN_VOCAB_SIZE} (256 byte tokens and the specials)": (
+        f"at least {MIN_VOCAB_SIZE} (bytes, specials); pass --vocab_size={MIN_VOCAB_SIZE}": (
             lambda v: MIN_VOCAB_SIZE <= v < 2**31, ("vocab_size",)),
     }
     for rule, (holds, names) in rules.items():
