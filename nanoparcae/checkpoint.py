@@ -260,9 +260,9 @@ def load_run(ckpt_or_run=None, device="cpu"):
     is refused. FileNotFoundError and ValueError carry one line."""
     path = Path(ckpt_or_run) if ckpt_or_run else None
     if path is not None and path.is_dir():
-        inside = sorted(path.glob("ckpt_*.pt"))
+        newest = latest(path)
         raise FileNotFoundError(f"{path} is a folder, not a checkpoint file; pass a checkpoint file" +
-                                (f" such as its newest, {inside[-1]}, or the run's name, {path.name}" if inside else
+                                (f" such as its newest, {newest}, or the run's name, {path.name}" if newest else
                                  ", or a run's name"))
     if path is None or not (path.is_file() or path.suffix == ".pt" or len(path.parts) > 1):
         path = find_checkpoint(run_dir(), ckpt_or_run)
