@@ -322,14 +322,16 @@ EARLY_EXITS = {  # train.py's exits before training -> (flags added to the finis
 @pytest.mark.parametrize("early_exit", list(EARLY_EXITS))
 def test_every_rank_ends_alike_at_each_exit_before_training(corpus, finished, early_exit):
     """Two gloo processes under torchrun: each exit before training ends both ranks with its status, with no
-    abort and no traceback of train.py's; a refusal is one line, said once (torchrun reports the statuses)."""
+    abort and no traceback of train.py's. A refusal is one line, said once by local rank 0, which exits first:
+    torchrun reports its status as the root cause, and stops the other rank (SIGTERM) if it is still there."""
     flags, status = EARLY_EXITS[early_exit]
     result = train(corpus, *finished, *flags, nproc=2, expect_ok=False)
     assert "terminate called" not in result.stderr and 'train.py", line' not in result.stderr, result.stderr[-3000:]
     if status == 0:
         assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
     else:
-        assert re.findall(r"exitcode\s*:\s*(-?\d+)", result.stderr) == [str(status)] * 2, result.stderr[-3000:]
+        codes = re.findall(r"exitcode\s*:\s*(-?\d+)", result.stderr)  # each rank's, the root cause's last
+        assert codes[-1] == str(status) and set(codes) <= {str(status), "-15"}, result.stderr[-3000:]
         assert len([line for line in result.stderr.splitlines() if line.startswith("error:")]) == 1
 
 
