@@ -18,7 +18,7 @@ config.injection picks the mixing:
 In training config.sampling draws the depths (METHOD.md §2): by default one per sequence.
 
     model = Parcae(ParcaeConfig.from_depth(6))
-    loss = model(idx, targets)                      # training: depths drawn by config.sampling
+    loss = model(idx, targets, h0_generator=g)      # training: depths drawn by config.sampling
     logits = model(idx, T=16)                       # every sequence loops 16 times
     loss = model(idx, targets, depths=(n, k))       # n steps without gradient, then k with it
     stats = {}; model(idx, targets, diagnostics=stats)   # ||h_T|| and the update ratio
@@ -306,11 +306,11 @@ INJECTION_CLASSES = {"diagonal": DiagonalInjection, "concat": ConcatInjection, "
 
 # -----------------------------------------------------------------------------
 # h0: the loop's initial state (METHOD.md §1). Training draws a fresh one from the generator
-# it hands forward; evaluation and decoding pass their own.
+# it hands forward; evaluation and decoding pass their own. No draw uses torch's global RNG.
 
 def initial_state(shape, device=None, generator=None):
     """h0 ~ TruncNormal(0, s, -3s..3s), s = sqrt(2 / (5 d)), float32 of `shape` (B, S, d).
-    generator: None (torch's global RNG), a torch.Generator on `device`, or one per row."""
+    generator: a torch.Generator on `device`, or one per row."""
     if isinstance(generator, (list, tuple)):
         return torch.cat([initial_state((1, *shape[1:]), device, g) for g in generator])
     sigma = math.sqrt(2 / (5 * shape[-1]))
@@ -513,6 +513,7 @@ class Parcae(nn.Module):
         - targets (-1: ignored): the cross-entropy instead, (B, S) with reduction="none".
         - T or depths = (n, k), steps without / with gradient per sequence (loop_depths).
         - h0 (B, S, d): the initial state; None draws one from h0_generator (on idx's device).
+          With neither, training raises ValueError; eval mode draws from a generator seeded 0.
         - cache: decoding's KV cache, which the S new positions extend.
         - diagnostics: a dict that gets ||h_T|| and the update ratio.
         """
@@ -524,14 +525,23 @@ class Parcae(nn.Module):
             if cache is not None and ((n != n[0]).any() or (k != k[0]).any()):
                 raise ValueError("decoding with a KV cache runs one depth for the whole batch: "
                                  "give T, not depths")
-            if h0 is None:  # none given: a fresh draw (torch's global RNG without a generator)
-                h0 = initial_state(Bbar_e.shape, Bbar_e.device, h0_generator)
+            if h0 is None:
+                h0 = self.draw_h0(Bbar_e.shape, Bbar_e.device, h0_generator)
             h, h_prev = self.recurrence(h0.to(Bbar_e.dtype), Bbar_e, n, k, ves, cos, sin, cache)
         if diagnostics is not None:
             diagnostics.update(stability_diagnostics(h, h_prev))
         if targets is None:
             return self.run_coda(h, ves, cos, sin, cache)
         return self.coda_loss(h, ves, cos, sin, targets, reduction)
+
+    def draw_h0(self, shape, device, generator=None):
+        """h0 from generator; without one, eval mode's fixed draw (seed 0), so scores reproduce."""
+        if generator is not None:
+            return initial_state(shape, device, generator)
+        if self.training:
+            raise ValueError("a training forward needs h0= or h0_generator=: "
+                             "its h0 is drawn from the caller's generator (METHOD.md §2)")
+        return initial_state(shape, "cpu", torch.Generator().manual_seed(0)).to(device)
 
     def loop_depths(self, batch_size, T=None, depths=None, generator=None):
         """forward's T or depths -> (n, k), two (B,) CPU long tensors (METHOD.md §2).

@@ -1,16 +1,18 @@
 """
-nanoparcae/checkpoint.py: checkpoints, written and read.
+nanoparcae/checkpoint.py: checkpoint files, written, found and read back checked.
 Each is run_dir(run)/ckpt_<step>.pt, a plain dict torch.load reads with weights_only=True.
-Each carries a digest of its tensors and of its tokenizer's files, checked wherever it is read.
-load_run rebuilds a trained model and its tokenizer, reading its weights alone.
-training_model builds the model a rank trains; the random init runs only where it is kept.
-resume continues a run from its checkpoint.
+Its jobs:
+
+- write a checkpoint and prune the older ones (save_checkpoint, save_and_prune).
+- find a run's newest (latest, find_checkpoint).
+- read one checked against its digests (read_checkpoint, check_digest, other_tokenizer).
+- build a model from its weights, without a random init where none is kept (training_model).
+- load a trained run's model and tokenizer (load_run).
 """
 
-import errno
-import math
 import hashlib
 import os
+import re
 import shutil
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +24,7 @@ import torch
 from model import Parcae, ParcaeConfig
 from nanoparcae.common import (FULL_DISK, EnvironmentFailure, disk_full, first_sentence, get_base_dir, print0,
                                rank_and_world, size, wait_for_rank0, write_atomically)
+from nanoparcae.dataset import tokenizer_dir
 from nanoparcae.ranks import drift, gather
 from nanoparcae.tokenizer import Tokenizer
 
@@ -87,7 +90,7 @@ def save_and_prune(folder, step, model, loaders, **state):
     loader_states = [each for states in gather([loader.state_dict() for loader in loaders]) for each in states]
     if rank_and_world()[0] == 0:
         path = folder / f"ckpt_{step:06d}.pt"
-        older = sorted(folder.glob("ckpt_*.pt"))
+        older = checkpoints(folder)
         tokenizer = Tokenizer.files_digest(state["tokenizer_dir"])  # which one the run trains with
         save_checkpoint(path, model, step=step, loader=loader_states, tokenizer_digest=tokenizer, **state)
         for stale in older:
@@ -97,42 +100,31 @@ def save_and_prune(folder, step, model, loaders, **state):
     wait_for_rank0()  # the others wait here, not in their next step's all-reduce, however slow the disk
 
 
-def resume(run, optimizer, loaders, first, args, run_flags):
-    """Continue `run` from its checkpoint run.ckpt (None: a fresh run) -> (step, skipped_steps, lowest_val_loss).
-    It loads the optimiser's state and each loader's position (loaders[i] reads for virtual rank first + i).
-    It says which other flags changed, then frees the checkpoint."""
-    if run.ckpt is None:
-        return 0, 0, math.inf
-    ckpt, run.ckpt = run.ckpt, None
-    optimizer.load_state_dict(ckpt["optimizer"])
-    for i, loader in enumerate(loaders):
-        loader.load_state_dict(ckpt["loader"][first + i])
-    changed = [f"--{name} {value} -> {getattr(args, name)}" for name, value in ckpt["args"].items()
-               if name in vars(args) and name not in (*run_flags, "resume", "dry_run")
-               and getattr(args, name) != value]
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))  # torchrun --max_restarts restarted it
-    print0(f"resumed {run.name} at step {ckpt['step']}" + (f", elastic restart {restart}" if restart else "")
-           + f", from {run.checkpoint} (--run=NAME trains another)"
-           + (f"; changed: {', '.join(changed)}" if changed else ""))
-    return ckpt["step"], ckpt["skipped_steps"], ckpt["lowest_val_loss"]
+CHECKPOINT = re.compile(r"ckpt_(\d+)\.pt")  # the names save_and_prune writes; a user's copy is none
 
 
-def resume_refusal(folder):
-    """--resume's refusal (a line) when the run folder holds no checkpoint, else None."""
-    if not any(Path(folder).glob("ckpt_*.pt")):
-        return f"there is no checkpoint of run {folder.name} under {folder} to resume; start it without --resume"
-    return None
+def checkpoints(folder):
+    """The checkpoints train.py wrote in a run folder, oldest step first."""
+    found = [path for path in Path(folder).glob("ckpt_*.pt") if CHECKPOINT.fullmatch(path.name)]
+    return sorted(found, key=lambda path: int(CHECKPOINT.fullmatch(path.name)[1]))
+
+
+def latest(folder):
+    """The newest checkpoint in a run folder (its highest step), or None."""
+    found = checkpoints(folder)
+    return found[-1] if found else None
 
 
 def find_checkpoint(runs_dir, run=None):
-    """The newest checkpoint of `run`; run None: of the run written last."""
+    """The newest checkpoint of the run named `run`; None: of the run saved last.
+    FileNotFoundError when there is none."""
     runs_dir = Path(runs_dir)
-    pattern = f"{run}/ckpt_*.pt" if run else "*/ckpt_*.pt"
-    found = sorted(runs_dir.glob(pattern), key=lambda p: (p.stat().st_mtime, p.name))
+    runs = [runs_dir / run] if run else [folder for folder in runs_dir.glob("*") if folder.is_dir()]
+    found = [path for path in map(latest, runs) if path]
     if not found:
         where = runs_dir / run if run else runs_dir
         raise FileNotFoundError(f"no checkpoint under {where}; train one first with `python train.py`")
-    return found[-1]
+    return max(found, key=lambda path: (path.stat().st_mtime, path.name))
 
 
 # -----------------------------------------------------------------------------
@@ -168,6 +160,12 @@ def tensors_digest(value):
     return digest.hexdigest()
 
 
+def weights_digest(ckpt):
+    """A checkpoint's weights as 12 hex digits, which the ranks compare before they start.
+    read_checkpoint checked the saved digest against them; one that predates digests is hashed here."""
+    return (ckpt.get("digest", {}).get("model") or tensors_digest(ckpt["model"]))[:12]
+
+
 def check_digest(ckpt, path, unused=()):
     """Each of ckpt's entries but the unused whose tensors differ from their saved digest: ValueError naming it."""
     for key, digest in ckpt.get("digest", {}).items():
@@ -177,14 +175,13 @@ def check_digest(ckpt, path, unused=()):
                              f"restore it from a copy")
 
 
-def other_tokenizer(ckpt, path, directory):
-    """How the tokenizer at directory differs from the one checkpoint path was trained with, or None.
-    A checkpoint that predates digests records none, and any tokenizer passes."""
+def check_tokenizer(ckpt, path, directory, remedy):
+    """The tokenizer at directory must be the one checkpoint path was trained with: ValueError, else.
+    remedy: what the refusal advises. A checkpoint that predates digests records none: any passes."""
     trained_with = ckpt.get("tokenizer_digest")
-    if not trained_with or (found := Tokenizer.files_digest(directory)) == trained_with:
-        return None
-    return (f"the tokenizer at {directory} (digest {found}) is not the one {path} was trained with "
-            f"(digest {trained_with})")
+    if trained_with and (found := Tokenizer.files_digest(directory)) != trained_with:
+        raise ValueError(f"the tokenizer at {directory} (digest {found}) is not the one {path} was "
+                         f"trained with (digest {trained_with}); {remedy}")
 
 
 def warn_if_undigested(ckpt, path):
@@ -263,9 +260,9 @@ def load_run(ckpt_or_run=None, device="cpu"):
     is refused. FileNotFoundError and ValueError carry one line."""
     path = Path(ckpt_or_run) if ckpt_or_run else None
     if path is not None and path.is_dir():
-        inside = sorted(path.glob("ckpt_*.pt"))
+        newest = latest(path)
         raise FileNotFoundError(f"{path} is a folder, not a checkpoint file; pass a checkpoint file" +
-                                (f" such as its newest, {inside[-1]}, or the run's name, {path.name}" if inside else
+                                (f" such as its newest, {newest}, or the run's name, {path.name}" if newest else
                                  ", or a run's name"))
     if path is None or not (path.is_file() or path.suffix == ".pt" or len(path.parts) > 1):
         path = find_checkpoint(run_dir(), ckpt_or_run)
@@ -280,7 +277,7 @@ def load_run(ckpt_or_run=None, device="cpu"):
     if "tokenizer_dir" not in ckpt:
         raise ValueError(f"checkpoint {path} names no tokenizer_dir; it was not written by train.py")
     recorded = Path(ckpt["tokenizer_dir"])
-    places = list(dict.fromkeys((recorded, get_base_dir() / "tokenizers" / recorded.name)))  # its path, its key here
+    places = list(dict.fromkeys((recorded, tokenizer_dir(key=recorded.name))))  # its path, its key here
     directory = next((place for place in places if (place / "tokenizer.tiktoken").is_file()), None)
     if directory is None:
         run = ckpt.get("args", {})
@@ -289,9 +286,8 @@ def load_run(ckpt_or_run=None, device="cpu"):
             "`python -m nanoparcae.dataset tokenizer` and the run's --data and --vocab_size"
         where = f"neither at {places[0]} nor at {places[1]}" if len(places) > 1 else f"not at {places[0]}"
         raise FileNotFoundError(f"the tokenizer of checkpoint {path} is {where}; recreate it with {command}")
-    if mismatch := other_tokenizer(ckpt, path, directory):
-        raise ValueError(f"{mismatch} ({recorded}): put that tokenizer back, or load a checkpoint trained "
-                         f"with this one")
+    check_tokenizer(ckpt, path, directory, f"put that tokenizer ({recorded}) back, or load a checkpoint "
+                                           f"trained with this one")
     tokenizer = Tokenizer.load(directory)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(f"the tokenizer at {directory} has {tokenizer.vocab_size} tokens, the model "

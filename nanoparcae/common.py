@@ -231,6 +231,8 @@ def run_command(main, argv=None):
         sys.stdout.flush()
         if int(os.environ.get("LOCAL_RANK", 0)) == 0:
             print(f"error: {err}", file=sys.stderr, flush=True)
+        else:  # torchrun stops every worker once one exits: local rank 0 first says why
+            time.sleep(2)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -427,8 +427,9 @@ def tokenizer_key(source, vocab_size):
     return f"{data_key(source)}-{vocab_size}"
 
 
-def tokenizer_dir(source, vocab_size):
-    return get_base_dir() / "tokenizers" / tokenizer_key(source, vocab_size)
+def tokenizer_dir(source=None, vocab_size=None, key=None):
+    """A tokenizer's cache folder in this base folder: of source at vocab_size, or by its key."""
+    return get_base_dir() / "tokenizers" / (key or tokenizer_key(source, vocab_size))
 
 
 def get_tokenizer(source, vocab_size, max_chars=2_000_000_000, doc_cap=10_000, train=True):

@@ -5,6 +5,7 @@ docs/troubleshooting.md states it for users.
 
 import math
 
+from nanoparcae.checkpoint import latest
 from nanoparcae.common import print0
 
 STATE_NORM_LIMIT = 1e4  # ~256 ||e|| (||e|| ~ sqrt(d)): bf16's 8 significant bits no longer resolve e beside h
@@ -68,8 +69,8 @@ class Divergence:
             print0(f"warning: step {step}: ||h_T|| {verdict['h_norm']:.3g} > {verdict['limit']:g}; this "
                    f"{self.dtype} run goes on")
             return {"step": step, **verdict}
-        kept = sorted(run_dir.glob("ckpt_*.pt"))
+        kept = latest(run_dir)
         print0(f"diverged at step {verdict['diverged_at']}: {verdict['reason']}, {verdict['detail']}; "
-               + (f"the last checkpoint, {kept[-1]}, from before, is kept" if kept
+               + (f"the last checkpoint, {kept}, from before, is kept" if kept
                   else "no checkpoint was saved before it"))
         return {"step": step, "diverged_at": verdict["diverged_at"], "reason": verdict["reason"]}

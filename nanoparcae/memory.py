@@ -7,10 +7,10 @@ It needs nothing built. It is an estimate until a GPU measures it (runs/gpu_chec
 from types import SimpleNamespace
 
 import torch
-import torch.distributed as dist
 
 from model import poisson_tail
 from nanoparcae.common import print0
+from nanoparcae.ranks import gather
 
 # Bytes a training step saves for backward per token, from saved tensors on small CPU models:
 # (a block run with grad per d, a value embedding per d, the loop per d per (4 + k) steps,
@@ -115,10 +115,8 @@ def choose_device_batch(model, args, device, world, optimizer_bytes):
     gpu, gpu_gb = None, None
     if device.type == "cuda":  # what is free now: another process may hold some of the GPU
         free, total = (gb / 1e9 for gb in torch.cuda.mem_get_info(device))
-        if dist.is_initialized():  # every rank must pick the same batch: the least free GPU decides
-            least = torch.tensor([free, total], device=device)
-            dist.all_reduce(least, op=dist.ReduceOp.MIN)
-            free, total = least.tolist()
+        # every rank must pick the same batch: the least free GPU decides
+        free, total = (min(values) for values in zip(*gather((free, total))))
         gpu_gb = free
         gpus, gpu = (gpu_gb,), (f"the {free:.1f} GB free of this GPU's {total:.1f} GB "
                                 f"({torch.cuda.get_device_name(device)})")

@@ -12,7 +12,8 @@ from nanoparcae.common import FULL_DISK, disk_full, print0, rank_and_world, writ
 
 def read_metrics(path):
     """metrics.jsonl -> its records, in order; none when it is absent.
-    A torn or bad line, from a run killed while writing it, is skipped."""
+    The one reader of a JSON-lines log. Unlike common.read_json's whole file, a log's torn last line
+    is expected (a run killed while writing it), so a torn or bad line is skipped."""
     records = []
     for line in path.read_text().splitlines() if path.exists() else []:
         try:

@@ -32,14 +32,6 @@ def weight_sums(state):
     return torch.stack(sums).tolist() if sums else []
 
 
-def checkpoint_digest(state):
-    """A checkpoint's weights as 12 hex digits: the sha256 of weight_sums.
-    It hashes the loaded weights, not the file: the weights are what the ranks must share.
-    Every rank holds them to resume from (the 1.3B model's float32: 5.4 GB, on the GPU).
-    Hashing the file would read its ~16 GB again from disk, optimiser state included."""
-    return hashlib.sha256(repr(weight_sums(state)).encode()).hexdigest()[:12]
-
-
 def gather(value):
     """value from every rank, in rank order (one process: [value])."""
     if not dist.is_initialized():

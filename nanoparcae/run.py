@@ -1,36 +1,43 @@
 """
-nanoparcae/run.py: the run's identity and its lock.
+nanoparcae/run.py: the run a command trains, identified by its flags and held by its lock.
+Its jobs:
 
-- the folder a command trains.
-- the flags its checkpoint recorded, checked against the command's.
-- one trainer per run, whose lock is taken before it trains what it checked, or refused.
+- the run's folder, from a safe name (run_folder).
+- the flags its checkpoint recorded, checked against the command's (identify_run).
+- one trainer per run, whose lock is taken before it trains what it checked (claim_run).
 
-None of it is the method (METHOD.md). It decides whether a command trains or continues a run exactly.
+It decides whether a command trains or continues a run exactly.
 Otherwise it raises ValueError, one line, before it writes anything.
 """
 
 import errno
 import fcntl
 import os
+import re
 import socket
 from pathlib import Path
 from types import SimpleNamespace
 
-import torch.distributed as dist
-
-from nanoparcae.checkpoint import (find_checkpoint, other_tokenizer, read_checkpoint, remove_partial_saves,
-                                   resume_refusal, run_dir, warn_if_undigested)
-from nanoparcae.common import print0, wait_for_rank0
+from nanoparcae.checkpoint import (check_tokenizer, checkpoints, latest, read_checkpoint, remove_partial_saves,
+                                   run_dir, warn_if_undigested, weights_digest)
+from nanoparcae.common import print0, rank_and_world, wait_for_rank0
 from nanoparcae.dataset import data_key, tokenizer_dir
-from nanoparcae.ranks import agree_to_start, checkpoint_digest
+from nanoparcae.ranks import agree_to_start, gather
 
 
 # -----------------------------------------------------------------------------
 # The run's identity: its folder, defined by the run flags its checkpoints record, and its lock
 
 
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # one folder name, never a path or a pattern
+
+
 def run_folder(args):
-    """The folder of the run a command trains: --run, or d<depth>_<injection>."""
+    """The folder of the run a command trains: --run, or d<depth>_<injection>.
+    A --run that is not one folder name of safe characters raises ValueError."""
+    if args.run is not None and not RUN_NAME.fullmatch(args.run):
+        raise ValueError(f"--run={args.run!r} is not a run name: use letters, digits, '.', '_' and '-', "
+                         f"starting with a letter or digit")
     return run_dir(args.run or f"d{args.depth}_{args.injection}")
 
 
@@ -52,7 +59,6 @@ def identify_run(args, run_flags, batch, device, **resolved):
 
     - a checkpoint that recorded other flag values.
     - a live run.
-    - --resume with no checkpoint.
     - an unreadable checkpoint.
     - a recorded device batch that does not divide this step.
     """
@@ -61,12 +67,9 @@ def identify_run(args, run_flags, batch, device, **resolved):
     folder = run_folder(args)
     name, size, checkpoint, ckpt, refusal, start, seen = folder.name, batch.size, None, None, None, (0, None), []
     try:  # each rank keeps its refusal for the agreement below rather than stopping alone
-        if holder := run_holder(folder):  # before a live run's checkpoint is read onto its GPUs
-            raise ValueError(being_trained(folder, holder))
+        refuse_if_held(folder, run_holder(folder))  # before a live run's checkpoint is read onto its GPUs
         seen = saved_state(folder)  # before the newest is chosen: one saved after it differs
-        checkpoint = find_checkpoint(folder.parent, name) if any(folder.glob("ckpt_*.pt")) else None
-        if args.resume and (line := resume_refusal(folder)):
-            raise ValueError(line)
+        checkpoint = latest(folder)
         recorded = {}
         if checkpoint:
             ckpt = read_checkpoint(checkpoint, device)  # unreadable: one line naming the file
@@ -90,7 +93,7 @@ def identify_run(args, run_flags, batch, device, **resolved):
                 notes = "".join(f" ({note})" for flag, note in notes.items() if recorded.get(flag) != flags.get(flag))
                 raise ValueError(f"run {name} ({checkpoint}) was started with other flags: {'; '.join(differ)}"
                                  f"{notes}; pass its flags to continue it, or --run=NAME to start another")
-            start = ckpt["step"], checkpoint_digest(ckpt["model"])
+            start = ckpt["step"], weights_digest(ckpt)
         if batch.sequences % size:  # a recorded batch on another number of processes
             raise ValueError(f"run {name}'s device batch {size} does not divide the {batch.sequences} "
                              f"sequences each of {batch.world} process(es) runs per step; continue it on a "
@@ -111,7 +114,7 @@ def identify_run(args, run_flags, batch, device, **resolved):
 def saved_state(folder):
     """A run folder's checkpoints as sorted (name, bytes, modification time) triples."""
     state = []
-    for path in Path(folder).glob("ckpt_*.pt"):
+    for path in checkpoints(folder):
         try:
             stat = path.stat()
         except FileNotFoundError:  # removed by a live run's save since the listing
@@ -120,24 +123,16 @@ def saved_state(folder):
     return sorted(state)
 
 
-def changed_since_checked(run):
-    """Under the run's lock: why this command may not train run (a line), or None.
+def check_unchanged(run):
+    """Under the run's lock: the folder must hold what identify_run checked, or ValueError.
     Another command may have trained it between identify_run's checks and the lock.
-    Then its checks were of a folder that is gone, and training would overwrite that command's work."""
-    now = saved_state(run.dir)
-    if now == run.seen:
-        return None
-    newest = sorted(now, key=lambda saved: (saved[2], saved[0]))[-1][0] if now else "no checkpoint"
-    was = run.checkpoint.name if run.checkpoint else "no checkpoint"
-    return (f"run {run.name} changed while this command prepared its data: another command trained it, and "
-            f"{run.dir} now holds {newest}, not {was}; run this command again to check it against the run as it is, "
-            f"or pass --run=NAME to train another")
-
-
-def tokenizer_refusal(run):
-    """A resumed run's tokenizer must be the one its checkpoint was trained with: the line refusing it, or None."""
-    mismatch = other_tokenizer(run.ckpt or {}, run.checkpoint, run.tokenizer_dir)  # {}: a new run
-    return mismatch and f"{mismatch}; put that tokenizer back, or pass --run=NAME to start another run"
+    Training then would overwrite that command's work."""
+    if saved_state(run.dir) != run.seen:
+        now, was = latest(run.dir), run.checkpoint
+        raise ValueError(f"run {run.name} changed while this command prepared its data: another command trained "
+                         f"it, and {run.dir} now holds {now.name if now else 'no checkpoint'}, not "
+                         f"{was.name if was else 'no checkpoint'}; run this command again to check it against "
+                         f"the run as it is, or pass --run=NAME to train another")
 
 
 def claim_run(run):
@@ -160,9 +155,11 @@ def claim_run(run):
 HELD = (errno.EACCES, errno.EAGAIN)  # what lockf raises for a lock another process holds
 
 
-def being_trained(run_dir, holder):
-    return (f"run {run_dir.name} is being trained by {holder}, which holds {run_dir / 'lock'}; wait for it to end, "
-            f"or pass --run=NAME to train another")
+def refuse_if_held(run_dir, holder):
+    """A run another process trains (holder: who, or None): ValueError naming it."""
+    if holder:
+        raise ValueError(f"run {run_dir.name} is being trained by {holder}, which holds {run_dir / 'lock'}; "
+                         f"wait for it to end, or pass --run=NAME to train another")
 
 
 def run_holder(run_dir):
@@ -187,7 +184,7 @@ def lock_run(run_dir, check=lambda: None):
     It holds the lock until the process ends.
 
     - Another process has it: ValueError naming the holder. The file stays the holder's.
-    - check(), called holding it, gives a line: ValueError with it, the lock dropped, nothing written.
+    - check(), called holding it, raises ValueError: the lock dropped, nothing written.
     - A filesystem without locks (Lustre without its flock option): a warning; the run goes on unguarded.
 
     It is the first thing a run writes in its folder.
@@ -202,13 +199,15 @@ def lock_run(run_dir, check=lambda: None):
             handle.seek(0)
             holder = handle.read().strip() or "another process"
             handle.close()
-            raise ValueError(being_trained(run_dir, holder)) from None
+            refuse_if_held(run_dir, holder)
         print(f"warning: {run_dir / 'lock'} cannot be locked ({err.strerror}); nothing stops a second command "
               f"on run {run_dir.name} while this one trains", flush=True)
         locked = False
-    if refusal := check():
+    try:
+        check()
+    except ValueError:
         handle.close()
-        raise ValueError(refusal)
+        raise
     if not locked:
         return handle
     handle.truncate(0)
@@ -222,16 +221,15 @@ def lock_for_every_rank(run):
     Holding it, it finds the folder as identify_run checked it. Every rank learns the outcome.
     -> the lock file on rank 0, None on the others.
     Or ValueError on every rank, so that all stop together."""
-    handle, refusal = None, [None]
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    handle, refusal = None, None
+    if rank_and_world()[0] == 0:
         try:
-            refusal[0] = tokenizer_refusal(run)
-            if not refusal[0]:
-                handle = lock_run(run.dir, lambda: changed_since_checked(run))
+            if run.ckpt:  # a resumed run's tokenizer must be the one its checkpoint was trained with
+                check_tokenizer(run.ckpt, run.checkpoint, run.tokenizer_dir,
+                                "put that tokenizer back, or pass --run=NAME to start another run")
+            handle = lock_run(run.dir, lambda: check_unchanged(run))
         except ValueError as err:
-            refusal[0] = str(err)
-    if dist.is_initialized():
-        dist.broadcast_object_list(refusal)
-    if refusal[0]:
-        raise ValueError(refusal[0])
+            refusal = str(err)
+    if refusal := gather(refusal)[0]:  # rank 0's outcome, on every rank
+        raise ValueError(refusal)
     return handle

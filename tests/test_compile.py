@@ -58,9 +58,8 @@ def small_pair(injection="diagonal", backend="aot_eager"):
 
 def train_step(model, x, depths, autocast=False):
     """One forward and backward at the given depths, h0 seeded -> (loss, gradients)."""
-    torch.manual_seed(1)
     with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
-        loss = model(x, x, depths=depths)
+        loss = model(x, x, depths=depths, h0_generator=torch.Generator().manual_seed(1))
     loss.backward()
     return loss.detach(), [p.grad.clone() for p in model.parameters()]
 
@@ -117,7 +116,7 @@ def test_a_step_calls_its_regions_and_new_depths_never_recompile_after_warm_up(i
     def step(T):
         calls.clear()
         n, k = split_depths(torch.tensor(T), model.config.mu_bwd, training=True)
-        model(x, x, depths=(n, k)).backward()
+        model(x, x, depths=(n, k), h0_generator=torch.Generator().manual_seed(0)).backward()
         loop_steps = int(n.max() + k.max()) if model.injection is not None else 1
         assert len(calls) == 1 + loop_steps + 1  # the prelude, each loop step, the coda with the loss
 
@@ -129,8 +128,8 @@ def test_a_step_calls_its_regions_and_new_depths_never_recompile_after_warm_up(i
         step(T)
     generator = torch.Generator()
     for seed in range(4):  # the sampler's draws
-        torch.manual_seed(seed)
-        model(x, x, depth_generator=generator.manual_seed(seed)).backward()
+        model(x, x, depth_generator=generator.manual_seed(seed),
+              h0_generator=torch.Generator().manual_seed(seed)).backward()
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
@@ -206,7 +205,8 @@ def count_graphs(rank, world, port, out_dir):
             x, y = (torch.randint(vocab, (BATCH, seq_len), generator=data) for _ in range(2))
             with (model.no_sync() if world > 1 and micro < GRAD_ACCUM - 1 else nullcontext()), \
                     torch.autocast("cpu", torch.bfloat16):
-                (model(x, y, depth_generator=depth_generator) / GRAD_ACCUM).backward()
+                loss = model(x, y, depth_generator=depth_generator, h0_generator=depth_generator)
+                (loss / GRAD_ACCUM).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     graphs["training"] = counters["stats"]["unique_graphs"], len(compiled)

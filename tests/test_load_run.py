@@ -262,3 +262,30 @@ def test_a_tokenizer_other_than_the_checkpoints_is_refused_naming_both(tmp_path,
     assert carries(str(err.value), str(ours), other, str(path), trained_with) and "\n" not in str(err.value)
     message = refused(run_here(["sample.py", "--prompt=a", f"--ckpt={path}"], monkeypatch, capsys))
     assert carries(message, str(ours), other, trained_with), message
+
+
+# -----------------------------------------------------------------------------
+# A run is found by its exact name, and only the files train.py wrote are its checkpoints
+
+def test_a_run_is_found_by_its_exact_name_never_as_a_pattern(tmp_path, tokenizer_dir):
+    """Run x1 saved: `x[1]` and `x?` name no run (a glob would match x1), and x1 itself loads."""
+    from nanoparcae.checkpoint import run_dir
+    _, path = tiny_checkpoint(run_dir("x1") / "ckpt_000007.pt", tokenizer_dir)
+    for pattern in ("x[1]", "x?", "*"):
+        with pytest.raises(FileNotFoundError) as info:
+            load_run(pattern)
+        assert carries(str(info.value), str(run_dir(pattern))), info.value
+    assert load_run("x1")[3] == path
+
+
+def test_a_users_copy_of_a_checkpoint_is_neither_resumed_nor_pruned(tmp_path, tokenizer_dir):
+    """ckpt_000010_backup.pt beside ckpt_000010.pt: the newest is the run's own, and its next save prunes
+    ckpt_000010.pt alone."""
+    from nanoparcae.checkpoint import latest, save_and_prune
+    model, path = tiny_checkpoint(tmp_path / "ckpt_000010.pt", tokenizer_dir)
+    copy = shutil.copy(path, tmp_path / "ckpt_000010_backup.pt")
+    assert latest(tmp_path) == path
+    loader = type("Loader", (), {"state_dict": lambda self: {"position": 5}})()
+    save_and_prune(tmp_path, 12, model, [loader], tokenizer_dir=str(tokenizer_dir))
+    assert sorted(p.name for p in tmp_path.glob("ckpt_*.pt")) == ["ckpt_000010_backup.pt", "ckpt_000012.pt"]
+    assert Path(copy).is_file() and latest(tmp_path) == tmp_path / "ckpt_000012.pt"

@@ -10,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from model import SAMPLINGS, mean_steps, sample_depths, split_depths
 from engine import KVCache
 from conftest import raises_naming
-from model import Parcae, ParcaeConfig, stability_diagnostics, trunc_orthogonal_
+from model import Parcae, ParcaeConfig, initial_state, stability_diagnostics, trunc_orthogonal_
 
 # METHOD.md §1: (depth, Transformer params, Parcae params), vocab 32,768
 PAPER_SIZES = [
@@ -235,7 +235,7 @@ def saved_bytes_for_backward(model, idx, targets, T):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(idx, targets, T=T)
+        loss = model(idx, targets, T=T, h0_generator=torch.Generator().manual_seed(0))
     return total, loss
 
 
@@ -335,6 +335,23 @@ def test_depth_generator_decides_the_sampled_depths():
     assert loss.item() == model(idx, idx, h0=h0, depth_generator=torch.Generator().manual_seed(3)).item()
 
 
+def test_h0_comes_from_a_generator_or_the_caller_never_from_the_global_rng():
+    """Training without h0 or h0_generator is refused naming both; eval mode draws the same h0 at seed 0 on
+    every call, and neither touches torch's global RNG."""
+    model = randomized(Parcae(tiny_config()))
+    idx = torch.randint(0, 97, (2, 8))
+    rng = torch.get_rng_state()
+    with raises_naming(ValueError, "h0=", "h0_generator="):
+        model.train()(idx, idx, T=2)
+    with_seed = [model(idx, idx, T=2, h0_generator=torch.Generator().manual_seed(5)) for _ in range(2)]
+    torch.testing.assert_close(*with_seed, rtol=0, atol=0)
+    model.eval()
+    h0 = initial_state((2, 8, 64), "cpu", torch.Generator().manual_seed(0))
+    torch.testing.assert_close(model(idx, T=2), model(idx, T=2, h0=h0), rtol=0, atol=0)
+    torch.testing.assert_close(model(idx, T=2), model(idx, T=2), rtol=0, atol=0)
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
 def test_kv_cache_decoding_equals_full_recompute():
     torch.manual_seed(0)
     model = randomized(Parcae(tiny_config())).eval()
@@ -410,13 +427,13 @@ def test_the_recurrence_runs_the_example_in_its_docstring():
         return loop_step(h, Bbar_e_now, *args)
 
     model.injection.Bbar_e, model.loop_step = recording_Bbar_e, recording_loop_step
-    model(idx, idx, depths=(n, k))
+    model(idx, idx, depths=(n, k), h0_generator=torch.Generator().manual_seed(0))
     no, yes = False, True
     assert steps == [([0], no), ([0], no), ([0], no), ([0], yes), ([0, 1], yes), ([0, 1], yes),
                      ([0, 1, 2], yes)]
     steps.clear()
     order = [2, 0, 1]  # T = (1, 7, 3): row 1 loops first, then row 2, then row 0
-    model(idx[order], idx[order], depths=(n[order], k[order]))
+    model(idx[order], idx[order], depths=(n[order], k[order]), h0_generator=torch.Generator().manual_seed(0))
     assert steps == [([1], no), ([1], no), ([1], no), ([1], yes), ([1, 2], yes), ([1, 2], yes),
                      ([1, 2, 0], yes)]
 
@@ -428,9 +445,9 @@ def test_tiny_model_learns_a_fixed_batch(injection):
     model = Parcae(tiny_config(injection=injection, mu_rec=2, vocab_size=64)).train()
     idx = torch.randint(0, 64, (8, 33))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
+    losses, h0_generator = [], torch.Generator().manual_seed(0)
     for _ in range(100):
-        loss = model(idx[:, :-1], idx[:, 1:])
+        loss = model(idx[:, :-1], idx[:, 1:], h0_generator=h0_generator)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -465,7 +482,7 @@ def counted_flops_per_token(model, x, backward, **depth):
     counter = FlopCounterMode(display=False)
     with sdpa_kernel(SDPBackend.MATH), counter:
         if backward:
-            model(x, x, **depth).backward()
+            model(x, x, **depth, h0_generator=torch.Generator().manual_seed(0)).backward()
         else:
             with torch.no_grad():
                 model(x, **depth)

@@ -23,7 +23,6 @@ import pytest
 import torch
 
 import sample
-from nanoparcae import common
 from nanoparcae.dataset import list_chunks
 from nanoparcae.divergence import Divergence
 from conftest import (ROOT, TINY, Started, carries, corrupt_a_weight, python, refused, train, train_command,
@@ -305,6 +304,37 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_with_the_weights_of_an_unbr
         assert torch.equal(weights[name], reference[name]), name  # bit for bit
 
 
+@pytest.fixture(scope="module")
+def finished(corpus):
+    """A run of 2 steps, trained to its end by one process -> its flags."""
+    flags = ["--run=finished", "--max_tokens=512"]
+    train(corpus, *flags)
+    return flags
+
+
+EARLY_EXITS = {  # train.py's exits before training -> (flags added to the finished run's, each rank's status)
+    "bad flag": (["--depth=0"], 2), "dry run": (["--dry_run"], 0), "refusal": (["--seed=1"], 2),
+    "finished run": ([], 0),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("early_exit", list(EARLY_EXITS))
+def test_every_rank_ends_alike_at_each_exit_before_training(corpus, finished, early_exit):
+    """Two gloo processes under torchrun: each exit before training ends both ranks with its status, with no
+    abort and no traceback of train.py's. A refusal is one line, said once by local rank 0, which exits first:
+    torchrun reports its status as the root cause, and stops the other rank (SIGTERM) if it is still there."""
+    flags, status = EARLY_EXITS[early_exit]
+    result = train(corpus, *finished, *flags, nproc=2, expect_ok=False)
+    assert "terminate called" not in result.stderr and 'train.py", line' not in result.stderr, result.stderr[-3000:]
+    if status == 0:
+        assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    else:
+        codes = re.findall(r"exitcode\s*:\s*(-?\d+)", result.stderr)  # each rank's, the root cause's last
+        assert codes[-1] == str(status) and set(codes) <= {str(status), "-15"}, result.stderr[-3000:]
+        assert len([line for line in result.stderr.splitlines() if line.startswith("error:")]) == 1
+
+
 @pytest.mark.slow
 def test_bf16_autocast_on_a_cpu_tracks_float32(corpus, one, beside):
     # --dtype=bfloat16 runs the GPU's autocast on a CPU; after 8 steps the losses differ by ~0.2% here
@@ -505,12 +535,8 @@ def test_authors_per_batch_sampling_trains_and_per_document_ppl_runs(corpus, bes
 def run_train(monkeypatch, capsys, *flags):
     """train.py run in this process with these flags (it must exit before training) -> (status, stdout, stderr)."""
     monkeypatch.setattr(sys, "argv", [str(ROOT / "train.py"), *flags])
-    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # train.py sets its own, undone after the test
     with pytest.raises(SystemExit) as exit_info:
-        try:
-            runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
-        except Exception as err:  # what train.py's sys.excepthook does at the top level
-            common.fail_with(err)
+        runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
     out, err = capsys.readouterr()
     return exit_info.value.code, out, err
 
@@ -536,6 +562,17 @@ def test_every_bad_flag_value_ends_in_one_line_naming_it_and_writes_nothing(flag
         assert status == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, (value, err)
         assert err.startswith("error: ") and f"--{flag}" in err, err
         assert not base.exists() or not any(base.rglob("*")), list(base.rglob("*"))
+
+
+@pytest.mark.parametrize("name", ["../escape", "team/exp1", "", ".", "[a]", "-x", "x y"])
+def test_a_run_name_that_is_not_one_safe_folder_name_is_refused_before_anything_is_made(name, tmp_path,
+                                                                                      monkeypatch, capsys):
+    base = tmp_path / "base"
+    monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(base))
+    status, _, err = run_train(monkeypatch, capsys, *TINY, "--data=stdlib", f"--run={name}")
+    assert status == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert carries(err, "--run") and repr(name) in err, err
+    assert not base.exists() or not any(base.rglob("*")), list(base.rglob("*"))
 
 
 SAMPLE_BAD_VALUES = {  # sample.py's flags and values it refuses before loading anything
