@@ -27,7 +27,6 @@ import sys
 import time
 from contextlib import nullcontext
 from datetime import timedelta
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -44,8 +43,8 @@ from nanoparcae.common import (check_writable, exit_in_one_line, fail, init_dist
 from nanoparcae import dataset, flags, memory, ranks
 from nanoparcae.checkpoint import (resume, resume_refusal, save_and_prune, saved_bytes,
                                    training_model)
-from nanoparcae.core_tasks import shared_eval_bundle
 from nanoparcae.divergence import Divergence
+from nanoparcae.download import shared_eval_bundle
 from nanoparcae.metrics import Metrics, compile_counts, read_at_once
 from nanoparcae.run import claim_run, identify_run, run_folder
 from nanoparcae.tokenizer import vocab_size_flag
@@ -202,13 +201,13 @@ batch = memory.choose_device_batch(meta_model, args, device, world, optimizer_by
 if args.dry_run:
     sys.exit(0)
 # A refusal that one rank meets stops every rank, in one line; a missing shard names its download
-explain = partial(dataset.data_refusal, args=args, tokens=tokens,
-                  paper_horizon=max_tokens == PAPER_TOKENS.get(args.depth))
-with ranks.refusing_alike(explain):  # --resume with nothing to resume says so before any data check
+paper_run = max_tokens == PAPER_TOKENS.get(args.depth)
+sized = f"--depth={args.depth}" if paper_run else f"--tokens={tokens:.4g}"  # this run's download
+with ranks.refusing_alike():  # --resume with nothing to resume says so before any data check
     if args.resume and (refusal := resume_refusal(run_folder(args))):
         raise ValueError(refusal)
     # the run's FineWeb-Edu order is a shuffle of the training shards: its checkpoint records them
-    shards = spans(dataset.fineweb_train_shards(), ",") if args.data == "fineweb-edu" else None
+    shards = spans(dataset.fineweb_train_shards(sized), ",") if args.data == "fineweb-edu" else None
 run = identify_run(args, RUN_FLAGS, batch, device, d_model=config.d_model, mu_bwd=config.mu_bwd,
                    max_tokens=max_tokens, adamw_lr=adamw_lr,
                    **({"train_shards": shards} if shards else {}))
@@ -225,10 +224,10 @@ print0(f"output: {run.dir}")
 if rank == 0:  # the writer: a folder or disk that cannot take a checkpoint stops it before the data
     check_writable(run.dir, "the run's checkpoints",
                    needs=saved_bytes({"model": meta_model.state_dict()}) + optimizer_bytes)
-with ranks.refusing_alike(explain):  # global rank 0 alone trains the tokenizer, on first use
+with ranks.refusing_alike():  # global rank 0 alone trains the tokenizer, on first use
     if rank == 0:
         dataset.get_tokenizer(args.data, args.vocab_size)
-with ranks.refusing_alike(explain):  # a rank's own refusal (none of its share to read) included
+with ranks.refusing_alike():  # a rank's own refusal (none of its share to read) included
     tokenizer = dataset.get_tokenizer(args.data, args.vocab_size, train=False)  # None: not here
     ranks.agree_on_data(tokenizer, shards)  # rank 0's tokenizer and shards on every node
     # the horizon against the tokens the loader keeps: a FineWeb-Edu run never repeats unasked
@@ -277,7 +276,7 @@ data_epoch = loaders[0].next_doc[0]  # the epoch of the training data the loader
 
 bundle_dir = None  # CORE's tasks, fetched once before step 1, on every rank or on none
 if args.core_every > 0:
-    bundle_dir, why = shared_eval_bundle(device)
+    bundle_dir, why = shared_eval_bundle()
     if bundle_dir is None:
         print0(f"CORE skipped for this run: {why}")
 peak_flops = peak_bf16_flops(device)

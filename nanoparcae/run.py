@@ -20,9 +20,9 @@ import torch.distributed as dist
 
 from nanoparcae.checkpoint import (find_checkpoint, other_tokenizer, read_checkpoint, remove_partial_saves,
                                    resume_refusal, run_dir, warn_if_undigested)
-from nanoparcae.common import print0, wait_for_rank0
+from nanoparcae.common import print0
 from nanoparcae.dataset import data_key, tokenizer_dir
-from nanoparcae.ranks import agree_to_start, checkpoint_digest
+from nanoparcae.ranks import agree_to_start, checkpoint_digest, refusing_alike
 
 
 # -----------------------------------------------------------------------------
@@ -59,8 +59,10 @@ def identify_run(args, run_flags, batch, device, **resolved):
     tokenizer_path = tokenizer_dir(args.data, args.vocab_size)  # recorded in each checkpoint
     content = data_key(args.data)  # not its path
     folder = run_folder(args)
-    name, size, checkpoint, ckpt, refusal, start, seen = folder.name, batch.size, None, None, None, (0, None), []
-    try:  # each rank keeps its refusal for the agreement below rather than stopping alone
+    name, size, checkpoint, ckpt, start, seen = folder.name, batch.size, None, None, (0, None), []
+    # Each rank's read is its own work (16 GB from a shared filesystem, at the 1.3B): refusing_alike meets
+    # where the long timeout holds, so a slow reader never outlasts the gather's shorter one
+    with refusing_alike():  # a refusal on any rank stops every rank, in one line
         if holder := run_holder(folder):  # before a live run's checkpoint is read onto its GPUs
             raise ValueError(being_trained(folder, holder))
         seen = saved_state(folder)  # before the newest is chosen: one saved after it differs
@@ -95,12 +97,7 @@ def identify_run(args, run_flags, batch, device, **resolved):
             raise ValueError(f"run {name}'s device batch {size} does not divide the {batch.sequences} "
                              f"sequences each of {batch.world} process(es) runs per step; continue it on a "
                              f"number of processes it divides")
-    except ValueError as err:
-        refusal = str(err)
-    # Each rank's read is its own work (16 GB from a shared filesystem, at the 1.3B): the ranks meet
-    # first where the long timeout holds, so a slow reader never outlasts the gather's shorter one
-    wait_for_rank0()
-    agree_to_start(name, refusal, *start)  # every rank starts from the same checkpoint (none: step 0), or none
+    agree_to_start(name, *start)  # every rank starts from the same checkpoint (none: step 0), or none
     if ckpt:
         warn_if_undigested(ckpt, checkpoint)
     return SimpleNamespace(dir=folder, name=name, tokenizer_dir=tokenizer_path, flags=flags,
