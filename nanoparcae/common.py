@@ -113,10 +113,10 @@ NO_WRITE = (*FULL_DISK, errno.EROFS, errno.EACCES, errno.EPERM)  # a full disk, 
 
 def get_base_dir():
     """Return $NANOPARCAE_BASE_DIR (default ~/.cache/nanoparcae), created on first use.
-    A folder that cannot be written raises, naming it and the variable."""
+    A folder that cannot be written raises ValueError naming it and the variable, which the user set."""
     base_dir = Path(os.environ.get("NANOPARCAE_BASE_DIR", Path.home() / ".cache" / "nanoparcae")).expanduser()
     check_writable(base_dir, "the base folder's runs, data and tokenizers",
-                   fix="set NANOPARCAE_BASE_DIR to a writable folder")
+                   fix="set NANOPARCAE_BASE_DIR to a writable folder", refusal=ValueError)
     base_dir.mkdir(parents=True, exist_ok=True)
     return base_dir
 
@@ -127,25 +127,27 @@ def nearest(folder):
     return next(path for path in (folder, *folder.parents) if path.exists())
 
 
-def check_writable(folder, what, needs=0, fix=None):
+def check_writable(folder, what, needs=0, fix=None, refusal=None):
     """Raise before work whose result `what` goes to `folder` if `needs` bytes could not be written there.
-    A file named as the folder raises ValueError; a read-only or full disk raises EnvironmentFailure.
+    A file named as the folder raises ValueError.
+    A read-only or full disk raises `refusal`, EnvironmentFailure by default, or ValueError for a folder the user set.
     A missing folder is tried at the nearest folder above it, and not made. `fix` replaces the advice.
     Called on the rank that writes."""
     folder, there = Path(folder).absolute(), nearest(folder)
     if not there.is_dir():
-        why = "it is a file" if there == folder else f"{there} is a file"
-        raise ValueError(f"{what} would go to {folder}, but {why}, not a folder; nothing was computed: "
+        why = ("it is a file" if there == folder else
+               f"it cannot be made ({os.strerror(errno.ENOTDIR)}, since {there} is a file)")
+        raise ValueError(f"{what} would go to {folder}, but {why}; nothing was computed: "
                          f"{fix or 'name a folder instead'}")
-    fix = fix or "make it writable or free space on its disk, then run again"
+    fix, refusal = fix or "make it writable or free space on its disk, then run again", refusal or EnvironmentFailure
     try:
         tempfile.TemporaryFile(dir=there).close()  # a write, which a read-only mount or mode refuses
     except OSError as err:
-        raise EnvironmentFailure(f"{what} would go to {folder}, which cannot be written to ({err.strerror}); "
-                                 f"nothing was computed: {fix}") from None
+        raise refusal(f"{what} would go to {folder}, which cannot be written to ({err.strerror}); "
+                      f"nothing was computed: {fix}") from None
     if (free := shutil.disk_usage(there).free) < needs:
-        raise EnvironmentFailure(f"{what} would go to {folder}, but the disk holding it is full ({size(free)} "
-                                 f"free, {size(needs)} needed); nothing was computed: {fix}")
+        raise refusal(f"{what} would go to {folder}, but the disk holding it is full ({size(free)} free, "
+                      f"{size(needs)} needed); nothing was computed: {fix}")
 
 
 def write_atomically(path, write, partial=None):

@@ -64,7 +64,7 @@ CORE_TASKS = [
 # Core-Extended adds DCLM's 24 other scoreable extended tasks, heavy.yaml without GPQA and generative QA.
 # DCLM averages mmlu and bbq over categories (has_categories). Like nanochat's jeopardy, each file is one pool.
 EXTENDED_EXTRA_TASKS = [
-    Task("mmlu_zeroshot", "world_knowledge/mmlu.jsonl", MC, 0, "Answer: "),  # sic: DCLM's delimiter, no newline
+    Task("mmlu_zeroshot", "world_knowledge/mmlu.jsonl", MC, 0, "Answer: "),  # sic, DCLM's delimiter has no newline
     Task("mmlu_fewshot", "world_knowledge/mmlu.jsonl", MC, 5, ANSWER),
     Task("bigbench_misconceptions", "world_knowledge/bigbench_misconceptions.jsonl", MC, 10, " "),
     Task("siqa", "commonsense_reasoning/siqa.jsonl", MC, 10, " "),

@@ -42,7 +42,7 @@ from nanoparcae.fineweb import (FINEWEB_URL, FINEWEB_VAL_SHARD, download_shards,
 from nanoparcae.flags import positive
 from nanoparcae.tokenizer import Tokenizer, vocab_size_flag
 
-VAL_EVERY = 20  # stdlib and user files: a document is validation iff crc32(text) % 20 == 0 (~5%)
+VAL_EVERY = 20  # a stdlib or user document is validation iff crc32(text) % 20 == 0 (~5%)
 FILES_PER_CHUNK = 64  # text files are read (and shared across ranks) in groups of this many
 
 # -----------------------------------------------------------------------------
@@ -52,7 +52,7 @@ FILES_PER_CHUNK = 64  # text files are read (and shared across ranks) in groups 
 class Chunk(NamedTuple):
     paths: tuple  # the files read together
     row_group: int  # parquet row group, -1 for text files
-    keep: str | None  # keep only documents of this split by the hash rule ("train"/"val"), None: keep all
+    keep: str | None  # keep only documents of this split by the hash rule ("train"/"val"); None keeps all
     quiet: bool = False  # bytes that are not UTF-8 are expected (the standard library's test files in other encodings)
 
 
@@ -202,10 +202,11 @@ def iter_documents(source, split, reader=None):
         yield from reader.read(chunk)
 
 
-def check_split(source, split):
+def check_split(source, split, reader=None):
     """Raise ValueError naming the cause when a source's split holds no documents.
-    The source may hold no text at all, or too few documents for both splits."""
-    if next(iter_documents(source, split), None) is not None:
+    The source may hold no text at all, or too few documents for both splits.
+    It reads through `reader`, as iter_documents does."""
+    if next(iter_documents(source, split, reader), None) is not None:
         return
     counts = {name: sum(1 for _ in iter_documents(source, name)) for name in ("train", "val")}
     if not any(counts.values()):
@@ -340,12 +341,13 @@ def get_tokenizer(source, vocab_size, max_chars=2_000_000_000, doc_cap=10_000, t
     if not train and not (directory / "token_bytes.txt").exists():
         return None
     if not (directory / "token_bytes.txt").exists():
-        check_split(source, "train")  # a missing or empty source fails here, before the announcement
+        reader = ChunkReader()  # one reader names a file with bytes that are not UTF-8 once
+        check_split(source, "train", reader)  # a missing or empty source fails here, before the announcement
         # its three files hold a line of under 64 bytes per token
         check_writable(directory.parent, f"the {vocab_size}-token tokenizer", needs=3 * 64 * vocab_size)
         print(f"Training a {vocab_size}-token tokenizer on {source} (train split, <= {max_chars:,} chars) ...")
         t0 = time.time()
-        tokenizer = Tokenizer.train(iter_documents(source, "train"), vocab_size, max_chars, doc_cap)
+        tokenizer = Tokenizer.train(iter_documents(source, "train", reader), vocab_size, max_chars, doc_cap)
         # A private name per process keeps half a tokenizer from a crash or a concurrent process
         try:
             write_atomically(directory, tokenizer.save, directory.with_name(f"{directory.name}.{os.getpid()}.tmp"))

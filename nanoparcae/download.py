@@ -106,9 +106,12 @@ def download_eval_bundle(url=EVAL_BUNDLE_URL, base_dir=None):
         print(f"Downloading the eval bundle from {url} ...")
         try:
             download_file(url, zip_path)
-        except OSError as err:  # a 404 is the url's fault, any other failure the network's
-            refusal = FileNotFoundError if isinstance(err, FileNotFoundError) else EnvironmentFailure
-            raise refusal(f"{err}; check the network, or download it by hand and unzip it in {base_dir}") from None
+        except FileNotFoundError as err:  # a 404 is the url's fault
+            raise FileNotFoundError(f"{err}; check --bundle_url, or download it by hand and unzip it in "
+                                    f"{base_dir}") from None
+        except OSError as err:  # any other failure is the network's
+            raise EnvironmentFailure(f"{err}; check the network, or download it by hand and unzip it in "
+                                     f"{base_dir}") from None
     scratch = base_dir / f"eval_bundle.{os.getpid()}.tmp"
     try:
         extract_zip_safely(zip_path, scratch)

@@ -14,13 +14,13 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 import pyarrow.parquet as pq
 
 from model import PAPER_TOKENS
-from nanoparcae.common import get_base_dir
+from nanoparcae.common import EnvironmentFailure, get_base_dir
 from nanoparcae.download import download_file
 
 FINEWEB_URL = "https://huggingface.co/datasets/karpathy/fineweb-edu-100b-shuffle/resolve/main"
 # The mirror's setting, named as download's flag and as the recipe's variable
 BASE_URL = "--base_url (runs/speedrun.sh: FINEWEB_URL)"
-FINEWEB_VAL_SHARD = 1822  # METHOD.md §5: shards 0..1822, the last one held out, as nanochat does
+FINEWEB_VAL_SHARD = 1822  # shards 0..1822, the last one held out, as nanochat does (METHOD.md §5)
 FINEWEB_SHARD_TOKENS = 50e6  # about 250M characters a shard, which sizes a download before any is read
 # Best-fit packing crops about 35% of FineWeb-Edu's tokens at 2,048 a row (nanochat/dataloader.py's docstring).
 # A download is sized by it before any shard is there to measure; a run measures its own (data.packing).
@@ -42,7 +42,8 @@ def shard_name(index):
 
 
 def download_shard(index, base_url=FINEWEB_URL, max_attempts=5, retry_delay=1.0):
-    """Fetch one shard; return its path and whether it was fetched now (False when it was there)."""
+    """Fetch one shard; return its path and whether it was fetched now (False when it was there).
+    A 404 raises FileNotFoundError, a failed fetch EnvironmentFailure, a file that is no shard ValueError."""
     path = fineweb_dir() / shard_name(index)
     if path.exists():  # only complete, checked shards ever get the final name
         return path, False
@@ -53,8 +54,8 @@ def download_shard(index, base_url=FINEWEB_URL, max_attempts=5, retry_delay=1.0)
     except FileNotFoundError as e:
         raise FileNotFoundError(f"{e}: check {BASE_URL} and that the shard index is in 0..{FINEWEB_VAL_SHARD}") \
             from None
-    except OSError as e:
-        raise OSError(f"{e}; check the network or {BASE_URL}") from None
+    except OSError as e:  # retried already, so the network failed
+        raise EnvironmentFailure(f"{e}; check the network or {BASE_URL}") from None
     try:
         columns = pq.read_metadata(unchecked).schema.names
     except Exception as e:
