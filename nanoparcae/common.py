@@ -69,7 +69,7 @@ def init_distributed(device, timeout=timedelta(minutes=10), rank0_timeout=timede
 
 def no_buffer_sync():
     """Return DDP's keyword that skips the buffer sync at each forward; torch 2.13 renamed it.
-    The old one also skips the sync at start, which is safe, since every rank computes its own RoPE tables."""
+    The old one also skips the sync at start. That is safe, since every rank computes its own RoPE tables."""
     names = inspect.signature(DistributedDataParallel.__init__).parameters
     return {"forward_sync_buffers": False} if "forward_sync_buffers" in names else {"broadcast_buffers": False}
 

@@ -162,7 +162,7 @@ def common_length(sequences, from_end=False):
 
 
 def scored_spans(task, tokens):
-    """Return the sequences to score and, for each, the (start, end) of the tokens whose loss decides the item."""
+    """Return the sequences to score, and the (start, end) of each one's tokens that decide the item."""
     if task.kind == MC:  # the choices follow a shared context, so score what comes after the common prefix
         start = common_length(tokens)
         return tokens, [(start, len(t)) for t in tokens]

@@ -260,14 +260,14 @@ def train_tokens(source, tokenizer, sample_docs=1000):
 def check_data(source, held, tokens, packed, seq_len, world_size=1):
     """Return the passes a run makes over its train split, as its world_size loaders pack it (data.packing).
     `held` is train_tokens' pair of tokens and bytes per token.
-    A pass is the tokens trained before a loader reads the second epoch, counted one of two ways:
+    A pass is the tokens trained before a loader reads the second epoch. It is counted one of two ways:
 
     - the loaders' rows, where they were packed through one pass.
-    - else, those held, less the long documents their buffers hold back at its end (held_back),
-      less the share packing crops; a row's seq_len + 1 tokens train seq_len.
+    - else, the tokens held, less what packing crops and what the buffers hold back at its end (held_back).
+      A row's seq_len + 1 tokens train seq_len.
 
-    A FineWeb-Edu run that would pass its first pass while shards remain to download raises ValueError
-    naming the download. Another source repeats as it must, and says how often."""
+    A FineWeb-Edu run that would read a second pass while shards remain to download raises ValueError.
+    It names the download. Another source repeats as it must, and says how often."""
     held, bytes_per_token = held
     crop, row_share = packed.crop, seq_len / (seq_len + 1)
     trained = held * (1 - crop) * row_share  # the tokens trained on, whoever holds them back
@@ -297,7 +297,7 @@ def check_data(source, held, tokens, packed, seq_len, world_size=1):
 
 def held_back(held, packed, world_size):
     """Bound the tokens world_size loaders hold unpacked in their buffers when a pass of `held` tokens ends.
-    Long documents wait there (data.DataLoader packs the longest that fits), so a buffer holds at most
+    Long documents wait there, since data.DataLoader packs the longest that fits. A buffer holds at most
     a share's buffer_docs longest. The bound is their sum, from the sample of lengths, scaled to a share."""
     lengths = sorted(packed.lengths, reverse=True)
     share_docs = held / world_size / (sum(lengths) / len(lengths))

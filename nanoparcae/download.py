@@ -26,7 +26,7 @@ def download_file(url, path, max_attempts=5, retry_delay=1.0, timeout=60):
     So a broken download never has the final name.
 
     - A .part left by an earlier try resumes with a Range header.
-      A 206 appends; a 200 means the server ignored Range, so it starts over; a 416 means it holds every byte.
+      A 206 appends. A 200 ignored Range, so it starts over. A 416 says it holds every byte.
     - Connection errors and 5xx retry with exponential backoff; 4xx are final.
     - Raises FileNotFoundError for a 404, OSError for any other failure.
       Each message is one line naming the url; callers add the fix.

@@ -70,7 +70,7 @@ def refusing_alike():
 
 def agree_to_start(run_name, step, digest):
     """Gather each rank's start before anything is built.
-    A start is the step of the checkpoint it would resume from and its digest, or 0 and None for none.
+    A start is the step of the checkpoint it would resume from, and its digest. No checkpoint is (0, None).
     Ranks that would start from different checkpoints all raise ValueError with one line."""
     points = {}
     for rank, start in enumerate(gather((step, digest))):
