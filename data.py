@@ -2,7 +2,8 @@
 data.py: the training data loader (METHOD.md §2).
 Each rank reads its own share of the documents and tokenizes them ahead in a thread.
 It packs them best-fit into rows that start with BOS. Its state is small and resumes exactly.
-Also the held-out batches that evals score. The text and its tokenizer: nanoparcae/dataset.py.
+It also yields the held-out batches that evals score.
+nanoparcae/dataset.py reads the text and its tokenizer.
 
     python data.py --data=stdlib --vocab_size=4096 --seq_len=2048   # tokens/s and the share cropped
 
@@ -11,7 +12,6 @@ Also the held-out batches that evals score. The text and its tokenizer: nanoparc
     x, y = next(loader); state = loader.state_dict()   # a loader given `state` yields the same next
 """
 
-import argparse
 import bisect
 import collections
 import itertools
@@ -24,19 +24,19 @@ from typing import NamedTuple
 
 import torch
 
-from nanoparcae.common import EnvironmentFailure, fail, get_base_dir
-from nanoparcae.dataset import ChunkReader, get_tokenizer, list_chunks, no_documents
+from nanoparcae.common import command_parser, get_base_dir, run_command
+from nanoparcae.dataset import ChunkReader, check_split, get_tokenizer, list_chunks
 from nanoparcae.flags import positive
 from nanoparcae.tokenizer import vocab_size_flag
 
 # -----------------------------------------------------------------------------
-# The document stream: one rank's share of a split, epoch after epoch, each document with an id
+# The document stream, one rank's share of a split, epoch after epoch, each document with an id
 
 class DocumentStream:
     """One rank's documents of a split.
     Each epoch shuffles the chunks, and each chunk's documents, from the seed.
-    Rank r takes every world_size-th document: the shares are disjoint and cover the split.
-    A document's id: (epoch, chunk position, index in this rank's share)."""
+    Rank r takes every world_size-th document, so the shares are disjoint and cover the split.
+    A document's id is (epoch, chunk position, index in this rank's share)."""
 
     def __init__(self, source, split, seed=0, rank=0, world_size=1, reader=None, sharers=1):
         if not 0 <= rank < world_size:
@@ -49,7 +49,7 @@ class DocumentStream:
         self._order = (None, None)
 
     def order(self, epoch):
-        cached_epoch, order = self._order  # cached: asked for once per chunk
+        cached_epoch, order = self._order  # cached, since it is asked for once per chunk
         if cached_epoch != epoch:
             order = list(range(len(self.chunks)))
             random.Random(f"{self.seed}:{epoch}").shuffle(order)
@@ -63,9 +63,6 @@ class DocumentStream:
         random.Random(f"{self.seed}:{epoch}:{position}").shuffle(docs)
         return docs[self.rank::self.world_size]
 
-    def no_documents(self):
-        return no_documents(self.source, self.split, self.rank, self.world_size)
-
     def iterate(self, epoch=0, position=0, index=0, loop=True):
         """(doc_id, text) from the given id on, epoch after epoch if loop."""
         while True:
@@ -76,10 +73,13 @@ class DocumentStream:
                 for i in range(index, len(docs)):
                     yield (epoch, pos, i), docs[i]
                 index = 0
+            if whole_epoch and not found:  # looping over nothing would hang the trainer
+                check_split(self.source, self.split)  # the split itself may hold none
+                raise ValueError(f"rank {self.rank} of {self.world_size} has no documents in the "
+                                 f"{self.split} split of {self.source}: use more data or fewer "
+                                 f"ranks")
             if not loop:
                 return
-            if whole_epoch and not found:  # looping over nothing would hang the trainer
-                raise self.no_documents()
             epoch, position, index = epoch + 1, 0, 0
 
 # -----------------------------------------------------------------------------
@@ -140,8 +140,8 @@ class DataLoader:
     Rows of seq_len + 1 tokens are packed best-fit from a buffer of about buffer_docs documents.
     Each row starts with BOS; overflow is cropped, nothing padded.
     The train split loops forever; val is read once.
-    The state is only document ids: a resumed loader re-reads its buffer, yielding the same batches.
-    reader: a ChunkReader this loader and sharers - 1 others share (None: its own)."""
+    The state is only document ids; a resumed loader re-reads its buffer, yielding the same batches.
+    `reader` is a ChunkReader this loader and sharers - 1 others share; None gives it its own."""
 
     def __init__(self, tokenizer, source, split, batch_size, seq_len, rank=0, world_size=1, seed=0,
                  device="cpu", buffer_docs=1000, num_threads=4, tokenize_batch=128, reader=None,
@@ -180,7 +180,7 @@ class DataLoader:
             self.arrivals += 1
 
     def _pack_row(self):
-        """METHOD.md §2: the longest document that fits, or else the shortest, cropped to fill."""
+        """Pack the longest document that fits, or else the shortest, cropped (METHOD.md §2)."""
         row, capacity = [], self.seq_len + 1
         while len(row) < capacity:
             self._fill_buffer()
@@ -202,8 +202,6 @@ class DataLoader:
         for _ in range(self.batch_size):
             row = self._pack_row()
             if row is None:
-                if self.batches == 0 and self.arrivals == 0:
-                    raise self.stream.no_documents()
                 if self.batches == 0:
                     raise ValueError(
                         f"the {self.stream.split} split of {self.stream.source} holds less than "
@@ -275,7 +273,7 @@ class DataLoader:
 
 def val_batches(tokenizer, source, batch_size, seq_len, num_tokens, rank=0, world_size=1,
                 device="cpu", reader=None):
-    """The same held-out batches at every call: num_tokens of the val split over all ranks.
+    """Yield the same held-out batches at every call, num_tokens of the val split over all ranks.
     Seed 0, at least one batch each; fewer if the split runs out."""
     loader = DataLoader(tokenizer, source, "val", batch_size, seq_len, rank, world_size, seed=0,
                         device=device, reader=reader)
@@ -285,7 +283,7 @@ def val_batches(tokenizer, source, batch_size, seq_len, num_tokens, rank=0, worl
 
 class Packing(NamedTuple):
     crop: float  # the share of the tokens packed that packing crops
-    rows: int | None  # rows each loader yields before it reads a second epoch; None: not reached
+    rows: int | None  # rows each loader yields before it reads a second epoch; None if not reached
     lengths: list  # the tokens of each document the first loader read, BOS included
     buffer_docs: int  # documents a loader holds back unpacked, in its buffer
 
@@ -311,7 +309,7 @@ def packing(tokenizer, source, seq_len, seed=0, world_size=1, settle=6, measure=
     used, cropped = first.tokens_used - start[0], first.tokens_cropped - start[1]
     if first.next_doc[0] > 0:  # the row just packed took a document of the next epoch
         rows = first.batches - 1
-        for rank in range(1, world_size):  # the others' shares are short too: each packed through
+        for rank in range(1, world_size):  # the others' shares are short too, each packed through
             other = loader(rank)
             while other.next_doc[0] == 0:
                 next(other)
@@ -322,13 +320,10 @@ def packing(tokenizer, source, seq_len, seed=0, world_size=1, settle=6, measure=
     return Packing(cropped / max(used + cropped, 1), rows, lengths, first.buffer_docs)
 
 # -----------------------------------------------------------------------------
-# Command line: the loader measured
+# Command line, the loader measured
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     allow_abbrev=False)
-    parser.error = fail  # an unknown flag or a bad value: one line, status 2
+    parser = command_parser(__doc__)
     parser.add_argument("--data", default="stdlib",
                         help="fineweb-edu, stdlib, or a path/folder/glob of your files")
     parser.add_argument("--vocab_size", type=vocab_size_flag, default=4096)
@@ -359,9 +354,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except EnvironmentFailure as err:  # a full or read-only disk
-        fail(err, 1)
-    except (OSError, ValueError) as err:  # bad flags or data, an unwritable base folder
-        fail(err)
+    run_command(main)

@@ -34,9 +34,9 @@ import torch.nn.functional as F
 from nanoparcae.checkpoint import load_run
 from nanoparcae.common import (command_parser, init_distributed, parse_device,
                                print0, rank_and_world, run_command)
-from nanoparcae.core_tasks import (CORE_LABELS, EVAL_BUNDLE_URL, LM, build_rows,
-                                   load_task_data, read_random_baselines, select_tasks,
-                                   shared_eval_bundle)
+from nanoparcae.core_tasks import (CORE_LABELS, LM, build_rows, load_task_data,
+                                   read_random_baselines, select_tasks)
+from nanoparcae.download import EVAL_BUNDLE_URL, shared_eval_bundle
 from data import val_batches
 from nanoparcae.dataset import data_key, iter_documents
 from nanoparcae.flags import checked, listed, positive
@@ -346,7 +346,7 @@ def aggregate_line(result):
 
 def run_core(args, model, tokenizer, Ts, seeds):
     """Score CORE at each T and few-shot seed, with the mean and spread over seeds."""
-    bundle_dir, why = shared_eval_bundle(next(model.parameters()).device, args.bundle_url)
+    bundle_dir, why = shared_eval_bundle(args.bundle_url)
     if bundle_dir is None:
         raise ValueError(why)
     kw = dict(max_per_task=args.max_per_task, tasks=args.tasks, batch_tokens=args.batch_tokens)

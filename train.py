@@ -31,8 +31,8 @@ from model import INJECTIONS, SAMPLINGS
 from optim import build_optimizer, lr_multiplier, muon_momentum, weight_decay_at
 from nanoparcae.checkpoint import save_and_prune
 from nanoparcae.common import command_parser, no_buffer_sync, peak_bf16_flops, print0, run_command
-from nanoparcae.core_tasks import shared_eval_bundle
 from nanoparcae.divergence import Divergence
+from nanoparcae.download import shared_eval_bundle
 from nanoparcae.metrics import Metrics, compile_counts, read_at_once
 from nanoparcae.prepare import prepare_run
 from nanoparcae.tokenizer import MIN_VOCAB_SIZE
@@ -172,7 +172,7 @@ def main(argv=None):
     # Training loop, and its evals
     bundle_dir = None  # CORE's tasks, fetched once before step 1, on every rank or on none
     if args.core_every > 0:
-        bundle_dir, why = shared_eval_bundle(device)
+        bundle_dir, why = shared_eval_bundle()
         if bundle_dir is None:
             print0(f"CORE skipped for this run: {why}")
     peak_flops = peak_bf16_flops(device)

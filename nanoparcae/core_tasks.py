@@ -1,9 +1,7 @@
 """
 nanoparcae/core_tasks.py: CORE's tasks (METHOD.md §3), up to where a model scores them.
-
-- the task table: CORE's 22, Core-Extended's 46.
-- the DCLM eval bundle they are read from, downloaded once.
-- each item rendered into token rows, whose scored span decides it.
+It holds the task table (CORE's 22, Core-Extended's 46) and reads each task from DCLM's eval bundle.
+It renders each item into token rows, whose scored span decides it.
 
     tasks = select_tasks("core")
     bundle_dir = download_eval_bundle()                 # $NANOPARCAE_BASE_DIR/eval_bundle, on first use
@@ -13,23 +11,14 @@ nanoparcae/core_tasks.py: CORE's tasks (METHOD.md §3), up to where a model scor
     python -m nanoparcae.core_tasks [--url=URL]          # the eval bundle's download alone
 """
 
-import argparse
 import csv
 import json
-import os
 import random
-import shutil
-import zipfile
 from pathlib import Path
 from typing import NamedTuple
 
-import torch
-import torch.distributed as dist
-
-from nanoparcae.common import fail, get_base_dir, rank_and_world, wait_for_rank0
-from nanoparcae.download import download_file
-
-EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"  # METHOD.md §5
+from nanoparcae.common import comma_list, command_parser, run_command
+from nanoparcae.download import EVAL_BUNDLE_URL, download_eval_bundle
 
 # -----------------------------------------------------------------------------
 # The task table (METHOD.md §3; files, shots and delimiters as in DCLM's heavy.yaml and nanochat's core.yaml)
@@ -72,10 +61,10 @@ CORE_TASKS = [
          " "),
 ]
 
-# Core-Extended adds DCLM's 24 other scoreable extended tasks: heavy.yaml without GPQA and generative QA.
+# Core-Extended adds DCLM's 24 other scoreable extended tasks, heavy.yaml without GPQA and generative QA.
 # DCLM averages mmlu and bbq over categories (has_categories). Like nanochat's jeopardy, each file is one pool.
 EXTENDED_EXTRA_TASKS = [
-    Task("mmlu_zeroshot", "world_knowledge/mmlu.jsonl", MC, 0, "Answer: "),  # sic: DCLM's delimiter, no newline
+    Task("mmlu_zeroshot", "world_knowledge/mmlu.jsonl", MC, 0, "Answer: "),  # sic, DCLM's delimiter has no newline
     Task("mmlu_fewshot", "world_knowledge/mmlu.jsonl", MC, 5, ANSWER),
     Task("bigbench_misconceptions", "world_knowledge/bigbench_misconceptions.jsonl", MC, 10, " "),
     Task("siqa", "commonsense_reasoning/siqa.jsonl", MC, 10, " "),
@@ -112,99 +101,19 @@ def select_tasks(tasks):
     if tasks == "extended":
         return EXTENDED_TASKS
     by_label = {task.label: task for task in EXTENDED_TASKS}
-    labels = [label.strip() for label in tasks.split(",") if label.strip()]
+    labels = [label.strip() for label in comma_list(tasks, str)]
     unknown = [label for label in labels if label not in by_label]
-    if unknown or not labels:
-        raise ValueError(f"unknown task(s) {unknown or tasks!r}: use --tasks core, extended, or labels from "
+    if unknown:
+        raise ValueError(f"unknown task(s) {unknown}: use --tasks core, extended, or labels from "
                          f"{', '.join(by_label)}")
     return [by_label[label] for label in labels]
 
 # -----------------------------------------------------------------------------
-# The eval bundle: downloaded once, extracted only where it belongs
-
-def extract_zip_safely(zip_path, target):
-    """Extract every member under target, once none would land outside it ("../x", "/etc/x").
-    An archive with such a member is refused whole, before anything is written."""
-    target = Path(target).resolve()
-    with zipfile.ZipFile(zip_path) as archive:
-        for name in archive.namelist():
-            if not (target / name).resolve().is_relative_to(target):
-                raise ValueError(f"{zip_path} holds a member {name!r} that would land outside {target}; "
-                                 f"refusing to extract it (delete the file and check --bundle_url)")
-        archive.extractall(target)
-
-
-def eval_bundle_dir(base_dir=None):
-    """base_dir/eval_bundle if a bundle is extracted there, else None. base_dir defaults to get_base_dir()."""
-    bundle_dir = (Path(base_dir) if base_dir is not None else get_base_dir()) / "eval_bundle"
-    return bundle_dir if (bundle_dir / "eval_meta_data.csv").is_file() else None
-
-
-def download_eval_bundle(url=EVAL_BUNDLE_URL, base_dir=None):
-    """-> base_dir/eval_bundle, downloaded and extracted on first use. base_dir defaults to get_base_dir()."""
-    base_dir = Path(base_dir) if base_dir is not None else get_base_dir()
-    base_dir.mkdir(parents=True, exist_ok=True)
-    bundle_dir = base_dir / "eval_bundle"
-    if eval_bundle_dir(base_dir):
-        return bundle_dir
-    zip_path = base_dir / "eval_bundle.zip"
-    if not zip_path.is_file():
-        print(f"Downloading the eval bundle from {url} ...")
-        try:
-            download_file(url, zip_path)
-        except OSError as err:
-            raise ValueError(f"{err}; check the network, or download it by hand and unzip it in {base_dir}") from None
-    scratch = base_dir / f"eval_bundle.{os.getpid()}.tmp"
-    try:
-        extract_zip_safely(zip_path, scratch)
-        extracted = scratch / "eval_bundle"  # METHOD.md §5: one top-level folder eval_bundle/
-        if not (extracted / "eval_meta_data.csv").is_file():
-            raise ValueError(f"{url} is not an eval bundle (no eval_bundle/eval_meta_data.csv inside); "
-                             f"check --bundle_url")
-        extracted.rename(bundle_dir)
-    except (ValueError, zipfile.BadZipFile) as err:
-        zip_path.unlink(missing_ok=True)  # a bad archive would otherwise be reused on every later run
-        raise ValueError(str(err) if isinstance(err, ValueError) else f"{url} is not a zip file ({err})") from None
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    zip_path.unlink()
-    return bundle_dir
-
-
-# CORE's bundle on every rank, or CORE skipped on every rank.
-# A rank without the tasks would never join CORE's per-task all_reduce.
-# The others would wait for it until the timeout.
-
-def shared_eval_bundle(device, url=EVAL_BUNDLE_URL):
-    """-> (the bundle's folder, None) on every rank, or (None, why) on every rank if any lacks it.
-
-    - Rank 0 fetches it into its base folder first.
-    - Then each other node's local rank 0 fetches into its own.
-      On a shared filesystem it finds the bundle there, so nothing is fetched twice.
-    - The other ranks wait for each fetch in wait_for_rank0.
-    - Then the ranks agree with an all_reduce MIN of "I have it".
-    """
-    rank = rank_and_world()[0]
-    local_rank, why = int(os.environ.get("LOCAL_RANK", 0)), None
-    for fetching in (rank == 0, local_rank == 0 and rank != 0):
-        if fetching:
-            try:
-                download_eval_bundle(url)
-            except (OSError, ValueError) as err:
-                why = f"the eval bundle is not available ({err})"
-        wait_for_rank0()  # a download with its retries outlasts a collective's timeout
-    bundle_dir = eval_bundle_dir()
-    have = torch.tensor(int(bundle_dir is not None), device=device)
-    if dist.is_initialized():
-        dist.all_reduce(have, op=dist.ReduceOp.MIN)
-    if have.item():
-        return bundle_dir, None
-    return None, why or "a node has no eval bundle (its local rank 0 could not fetch it), so no rank runs CORE"
-
+# Each task's items, read from the bundle
 
 def read_random_baselines(bundle_dir):
-    """{task label: random baseline in percent}, from the bundle's eval_meta_data.csv.
-    METHOD.md §3: DCLM's v1 values."""
+    """Read each task's random baseline in percent from the bundle's eval_meta_data.csv.
+    They are DCLM's v1 values (METHOD.md §3)."""
     with open(Path(bundle_dir) / "eval_meta_data.csv", newline="", encoding="utf-8") as f:
         return {row["Eval Task"]: float(row["Random baseline"]) for row in csv.DictReader(f)}
 
@@ -237,7 +146,7 @@ def render_prompts(task, item, fewshot):
         return [f"{shots}{option}{d}{item['continuation']}" for option in item["context_options"]]
     shots = "".join(f"{ex['context'].strip()}{d}{ex['continuation']}\n\n" for ex in fewshot)
     prompt = f"{shots}{item['context'].strip()}{d}"
-    # the prompt alone is stripped: a trailing " " or "\nAnswer: " would join the continuation's first token.
+    # The prompt alone is stripped, since a trailing " " or "\nAnswer: " would join the continuation's first token.
     # The prompt's tokens would then no longer prefix the full text's.
     return [prompt.strip(), prompt + item["continuation"]]
 
@@ -253,14 +162,14 @@ def common_length(sequences, from_end=False):
 
 
 def scored_spans(task, tokens):
-    """-> (sequences, [(start, end)]): the tokens whose loss decides the item, per sequence."""
-    if task.kind == MC:  # the choices follow a shared context: score what comes after the common prefix
+    """Return the sequences to score, and the (start, end) of each one's tokens that decide the item."""
+    if task.kind == MC:  # the choices follow a shared context, so score what comes after the common prefix
         start = common_length(tokens)
         return tokens, [(start, len(t)) for t in tokens]
-    if task.kind == SCHEMA:  # the contexts differ and share the continuation: score the common suffix
+    if task.kind == SCHEMA:  # the contexts differ and share the continuation, so score the common suffix
         n = common_length(tokens, from_end=True)
         return tokens, [(len(t) - n, len(t)) for t in tokens]
-    # LM: only the full text goes forward. The continuation follows the two texts' common prefix.
+    # An LM item sends only the full text forward. The continuation follows the two texts' common prefix.
     # That is the whole prompt whenever the tokenizer keeps it a prefix, as nanochat asserts.
     without, full = tokens
     return [full], [(common_length(tokens), len(full))]
@@ -283,10 +192,10 @@ class Row(NamedTuple):
 
 def build_rows(task, data, indices, tokenizer, seed, max_len):
     """Every sequence to score for the items at `indices`.
-    Few-shot examples as nanochat draws them: Random(seed + idx).sample(every other index, shots).
+    Few-shot examples are drawn as nanochat draws them, with Random(seed + idx).sample(every other index, shots).
     A task with fewer items than shots uses all the others."""
     shots = min(task.shots, len(data) - 1)
-    prompts, owners = [], []  # owners: (item index, how many prompts it has)
+    prompts, owners = [], []  # owners hold (item index, how many prompts it has)
     for idx in indices:
         # Random(seed + idx).sample(every index but idx, shots), without building that list for each item
         picks = random.Random(seed + idx).sample(range(len(data) - 1), shots)
@@ -294,7 +203,7 @@ def build_rows(task, data, indices, tokenizer, seed, max_len):
         texts = render_prompts(task, data[idx], fewshot)
         prompts += texts
         owners.append((idx, len(texts)))
-    tokens = tokenizer.encode(prompts, prepend_bos=True) if prompts else []  # METHOD.md §3: BOS starts every prompt
+    tokens = tokenizer.encode(prompts, prepend_bos=True) if prompts else []  # BOS starts every prompt (METHOD.md §3)
     rows, offset = [], 0
     for idx, n in owners:
         sequences, spans = scored_spans(task, tokens[offset:offset + n])
@@ -304,16 +213,11 @@ def build_rows(task, data, indices, tokenizer, seed, max_len):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="Download CORE's eval bundle under the base folder, once.",
-                                     allow_abbrev=False)
-    parser.error = fail  # an unknown flag or a bad value: one line, status 2
+    parser = command_parser("Download CORE's eval bundle under the base folder, once.")
     parser.add_argument("--url", default=EVAL_BUNDLE_URL, help="the bundle's zip (default: nanochat's host)")
     args = parser.parse_args(argv)
-    try:
-        print(f"the eval bundle: {download_eval_bundle(args.url)}")
-    except (OSError, ValueError) as err:  # a failed download, a base folder that cannot be written
-        fail(err)
+    print(f"the eval bundle: {download_eval_bundle(args.url)}")
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

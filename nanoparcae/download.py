@@ -1,23 +1,32 @@
 """
-nanoparcae/download.py: one streamed, resumable, retried HTTP download.
-Every download uses it: the FineWeb-Edu shards, the eval bundle, the authors' release.
+nanoparcae/download.py: files fetched over HTTP.
+One streamed, resumable, retried download serves the FineWeb-Edu shards, the eval bundle and the authors' release.
+CORE's eval bundle is fetched here too, and extracted only where it belongs.
 
-    download_file(url, path)    # path appears only once every byte is there
+    download_file(url, path)        # path appears only once every byte is there
+    bundle_dir, why = shared_eval_bundle()   # the bundle on every rank, or why no rank has it
 """
 
 import os
+import shutil
 import time
+import zipfile
 from pathlib import Path
 
 import requests
 
+from nanoparcae.common import EnvironmentFailure, get_base_dir, local_rank, rank_and_world, wait_for_rank0
+from nanoparcae.ranks import gather
+
+EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"  # METHOD.md §5
+
 
 def download_file(url, path, max_attempts=5, retry_delay=1.0, timeout=60):
-    """Stream url into <path>.part, renamed to path once complete.
+    """Stream url into <path>.part, and rename it to path once complete.
     So a broken download never has the final name.
 
     - A .part left by an earlier try resumes with a Range header.
-      206: append. 200: the server ignored Range, start over. 416: it already holds every byte.
+      A 206 appends. A 200 ignored Range, so it starts over. A 416 says it holds every byte.
     - Connection errors and 5xx retry with exponential backoff; 4xx are final.
     - Raises FileNotFoundError for a 404, OSError for any other failure.
       Each message is one line naming the url; callers add the fix.
@@ -40,7 +49,7 @@ def download_file(url, path, max_attempts=5, retry_delay=1.0, timeout=60):
                     raise requests.HTTPError(f"HTTP 416: the partial file is no prefix of the {total} bytes served")
                 if status == 404:
                     raise FileNotFoundError(f"{url} answered HTTP 404 (no such file)")
-                if 400 <= status < 500:  # permanent: retrying will not help
+                if 400 <= status < 500:  # permanent, so retrying will not help
                     raise OSError(f"{url} answered HTTP {status}")
                 response.raise_for_status()
                 resumable = status == 206 or response.headers.get("Accept-Ranges") == "bytes"
@@ -59,3 +68,86 @@ def download_file(url, path, max_attempts=5, retry_delay=1.0, timeout=60):
             time.sleep(delay)
     os.replace(part, path)
     return path
+
+# -----------------------------------------------------------------------------
+# CORE's eval bundle, downloaded once and extracted only where it belongs
+
+
+def extract_zip_safely(zip_path, target):
+    """Extract every member under target, once none would land outside it ("../x", "/etc/x").
+    An archive with such a member is refused whole, before anything is written."""
+    target = Path(target).resolve()
+    with zipfile.ZipFile(zip_path) as archive:
+        for name in archive.namelist():
+            if not (target / name).resolve().is_relative_to(target):
+                raise ValueError(f"{zip_path} holds a member {name!r} that would land outside {target}; "
+                                 f"refusing to extract it (delete the file and check --bundle_url)")
+        archive.extractall(target)
+
+
+def eval_bundle_dir(base_dir=None):
+    """Return base_dir/eval_bundle if a bundle is extracted there, else None.
+    base_dir defaults to get_base_dir()."""
+    bundle_dir = (Path(base_dir) if base_dir is not None else get_base_dir()) / "eval_bundle"
+    return bundle_dir if (bundle_dir / "eval_meta_data.csv").is_file() else None
+
+
+def download_eval_bundle(url=EVAL_BUNDLE_URL, base_dir=None):
+    """Return base_dir/eval_bundle, downloaded and extracted on first use.
+    base_dir defaults to get_base_dir(). A 404 raises FileNotFoundError, another failed fetch
+    EnvironmentFailure, and an archive that is no bundle ValueError."""
+    base_dir = Path(base_dir) if base_dir is not None else get_base_dir()
+    base_dir.mkdir(parents=True, exist_ok=True)
+    bundle_dir = base_dir / "eval_bundle"
+    if eval_bundle_dir(base_dir):
+        return bundle_dir
+    zip_path = base_dir / "eval_bundle.zip"
+    if not zip_path.is_file():
+        print(f"Downloading the eval bundle from {url} ...")
+        try:
+            download_file(url, zip_path)
+        except FileNotFoundError as err:  # a 404 is the url's fault
+            raise FileNotFoundError(f"{err}; check --bundle_url, or download it by hand and unzip it in "
+                                    f"{base_dir}") from None
+        except OSError as err:  # any other failure is the network's
+            raise EnvironmentFailure(f"{err}; check the network, or download it by hand and unzip it in "
+                                     f"{base_dir}") from None
+    scratch = base_dir / f"eval_bundle.{os.getpid()}.tmp"
+    try:
+        extract_zip_safely(zip_path, scratch)
+        extracted = scratch / "eval_bundle"  # one top-level folder eval_bundle/ (METHOD.md §5)
+        if not (extracted / "eval_meta_data.csv").is_file():
+            raise ValueError(f"{url} is not an eval bundle (no eval_bundle/eval_meta_data.csv inside); "
+                             f"check --bundle_url")
+        extracted.rename(bundle_dir)
+    except (ValueError, zipfile.BadZipFile) as err:
+        zip_path.unlink(missing_ok=True)  # a bad archive would otherwise be reused on every later run
+        raise ValueError(str(err) if isinstance(err, ValueError) else f"{url} is not a zip file ({err})") from None
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    zip_path.unlink()
+    return bundle_dir
+
+
+def shared_eval_bundle(url=EVAL_BUNDLE_URL):
+    """Return (the bundle's folder, None) on every rank, or (None, why) on every rank if any lacks it.
+    A rank without the tasks would never join CORE's per-task all_reduce, and the others would wait for it.
+
+    - Rank 0 fetches it into its base folder first.
+    - Then each other node's local rank 0 fetches into its own.
+      On a shared filesystem it finds the bundle there, so nothing is fetched twice.
+    - The other ranks wait for each fetch in wait_for_rank0.
+    - Then the ranks agree through ranks.gather.
+    """
+    rank, why = rank_and_world()[0], None
+    for fetching in (rank == 0, local_rank() == 0 and rank != 0):
+        if fetching:
+            try:
+                download_eval_bundle(url)
+            except (OSError, ValueError, EnvironmentFailure) as err:
+                why = f"the eval bundle is not available ({err})"
+        wait_for_rank0()  # a download with its retries outlasts a collective's timeout
+    bundle_dir = eval_bundle_dir()
+    if all(gather(bundle_dir is not None)):
+        return bundle_dir, None
+    return None, why or "a node has no eval bundle (its local rank 0 could not fetch it), so no rank runs CORE"

@@ -13,7 +13,6 @@ prepare_run raises ValueError (or EnvironmentFailure) alike on every rank before
 import math
 import os
 from datetime import timedelta
-from functools import partial
 from types import SimpleNamespace
 
 import torch
@@ -110,15 +109,16 @@ def prepare_run(args, run_flags):
     if args.dry_run:
         return None
     # A refusal one rank meets stops every rank, in one line; a missing shard names its download
-    explain = partial(dataset.data_refusal, args=args, tokens=plan.num_steps * args.total_batch_size,
-                      paper_horizon=plan.max_tokens == PAPER_TOKENS.get(args.depth))
-    with ranks.refusing_alike(explain):  # --resume with nothing to resume says so before any data check
+    tokens = plan.num_steps * args.total_batch_size
+    paper_run = plan.max_tokens == PAPER_TOKENS.get(args.depth)
+    sized = f"--depth={args.depth}" if paper_run else f"--tokens={tokens:.4g}"  # its own download
+    with ranks.refusing_alike():  # --resume with nothing to resume says so before any data check
         folder = runs.run_folder(args)
         if args.resume and not latest(folder):
             raise ValueError(f"there is no checkpoint of run {folder.name} under {folder} to resume; start "
                              f"it without --resume")
         # the run's FineWeb-Edu order is a shuffle of the training shards: its checkpoint records them
-        shards = spans(dataset.fineweb_train_shards(), ",") if args.data == "fineweb-edu" else None
+        shards = spans(dataset.fineweb_train_shards(sized), ",") if args.data == "fineweb-edu" else None
     run = runs.identify_run(args, run_flags, batch, device, d_model=plan.config.d_model,
                             mu_bwd=plan.config.mu_bwd, max_tokens=plan.max_tokens, adamw_lr=plan.adamw_lr,
                             **({"train_shards": shards} if shards else {}))
@@ -134,7 +134,7 @@ def prepare_run(args, run_flags):
     if rank == 0:  # the writer: a folder or disk that cannot take a checkpoint stops it before the data
         check_writable(run.dir, "the run's checkpoints",
                        needs=saved_bytes({"model": plan.meta_model.state_dict()}) + optimizer_bytes)
-    data = open_data(args, plan.num_steps * args.total_batch_size, shards, run.grad_accum, device, explain)
+    data = open_data(args, tokens, shards, run.grad_accum, device)
     run.lock = runs.claim_run(run)  # one trainer per run, until this process ends
     # The random init runs once: on a fresh run's rank 0, whose weights DDP broadcasts to the others
     model = training_model(plan.config, device, args.seed, run.ckpt and run.ckpt["model"],
@@ -144,14 +144,14 @@ def prepare_run(args, run_flags):
                            **resume(run, data.loaders, rank * run.grad_accum, args, run_flags))
 
 
-def open_data(args, tokens, shards, grad_accum, device, explain):
+def open_data(args, tokens, shards, grad_accum, device):
     """The run's tokenizer, checked data, loaders and validation batches -> namespace.
     One loader per virtual rank v = rank * grad_accum + micro, one read of each chunk for all."""
     rank, world = rank_and_world()
-    with ranks.refusing_alike(explain):  # global rank 0 alone trains the tokenizer, on first use
+    with ranks.refusing_alike():  # global rank 0 alone trains the tokenizer, on first use
         if rank == 0:
             dataset.get_tokenizer(args.data, args.vocab_size)
-    with ranks.refusing_alike(explain):  # a rank's own refusal (none of its share to read) included
+    with ranks.refusing_alike():  # a rank's own refusal (none of its share to read) included
         tokenizer = dataset.get_tokenizer(args.data, args.vocab_size, train=False)  # None: not here
         ranks.agree_on_data(tokenizer, shards)  # rank 0's tokenizer and shards on every node
         # the horizon against the tokens the loader keeps: a FineWeb-Edu run never repeats unasked

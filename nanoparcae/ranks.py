@@ -1,5 +1,5 @@
 """
-nanoparcae/ranks.py: ranks that agree.
+nanoparcae/ranks.py: ranks that agree, through one gather.
 Before the first step, every rank checks that all start from the same checkpoint and read the same data.
 At each checkpoint, the replicas' weights are compared.
 Each check runs before what it protects; docs/distributed.md says what each catches.
@@ -25,7 +25,7 @@ INTEGERS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # by
 
 
 def weight_sums(state):
-    """A state dict -> a list of ints, one per tensor: its bit patterns summed as int64, wrapping.
+    """Sum each tensor's bit patterns as int64, wrapping, and return one int per tensor of a state dict.
     Integer addition is exact and order-free, so equal tensors sum equal on any device and GPU.
     Any one changed bit changes the sum. It costs one read of the weights in memory."""
     sums = [t.detach().view(INTEGERS[t.element_size()]).sum(dtype=torch.int64) for t in state.values()]
@@ -33,7 +33,8 @@ def weight_sums(state):
 
 
 def gather(value):
-    """value from every rank, in rank order (one process: [value])."""
+    """Return value from every rank, in rank order; [value] in one process.
+    Ranks decide alike through it, with min(gather(x)), all(gather(x)) or gather(x)[0] for rank 0's."""
     if not dist.is_initialized():
         return [value]
     gathered = [None] * dist.get_world_size()
@@ -41,53 +42,31 @@ def gather(value):
     return gathered
 
 
-def one_refusal(lines):
-    """Each rank's refusal (a line, or None) -> the line every rank stops with, or None.
-    It is the first rank's line; it names that rank when the others did not refuse alike."""
-    refusals = [(rank, line) for rank, line in enumerate(lines) if line]
-    if not refusals:
-        return None
-    rank, line = refusals[0]
-    alike = len(refusals) == len(lines) and all(other == line for _, other in refusals)
-    return line if alike else f"{line} (rank {rank}; every rank stops)"
-
-
 @contextmanager
-def refusing_alike(explain=str):
-    """Around a block every rank runs: its ValueError or FileNotFoundError, as the line explain(err), is gathered
-    once every rank has ended the block (wait_for_rank0's long timeout), then refuse_alike.
-    A refusal on one rank stops every rank, none stops alone."""
+def refusing_alike():
+    """Run a block on every rank; a ValueError or FileNotFoundError on any rank stops every rank.
+    The ranks meet once each has ended the block, in wait_for_rank0's long wait, and gather their errors.
+    Each raises ValueError with the first refusing rank's line, naming that rank when the others differ."""
     refusal = None
     try:
         yield
     except (FileNotFoundError, ValueError) as err:
-        refusal = explain(err)
+        refusal = str(err)
     wait_for_rank0()
-    refuse_alike(refusal)
+    lines = gather(refusal)
+    refused = [(rank, line) for rank, line in enumerate(lines) if line]
+    if refused:
+        rank, line = refused[0]
+        raise ValueError(line if all(other == line for other in lines) else f"{line} (rank {rank}; every rank stops)")
 
 
-def refuse_alike(refusal):
-    """Every rank's refusal (a line, or None) gathered: when any rank refused, every rank raises ValueError with
-    one line (one_refusal). A refusal that only some ranks meet is never silent."""
-    if line := one_refusal(gather(refusal)):
-        raise ValueError(line)
-
-
-def agree_to_start(run_name, refusal, step, digest):
-    """Before anything is built, gather each rank's start:
-
-    - refusal: a line, or None.
-    - step: of the checkpoint it would resume from (0: none).
-    - digest: that checkpoint's (None: none).
-
-    Raises ValueError with one line on every rank if any rank refused (the first one's line).
-    Likewise if they would start from different checkpoints."""
-    starts = gather((refusal, step, digest))
-    if line := one_refusal([line for line, _, _ in starts]):
-        raise ValueError(line)
+def agree_to_start(run_name, step, digest):
+    """Gather each rank's start before anything is built.
+    A start is the step of the checkpoint it would resume from, and its digest. No checkpoint is (0, None).
+    Ranks that would start from different checkpoints all raise ValueError with one line."""
     points = {}
-    for rank, (_, step, digest) in enumerate(starts):
-        points.setdefault((step, digest), []).append(rank)
+    for rank, start in enumerate(gather((step, digest))):
+        points.setdefault(start, []).append(rank)
     if len(points) > 1:
         where = "; ".join(f"step {step} ({f'weights {digest}' if digest else 'no checkpoint'}) on rank "
                           f"{spans(ranks)}" for (step, digest), ranks in points.items())
@@ -96,23 +75,14 @@ def agree_to_start(run_name, refusal, step, digest):
                          f"nodes share, or copy the run folder to each node")
 
 
-def tokenizer_digest(tokenizer):
-    """A tokenizer's vocabulary, every token's bytes in id order, as 12 hex digits of their sha256."""
-    vocabulary = hashlib.sha256()
-    for token in range(tokenizer.vocab_size):
-        piece = tokenizer.enc.decode_single_token_bytes(token)
-        vocabulary.update(len(piece).to_bytes(4, "little") + piece)
-    return vocabulary.hexdigest()[:12]
-
-
 def agree_on_data(tokenizer, shards):
-    """Before the data is read: every rank's tokenizer (None: its node has none) and FineWeb-Edu training shards
-    (spans; None: other data), gathered. A node whose either differs from rank 0's: every rank raises ValueError
-    alike, one line naming that node."""
+    """Gather every rank's tokenizer and FineWeb-Edu training shards before the data is read.
+    tokenizer is None where its node has none; shards is a span ("0-345"), or None for other data.
+    When a node's differ from rank 0's, every rank raises ValueError alike, in one line naming that node.
+    Tokenizers compare by their files' digest, the one a checkpoint records."""
     rank, world = rank_and_world()
     node = int(os.environ.get("GROUP_RANK", rank // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
-    held = gather((node, socket.gethostname(), None if tokenizer is None else tokenizer_digest(tokenizer),
-                   shards))
+    held = gather((node, socket.gethostname(), None if tokenizer is None else tokenizer.digest, shards))
     _, _, tokenizer0, shards0 = held[0]
     differ = {}  # (node, host, (what it holds, what rank 0 holds) for each that differs) -> its ranks
     for rank, (node, host, digest, train_shards) in enumerate(held):

@@ -22,7 +22,7 @@ from nanoparcae.checkpoint import (check_tokenizer, checkpoints, latest, read_ch
                                    run_dir, warn_if_undigested, weights_digest)
 from nanoparcae.common import print0, rank_and_world, wait_for_rank0
 from nanoparcae.dataset import data_key, tokenizer_dir
-from nanoparcae.ranks import agree_to_start, gather
+from nanoparcae.ranks import agree_to_start, gather, refusing_alike
 
 
 # -----------------------------------------------------------------------------
@@ -65,8 +65,10 @@ def identify_run(args, run_flags, batch, device, **resolved):
     tokenizer_path = tokenizer_dir(args.data, args.vocab_size)  # recorded in each checkpoint
     content = data_key(args.data)  # not its path
     folder = run_folder(args)
-    name, size, checkpoint, ckpt, refusal, start, seen = folder.name, batch.size, None, None, None, (0, None), []
-    try:  # each rank keeps its refusal for the agreement below rather than stopping alone
+    name, size, checkpoint, ckpt, start, seen = folder.name, batch.size, None, None, (0, None), []
+    # Each rank's read is its own work (13.4 GB from a shared filesystem, at the 1.3B): refusing_alike meets
+    # where the long timeout holds, so a slow reader never outlasts the gather's shorter one
+    with refusing_alike():  # a refusal on any rank stops every rank, in one line
         refuse_if_held(folder, run_holder(folder))  # before a live run's checkpoint is read onto its GPUs
         seen = saved_state(folder)  # before the newest is chosen: one saved after it differs
         checkpoint = latest(folder)
@@ -98,12 +100,7 @@ def identify_run(args, run_flags, batch, device, **resolved):
             raise ValueError(f"run {name}'s device batch {size} does not divide the {batch.sequences} "
                              f"sequences each of {batch.world} process(es) runs per step; continue it on a "
                              f"number of processes it divides")
-    except ValueError as err:
-        refusal = str(err)
-    # Each rank's read is its own work (16 GB from a shared filesystem, at the 1.3B): the ranks meet
-    # first where the long timeout holds, so a slow reader never outlasts the gather's shorter one
-    wait_for_rank0()
-    agree_to_start(name, refusal, *start)  # every rank starts from the same checkpoint (none: step 0), or none
+    agree_to_start(name, *start)  # every rank starts from the same checkpoint (none: step 0), or none
     if ckpt:
         warn_if_undigested(ckpt, checkpoint)
     return SimpleNamespace(dir=folder, name=name, tokenizer_dir=tokenizer_path, flags=flags,

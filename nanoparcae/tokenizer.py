@@ -22,30 +22,33 @@ from nanoparcae.flags import checked
 
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>"]
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # every byte a token of its own, then the specials
-# --vocab_size's type: a smaller one is refused before any tokenizer trains
+# --vocab_size's type refuses a smaller one before any tokenizer trains
 vocab_size_flag = checked(int, f"at least {MIN_VOCAB_SIZE} (256 byte tokens and {len(SPECIAL_TOKENS)} "
                                 f"specials); pass --vocab_size={MIN_VOCAB_SIZE} or more",
                           lambda value: MIN_VOCAB_SIZE <= value < 2**31)
-# METHOD.md §2: GPT-4's split, but digits group by 1-2 (GPT-4: 1-3), as in nanochat.
+# METHOD.md §2 uses GPT-4's split, but digits group by 1-2 (GPT-4 by 1-3), as in nanochat.
 # That wastes fewer tokens on numbers at small vocab sizes.
 SPLIT_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*"""
                  r"""|\s*[\r\n]|\s+(?!\S)|\s+""")
 
 # -----------------------------------------------------------------------------
-# Tokenizer: trained with rustbpe, run with tiktoken
+# The tokenizer, trained with rustbpe, run with tiktoken
 
 class Tokenizer:
-    """A tiktoken.Encoding plus each token's byte length, which bits per byte needs."""
+    """A tiktoken.Encoding plus each token's byte length, which bits per byte needs.
+    A tokenizer loaded from a folder carries its files' digest, which names it across ranks and checkpoints."""
 
-    def __init__(self, enc, token_bytes, bos_token="<|bos|>"):
+    def __init__(self, enc, token_bytes, bos_token="<|bos|>", digest=None):
         self.enc = enc
-        self.token_bytes = token_bytes  # int32 (vocab_size,): UTF-8 bytes each id decodes to, 0 for specials
+        self.digest = digest  # files_digest of the folder it was loaded from; None if not loaded
+        self.token_bytes = token_bytes  # int32 (vocab_size,), the UTF-8 bytes each id decodes to, 0 for specials
         self.bos_id = enc.encode_single_token(bos_token)  # an imported tokenizer may name it its own way
         self.vocab_size = enc.n_vocab
 
     @classmethod
     def from_ranks(cls, mergeable_ranks, pattern, specials=None, bos_token="<|bos|>", name="nanoparcae"):
-        """specials: {name: id}. Ours by default, with the ids after the learned tokens."""
+        """Build a tokenizer from its merges; `specials` maps each special token to its id.
+        By default the specials are ours, with the ids after the learned tokens."""
         if specials is None:
             specials = {token: len(mergeable_ranks) + i for i, token in enumerate(SPECIAL_TOKENS)}
         enc = tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=mergeable_ranks, special_tokens=specials)
@@ -57,7 +60,7 @@ class Tokenizer:
     @classmethod
     def train(cls, text_iterator, vocab_size, max_chars=2_000_000_000, doc_cap=10_000):
         """Train on at most max_chars characters, each document cut to doc_cap.
-        METHOD.md §2: ~2B chars, 10k cap. vocab_size counts the special tokens."""
+        METHOD.md §2 trains on ~2B characters with a 10k cap. vocab_size counts the special tokens."""
         if vocab_size < MIN_VOCAB_SIZE:
             raise ValueError(f"vocab_size {vocab_size} is too small: it needs 256 byte tokens "
                              f"+ {len(SPECIAL_TOKENS)} specials")
@@ -92,7 +95,8 @@ class Tokenizer:
 
     @classmethod
     def files_digest(cls, directory):
-        """The sha256 of the saved files' bytes, 16 hex digits: which tokenizer a checkpoint was trained with."""
+        """Hash the saved files' bytes with sha256, to 16 hex digits.
+        Checkpoints record it, and ranks compare it, since any changed byte is another tokenizer."""
         digest = hashlib.sha256()
         for name in cls.FILES:
             digest.update(name.encode() + b"\0" + (Path(directory) / name).read_bytes())
@@ -113,11 +117,11 @@ class Tokenizer:
         if len(token_bytes) != enc.n_vocab:
             raise ValueError(f"{directory}/token_bytes.txt does not match the vocabulary: "
                              f"delete {directory} to retrain")
-        return cls(enc, token_bytes)
+        return cls(enc, token_bytes, digest=cls.files_digest(directory))
 
     def encode(self, text, prepend_bos=False, num_threads=8):
         """A string gives a list of ids; a list of strings, a list of lists (on num_threads threads).
-        Text never yields special tokens: "<|bos|>" in a document is ordinary characters."""
+        Text never yields special tokens, so "<|bos|>" in a document is ordinary characters."""
         prefix = [self.bos_id] if prepend_bos else []
         if isinstance(text, str):
             return prefix + self.enc.encode_ordinary(text)

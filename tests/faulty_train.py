@@ -58,9 +58,9 @@ def faulty_clip_grad_norm(parameters, *args, **kwargs):
 torch.nn.utils.clip_grad_norm_ = faulty_clip_grad_norm
 sys.path.insert(0, str(ROOT))
 if faults["bundle_port"] >= 0:
-    import nanoparcae.core_tasks as core_tasks  # noqa: E402
-    download_file = core_tasks.download_file
-    core_tasks.download_file = lambda url, path: download_file(
+    import nanoparcae.download as download  # noqa: E402
+    download_file = download.download_file
+    download.download_file = lambda url, path: download_file(
         f"http://127.0.0.1:{faults['bundle_port']}/eval_bundle.zip", path, timeout=0.2, retry_delay=0.01)
 if faults["pause_lock"] >= 0:
     import nanoparcae.run as run_module  # noqa: E402

@@ -29,7 +29,7 @@ import torch
 from conftest import carries, python, raises_naming
 import data
 from nanoparcae import dataset
-from nanoparcae.common import spans
+from nanoparcae.common import EnvironmentFailure, spans
 from nanoparcae.download import download_file
 from nanoparcae.tokenizer import SPECIAL_TOKENS, Tokenizer
 
@@ -445,7 +445,7 @@ def test_download_retries_server_errors(server):
 def test_failed_download_leaves_no_partial_file(server):
     serve_shards(server, [0])
     server.truncate = True
-    with raises_naming(OSError, "shard_00000.parquet", "2", "--base_url"):
+    with raises_naming(EnvironmentFailure, "shard_00000.parquet", "2", "--base_url"):
         dataset.download_shards([0], base_url=server.url, max_attempts=2, retry_delay=0.01)
     assert local_files() == []
 

@@ -23,7 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nanoparcae import core_tasks  # noqa: E402
 import eval_core  # noqa: E402
 from nanoparcae.core_tasks import (CORE_TASKS, EXTENDED_TASKS, LM, Task, crop_left,  # noqa: E402
-                                   download_eval_bundle, extract_zip_safely, render_prompts, scored_spans)
+                                   render_prompts, scored_spans)
+from nanoparcae.download import download_eval_bundle, extract_zip_safely  # noqa: E402
 from eval_core import centered_accuracy, evaluate_bpb, evaluate_core, evaluate_ppl, fit_test_time_scaling  # noqa: E402
 from model import Parcae, ParcaeConfig, evaluation_initial_state  # noqa: E402
 from conftest import carries, raises_naming  # noqa: E402

@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 from nanoparcae import run as guards
 from conftest import Started, awaited, beforehand, carries, refused, train, train_command, train_env, untouched
 from nanoparcae import dataset
-from nanoparcae.core_tasks import shared_eval_bundle
+from nanoparcae.download import shared_eval_bundle
 from nanoparcae.run import lock_run, run_holder
 from nanoparcae.tokenizer import Tokenizer
 from test_data import make_documents, write_parquet
@@ -237,7 +237,7 @@ def bundle_worker(rank, port, root, url):
     for base, path in ((f"node{rank}", "missing.zip"), (f"node{rank}", "eval_bundle.zip"),
                        ("shared", "eval_bundle.zip")):
         os.environ["NANOPARCAE_BASE_DIR"] = str(Path(root) / base)
-        bundle_dir, why = shared_eval_bundle(torch.device("cpu"), f"{url}/{path}")
+        bundle_dir, why = shared_eval_bundle(f"{url}/{path}")
         results.append([bundle_dir and str(bundle_dir), why])
     Path(root, f"rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()

@@ -26,6 +26,7 @@ def slowed_train(seconds, wait, work, *flags):
     the checkpoint it resumes from. skip_wait: without the ranks' wait for that work."""
     sys.path.insert(0, str(ROOT))
     import nanoparcae.checkpoint as checkpoint  # noqa: E402
+    import nanoparcae.ranks as ranks  # noqa: E402
     import nanoparcae.run as run  # noqa: E402
     save, read = checkpoint.save_checkpoint, run.read_checkpoint
 
@@ -48,7 +49,7 @@ def slowed_train(seconds, wait, work, *flags):
     else:
         run.read_checkpoint = slow_read
         if wait == "skip_wait":
-            run.wait_for_rank0 = lambda: None
+            ranks.wait_for_rank0 = lambda: None  # refusing_alike's, which identify_run's read ends in
     sys.argv = [str(ROOT / "train.py"), *flags]
     runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
 
