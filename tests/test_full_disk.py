@@ -97,7 +97,8 @@ def test_a_write_that_fails_with_room_left_is_not_called_a_full_disk(saved, monk
 def test_the_estimate_covers_what_torch_writes(tmp_path):
     model = Parcae(ParcaeConfig.from_depth(3, d_model=64, head_dim=32, mu_rec=3, vocab_size=320, seq_len=32))
     optimizer = torch.optim.AdamW(model.parameters())
-    model(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long)).backward()
+    model(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long),
+          h0_generator=torch.Generator().manual_seed(0)).backward()
     optimizer.step()
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "args": {"depth": 3},
              "loader": [{"buffer": [[arrival, rank, arrival * 7] for arrival in range(5000)]} for rank in range(4)]}
