@@ -373,7 +373,8 @@ class Sampling(NamedTuple):
         return logits if self.allowed is None else logits.masked_fill(~self.allowed, -math.inf)
 
     def pick(self, logits):
-        return sample_next(self.masked(logits), self.temperature, self.top_k, self.generators)
+        """Masked logits (B, V) -> ids (B,)."""
+        return sample_next(logits, self.temperature, self.top_k, self.generators)
 
 
 class Draft(NamedTuple):
@@ -398,14 +399,14 @@ def generate(model, tokens, max_new_tokens, T=None, temperature=1.0, top_k=None,
     generators = list(generator) if isinstance(generator, (list, tuple)) else [generator]
     decoder = Decoder(model, tokens, max_new_tokens, T, generators, exit, exit_threshold, T_max,
                       use_cache, kv)
-    sampling = Sampling(temperature, top_k, generators * (decoder.tokens.size(0) // len(generators)),
-                        allowed)
+    rows = generators * (decoder.tokens.size(0) // len(generators))
+    sampling = Sampling(temperature, top_k, rows, allowed)
     if draft is not None:
         yield from drafted(decoder, max_new_tokens, draft, sampling, counts)
         return
     for _ in range(max_new_tokens):
         logits, steps = decoder.next_logits()
-        next_ids = sampling.pick(logits)
+        next_ids = sampling.pick(sampling.masked(logits))
         yield next_ids, steps
         decoder.append(next_ids)
 
@@ -413,13 +414,14 @@ def generate(model, tokens, max_new_tokens, T=None, temperature=1.0, top_k=None,
 # -----------------------------------------------------------------------------
 # Self-speculative decoding (beyond the paper): the looped model drafts for itself
 
-# auto's draft: positions per verify pass, and the least T / depth at which drafting pays
-DRAFT_LENGTH, DRAFT_MIN_RATIO = 8, 4
+# auto's draft, from a sweep of depth and length on the CPU checkpoint (docs/sampling.md):
+# depth mu_rec, 8 positions a pass, where T >= 2 mu_rec; below, drafting did not pay
+DRAFT_LENGTH, DRAFT_MIN_RATIO = 8, 2
 
 
 def auto_draft(model, T=None):
-    """The Draft sample.py's --draft=auto takes at depth T (None: mu_rec): depth mu_rec.
-    None (one position at a time) for the Transformer, or where T < DRAFT_MIN_RATIO depths."""
+    """The Draft of sample.py's --draft=auto at depth T (None: mu_rec), or None.
+    None (one position at a time) for the Transformer, or where T < DRAFT_MIN_RATIO mu_rec."""
     depth = model.config.mu_rec
     if model.injection is None or (T or depth) < DRAFT_MIN_RATIO * depth:
         return None
@@ -427,7 +429,7 @@ def auto_draft(model, T=None):
 
 
 def check_draft(model, T, kv, use_cache, draft):
-    """Refuse a draft that cannot be exact: it continues a fixed-depth loop through the exact cache."""
+    """Refuse a draft that cannot be exact: it continues a fixed-depth loop in the exact cache."""
     if model.injection is None:
         raise ValueError("drafting needs a looped model; this is the fixed-depth Transformer")
     if T == "auto" or kv != "steps" or not use_cache:
@@ -440,7 +442,7 @@ def check_draft(model, T, kv, use_cache, draft):
 
 
 def drafted(decoder, max_new_tokens, draft, sampling, counts=None):
-    """generate's tokens at depth T, `draft.length` positions per pass of the loop's depth.
+    """generate's tokens at depth T, `draft.length` positions per pass through the whole loop.
 
     At depth T a position's loop steps 0..t-1 do not depend on T: the same h0, input and cache
     entries of earlier positions. So a draft at depth t is the first t steps of the target.
@@ -456,16 +458,16 @@ def drafted(decoder, max_new_tokens, draft, sampling, counts=None):
     while made < max_new_tokens:
         k, start = min(draft.length, max_new_tokens - made), decoder.length
         # 1. draft: each position's token drawn as plain decoding draws it, from the draft's logits
-        states, guesses = [], []
+        states, shallow = [], []  # each position's state, and its logits at depth t
         for _ in range(k):
             logits, state = decoder.draft_logits(draft.depth)
             states.append(state)
-            guesses.append(sampling.masked(logits))
-            decoder.append(sampling.pick(logits))
+            shallow.append(sampling.masked(logits))
+            decoder.append(sampling.pick(shallow[-1]))
         # 2. verify: the k positions run on to T together
         target = sampling.masked(decoder.verify_logits(states, draft.depth))
         # 3. accept, then roll back past the rejected positions
-        ids, agreed = accept(torch.stack(guesses, dim=1), target,
+        ids, agreed = accept(torch.stack(shallow, dim=1), target,
                              decoder.tokens[:, start:start + k], sampling)
         decoder.tokens[:, start:start + ids.size(1)] = ids
         decoder.rewind(start + ids.size(1))
