@@ -415,8 +415,8 @@ def generate(model, tokens, max_new_tokens, T=None, temperature=1.0, top_k=None,
 # Self-speculative decoding (beyond the paper): the looped model drafts for itself
 
 # auto's draft, from a sweep of depth and length on the CPU checkpoint (docs/sampling.md):
-# depth mu_rec, 8 positions a pass, where T >= 2 mu_rec; below, drafting did not pay
-DRAFT_LENGTH, DRAFT_MIN_RATIO = 8, 2
+# depth mu_rec, 16 positions a pass, where T >= 2 mu_rec; below, drafting did not pay
+DRAFT_LENGTH, DRAFT_MIN_RATIO = 16, 2
 
 
 def auto_draft(model, T=None):

@@ -560,8 +560,9 @@ def row_digest(args, device, training, figures):
 def row_draft(args, device, training, figures):
     """Row 11: self-speculative decoding (engine.drafted) against plain decoding, greedy, each row's own prompt from
     the stdlib's text: tokens/s at T = mu_rec, 2 mu_rec, 32 and 64, 1 and 8 rows, with the share of drafts accepted
-    and the tokens per verify pass. The draft is sample.py's --draft=auto (engine.auto_draft), else depth mu_rec, 8
-    long. On the trained checkpoint (--ckpt, else the newest run), then the 140M's shapes with random weights."""
+    and the tokens per verify pass. The draft is sample.py's --draft=auto (engine.auto_draft), else depth
+    min(mu_rec, T - 1), DRAFT_LENGTH long. On the trained checkpoint (--ckpt, else the newest run), then the 140M's
+    shapes with random weights."""
     rows = []
     for name, (model, ids, new) in draft_models(args, device).items():
         for batch in (1, 8):

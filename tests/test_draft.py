@@ -213,8 +213,9 @@ def test_a_temperature_below_float32s_reach_is_greedy():
     for temperature in (1e-30, 1e-40, 1e-50):
         assert torch.equal(tokens(model, [PROMPTS[1]], 10, T=3, temperature=temperature, top_k=5), greedy)
         assert torch.equal(tokens(model, [PROMPTS[1]], 10, T=3, temperature=temperature, draft=Draft(1, 3)), greedy)
-        probs = engine.probabilities(torch.tensor([[3.0, 1.0, 3.0 - 1e-6]]), temperature, None)
-        assert not probs.isnan().any() and probs[0, 0] == 1
+        if not engine.greedy(temperature):  # divided by, yet every logit but the largest overflows
+            probs = engine.probabilities(torch.tensor([[3.0, 1.0, 3.0 - 1e-6]]), temperature, None)
+            assert not probs.isnan().any() and probs[0, 0] == 1
 
 
 # -----------------------------------------------------------------------------
