@@ -226,7 +226,8 @@ def test_a_trained_model_drafts_256_greedy_tokens_of_plain_decoding(corpus):
     """A small model trained on the tiny corpus, float32: 256 greedy tokens at T = 32 drafted at depth 3 (its
     mu_rec), 8 at a time, are plain decoding's; most drafts are accepted."""
     train(corpus, "--max_tokens=65536", "--total_batch_size=512", "--device_batch_size=16", "--run=drafted")
-    model, tokenizer, _, _ = load_run("drafted", torch.device("cpu"))
+    run = corpus / "base" / "runs" / "drafted"
+    model, tokenizer, _, _ = load_run(str(max(run.glob("ckpt_*.pt"))), torch.device("cpu"))
     prompt = tokenizer.encode("the loop", prepend_bos=True)
     counts = {}
     plain = tokens(model, [prompt], 256, T=32, temperature=0)
