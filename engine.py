@@ -25,12 +25,15 @@ With one generator per row, a row's h0 and tokens do not depend on the rows besi
 One generator shared by several rows makes each row's draws depend on the others.
 """
 
+import math
 import warnings
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from model import decoding_initial_state
+from nanoparcae.common import size
 
 # -----------------------------------------------------------------------------
 # The KV cache
@@ -95,20 +98,66 @@ class KVCache:
                     for kv in self.slots.values() for t in kv}
         return sum(storages.values())
 
+
+def decoding_bytes(model, rows, positions, depth, kv):
+    """Bytes decoding allocates: the KV cache's buffers at `depth` loop steps, and every h0.
+    Under autocast the keys and values take its dtype, else the weights'."""
+    c, device = model.config, model.wte.weight.device
+    itemsize = (torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type)
+                else model.wte.weight.dtype).itemsize
+    looped_slots = 1 if kv == "shared" or model.injection is None else depth
+    slots = c.n_prelude + c.n_coda + c.n_recur * looped_slots
+    return (slots * 2 * itemsize + 4) * rows * positions * c.d_model
+
+
+def free_memory(device):
+    """Bytes the device can still allocate: CUDA's free memory, else the system's available."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as meminfo:
+            available = next(line for line in meminfo if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):  # not Linux: nothing to plan against
+        return math.inf
+    return int(available.split()[1]) * 1024
+
 # -----------------------------------------------------------------------------
 # One token from the logits
+
+def greedy(temperature):
+    """Whether temperature samples greedily: 0, or too small for float32 to divide by."""
+    return temperature < torch.finfo(torch.float32).tiny
+
+
+def top_probabilities(logits, temperature, top_k):
+    """logits (..., V) -> (probabilities, ids or None) that sample_next draws from.
+    The probabilities cover the top_k ids (all V without top_k), in ids' order.
+    The largest logit is subtracted first, so a small temperature overflows to no NaN."""
+    ids = None
+    if top_k is not None:
+        logits, ids = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1)
+    scaled = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
+    return scaled.softmax(dim=-1), ids
+
+
+def probabilities(logits, temperature, top_k):
+    """logits (..., V) -> sample_next's distribution over all V ids, 0 outside the top_k."""
+    probs, ids = top_probabilities(logits, temperature, top_k)
+    return probs if ids is None else torch.zeros_like(logits).scatter_(-1, ids, probs)
+
+
+def draw(probs, generators):
+    """One id per row of probs (B, V), row r drawn with generators[r]."""
+    return torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators)])
+
 
 def sample_next(logits, temperature, top_k, generators):
     """logits (B, V) -> ids (B,): argmax at temperature 0, else a draw among the top_k.
     Drawing among the top_k alone is far cheaper than over the vocabulary (as nanochat)."""
-    if temperature == 0:
+    if greedy(temperature):
         return logits.argmax(dim=-1)
-    ids = None
-    if top_k is not None:
-        logits, ids = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1)  # (B, k) each
-    probs = (logits / temperature).softmax(dim=-1)
-    choice = torch.cat([torch.multinomial(p, 1, generator=g)
-                        for p, g in zip(probs, generators)])  # (B,)
+    probs, ids = top_probabilities(logits, temperature, top_k)
+    choice = draw(probs, generators)  # (B,)
     return choice if ids is None else ids.gather(1, choice[:, None]).squeeze(1)
 
 
@@ -229,6 +278,14 @@ class Decoder:
         # the depth and the exit test
         self.model, self.T = model, ((T_max or 2 * c.mu_rec) if adaptive
                                      else (T or c.mu_rec))
+        if use_cache:  # the cache planned before any of it is allocated
+            needs = decoding_bytes(model, idx.size(0), num_positions, self.T, kv)
+            free = free_memory(device)
+            if needs > free:
+                raise ValueError(f"decoding at T={self.T} needs {size(needs)} for its KV cache "
+                                 f"({idx.size(0)} rows of {num_positions} positions), more than "
+                                 f"the {size(free)} free on {device}; lower --T or --T_max, "
+                                 f"or use --kv=shared")
         self.exit = exit if adaptive else None
         self.threshold = EXIT_THRESHOLDS[exit] if exit_threshold is None else exit_threshold
         # every position's h0 drawn up front, so it does not depend on the tokens sampled
@@ -271,27 +328,179 @@ class Decoder:
         self.tokens[:, self.length] = ids
         self.length += 1
 
+    # Self-speculative decoding's two passes (drafted, below) and its rollback
+
+    @torch.inference_mode()
+    def draft_logits(self, depth):
+        """Run the next position through `depth` loop steps and the coda.
+        -> (logits (B, V), its state: h_depth and what the loop reads, for verify_logits).
+        Its prelude and loop steps write what fixed T writes; its coda's entry is a draft's."""
+        with torch.compiler.set_stance("force_eager"):  # as the prefill
+            n, model, cache = self.length, self.model, self.cache
+            Bbar_e, ves, cos, sin = model.run_prelude(self.tokens[:, n - 1:n], cache)
+            h = self.h0[:, n - 1:n].to(Bbar_e.dtype)
+            for step in range(depth):
+                h = model.loop_step(h, Bbar_e, self.A_bar, step, ves, cos, sin, cache)
+            return model.run_coda(h, ves, cos, sin, cache)[:, -1], (h, Bbar_e, ves, cos, sin)
+
+    @torch.inference_mode()
+    def verify_logits(self, states, depth):
+        """The last len(states) positions, drafted at `depth`, run on together to T.
+        Causal among them, they read the cache for earlier positions.
+        -> logits (B, k, V) at T; the coda's entries are overwritten with T's."""
+        with torch.compiler.set_stance("force_eager"):
+            model, cache = self.model, self.cache
+            h, Bbar_e, cos, sin = (torch.cat(parts, dim=1) for parts in zip(
+                *[(h, Bbar_e, cos, sin) for h, Bbar_e, _, cos, sin in states]))
+            ves = {i: torch.cat([state[2][i] for state in states], dim=1) for i in states[0][2]}
+            for step in range(depth, self.T):
+                h = model.loop_step(h, Bbar_e, self.A_bar, step, ves, cos, sin, cache)
+            return model.run_coda(h, ves, cos, sin, cache)
+
+    def rewind(self, length):
+        """Keep the first `length` tokens and the cache of the positions before the last."""
+        self.length, self.cache.pos = length, length - 1
+
+
+class Sampling(NamedTuple):
+    """How generate picks each row's token from its logits (sample_next)."""
+    temperature: float
+    top_k: int | None
+    generators: list  # one per row
+    allowed: torch.Tensor | None  # a bool mask of the ids that may be sampled
+
+    def masked(self, logits):
+        return logits if self.allowed is None else logits.masked_fill(~self.allowed, -math.inf)
+
+    def pick(self, logits):
+        """Masked logits (B, V) -> ids (B,)."""
+        return sample_next(logits, self.temperature, self.top_k, self.generators)
+
+
+class Draft(NamedTuple):
+    """Self-speculative decoding's shape: `length` positions drafted at `depth` loop steps."""
+    depth: int
+    length: int
+
 
 def generate(model, tokens, max_new_tokens, T=None, temperature=1.0, top_k=None, generator=None,
              exit="state", exit_threshold=None, T_max=None, use_cache=True, allowed=None,
-             kv="steps"):
+             kv="steps", draft=None, counts=None):
     """Yield (ids (B,), steps (B,)) per new token: each row's token and its recurrent steps.
 
     tokens: a list of ids or a (B, S) tensor. T, exit, exit_threshold, T_max, use_cache, kv:
     Decoder's. generator: one, or one per row (None: the global RNG).
     allowed: a bool mask of the ids that may be sampled.
+    draft: a Draft to decode self-speculatively (drafted), None for one position at a time.
+    counts: drafted's tallies, added to this dict.
     """
+    if draft is not None:
+        check_draft(model, T, kv, use_cache, draft)
     generators = list(generator) if isinstance(generator, (list, tuple)) else [generator]
     decoder = Decoder(model, tokens, max_new_tokens, T, generators, exit, exit_threshold, T_max,
                       use_cache, kv)
-    generators = generators * (decoder.tokens.size(0) // len(generators))
+    rows = generators * (decoder.tokens.size(0) // len(generators))
+    sampling = Sampling(temperature, top_k, rows, allowed)
+    if draft is not None:
+        yield from drafted(decoder, max_new_tokens, draft, sampling, counts)
+        return
     for _ in range(max_new_tokens):
         logits, steps = decoder.next_logits()
-        if allowed is not None:
-            logits = logits.masked_fill(~allowed, float("-inf"))
-        next_ids = sample_next(logits, temperature, top_k, generators)
+        next_ids = sampling.pick(sampling.masked(logits))
         yield next_ids, steps
         decoder.append(next_ids)
+
+
+# -----------------------------------------------------------------------------
+# Self-speculative decoding (beyond the paper): the looped model drafts for itself
+
+# auto's draft, from a sweep of depth and length on the CPU checkpoint (docs/sampling.md):
+# depth mu_rec, 16 positions a pass, where T >= 2 mu_rec; below, drafting did not pay
+DRAFT_LENGTH, DRAFT_MIN_RATIO = 16, 2
+
+
+def auto_draft(model, T=None):
+    """The Draft of sample.py's --draft=auto at depth T (None: mu_rec), or None.
+    None (one position at a time) for the Transformer, or where T < DRAFT_MIN_RATIO mu_rec."""
+    depth = model.config.mu_rec
+    if model.injection is None or (T or depth) < DRAFT_MIN_RATIO * depth:
+        return None
+    return Draft(depth, DRAFT_LENGTH)
+
+
+def check_draft(model, T, kv, use_cache, draft):
+    """Refuse a draft that cannot be exact: it continues a fixed-depth loop in the exact cache."""
+    if model.injection is None:
+        raise ValueError("drafting needs a looped model; this is the fixed-depth Transformer")
+    if T == "auto" or kv != "steps" or not use_cache:
+        raise ValueError(f"drafting is exact only at a fixed T through the exact cache "
+                         f"(kv='steps'), not at T={T!r}, kv={kv!r}, use_cache={use_cache}")
+    T = T or model.config.mu_rec
+    if not (1 <= draft.depth < T and draft.length >= 1):
+        raise ValueError(f"a draft of depth {draft.depth} and length {draft.length} needs "
+                         f"1 <= depth < T={T} and length >= 1")
+
+
+def drafted(decoder, max_new_tokens, draft, sampling, counts=None):
+    """generate's tokens at depth T, `draft.length` positions per pass through the whole loop.
+
+    At depth T a position's loop steps 0..t-1 do not depend on T: the same h0, input and cache
+    entries of earlier positions. So a draft at depth t is the first t steps of the target.
+    1. draft: k positions one at a time at depth t, each keeping its state h_t.
+    2. verify: those k positions together from step t to T, then the coda: the target's logits.
+    3. accept: speculative sampling's rule (accept), so each token is distributed as plain
+       decoding's; greedy, the target's argmax. The cache rolls back past the rest.
+    A batch keeps the run every row accepts, so a row's draws depend on the rows beside it.
+    counts gets "passes", "drafted" and "agreed" (drafts a row accepted before its first
+    rejection)."""
+    steps = torch.full((decoder.tokens.size(0),), decoder.T)
+    made, counts = 0, {} if counts is None else counts
+    while made < max_new_tokens:
+        k, start = min(draft.length, max_new_tokens - made), decoder.length
+        # 1. draft: each position's token drawn as plain decoding draws it, from the draft's logits
+        states, shallow = [], []  # each position's state, and its logits at depth t
+        for _ in range(k):
+            logits, state = decoder.draft_logits(draft.depth)
+            states.append(state)
+            shallow.append(sampling.masked(logits))
+            decoder.append(sampling.pick(shallow[-1]))
+        # 2. verify: the k positions run on to T together
+        target = sampling.masked(decoder.verify_logits(states, draft.depth))
+        # 3. accept, then roll back past the rejected positions
+        ids, agreed = accept(torch.stack(shallow, dim=1), target,
+                             decoder.tokens[:, start:start + k], sampling)
+        decoder.tokens[:, start:start + ids.size(1)] = ids
+        decoder.rewind(start + ids.size(1))
+        made += ids.size(1)
+        for name, value in (("passes", 1), ("drafted", agreed.numel() * k),
+                            ("agreed", int(agreed.sum()))):
+            counts[name] = counts.get(name, 0) + value
+        for next_ids in ids.unbind(dim=1):
+            yield next_ids, steps
+
+
+def accept(draft_logits, target_logits, guesses, sampling):
+    """The tokens kept of k drafted ones: speculative sampling's rule (Leviathan et al., 2023).
+    Each row accepts draft token x with probability min(1, p(x) / q(x)) (target p, draft q).
+    At its first rejection it draws from max(0, p - q), normalised. Greedy, x must be p's argmax.
+    Every row keeps the first a tokens, a - 1 being the fewest drafts a row accepted (at most k).
+    -> (ids (B, a), drafts each row accepted before its first rejection (B,))."""
+    k = guesses.size(1)
+    if greedy(sampling.temperature):
+        best = target_logits.argmax(dim=-1)  # (B, k)
+        agreed = (guesses == best).cumprod(dim=1).sum(dim=1)
+        return best[:, :min(int(agreed.min()) + 1, k)], agreed
+    p, q = (probabilities(logits, sampling.temperature, sampling.top_k)
+            for logits in (target_logits, draft_logits))  # (B, k, V) each
+    p_x, q_x = (probs.gather(-1, guesses[..., None])[..., 0] for probs in (p, q))
+    u = torch.stack([torch.rand(k, generator=g, device=p.device) for g in sampling.generators])
+    agreed = (u * q_x < p_x).cumprod(dim=1).sum(dim=1)  # u < p(x) / q(x)
+    a = min(int(agreed.min()) + 1, k)
+    ids = guesses[:, :a].clone()
+    for row in (agreed == a - 1).nonzero()[:, 0].tolist():  # the rows rejecting the last kept
+        residual = (p[row, a - 1] - q[row, a - 1]).clamp(min=0)
+        ids[row, a - 1] = draw(residual[None], sampling.generators[row:row + 1])[0]
+    return ids, agreed
 
 
 def forced_logits(model, ids, prompt_len, T=None, seed=0, **decoding):

@@ -10,6 +10,8 @@ sample.py: text from a trained Parcae checkpoint, at any recurrence depth, strea
   It defaults to mu_rec.
 - --T=auto (beyond the paper) stops each token's recurrence once its state settles (engine.py).
 - --kv=shared keeps T = 1's cache memory at any T, exact only at T = 1 (docs/sampling.md).
+- --draft (beyond the paper) drafts tokens at a shallow depth and verifies them at T.
+  Every token is distributed exactly as at T; greedy, the same tokens (docs/sampling.md).
 - Sample i draws its h0 and its tokens from a generator seeded --seed + i.
   So a sample does not depend on how many are drawn.
 """
@@ -23,16 +25,16 @@ import warnings
 import torch
 
 from nanoparcae.checkpoint import load_run
-from nanoparcae.common import REFUSED, fail, fail_with, parse_device
+from nanoparcae.common import command_parser, comma_list, parse_device, run_command
 from nanoparcae.flags import positive, zero_or_more
-from engine import EXIT_THRESHOLDS, EXITS, KV_CACHES, generate
+from engine import EXIT_THRESHOLDS, EXITS, KV_CACHES, Draft, auto_draft, check_draft, generate
 
 # -----------------------------------------------------------------------------
 # Streaming samples
 
-def stream_samples(model, tokenizer, prompt, args, device, allowed=None):
+def stream_samples(model, tokenizer, prompt, args, device, allowed=None, draft=None):
     """Print each sample token by token; <|bos|> (a new document) ends one early.
-    allowed: a mask of the ids that may be sampled, None for all."""
+    allowed: a mask of the ids that may be sampled, None for all. draft: generate's."""
     ids = tokenizer.encode(prompt, prepend_bos=True)
     for i in range(args.num_samples):
         if args.num_samples > 1:
@@ -41,10 +43,11 @@ def stream_samples(model, tokenizer, prompt, args, device, allowed=None):
         generator = torch.Generator(device).manual_seed(args.seed + i)
         # a character may span tokens
         utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        depths, t0 = [], time.perf_counter()
+        depths, counts, t0 = [], {}, time.perf_counter()
         for next_ids, steps in generate(model, ids, args.max_new_tokens, args.T, args.temperature,
                                         args.top_k, generator, args.exit, args.exit_threshold,
-                                        args.T_max, allowed=allowed, kv=args.kv):
+                                        args.T_max, allowed=allowed, kv=args.kv, draft=draft,
+                                        counts=counts):
             token = int(next_ids[0])
             if token == tokenizer.bos_id:
                 break
@@ -53,8 +56,10 @@ def stream_samples(model, tokenizer, prompt, args, device, allowed=None):
                   flush=True)
         print(utf8.decode(b"", final=True))
         seconds = time.perf_counter() - t0
+        drafts = (f", drafted at depth {draft.depth}: {counts['agreed'] / counts['drafted']:.0%} "
+                  f"accepted" if counts else "")
         print(f"[{len(depths)} tokens, {len(depths) / seconds:.1f} tokens/s, "
-              f"{sum(depths) / max(1, len(depths)):.2f} recurrent steps per token]",
+              f"{sum(depths) / max(1, len(depths)):.2f} recurrent steps per token{drafts}]",
               file=sys.stderr)
 
 
@@ -68,6 +73,28 @@ def parse_depth(value):
         raise argparse.ArgumentTypeError(f"--T must be a positive integer or 'auto', "
                                          f"got {value!r}")
     return int(value)
+
+
+def parse_draft(value):
+    """--draft: auto, off, or depth,length."""
+    if value in ("auto", "off"):
+        return value
+    numbers = comma_list(value)
+    if len(numbers) != 2 or min(numbers) < 1:
+        raise argparse.ArgumentTypeError(f"--draft takes auto, off or two positive integers "
+                                         f"depth,length (e.g. 4,8), got {value!r}")
+    return Draft(*numbers)
+
+
+def chosen_draft(model, args):
+    """The Draft that --draft asks for, None to decode one position at a time.
+    auto drafts where it is exact and pays (engine.auto_draft); depth,length must be exact."""
+    if args.draft == "off" or (args.draft == "auto" and (args.T == "auto" or args.kv != "steps")):
+        return None
+    if args.draft == "auto":
+        return auto_draft(model, args.T)
+    check_draft(model, args.T, args.kv, True, args.draft)
+    return args.draft
 
 
 def add_sampling_flags(parser):
@@ -88,12 +115,13 @@ def add_sampling_flags(parser):
                         help=f"--T=auto stops under this (default {EXIT_THRESHOLDS})")
     parser.add_argument("--kv", choices=KV_CACHES, default="steps",
                         help="KV cache: exact, a slot per loop step; or shared, T = 1's memory")
+    parser.add_argument("--draft", type=parse_draft, default="auto",
+                        help="drafts at a shallow depth verified at T: auto, off, or depth,length")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 
 
 def parse_sampling_flags(parser, argv):
     """The flags, each checked before any work; a bad one ends in one line naming it."""
-    parser.error = fail  # an unknown flag or a bad value: one line, status 2
     args = parser.parse_args(argv)
     try:
         parse_device(args.device)
@@ -111,40 +139,37 @@ def sample(model, tokenizer, args, label):
     c = model.config
     allowed = tokenizer.known_ids(c.vocab_size)
     allowed = None if allowed is None else allowed.to(device)
+    draft = chosen_draft(model, args)
     print(f"{label}: {model.num_params():,} parameters, mu_rec={c.mu_rec}, "
-          f"injection={c.injection}; T={args.T or c.mu_rec}", file=sys.stderr)
+          f"injection={c.injection}; T={args.T or c.mu_rec}"
+          f"{f', drafts {draft.length} at depth {draft.depth}' if draft else ''}", file=sys.stderr)
     with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
         try:
             if args.prompt is not None or not sys.stdin.isatty():
                 text = sys.stdin.read() if args.prompt is None else args.prompt
-                stream_samples(model, tokenizer, text, args, device, allowed)
+                stream_samples(model, tokenizer, text, args, device, allowed, draft)
             else:
                 while True:
                     try:
                         prompt = input("\n> ")
                     except (EOFError, KeyboardInterrupt):
                         break
-                    stream_samples(model, tokenizer, prompt, args, device, allowed)
+                    stream_samples(model, tokenizer, prompt, args, device, allowed, draft)
         except ValueError:  # too many positions, or T=auto on the Transformer: after a new line
             print(file=sys.stderr)
             raise
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     allow_abbrev=False)
+    parser = command_parser(__doc__)
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--ckpt", help="a checkpoint file (default: the latest of --run)")
     which.add_argument("--run", help="a run under <base dir>/runs (default: the newest)")
     add_sampling_flags(parser)
     args = parse_sampling_flags(parser, argv)
-    try:
-        model, tokenizer, _, path = load_run(args.ckpt or args.run, torch.device(args.device))
-        sample(model, tokenizer, args, path)
-    except REFUSED as err:
-        fail_with(err)
+    model, tokenizer, _, path = load_run(args.ckpt or args.run, torch.device(args.device))
+    sample(model, tokenizer, args, path)
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

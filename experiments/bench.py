@@ -37,6 +37,7 @@ from data import DataLoader
 from nanoparcae.dataset import iter_documents
 from nanoparcae.flags import positive
 from nanoparcae.report import cpu_name
+from engine import DRAFT_LENGTH, Draft, auto_draft, generate
 from eval_core import bf16_autocast, evaluate_task
 from experiments.decoding import decoding_rows, stdlib_tokens
 from experiments.timing import log, median_seconds, print_table, timed
@@ -560,8 +561,69 @@ def row_digest(args, device, training, figures):
              f"the whole digest / torch.load {all_s / seconds['load']:.2f}x", "")]
 
 
+def row_draft(args, device, training, figures):
+    """Row 11: self-speculative decoding (engine.drafted) against plain decoding, greedy, each row's own prompt from
+    the stdlib's text: tokens/s at T = mu_rec, 2 mu_rec, 32 and 64, 1 and 8 rows, with the share of drafts accepted
+    and the tokens per verify pass. The draft is sample.py's --draft=auto (engine.auto_draft), else depth
+    min(mu_rec, T - 1), DRAFT_LENGTH long. On the trained checkpoint (--ckpt, else the newest run), then the 140M's
+    shapes with random weights."""
+    rows = []
+    for name, (model, ids, new) in draft_models(args, device).items():
+        for batch in (1, 8):
+            cells, ratios = [], {}
+            for T in sorted({model.config.mu_rec, 2 * model.config.mu_rec, 32, 64}):
+                auto = auto_draft(model, T)
+                draft = auto or Draft(min(model.config.mu_rec, T - 1), DRAFT_LENGTH)
+                counts = {}
+
+                def decode(draft=None, counts=None):
+                    with bf16_autocast(DEVICE):
+                        for _ in generate(model, ids[:batch], new, T, temperature=0, draft=draft, counts=counts):
+                            pass
+                seconds = median_seconds({"plain": decode, "drafted": lambda: decode(draft, counts)},
+                                         args.repeats)
+                ratio = seconds["plain"] / seconds["drafted"]
+                ratios[T] = ratio if auto else 1.0  # where auto declines, sample.py decodes plainly
+                passes = counts["passes"] / (args.repeats + 1)  # the warm-up's passes, then each repeat's
+                cells.append(f"T={T}: {batch * new / seconds['plain']:.1f} -> {batch * new / seconds['drafted']:.1f}"
+                             f" tok/s ({ratio:.2f}x; drafts {draft.depth}x{draft.length}{'' if auto else ' forced'},"
+                             f" {counts['agreed'] / counts['drafted']:.0%} accepted, {new / passes:.1f} tokens a pass)")
+            figures[f"draft_{name}_B{batch}"] = ratios
+            goal = 3 if batch == 1 else 2
+            target = "" if name.startswith("140M") else (
+                f"T=32 >= {goal}x: {'met' if ratios[32] >= goal else 'not met'}; auto >= 0.95x at every T: "
+                f"{'met' if min(ratios.values()) >= 0.95 else 'not met'}")
+            rows.append(("11", f"self-speculative decoding vs plain, greedy, {new} tokens, {batch} row(s), {name} "
+                         f"model: plain -> drafted (the ratio is sample.py's --draft=auto: 1.00x where it declines)",
+                         "; ".join(cells), ", ".join(f"T={T} {r:.2f}x" for T, r in ratios.items()), target))
+    return rows
+
+
+def draft_models(args, device):
+    """Row 11's models: {name: (model, 8 prompts of DECODE_PROMPT tokens, new tokens)}. The trained checkpoint
+    decodes --new_tokens; the 140M's shapes (depth 6, random weights drawn at seed 0) an eighth of them."""
+    models = {}
+    try:
+        model, tokenizer, _, path = load_run(args.ckpt, device)
+        prompts = stdlib_tokens(tokenizer, 8 * DECODE_PROMPT, device).view(8, DECODE_PROMPT)
+        models[f"trained ({path.parent.name})"] = (model, prompts, args.new_tokens)
+    except (FileNotFoundError, ValueError) as err:
+        log(f"row 11 without a trained model: {err}")
+    torch.manual_seed(0)
+    config = ParcaeConfig.from_depth(6, vocab_size=32768, seq_len=2048, mu_rec=8)
+    model = Parcae(config).to(device).eval()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # random weights: the scaled-zero init would make every depth's text alike
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.copy_(torch.randn(p.shape, generator=generator) / p.shape[-1] ** 0.5)
+    prompts = torch.randint(0, config.vocab_size, (8, DECODE_PROMPT), generator=generator).to(device)
+    models["140M-shaped random"] = (model, prompts, max(1, args.new_tokens // 8))
+    return models
+
+
 ROWS = {1: row_throughput, 2: row_mfu, 3: row_sampling, 4: row_memory, 5: row_decode, 6: row_core_and_loader,
-        7: row_compile, 8: row_active_only, 9: row_step, 10: row_digest}
+        7: row_compile, 8: row_active_only, 9: row_step, 10: row_digest, 11: row_draft}
 NEEDS_TRAINING = {1, 2, 3, 6}
 
 # -----------------------------------------------------------------------------
