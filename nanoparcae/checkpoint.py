@@ -43,7 +43,7 @@ def save_checkpoint(path, model, **extra):
     state["digest"] = {key: tensors_digest(value) for key, value in state.items() if tensors_in(value)}
     need = saved_bytes(state)
     if shutil.disk_usage(path.parent).free < need:
-        raise disk_full(path.parent, f"a checkpoint needs {size(need)}")
+        disk_full(path.parent, f"a checkpoint needs {size(need)}")
 
     def write(partial):
         try:
@@ -52,7 +52,7 @@ def save_checkpoint(path, model, **extra):
             written = partial.stat().st_size if partial.exists() else 0
             if getattr(err, "errno", None) in FULL_DISK or shutil.disk_usage(path.parent).free < need - written:
                 partial.unlink(missing_ok=True)
-                raise disk_full(path.parent, f"a checkpoint needs {size(need)}") from None
+                disk_full(path.parent, f"a checkpoint needs {size(need)}")
             raise
     write_atomically(path, write)
 

@@ -288,46 +288,8 @@ def first_sentence(err, limit=300):
     return f"{type(err).__name__}: {sentence}"
 
 
-# -----------------------------------------------------------------------------
-# The old way to fail, kept only until every command runs under run_command. TEMPORARY.
-REFUSED = (ValueError, FileNotFoundError, EnvironmentFailure)  # what a command ends in one line (fail_with)
-
-
-def fail(message, status=2):
-    """One clear line instead of a traceback, then exit with `status`: command code only.
-    Under torchrun each node's local rank 0 prints it, once in each node's log.
-    The checks decide alike on every rank."""
-    if local_rank() == 0:
-        print(f"error: {message}", file=sys.stderr, flush=True)
-    sys.exit(status)
-
-
-def fail_with(err):
-    """fail(err) with its exit_status. Any other error is raised again, with its traceback."""
-    if status := exit_status(err):
-        fail(err, status)
-    raise err
-
-
-def exit_in_one_line(kind, err, traceback):
-    """sys.excepthook for a flat script (train.py): an error it does not catch ends it as fail_with says.
-    The line goes straight to stderr: torch.distributed's hook would prefix it with the rank.
-    A hook cannot set the status, so it exits itself.
-    The ranks that do not print wait a moment first: torchrun stops every worker once one exits.
-    By then local rank 0 must have said why."""
-    status = exit_status(err)
-    if status is None:
-        return sys.__excepthook__(kind, err, traceback)
-    sys.stdout.flush()
-    if local_rank() == 0:
-        os.write(2, f"error: {err}\n".encode())
-    else:
-        time.sleep(2)
-    os._exit(status)
-
-
 def disk_full(folder, needs):
-    """Build the EnvironmentFailure of a full disk, naming what `needs` room and what is free. TEMPORARY too."""
-    return EnvironmentFailure(
+    """Stop a run whose disk is full: EnvironmentFailure naming what `needs` room and what is free."""
+    raise EnvironmentFailure(
         f"the disk holding {folder} is full: {needs} and {size(shutil.disk_usage(folder).free)} is free; "
-        f"the last checkpoint is kept: free space there, then the same command continues from it")
+        f"the last checkpoint is kept: free space there, then the same command continues from it") from None

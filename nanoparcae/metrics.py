@@ -71,7 +71,7 @@ def full_disk(err, folder):
     """A full disk raises EnvironmentFailure, saying so; any other error goes on up."""
     if err.errno not in FULL_DISK:
         raise err
-    raise disk_full(folder, "metrics.jsonl cannot be written") from None
+    disk_full(folder, "metrics.jsonl cannot be written")
 
 
 def read_at_once(values):

@@ -5,7 +5,6 @@ At each checkpoint, the replicas' weights are compared.
 Each check runs before what it protects; docs/distributed.md says what each catches.
 """
 
-import hashlib
 import os
 import socket
 from contextlib import contextmanager

@@ -287,18 +287,11 @@ def run_here(args, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", [args[1], *args[2:]] if module else [str(ROOT / args[0]), *args[1:]])
     if module:
         monkeypatch.delitem(sys.modules, args[1], raising=False)  # run afresh as __main__, as python -m does
-    from nanoparcae import common
-    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # a script may set its own, undone after the test
     with pytest.raises(SystemExit) as exit_info:
-        try:
-            if module:
-                runpy.run_module(args[1], run_name="__main__", alter_sys=True)
-            else:
-                runpy.run_path(str(ROOT / args[0]), run_name="__main__")
-        except Exception as err:  # what a script's sys.excepthook of common's would do with it, in this process
-            if sys.excepthook is not common.exit_in_one_line:
-                raise
-            common.fail_with(err)
+        if module:
+            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(str(ROOT / args[0]), run_name="__main__")
     out, err = capsys.readouterr()
     status = exit_info.value.code
     if isinstance(status, str):

@@ -18,7 +18,6 @@ import torch
 
 from conftest import ROOT, TINY, awaited, beforehand, carries, python, train, train_command, train_env, write_corpus
 from model import Parcae, ParcaeConfig
-from nanoparcae import common
 from nanoparcae.memory import activation_bytes, largest_divisor, memory_plan
 from optim import optimizer_state_bytes
 
@@ -32,12 +31,8 @@ def largest_fitting_batch(model, sequences, gpu_gb, bf16, optimizer_bytes):
 def run_train(monkeypatch, capsys, *flags):
     """train.py in this process with these flags (it must exit before training) -> (status, stdout, stderr)."""
     monkeypatch.setattr(sys, "argv", [str(ROOT / "train.py"), *flags])
-    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # train.py sets its own, undone after the test
     with pytest.raises(SystemExit) as exit_info:
-        try:
-            runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
-        except Exception as err:  # what train.py's sys.excepthook does at the top level
-            common.fail_with(err)
+        runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
     out, err = capsys.readouterr()
     return exit_info.value.code, out, err
 

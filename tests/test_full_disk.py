@@ -23,10 +23,10 @@ CONFIG = ParcaeConfig(vocab_size=97, seq_len=16, n_prelude=1, n_recur=1, n_coda=
 
 def stopped_in_one_line(call, capsys):
     """call() must raise EnvironmentFailure, which a command ends with in one line, status 1 -> that line."""
-    with pytest.raises(common.EnvironmentFailure) as failure:
+    with pytest.raises(common.EnvironmentFailure):
         call()
     with pytest.raises(SystemExit) as stop:
-        common.fail_with(failure.value)
+        common.run_command(lambda argv: call())
     assert stop.value.code == 1
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1, lines
@@ -195,10 +195,10 @@ def test_a_disk_without_room_for_the_result_is_refused_before_the_work(tmp_path,
 
 def test_a_file_named_as_the_folder_is_bad_input(tmp_path, capsys):
     (tmp_path / "a_file").write_text("")
-    with pytest.raises(ValueError) as refused:
+    with pytest.raises(ValueError):
         common.check_writable(tmp_path / "a_file", "the export")
     with pytest.raises(SystemExit) as stop:
-        common.fail_with(refused.value)
+        common.run_command(lambda argv: common.check_writable(tmp_path / "a_file", "the export"))
     assert stop.value.code == 2 and carries(capsys.readouterr().err, str(tmp_path / "a_file"))
 
 

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import sample
+from nanoparcae import common
 from nanoparcae.dataset import list_chunks
 from nanoparcae.divergence import Divergence
 from conftest import (ROOT, TINY, Started, carries, corrupt_a_weight, python, refused, train, train_command,
