@@ -73,26 +73,37 @@ def test_every_reader_of_metrics_skips_a_torn_last_line(tmp_path):
     assert read_metrics(checkpoint.run_dir("scaled") / "metrics.jsonl") == whole[:1]
 
 
-def test_fail_prints_once_a_node_and_exits_with_its_status(monkeypatch, capsys):
+def refusing(err):
+    """A command's main() that raises err."""
+    def main(argv=None):
+        raise err
+    return main
+
+
+def test_run_command_prints_a_refusal_once_a_node_and_exits_with_its_status(monkeypatch, capsys):
+    monkeypatch.setattr(common.time, "sleep", lambda seconds: None)
     for local_rank, printed in (("0", True), ("3", False), (None, True)):
         if local_rank is None:
             monkeypatch.delenv("LOCAL_RANK", raising=False)
         else:
             monkeypatch.setenv("LOCAL_RANK", local_rank)
         with pytest.raises(SystemExit) as exit_info:
-            common.fail("the disk is full; free some space", status=1)
+            common.run_command(refusing(common.EnvironmentFailure("the disk is full")))
         assert exit_info.value.code == 1
-        assert (capsys.readouterr().err == "error: the disk is full; free some space\n") == printed
+        assert (capsys.readouterr().err == "error: the disk is full\n") == printed
 
 
-def test_fail_with_gives_each_kind_of_error_its_status_and_raises_the_rest(capsys):
+def test_run_command_gives_each_kind_of_error_its_status_and_raises_the_rest(capsys):
     for err, status in ((ValueError("--depth=0 must be positive"), 2), (FileNotFoundError("no shard"), 2),
-                        (common.EnvironmentFailure("the disk is full"), 1)):
+                        (common.EnvironmentFailure("the disk is full"), 1), (KeyboardInterrupt(), 130)):
         with pytest.raises(SystemExit) as exit_info:
-            common.fail_with(err)
+            common.run_command(refusing(err))
         assert exit_info.value.code == status and capsys.readouterr().err.count("\n") == 1
+    with pytest.raises(SystemExit) as exit_info:
+        common.run_command(lambda argv: 3)
+    assert exit_info.value.code == 3
     with pytest.raises(KeyError):  # a bug keeps its traceback
-        common.fail_with(KeyError("step"))
+        common.run_command(refusing(KeyError("step")))
 
 
 def test_ddp_is_told_not_to_sync_buffers_in_its_torch_release_s_words(monkeypatch):
