@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nanoparcae.checkpoint import load_run, run_dir
+from nanoparcae.checkpoint import checkpoints, load_run, run_dir
 from nanoparcae.common import check_writable, command_parser, read_json, run_command, write_atomically, write_json
 from nanoparcae.divergence import STATE_NORM_LIMIT
 from data import val_batches
@@ -160,7 +160,7 @@ def planned_runs(results, seeds, max_seeds):
 def train_and_evaluate(run, log_path, threads):
     """train.py from scratch (a run cut short is restarted: it takes minutes), then `evaluate` -> ok."""
     directory = run_dir(run["name"])
-    for stale in list(directory.glob("ckpt_*.pt")) + list(directory.glob("metrics.jsonl")):
+    for stale in checkpoints(directory) + list(directory.glob("metrics.jsonl")):
         stale.unlink()
     directory.mkdir(parents=True, exist_ok=True)
     Path(log_path).write_text("")

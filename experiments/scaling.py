@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from nanoparcae.checkpoint import run_dir
+from nanoparcae.checkpoint import latest, run_dir
 from nanoparcae.common import (PEAK_BF16_FLOPS, comma_list, command_parser, get_base_dir, read_json, run_command,
                                write_atomically, write_json)
 from nanoparcae.metrics import read_metrics
@@ -218,7 +218,7 @@ def run(sweep, gpus):
                 f"{p['steps']} steps)"
         if final_eval(p) is None:
             folder = run_dir(p["name"])
-            resume = any(folder.glob("ckpt_*.pt"))
+            resume = latest(folder) is not None
             folder.mkdir(parents=True, exist_ok=True)
             log_path = folder / "train.log"
             print(f"{where}: {'resuming' if resume else 'training'}, log {log_path}", flush=True)

@@ -29,14 +29,14 @@ from nanoparcae.ranks import agree_to_start, gather, refusing_alike
 # The run's identity: its folder, defined by the run flags its checkpoints record, and its lock
 
 
-RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # one folder name, never a path or a pattern
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")  # one folder name, never a path or a pattern
 
 
 def run_folder(args):
     """The folder of the run a command trains: --run, or d<depth>_<injection>.
     A --run that is not one folder name of safe characters raises ValueError."""
     if args.run is not None and not RUN_NAME.fullmatch(args.run):
-        raise ValueError(f"--run={args.run!r} is not a run name: use letters, digits, '.', '_' and '-', "
+        raise ValueError(f"--run={args.run!r} is not a run name: use letters, digits, '.', '_', '+' and '-', "
                          f"starting with a letter or digit")
     return run_dir(args.run or f"d{args.depth}_{args.injection}")
 
