@@ -92,11 +92,15 @@ def describe(args, plan):
 
 
 def prepare_run(args, run_flags):
-    """Everything before the first step -> namespace, or None when there is nothing to train.
-    None: a --dry_run (the plan printed) or a finished run (said so).
-    The namespace: plan_run's fields, device, ddp, rank, world, grad_accum, the run (run.py's identity,
-    its lock held), tokenizer, loaders and val_data, model (on device, in train mode), step,
-    skipped_steps, lowest_val_loss and optimizer_state (None: a fresh run).
+    """Do everything before the first step -> namespace, or None when there is nothing to train.
+    None means a --dry_run (the plan printed) or a finished run (said so). The namespace holds:
+
+    - plan_run's fields, device, ddp, rank, world and grad_accum.
+    - the run (run.py's identity, its lock held).
+    - tokenizer, loaders and val_data.
+    - model (on device, in train mode).
+    - step, skipped_steps, lowest_val_loss and optimizer_state (None: a fresh run).
+
     Every check that can refuse the command comes before the run's lock, its first write."""
     plan = plan_run(args)
     device, ddp, rank, world = start_processes(args)
