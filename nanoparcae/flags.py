@@ -6,6 +6,8 @@ A bad value is one line, said one way.
 import argparse
 import math
 
+from nanoparcae.common import comma_list
+
 
 def checked(kind, rule, holds):
     """An argparse type: the text read as `kind`, refused unless holds(value), naming `rule`."""
@@ -30,10 +32,8 @@ def listed(each):
     """An argparse type: integers separated by commas, each read by `each` (1,2,4,8)."""
     def parse(text):
         try:
-            values = [each(value) for value in text.split(",") if value.strip()]
-        except ValueError:  # not a number; a number out of range says so itself
-            values = []
-        if not values:
-            raise argparse.ArgumentTypeError(f"{text!r} must be integers separated by commas, e.g. 1,2,4")
-        return values
+            return comma_list(text, each)
+        except ValueError:  # a value out of each's range says so itself
+            raise argparse.ArgumentTypeError(f"{text!r} must be integers separated by commas, "
+                                             f"e.g. 1,2,4") from None
     return parse
