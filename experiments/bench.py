@@ -288,7 +288,7 @@ def row_decode(args, device, training, figures):
         model, tokenizer, _, path = load_run(args.ckpt, device)
         ids = stdlib_tokens(tokenizer, DECODE_PROMPT + args.new_tokens, device)
         where = f"checkpoint {path.parent.name}/{path.name}"
-    except (FileNotFoundError, ValueError) as err:
+    except (FileNotFoundError, ValueError):
         if args.ckpt:
             raise
         torch.manual_seed(0)

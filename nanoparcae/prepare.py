@@ -30,7 +30,7 @@ from nanoparcae import run as runs
 def plan_run(args):
     """The model sized on the meta device, and its horizon -> namespace.
     Fields: config, meta_model, num_params, flops_per_token, executed_flops_per_token, max_tokens,
-    num_steps, adamw_lr. Nothing is allocated."""
+    num_steps, tokens (what the steps train), adamw_lr. Nothing is allocated."""
     config = ParcaeConfig.from_depth(
         args.depth, vocab_size=args.vocab_size, seq_len=args.seq_len, head_dim=args.head_dim,
         mu_rec=args.mu_rec, mu_bwd=args.mu_bwd, injection=args.injection, sampling=args.depth_sampling,
@@ -50,10 +50,11 @@ def plan_run(args):
     else:
         raise ValueError(f"no default horizon for --depth={args.depth}; give --max_tokens, --target_flops "
                          f"or --param_data_ratio")
+    num_steps = max(1, int(max_tokens // args.total_batch_size))
     return SimpleNamespace(config=config, meta_model=meta_model, num_params=num_params,
                            flops_per_token=flops_per_token, max_tokens=max_tokens,
                            executed_flops_per_token=meta_model.matmul_flops_per_token(),  # MFU's
-                           num_steps=max(1, int(max_tokens // args.total_batch_size)),
+                           num_steps=num_steps, tokens=num_steps * args.total_batch_size,
                            adamw_lr=args.adamw_lr or learning_rate_for_depth(args.depth))
 
 
@@ -75,7 +76,7 @@ def start_processes(args):
 
 def describe(args, plan):
     """The model, its sizes and its horizon, in three lines (and a warning for full backprop)."""
-    config, tokens = plan.config, plan.num_steps * args.total_batch_size
+    config, tokens = plan.config, plan.tokens
     print0(f"model: depth {args.depth} ({config.n_prelude}/{config.n_recur}/{config.n_coda}), d_model "
            f"{config.d_model}, {config.n_head} heads, injection {config.injection}, mu_rec {config.mu_rec}, "
            f"mu_bwd {config.mu_bwd}, sampling {config.sampling}, prelude_norm {config.prelude_norm}")
@@ -113,7 +114,7 @@ def prepare_run(args, run_flags):
     if args.dry_run:
         return None
     # A refusal one rank meets stops every rank, in one line; a missing shard names its download
-    tokens = plan.num_steps * args.total_batch_size
+    tokens = plan.tokens
     paper_run = plan.max_tokens == PAPER_TOKENS.get(args.depth)
     sized = f"--depth={args.depth}" if paper_run else f"--tokens={tokens:.4g}"  # its own download
     with ranks.refusing_alike():  # --resume with nothing to resume says so before any data check
