@@ -151,6 +151,7 @@ class DataLoader:
     def __init__(self, tokenizer, source, split, batch_size, seq_len, rank=0, world_size=1, seed=0,
                  device="cpu", buffer_docs=1000, num_threads=4, tokenize_batch=128, reader=None,
                  sharers=1):
+        self.prefetcher, self.pending = None, collections.deque()  # first, for close() if a check below fails
         self.tokenizer, self.batch_size, self.seq_len = tokenizer, batch_size, seq_len
         self.device = torch.device(device)
         self.buffer_docs, self.num_threads, self.tokenize_batch = (buffer_docs, num_threads,
@@ -161,7 +162,6 @@ class DataLoader:
         self.epoch_docs = 0  # documents taken from the epoch of next_doc: the share, at its end
         self.buffer = []  # (length, arrival, doc_id, tokens), sorted by length then arrival
         self.arrivals = self.batches = self.tokens_used = self.tokens_cropped = 0
-        self.prefetcher, self.pending = None, collections.deque()
 
     def _next_document(self):
         if not self.pending:

@@ -61,6 +61,7 @@ def write_jsonl(path, texts):
 
 
 def write_parquet(path, texts, row_group_size=None):
+    path.parent.mkdir(parents=True, exist_ok=True)  # a read makes no folder, FineWeb-Edu's included
     pq.write_table(pa.table({"text": texts}), path, row_group_size=row_group_size)
     return path
 
@@ -570,6 +571,66 @@ def test_user_files_txt_jsonl_parquet(tmp_path):
                                    "json two", "parquet one", "parquet two", "parquet three"])
     assert list(dataset.iter_documents(str(folder / "*.jsonl"), "train")) + list(
         dataset.iter_documents(str(folder / "*.jsonl"), "val")) == ["json one", "json two"]
+
+
+def corrupt(path, where):
+    """A parquet file of three row groups, then random bytes over its footer or over row group 1's pages."""
+    write_parquet(path, make_documents(30, seed=8), row_group_size=10)
+    data = bytearray(path.read_bytes())
+    start = len(data) - 40 if where == "footer" else pq.read_metadata(path).row_group(1).column(0).data_page_offset
+    data[start:start + 32] = random.Random(0).randbytes(32)
+    path.write_bytes(bytes(data))
+    return path
+
+
+def not_readable(path, monkeypatch):
+    """A shard that cannot be read: the mode for a user, the read itself for root, whom modes do not stop."""
+    write_parquet(path, ["one", "two"])
+    path.chmod(0)
+    real = pq.read_metadata
+
+    def read_metadata(where, *args, **kwargs):
+        if Path(where) == path:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(where))
+        return real(where, *args, **kwargs)
+
+    monkeypatch.setattr(pq, "read_metadata", read_metadata)
+    return path
+
+
+BAD_FILES = {  # a file's name -> how it is made, the error, and the words after its path
+    "footer.parquet": (lambda path, _: corrupt(path, "footer"), ValueError, ["remove"]),
+    "pages.parquet": (lambda path, _: corrupt(path, "pages"), ValueError, ["row group 1", "remove"]),
+    "empty.parquet": (lambda path, _: path.write_bytes(b""), ValueError, ["0 bytes", "remove"]),
+    "number.jsonl": (lambda path, _: path.write_text('{"text": "fine"}\n{"text": 5}\n'), ValueError, ["line 2"]),
+    "null.jsonl": (lambda path, _: path.write_text('{"text": null}\n'), ValueError, ["line 1"]),
+    "number.parquet": (lambda path, _: pq.write_table(pa.table({"text": [1, 2]}), path), ValueError, ["int64"]),
+    "null.parquet": (lambda path, _: write_parquet(path, ["fine", None]), ValueError, ["row group 0"]),
+    "utf16.txt": (lambda path, _: path.write_bytes("one\n\ntwo".encode("utf-16")), ValueError, ["UTF-8"]),
+    "unreadable.parquet": (not_readable, EnvironmentFailure, ["readable"]),
+}
+
+
+@pytest.mark.parametrize("name", BAD_FILES)
+def test_a_bad_data_file_is_named_with_its_fix_wherever_it_is_read(name, tokenizer, tmp_path, monkeypatch):
+    """Corrupt, empty, unreadable, not UTF-8, or a 'text' that is not a string: the listing, the tokenizer's read
+    and the loader's thread (what train and eval_core read through) each end in one line naming the file."""
+    make, error, words = BAD_FILES[name]
+    path = tmp_path / "data" / name
+    path.parent.mkdir()
+    make(path, monkeypatch)
+    write_jsonl(tmp_path / "data" / "fine.jsonl", make_documents(40))
+    for read in (lambda: list(dataset.iter_documents(str(path.parent), "train")),
+                 lambda: next(data.DataLoader(tokenizer, str(path.parent), "train", batch_size=1, seq_len=8))):
+        with raises_naming(error, str(path), *words) as refused:
+            read()
+        assert "\n" not in str(refused.value)
+
+
+def test_a_file_where_the_shards_folder_belongs_is_named():
+    (dataset.get_base_dir() / "fineweb-edu").write_text("")
+    with raises_naming(ValueError, str(dataset.get_base_dir() / "fineweb-edu")):
+        dataset.list_chunks("fineweb-edu", "val")
 
 
 def test_bad_user_sources_say_what_to_do(tmp_path):
