@@ -382,13 +382,14 @@ def get_tokenizer(source, vocab_size, max_chars=2_000_000_000, doc_cap=10_000, t
     """Load the cached tokenizer for this source and vocab size.
     It trains on the source's train split on first use; with train=False it returns None instead."""
     directory = tokenizer_dir(source, vocab_size)
-    if not train and not (directory / "token_bytes.txt").exists():
+    if not train and not Tokenizer.saved(directory):
         return None
-    if not (directory / "token_bytes.txt").exists():
+    if not Tokenizer.saved(directory):
         reader = ChunkReader()  # one reader names a file with bytes that are not UTF-8 once
         check_split(source, "train", reader)  # a missing or empty source fails here, before the announcement
         # its three files hold a line of under 64 bytes per token
-        check_writable(directory.parent, f"the {vocab_size}-token tokenizer", needs=3 * 64 * vocab_size)
+        check_writable(directory.parent, f"the {vocab_size}-token tokenizer", needs=3 * 64 * vocab_size,
+                       fix="make it writable, free space on its disk, or set NANOPARCAE_BASE_DIR to another folder")
         print(f"Training a {vocab_size}-token tokenizer on {source} (train split, <= {max_chars:,} chars) ...")
         t0 = time.time()
         tokenizer = Tokenizer.train(iter_documents(source, "train", reader), vocab_size, max_chars, doc_cap)
@@ -396,7 +397,7 @@ def get_tokenizer(source, vocab_size, max_chars=2_000_000_000, doc_cap=10_000, t
         try:
             write_atomically(directory, tokenizer.save, directory.with_name(f"{directory.name}.{os.getpid()}.tmp"))
         except OSError:
-            if not (directory / "token_bytes.txt").exists():
+            if not Tokenizer.saved(directory):
                 raise
             # another process finished first, and its copy is kept
         print(f"Trained in {time.time() - t0:.1f}s, saved to {directory}")

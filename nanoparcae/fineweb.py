@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 import pyarrow.parquet as pq
 
 from model import PAPER_TOKENS
-from nanoparcae.common import EnvironmentFailure, get_base_dir
+from nanoparcae.common import EnvironmentFailure, check_writable, get_base_dir
 from nanoparcae.download import download_file
 
 FINEWEB_URL = "https://huggingface.co/datasets/karpathy/fineweb-edu-100b-shuffle/resolve/main"
@@ -29,12 +29,13 @@ PACKING_CROP = 0.35
 
 def fineweb_dir(make=False):
     """The shards' folder, made if `make` (a download); a read makes nothing, so a read-only cache serves.
-    A file in its place raises ValueError naming it."""
+    A file in its place raises ValueError naming it, and a folder a download cannot write EnvironmentFailure."""
     path = get_base_dir() / "fineweb-edu"
     if path.exists() and not path.is_dir():
         raise ValueError(f"{path} is a file where the FineWeb-Edu shards' folder belongs: move or remove it, then "
                          f"download the shards again")
     if make:
+        check_writable(path, "the FineWeb-Edu shards")
         path.mkdir(parents=True, exist_ok=True)
     return path
 

@@ -26,7 +26,7 @@ import pytest
 import tiktoken.load
 import torch
 
-from conftest import carries, python, raises_naming
+from conftest import carries, python, raises_naming, refused, run_here
 import data
 from nanoparcae import dataset
 from nanoparcae.common import EnvironmentFailure, spans
@@ -122,6 +122,48 @@ def test_save_load_identical(tokenizer, tmp_path, monkeypatch):
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "")  # "" turns tiktoken's cache off
     loaded = tiktoken.load.load_tiktoken_bpe(str(tmp_path / "tok" / "tokenizer.tiktoken"))
     assert loaded == tokenizer.enc._mergeable_ranks
+
+
+def cut_at_a_line(path):
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(lines[:len(lines) // 2]))
+
+
+@pytest.mark.parametrize("name,cut", [
+    ("tokenizer.json", lambda path: path.write_bytes(path.read_bytes()[:len(path.read_bytes()) // 2])),
+    ("tokenizer.tiktoken", lambda path: path.write_bytes(path.read_bytes()[:len(path.read_bytes()) // 2 + 3])),
+    ("tokenizer.tiktoken", cut_at_a_line),  # whole lines: tokens missing, no line torn
+    ("token_bytes.txt", cut_at_a_line),
+])
+def test_a_torn_tokenizer_file_is_named_with_the_command_that_recreates_it(tokenizer, tmp_path, name, cut):
+    tokenizer.save(tmp_path / "tok")
+    cut(tmp_path / "tok" / name)
+    with raises_naming(ValueError, str(tmp_path / "tok" / name), "python -m nanoparcae.dataset tokenizer") as torn:
+        Tokenizer.load(tmp_path / "tok")
+    assert "\n" not in str(torn.value)
+
+
+def test_a_tokenizer_that_cannot_be_read_is_the_machines_named(tokenizer, tmp_path, monkeypatch):
+    """Permission denied on the tokenizer's folder (a user's mode, or a read for root, whom modes do not stop)."""
+    folder = dataset.tokenizer_dir("stdlib", 400)
+    tokenizer.save(folder)
+    real = Path.read_bytes
+
+    def read_bytes(path):
+        if path.is_relative_to(folder):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return real(path)
+
+    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    with raises_naming(EnvironmentFailure, str(folder), os.strerror(errno.EACCES)):
+        dataset.get_tokenizer("stdlib", 400)
+
+
+@pytest.mark.parametrize("command", [["-m", "nanoparcae.dataset", "tokenizer"], ["train.py"], ["data.py"]])
+def test_an_unreasonable_vocabulary_is_refused_before_any_work(command, monkeypatch, capsys):
+    line = refused(run_here([*command, "--vocab_size=2147483647"], monkeypatch, capsys))
+    assert carries(line, "2147483647", "259", "1048576"), line
+    assert not dataset.get_base_dir().joinpath("tokenizers").exists()
 
 
 def test_token_bytes_sum_to_utf8_length(tokenizer):
@@ -534,8 +576,8 @@ def test_the_tokenizer_command_without_shards_fails_before_announcing_training(m
 
 @pytest.mark.parametrize("kind", ["read-only mount", "path under a file"])
 def test_a_base_folder_that_cannot_be_written_is_one_line(tmp_path, monkeypatch, capsys, kind):
-    """A read-only mount refuses the write probe with EROFS whoever runs it, root too; a path under a file fails at
-    mkdir."""
+    """A read-only mount refuses the write probe with EROFS whoever runs it, root too: the machine's (status 1), at
+    the tokenizer's folder, before training. A path under a file, which the user set, fails at mkdir (status 2)."""
     if kind == "read-only mount":
         base = tmp_path / "mounted"
         base.mkdir()
@@ -548,11 +590,41 @@ def test_a_base_folder_that_cannot_be_written_is_one_line(tmp_path, monkeypatch,
         (tmp_path / "a_file").write_text("")
         base = tmp_path / "a_file" / "base"
     monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(base))
-    assert run_cli(monkeypatch, "nanoparcae.dataset", "tokenizer", "--data=stdlib") == 2
+    status = run_cli(monkeypatch, "nanoparcae.dataset", "tokenizer", "--data=stdlib")
+    assert status == (1 if kind == "read-only mount" else 2)
     strerror = os.strerror(errno.EROFS if kind == "read-only mount" else errno.ENOTDIR)
     out, message = capsys.readouterr()
     assert len(message.splitlines()) == 1 and carries(message, str(base), strerror, "NANOPARCAE_BASE_DIR"), message
-    assert out == "" and list(base.iterdir() if base.is_dir() else []) == []
+    assert "Training" not in out and list(base.iterdir() if base.is_dir() else []) == []
+
+
+def read_only(monkeypatch, base):
+    """Make `base` read-only as a read-only mount is, for root too: a folder made or a file probed there fails."""
+    def refuse(*args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(base))
+
+    real_mkdir = os.mkdir
+    monkeypatch.setattr(tempfile, "TemporaryFile", refuse)
+    monkeypatch.setattr(os, "mkdir", lambda path, *args, **kwargs: refuse() if Path(path).is_relative_to(base)
+                        else real_mkdir(path, *args, **kwargs))
+
+
+def test_a_read_only_cache_serves_the_commands_that_only_read(tmp_path, monkeypatch, capsys):
+    """A run, its tokenizer and FineWeb-Edu shards in a read-only base folder: sample.py samples, and the tokenizer
+    and the validation batches (eval_core's) load, with nothing in it changed."""
+    from test_load_run import run_with_tokenizer
+    base = dataset.get_base_dir()
+    Tokenizer.train(iter(make_documents(50)), vocab_size=260).save(tmp_path / "tok")
+    run_with_tokenizer(base, tmp_path / "tok")
+    write_shards([0, dataset.FINEWEB_VAL_SHARD])
+    tokenizer = dataset.get_tokenizer("fineweb-edu", 300)
+    before, _ = sorted(base.rglob("*")), capsys.readouterr()
+    read_only(monkeypatch, base)
+    result = run_here(["sample.py", "--run=tiny", "--prompt=doc", "--max_new_tokens=2"], monkeypatch, capsys)
+    assert result.returncode == 0 and result.stdout.startswith("doc"), result.stderr[-3000:]
+    assert dataset.get_tokenizer("fineweb-edu", 300).encode(WEIRD_STRINGS) == tokenizer.encode(WEIRD_STRINGS)
+    assert len(list(data.val_batches(tokenizer, "fineweb-edu", 1, 16, 64))) == 4
+    assert sorted(base.rglob("*")) == before
 
 
 def test_a_flag_is_never_taken_for_a_prefix_of_another(monkeypatch, capsys):
