@@ -88,6 +88,7 @@ class DocumentStream:
 # At an epoch's end a buffer holds at most 1/DRAIN of its share; packing measures DRAIN buffers
 DRAIN = 8
 
+
 def tokenize_ahead(tokenizer, stream, start, loop, batch_docs, num_threads):
     """Lists of (doc_id, tokens), BOS first, batch_docs documents at a time."""
     documents = stream.iterate(*start, loop=loop)
@@ -151,7 +152,7 @@ class DataLoader:
     def __init__(self, tokenizer, source, split, batch_size, seq_len, rank=0, world_size=1, seed=0,
                  device="cpu", buffer_docs=1000, num_threads=4, tokenize_batch=128, reader=None,
                  sharers=1):
-        self.prefetcher, self.pending = None, collections.deque()  # first, for close() if a check below fails
+        self.prefetcher, self.pending = None, collections.deque()  # first: close() runs if a check fails
         self.tokenizer, self.batch_size, self.seq_len = tokenizer, batch_size, seq_len
         self.device = torch.device(device)
         self.buffer_docs, self.num_threads, self.tokenize_batch = (buffer_docs, num_threads,

@@ -25,8 +25,9 @@ SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>"]
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # every byte a token of its own, then the specials
 # 32 times the paper's 32,768; far beyond is a typo, whose tokenizer files alone would fill a disk
 MAX_VOCAB_SIZE = 2**20
-VOCAB_RANGE = (f"from {MIN_VOCAB_SIZE} to {MAX_VOCAB_SIZE}: 256 byte tokens and {len(SPECIAL_TOKENS)} specials at "
-               f"least, at most 2**20 (32 times the paper's 32768)")
+VOCAB_RANGE = (f"from {MIN_VOCAB_SIZE} to {MAX_VOCAB_SIZE} (256 byte tokens and {len(SPECIAL_TOKENS)} specials at "
+               f"least, 2**20 at most: 32 times the paper's 32768); pass --vocab_size={MIN_VOCAB_SIZE} or more, "
+               f"32768 for the paper's")
 
 
 def vocab_size_ok(value):
@@ -64,7 +65,8 @@ def unreadable(path, err):
 def torn(path, cause):
     """The ValueError for a tokenizer file that is torn or not one save wrote, with the fix."""
     return ValueError(f"the tokenizer file {path} is torn or not ours ({cause}): remove {path.parent}, then "
-                      f"recreate it with `python -m nanoparcae.dataset tokenizer` and the run's --data and --vocab_size")
+                      f"recreate it with `python -m nanoparcae.dataset tokenizer` and the run's --data and "
+                      f"--vocab_size")
 
 
 def parse_ranks(raw):
