@@ -152,7 +152,8 @@ class DataLoader:
     def __init__(self, tokenizer, source, split, batch_size, seq_len, rank=0, world_size=1, seed=0,
                  device="cpu", buffer_docs=1000, num_threads=4, tokenize_batch=128, reader=None,
                  sharers=1):
-        self.prefetcher, self.pending = None, collections.deque()  # first: close() runs if a check fails
+        # first, so that close() runs when a check below raises
+        self.prefetcher, self.pending = None, collections.deque()
         self.tokenizer, self.batch_size, self.seq_len = tokenizer, batch_size, seq_len
         self.device = torch.device(device)
         self.buffer_docs, self.num_threads, self.tokenize_batch = (buffer_docs, num_threads,
