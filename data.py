@@ -85,6 +85,10 @@ class DocumentStream:
 # -----------------------------------------------------------------------------
 # The loader: BOS-aligned best-fit packing (METHOD.md §2), tokenized ahead, exactly resumable
 
+# At an epoch's end a buffer holds at most 1/DRAIN of its share; packing measures DRAIN buffers
+DRAIN = 8
+
+
 def tokenize_ahead(tokenizer, stream, start, loop, batch_docs, num_threads):
     """Lists of (doc_id, tokens), BOS first, batch_docs documents at a time."""
     documents = stream.iterate(*start, loop=loop)
@@ -140,12 +144,16 @@ class DataLoader:
     Rows of seq_len + 1 tokens are packed best-fit from a buffer of about buffer_docs documents.
     Each row starts with BOS; overflow is cropped, nothing padded.
     The train split loops forever; val is read once.
+    At an epoch's end the buffer drains to an eighth of the share before the next epoch enters.
+    So a share smaller than the buffer is still trained once before any document repeats.
     The state is only document ids; a resumed loader re-reads its buffer, yielding the same batches.
     `reader` is a ChunkReader this loader and sharers - 1 others share; None gives it its own."""
 
     def __init__(self, tokenizer, source, split, batch_size, seq_len, rank=0, world_size=1, seed=0,
                  device="cpu", buffer_docs=1000, num_threads=4, tokenize_batch=128, reader=None,
                  sharers=1):
+        # first, so that close() runs when a check below raises
+        self.prefetcher, self.pending = None, collections.deque()
         self.tokenizer, self.batch_size, self.seq_len = tokenizer, batch_size, seq_len
         self.device = torch.device(device)
         self.buffer_docs, self.num_threads, self.tokenize_batch = (buffer_docs, num_threads,
@@ -153,9 +161,9 @@ class DataLoader:
         self.stream = DocumentStream(source, split, seed, rank, world_size, reader, sharers)
         self.loop = split == "train"
         self.next_doc = (0, 0, 0)  # id of the next document to take into the buffer
+        self.epoch_docs = 0  # documents taken from the epoch of next_doc: the share, at its end
         self.buffer = []  # (length, arrival, doc_id, tokens), sorted by length then arrival
         self.arrivals = self.batches = self.tokens_used = self.tokens_cropped = 0
-        self.prefetcher, self.pending = None, collections.deque()
 
     def _next_document(self):
         if not self.pending:
@@ -167,14 +175,19 @@ class DataLoader:
             if batch is None:
                 return None
             self.pending.extend(batch)
-        doc_id, tokens = self.pending.popleft()
-        self.next_doc = (doc_id[0], doc_id[1], doc_id[2] + 1)
+        doc_id, tokens = self.pending[0]
+        if doc_id[0] != self.next_doc[0]:  # the next epoch waits while the buffer drains
+            if len(self.buffer) > self.epoch_docs // DRAIN:
+                return None
+            self.epoch_docs = 0
+        self.pending.popleft()
+        self.next_doc, self.epoch_docs = (doc_id[0], doc_id[1], doc_id[2] + 1), self.epoch_docs + 1
         return doc_id, tokens
 
     def _fill_buffer(self):
         while len(self.buffer) < self.buffer_docs:
             document = self._next_document()
-            if document is None:  # the val split is read once
+            if document is None:  # the val split is read once, or the buffer drains
                 return
             bisect.insort(self.buffer, (len(document[1]), self.arrivals, *document))
             self.arrivals += 1
@@ -233,7 +246,7 @@ class DataLoader:
         return {"source": s.source, "split": s.split, "seed": s.seed, "rank": s.rank,
                 "world_size": s.world_size, "next_doc": list(self.next_doc),
                 "buffer": [[arrival, *doc_id] for _, arrival, doc_id, _ in self.buffer],
-                "arrivals": self.arrivals, "batches": self.batches,
+                "epoch_docs": self.epoch_docs, "arrivals": self.arrivals, "batches": self.batches,
                 "tokens_used": self.tokens_used, "tokens_cropped": self.tokens_cropped}
 
     def load_state_dict(self, state):
@@ -247,6 +260,7 @@ class DataLoader:
         self.close()
         self.pending.clear()
         self.next_doc = tuple(state["next_doc"])
+        self.epoch_docs = state.get("epoch_docs", math.inf)  # a state without it never drains
         self.arrivals, self.batches = state["arrivals"], state["batches"]
         self.tokens_used, self.tokens_cropped = state["tokens_used"], state["tokens_cropped"]
         # the buffered documents, re-read and re-tokenized a chunk at a time
@@ -292,11 +306,13 @@ def packing(tokenizer, source, seq_len, seed=0, world_size=1, settle=6, measure=
     """How packing meets a run's train split, read by the run's world_size loaders.
     The first reads `settle` + `measure` buffers of documents, or its share if that ends first.
 
-    - crop: over the last `measure` buffers, or the whole share if it is shorter.
+    - crop: over the last `measure` buffers, or the whole pass if the share ended first.
       Short documents leave first, so the buffer fills with long ones as a long run goes on.
     - rows: where the first's share ended, every loader packs its pass: the fewest rows one
       yields before reading its second epoch.
-    - lengths: what dataset.check_data bounds a longer pass's buffer with."""
+    - lengths: what dataset.check_data bounds a longer pass's buffer with.
+      A longer share never drains at its end, since a buffer is at most 1/DRAIN of it."""
+    assert settle + measure == DRAIN
     def loader(rank):
         return DataLoader(tokenizer, source, "train", 1, seq_len, rank=rank, world_size=world_size,
                           seed=seed)
@@ -306,9 +322,8 @@ def packing(tokenizer, source, seq_len, seed=0, world_size=1, settle=6, measure=
             start = first.tokens_used, first.tokens_cropped
         next(first)
     first.close()
-    used, cropped = first.tokens_used - start[0], first.tokens_cropped - start[1]
     if first.next_doc[0] > 0:  # the row just packed took a document of the next epoch
-        rows = first.batches - 1
+        start, rows = (0, 0), first.batches - 1
         for rank in range(1, world_size):  # the others' shares are short too, each packed through
             other = loader(rank)
             while other.next_doc[0] == 0:
@@ -317,6 +332,7 @@ def packing(tokenizer, source, seq_len, seed=0, world_size=1, settle=6, measure=
             rows = min(rows, other.batches - 1)
     texts = [text for _, text in itertools.islice(first.stream.iterate(loop=False), first.arrivals)]
     lengths = [len(ids) for ids in tokenizer.encode(texts, prepend_bos=True)]
+    used, cropped = first.tokens_used - start[0], first.tokens_cropped - start[1]
     return Packing(cropped / max(used + cropped, 1), rows, lengths, first.buffer_docs)
 
 # -----------------------------------------------------------------------------

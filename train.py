@@ -35,7 +35,7 @@ from nanoparcae.divergence import Divergence
 from nanoparcae.download import shared_eval_bundle
 from nanoparcae.metrics import Metrics, compile_counts, read_at_once
 from nanoparcae.prepare import prepare_run
-from nanoparcae.tokenizer import MIN_VOCAB_SIZE
+from nanoparcae.tokenizer import VOCAB_RANGE, vocab_size_ok
 
 # A run is these flags' values: its checkpoints record them, and continuing it with another value
 # of one is refused. Every other flag may change when a run continues.
@@ -129,8 +129,7 @@ def check_values(args):
         "zero or more": (lambda v: 0 <= v < math.inf, ("weight_decay", "seed", "diverge_steps")),
         "between 0 and 1": (lambda v: 0 <= v <= 1, ("warmdown_frac",)),
         "a number of steps, or -1 for never": (lambda v: v > 0 or v == -1, ("core_every",)),
-        f"at least {MIN_VOCAB_SIZE} (bytes, specials); pass --vocab_size={MIN_VOCAB_SIZE}": (
-            lambda v: MIN_VOCAB_SIZE <= v < 2**31, ("vocab_size",)),
+        VOCAB_RANGE: (vocab_size_ok, ("vocab_size",)),
     }
     for rule, (holds, names) in rules.items():
         for name in names:

@@ -61,6 +61,7 @@ def download(repo_id, filename):
     if path.is_file():
         return path
     url = f"{HUB_URL}/{repo_id}/resolve/main/{filename}"
+    check_writable(path.parent, f"{repo_id}'s {filename}")  # a read-only cache is named, not the network
     try:
         return download_file(url, path)
     except FileNotFoundError:

@@ -278,7 +278,7 @@ def load_run(ckpt_or_run=None, device="cpu"):
         raise ValueError(f"checkpoint {path} names no tokenizer_dir; it was not written by train.py")
     recorded = Path(ckpt["tokenizer_dir"])
     places = list(dict.fromkeys((recorded, tokenizer_dir(key=recorded.name))))  # its path, its key here
-    directory = next((place for place in places if (place / "tokenizer.tiktoken").is_file()), None)
+    directory = next((place for place in places if Tokenizer.saved(place)), None)
     if directory is None:
         run = ckpt.get("args", {})
         command = f"`python -m nanoparcae.dataset tokenizer --data={run['data']} --vocab_size={run['vocab_size']}`" \
@@ -286,9 +286,9 @@ def load_run(ckpt_or_run=None, device="cpu"):
             "`python -m nanoparcae.dataset tokenizer` and the run's --data and --vocab_size"
         where = f"neither at {places[0]} nor at {places[1]}" if len(places) > 1 else f"not at {places[0]}"
         raise FileNotFoundError(f"the tokenizer of checkpoint {path} is {where}; recreate it with {command}")
+    tokenizer = Tokenizer.load(directory)  # a torn file is named before the digest differs
     check_tokenizer(ckpt, path, directory, f"put that tokenizer ({recorded}) back, or load a checkpoint "
                                            f"trained with this one")
-    tokenizer = Tokenizer.load(directory)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(f"the tokenizer at {directory} has {tokenizer.vocab_size} tokens, the model "
                          f"{model.config.vocab_size}: they are not from the same run")

@@ -113,11 +113,13 @@ NO_WRITE = (*FULL_DISK, errno.EROFS, errno.EACCES, errno.EPERM)  # a full disk, 
 
 def get_base_dir():
     """Return $NANOPARCAE_BASE_DIR (default ~/.cache/nanoparcae), created on first use.
-    A folder that cannot be written raises ValueError naming it and the variable, which the user set."""
+    A file in its place, or a folder that cannot be made, raises ValueError naming it and the variable.
+    A folder there is not written: a read-only one serves reads, and each write checks its own folder."""
     base_dir = Path(os.environ.get("NANOPARCAE_BASE_DIR", Path.home() / ".cache" / "nanoparcae")).expanduser()
-    check_writable(base_dir, "the base folder's runs, data and tokenizers",
-                   fix="set NANOPARCAE_BASE_DIR to a writable folder", refusal=ValueError)
-    base_dir.mkdir(parents=True, exist_ok=True)
+    if not base_dir.is_dir():
+        check_writable(base_dir, "the base folder's runs, data and tokenizers",
+                       fix="set NANOPARCAE_BASE_DIR to a writable folder", refusal=ValueError)
+        base_dir.mkdir(parents=True, exist_ok=True)
     return base_dir
 
 

@@ -18,6 +18,7 @@ For stdlib and your own files, a hash of each document's text puts a fixed ~5% i
 Everything is cached under $NANOPARCAE_BASE_DIR (default ~/.cache/nanoparcae).
 """
 
+import contextlib
 import glob
 import hashlib
 import itertools
@@ -33,10 +34,11 @@ import zlib
 from pathlib import Path
 from typing import NamedTuple
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
-from nanoparcae.common import (check_writable, command_parser, get_base_dir, print0, run_command, size,
-                               write_atomically)
+from nanoparcae.common import (EnvironmentFailure, check_writable, command_parser, first_sentence, get_base_dir,
+                               print0, run_command, size, write_atomically)
 from nanoparcae.fineweb import (FINEWEB_URL, FINEWEB_VAL_SHARD, download_shards, fineweb_dir,
                                 fineweb_train_shards, shard_name, shards_for)
 from nanoparcae.flags import positive
@@ -76,11 +78,46 @@ def user_files(pattern):
     return files
 
 
+@contextlib.contextmanager
+def reading(path, where=""):
+    """Name the data file `path` (and `where` in it, a row group) in what a failed read raises, with the fix.
+    A permission error is the machine's (EnvironmentFailure); a file that is not whole data is the user's."""
+    try:
+        yield
+    except PermissionError as err:
+        raise EnvironmentFailure(f"{path} cannot be read ({err.strerror}): make it readable, then run the same "
+                                 f"command again") from None
+    except (OSError, pa.ArrowException) as err:  # ArrowInvalid is a ValueError too
+        cause = "it is empty (0 bytes)" if os.path.isfile(path) and os.path.getsize(path) == 0 else \
+            first_sentence(err)
+        raise ValueError(f"{path}{where} cannot be read ({cause}): remove it or download it again") from None
+
+
+def parquet_metadata(path):
+    """Return a parquet file's footer, checked to hold a 'text' column of strings."""
+    with reading(path):
+        metadata = pq.read_metadata(path)
+        schema = metadata.schema.to_arrow_schema()
+    if "text" not in schema.names:
+        raise ValueError(f"{path} has no 'text' column (columns: {schema.names}); rename the column to 'text'")
+    if not pa.types.is_string(kind := schema.field("text").type) and not pa.types.is_large_string(kind):
+        raise ValueError(f"{path}: its 'text' column holds {kind}, not strings; write the text as strings, or remove "
+                         f"the file")
+    return metadata
+
+
+def parquet_texts(path, row_group):
+    """Return the texts of one row group of a parquet file; a corrupt or null row is named."""
+    where = f" (row group {row_group})"
+    with reading(path, where):
+        column = pq.ParquetFile(path).read_row_group(row_group, columns=["text"]).column("text")
+    if column.null_count:
+        raise ValueError(f"{path}{where} holds {column.null_count:,} null text(s); remove those rows, or the file")
+    return column.to_pylist()
+
+
 def parquet_chunks(path, keep):
-    metadata = pq.read_metadata(path)
-    if "text" not in metadata.schema.names:
-        raise ValueError(f"{path} has no 'text' column (columns: {metadata.schema.names}); rename the column to 'text'")
-    return [Chunk((path,), rg, keep) for rg in range(metadata.num_row_groups)]
+    return [Chunk((path,), rg, keep) for rg in range(parquet_metadata(path).num_row_groups)]
 
 
 def files_chunks(paths, keep, quiet=False):
@@ -106,9 +143,13 @@ def list_chunks(source, split):
 def read_text_file(path, reported=None):
     """Return the documents of a text file, leaving out bytes that are not UTF-8.
     The warning names each file once, adding it to `reported` (a ChunkReader's set).
-    With reported None it warns of none, since a few standard-library files use other encodings."""
-    with open(path, "rb") as f:
+    A NUL byte says the file is not UTF-8 text at all (UTF-16, or binary): that raises ValueError.
+    With reported None it checks none, since a few standard-library files use other encodings."""
+    with reading(path), open(path, "rb") as f:
         raw = f.read()
+    if reported is not None and (nul := raw.find(b"\0")) >= 0:
+        raise ValueError(f"{path} is not UTF-8 text (byte {nul} is NUL: UTF-16, or not text); convert it to "
+                         f"UTF-8, or remove it")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -120,14 +161,23 @@ def read_text_file(path, reported=None):
     if path.endswith(".txt"):
         return re.split(r"\n\s*\n", text)
     if path.endswith(".jsonl"):
-        try:
-            return [json.loads(line)["text"] for line in text.splitlines() if line.strip()]
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{path}: every line must be a JSON object with a 'text' field ({e!r})") from None
+        return [jsonl_text(path, number, line) for number, line in enumerate(text.splitlines(), 1) if line.strip()]
     # A .py file gives a document per block of a module or class body.
     # A block starts after a blank line, at a line indented by at most 4 spaces.
     # Whole stdlib files (median ~2k tokens) would lose most tokens to cropping at 256-token rows.
     return re.split(r"\n\s*\n(?=(?: {4})?\S)", text)
+
+
+def jsonl_text(path, number, line):
+    """Return the 'text' string of line `number` of a .jsonl file; anything else raises ValueError naming it."""
+    try:
+        text = json.loads(line)["text"]
+    except (ValueError, KeyError, TypeError) as e:
+        text = e
+    if not isinstance(text, str):
+        raise ValueError(f"{path}, line {number}: every line must be a JSON object with a 'text' field that is a "
+                         f"string ({text!r}); fix the line, or remove the file")
+    return text
 
 
 def read_units(chunk, reported):
@@ -135,8 +185,7 @@ def read_units(chunk, reported):
     A .py file's blocks share names and imports, so the whole file is train or val.
     Any other document goes by its own hash. `reported` is read_text_file's."""
     if chunk.row_group >= 0:
-        table = pq.ParquetFile(chunk.paths[0]).read_row_group(chunk.row_group, columns=["text"])
-        return [[doc] for doc in table.column("text").to_pylist()]
+        return [[doc] for doc in parquet_texts(chunk.paths[0], chunk.row_group)]
     units = []
     for path in chunk.paths:
         docs = read_text_file(path, None if chunk.quiet else reported)
@@ -232,7 +281,7 @@ def stored_text_bytes(chunks):
     for chunk in chunks:
         if chunk.row_group >= 0:
             path = chunk.paths[0]
-            footers[path] = footers.get(path) or pq.read_metadata(path)  # one read of each file's footer
+            footers[path] = footers.get(path) or parquet_metadata(path)  # one read of each file's footer
             group = footers[path].row_group(chunk.row_group)
             column = next(group.column(i) for i in range(group.num_columns)
                           if group.column(i).path_in_schema == "text")
@@ -333,13 +382,14 @@ def get_tokenizer(source, vocab_size, max_chars=2_000_000_000, doc_cap=10_000, t
     """Load the cached tokenizer for this source and vocab size.
     It trains on the source's train split on first use; with train=False it returns None instead."""
     directory = tokenizer_dir(source, vocab_size)
-    if not train and not (directory / "token_bytes.txt").exists():
+    if not train and not Tokenizer.saved(directory):
         return None
-    if not (directory / "token_bytes.txt").exists():
+    if not Tokenizer.saved(directory):
         reader = ChunkReader()  # one reader names a file with bytes that are not UTF-8 once
         check_split(source, "train", reader)  # a missing or empty source fails here, before the announcement
         # its three files hold a line of under 64 bytes per token
-        check_writable(directory.parent, f"the {vocab_size}-token tokenizer", needs=3 * 64 * vocab_size)
+        check_writable(directory.parent, f"the {vocab_size}-token tokenizer", needs=3 * 64 * vocab_size,
+                       fix="make it writable, free space on its disk, or set NANOPARCAE_BASE_DIR to another folder")
         print(f"Training a {vocab_size}-token tokenizer on {source} (train split, <= {max_chars:,} chars) ...")
         t0 = time.time()
         tokenizer = Tokenizer.train(iter_documents(source, "train", reader), vocab_size, max_chars, doc_cap)
@@ -347,7 +397,7 @@ def get_tokenizer(source, vocab_size, max_chars=2_000_000_000, doc_cap=10_000, t
         try:
             write_atomically(directory, tokenizer.save, directory.with_name(f"{directory.name}.{os.getpid()}.tmp"))
         except OSError:
-            if not (directory / "token_bytes.txt").exists():
+            if not Tokenizer.saved(directory):
                 raise
             # another process finished first, and its copy is kept
         print(f"Trained in {time.time() - t0:.1f}s, saved to {directory}")

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 import pyarrow.parquet as pq
 
 from model import PAPER_TOKENS
-from nanoparcae.common import EnvironmentFailure, get_base_dir
+from nanoparcae.common import EnvironmentFailure, check_writable, get_base_dir
 from nanoparcae.download import download_file
 
 FINEWEB_URL = "https://huggingface.co/datasets/karpathy/fineweb-edu-100b-shuffle/resolve/main"
@@ -27,9 +27,16 @@ FINEWEB_SHARD_TOKENS = 50e6  # about 250M characters a shard, which sizes a down
 PACKING_CROP = 0.35
 
 
-def fineweb_dir():
+def fineweb_dir(make=False):
+    """The shards' folder, made if `make` (a download); a read makes nothing, so a read-only cache serves.
+    A file in its place raises ValueError naming it, and a folder a download cannot write EnvironmentFailure."""
     path = get_base_dir() / "fineweb-edu"
-    path.mkdir(parents=True, exist_ok=True)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{path} is a file where the FineWeb-Edu shards' folder belongs: move or remove it, then "
+                         f"download the shards again")
+    if make:
+        check_writable(path, "the FineWeb-Edu shards")
+        path.mkdir(parents=True, exist_ok=True)
     return path
 
 
@@ -72,7 +79,7 @@ def download_shard(index, base_url=FINEWEB_URL, max_attempts=5, retry_delay=1.0)
 def download_shards(indices, base_url=FINEWEB_URL, num_workers=4, max_attempts=5, retry_delay=1.0):
     """Fetch the shards and return their paths.
     A line per shard says how many are done and, from those fetched, the time left."""
-    print(f"Downloading {len(indices)} shards from {base_url} to {fineweb_dir()} with {num_workers} workers")
+    print(f"Downloading {len(indices)} shards from {base_url} to {fineweb_dir(make=True)} with {num_workers} workers")
     start, fetched = time.time(), 0
     with ThreadPoolExecutor(num_workers) as pool:
         shards = [pool.submit(download_shard, i, base_url, max_attempts, retry_delay) for i in indices]

@@ -18,18 +18,78 @@ import rustbpe
 import tiktoken
 import torch
 
+from nanoparcae.common import EnvironmentFailure, first_sentence
 from nanoparcae.flags import checked
 
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>"]
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # every byte a token of its own, then the specials
-# --vocab_size's type refuses a smaller one before any tokenizer trains
-vocab_size_flag = checked(int, f"at least {MIN_VOCAB_SIZE} (256 byte tokens and {len(SPECIAL_TOKENS)} "
-                                f"specials); pass --vocab_size={MIN_VOCAB_SIZE} or more",
-                          lambda value: MIN_VOCAB_SIZE <= value < 2**31)
+# 32 times the paper's 32,768; far beyond is a typo, whose tokenizer files alone would fill a disk
+MAX_VOCAB_SIZE = 2**20
+VOCAB_RANGE = (f"from {MIN_VOCAB_SIZE} to {MAX_VOCAB_SIZE} (256 byte tokens and {len(SPECIAL_TOKENS)} specials at "
+               f"least, 2**20 at most: 32 times the paper's 32768); pass --vocab_size={MIN_VOCAB_SIZE} or more, "
+               f"32768 for the paper's")
+
+
+def vocab_size_ok(value):
+    return MIN_VOCAB_SIZE <= value <= MAX_VOCAB_SIZE
+
+
+# --vocab_size's type refuses one out of range before any tokenizer trains
+vocab_size_flag = checked(int, VOCAB_RANGE, vocab_size_ok)
 # METHOD.md §2 uses GPT-4's split, but digits group by 1-2 (GPT-4 by 1-3), as in nanochat.
 # That wastes fewer tokens on numbers at small vocab sizes.
 SPLIT_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*"""
                  r"""|\s*[\r\n]|\s+(?!\S)|\s+""")
+
+# -----------------------------------------------------------------------------
+# A saved tokenizer's files, each read in one place
+
+
+def read_part(path, parse):
+    """Return parse(the file's bytes) for one of a saved tokenizer's files.
+    A permission error raises EnvironmentFailure, a torn or wrong file ValueError, each naming the file."""
+    try:
+        return parse(path.read_bytes())
+    except PermissionError as err:
+        raise unreadable(path, err) from None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise torn(path, first_sentence(err)) from None
+
+
+def unreadable(path, err):
+    """The EnvironmentFailure for a tokenizer file or folder that permissions keep from this user."""
+    return EnvironmentFailure(f"the tokenizer at {path} cannot be read ({err.strerror}): make {path.parent} "
+                              f"readable, then run the same command again")
+
+
+def torn(path, cause):
+    """The ValueError for a tokenizer file that is torn or not one save wrote, with the fix."""
+    return ValueError(f"the tokenizer file {path} is torn or not ours ({cause}): remove {path.parent}, then "
+                      f"recreate it with `python -m nanoparcae.dataset tokenizer` and the run's --data and "
+                      f"--vocab_size")
+
+
+def parse_ranks(raw):
+    """tokenizer.tiktoken's lines, "base64(token) rank" -> {token: rank}."""
+    ranks = {}
+    for line in raw.decode().splitlines():
+        token, rank = line.split()
+        ranks[base64.b64decode(token, validate=True)] = int(rank)
+    return ranks
+
+
+def parse_config(raw):
+    """tokenizer.json -> (split pattern, {special token: id})."""
+    config = json.loads(raw)
+    pattern, specials = config["pattern"], config["special_tokens"]
+    if not isinstance(pattern, str) or not all(isinstance(i, int) for i in specials.values()):
+        raise TypeError("a pattern string and special tokens' ids are expected")
+    return pattern, specials
+
+
+def parse_counts(raw):
+    """token_bytes.txt's lines, a byte count per id -> int32 tensor."""
+    return torch.tensor([int(n) for n in raw.decode().split()], dtype=torch.int32)
 
 # -----------------------------------------------------------------------------
 # The tokenizer, trained with rustbpe, run with tiktoken
@@ -61,9 +121,8 @@ class Tokenizer:
     def train(cls, text_iterator, vocab_size, max_chars=2_000_000_000, doc_cap=10_000):
         """Train on at most max_chars characters, each document cut to doc_cap.
         METHOD.md §2 trains on ~2B characters with a 10k cap. vocab_size counts the special tokens."""
-        if vocab_size < MIN_VOCAB_SIZE:
-            raise ValueError(f"vocab_size {vocab_size} is too small: it needs 256 byte tokens "
-                             f"+ {len(SPECIAL_TOKENS)} specials")
+        if not vocab_size_ok(vocab_size):
+            raise ValueError(f"vocab_size {vocab_size} must be {VOCAB_RANGE}")
         num_merged = vocab_size - len(SPECIAL_TOKENS)
 
         def capped():
@@ -99,24 +158,32 @@ class Tokenizer:
         Checkpoints record it, and ranks compare it, since any changed byte is another tokenizer."""
         digest = hashlib.sha256()
         for name in cls.FILES:
-            digest.update(name.encode() + b"\0" + (Path(directory) / name).read_bytes())
+            digest.update(name.encode() + b"\0" + read_part(Path(directory) / name, bytes))
         return digest.hexdigest()[:16]
 
     @classmethod
+    def saved(cls, directory):
+        """Whether save wrote a tokenizer in `directory`; one that cannot be looked into raises EnvironmentFailure."""
+        path = Path(directory) / cls.FILES[-1]  # save writes it last
+        try:
+            return path.is_file()
+        except PermissionError as err:
+            raise unreadable(path, err) from None
+
+    @classmethod
     def load(cls, directory):
+        """The tokenizer save wrote there; a torn or unreadable file raises one line naming it."""
         directory = Path(directory)
-        ranks = {}
-        for line in (directory / "tokenizer.tiktoken").read_text().splitlines():
-            token, rank = line.split()
-            ranks[base64.b64decode(token)] = int(rank)
-        config = json.loads((directory / "tokenizer.json").read_text())
-        enc = tiktoken.Encoding("nanoparcae", pat_str=config["pattern"], mergeable_ranks=ranks,
-                                special_tokens=config["special_tokens"])
-        byte_counts = (directory / "token_bytes.txt").read_text().split()
-        token_bytes = torch.tensor([int(n) for n in byte_counts], dtype=torch.int32)
-        if len(token_bytes) != enc.n_vocab:
-            raise ValueError(f"{directory}/token_bytes.txt does not match the vocabulary: "
-                             f"delete {directory} to retrain")
+        ranks = read_part(directory / "tokenizer.tiktoken", parse_ranks)
+        pattern, specials = read_part(directory / "tokenizer.json", parse_config)
+        ids = sorted([*ranks.values(), *specials.values()])
+        if ids != list(range(len(ids))):  # a file cut short lacks its last tokens
+            raise torn(directory / "tokenizer.tiktoken", f"its {len(ranks)} tokens and {len(specials)} specials "
+                                                         f"leave ids out")
+        token_bytes = read_part(directory / "token_bytes.txt", parse_counts)
+        if len(token_bytes) != len(ids):
+            raise torn(directory / "token_bytes.txt", f"{len(token_bytes)} counts for {len(ids)} tokens")
+        enc = tiktoken.Encoding("nanoparcae", pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials)
         return cls(enc, token_bytes, digest=cls.files_digest(directory))
 
     def encode(self, text, prepend_bos=False, num_threads=8):

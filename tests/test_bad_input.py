@@ -35,6 +35,14 @@ def long_documents(tmp_path, base, monkeypatch):
     return {"horizon": f"{0.9 * held:.0f}"}
 
 
+def corrupt_pages(tmp_path, base, monkeypatch):
+    """A folder of text: a parquet file whose row group 1 holds random bytes, beside a jsonl file."""
+    from test_data import corrupt, make_documents, write_jsonl
+    (tmp_path / "corpus").mkdir()
+    write_jsonl(tmp_path / "corpus" / "fine.jsonl", make_documents(200))
+    return {"corpus": tmp_path / "corpus", "corrupt": corrupt(tmp_path / "corpus" / "part.parquet", "pages")}
+
+
 # command (placeholders from the setup), setup, status, words naming the problem, words naming the fix
 CASES = {
     "one document": (["train.py", *TINY, "--data={one}"], one_document, 2,
@@ -58,6 +66,8 @@ CASES = {
     "horizon past what packing keeps": (["train.py", *TINY, "--data=fineweb-edu", "--max_tokens={horizon}"],
                                         long_documents, 2, ["3", "FineWeb-Edu", "crops"],
                                         ["python -m nanoparcae.dataset download", "-n"]),
+    "corrupt row group": (["train.py", *TINY, "--data={corpus}"], corrupt_pages, 2, ["{corrupt}", "row group 1"],
+                          ["remove"]),
 }
 
 
