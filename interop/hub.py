@@ -429,15 +429,14 @@ def model_bytes(config, free):
 def check_memory(config, config_path, weights_path, device):
     """Refuse in one line, before anything is allocated, a model the memory free cannot hold.
     The CPU holds the weights file's tensors and the float32 model, another device the model again."""
-    cpu, device = torch.device("cpu"), torch.device(device)
+    c, cpu, device = config, torch.device("cpu"), torch.device(device)
     free = free_memory(cpu)
-    model = model_bytes(config, free)
-    needs = [(cpu, model + weights_path.stat().st_size, free)]
+    held = model_bytes(c, free)
+    needs = [(cpu, held + weights_path.stat().st_size, free)]
     if device != cpu:
-        needs.append((device, model, free_memory(device)))
+        needs.append((device, held, free_memory(device)))
     for place, bytes_needed, free in needs:
         if bytes_needed > free:
-            c = config
             raise ValueError(f"{config_path} asks for a model of n_embd={c.d_model}, {c.n_layer} layers, "
                              f"vocab_size={c.vocab_size} and block_size={c.seq_len}, which needs "
                              f"{size(bytes_needed)} on {place}, more than the {size(free)} free; nothing was "
@@ -619,16 +618,18 @@ def export(model, tokenizer, out_dir):
     special = {v: k for k, v in tokenizer.enc._special_tokens.items()}
     if tokenizer.bos_id not in special:
         raise ValueError("the tokenizer has no special BOS token to name in tokenizer_config.json")
-    config = authors_config(model.config)
     target = export_target(out_dir)
     tokens = {key: name for key, name in (("bos_token", special[tokenizer.bos_id]), ("eos_token", "<|eos|>"),
                                           ("pad_token", "<|pad|>")) if name in tokenizer.enc._special_tokens}
     tokenizer_config = dict(tokenizer_class="PreTrainedTokenizerFast", model_max_length=model.config.seq_len,
                             add_bos_token=False, add_eos_token=False, **tokens)
-    texts = {name: json.dumps(obj, indent=1, ensure_ascii=False).encode()
-             for name, obj in (("config.json", config), ("tokenizer.json", tokenizer_json(tokenizer)),
-                               ("tokenizer_config.json", tokenizer_config))}
-    write_folder(target, texts, authors_state_dict(model))
+    texts = {"tokenizer.json": tokenizer_json(tokenizer), "tokenizer_config.json": tokenizer_config}
+    texts = {name: json.dumps(obj, indent=1, ensure_ascii=False).encode() for name, obj in texts.items()}
+    state = authors_state_dict(model)
+    # config.json's 2 KB fit in saved_bytes' margin; the room is checked before authors_config warns
+    make_room(target, saved_bytes(state) + sum(map(len, texts.values())))
+    texts["config.json"] = json.dumps(authors_config(model.config), indent=1, ensure_ascii=False).encode()
+    write_folder(target, texts, state)
     return target
 
 
@@ -645,13 +646,17 @@ def export_target(out_dir):
     return target
 
 
-def write_folder(target, texts, state):
-    """Write texts ({name: bytes}) and state, as model.pt, into a folder beside target, then rename it to target.
-    The folders a stopped export left there go first. Room for the whole folder is checked before any write.
-    A disk that fills anyway raises EnvironmentFailure: target stays as it was, and no folder is left."""
+def make_room(target, needs):
+    """Remove the folders a stopped export into target left beside it, then check room for `needs` bytes there.
+    A read-only or full disk raises EnvironmentFailure (check_writable)."""
     if target.parent.is_dir():
         remove_partial_exports(target)
-    check_writable(target, "the export", needs=saved_bytes(state) + sum(map(len, texts.values())))
+    check_writable(target.parent, f"the export to {target}", needs=needs)  # its folder is made beside it
+
+
+def write_folder(target, texts, state):
+    """Write texts ({name: bytes}) and state, as model.pt, into a folder beside target, then rename it to target.
+    A disk that fills on the way raises EnvironmentFailure: target stays as it was, and no folder is left."""
     target.parent.mkdir(parents=True, exist_ok=True)
     scratch = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
