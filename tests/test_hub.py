@@ -729,3 +729,12 @@ def test_the_next_export_removes_the_partial_folders_a_stopped_one_left(tmp_path
     out = capsys.readouterr().out
     assert carries(out, *map(str, stopped)), out
     assert not any(p.exists() for p in stopped) and all(p.is_dir() for p in kept)
+
+
+@pytest.mark.parametrize("held", ["a tensor", "a list"])
+def test_exporting_a_checkpoint_that_holds_no_dict_ends_in_one_line(tmp_path, monkeypatch, capsys, held):
+    """export reads checkpoints through load_run, whose refusal names the file; nothing is written."""
+    path = tmp_path / "ckpt_000010.pt"
+    torch.save(torch.zeros(3) if held == "a tensor" else [torch.zeros(3)], path)
+    message = refused(run_here(["-m", "interop.hub", "export", str(path), str(tmp_path / "out")], monkeypatch, capsys))
+    assert carries(message, str(path)) and not (tmp_path / "out").exists(), message
