@@ -18,6 +18,7 @@ It turns tokenizer.json into a tiktoken Encoding wrapped in tokenizer.Tokenizer.
 """
 
 import json
+import math
 import os
 import re
 import shutil
@@ -29,10 +30,12 @@ import torch
 
 import eval_core
 import sample
-from nanoparcae.checkpoint import assign_weights, load_run, sized_model
-from nanoparcae.common import check_writable, command_parser, first_sentence, get_base_dir, read_json, run_command
+from nanoparcae.checkpoint import assign_weights, load_run, saved_bytes, sized_model
+from nanoparcae.common import (NO_WRITE, EnvironmentFailure, check_writable, command_parser, first_sentence,
+                               get_base_dir, read_json, run_command, size)
 from nanoparcae.download import download_file
-from model import SAMPLINGS, ParcaeConfig, value_embedding_layers
+from engine import free_memory
+from model import SAMPLINGS, Block, Parcae, ParcaeConfig, value_embedding_layers
 from nanoparcae.tokenizer import Tokenizer
 
 HUB_URL = os.environ.get("NANOPARCAE_HUB_URL", "https://huggingface.co")  # tests point it at 127.0.0.1
@@ -118,65 +121,99 @@ REQUIRED_GPT = {"use_abacus": False}
 PLAIN_INITS = ("scaled-zero", "scaled", "scaled-geiping", "scaled-stuck", "small")
 
 
-def field(cfg, name):
+# what each field read must hold: its test and its name in a refusal (JSON's true is no number here)
+KINDS = {"size": (lambda v: type(v) is int and v >= 1, "a whole number of at least 1"),
+         "count": (lambda v: type(v) is int and v >= 0, "a whole number of at least 0"),
+         "number": (lambda v: type(v) in (int, float) and 0 <= v < math.inf, "a finite number of at least 0"),
+         "flag": (lambda v: type(v) is bool, "true or false"), "text": (lambda v: type(v) is str, "a string"),
+         "object": (lambda v: type(v) is dict, "an object of fields")}
+ROPE_FIELDS = {"use_rope": "flag", "rope_condense_ratio": "number", "rope_base": "number"}  # their RoPESettings
+THEIR_ROPE_BASE = 50_000  # RoPESettings' default, the base their from_pretrained builds with
+
+
+def field(cfg, name, kind=None, where="config.json"):
+    """cfg[name], of the kind KINDS names; else ValueError naming where and the field."""
     if name not in cfg:
-        raise ValueError(f"config.json has no field {name!r}; it is not a parcae_lm save_pretrained config")
-    return cfg[name]
+        raise ValueError(f"{where} has no field {name!r}; it is not a parcae_lm save_pretrained config")
+    value = cfg[name]
+    if kind and not KINDS[kind][0](value):
+        raise ValueError(f"{where} has {name}={value!r}, where {KINDS[kind][1]} belongs")
+    return value
 
 
-def require(cfg, name, expected):
-    value = field(cfg, name)
+def require(cfg, name, expected, where="config.json"):
+    value = field(cfg, name, where=where)
     if value != expected:
-        raise ValueError(f"config.json has {name}={value!r}, nanoparcae's model computes only {name}={expected!r}")
+        raise ValueError(f"{where} has {name}={value!r}, nanoparcae's model computes only {name}={expected!r}")
 
 
-def config_from_authors(cfg):
-    """Their config.json dict -> our ParcaeConfig. Unknown classes and settings our forward does not
-    compute are refused with one line, never approximated."""
+def rope_base(cfg, where):
+    """Their rope_settings, checked field by field -> the RoPE base; an unknown setting may change RoPE: refused."""
+    rope = field(cfg, "rope_settings", "object", where)
+    if unknown := sorted(set(rope) - set(ROPE_FIELDS)):
+        raise ValueError(f"{where} has rope_settings.{unknown[0]}, a RoPE setting nanoparcae does not know")
+    settings = {name: field(rope, name, kind, f"{where} rope_settings") for name, kind in ROPE_FIELDS.items()
+                if name in rope}
+    if not settings.get("use_rope", True) or settings.get("rope_condense_ratio", 1) != 1:
+        raise ValueError(f"{where} has rope_settings={rope}; nanoparcae computes plain RoPE only")
+    return float(settings.get("rope_base", THEIR_ROPE_BASE))
+
+
+def config_from_authors(cfg, where="config.json"):
+    """Their config.json dict -> our ParcaeConfig. Each field read is checked for its kind first.
+    Unknown classes and settings our forward does not compute are refused with one line naming where,
+    never approximated. Fields outside the forward (name, attn_impl, ...) are not read."""
+    if type(cfg) is not dict:
+        raise ValueError(f"{where} holds a JSON {type(cfg).__name__}, not the object of fields a config is")
     class_name = cfg.get("_class_name", "GPTConfig")  # their from_pretrained's default too
-    if class_name not in INJECTION_OF_CLASS:
-        raise ValueError(f"config.json has _class_name={class_name!r}; nanoparcae loads only "
+    if type(class_name) is not str or class_name not in INJECTION_OF_CLASS:
+        raise ValueError(f"{where} has _class_name={class_name!r}; nanoparcae loads only "
                          f"{' and '.join(INJECTION_OF_CLASS)} (Parcae and its GPT baseline)")
     parcae = class_name == "ParcaeConfig"
+
+    def get(name, kind="size"):
+        return field(cfg, name, kind, where)
+
     for name, expected in {**REQUIRED, **(REQUIRED_PARCAE if parcae else REQUIRED_GPT)}.items():
-        require(cfg, name, expected)
-    d, n_head = field(cfg, "n_embd"), field(cfg, "num_attention_heads")
-    require(cfg, "num_key_value_heads", n_head)
-    require(cfg, "intermediate_size", 4 * d)
-    if field(cfg, "init_strategy") not in PLAIN_INITS:
-        raise ValueError(f"config.json has init_strategy={cfg['init_strategy']!r}, whose embedding or logit scale "
+        require(cfg, name, expected, where)
+    d, n_head = get("n_embd"), get("num_attention_heads")
+    if d % n_head or d // n_head % 2:
+        raise ValueError(f"{where} has n_embd={d} and num_attention_heads={n_head}: a head's {d / n_head:g} "
+                         f"dims must be a whole even number (RoPE turns pairs)")
+    require(cfg, "num_key_value_heads", n_head, where)
+    require(cfg, "intermediate_size", 4 * d, where)
+    if get("init_strategy", "text") not in PLAIN_INITS:
+        raise ValueError(f"{where} has init_strategy={cfg['init_strategy']!r}, whose embedding or logit scale "
                          f"nanoparcae does not compute; supported: {PLAIN_INITS}")
-    rope = field(cfg, "rope_settings")
-    if not rope.get("use_rope", True) or rope.get("rope_condense_ratio", 1) != 1:
-        raise ValueError(f"config.json has rope_settings={rope}; nanoparcae computes plain RoPE only")
-    common = dict(vocab_size=field(cfg, "vocab_size"), seq_len=field(cfg, "block_size"), d_model=d,
-                  head_dim=d // n_head, n_head=n_head, norm_eps=field(cfg, "norm_eps"),
-                  rope_base=float(rope.get("rope_base", 50_000)))
+    common = dict(vocab_size=get("vocab_size"), seq_len=get("block_size"), d_model=d, head_dim=d // n_head,
+                  n_head=n_head, norm_eps=get("norm_eps", "number"), rope_base=rope_base(cfg, where))
     if not parcae:
-        n_layer = field(cfg, "n_layer")  # the blocks run once, in order: any split into three parts is the same
+        n_layer = get("n_layer")  # the blocks run once, in order: any split into three parts is the same
         third = n_layer // 3
         config = ParcaeConfig(**common, n_prelude=third, n_recur=n_layer - 2 * third, n_coda=third, injection="none")
     else:
-        require(cfg, "recurrent_embedding_dimension", d)
-        require(cfg, "recurrent_intermediation_embedding_dimension", 4 * d)
+        require(cfg, "recurrent_embedding_dimension", d, where)
+        require(cfg, "recurrent_intermediation_embedding_dimension", 4 * d, where)
         if cfg.get("recurrent_num_attention_heads") not in (None, n_head):
-            raise ValueError(f"config.json has recurrent_num_attention_heads={cfg['recurrent_num_attention_heads']}, "
+            raise ValueError(f"{where} has recurrent_num_attention_heads={cfg['recurrent_num_attention_heads']}, "
                              f"nanoparcae's recurrent block has the same {n_head} heads as the rest")
-        injection = field(cfg, "injection_type")
+        injection = get("injection_type", "text")
         if injection not in INJECTION_OF_TYPE:
-            raise ValueError(f"config.json has injection_type={injection!r}; supported: {tuple(INJECTION_OF_TYPE)}")
+            raise ValueError(f"{where} has injection_type={injection!r}; supported: {tuple(INJECTION_OF_TYPE)}")
         sampling = "per_batch" if cfg.get("recurrent_iteration_method") == "per-batch" else "per_sequence"
-        config = ParcaeConfig(**common, n_prelude=field(cfg, "n_layers_in_prelude"),
-                              n_recur=field(cfg, "n_layers_in_recurrent_block"), n_coda=field(cfg, "n_layers_in_coda"),
-                              mu_rec=field(cfg, "mean_recurrence"), mu_bwd=field(cfg, "mean_backprop_depth"),
-                              injection=INJECTION_OF_TYPE[injection], prelude_norm=field(cfg, "prelude_norm"),
+        config = ParcaeConfig(**common, n_prelude=get("n_layers_in_prelude", "count"),
+                              n_recur=get("n_layers_in_recurrent_block"), n_coda=get("n_layers_in_coda", "count"),
+                              mu_rec=get("mean_recurrence"), mu_bwd=get("mean_backprop_depth"),
+                              injection=INJECTION_OF_TYPE[injection], prelude_norm=get("prelude_norm", "flag"),
                               sampling=sampling)
         gated, embedded = gated_layers(config, cfg["mean_backprop_depth"]), value_embedding_layers(config)
         if gated != embedded:  # nanoparcae pairs each value embedding with its gate, as the released sizes do
-            raise ValueError(f"this config gives value embeddings to layers {embedded} but gates to layers {gated} "
-                             f"in the authors' code; nanoparcae pairs them and cannot run it")
-    if config.padded_vocab_size != field(cfg, "padded_vocab_size"):
-        raise ValueError(f"config.json pads the vocabulary to {cfg['padded_vocab_size']} rows, nanoparcae pads "
+            layer = min(set(gated) ^ set(embedded))
+            what = "a value embedding but no gate" if layer in embedded else "a gate but no value embedding"
+            raise ValueError(f"{where} gives layer {layer} {what} in the authors' code; nanoparcae pairs them "
+                             f"and cannot run it")
+    if config.padded_vocab_size != get("padded_vocab_size"):
+        raise ValueError(f"{where} pads the vocabulary to {cfg['padded_vocab_size']} rows, nanoparcae pads "
                          f"{config.vocab_size} to {config.padded_vocab_size} (a multiple of 64)")
     return config
 
@@ -379,17 +416,58 @@ def tokenizer_from_json(path, bos_token=None):
 # Everything together
 
 
+def model_bytes(config, free):
+    """Bytes of config's float32 model, its parameters and RoPE tables, counted on the meta device.
+    Where its layers alone pass `free`, their count times one layer's bytes: a lower bound, built at once."""
+    with torch.device("meta"):
+        layers = config.n_layer * sum(p.nbytes for p in Block(config, False).parameters())
+        if layers > free:
+            return layers
+        model = Parcae(config)
+    return sum(t.nbytes for t in (*model.parameters(), *model.buffers()))
+
+
+def check_memory(config, config_path, weights_path, device):
+    """Refuse in one line, before anything is allocated, a model the memory free cannot hold.
+    The CPU holds the weights file's tensors and the float32 model, another device the model again."""
+    c, cpu, device = config, torch.device("cpu"), torch.device(device)
+    free = free_memory(cpu)
+    held = model_bytes(c, free)
+    needs = [(cpu, held + weights_path.stat().st_size, free)]
+    if device != cpu:
+        needs.append((device, held, free_memory(device)))
+    for place, bytes_needed, free in needs:
+        if bytes_needed > free:
+            raise ValueError(f"{config_path} asks for a model of n_embd={c.d_model}, {c.n_layer} layers, "
+                             f"vocab_size={c.vocab_size} and block_size={c.seq_len}, which needs "
+                             f"{size(bytes_needed)} on {place}, more than the {size(free)} free; nothing was "
+                             f"allocated: check those fields")
+
+
+def read_weights(path, fix):
+    """Their weights file -> its state dict, read with weights_only; anything but named tensors: ValueError."""
+    try:
+        state_dict = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise ValueError(f"{path} is not a loadable state dict ({first_sentence(err)}); {fix}") from None
+    entries = state_dict.items() if type(state_dict) is dict else [(None, state_dict)]
+    bad = next(((name, value) for name, value in entries
+                if type(name) is not str or not isinstance(value, torch.Tensor)), None)
+    if bad:
+        what = f"a {type(state_dict).__name__}" if bad[0] is None else f"{bad[0]!r}: a {type(bad[1]).__name__}"
+        raise ValueError(f"{path} holds {what}, not a state dict of named tensors; {fix}")
+    return state_dict
+
+
 def load_pretrained(source, device="cpu", need_tokenizer=False):
     """A Hub repo id (e.g. SandyResearch/parcae-140m) or a local folder -> (model in eval mode, tokenizer); the
     tokenizer is None for a folder without tokenizer.json, or a one-line error if need_tokenizer (fetch_files)."""
     config_path, weights_path, tokenizer_path = fetch_files(source, need_tokenizer)
     authors_config = read_json(config_path)
-    config = config_from_authors(authors_config)
-    try:
-        state_dict = torch.load(weights_path, map_location="cpu", weights_only=True)
-    except Exception as err:
-        raise ValueError(f"{weights_path} is not a loadable state dict ({first_sentence(err)}); delete it to "
-                         f"download it again") from None
+    config = config_from_authors(authors_config, config_path)
+    check_memory(config, config_path, weights_path, device)
+    fix = "export or copy it again" if Path(source).is_dir() else "delete it to download it again"
+    state_dict = read_weights(weights_path, fix)
     if config.injection == "none" and not authors_config.get("use_fused_head", "pytorch"):
         state_dict.pop("lm_head.weight", None)  # their GPT's own head, never read when tied (authors_state_dict)
     model = sized_model(config)  # no random init: the weights are the release's tensors themselves
@@ -418,7 +496,6 @@ THEIR_BLOCK_PARTS = {ours: theirs for theirs, ours in BLOCK_PARTS.items()}
 THEIR_SAMPLING = {"per_sequence": ("per-sequence", "poisson-truncated-full"), "fixed": ("per-sequence", "fixed"),
                   **dict.fromkeys(("per_batch", "per_batch_split"), ("per-batch", "poisson-truncated-full")),
                   **{name: ("per-batch", name.replace("_", "-")) for name in SAMPLINGS if name.startswith("poisson")}}
-THEIR_ROPE_BASE = 50_000  # RoPESettings' default, the base their from_pretrained builds with
 
 
 def their_backprop_depth(c):
@@ -536,33 +613,89 @@ def tokenizer_json(tokenizer):
 def export(model, tokenizer, out_dir):
     """Write config.json, model.pt, tokenizer.json and tokenizer_config.json for their from_pretrained.
     out_dir is written whole: a folder beside it, renamed to it at the end. A model folder there is replaced.
-    So an earlier export's pytorch_model.bin never shadows this model.pt. Any other file there: refused."""
+    So an earlier export's pytorch_model.bin never shadows this model.pt. Any other file there: refused.
+    Where out_dir is a symbolic link, the folder it points to is replaced and the link kept.
+    Returns the folder written."""
     special = {v: k for k, v in tokenizer.enc._special_tokens.items()}
     if tokenizer.bos_id not in special:
         raise ValueError("the tokenizer has no special BOS token to name in tokenizer_config.json")
-    config = authors_config(model.config)
-    out_dir = Path(out_dir)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ValueError(f"{out_dir} is a file; pass a folder to export into")
-    if out_dir.is_dir() and (others := sorted(p.name for p in out_dir.iterdir() if p.name not in MODEL_FILES)):
-        raise ValueError(f"{out_dir} holds {', '.join(others[:3])}{', ...' if len(others) > 3 else ''}, not a "
-                         f"model's files; export into a new or empty folder (a model folder there is replaced whole)")
+    target = export_target(out_dir)
     tokens = {key: name for key, name in (("bos_token", special[tokenizer.bos_id]), ("eos_token", "<|eos|>"),
                                           ("pad_token", "<|pad|>")) if name in tokenizer.enc._special_tokens}
     tokenizer_config = dict(tokenizer_class="PreTrainedTokenizerFast", model_max_length=model.config.seq_len,
                             add_bos_token=False, add_eos_token=False, **tokens)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    scratch = out_dir.with_name(f".{out_dir.name}.{os.getpid()}.tmp")
+    texts = {"tokenizer.json": tokenizer_json(tokenizer), "tokenizer_config.json": tokenizer_config}
+    texts = {name: json.dumps(obj, indent=1, ensure_ascii=False).encode() for name, obj in texts.items()}
+    state = authors_state_dict(model)
+    # config.json's 2 KB fit in saved_bytes' margin; the room is checked before authors_config warns
+    make_room(target, saved_bytes(state) + sum(map(len, texts.values())))
+    texts["config.json"] = json.dumps(authors_config(model.config), indent=1, ensure_ascii=False).encode()
+    write_folder(target, texts, state)
+    return target
+
+
+def export_target(out_dir):
+    """The folder an export into out_dir replaces: out_dir, or the folder its symbolic links lead to.
+    A file there, a loop of links or a folder holding other files than a model's: ValueError."""
+    target = Path(os.path.realpath(out_dir))
+    if target.is_symlink() or (target.exists() and not target.is_dir()):
+        why = "a loop of symbolic links" if target.is_symlink() else "a file"
+        raise ValueError(f"{out_dir} is {why}; pass a folder to export into")
+    if target.is_dir() and (others := sorted(p.name for p in target.iterdir() if p.name not in MODEL_FILES)):
+        raise ValueError(f"{out_dir} holds {', '.join(others[:3])}{', ...' if len(others) > 3 else ''}, not a "
+                         f"model's files; export into a new or empty folder (a model folder there is replaced whole)")
+    return target
+
+
+def make_room(target, needs):
+    """Remove the folders a stopped export into target left beside it, then check room for `needs` bytes there.
+    A read-only or full disk raises EnvironmentFailure (check_writable)."""
+    if target.parent.is_dir():
+        remove_partial_exports(target)
+    check_writable(target.parent, f"the export to {target}", needs=needs)  # its folder is made beside it
+
+
+def write_folder(target, texts, state):
+    """Write texts ({name: bytes}) and state, as model.pt, into a folder beside target, then rename it to target.
+    A disk that fills on the way raises EnvironmentFailure: target stays as it was, and no folder is left."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
         scratch.mkdir()
-        for name, obj in (("config.json", config), ("tokenizer.json", tokenizer_json(tokenizer)),
-                          ("tokenizer_config.json", tokenizer_config)):
-            (scratch / name).write_text(json.dumps(obj, indent=1, ensure_ascii=False), encoding="utf-8")
-        torch.save(authors_state_dict(model), scratch / "model.pt")
-        replace_folder(scratch, out_dir)
+        for name, text in texts.items():
+            (scratch / name).write_bytes(text)
+        with open(scratch / "model.pt", "wb") as file:  # through Python's file, a full disk raises its errno
+            torch.save(state, file)
+        replace_folder(scratch, target)
+    except OSError as err:
+        if err.errno not in NO_WRITE:
+            raise
+        raise EnvironmentFailure(f"the export to {target} could not be written ({err.strerror}); that folder is "
+                                 f"as it was: free space on its disk or make it writable, then export again") from None
     finally:  # a failed write leaves no folder behind
         shutil.rmtree(scratch, ignore_errors=True)
-    return out_dir
+
+
+def remove_partial_exports(target):
+    """Remove the folders a stopped export into target left beside it, saying so.
+    Only those named as write_folder and replace_folder name theirs, of a process no longer running."""
+    partial = re.compile(rf"\.{re.escape(target.name)}\.(\d+)\.(tmp|old)")
+    for path in sorted(target.parent.iterdir()):
+        found = partial.fullmatch(path.name)
+        if found and path.is_dir() and not path.is_symlink() and not running(int(found[1])):
+            shutil.rmtree(path)
+            print(f"removed {path}, the partial folder of an export that was stopped")
+
+
+def running(pid):
+    """Whether a process with this id runs (one of another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def replace_folder(new, old):
@@ -583,9 +716,10 @@ def export_main(argv):
     args = parser.parse_args(argv)
     warnings.formatwarning = lambda message, *_, **__: f"interop.hub export: {message}\n"
     model, tokenizer, _, path = load_run(args.source)
-    check_writable(Path(args.out_dir), "the export", needs=sum(t.nbytes for t in model.state_dict().values()))
     out = export(model, tokenizer, args.out_dir)
-    print(f"{path} -> {out}: config.json ({model.config.injection}), model.pt, tokenizer.json, tokenizer_config.json")
+    link = f" (where {args.out_dir} leads)" if Path(args.out_dir).is_symlink() else ""
+    print(f"{path} -> {out}{link}: config.json ({model.config.injection}), model.pt, tokenizer.json, "
+          f"tokenizer_config.json")
 
 
 def sample_main(argv):

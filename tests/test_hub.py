@@ -7,11 +7,14 @@ reading of its merges; and each bad input fails with one clear line.
     python -m pytest tests/test_hub.py -q
 """
 
+import errno
 import http.server
 import itertools
 import json
 import math
+import os
 import re
+import shutil
 import threading
 import warnings
 from pathlib import Path
@@ -20,7 +23,7 @@ import pytest
 import regex
 import torch
 
-from conftest import carries, python, raises_naming, warns_naming
+from conftest import carries, python, raises_naming, refused, run_here, warns_naming
 from interop import hub
 from nanoparcae.common import run_command
 from nanoparcae.tokenizer import SPLIT_PATTERN
@@ -297,8 +300,68 @@ def test_unknown_class_and_unsupported_settings():
         hub.config_from_authors(dict(cfg, _class_name="EQLMConfig"))
     with pytest.raises(ValueError, match="logit_softcap=15"):
         hub.config_from_authors(dict(cfg, logit_softcap=15.0))
-    with pytest.raises(ValueError, match="gates to layers"):  # their ve_gate rule disagrees with value_embeds here
+    with raises_naming(ValueError, "layer", "5"):  # their ve_gate rule disagrees with value_embeds here
         hub.config_from_authors(dict(cfg, n_layers_in_recurrent_block=3, mean_backprop_depth=3))
+
+
+BAD_CONFIGS = {  # what a careless or hostile config.json holds -> the field its refusal names
+    "a list": (lambda cfg: [cfg], None), "a string size": (lambda cfg: dict(cfg, n_embd="64"), "n_embd"),
+    "a string eps": (lambda cfg: dict(cfg, norm_eps="1e-5"), "norm_eps"),
+    "no block_size": (lambda cfg: {k: v for k, v in cfg.items() if k != "block_size"}, "block_size"),
+    "zero heads": (lambda cfg: dict(cfg, num_attention_heads=0), "num_attention_heads"),
+    "a class list": (lambda cfg: dict(cfg, _class_name=["ParcaeConfig"]), "_class_name"),
+    "RoPE a list": (lambda cfg: dict(cfg, rope_settings=[50_000]), "rope_settings"),
+    "an unknown RoPE key": (lambda cfg: dict(cfg, rope_settings={"rope_scaling": 4}), "rope_settings.rope_scaling"),
+    "a 1.3 TB RoPE table": (lambda cfg: dict(cfg, block_size=10**9), "block_size=1000000000"),
+    "n_embd 10**6": (lambda cfg: dict(cfg, n_embd=10**6, intermediate_size=4 * 10**6, num_attention_heads=2,
+                                      num_key_value_heads=2, recurrent_embedding_dimension=10**6,
+                                      recurrent_intermediation_embedding_dimension=4 * 10**6), "n_embd=1000000"),
+}
+
+
+@pytest.mark.parametrize("fault", BAD_CONFIGS)
+def test_a_malformed_config_json_is_refused_naming_it_and_the_field_before_any_allocation(tmp_path, monkeypatch,
+                                                                                          capsys, fault):
+    """Each fault ends in one line naming the file and its field, before the model is sized or the weights read
+    (either would fail the test here: main allocated a 40 GB RoPE table for block_size 10**9)."""
+    folder = write_authors_folder(tmp_path / "ckpt", tiny_model("diagonal"))
+    edit, name = BAD_CONFIGS[fault]
+    (folder / "config.json").write_text(json.dumps(edit(authors_config(tiny_model("diagonal").config))))
+
+    def allocates(*args, **kwargs):
+        raise AssertionError("allocated before the config was checked")
+    monkeypatch.setattr("nanoparcae.checkpoint.sized_model", allocates)
+    monkeypatch.setattr(torch, "load", allocates)
+    message = refused(run_here(["-m", "interop.hub", str(folder)], monkeypatch, capsys))
+    assert carries(message, str(folder / "config.json"), *[name] * bool(name)), message
+
+
+def test_the_memory_plan_is_the_bytes_the_loaded_model_and_its_weights_file_hold(tmp_path, monkeypatch):
+    """One byte less free than the float32 model's parameters and RoPE tables plus the weights file: refused
+    naming config.json; exactly that much: it loads."""
+    original = tiny_model("diagonal")
+    folder = write_authors_folder(tmp_path / "ckpt", original)
+    needs = sum(t.nbytes for t in (*original.parameters(), *original.buffers())) + (folder / "model.pt").stat().st_size
+    monkeypatch.setattr(hub, "free_memory", lambda device: needs - 1)
+    with raises_naming(ValueError, str(folder / "config.json"), "n_embd=64"):
+        hub.load_pretrained(str(folder))
+    monkeypatch.setattr(hub, "free_memory", lambda device: needs)
+    assert_same_logits(original, hub.load_pretrained(str(folder))[0])
+
+
+@pytest.mark.parametrize("weights", ["truncated", "a tensor", "a list", "a number among tensors"])
+def test_a_damaged_weights_file_is_refused_in_one_line_naming_it(tmp_path, monkeypatch, capsys, weights):
+    """None advises deleting it: a local folder is the user's own (only the Hub's cache may be fetched again)."""
+    folder = write_authors_folder(tmp_path / "ckpt", tiny_model("diagonal"))
+    path = folder / "model.pt"
+    if weights == "truncated":
+        path.write_bytes(path.read_bytes()[:1000])
+    else:
+        state = torch.load(path, weights_only=True)
+        torch.save({"a tensor": torch.zeros(3), "a list": [torch.zeros(3)],
+                    "a number among tensors": {**state, "transformer.wte.weight": 3}}[weights], path)
+    message = refused(run_here(["-m", "interop.hub", str(folder)], monkeypatch, capsys))
+    assert carries(message, str(path)) and "delete" not in message, message
 
 
 def test_missing_file(tmp_path):
@@ -456,14 +519,14 @@ def test_export_holds_one_copy_of_the_weights(tmp_path, monkeypatch):
     """What export hands torch.save is the model's own storage, but for the q and k rows it reorders, and the
     file it writes is byte for byte the one a copy of every tensor writes."""
     model, saved, save = tiny_model("diagonal", seed=5), {}, torch.save
-    monkeypatch.setattr(torch, "save", lambda obj, path: (saved.update(obj), save(obj, path)))
+    monkeypatch.setattr(torch, "save", lambda obj, file: (saved.update(obj), save(obj, file)))
     hub.export(model, tokenizer_for_export(), tmp_path / "out")
     ours = {tensor.untyped_storage().data_ptr() for tensor in model.state_dict().values()}
     new = {name for name, tensor in saved.items() if tensor.untyped_storage().data_ptr() not in ours}
     assert new and new == {name for name in saved if name.endswith(("attn.c_q.weight", "attn.c_k.weight"))}
-    (tmp_path / "copied").mkdir()  # the same file name: the zip's records are named after it
-    save({name: tensor.clone() for name, tensor in saved.items()}, tmp_path / "copied" / "model.pt")
-    assert (tmp_path / "out" / "model.pt").read_bytes() == (tmp_path / "copied" / "model.pt").read_bytes()
+    with open(tmp_path / "copied.pt", "wb") as file:  # written as export writes, through a file object
+        save({name: tensor.clone() for name, tensor in saved.items()}, file)
+    assert (tmp_path / "out" / "model.pt").read_bytes() == (tmp_path / "copied.pt").read_bytes()
 
 
 def test_exported_config_round_trips():
@@ -602,3 +665,76 @@ def test_an_export_replaces_a_model_folder_whole_and_two_weight_files_are_refuse
     message = capsys.readouterr().err
     assert status.value.code == 2 and carries(message, str(tmp_path / "mine"), "notes.txt"), message
     assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
+
+
+def export_newer(tmp_path):
+    """A second model's checkpoint beside exported()'s, with the same tokenizer -> (model, checkpoint path)."""
+    from nanoparcae.checkpoint import save_checkpoint
+    newer = tiny_model("diagonal", seed=6)
+    save_checkpoint(tmp_path / "newer.pt", newer, tokenizer_dir=str(tmp_path / "tok"))
+    return newer, tmp_path / "newer.pt"
+
+
+def test_an_export_through_a_symbolic_link_replaces_the_folder_it_points_to(tmp_path, monkeypatch, capsys):
+    """The link stays a link to the same folder, which now holds the new model; no hidden folder is left; a loop
+    of links is refused in one line, left as it was."""
+    _, real = exported(tmp_path, "diagonal")
+    newer, checkpoint = export_newer(tmp_path)
+    (tmp_path / "links").mkdir()
+    link, loop = tmp_path / "links" / "link", tmp_path / "links" / "loop"
+    link.symlink_to(real)
+    loop.symlink_to(loop)
+    result = run_here(["-m", "interop.hub", "export", str(checkpoint), str(link)], monkeypatch, capsys)
+    assert result.returncode == 0, result.stderr
+    assert link.is_symlink() and link.resolve() == real.resolve()
+    assert_same_logits(newer, hub.load_pretrained(str(real))[0])
+    assert not [p.name for p in (*tmp_path.iterdir(), *link.parent.iterdir()) if p.name.startswith(".")]
+    message = refused(run_here(["-m", "interop.hub", "export", str(checkpoint), str(loop)], monkeypatch, capsys))
+    assert carries(message, str(loop)) and loop.is_symlink(), message
+
+
+@pytest.mark.parametrize("fault", ["room for the weights file only", "ENOSPC while free space shows"])
+def test_an_export_out_of_disk_ends_in_one_line_and_leaves_the_folder_as_it_was(tmp_path, monkeypatch, capsys,
+                                                                                fault):
+    """Status 1, one line naming the folder; the earlier export there is whole, and no hidden folder is left."""
+    _, folder = exported(tmp_path, "diagonal")
+    _, checkpoint = export_newer(tmp_path)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    if fault == "room for the weights file only":
+        usage = shutil.disk_usage(tmp_path)._replace(free=(folder / "model.pt").stat().st_size + 1)
+        monkeypatch.setattr(shutil, "disk_usage", lambda path: usage)
+    else:
+        def full(obj, file):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        monkeypatch.setattr(torch, "save", full)
+    result = run_here(["-m", "interop.hub", "export", str(checkpoint), str(folder)], monkeypatch, capsys)
+    assert result.returncode == 1 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert carries(result.stderr, os.path.realpath(folder)), result.stderr
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_the_next_export_removes_the_partial_folders_a_stopped_one_left(tmp_path, capsys):
+    """Beside the destination, only the folders with an export's own temporary names, of a process no longer
+    running, are removed, each named on stdout; another destination's and a running export's stay."""
+    _, folder = exported(tmp_path, "diagonal")
+    gone = 2**22 + 1  # above any pid_max: no process has it
+    stopped = [tmp_path / f".out.{gone}.old", tmp_path / f".out.{gone}.tmp"]  # in the order removed
+    kept = [tmp_path / f".out.{os.getppid()}.tmp", tmp_path / f".other.{gone}.tmp", tmp_path / f".out.{gone}.txt"]
+    for partial in stopped + kept:
+        partial.mkdir()
+        (partial / "model.pt").write_bytes(b"partial")
+    capsys.readouterr()
+    hub.main(["export", str(tmp_path / "ckpt.pt"), str(folder)])
+    out = capsys.readouterr().out
+    assert carries(out, *map(str, stopped)), out
+    assert not any(p.exists() for p in stopped) and all(p.is_dir() for p in kept)
+
+
+@pytest.mark.parametrize("held", ["a tensor", "a list"])
+def test_exporting_a_checkpoint_that_holds_no_dict_ends_in_one_line(tmp_path, monkeypatch, capsys, held):
+    """export reads checkpoints through load_run, whose refusal names the file; nothing is written."""
+    path = tmp_path / "ckpt_000010.pt"
+    torch.save(torch.zeros(3) if held == "a tensor" else [torch.zeros(3)], path)
+    message = refused(run_here(["-m", "interop.hub", "export", str(path), str(tmp_path / "out")], monkeypatch, capsys))
+    assert carries(message, str(path)) and not (tmp_path / "out").exists(), message
