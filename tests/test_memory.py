@@ -32,10 +32,11 @@ def saved_bytes(model, batch_size, bf16):
 SIZES = [(3, 64, 500, 5, "diagonal"), (9, 64, 320, 4, "concat"), (6, 128, 320, 2, "none")]
 
 
-# compiled: the looped and the unlooped model (concat's adapter is one more matrix, at a depth that compiles long)
+# compiled: the looped and the unlooped model at depth 3, each a layer per region, as dynamo's tracing takes long
+# (concat's adapter is one more matrix)
 @pytest.mark.parametrize("depth,d_model,vocab,mu_rec,injection,bf16,compiled",
                          [(*size, bf16, False) for size in SIZES for bf16 in (False, True)]
-                         + [pytest.param(*size, True, True, marks=pytest.mark.slow)  # compiles
+                         + [pytest.param(3, *size[1:], True, True, marks=pytest.mark.slow)  # compiles
                             for size in SIZES if size[4] != "concat"])
 def test_activation_estimate_within_2_percent_of_the_saved_tensors(depth, d_model, vocab, mu_rec, injection, bf16,
                                                                    compiled):
