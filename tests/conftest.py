@@ -236,15 +236,16 @@ BEFOREHAND, AWAITING = {}, {}
 @pytest.fixture(scope="session", autouse=True)
 def fork_server(request, tmp_path_factory):
     """The fork server imports torch while the first tests run, where a slow test will need it. Then the jobs of the
-    selected tests start, one at a time on one thread, each given a folder of its own: they run while the tests
+    selected tests start, two at a time on two threads, each given a folder of its own: they run while the tests
     before theirs do."""
-    if any(item.get_closest_marker("slow") for item in request.session.items):
+    warming = "NANOPARCAE_TESTS_WARMING" in os.environ  # compile_cache's: a server only if a test starts a process
+    if not warming and any(item.get_closest_marker("slow") for item in request.session.items):
         start_fork_server()
     for item in request.session.items:
         for marker in item.iter_markers("beforehand"):
             AWAITING.setdefault(marker.args[0], []).append(f"{item.path}::{item.name}")
-    with ThreadPoolExecutor(1) as pool:
-        for job in AWAITING if "NANOPARCAE_TESTS_WARMING" not in os.environ else ():  # compile_cache's starts none
+    with ThreadPoolExecutor(2) as pool:
+        for job in AWAITING if not warming else ():  # compile_cache's process starts none
             BEFOREHAND[job] = pool.submit(job, tmp_path_factory.mktemp(job.__name__))
         yield
         for future in BEFOREHAND.values():

@@ -10,7 +10,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from conftest import raises_naming
+from conftest import awaited, beforehand, python, raises_naming
 from model import split_depths
 from experiments import decoding, gpu_check
 from experiments.bench import (STEP_MODELS, PassCounter, busy_time, depth_schedule, main, masked_reference_loss,
@@ -123,15 +123,22 @@ def test_peak_memory_is_the_peak_over_what_was_allocated_before(monkeypatch):
     assert peak_memory(step, torch.device("cpu")) is None
 
 
+def row_9(folder):
+    """bench.py's row 9 on a tiny model, as a command of its own -> the folder, its finished process."""
+    return folder, python(["-m", "experiments.bench", "--rows", "9", "--depth", "3", "--d_model", "64", "--head_dim",
+                           "32", "--vocab_size", "97", "--seq_len", "16", "--batch_size", "4", "--steps", "2",
+                           "--repeats", "1", "--compile_backend", "eager", "--json", str(folder / "bench.json")])
+
+
 @pytest.mark.slow
-def test_row_9_times_the_step_of_each_model_and_puts_per_sequence_against_fixed_depth(tmp_path, capsys):
-    main(["--rows", "9", "--depth", "3", "--d_model", "64", "--head_dim", "32", "--vocab_size", "97", "--seq_len",
-          "16", "--batch_size", "4", "--steps", "2", "--repeats", "1", "--compile_backend", "eager",
-          "--json", str(tmp_path / "bench.json")])
-    rows = {row[0][2:]: row[1:] for row in (line.split(" | ") for line in capsys.readouterr().out.splitlines()
+@beforehand(row_9)
+def test_row_9_times_the_step_of_each_model_and_puts_per_sequence_against_fixed_depth():
+    folder, result = awaited(row_9)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {row[0][2:]: row[1:] for row in (line.split(" | ") for line in result.stdout.splitlines()
                                              if line.startswith("| 9"))}
     assert list(rows) == ["9", "9a", "9b", "9c"]
-    step = json.loads((tmp_path / "bench.json").read_text())["figures"]["step"]
+    step = json.loads((folder / "bench.json").read_text())["figures"]["step"]
     for name, number in zip(STEP_MODELS, ("9a", "9b", "9c")):
         assert rows[number][0].startswith(name)
         figures = step[name]

@@ -11,7 +11,6 @@ import re
 import runpy
 import shutil
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -121,13 +120,11 @@ def test_without_a_gpu_the_batch_is_the_largest_divisor_up_to_32(monkeypatch, ca
     assert status == 0 and "device batch: 8, the largest divisor of the 8 sequences" in out, err
 
 
-@pytest.fixture(scope="module")
-def concat(corpus):
-    """The future of a 4-step concat run (its finished subprocess), started when the first test that takes this
-    starts: it trains on a thread of its own beside that test's runs (each process is one thread, the suite has two
-    cores)."""
-    with ThreadPoolExecutor(1) as pool:
-        yield pool.submit(train, corpus, "--injection=concat", "--max_tokens=1024", "--eval_every=2", "--run=concat")
+def concat_run(folder):
+    """A 4-step concat run on the tiny corpus in folder (CONCAT) -> the folder."""
+    write_corpus(folder / "corpus.txt")
+    train(folder, *CONCAT)
+    return folder
 
 
 def kept_batch(folder):
@@ -151,8 +148,9 @@ def test_a_resume_keeps_the_recorded_batch():
 
 
 @pytest.mark.slow
-def test_concat_rho_is_logged_every_rho_every_steps_and_is_the_weights_radius(corpus, concat):
-    concat.result()  # 4 steps
+@beforehand(concat_run)
+def test_concat_rho_is_logged_every_rho_every_steps_and_is_the_weights_radius():
+    corpus = awaited(concat_run)  # 4 steps
     run_dir = corpus / "base" / "runs" / "concat"
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rho = {entry["step"]: entry["rho"] for entry in steps if "loss" in entry}
@@ -162,7 +160,7 @@ def test_concat_rho_is_logged_every_rho_every_steps_and_is_the_weights_radius(co
     assert rho[2] > 0 and rho[4] == pytest.approx(radius, rel=1e-4)
 
 
-CONCAT = ["--injection=concat", "--max_tokens=1024", "--eval_every=2", "--run=concat"]  # the concat fixture's run
+CONCAT = ["--injection=concat", "--max_tokens=1024", "--eval_every=2", "--run=concat"]  # concat_run's run
 # Another value of each flag --help lists: a run-defining flag's is refused on a run that exists, naming the flag; any
 # other flag's continues the run (which, finished, says it is done).
 RUN_DEFINING = {
@@ -182,11 +180,12 @@ NEITHER = {"run", "dry_run"}  # another run; a plan only
 
 
 @pytest.mark.slow
-def test_every_flag_defines_the_run_or_may_change_when_it_continues(corpus, concat, monkeypatch, capsys):
+@beforehand(concat_run)
+def test_every_flag_defines_the_run_or_may_change_when_it_continues(monkeypatch, capsys):
     """On the finished concat run, another value of each flag --help lists: a run-defining one is refused in one line
     that names it, and the checkpoint records exactly those flags; any other one continues the run, which says it is
     done. A flag this test does not classify fails it."""
-    concat.result()
+    corpus = awaited(concat_run)
     monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(corpus / "base"))
     _, out, _ = run_train(monkeypatch, capsys, "--help")
     assert set(re.findall(r"^  --(\w+)", out, flags=re.M)) == set(RUN_DEFINING) | set(FREE) | NEITHER
@@ -203,10 +202,11 @@ def test_every_flag_defines_the_run_or_may_change_when_it_continues(corpus, conc
 
 
 @pytest.mark.slow
-def test_a_checkpoint_that_recorded_a_former_flag_name_continues(corpus, concat, monkeypatch, capsys):
+@beforehand(concat_run)
+def test_a_checkpoint_that_recorded_a_former_flag_name_continues(monkeypatch, capsys):
     """A checkpoint written before --sampling became --depth_sampling records `sampling`: the same command
     continues its run (finished: done), and another sampler is still refused, naming the flag."""
-    concat.result()
+    corpus = awaited(concat_run)
     base = corpus / "base" / "runs"
     shutil.copytree(base / "concat", base / "concat_old", ignore=shutil.ignore_patterns("lock"))
     path = base / "concat_old" / "ckpt_000004.pt"

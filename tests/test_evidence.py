@@ -1,14 +1,22 @@
 """evidence.py: the judging of claims from paired runs, on synthetic records, and one tiny real run through
-train.py and the final evaluation. The interval itself is tested in tests/test_scaling.py."""
+train.py and the final evaluation. The interval itself is tested in tests/test_scaling.py.
+
+Run as a script, this file is that tiny run, in the base folder its environment names:
+
+    python tests/test_evidence.py LOG_PATH
+"""
 
 import json
 import math
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import forked, raises_naming
-from experiments import evidence, scaling
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script too
+from conftest import awaited, beforehand, python, raises_naming  # noqa: E402
+from experiments import evidence  # noqa: E402
 
 
 def record(run, loss=2.0, diverged=False, fall=0.0, gap_left=0.0, curve=None):
@@ -147,17 +155,31 @@ def test_the_table_is_replaced_between_its_markers(tmp_path, monkeypatch):
         evidence.fill_table(page)
 
 
-@pytest.mark.slow
-def test_a_real_run_its_curve_at_mu_rec_equals_train_pys_own_eval(tmp_path, monkeypatch):
-    """A tiny run through train_and_evaluate: the final evaluation's loss at T = mu_rec is train.py's last val loss
-    (the same batches and h0), the curve is recorded at every CURVE_T, and load_results reads the run back."""
-    forked(scaling, monkeypatch)  # evidence runs its commands through scaling.run_logged
+def tiny_run():
+    """evidence's run at mu_rec 2, cut to 4 steps of a narrow model."""
     run = evidence.make_run(mu_rec=2, seed=0)
     run.update(steps=4, flags=[f for f in run["flags"] if not f.startswith(("--d_model", "--head_dim", "--seq_len",
                                                                              "--max_tokens", "--eval_every"))]
                + ["--d_model=32", "--head_dim=16", "--seq_len=32", f"--total_batch_size={16 * 32}",
                   f"--max_tokens={4 * 16 * 32}", "--eval_every=2"])
-    assert evidence.train_and_evaluate(run, tmp_path / "log.txt", threads=1), (tmp_path / "log.txt").read_text()
+    return run
+
+
+def real_run(folder):
+    """tiny_run through train_and_evaluate, in a process of its own (this file as a script) with its base folder in
+    folder: the tests beside it change this process's environment -> the folder, the finished process."""
+    return folder, python([__file__, str(folder / "log.txt")], {"NANOPARCAE_BASE_DIR": str(folder / "base")})
+
+
+@pytest.mark.slow
+@beforehand(real_run)
+def test_a_real_run_its_curve_at_mu_rec_equals_train_pys_own_eval(monkeypatch):
+    """A tiny run through train_and_evaluate: the final evaluation's loss at T = mu_rec is train.py's last val loss
+    (the same batches and h0), the curve is recorded at every CURVE_T, and load_results reads the run back."""
+    folder, result = awaited(real_run)
+    assert result.returncode == 0, (folder / "log.txt").read_text()[-3000:] + result.stderr[-3000:]
+    monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(folder / "base"))
+    run = tiny_run()
     record = json.loads((evidence.run_dir(run["name"]) / "evidence.json").read_text())
     assert record["curve"]["T"] == evidence.CURVE_T and len(record["curve"]["h_norm"]) == len(evidence.CURVE_T)
     assert [v["step"] for v in record["val"]] == [2, 4] and all(v["loss_T1"] > 0 for v in record["val"])
@@ -200,3 +222,7 @@ def test_the_report_writes_every_claim_per_optimiser_with_its_drift_numbers(tmp_
     assert "| 4 | adamw |" in evidence.TABLE.read_text()
     for name in ("lr_sweep", "depth", "sampling", "transformer", "test_time", "drift"):
         assert (tmp_path / "out" / f"{name}.png").stat().st_size > 5000
+
+
+if __name__ == "__main__":  # real_run's process: tiny_run, its log at the path given
+    sys.exit(0 if evidence.train_and_evaluate(tiny_run(), sys.argv[1], threads=1) else 1)

@@ -230,7 +230,7 @@ def test_repo_id_downloads_resumes_and_caches(tmp_path, monkeypatch):
     write_authors_folder(served / "SandyResearch" / "tiny", original)
     HubHandler.root, HubHandler.ranges = served, []
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), HubHandler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     monkeypatch.setattr(hub, "HUB_URL", f"http://127.0.0.1:{server.server_address[1]}")
     try:
         # a download cut off half way: the next call asks only for the rest

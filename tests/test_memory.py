@@ -1,14 +1,25 @@
 """The memory plan of a training run (memory.memory_plan, optim.optimizer_state_bytes): its activation estimate
 (memory.activation_bytes) against the bytes a training forward really saves for backward, measured with
-saved-tensor hooks on small CPU models, and its sum."""
+saved-tensor hooks on small CPU models, and its sum.
+
+Run as a script, this file prints the bytes each compiled model saves (compiled_runs' process):
+
+    python tests/test_memory.py
+"""
+
+import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch._dynamo
 
-from model import Parcae, ParcaeConfig, poisson_tail
-from nanoparcae.memory import activation_bytes, backprop_depth, memory_plan
-from optim import optimizer_state_bytes
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script too
+from conftest import awaited, beforehand, python  # noqa: E402
+from model import Parcae, ParcaeConfig, poisson_tail  # noqa: E402
+from nanoparcae.memory import activation_bytes, backprop_depth, memory_plan  # noqa: E402
+from optim import optimizer_state_bytes  # noqa: E402
 
 
 def saved_bytes(model, batch_size, bf16):
@@ -30,32 +41,53 @@ def saved_bytes(model, batch_size, bf16):
 
 
 SIZES = [(3, 64, 500, 5, "diagonal"), (9, 64, 320, 4, "concat"), (6, 128, 320, 2, "none")]
+# compiled, in bf16: the looped and the unlooped model at depth 3, each a layer per region, as dynamo's tracing takes
+# long (concat's adapter is one more matrix)
+COMPILED = [(3, *size[1:], True, True) for size in SIZES if size[4] != "concat"]
 
 
-# compiled: the looped and the unlooped model (concat's adapter is one more matrix, at a depth that compiles long)
-@pytest.mark.parametrize("depth,d_model,vocab,mu_rec,injection,bf16,compiled",
-                         [(*size, bf16, False) for size in SIZES for bf16 in (False, True)]
-                         + [pytest.param(*size, True, True, marks=pytest.mark.slow)  # compiles
-                            for size in SIZES if size[4] != "concat"])
-def test_activation_estimate_within_2_percent_of_the_saved_tensors(depth, d_model, vocab, mu_rec, injection, bf16,
-                                                                   compiled):
-    """Compiled: model.compile_regions under inductor's partitioner and decompositions, without its code generation."""
+def tiny_model(depth, d_model, vocab, mu_rec, injection):
     config = ParcaeConfig.from_depth(depth, d_model=d_model, head_dim=32, vocab_size=vocab, seq_len=32,
                                      mu_rec=mu_rec, injection=injection)
     torch.manual_seed(0)
-    model = Parcae(config).train()
+    return Parcae(config).train()
+
+
+def measured_bytes(model, bf16, compiled):
+    """The bytes the model's forward saves at 2 and 4 sequences (saved_bytes). Compiled: model.compile_regions under
+    inductor's partitioner and decompositions, without its code generation."""
     torch._dynamo.reset()
     with torch._dynamo.config.patch(optimize_ddp=True, recompile_limit=torch._dynamo.config.recompile_limit), \
             torch.fx.experimental._config.patch(backed_size_oblivious=False):  # compile_regions sets them
         if compiled:
             model.compile_regions(backend="aot_eager_decomp_partition")
-        # per sequence: the growth from 2 to 4 sequences, so fixed costs (bf16 weight copies) cancel
         measured = [saved_bytes(model, batch, bf16) for batch in (2, 4)]
+    torch._dynamo.reset()
+    return measured
+
+
+def compiled_runs(folder):
+    """measured_bytes of each COMPILED size's model, in a process of its own beside the tests -> {size: bytes}."""
+    result = python([__file__])
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {tuple(size): measured for size, measured in json.loads(result.stdout)}
+
+
+@pytest.mark.parametrize("depth,d_model,vocab,mu_rec,injection,bf16,compiled",
+                         [(*size, bf16, False) for size in SIZES for bf16 in (False, True)]
+                         + [pytest.param(*size, marks=[pytest.mark.slow, beforehand(compiled_runs)])  # compiles
+                            for size in COMPILED])
+def test_activation_estimate_within_2_percent_of_the_saved_tensors(depth, d_model, vocab, mu_rec, injection, bf16,
+                                                                   compiled):
+    """Compiled: the bytes compiled_runs measured in a process of its own."""
+    model = tiny_model(depth, d_model, vocab, mu_rec, injection)
+    size = (depth, d_model, vocab, mu_rec, injection, bf16, compiled)
+    measured = awaited(compiled_runs)[size] if compiled else measured_bytes(model, bf16, compiled)
+    # per sequence: the growth from 2 to 4 sequences, so fixed costs (bf16 weight copies) cancel
     estimated = [activation_bytes(model, batch, bf16, compiled) for batch in (2, 4)]
     assert (estimated[1] - estimated[0]) / 2 == pytest.approx((measured[1] - measured[0]) / 2, rel=0.02)
     assert estimated[1] == pytest.approx(measured[1], rel=0.04)  # the fixed part too
     assert (activation_bytes(model, 1, bf16, compiled) > (estimated[1] - estimated[0]) / 2) == bf16
-    torch._dynamo.reset()
 
 
 def test_the_plan_is_at_the_samplers_most_backpropagated_steps():
@@ -91,3 +123,7 @@ def test_memory_plan_adds_up_and_its_largest_batch_is_the_largest_that_fits(bf16
         assert memory_plan(model, largest, bf16, optimizer_bytes)["total"] <= 0.9 * gb * 1e9
         assert memory_plan(model, largest + 1, bf16, optimizer_bytes)["total"] > 0.9 * gb * 1e9
     assert 0 < plan["largest_batch"][80] < plan["largest_batch"][141]
+
+
+if __name__ == "__main__":  # compiled_runs' process
+    print(json.dumps([[size, measured_bytes(tiny_model(*size[:5]), *size[5:])] for size in COMPILED]))

@@ -446,7 +446,7 @@ def test_tiny_model_learns_a_fixed_batch(injection):
     idx = torch.randint(0, 64, (8, 33))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses, h0_generator = [], torch.Generator().manual_seed(0)
-    for _ in range(100):
+    for _ in range(25):  # the loss halves within 5 steps: 25 leave a wide margin
         loss = model(idx[:, :-1], idx[:, 1:], h0_generator=h0_generator)
         optimizer.zero_grad()
         loss.backward()

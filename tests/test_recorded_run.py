@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, TINY, python, write_corpus
+from conftest import ROOT, TINY, awaited, beforehand, python, write_corpus
 
 RECORD = Path(__file__).resolve().parent / "recorded_run.json"
 # each run sets its horizon; concat's rho at every step (--rho_every=1), as every other injection's
@@ -121,9 +121,10 @@ def test_differences_catch_a_change_and_pass_rounding():
 
 
 @pytest.mark.slow
-def test_training_run_gives_the_recorded_numbers(tmp_path):
+@beforehand(run_numbers)
+def test_training_run_gives_the_recorded_numbers():
     reference = json.loads(RECORD.read_text())
-    numbers = run_numbers(tmp_path)
+    numbers = awaited(run_numbers)
     assert len(numbers["diagonal"]["steps"]) == RUNS["diagonal"]
     assert differences(numbers, reference) == []
 
