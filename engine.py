@@ -417,17 +417,17 @@ def generate(model, tokens, max_new_tokens, T=None, temperature=1.0, top_k=None,
 # Self-speculative decoding (beyond the paper): the looped model drafts for itself
 
 # auto's draft, from a sweep of depth and length on the CPU checkpoint (docs/sampling.md):
-# depth mu_rec, up to 32 positions a pass, where T >= 2 mu_rec; below, drafting did not pay
+# depth mu_rec - 1, up to 32 positions a pass, where T >= 2 mu_rec; below, drafting did not pay
 DRAFT_LENGTH, DRAFT_MIN_RATIO = 32, 2
 
 
 def auto_draft(model, T=None):
     """The Draft of sample.py's --draft=auto at depth T (None: mu_rec), or None.
     None (one position at a time) for the Transformer, or where T < DRAFT_MIN_RATIO mu_rec."""
-    depth = model.config.mu_rec
-    if model.injection is None or (T or depth) < DRAFT_MIN_RATIO * depth:
+    mu_rec = model.config.mu_rec
+    if model.injection is None or (T or mu_rec) < DRAFT_MIN_RATIO * mu_rec:
         return None
-    return Draft(depth, DRAFT_LENGTH)
+    return Draft(max(1, mu_rec - 1), DRAFT_LENGTH)
 
 
 def check_draft(model, T, kv, use_cache, draft):
