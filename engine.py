@@ -26,6 +26,7 @@ One generator shared by several rows makes each row's draws depend on the others
 """
 
 import math
+import time
 import warnings
 from typing import NamedTuple
 
@@ -378,7 +379,8 @@ class Sampling(NamedTuple):
 
 
 class Draft(NamedTuple):
-    """Self-speculative decoding's shape: `length` positions drafted at `depth` loop steps."""
+    """Self-speculative decoding's shape: up to `length` positions a pass, drafted at `depth`
+    loop steps (drafted's paced picks how many)."""
     depth: int
     length: int
 
@@ -415,17 +417,17 @@ def generate(model, tokens, max_new_tokens, T=None, temperature=1.0, top_k=None,
 # Self-speculative decoding (beyond the paper): the looped model drafts for itself
 
 # auto's draft, from a sweep of depth and length on the CPU checkpoint (docs/sampling.md):
-# depth mu_rec, 16 positions a pass, where T >= 2 mu_rec; below, drafting did not pay
-DRAFT_LENGTH, DRAFT_MIN_RATIO = 16, 2
+# depth mu_rec - 1, up to 32 positions a pass, where T >= 2 mu_rec; below, drafting did not pay
+DRAFT_LENGTH, DRAFT_MIN_RATIO = 32, 2
 
 
 def auto_draft(model, T=None):
     """The Draft of sample.py's --draft=auto at depth T (None: mu_rec), or None.
     None (one position at a time) for the Transformer, or where T < DRAFT_MIN_RATIO mu_rec."""
-    depth = model.config.mu_rec
-    if model.injection is None or (T or depth) < DRAFT_MIN_RATIO * depth:
+    mu_rec = model.config.mu_rec
+    if model.injection is None or (T or mu_rec) < DRAFT_MIN_RATIO * mu_rec:
         return None
-    return Draft(depth, DRAFT_LENGTH)
+    return Draft(max(1, mu_rec - 1), DRAFT_LENGTH)
 
 
 def check_draft(model, T, kv, use_cache, draft):
@@ -441,8 +443,44 @@ def check_draft(model, T, kv, use_cache, draft):
                          f"1 <= depth < T={T} and length >= 1")
 
 
-def drafted(decoder, max_new_tokens, draft, sampling, counts=None):
-    """generate's tokens at depth T, `draft.length` positions per pass through the whole loop.
+class Pace(NamedTuple):
+    """drafted's plan for its next pass, and what it measured so far (running means)."""
+    length: int = 0  # the positions the next pass drafts; 0 decodes one token plainly
+    wait: int = 1  # plain tokens left before drafting again: the first times a plain token
+    pause: int = 16  # the plain tokens after the next failure, doubled at each
+    plain: float = math.nan  # seconds per plain token
+    speedup: float = math.nan  # tokens per second drafting over plain decoding's, since a probe
+
+
+def mean(old, new):
+    """A running mean that halves the weight of the past at each new value."""
+    return new if math.isnan(old) else (old + new) / 2
+
+
+def paced(pace, most, accepted, seconds):
+    """The Pace after a pass that drafted pace.length positions (0: a plain token) in `seconds`.
+    accepted: the drafts every row accepted. It picks how many positions to draft, never a token.
+    - After `wait` plain tokens, a pass drafts one position: a probe that costs about a token.
+    - A pass whose drafts were all accepted drafts twice as many next (up to most).
+      One accepting under half drafts half as many.
+    - A probe some row rejects, or a speed-up under 1 (a running mean of each pass's kept tokens
+      over its seconds in plain tokens), decodes `pause` tokens plainly, doubled each time."""
+    k = pace.length
+    if k == 0:  # a plain token, timed; after the wait, a probe
+        return pace._replace(length=int(pace.wait == 1), wait=pace.wait - 1, speedup=math.nan,
+                             plain=mean(pace.plain, seconds))
+    # a probe keeps one token at any rate: only its acceptance counts. nan until a plain token
+    speedup = pace.speedup if k == 1 else mean(pace.speedup, min(accepted + 1, k) * pace.plain
+                                                / seconds)
+    if (accepted == 0 if k == 1 else speedup < 1):  # drafting does not pay: plainly for a while
+        return pace._replace(length=0, wait=pace.pause, pause=2 * pace.pause)
+    length = min(2 * k, most) if accepted == k else k // 2 if 2 * accepted < k else k
+    return pace._replace(length=length, speedup=speedup,
+                         pause=pace.pause if k == 1 else Pace().pause)
+
+
+def drafted(decoder, max_new_tokens, draft, sampling, counts=None, pace=Pace()):
+    """generate's tokens at depth T, up to `draft.length` positions per pass through the loop.
 
     At depth T a position's loop steps 0..t-1 do not depend on T: the same h0, input and cache
     entries of earlier positions. So a draft at depth t is the first t steps of the target.
@@ -450,56 +488,84 @@ def drafted(decoder, max_new_tokens, draft, sampling, counts=None):
     2. verify: those k positions together from step t to T, then the coda: the target's logits.
     3. accept: speculative sampling's rule (accept), so each token is distributed as plain
        decoding's; greedy, the target's argmax. The cache rolls back past the rest.
-    A batch keeps the run every row accepts, so a row's draws depend on the rows beside it.
-    counts gets "passes", "drafted" and "agreed" (drafts a row accepted before its first
-    rejection)."""
-    steps = torch.full((decoder.tokens.size(0),), decoder.T)
-    made, counts = 0, {} if counts is None else counts
+    paced picks k from the drafts accepted and the seconds each pass took, 0 for a plain token.
+    A batch keeps the run every row keeps. A row's further tokens, verified at T, wait `ahead`:
+    the next pass drafts them for the row, and accepts them.
+    counts gets "passes", "drafted", "agreed" (drafts a row accepted before its first
+    rejection) and "plain" (tokens decoded one position at a time)."""
+    B = decoder.tokens.size(0)
+    steps, made, ahead = torch.full((B,), decoder.T), 0, [[] for _ in range(B)]
+    counts = {} if counts is None else counts
     while made < max_new_tokens:
-        k, start = min(draft.length, max_new_tokens - made), decoder.length
-        # 1. draft: each position's token drawn as plain decoding draws it, from the draft's logits
-        states, shallow = [], []  # each position's state, and its logits at depth t
-        for _ in range(k):
-            logits, state = decoder.draft_logits(draft.depth)
-            states.append(state)
-            shallow.append(sampling.masked(logits))
-            decoder.append(sampling.pick(shallow[-1]))
-        # 2. verify: the k positions run on to T together
-        target = sampling.masked(decoder.verify_logits(states, draft.depth))
-        # 3. accept, then roll back past the rejected positions
-        ids, agreed = accept(torch.stack(shallow, dim=1), target,
-                             decoder.tokens[:, start:start + k], sampling)
-        decoder.tokens[:, start:start + ids.size(1)] = ids
-        decoder.rewind(start + ids.size(1))
+        k, start = min(pace.length, max_new_tokens - made), decoder.length
+        began = time.perf_counter()
+        if k == 0:  # one position at depth T, as generate decodes without a draft
+            ids = ahead_of(sampling.pick(sampling.masked(decoder.next_logits()[0])), ahead, 0)
+            decoder.append(ids)
+            ids, accepted, tallies = ids[:, None], 0, {"plain": 1}
+            ahead = [run[1:] for run in ahead]
+        else:
+            # 1. draft: each position's token drawn as plain decoding draws it, from the draft's
+            states, shallow = [], []  # each position's state, and its logits at depth t
+            for i in range(k):
+                logits, state = decoder.draft_logits(draft.depth)
+                states.append(state)
+                shallow.append(sampling.masked(logits))
+                decoder.append(ahead_of(sampling.pick(shallow[-1]), ahead, i))
+            # 2. verify: the k positions run on to T together
+            target = sampling.masked(decoder.verify_logits(states, draft.depth))
+            # 3. accept, keep the run every row keeps, then roll back past the rest
+            known = torch.tensor([[i < len(run) for i in range(k)] for run in ahead],
+                                 device=target.device)
+            own, agreed = accept(torch.stack(shallow, dim=1), target,
+                                 decoder.tokens[:, start:start + k], sampling, known)
+            rows_kept, accepted = (agreed + 1).clamp(max=k).tolist(), int(agreed.min())
+            ids = own[:, :min(rows_kept)]
+            ahead = [own[r, ids.size(1):rows_kept[r]].tolist() + run[k:]
+                     for r, run in enumerate(ahead)]
+            decoder.tokens[:, start:start + ids.size(1)] = ids
+            decoder.rewind(start + ids.size(1))
+            guided = int(known.sum())  # positions whose tokens were verified already
+            tallies = {"passes": 1, "drafted": B * k - guided,
+                       "agreed": int(agreed.sum()) - guided}
+        pace = paced(pace._replace(length=k), draft.length, accepted,
+                     time.perf_counter() - began)
         made += ids.size(1)
-        for name, value in (("passes", 1), ("drafted", agreed.numel() * k),
-                            ("agreed", int(agreed.sum()))):
+        for name, value in tallies.items():
             counts[name] = counts.get(name, 0) + value
         for next_ids in ids.unbind(dim=1):
             yield next_ids, steps
 
 
-def accept(draft_logits, target_logits, guesses, sampling):
-    """The tokens kept of k drafted ones: speculative sampling's rule (Leviathan et al., 2023).
-    Each row accepts draft token x with probability min(1, p(x) / q(x)) (target p, draft q).
+def ahead_of(ids, ahead, i):
+    """ids (B,), each row's replaced by the i-th of its tokens verified ahead, if it has one."""
+    if all(len(run) <= i for run in ahead):
+        return ids
+    return torch.tensor([run[i] if i < len(run) else x for run, x in zip(ahead, ids.tolist())],
+                        device=ids.device)
+
+
+def accept(draft_logits, target_logits, guesses, sampling, known):
+    """Each row's tokens of k drafted ones: speculative sampling's rule (Leviathan et al., 2023).
+    A row accepts draft token x with probability min(1, p(x) / q(x)) (target p, draft q).
     At its first rejection it draws from max(0, p - q), normalised. Greedy, x must be p's argmax.
-    Every row keeps the first a tokens, a - 1 being the fewest drafts a row accepted (at most k).
-    -> (ids (B, a), drafts each row accepted before its first rejection (B,))."""
+    known (B, k): the drafts verified already, accepted as they are.
+    -> (ids (B, k), each row's valid up to and with its first rejection's draw; the drafts
+    each row accepted before it (B,))."""
     k = guesses.size(1)
     if greedy(sampling.temperature):
-        best = target_logits.argmax(dim=-1)  # (B, k)
-        agreed = (guesses == best).cumprod(dim=1).sum(dim=1)
-        return best[:, :min(int(agreed.min()) + 1, k)], agreed
+        best = torch.where(known, guesses, target_logits.argmax(dim=-1))  # (B, k)
+        return best, (guesses == best).cumprod(dim=1).sum(dim=1)
     p, q = (probabilities(logits, sampling.temperature, sampling.top_k)
             for logits in (target_logits, draft_logits))  # (B, k, V) each
     p_x, q_x = (probs.gather(-1, guesses[..., None])[..., 0] for probs in (p, q))
     u = torch.stack([torch.rand(k, generator=g, device=p.device) for g in sampling.generators])
-    agreed = (u * q_x < p_x).cumprod(dim=1).sum(dim=1)  # u < p(x) / q(x)
-    a = min(int(agreed.min()) + 1, k)
-    ids = guesses[:, :a].clone()
-    for row in (agreed == a - 1).nonzero()[:, 0].tolist():  # the rows rejecting the last kept
-        residual = (p[row, a - 1] - q[row, a - 1]).clamp(min=0)
-        ids[row, a - 1] = draw(residual[None], sampling.generators[row:row + 1])[0]
+    agreed = ((u * q_x < p_x) | known).cumprod(dim=1).sum(dim=1)  # u < p(x) / q(x)
+    ids = guesses.clone()
+    for row, at in enumerate(agreed.tolist()):  # each rejecting row's draw at its rejection
+        if at < k:
+            residual = (p[row, at] - q[row, at]).clamp(min=0)
+            ids[row, at] = draw(residual[None], sampling.generators[row:row + 1])[0]
     return ids, agreed
 
 

@@ -57,7 +57,8 @@ def stream_samples(model, tokenizer, prompt, args, device, allowed=None, draft=N
         print(utf8.decode(b"", final=True))
         seconds = time.perf_counter() - t0
         drafts = (f", drafted at depth {draft.depth}: {counts['agreed'] / counts['drafted']:.0%} "
-                  f"accepted" if counts else "")
+                  f"accepted, {counts.get('plain', 0)} tokens plain" if counts.get("drafted")
+                  else "")
         print(f"[{len(depths)} tokens, {len(depths) / seconds:.1f} tokens/s, "
               f"{sum(depths) / max(1, len(depths)):.2f} recurrent steps per token{drafts}]",
               file=sys.stderr)
@@ -142,7 +143,8 @@ def sample(model, tokenizer, args, label):
     draft = chosen_draft(model, args)
     print(f"{label}: {model.num_params():,} parameters, mu_rec={c.mu_rec}, "
           f"injection={c.injection}; T={args.T or c.mu_rec}"
-          f"{f', drafts {draft.length} at depth {draft.depth}' if draft else ''}", file=sys.stderr)
+          f"{f', drafts up to {draft.length} at depth {draft.depth}' if draft else ''}",
+          file=sys.stderr)
     with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
         try:
             if args.prompt is not None or not sys.stdin.isatty():

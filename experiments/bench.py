@@ -565,15 +565,15 @@ def row_draft(args, device, training, figures):
     """Row 11: self-speculative decoding (engine.drafted) against plain decoding, greedy, each row's own prompt from
     the stdlib's text: tokens/s at T = mu_rec, 2 mu_rec, 32 and 64, 1 and 8 rows, with the share of drafts accepted
     and the tokens per verify pass. The draft is sample.py's --draft=auto (engine.auto_draft), else depth
-    min(mu_rec, T - 1), DRAFT_LENGTH long. On the trained checkpoint (--ckpt, else the newest run), then the 140M's
-    shapes with random weights."""
+    min(mu_rec - 1, T - 1) up to DRAFT_LENGTH long; engine.paced picks each pass's length or decodes plainly. On the
+    trained checkpoint (--ckpt, else the newest run), then the 140M's shapes with random weights."""
     rows = []
     for name, (model, ids, new) in draft_models(args, device).items():
         for batch in (1, 8):
             cells, ratios = [], {}
             for T in sorted({model.config.mu_rec, 2 * model.config.mu_rec, 32, 64}):
                 auto = auto_draft(model, T)
-                draft = auto or Draft(min(model.config.mu_rec, T - 1), DRAFT_LENGTH)
+                draft = auto or Draft(max(1, min(model.config.mu_rec - 1, T - 1)), DRAFT_LENGTH)
                 counts = {}
 
                 def decode(draft=None, counts=None):
@@ -584,10 +584,12 @@ def row_draft(args, device, training, figures):
                                          args.repeats)
                 ratio = seconds["plain"] / seconds["drafted"]
                 ratios[T] = ratio if auto else 1.0  # where auto declines, sample.py decodes plainly
-                passes = counts["passes"] / (args.repeats + 1)  # the warm-up's passes, then each repeat's
+                plain = counts.get("plain", 0) / (args.repeats + 1)  # the warm-up's, then each repeat's
+                passes = max(1, counts.get("passes", 0)) / (args.repeats + 1)
                 cells.append(f"T={T}: {batch * new / seconds['plain']:.1f} -> {batch * new / seconds['drafted']:.1f}"
                              f" tok/s ({ratio:.2f}x; drafts {draft.depth}x{draft.length}{'' if auto else ' forced'},"
-                             f" {counts['agreed'] / counts['drafted']:.0%} accepted, {new / passes:.1f} tokens a pass)")
+                             f" {counts.get('agreed', 0) / max(1, counts.get('drafted', 0)):.0%} accepted,"
+                             f" {(new - plain) / passes:.1f} tokens a pass, {plain:.0f} plain)")
             figures[f"draft_{name}_B{batch}"] = ratios
             goal = 3 if batch == 1 else 2
             target = "" if name.startswith("140M") else (

@@ -3,6 +3,7 @@ tokens, the same cache after a rollback, batches whose rows accept different run
 sampled tokens; what it refuses; and decoding's memory plan and tiny temperatures."""
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ import torch
 import engine
 import sample
 from conftest import carries, raises_naming, train
-from engine import Decoder, Draft, Sampling, drafted, generate
+from engine import Decoder, Draft, Pace, Sampling, drafted, generate
 from nanoparcae.checkpoint import load_run
 from nanoparcae.common import run_command
 from test_sample import checkpoint, tiny_model  # noqa: F401 (checkpoint: a fixture)
@@ -30,12 +31,14 @@ def tokens(model, prompt, n, seeds=None, **kw):
 
 
 def spy_on_accept(monkeypatch):
-    """-> the list that gets each verify pass's drafts accepted per row (B,)."""
+    """-> the list that gets each verify pass's (drafts accepted per row, tokens the batch kept, positions
+    drafted, whether a row had tokens verified ahead)."""
     calls = []
 
     def spied(*args):
         ids, agreed = accept(*args)
-        calls.append((agreed.tolist(), ids.size(1)))
+        k = ids.size(1)
+        calls.append((agreed.tolist(), min(int(agreed.min()) + 1, k), k, bool(args[-1].any())))
         return ids, agreed
 
     accept = engine.accept
@@ -54,20 +57,49 @@ def test_greedy_drafted_tokens_equal_plain_decoding(T, depth, length, monkeypatc
             assert torch.equal(tokens(model, [prompt], n, T=T, temperature=0, draft=Draft(depth, length)), plain)
     assert len(set(plain[0].tolist())) > 3  # a varied text, not a repeat any bug would reproduce
     if length > 1:  # drafts both accepted and rejected
-        kept = [taken for _, taken in calls]
+        kept = [taken for _, taken, _, _ in calls]
         assert min(kept) < length and max(kept) > 1, kept
 
 
 def test_rows_that_accept_different_runs_stay_exact(monkeypatch):
     """B = 8 rows of different prompts: each row's greedy tokens are plain decoding's, while in some pass rows
-    accepted runs of different lengths."""
+    accepted runs of different lengths, and in some the tokens a row verified ahead of the batch were drafted.
+    Each pass drafts the draft's length: paced would mostly decode these disagreeing rows plainly."""
     model, calls = float64_model(), spy_on_accept(monkeypatch)
+    monkeypatch.setattr(engine, "paced", lambda pace, most, *_: pace._replace(length=most))
     prompts = torch.randint(0, 97, (8, 6), generator=torch.Generator().manual_seed(4)).tolist()
     plain = tokens(model, prompts, 20, T=6, temperature=0)
     assert torch.equal(tokens(model, prompts, 20, T=6, temperature=0, draft=Draft(2, 4)), plain)
-    assert any(min(agreed) != max(agreed) for agreed, _ in calls), calls
+    assert any(min(agreed) != max(agreed) for agreed, _, _, _ in calls), calls
+    assert any(ahead for _, _, _, ahead in calls), calls
     for row in (0, 5):  # and each row is what it is alone
         assert torch.equal(tokens(model, [prompts[row]], 20, [row], T=6, temperature=0)[0], plain[row])
+
+
+@pytest.mark.parametrize("cost", ["calls", "positions"])
+def test_paced_drafts_stay_exact_as_k_changes_and_drafting_falls_back(cost, monkeypatch):
+    """engine.paced times passes with a clock that counts loop steps: per call (a small model, where a pass over
+    k positions costs one position's time), or per position (a large one, where a pass over k costs k). Per call,
+    drafting pays, and k grows and shrinks with the acceptance; per position, it cannot pay, so it falls back to
+    plain decoding and probes again. Either way the greedy tokens are plain decoding's."""
+    model, calls, work = float64_model(), spy_on_accept(monkeypatch), [0]
+    loop_step = model.loop_step
+
+    def counted(h, *args):
+        work[0] += 1 if cost == "calls" else h.size(1)
+        return loop_step(h, *args)
+
+    plain = [tokens(model, [prompt], 60, T=9, temperature=0) for prompt in PROMPTS]
+    monkeypatch.setattr(model, "loop_step", counted)
+    monkeypatch.setattr(engine, "time", SimpleNamespace(perf_counter=lambda: work[0]))
+    counts = {}
+    for prompt, ids in zip(PROMPTS, plain):
+        assert torch.equal(tokens(model, [prompt], 60, T=9, temperature=0, draft=Draft(3, 16), counts=counts), ids)
+    lengths = [k for _, _, k, _ in calls]
+    if cost == "calls":  # k doubles to 16 and halves again
+        assert 16 in lengths and any(1 < b < a for a, b in zip(lengths, lengths[1:])), lengths
+    else:  # plainly for pauses of 16 and more tokens, a one-position probe after each
+        assert counts["plain"] > 100 and lengths.count(1) > 3, (lengths, counts)
 
 
 def test_the_cache_after_a_rollback_is_plain_decodings(monkeypatch):
@@ -77,7 +109,7 @@ def test_the_cache_after_a_rollback_is_plain_decodings(monkeypatch):
     ours, plain = (Decoder(model, PROMPTS[1], 24, T=5, generators=[torch.Generator().manual_seed(0)])
                    for _ in range(2))
     compared = []
-    for ids, _ in drafted(ours, 24, Draft(2, 5), Sampling(0, None, [None], None)):
+    for ids, _ in drafted(ours, 24, Draft(2, 5), Sampling(0, None, [None], None), pace=Pace(length=5)):
         plain.next_logits()
         plain.append(ids)
         if plain.length == ours.length:  # the pass's tokens all out: compare
@@ -89,7 +121,7 @@ def test_the_cache_after_a_rollback_is_plain_decodings(monkeypatch):
                     torch.testing.assert_close(mine[:, :, :plain.cache.pos], theirs[:, :, :plain.cache.pos],
                                                rtol=1e-12, atol=1e-12, msg=str(slot))
             compared.append(len(calls))
-    rolled_back = [i + 1 for i, (_, taken) in enumerate(calls) if taken < 5]
+    rolled_back = [i + 1 for i, (_, taken, k, _) in enumerate(calls) if taken < k]
     assert set(rolled_back) & set(compared), (calls, compared)
 
 # -----------------------------------------------------------------------------
@@ -107,13 +139,14 @@ def chi_square(counts, expected):
     return statistic, torch.special.gammaincc(torch.tensor(df / 2, dtype=statistic.dtype), statistic / 2), df
 
 
-def test_sampled_tokens_are_distributed_as_plain_decodings():
+def test_sampled_tokens_are_distributed_as_plain_decodings(monkeypatch):
     """The first two tokens sampled with drafts of two, at temperature 0.3 on a 4-token vocabulary: their joint
     distribution over 16 cells is plain decoding's, computed exactly from its logits (chi-square, 1,000 samples,
-    one h0). Power: the same test rejects a sampler that always accepts the draft (the drafts' own distribution)
+    500 batches of two rows with one h0, so that a row's second token is at times one it verified ahead). Power: the same test rejects a sampler that always accepts the draft (the drafts' own distribution)
     with probability >= 0.99 at the 0.001 level, estimated from 2,000 draws of that distribution."""
     model, temperature, n = tiny_model(1, vocab_size=4, d_model=32, head_dim=16, n_recur=1), 0.3, 1000
-    prefilled = Decoder(model, [1, 2, 3], 2, T=4, generators=[torch.Generator().manual_seed(0)])
+    calls = spy_on_accept(monkeypatch)
+    prefilled = Decoder(model, [[1, 2, 3]] * 2, 2, T=4, generators=[torch.Generator().manual_seed(0) for _ in "ab"])
 
     def fresh():
         decoder = copy.copy(prefilled)  # the model and h0 shared, the cache and tokens its own
@@ -132,10 +165,11 @@ def test_sampled_tokens_are_distributed_as_plain_decodings():
     expected = chain(lambda decoder: decoder.next_logits()[0])
     always_accepted = chain(lambda decoder: decoder.draft_logits(1)[0])
     counts = torch.zeros(16, dtype=torch.float64)
-    for i in range(n):
-        x0, x1 = [int(ids) for ids, _ in drafted(fresh(), 2, Draft(1, 2), Sampling(temperature, None,
-                                                  [torch.Generator().manual_seed(1000 + i)], None))]
-        counts[4 * x0 + x1] += 1
+    for i in range(n // 2):
+        generators = [torch.Generator().manual_seed(seed + i) for seed in (1000, 5000)]
+        x0, x1 = drafted(fresh(), 2, Draft(1, 2), Sampling(temperature, None, generators, None), pace=Pace(length=2))
+        counts.index_add_(0, 4 * x0[0] + x1[0], torch.ones(2, dtype=torch.float64))
+    assert any(ahead for _, _, _, ahead in calls)
     statistic, p_value, df = chi_square(counts, n * expected)
     assert p_value > 1e-3, (statistic, df, counts.tolist(), (n * expected).tolist())
     torch.manual_seed(0)  # the test's power against always accepting, by simulation
