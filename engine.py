@@ -489,13 +489,14 @@ def drafted(decoder, max_new_tokens, draft, sampling, counts=None, pace=Pace()):
     3. accept: speculative sampling's rule (accept), so each token is distributed as plain
        decoding's; greedy, the target's argmax. The cache rolls back past the rest.
     paced picks k from the drafts accepted and the seconds each pass took, 0 for a plain token.
+    Sampled (temperature > 0), only the acceptance paces it: a seed's text never depends on time.
     A batch keeps the run every row keeps. A row's further tokens, verified at T, wait `ahead`:
     the next pass drafts them for the row, and accepts them.
     counts gets "passes", "drafted", "agreed" (drafts a row accepted before its first
     rejection) and "plain" (tokens decoded one position at a time)."""
     B = decoder.tokens.size(0)
     steps, made, ahead = torch.full((B,), decoder.T), 0, [[] for _ in range(B)]
-    counts = {} if counts is None else counts
+    counts, timed = {} if counts is None else counts, greedy(sampling.temperature)
     while made < max_new_tokens:
         k, start = min(pace.length, max_new_tokens - made), decoder.length
         began = time.perf_counter()
@@ -528,8 +529,8 @@ def drafted(decoder, max_new_tokens, draft, sampling, counts=None, pace=Pace()):
             guided = int(known.sum())  # positions whose tokens were verified already
             tallies = {"passes": 1, "drafted": B * k - guided,
                        "agreed": int(agreed.sum()) - guided}
-        pace = paced(pace._replace(length=k), draft.length, accepted,
-                     time.perf_counter() - began)
+        seconds = time.perf_counter() - began if timed else math.nan  # nan: no speed-up rule
+        pace = paced(pace._replace(length=k), draft.length, accepted, seconds)
         made += ids.size(1)
         for name, value in tallies.items():
             counts[name] = counts.get(name, 0) + value

@@ -102,6 +102,24 @@ def test_paced_drafts_stay_exact_as_k_changes_and_drafting_falls_back(cost, monk
         assert counts["plain"] > 100 and lengths.count(1) > 3, (lengths, counts)
 
 
+def test_a_seeds_sampled_text_does_not_depend_on_how_long_passes_take(monkeypatch):
+    """Sampled, drafting is paced by acceptance alone: a clock that makes drafting pay and one that makes it lose
+    give the same tokens for the same seeds, as a user rerunning `sample.py --seed=7` expects."""
+    model, texts = float64_model(), []
+    for per_position in (False, True):
+        work = [0]
+
+        def counted(h, *args, loop_step=model.loop_step):
+            work[0] += h.size(1) if per_position else 1
+            return loop_step(h, *args)
+
+        monkeypatch.setattr(model, "loop_step", counted)
+        monkeypatch.setattr(engine, "time", SimpleNamespace(perf_counter=lambda: work[0]))
+        texts.append(tokens(model, [PROMPTS[1]] * 2, 40, T=9, temperature=0.8, draft=Draft(3, 16)))
+        monkeypatch.undo()
+    assert torch.equal(*texts)
+
+
 def test_the_cache_after_a_rollback_is_plain_decodings(monkeypatch):
     """After every verify pass, the cache's entries of every slot (the coda's overwritten at T included) equal
     those of plain decoding fed the same tokens; at least one pass rolled back past rejected drafts."""
