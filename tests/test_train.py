@@ -24,6 +24,7 @@ import torch
 
 import sample
 from nanoparcae import common
+from nanoparcae.checkpoint import digest_of, save_checkpoint
 from nanoparcae.dataset import list_chunks
 from nanoparcae.divergence import Divergence
 from conftest import (ROOT, TINY, Started, carries, corrupt_a_weight, python, refused, train, train_command,
@@ -435,7 +436,7 @@ def test_an_eval_back_at_a_uniform_guess_stops_a_run_that_had_learned_also_acros
     learned.mkdir()
     ckpt = torch.load(corpus / "base" / "runs" / "initial" / "ckpt_000002.pt", weights_only=True)
     ckpt["lowest_val_loss"] = math.log(320) - 2
-    torch.save(ckpt, learned / "ckpt_000002.pt")
+    torch.save({**ckpt, "digest": digest_of(ckpt)}, learned / "ckpt_000002.pt")  # signed, as train.py saves it
     with ThreadPoolExecutor(1) as pool:  # two runs that share nothing from here: one thread each
         losing = pool.submit(train, corpus, "--run=learned", *UNLEARNED, expect_ok=False)
         result = train(corpus, "--run=initial", *UNLEARNED)
@@ -680,7 +681,8 @@ def test_a_command_refused_before_training_leaves_no_lock_in_the_run_folder(tmp_
     monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(base))
     (tmp_path / "empty.txt").write_text("")
     (base / "runs" / "other").mkdir(parents=True)  # a checkpoint that records none of this command's run flags
-    torch.save({"step": 1, "run": {}, "model": {}}, base / "runs" / "other" / "ckpt_000001.pt")
+    tiny = ParcaeConfig(vocab_size=64, seq_len=8, n_prelude=1, n_recur=1, n_coda=1, d_model=32, head_dim=32)
+    save_checkpoint(base / "runs" / "other" / "ckpt_000001.pt", Parcae(tiny), step=1, run={})
     commands = {"no shards": [], "empty corpus": [*TINY, f"--data={tmp_path / 'empty.txt'}", "--run=empty"],
                 "other flags": [*TINY, "--data=stdlib", "--run=other"],
                 "nothing to resume": [*TINY, "--data=stdlib", "--run=never", "--resume"]}
