@@ -39,7 +39,7 @@ def run_dir(name=""):
 
 def save_checkpoint(path, model, **extra):
     """Write under a temporary name, then rename. A killed run never leaves a torn checkpoint.
-    A disk without room raises EnvironmentFailure (disk_full); the last checkpoint stays."""
+    A disk or quota without room raises EnvironmentFailure (refuse_if_refused_room); the last checkpoint stays."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {"config": asdict(model.config), "model": model.state_dict(), **extra}
@@ -51,23 +51,32 @@ def save_checkpoint(path, model, **extra):
     def write(partial):
         try:
             torch.save(state, partial)
-        except (OSError, RuntimeError) as err:  # torch's writer says "iostream error", not ENOSPC
-            written = partial.stat().st_size if partial.exists() else 0
-            if getattr(err, "errno", None) in FULL_DISK or shutil.disk_usage(path.parent).free < need - written:
-                partial.unlink(missing_ok=True)
-                disk_full(path.parent, f"a checkpoint needs {size(need)}")
-            if isinstance(err, RuntimeError) and TORCH_WRITE_FAILED.search(str(err)):  # a quota: free space shows
-                partial.unlink(missing_ok=True)
-                raise EnvironmentFailure(f"{path} could not be written ({first_sentence(err)}) though "
-                                         f"{size(shutil.disk_usage(path.parent).free)} shows free at {path.parent}: "
-                                         f"a quota or the disk refused it; the last checkpoint is kept: free space "
-                                         f"or raise the quota there, then the same command continues from it") from None
+        except (OSError, RuntimeError) as err:
+            refuse_if_refused_room(err, path, partial, need)
             raise
     write_atomically(path, write)
 
 
-# What torch's zip writer raises when a write fails: a disk or quota refused it, with no errno
+# What torch's zip writer raises when a write fails (a disk or a quota refused it), with no errno
 TORCH_WRITE_FAILED = re.compile(r"unexpected pos|failed writing|file write failed|iostream error")
+ENFORCE = re.compile(r"^\[enforce fail at [^]]*\][\s.]*")  # the prefix of torch's own checks' messages
+
+
+def refuse_if_refused_room(err, path, partial, need):
+    """A checkpoint write a full disk or a quota cut short: EnvironmentFailure, its partial file removed.
+    torch's writer gives no errno. Free space below what is left to write says a full disk.
+    A quota leaves free space showing, so torch's own write error says it. Anything else returns."""
+    written = partial.stat().st_size if partial.exists() else 0
+    if getattr(err, "errno", None) in FULL_DISK or shutil.disk_usage(path.parent).free < need - written:
+        partial.unlink(missing_ok=True)
+        disk_full(path.parent, f"a checkpoint needs {size(need)}")
+    if isinstance(err, RuntimeError) and TORCH_WRITE_FAILED.search(str(err)):
+        partial.unlink(missing_ok=True)
+        torch_says = first_sentence(RuntimeError(ENFORCE.sub("", str(err))))
+        raise EnvironmentFailure(f"{path} could not be written ({torch_says}) though "
+                                 f"{size(shutil.disk_usage(path.parent).free)} shows free at {path.parent}: a quota "
+                                 f"or the disk refused it; the last checkpoint is kept: free space or raise the "
+                                 f"quota there, then the same command continues from it") from None
 
 
 def saved_bytes(state):
@@ -150,7 +159,7 @@ def find_checkpoint(runs_dir, run=None):
     FileNotFoundError when there is none."""
     runs_dir = Path(runs_dir)
     runs = [runs_dir / run] if run else [runs_dir / name for name in folder_names(runs_dir, "the runs' folder")
-                                         if (runs_dir / name).is_dir()]
+                                         if (runs_dir / name).is_dir() or (runs_dir / name).is_symlink()]
     found = [path for path in map(latest, runs) if path]
     if not found:
         where = runs_dir / run if run else runs_dir
@@ -328,7 +337,7 @@ def form_problem(ckpt):
         return f"its config is a {type(config).__name__}, not a dict"
     if wrong := [f"{key}={value!r}"[:60] for key, value in config.items()
                  if key not in CONFIG_TYPES or not of_type(value, CONFIG_TYPES[key])]:
-        return f"its config has {', '.join(wrong[:3])}, which a model's config cannot"
+        return f"its config has {', '.join(wrong[:3])}: no field of a model's config takes that"
     if not isinstance(model, dict) or not all(isinstance(key, str) and isinstance(value, torch.Tensor)
                                               for key, value in model.items()):
         return "its model is not a state dict of tensors"
@@ -395,11 +404,11 @@ def read_checkpoint(path, device="cpu", mmap=False, unused=()):
         raise unreadable(path, err) from None
     except Exception as err:
         with open(path, "rb") as file:
-            zipped = file.read(4) == b"PK\x03\x04"  # torch.save writes a zip: one that fails was cut short
+            zipped = b"PK\x03\x04".startswith(file.read(4))  # torch.save's zip (or none of it): cut short
         if zipped:
             raise ValueError(f"checkpoint {path} is truncated or unreadable ({first_sentence(err)}): "
                              f"{advice(path)}") from None
-        raise not_ours(path, f"{first_sentence(err)}: torch.save wrote none of it") from None
+        raise not_ours(path, "torch.save writes a zip archive, and it is none") from None
     if why := form_problem(ckpt):
         raise not_ours(path, why)
     check_digest(ckpt, path, unused)

@@ -693,6 +693,37 @@ def test_a_command_refused_before_training_leaves_no_lock_in_the_run_folder(tmp_
     assert sorted(path.name for path in (base / "runs").iterdir()) == ["other"]  # no run folder made either
 
 
+def edited_step(folder):
+    """A run's step-10 checkpoint whose step was then edited to 18, its digest kept."""
+    tiny = ParcaeConfig(vocab_size=64, seq_len=8, n_prelude=1, n_recur=1, n_coda=1, d_model=32, head_dim=32)
+    save_checkpoint(folder / "ckpt_000010.pt", Parcae(tiny), step=10, run={})
+    ckpt = torch.load(folder / "ckpt_000010.pt", weights_only=True)
+    torch.save({**ckpt, "step": 18}, folder / "ckpt_000010.pt")
+
+
+RUN_FILES = {  # what a run's files may be instead, made in its folder -> what the refusal names there
+    "a file for its folder": (lambda folder: folder.write_text(""), ""),
+    "a dangling symlink for its folder": (lambda folder: folder.symlink_to(folder.with_name("gone")), ""),
+    "a folder for its lock": (lambda folder: (folder / "lock").mkdir(parents=True), "lock"),
+    "an edited step": (lambda folder: folder.mkdir() or edited_step(folder), "ckpt_000010.pt"),
+}
+
+
+@pytest.mark.parametrize("made", list(RUN_FILES))
+def test_a_run_whose_files_are_not_what_train_py_wrote_is_refused_in_one_line_naming_them(made, tmp_path,
+                                                                                          monkeypatch, capsys):
+    base = tmp_path / "base"
+    monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(base))
+    (base / "runs").mkdir(parents=True)
+    make, named = RUN_FILES[made]
+    make(base / "runs" / "tiny")
+    status, _, err = run_train(monkeypatch, capsys, *TINY, "--data=stdlib", "--run=tiny")
+    assert status == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert carries(err, str(base / "runs" / "tiny" / named).rstrip("/")), err
+    if made == "an edited step":
+        assert carries(err, "step") and "resumed" not in err, err
+
+
 def test_dry_run_prints_the_paper_size(monkeypatch, capsys):
     status, out, err = run_train(monkeypatch, capsys, "--depth=24", "--mu_rec=8", "--dry_run")
     assert status == 0, err
