@@ -64,12 +64,16 @@ def test_a_wrong_checkpoint_or_tokenizer_is_one_line(moved, tmp_path, monkeypatc
                                                        f"checkpoint file such as its newest, {path}, or the run's "
                                                        f"name, tiny")
     torch.save({"weights": torch.zeros(2)}, tmp_path / "other.pt")
-    assert message(tmp_path / "other.pt").startswith(f"checkpoint {tmp_path / 'other.pt'} is not a nanoparcae "
-                                                     f"checkpoint (KeyError: 'config')")
-    torch.save({**ckpt, "tokenizer_dir": str(tmp_path / "gone" / "files-0-320")}, tmp_path / "no_tokenizer.pt")
+    assert carries(message(tmp_path / "other.pt"), str(tmp_path / "other.pt"), "nanoparcae", "config")
+
+    def signed(**changes):  # the run's checkpoint with changes, as train.py would have saved it
+        from nanoparcae.checkpoint import digest_of
+        changed = {key: value for key, value in {**ckpt, **changes}.items() if key != "digest"}
+        return {**changed, "digest": digest_of(changed)}
+    torch.save(signed(tokenizer_dir=str(tmp_path / "gone" / "files-0-320")), tmp_path / "no_tokenizer.pt")
     assert message(tmp_path / "no_tokenizer.pt", FileNotFoundError).endswith(
         f"recreate it with `python -m nanoparcae.dataset tokenizer --data={ckpt['args']['data']} --vocab_size=320`")
-    smaller = {**ckpt, "config": {**ckpt["config"], "vocab_size": 300}}  # padded to 320 as well: the same weights
+    smaller = signed(config={**ckpt["config"], "vocab_size": 300})  # padded to 320 as well: the same weights
     torch.save(smaller, tmp_path / "smaller.pt")
     assert message(tmp_path / "smaller.pt").endswith("has 320 tokens, the model 300: they are not from the same run")
 
