@@ -5,16 +5,19 @@ Its jobs:
 
 - write a checkpoint and prune the older ones (save_checkpoint, save_and_prune).
 - find a run's newest (latest, find_checkpoint).
-- read one checked against its digests (read_checkpoint, check_digest, other_tokenizer).
+- read one checked: its form, each entry against its digest, its weights finite (read_checkpoint).
 - build a model from its weights, without a random init where none is kept (training_model).
 - load a trained run's model and tokenizer (load_run).
 """
 
 import hashlib
+import json
 import os
 import re
 import shutil
+import stat
 import sys
+import typing
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
@@ -36,11 +39,11 @@ def run_dir(name=""):
 
 def save_checkpoint(path, model, **extra):
     """Write under a temporary name, then rename. A killed run never leaves a torn checkpoint.
-    A disk without room raises EnvironmentFailure (disk_full); the last checkpoint stays."""
+    A disk or quota without room raises EnvironmentFailure (refuse_if_refused_room); the last checkpoint stays."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {"config": asdict(model.config), "model": model.state_dict(), **extra}
-    state["digest"] = {key: tensors_digest(value) for key, value in state.items() if tensors_in(value)}
+    state["digest"] = digest_of(state)
     need = saved_bytes(state)
     if shutil.disk_usage(path.parent).free < need:
         disk_full(path.parent, f"a checkpoint needs {size(need)}")
@@ -48,13 +51,32 @@ def save_checkpoint(path, model, **extra):
     def write(partial):
         try:
             torch.save(state, partial)
-        except (OSError, RuntimeError) as err:  # torch's writer says "iostream error", not ENOSPC
-            written = partial.stat().st_size if partial.exists() else 0
-            if getattr(err, "errno", None) in FULL_DISK or shutil.disk_usage(path.parent).free < need - written:
-                partial.unlink(missing_ok=True)
-                disk_full(path.parent, f"a checkpoint needs {size(need)}")
+        except (OSError, RuntimeError) as err:
+            refuse_if_refused_room(err, path, partial, need)
             raise
     write_atomically(path, write)
+
+
+# What torch's zip writer raises when a write fails (a disk or a quota refused it), with no errno
+TORCH_WRITE_FAILED = re.compile(r"unexpected pos|failed writing|file write failed|iostream error")
+ENFORCE = re.compile(r"^\[enforce fail at [^]]*\][\s.]*")  # the prefix of torch's own checks' messages
+
+
+def refuse_if_refused_room(err, path, partial, need):
+    """A checkpoint write a full disk or a quota cut short: EnvironmentFailure, its partial file removed.
+    torch's writer gives no errno. Free space below what is left to write says a full disk.
+    A quota leaves free space showing, so torch's own write error says it. Anything else returns."""
+    written = partial.stat().st_size if partial.exists() else 0
+    if getattr(err, "errno", None) in FULL_DISK or shutil.disk_usage(path.parent).free < need - written:
+        partial.unlink(missing_ok=True)
+        disk_full(path.parent, f"a checkpoint needs {size(need)}")
+    if isinstance(err, RuntimeError) and TORCH_WRITE_FAILED.search(str(err)):
+        partial.unlink(missing_ok=True)
+        torch_says = first_sentence(RuntimeError(ENFORCE.sub("", str(err))))
+        raise EnvironmentFailure(f"{path} could not be written ({torch_says}) though "
+                                 f"{size(shutil.disk_usage(path.parent).free)} shows free at {path.parent}: a quota "
+                                 f"or the disk refused it; the last checkpoint is kept: free space or raise the "
+                                 f"quota there, then the same command continues from it") from None
 
 
 def saved_bytes(state):
@@ -105,8 +127,25 @@ CHECKPOINT = re.compile(r"ckpt_(\d+)\.pt")  # the names save_and_prune writes; a
 
 def checkpoints(folder):
     """The checkpoints train.py wrote in a run folder, oldest step first."""
-    found = [path for path in Path(folder).glob("ckpt_*.pt") if CHECKPOINT.fullmatch(path.name)]
+    found = [Path(folder) / name for name in folder_names(folder) if CHECKPOINT.fullmatch(name)]
     return sorted(found, key=lambda path: int(CHECKPOINT.fullmatch(path.name)[1]))
+
+
+def folder_names(folder, what="run folder"):
+    """The names in a run folder (or the runs' folder); none where it does not exist.
+    A file there, a dangling symlink or a folder this user cannot read: ValueError naming it."""
+    folder = Path(folder)
+    try:
+        return os.listdir(folder)
+    except FileNotFoundError:
+        if not folder.is_symlink():
+            return []
+        why = f"a symlink to {os.readlink(folder)}, which does not exist"
+    except NotADirectoryError:
+        why = "a file, not a folder" if folder.exists() else "under a file, not a folder"
+    except PermissionError:
+        why = "a folder this user may not read (permission denied)"
+    raise ValueError(f"{what} {folder} is {why}; fix or move that path, or pass another run") from None
 
 
 def latest(folder):
@@ -119,7 +158,8 @@ def find_checkpoint(runs_dir, run=None):
     """The newest checkpoint of the run named `run`; None: of the run saved last.
     FileNotFoundError when there is none."""
     runs_dir = Path(runs_dir)
-    runs = [runs_dir / run] if run else [folder for folder in runs_dir.glob("*") if folder.is_dir()]
+    runs = [runs_dir / run] if run else [runs_dir / name for name in folder_names(runs_dir, "the runs' folder")
+                                         if (runs_dir / name).is_dir() or (runs_dir / name).is_symlink()]
     found = [path for path in map(latest, runs) if path]
     if not found:
         where = runs_dir / run if run else runs_dir
@@ -128,10 +168,14 @@ def find_checkpoint(runs_dir, run=None):
 
 
 # -----------------------------------------------------------------------------
-# Digests: torch.load checks a checkpoint's zip framing, never its tensors' bytes.
-# A byte changed on disk would load as a wrong weight, so each entry's tensors carry a sha256.
+# Digests: torch.load checks a checkpoint's zip framing, never its bytes.
+# A byte changed on disk, or an entry edited, would load as another model or step.
+# So each entry carries a sha256 of its plain values and its tensors' bytes.
 # sha256 runs at ~1.7 GB/s a core where the CPU hashes it natively (SHA-NI), and hashlib frees the GIL.
-# So tensors hash on threads; docs/performance.md gives the cost.
+# So tensors hash on threads, in one pass; docs/performance.md gives the cost.
+
+DIGEST_FORMAT = 2  # every entry signed; an earlier version's digest (no marker) signed the tensors alone
+
 
 def tensors_in(value, where=""):
     """The tensors of value (a tensor, or dicts and lists of them) as (where, tensor) pairs, in a fixed order."""
@@ -149,30 +193,100 @@ def tensor_sha256(tensor):
     return hashlib.sha256(raw.numpy()).digest()
 
 
-def tensors_digest(value):
-    """The sha256 of value's tensors: each one's place, dtype, shape and bytes, in tensors_in's order -> hex."""
-    pairs = tensors_in(value)
+def hashed(tensors):
+    """{id(tensor): its bytes' sha256 in hex} for tensors, hashed on threads."""
+    unique = list({id(tensor): tensor for tensor in tensors}.values())
     with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
-        hashes = pool.map(tensor_sha256, [tensor for _, tensor in pairs])
-        digest = hashlib.sha256()
-        for (where, tensor), each in zip(pairs, hashes):
-            digest.update(f"{where} {tensor.dtype} {tuple(tensor.shape)}".encode() + each)
+        return {id(tensor): each.hex() for tensor, each in zip(unique, pool.map(tensor_sha256, unique))}
+
+
+def tensors_digest(value):
+    """The sha256 of value's tensors: each one's place, dtype, shape and bytes, in tensors_in's order -> hex.
+    An earlier version's digest of an entry, still read."""
+    pairs = tensors_in(value)
+    hashes = hashed([tensor for _, tensor in pairs])
+    digest = hashlib.sha256()
+    for where, tensor in pairs:
+        digest.update(f"{where} {tensor.dtype} {tuple(tensor.shape)}".encode() + bytes.fromhex(hashes[id(tensor)]))
     return digest.hexdigest()
+
+
+def plain(value, hashes):
+    """value as JSON, each tensor its dtype, shape and sha256 (hashes): a canonical text of the entry.
+    Dict keys carry their type, so 1 and "1" differ; a tuple reads as a list."""
+    if isinstance(value, torch.Tensor):
+        return {"tensor": [str(value.dtype), list(value.shape), hashes[id(value)]]}
+    if isinstance(value, dict):
+        return {f"{type(key).__name__}:{key}": plain(item, hashes) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(item, hashes) for item in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return {"object": f"{type(value).__qualname__} {value!r}"}
+
+
+def entry_digests(state, keys):
+    """{key: sha256 hex} of state's entries named in keys: the key, its plain values and its tensors' bytes."""
+    hashes = hashed([tensor for key in keys for _, tensor in tensors_in(state[key])])
+    return {key: hashlib.sha256(f"{key}\n{json.dumps(plain(state[key], hashes), sort_keys=True)}".encode()).hexdigest()
+            for key in keys}
+
+
+def digest_of(state):
+    """The digest save_checkpoint writes: every entry's (entry_digests), and the format's marker."""
+    return {"format": DIGEST_FORMAT, "entries": entry_digests(state, [key for key in state if key != "digest"])}
+
+
+def saved_digests(ckpt, path):
+    """The digests ckpt was saved with -> ({entry: digest}, the entries they must cover, its format).
+    An earlier version's covers the entries holding tensors. A digest of neither form: ValueError."""
+    digest, entries = ckpt["digest"], [key for key in ckpt if key != "digest"]
+    if isinstance(digest, dict) and digest.keys() == {"format", "entries"} and digest["format"] == DIGEST_FORMAT:
+        saved, form = digest["entries"], DIGEST_FORMAT
+    else:
+        saved, form = digest, 1
+        entries = [key for key in entries if tensors_in(ckpt[key])]
+    if not (isinstance(saved, dict) and all(isinstance(each, str) for each in saved.values())):
+        raise ValueError(f"checkpoint {path} is damaged: its digest is a {type(digest).__name__} of no form "
+                         f"train.py writes; {advice(path)}")
+    return saved, entries, form
+
+
+def check_digest(ckpt, path, unused=()):
+    """ckpt's entries against the digests saved with them. One without any (it predates them) passes.
+    Every entry must have its digest and every digest its entry; unused: entries found but not hashed.
+    Any difference: ValueError naming the checkpoint and the entry."""
+    if "digest" not in ckpt:
+        return
+    saved, entries, form = saved_digests(ckpt, path)
+    problems = [f"its {key} has no digest" for key in entries if key not in saved]
+    problems += [f"its digest names {key}, which it lacks" for key in saved if key == "digest" or key not in ckpt]
+    checked = [key for key in saved if key in entries and key not in unused]
+    found = (entry_digests(ckpt, checked) if form == DIGEST_FORMAT else
+             {key: tensors_digest(ckpt[key]) for key in checked})
+    problems += [f"its {key} differs from the digest saved with it" for key in checked if found[key] != saved[key]]
+    if problems:
+        raise ValueError(f"checkpoint {path} is damaged: {'; '.join(problems)}; {advice(path)}")
 
 
 def weights_digest(ckpt):
     """A checkpoint's weights as 12 hex digits, which the ranks compare before they start.
     read_checkpoint checked the saved digest against them; one that predates digests is hashed here."""
-    return (ckpt.get("digest", {}).get("model") or tensors_digest(ckpt["model"]))[:12]
+    if "digest" not in ckpt:
+        return entry_digests(ckpt, ["model"])["model"][:12]
+    return saved_digests(ckpt, "")[0]["model"][:12]
 
 
-def check_digest(ckpt, path, unused=()):
-    """Each of ckpt's entries but the unused whose tensors differ from their saved digest: ValueError naming it."""
-    for key, digest in ckpt.get("digest", {}).items():
-        if key not in unused and tensors_digest(ckpt.get(key)) != digest:
-            raise ValueError(f"checkpoint {path} is damaged: its {key} tensors differ from the digest saved with "
-                             f"them; remove it to start the run over (a run keeps its newest checkpoint only), or "
-                             f"restore it from a copy")
+def advice(path):
+    """What a refusal of checkpoint path advises. Removal only for a run's own ckpt_<step>.pt, which train.py wrote."""
+    try:
+        runs = run_dir().resolve()
+    except ValueError:  # a base folder that cannot be written holds nothing this command could start over
+        runs = None
+    path = Path(path).resolve()
+    if CHECKPOINT.fullmatch(path.name) and path.parent.parent == runs:
+        return "remove it to start the run over (a run keeps its newest checkpoint only), or restore it from a copy"
+    return "restore it from a copy, or pass a checkpoint train.py wrote"
 
 
 def check_tokenizer(ckpt, path, directory, remedy):
@@ -185,28 +299,121 @@ def check_tokenizer(ckpt, path, directory, remedy):
 
 
 def warn_if_undigested(ckpt, path):
-    """A checkpoint saved before digests is used with a warning: refusing it would strand every run holding one."""
-    if "digest" not in ckpt:
-        print0(f"warning: checkpoint {path} carries no digest (it predates them), so damage to its bytes goes "
-               f"unseen; the run's next save adds one", file=sys.stderr)
+    """A checkpoint saved before digests, or before they covered every entry, is used with a warning.
+    Refusing it would strand every run holding one."""
+    digest = ckpt.get("digest")
+    if digest is None:
+        unchecked = "carries no digest (it predates them), so damage to its bytes goes unseen"
+    elif digest.get("format") != DIGEST_FORMAT:
+        unchecked = "carries an earlier version's digest, of its tensors alone, so an edit to its config or step " \
+                    "goes unseen"
+    else:
+        return
+    print0(f"warning: checkpoint {path} {unchecked}; the run's next save signs it whole", file=sys.stderr)
+
+
+# -----------------------------------------------------------------------------
+# Reading: whatever a file holds, a refusal names it in one line
+
+CONFIG_TYPES = typing.get_type_hints(ParcaeConfig)
+
+
+def of_type(value, hint):
+    """Whether a config value has its field's type: an int passes for a float, a bool for no int."""
+    kinds = typing.get_args(hint) or (hint,)
+    kinds += (int,) if float in kinds else ()
+    return isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
+
+
+def form_problem(ckpt):
+    """What keeps ckpt from being the dict save_checkpoint writes, or None.
+    That is a config ParcaeConfig takes, a model state dict and a step."""
+    if not isinstance(ckpt, dict):
+        return f"it holds a {type(ckpt).__name__}, not a dict"
+    if missing := [key for key in ("config", "model") if key not in ckpt]:
+        return f"it has no {' or '.join(missing)}"
+    config, model, step = ckpt["config"], ckpt["model"], ckpt.get("step", 0)
+    if not isinstance(config, dict):
+        return f"its config is a {type(config).__name__}, not a dict"
+    if wrong := [f"{key}={value!r}"[:60] for key, value in config.items()
+                 if key not in CONFIG_TYPES or not of_type(value, CONFIG_TYPES[key])]:
+        return f"its config has {', '.join(wrong[:3])}: no field of a model's config takes that"
+    if not isinstance(model, dict) or not all(isinstance(key, str) and isinstance(value, torch.Tensor)
+                                              for key, value in model.items()):
+        return "its model is not a state dict of tensors"
+    if not of_type(step, int) or step < 0:
+        return f"its step is {step!r}"[:60]
+    try:
+        ParcaeConfig(**config)
+    except ValueError as err:
+        return f"its config: {first_sentence(err)}"
+    return None
+
+
+def check_finite(ckpt, path):
+    """Weights holding a NaN or an infinity: ValueError naming the file and the tensors, whatever the digest says.
+    One float32 sum a tensor shows either; only a sum that overflowed is looked at closely."""
+    floats = {name: tensor for name, tensor in ckpt["model"].items() if tensor.is_floating_point()}
+    sums = [tensor.sum(dtype=torch.float32) for tensor in floats.values()]
+    if not sums or torch.stack(sums).isfinite().all():
+        return
+    bad = [name for name, tensor in floats.items() if not torch.isfinite(tensor).all()]
+    if bad:
+        raise ValueError(f"checkpoint {path} holds non-finite weights (NaN or inf in {len(bad)} tensor(s): "
+                         f"{', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}); nothing can be computed from "
+                         f"it: {advice(path)}")
+
+
+def not_ours(path, why):
+    """The refusal of a file that holds no checkpoint train.py wrote: a user's, never to be removed."""
+    return ValueError(f"checkpoint {path} is not a nanoparcae checkpoint ({why}); pass one that train.py wrote")
+
+
+def unreadable(path, err):
+    """The refusal of a checkpoint the machine would not read (permission denied, an I/O error)."""
+    return ValueError(f"checkpoint {path} cannot be read ({err.strerror or err}); give this user permission to read "
+                      f"it, or pass another")
+
+
+def file_mode(path):
+    """path's st_mode, or None where nothing is there. A path this user may not reach: ValueError naming it."""
+    try:
+        return path.stat().st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as err:
+        raise unreadable(path, err) from None
 
 
 def read_checkpoint(path, device="cpu", mmap=False, unused=()):
-    """The one reader of checkpoints: torch.load with weights_only=True, its digest checked (check_digest).
+    """The one reader of checkpoints: torch.load with weights_only=True, then checked before any use.
+    Its form (form_problem), its digest (check_digest), and its weights finite (check_finite).
     mmap: tensors map the file on the CPU, read when first touched.
-    unused: entries whose tensors the caller never reads, left unchecked.
-    Raises FileNotFoundError if it is absent, ValueError naming it if it is unreadable or damaged."""
+    unused: entries the caller never reads, left unhashed; "model" among them: weights unchecked too.
+    Raises FileNotFoundError if it is absent; ValueError naming it, one line, for anything else."""
     path = Path(path)
-    if not path.is_file():
+    mode = file_mode(path)
+    if mode is None:
         raise FileNotFoundError(f"checkpoint {path} does not exist: pass a ckpt_*.pt file, or a run's name under "
                                 f"{run_dir()} for its newest")
+    if stat.S_ISDIR(mode):
+        raise ValueError(f"checkpoint {path} is a folder, not a checkpoint file; pass a ckpt_*.pt file")
     try:
         ckpt = torch.load(path, map_location="cpu" if mmap else device, weights_only=True, mmap=mmap)
+    except OSError as err:
+        raise unreadable(path, err) from None
     except Exception as err:
-        raise ValueError(f"checkpoint {path} is truncated or unreadable ({first_sentence(err)}): remove it to "
-                         f"start the run over (a run keeps its newest checkpoint only), or restore it from a "
-                         f"copy") from None
+        with open(path, "rb") as file:
+            zipped = b"PK\x03\x04".startswith(file.read(4))  # torch.save's zip (or none of it): cut short
+        if zipped:
+            raise ValueError(f"checkpoint {path} is truncated or unreadable ({first_sentence(err)}): "
+                             f"{advice(path)}") from None
+        raise not_ours(path, "torch.save writes a zip archive, and it is none") from None
+    if why := form_problem(ckpt):
+        raise not_ours(path, why)
     check_digest(ckpt, path, unused)
+    if "model" not in unused:
+        check_finite(ckpt, path)
     return ckpt
 
 
@@ -259,12 +466,13 @@ def load_run(ckpt_or_run=None, device="cpu"):
     One other than the checkpoint was trained with (its files' digest), or whose vocabulary outgrows the model's,
     is refused. FileNotFoundError and ValueError carry one line."""
     path = Path(ckpt_or_run) if ckpt_or_run else None
-    if path is not None and path.is_dir():
+    mode = path and file_mode(path)
+    if mode and stat.S_ISDIR(mode):
         newest = latest(path)
         raise FileNotFoundError(f"{path} is a folder, not a checkpoint file; pass a checkpoint file" +
                                 (f" such as its newest, {newest}, or the run's name, {path.name}" if newest else
                                  ", or a run's name"))
-    if path is None or not (path.is_file() or path.suffix == ".pt" or len(path.parts) > 1):
+    if path is None or not (mode or path.suffix == ".pt" or len(path.parts) > 1):
         path = find_checkpoint(run_dir(), ckpt_or_run)
     # mapped: only the weights are read (and checked), never the optimizer's or the loaders' state
     unused = ("optimizer", "loader")
@@ -272,15 +480,14 @@ def load_run(ckpt_or_run=None, device="cpu"):
     try:  # torch read it, but it may hold no Parcae
         model = assign_weights(sized_model(ParcaeConfig(**ckpt["config"])), ckpt["model"], device)
     except Exception as err:
-        raise ValueError(f"checkpoint {path} is not a nanoparcae checkpoint ({first_sentence(err)}); pass one that "
-                         f"train.py wrote") from None
-    if "tokenizer_dir" not in ckpt:
-        raise ValueError(f"checkpoint {path} names no tokenizer_dir; it was not written by train.py")
+        raise not_ours(path, first_sentence(err)) from None
+    if not isinstance(ckpt.get("tokenizer_dir"), str):
+        raise not_ours(path, "it names no tokenizer_dir")
     recorded = Path(ckpt["tokenizer_dir"])
     places = list(dict.fromkeys((recorded, tokenizer_dir(key=recorded.name))))  # its path, its key here
     directory = next((place for place in places if Tokenizer.saved(place)), None)
     if directory is None:
-        run = ckpt.get("args", {})
+        run = ckpt["args"] if isinstance(ckpt.get("args"), dict) else {}
         command = f"`python -m nanoparcae.dataset tokenizer --data={run['data']} --vocab_size={run['vocab_size']}`" \
             if {"data", "vocab_size"} <= run.keys() else \
             "`python -m nanoparcae.dataset tokenizer` and the run's --data and --vocab_size"

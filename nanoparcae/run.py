@@ -59,7 +59,8 @@ def identify_run(args, run_flags, batch, device, **resolved):
 
     - a checkpoint that recorded other flag values.
     - a live run.
-    - an unreadable checkpoint.
+    - an unreadable checkpoint, or one that is not whole (checkpoint.read_checkpoint).
+    - a run folder or lock that is not one (a file, a folder, a dangling symlink, unreadable).
     - a recorded device batch that does not divide this step.
     """
     tokenizer_path = tokenizer_dir(args.data, args.vocab_size)  # recorded in each checkpoint
@@ -69,8 +70,8 @@ def identify_run(args, run_flags, batch, device, **resolved):
     # Each rank's read is its own work (13.4 GB from a shared filesystem, at the 1.3B): refusing_alike meets
     # where the long timeout holds, so a slow reader never outlasts the gather's shorter one
     with refusing_alike():  # a refusal on any rank stops every rank, in one line
-        refuse_if_held(folder, run_holder(folder))  # before a live run's checkpoint is read onto its GPUs
         seen = saved_state(folder)  # before the newest is chosen: one saved after it differs
+        refuse_if_held(folder, run_holder(folder))  # before a live run's checkpoint is read onto its GPUs
         checkpoint = latest(folder)
         recorded = {}
         if checkpoint:
@@ -163,9 +164,8 @@ def run_holder(run_dir):
     """Who trains the run in run_dir now: the 'process P on host H' its lock names.
     None when no process holds the lock, or there is none.
     It only reads: a command refused for it leaves the folder as it was."""
-    try:
-        handle = open(Path(run_dir) / "lock")
-    except FileNotFoundError:
+    handle = open_lock(run_dir, "r")
+    if handle is None:
         return None
     with handle:  # closing it drops the shared lock taken to test the lock
         try:
@@ -174,6 +174,23 @@ def run_holder(run_dir):
             if err.errno in HELD:
                 return handle.read().strip() or "another process"
     return None
+
+
+def open_lock(run_dir, mode):
+    """The run's lock file opened in mode -> the file; None where "r" finds none.
+    A folder in its place, or one this user may not open: ValueError naming it."""
+    path = Path(run_dir) / "lock"
+    try:
+        return open(path, mode)
+    except FileNotFoundError:
+        if mode == "r":
+            return None
+        raise
+    except IsADirectoryError:
+        why = "is a folder, where the run's lock file belongs; move it away"
+    except PermissionError:
+        why = "cannot be opened (permission denied); give this user read and write permission on it"
+    raise ValueError(f"{path} {why}, then run the command again") from None
 
 
 def lock_run(run_dir, check=lambda: None):
@@ -187,7 +204,7 @@ def lock_run(run_dir, check=lambda: None):
     It is the first thing a run writes in its folder.
     So take it after every check that can refuse the command: a refused command leaves no lock."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    handle = open(run_dir / "lock", "a+")  # "a+": opened without emptying what the holder wrote
+    handle = open_lock(run_dir, "a+")  # "a+": opened without emptying what the holder wrote
     try:
         fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         locked = True

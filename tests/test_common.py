@@ -35,12 +35,13 @@ def test_a_missing_or_damaged_checkpoint_is_named_with_what_to_do(tmp_path):
     assert checkpoint.read_checkpoint(whole)["step"] == 2
     with raises_naming(FileNotFoundError, "ckpt_000001.pt"):
         checkpoint.read_checkpoint(tmp_path / "ckpt_000001.pt")
-    for damaged, content in (("truncated.pt", whole.read_bytes()[:1000]), ("noise.pt", b"not a checkpoint")):
+    for damaged, content, what in (("truncated.pt", whole.read_bytes()[:1000], "truncated"),
+                                   ("noise.pt", b"not a checkpoint", "nanoparcae")):
         (tmp_path / damaged).write_bytes(content)
         with pytest.raises(ValueError) as err:
             checkpoint.read_checkpoint(tmp_path / damaged)
         message = str(err.value)
-        assert carries(message, str(tmp_path / damaged), "truncated", "remove", "restore"), message
+        assert carries(message, str(tmp_path / damaged), what) and "remove" not in message, message  # not a run's
         assert "\n" not in message
 
 

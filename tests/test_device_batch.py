@@ -17,6 +17,7 @@ import torch
 
 from conftest import ROOT, TINY, awaited, beforehand, carries, python, train, train_command, train_env, write_corpus
 from model import Parcae, ParcaeConfig
+from nanoparcae.checkpoint import digest_of
 from nanoparcae.memory import activation_bytes, largest_divisor, memory_plan
 from optim import optimizer_state_bytes
 
@@ -212,7 +213,7 @@ def test_a_checkpoint_that_recorded_a_former_flag_name_continues(monkeypatch, ca
     path = base / "concat_old" / "ckpt_000004.pt"
     checkpoint = torch.load(path, weights_only=True)
     checkpoint["run"]["sampling"] = checkpoint["run"].pop("depth_sampling")
-    torch.save(checkpoint, path)
+    torch.save({**checkpoint, "digest": digest_of(checkpoint)}, path)  # signed, as train.py saves it
     monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(corpus / "base"))
     command = [f"--data={corpus / 'corpus.txt'}", *TINY, *CONCAT, "--run=concat_old"]
     status, out, err = run_train(monkeypatch, capsys, *command)

@@ -82,6 +82,22 @@ def test_a_write_the_disk_cuts_short_removes_its_partial_file_in_one_line(saved,
     assert kept_as_it_was(folder)
 
 
+def test_a_write_a_quota_cuts_short_while_free_space_shows_removes_its_partial_file_in_one_line(saved, monkeypatch,
+                                                                                                capsys):
+    """A quota: torch's zip writer fails with no errno, and the disk still shows room."""
+    folder, model = saved
+
+    def refused_save(state, partial):
+        partial.write_bytes(b"x" * 1000)
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: SimpleNamespace(free=10**12))
+    monkeypatch.setattr(checkpoint.torch, "save", refused_save)
+    line = stopped_in_one_line(lambda: checkpoint.save_checkpoint(folder / "ckpt_000004.pt", model, step=4),
+                               capsys)
+    assert carries(line, str(folder / "ckpt_000004.pt"), "unexpected", "pos", str(folder)), line
+    assert kept_as_it_was(folder)
+
+
 def test_a_write_that_fails_with_room_left_is_not_called_a_full_disk(saved, monkeypatch):
     folder, model = saved
 

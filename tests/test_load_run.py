@@ -64,12 +64,16 @@ def test_a_wrong_checkpoint_or_tokenizer_is_one_line(moved, tmp_path, monkeypatc
                                                        f"checkpoint file such as its newest, {path}, or the run's "
                                                        f"name, tiny")
     torch.save({"weights": torch.zeros(2)}, tmp_path / "other.pt")
-    assert message(tmp_path / "other.pt").startswith(f"checkpoint {tmp_path / 'other.pt'} is not a nanoparcae "
-                                                     f"checkpoint (KeyError: 'config')")
-    torch.save({**ckpt, "tokenizer_dir": str(tmp_path / "gone" / "files-0-320")}, tmp_path / "no_tokenizer.pt")
+    assert carries(message(tmp_path / "other.pt"), str(tmp_path / "other.pt"), "nanoparcae", "config")
+
+    def signed(**changes):  # the run's checkpoint with changes, as train.py would have saved it
+        from nanoparcae.checkpoint import digest_of
+        changed = {key: value for key, value in {**ckpt, **changes}.items() if key != "digest"}
+        return {**changed, "digest": digest_of(changed)}
+    torch.save(signed(tokenizer_dir=str(tmp_path / "gone" / "files-0-320")), tmp_path / "no_tokenizer.pt")
     assert message(tmp_path / "no_tokenizer.pt", FileNotFoundError).endswith(
         f"recreate it with `python -m nanoparcae.dataset tokenizer --data={ckpt['args']['data']} --vocab_size=320`")
-    smaller = {**ckpt, "config": {**ckpt["config"], "vocab_size": 300}}  # padded to 320 as well: the same weights
+    smaller = signed(config={**ckpt["config"], "vocab_size": 300})  # padded to 320 as well: the same weights
     torch.save(smaller, tmp_path / "smaller.pt")
     assert message(tmp_path / "smaller.pt").endswith("has 320 tokens, the model 300: they are not from the same run")
 
@@ -220,20 +224,188 @@ def run_with_tokenizer(base, tokenizer_dir):
     return path
 
 
-@pytest.mark.parametrize("command", [["sample.py", "--prompt=a", "--max_new_tokens=2", "--ckpt={ckpt}"],
-                                     ["eval_core.py", "--eval=bpb", "--data=stdlib", "--ckpt={ckpt}"],
-                                     ["-m", "interop.hub", "export", "{ckpt}", "{out}"]])
-def test_a_checkpoint_with_a_changed_byte_is_refused_by_every_command_that_loads_it(command, tmp_path, tokenizer_dir,
-                                                                                   monkeypatch, capsys):
-    """One byte amid the weights, the file's size unchanged: each command ends in one line naming the file, status
-    2, and writes nothing; the same file whole loads."""
+LOADING_COMMANDS = [["sample.py", "--prompt=a", "--max_new_tokens=2", "--ckpt={ckpt}"],
+                    ["eval_core.py", "--eval=bpb", "--data=stdlib", "--ckpt={ckpt}"],
+                    ["-m", "interop.hub", "export", "{ckpt}", "{out}"]]
+
+
+def edit_checkpoint(path, edit):
+    """Load the checkpoint at path, edit(dict) it, and save it back as it is, its digest untouched."""
+    ckpt = torch.load(path, weights_only=True)
+    edit(ckpt)
+    torch.save(ckpt, path)
+
+
+@pytest.mark.parametrize("damage", ["model", "config"])
+@pytest.mark.parametrize("command", LOADING_COMMANDS)
+def test_a_checkpoint_with_a_changed_byte_is_refused_by_every_command_that_loads_it(command, damage, tmp_path,
+                                                                                   tokenizer_dir, monkeypatch, capsys):
+    """One byte amid the weights (the file's size unchanged), or its config edited after saving (norm_eps 0.5, another
+    model): each command ends in one line naming the file and the entry, status 2, and writes nothing; the same file
+    whole loads."""
     path = run_with_tokenizer(Path(os.environ["NANOPARCAE_BASE_DIR"]), tokenizer_dir)
     load_run(path)
-    corrupt_a_weight(path)
+    if damage == "model":
+        corrupt_a_weight(path)
+    else:
+        edit_checkpoint(path, lambda ckpt: ckpt["config"].update(norm_eps=0.5))
     args = [arg.format(ckpt=path, out=tmp_path / "exported") for arg in command]
     message = refused(run_here(args, monkeypatch, capsys))
-    assert carries(message, str(path), "damaged", "model") and "remove" in message, message
+    assert carries(message, str(path), "damaged", damage) and "remove" in message, message
     assert sorted(p.name for p in path.parent.iterdir()) == [path.name] and not (tmp_path / "exported").exists()
+
+
+def pop_model_digest(ckpt):
+    digest = ckpt["digest"]
+    digest.get("entries", digest).pop("model")
+
+
+@pytest.mark.parametrize("edit,named", [
+    (lambda ckpt: ckpt["config"].update(norm_eps=0.5), "config"),
+    (lambda ckpt: ckpt.update(step=18), "step"),
+    (lambda ckpt: ckpt["args"].update(data="other"), "args"),
+    (lambda ckpt: ckpt["loader"][0].update(position=4), "loader"),
+    (lambda ckpt: ckpt.update(lowest_val_loss=1.0), "lowest_val_loss"),  # an entry that has no digest
+    (pop_model_digest, "model"),
+    (lambda ckpt: ckpt.update(digest=["a digest"]), "digest"),
+])
+def test_every_entry_a_load_reads_is_checked_against_its_digest(tmp_path, tokenizer_dir, edit, named):
+    """An entry edited after saving, added, or whose digest was taken away; a digest of another type: the reader
+    a resume uses refuses it in one line naming the file and the entry, as load_run does for what it reads."""
+    from nanoparcae.checkpoint import read_checkpoint
+    _, path = tiny_checkpoint(tmp_path / "ckpt_000007.pt", tokenizer_dir)
+    edit_checkpoint(path, edit)
+    with raises_naming(ValueError, str(path), named) as err:
+        read_checkpoint(path)
+    assert "\n" not in str(err.value) and "remove" not in str(err.value)  # a file in no run folder
+    if named != "loader":  # which load_run never reads
+        with raises_naming(ValueError, str(path), named):
+            load_run(path)
+
+
+@pytest.mark.parametrize("digest", ["removed", "signed"])
+def test_non_finite_weights_are_refused_in_one_line_whatever_the_digest(tmp_path, tokenizer_dir, digest):
+    """A checkpoint whose weights hold a NaN and an inf, with no digest or with one saved with them: refused in one
+    line naming the file and the tensors."""
+    from nanoparcae.checkpoint import save_checkpoint
+    model, path = tiny_checkpoint(tmp_path / "ckpt_000007.pt", tokenizer_dir)
+    with torch.no_grad():
+        model.wte.weight[3, 5] = float("nan")
+        model.C_proj.weight[0, 0] = float("inf")
+    save_checkpoint(path, model, step=7, tokenizer_dir=str(tokenizer_dir))
+    if digest == "removed":
+        edit_checkpoint(path, lambda ckpt: ckpt.pop("digest"))
+    with raises_naming(ValueError, str(path), "wte.weight", "C_proj.weight") as err:
+        load_run(path)
+    assert "\n" not in str(err.value)
+
+
+def test_an_earlier_versions_digest_of_tensors_alone_loads_with_a_warning_and_must_be_whole(tmp_path, tokenizer_dir,
+                                                                                           capsys):
+    """A checkpoint whose digest covers its tensors alone, as an earlier version wrote it: it loads, warning that
+    its other entries go unchecked; without its model's digest it is refused."""
+    from nanoparcae.checkpoint import tensors_digest, tensors_in
+    _, path = tiny_checkpoint(tmp_path / "ckpt_000007.pt", tokenizer_dir, optimizer_bytes=64)
+    edit_checkpoint(path, lambda ckpt: ckpt.update(digest={key: tensors_digest(value) for key, value in ckpt.items()
+                                                           if key != "digest" and tensors_in(value)}))
+    model = load_run(path)[0]
+    assert all(torch.equal(model.state_dict()[name], tensor) for name, tensor in
+               torch.load(path, weights_only=True)["model"].items())
+    warning = capsys.readouterr().err.strip().splitlines()
+    assert len(warning) == 1 and carries(warning[0], "warning:", str(path), "digest", "config"), warning
+    edit_checkpoint(path, lambda ckpt: ckpt["digest"].pop("model"))
+    with raises_naming(ValueError, str(path), "model"):
+        load_run(path)
+
+
+NOT_CHECKPOINTS = {  # what a .pt file may hold that torch.load reads, or a file torch.save never wrote
+    "a tensor": lambda path: torch.save(torch.zeros(3), path),
+    "a list": lambda path: torch.save([1, 2], path),
+    "a dict without a config": lambda path: torch.save({"model": {}}, path),
+    "a config that is a list": lambda path: torch.save({"config": [1], "model": {}}, path),
+    "a config of wrong types": lambda path: torch.save({"config": {"vocab_size": "260"}, "model": {}}, path),
+    "a model that is a list": lambda path: torch.save({"config": {}, "model": [torch.zeros(2)]}, path),
+    "text": lambda path: path.write_text("root:x:0:0:root:/root:/bin/bash\n"),
+}
+
+
+def test_a_file_that_holds_no_checkpoint_is_one_line_naming_it_and_never_advised_away(tmp_path):
+    """Each is refused as no nanoparcae checkpoint, naming the file, with no advice to remove it: it is the user's."""
+    for why, write in NOT_CHECKPOINTS.items():
+        path = tmp_path / "ckpt_000001.pt"
+        write(path)
+        with raises_naming(ValueError, str(path), "nanoparcae") as err:
+            load_run(path)
+        assert "\n" not in str(err.value) and "remove" not in str(err.value), (why, err.value)
+
+
+@pytest.mark.parametrize("command", LOADING_COMMANDS)
+def test_every_command_that_loads_a_checkpoint_refuses_a_file_that_holds_none_in_one_line(command, tmp_path,
+                                                                                         monkeypatch, capsys):
+    for why in ("a tensor", "a list", "text"):
+        path = tmp_path / f"{why.replace(' ', '_')}.pt"
+        NOT_CHECKPOINTS[why](path)
+        args = [arg.format(ckpt=path, out=tmp_path / "exported") for arg in command]
+        message = refused(run_here(args, monkeypatch, capsys))
+        assert carries(message, str(path), "nanoparcae") and "remove" not in message, message
+    assert not (tmp_path / "exported").exists()
+
+
+def test_only_a_runs_own_checkpoint_is_advised_away(tmp_path, tokenizer_dir, monkeypatch):
+    """Truncated: the run's ckpt_<step>.pt may be removed to start the run over; a user's copy beside it, or the
+    same name outside the runs, may not. One this user may not read is said to be so, neither damaged nor to be
+    removed."""
+    from nanoparcae.checkpoint import run_dir
+    own = run_dir("tiny") / "ckpt_000007.pt"
+    copies = [own.with_name("ckpt_000007_backup.pt"), tmp_path / "ckpt_000007.pt"]
+    for path in (own, *copies):
+        tiny_checkpoint(path, tokenizer_dir)
+        path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
+        with raises_naming(ValueError, str(path), "truncated") as err:
+            load_run(path)
+        assert ("remove" in str(err.value)) == (path == own), err.value
+
+    def denied(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+    monkeypatch.setattr(torch, "load", denied)
+    with raises_naming(ValueError, str(own), "Permission", "denied") as err:
+        load_run(own)
+    assert not any(word in str(err.value) for word in ("remove", "damaged", "truncated")), err.value
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads a file whatever its mode")
+def test_a_checkpoint_this_user_may_not_read_is_said_so(tmp_path, tokenizer_dir):
+    _, path = tiny_checkpoint(tmp_path / "ckpt_000007.pt", tokenizer_dir)
+    path.chmod(0)
+    with raises_naming(ValueError, str(path), "Permission", "denied") as err:
+        load_run(path)
+    assert "remove" not in str(err.value)
+
+
+@pytest.mark.parametrize("made", ["a file", "a dangling symlink", "unreadable"])
+def test_a_run_folder_that_is_not_one_is_named_in_one_line(tmp_path, tokenizer_dir, made, monkeypatch):
+    """Not 'no checkpoint': the run's path, and what it is."""
+    from nanoparcae import checkpoint
+    folder = checkpoint.run_dir("tiny")
+    folder.parent.mkdir(parents=True)
+    if made == "a file":
+        folder.write_text("")
+    elif made == "a dangling symlink":
+        folder.symlink_to(tmp_path / "gone")
+    else:
+        tiny_checkpoint(folder / "ckpt_000007.pt", tokenizer_dir)
+        listdir = os.listdir
+
+        def denied(path):  # root reads any folder: its refusal, as another user meets it
+            if Path(path) == folder:
+                raise PermissionError(13, "Permission denied", str(path))
+            return listdir(path)
+        monkeypatch.setattr(os, "listdir", denied)
+    newest = [] if made == "a file" else [lambda: load_run(None)]  # a file there is no run
+    for find in (lambda: load_run("tiny"), lambda: checkpoint.latest(folder), *newest):
+        with raises_naming(ValueError, str(folder)) as err:
+            find()
+        assert "\n" not in str(err.value) and "no checkpoint" not in str(err.value)
 
 
 def test_a_checkpoint_saved_before_digests_loads_with_one_warning_naming_it(tmp_path, tokenizer_dir, capsys):

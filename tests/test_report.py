@@ -8,7 +8,7 @@ import torch
 from conftest import carries
 
 from model import Parcae, ParcaeConfig
-from nanoparcae.checkpoint import save_checkpoint
+from nanoparcae.checkpoint import digest_of, save_checkpoint
 from nanoparcae.common import get_base_dir, run_command
 from nanoparcae.memory import memory_plan
 from nanoparcae.report import main
@@ -92,7 +92,7 @@ def test_card_of_another_horizon_says_it_is_not_the_papers(capsys):
     run_dir, _ = made_up_run()
     ckpt = torch.load(run_dir / "ckpt_000010.pt", weights_only=True)
     ckpt["run"]["max_tokens"] = 1e6
-    torch.save(ckpt, run_dir / "ckpt_000010.pt")
+    torch.save({**ckpt, "digest": digest_of(ckpt)}, run_dir / "ckpt_000010.pt")  # signed, as train.py saves it
     main(["--run=d6_diagonal"])
     assert "not comparable" in (run_dir / "report.md").read_text()
 

@@ -24,6 +24,7 @@ import torch
 
 import sample
 from nanoparcae import common
+from nanoparcae.checkpoint import save_checkpoint
 from nanoparcae.dataset import list_chunks
 from nanoparcae.divergence import Divergence
 from conftest import (ROOT, TINY, Started, carries, corrupt_a_weight, python, refused, train, train_command,
@@ -209,20 +210,24 @@ def test_a_run_whose_files_changed_is_not_continued_on_them(corpus, beside):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("damage", ["truncated", "damaged"])
+@pytest.mark.parametrize("damage", ["truncated", "damaged", "step"])
 def test_a_damaged_newest_checkpoint_is_named_and_left_as_it_is(corpus, tmp_path, first_two, damage):
-    """A truncated checkpoint, or one with a byte changed amid its weights: one line naming the file, what is wrong,
-    what to do; the folder stays as it was."""
+    """A truncated checkpoint, one with a byte changed amid its weights, or its step edited after saving (2 -> 18):
+    one line naming the file, what is wrong, what to do; the folder stays as it was."""
     run_dir = tmp_path / "base" / "runs" / "damaged"
     run_dir.mkdir(parents=True)
     whole = (corpus / "base" / "runs" / "halves" / "ckpt_000002.pt").read_bytes()
     (run_dir / "ckpt_000002.pt").write_bytes(whole[:len(whole) // 2] if damage == "truncated" else whole)
     if damage == "damaged":
         corrupt_a_weight(run_dir / "ckpt_000002.pt")
+    if damage == "step":
+        ckpt = torch.load(run_dir / "ckpt_000002.pt", weights_only=True)
+        torch.save({**ckpt, "step": 18}, run_dir / "ckpt_000002.pt")
     (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
     files = untouched(run_dir)
     message = refused(train(corpus, "--run=damaged", base=tmp_path / "base", expect_ok=False))
-    assert carries(message, str(run_dir / "ckpt_000002.pt"), damage, "remove", "restore"), message
+    named = {"step": ["damaged", "step"]}.get(damage, [damage])
+    assert carries(message, str(run_dir / "ckpt_000002.pt"), *named, "remove", "restore"), message
     assert untouched(run_dir) == files
 
 
@@ -435,7 +440,8 @@ def test_an_eval_back_at_a_uniform_guess_stops_a_run_that_had_learned_also_acros
     learned.mkdir()
     ckpt = torch.load(corpus / "base" / "runs" / "initial" / "ckpt_000002.pt", weights_only=True)
     ckpt["lowest_val_loss"] = math.log(320) - 2
-    torch.save(ckpt, learned / "ckpt_000002.pt")
+    from nanoparcae.checkpoint import digest_of
+    torch.save({**ckpt, "digest": digest_of(ckpt)}, learned / "ckpt_000002.pt")  # signed, as train.py saves it
     with ThreadPoolExecutor(1) as pool:  # two runs that share nothing from here: one thread each
         losing = pool.submit(train, corpus, "--run=learned", *UNLEARNED, expect_ok=False)
         result = train(corpus, "--run=initial", *UNLEARNED)
@@ -680,7 +686,8 @@ def test_a_command_refused_before_training_leaves_no_lock_in_the_run_folder(tmp_
     monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(base))
     (tmp_path / "empty.txt").write_text("")
     (base / "runs" / "other").mkdir(parents=True)  # a checkpoint that records none of this command's run flags
-    torch.save({"step": 1, "run": {}, "model": {}}, base / "runs" / "other" / "ckpt_000001.pt")
+    tiny = ParcaeConfig(vocab_size=64, seq_len=8, n_prelude=1, n_recur=1, n_coda=1, d_model=32, head_dim=32)
+    save_checkpoint(base / "runs" / "other" / "ckpt_000001.pt", Parcae(tiny), step=1, run={})
     commands = {"no shards": [], "empty corpus": [*TINY, f"--data={tmp_path / 'empty.txt'}", "--run=empty"],
                 "other flags": [*TINY, "--data=stdlib", "--run=other"],
                 "nothing to resume": [*TINY, "--data=stdlib", "--run=never", "--resume"]}
@@ -689,6 +696,26 @@ def test_a_command_refused_before_training_leaves_no_lock_in_the_run_folder(tmp_
         assert status == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, (why, err)
         assert not list((base / "runs").rglob("lock")), (why, list((base / "runs").rglob("*")))
     assert sorted(path.name for path in (base / "runs").iterdir()) == ["other"]  # no run folder made either
+
+
+RUN_FILES = {  # what a run's files may be instead, made in its folder -> what the refusal names there
+    "a file for its folder": (lambda folder: folder.write_text(""), ""),
+    "a dangling symlink for its folder": (lambda folder: folder.symlink_to(folder.with_name("gone")), ""),
+    "a folder for its lock": (lambda folder: (folder / "lock").mkdir(parents=True), "lock"),
+}
+
+
+@pytest.mark.parametrize("made", list(RUN_FILES))
+def test_a_run_whose_files_are_not_what_train_py_wrote_is_refused_in_one_line_naming_them(made, tmp_path,
+                                                                                          monkeypatch, capsys):
+    base = tmp_path / "base"
+    monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(base))
+    (base / "runs").mkdir(parents=True)
+    make, named = RUN_FILES[made]
+    make(base / "runs" / "tiny")
+    status, _, err = run_train(monkeypatch, capsys, *TINY, "--data=stdlib", "--run=tiny")
+    assert status == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert carries(err, str(base / "runs" / "tiny" / named).rstrip("/")), err
 
 
 def test_dry_run_prints_the_paper_size(monkeypatch, capsys):
