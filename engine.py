@@ -417,8 +417,8 @@ def generate(model, tokens, max_new_tokens, T=None, temperature=1.0, top_k=None,
 # Self-speculative decoding (beyond the paper): the looped model drafts for itself
 
 # auto's draft, from a sweep of depth and length on the CPU checkpoint (docs/sampling.md):
-# depth mu_rec - 1, up to 32 positions a pass, where T >= 2 mu_rec; below, drafting did not pay
-DRAFT_LENGTH, DRAFT_MIN_RATIO = 32, 2
+# depth mu_rec - 1, up to 32 positions a pass, where T >= 4 mu_rec; at 2 mu_rec drafting lost
+DRAFT_LENGTH, DRAFT_MIN_RATIO = 32, 4
 
 
 def auto_draft(model, T=None):

@@ -228,6 +228,7 @@ def test_sample_py_drafts_token_for_token_and_refuses_in_one_line(checkpoint, mo
 def test_auto_drafts_only_where_it_can_pay():
     model = float64_model()  # mu_rec 3
     assert engine.auto_draft(model, 1) is None and engine.auto_draft(model, None) is None
+    assert engine.auto_draft(model, 4 * 3 - 1) is None and engine.auto_draft(model, 4 * 3) is not None
     deep = engine.auto_draft(model, 32)
     assert deep is not None and 1 <= deep.depth < 32
     assert engine.auto_draft(tiny_model(injection="none"), 32) is None
