@@ -172,7 +172,8 @@ def draw_test_time(results, title):
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(Ts, results["loss"], "o", color="black", label="val loss")
     ax.plot(grid, fit["L_inf"] + fit["Z"] * np.exp(-fit["z"] * grid), "-",
-            label=f"L_inf + Z exp(-z T): L_inf {fit['L_inf']:.4f}, z {fit['z']:.2f}, RMS error {fit['rms']:.1e}")
+            label=f"L_inf + Z exp(-z T): L_inf {fit['L_inf']:.4f}, z {fit['z']:.2f}, RMS error {fit['rms']:.1e}"
+            + ("\n(z at the edge of its search: L_inf is no limit)" if fit.get("at_edge") else ""))
     ax.axhline(fit["loss_at_mu_rec"], color="gray", linestyle="--", label=f"loss at T = mu_rec = {fit['mu_rec']}")
     ax.set(xscale="log", xlabel="test-time recurrence T", ylabel="val loss (nats)", title=title)
     ax.set_xticks(Ts, [str(int(T)) for T in Ts])
