@@ -139,7 +139,7 @@ def evaluate_task(model, tokenizer, task, data, T, seed, h0_table, batch_tokens=
         per_item[row.example].append((loss, hit))
     correct = torch.zeros(len(data), dtype=torch.float64, device=h0_table.device)
     for idx, scores in per_item.items():
-        if not all(math.isfinite(loss) for loss, _ in scores):  # no score: NaN, refused with the results
+        if not all(math.isfinite(loss) for loss, _ in scores):  # no score: NaN, refused later
             correct[idx] = math.nan
         elif task.kind == LM:  # right when greedy decoding reproduces every continuation token
             correct[idx] = float(scores[0][1])
@@ -303,7 +303,8 @@ def fit_test_time_scaling(Ts, losses):
     log_z = (lo + hi) / 2
     rms, (L_inf, Z) = solve(log_z)
     at_edge = bool(min(abs(log_z - grid[0]), abs(log_z - grid[-1])) < 1e-6)
-    return {"L_inf": float(L_inf), "Z": float(Z), "z": math.exp(log_z), "rms": rms, "at_edge": at_edge}
+    return {"L_inf": float(L_inf), "Z": float(Z), "z": math.exp(log_z), "rms": rms,
+            "at_edge": at_edge}
 
 
 def fit_line(Ts, losses, mu_rec):
@@ -316,8 +317,9 @@ def fit_line(Ts, losses, mu_rec):
            f"L_inf vs loss at T = mu_rec = {mu_rec} ({at_mu:.4f}): "
            f"{100 * (fit['L_inf'] - at_mu) / at_mu:+.2f}%")
     if fit["at_edge"]:
-        print0(f"warning: the fit of L(T) ends at the edge of its search, z = {fit['z']:g} (searched "
-               f"{Z_RATES[0]:g} to {Z_RATES[1]:g}): the losses follow no such law, so L_inf is no limit")
+        print0(f"warning: the fit of L(T) ends at the edge of its search, z = {fit['z']:g} "
+               f"(searched {Z_RATES[0]:g} to {Z_RATES[1]:g}): the losses follow no such law, "
+               f"so L_inf is no limit")
     return {**fit, "loss_at_mu_rec": at_mu, "mu_rec": mu_rec}
 
 # -----------------------------------------------------------------------------
@@ -422,7 +424,7 @@ def run_bpb(args, model, tokenizer, source, Ts, device):
                f"{time.time() - t0:.1f}s")
     out = {"T": Ts, "loss": losses, "bpb": bpbs, "data": source,
            "measured": {"data": data_key(source), "amount": tokens}}
-    if len(Ts) >= 3 and all(map(math.isfinite, losses)):  # non-finite losses are refused, not fitted
+    if len(Ts) >= 3 and all(map(math.isfinite, losses)):  # non-finite ones are refused, not fitted
         out["fit"] = fit_line(Ts, losses, mu_rec)
     return out
 

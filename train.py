@@ -123,7 +123,7 @@ SEED_LIMIT = 2**28 - 1  # each step's seed, (seed * 1_000_003 + step) * 65_537 +
 
 def check_values(args):
     """Every number flag's range, checked once after parsing: ValueError naming the flag and value.
-    None leaves a flag to its default rule. --vocab_size's type checks it, as the tokenizer's does."""
+    None leaves a flag to its default rule. --vocab_size's type is the tokenizer's check."""
     rules = {
         "a positive number": (lambda v: 0 < v < math.inf, (
             "max_tokens", "target_flops", "param_data_ratio", "adamw_lr", "muon_lr", "grad_clip",

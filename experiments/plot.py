@@ -41,11 +41,12 @@ LOG_SPAN = 100  # a panel whose positive values span more than this factor gets 
 # Reading runs
 
 def run_dir(run):
-    """RUN -> its folder: the path itself if it holds metrics.jsonl, else base dir / runs / RUN."""
-    if (Path(run) / "metrics.jsonl").is_file():
+    """RUN -> its folder: the path itself if it holds metrics.jsonl, else base dir / runs / RUN.
+    A metrics.jsonl that is no file counts, so that reading it names it."""
+    if (Path(run) / "metrics.jsonl").exists():
         return Path(run)
     named = named_run(run)
-    if not (named / "metrics.jsonl").is_file():
+    if not (named / "metrics.jsonl").exists():
         raise FileNotFoundError(f"no metrics for run {run!r}: neither {Path(run) / 'metrics.jsonl'} nor "
                                 f"{named / 'metrics.jsonl'} exists; pass a run folder or a train.py --run name "
                                 f"(NANOPARCAE_BASE_DIR={named.parent.parent})")

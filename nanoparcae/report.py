@@ -104,7 +104,7 @@ def read_run(run_dir):
     checkpoint = find_checkpoint(run_dir.parent, run_dir.name)
     ckpt = read_checkpoint(checkpoint, mmap=True, unused=("model", "optimizer", "loader"))  # reads no tensor
     model = sized_model(ParcaeConfig(**ckpt["config"]))  # for its counts, without weights
-    stages = read_metrics(run_dir / "recipe" / "stages.jsonl")
+    stages = read_metrics(run_dir / "recipe" / "stages.jsonl", key="stage")
     samples = {int(path.stem.split("_T")[1]): path.read_text()
                for path in sorted((run_dir / "recipe").glob("samples_T*.txt"))}
     bpb_path = widest(run_dir, f"{checkpoint.stem}_bpb_T*.json")
