@@ -40,7 +40,8 @@ from nanoparcae.download import EVAL_BUNDLE_URL, shared_eval_bundle
 from data import val_batches
 from nanoparcae.dataset import data_key, iter_documents
 from nanoparcae.flags import checked, listed, positive
-from nanoparcae.results import check_results_folder, keep_results, run_data
+from nanoparcae.results import (check_results_folder, keep_results, refuse_non_finite, result_bytes,
+                                run_data)
 from model import evaluation_initial_state
 
 # -----------------------------------------------------------------------------
@@ -138,7 +139,9 @@ def evaluate_task(model, tokenizer, task, data, T, seed, h0_table, batch_tokens=
         per_item[row.example].append((loss, hit))
     correct = torch.zeros(len(data), dtype=torch.float64, device=h0_table.device)
     for idx, scores in per_item.items():
-        if task.kind == LM:  # right when greedy decoding reproduces every continuation token
+        if not all(math.isfinite(loss) for loss, _ in scores):  # no score: NaN, refused later
+            correct[idx] = math.nan
+        elif task.kind == LM:  # right when greedy decoding reproduces every continuation token
             correct[idx] = float(scores[0][1])
         else:  # the option with the lowest mean loss wins (the first one on a tie)
             option_losses = [loss for loss, _ in scores]
@@ -269,10 +272,14 @@ def evaluate_ppl(model, tokenizer, docs, T=None, seed=1234):
     return nats / tokens, nats / (math.log(2) * num_bytes), int(num_docs), int(tokens)
 
 
+Z_RATES = (1e-3, 10.0)  # the rates z the fit searches; one at either end fits no law inside them
+
+
 def fit_test_time_scaling(Ts, losses):
-    """Fit L(T) = L_inf + Z exp(-z T) by least squares (METHOD.md §3) -> L_inf, Z, z, rms.
-    For fixed z the law is linear in (L_inf, Z), so only z is searched.
-    A log grid finds the best point, then golden-section search refines it."""
+    """Fit L(T) = L_inf + Z exp(-z T) by least squares (METHOD.md §3) -> L_inf, Z, z, rms, at_edge.
+    For fixed z the law is linear in (L_inf, Z), so only z is searched, over Z_RATES.
+    A log grid finds the best point, then golden-section search refines it.
+    at_edge: z ended at an end of Z_RATES, so L_inf is no limit the losses show."""
     T, L = np.asarray(Ts, dtype=np.float64), np.asarray(losses, dtype=np.float64)
     if len(T) < 3 or len(set(T.tolist())) < 3:
         raise ValueError(f"fitting L(T) = L_inf + Z exp(-z T) needs at least 3 distinct T, "
@@ -283,7 +290,7 @@ def fit_test_time_scaling(Ts, losses):
         coef = np.linalg.lstsq(design, L, rcond=None)[0]
         return math.sqrt(np.mean((design @ coef - L) ** 2)), coef
 
-    grid = np.linspace(math.log(1e-3), math.log(10.0), 241)
+    grid = np.linspace(math.log(Z_RATES[0]), math.log(Z_RATES[1]), 241)
     best = int(np.argmin([solve(log_z)[0] for log_z in grid]))
     lo, hi = grid[max(best - 1, 0)], grid[min(best + 1, len(grid) - 1)]
     ratio = (math.sqrt(5) - 1) / 2
@@ -293,8 +300,27 @@ def fit_test_time_scaling(Ts, losses):
             hi = b
         else:
             lo = a
-    rms, (L_inf, Z) = solve((lo + hi) / 2)
-    return {"L_inf": float(L_inf), "Z": float(Z), "z": math.exp((lo + hi) / 2), "rms": rms}
+    log_z = (lo + hi) / 2
+    rms, (L_inf, Z) = solve(log_z)
+    at_edge = bool(min(abs(log_z - grid[0]), abs(log_z - grid[-1])) < 1e-6)
+    return {"L_inf": float(L_inf), "Z": float(Z), "z": math.exp(log_z), "rms": rms,
+            "at_edge": at_edge}
+
+
+def fit_line(Ts, losses, mu_rec):
+    """Fit L(T) and say it against the loss at mu_rec -> the fit, with that loss.
+    A fit at the edge of its search gets a warning line."""
+    fit = fit_test_time_scaling(Ts, losses)
+    at_mu = losses[Ts.index(mu_rec)]
+    print0(f"L(T) = L_inf + Z exp(-z T): L_inf {fit['L_inf']:.4f}  Z {fit['Z']:.4f}  "
+           f"z {fit['z']:.4f}  RMS error {fit['rms']:.2e}; "
+           f"L_inf vs loss at T = mu_rec = {mu_rec} ({at_mu:.4f}): "
+           f"{100 * (fit['L_inf'] - at_mu) / at_mu:+.2f}%")
+    if fit["at_edge"]:
+        print0(f"warning: the fit of L(T) ends at the edge of its search, z = {fit['z']:g} "
+               f"(searched {Z_RATES[0]:g} to {Z_RATES[1]:g}): the losses follow no such law, "
+               f"so L_inf is no limit")
+    return {**fit, "loss_at_mu_rec": at_mu, "mu_rec": mu_rec}
 
 # -----------------------------------------------------------------------------
 # The evals of a training run, each printed in a line
@@ -398,14 +424,8 @@ def run_bpb(args, model, tokenizer, source, Ts, device):
                f"{time.time() - t0:.1f}s")
     out = {"T": Ts, "loss": losses, "bpb": bpbs, "data": source,
            "measured": {"data": data_key(source), "amount": tokens}}
-    if len(Ts) >= 3:
-        fit = fit_test_time_scaling(Ts, losses)
-        at_mu = losses[Ts.index(mu_rec)]
-        out["fit"] = {**fit, "loss_at_mu_rec": at_mu, "mu_rec": mu_rec}
-        print0(f"L(T) = L_inf + Z exp(-z T): L_inf {fit['L_inf']:.4f}  Z {fit['Z']:.4f}  "
-               f"z {fit['z']:.4f}  RMS error {fit['rms']:.2e}; "
-               f"L_inf vs loss at T = mu_rec = {mu_rec} ({at_mu:.4f}): "
-               f"{100 * (fit['L_inf'] - at_mu) / at_mu:+.2f}%")
+    if len(Ts) >= 3 and all(map(math.isfinite, losses)):  # non-finite ones are refused, not fitted
+        out["fit"] = fit_line(Ts, losses, mu_rec)
     return out
 
 
@@ -473,9 +493,10 @@ def start_device(args):
 
 
 def evaluate(args, model, tokenizer, ckpt, ckpt_path, device):
-    """Run --eval on a loaded model and keep the results beside ckpt_path."""
+    """Run --eval on a loaded model and keep the results beside ckpt_path -> the command's status.
+    Results that are not finite are refused with status 3, as a diverged run."""
     Ts = args.T or [model.config.mu_rec]
-    check_results_folder(ckpt_path)
+    check_results_folder(ckpt_path, result_bytes(args, Ts))
     print0(f"Checkpoint {ckpt_path} (step {ckpt.get('step')}), {model.num_params():,} "
            f"parameters, mu_rec {model.config.mu_rec}, on {device} x {rank_and_world()[1]}")
     source = args.data or run_data(ckpt)
@@ -485,7 +506,10 @@ def evaluate(args, model, tokenizer, ckpt, ckpt_path, device):
         out = run_bpb(args, model, tokenizer, source, Ts, device)
     else:
         out = run_ppl(args, model, tokenizer, source, Ts)
+    if refuse_non_finite(out, ckpt_path):
+        return 3  # as train.py's diverged run
     keep_results(out, args, ckpt, ckpt_path, Ts, args.eval)
+    return 0
 
 
 def main(argv=None):
@@ -497,7 +521,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     device = start_device(args)
     model, tokenizer, ckpt, ckpt_path = load_run(args.ckpt or args.run, device)
-    evaluate(args, model, tokenizer, ckpt, ckpt_path, device)
+    return evaluate(args, model, tokenizer, ckpt, ckpt_path, device)
 
 
 if __name__ == "__main__":

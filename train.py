@@ -35,7 +35,7 @@ from nanoparcae.divergence import Divergence
 from nanoparcae.download import shared_eval_bundle
 from nanoparcae.metrics import Metrics, compile_counts, read_at_once
 from nanoparcae.prepare import prepare_run
-from nanoparcae.tokenizer import VOCAB_RANGE, vocab_size_ok
+from nanoparcae.tokenizer import vocab_size_flag
 
 # A run is these flags' values: its checkpoints record them, and continuing it with another value
 # of one is refused. Every other flag may change when a run continues.
@@ -60,7 +60,7 @@ def parse_args(argv=None):
     flag("--depth_sampling", default="per_sequence", choices=list(SAMPLINGS), metavar="SCHEME",
          help=f"recurrence-depth sampler, one of {', '.join(SAMPLINGS)} (model.py)")
     flag("--prelude_norm", type=int, default=1, choices=[0, 1], help="RMSNorm after the prelude")
-    flag("--vocab_size", type=int, default=32768, help="tokens, the specials included")
+    flag("--vocab_size", type=vocab_size_flag, default=32768, help="tokens, the specials included")
     flag("--seq_len", type=int, default=2048, help="tokens per row")
     # the data and the horizon: the first given of --max_tokens, --target_flops, --param_data_ratio
     flag("--data", default="fineweb-edu",
@@ -98,6 +98,7 @@ def parse_args(argv=None):
     flag("--resume", action="store_true", help="require a checkpoint to continue from")
     flag("--stop_at", type=int, default=None, help="end this command after that step")
     flag("--dry_run", action="store_true", help="print the configuration and memory plan, and exit")
+    flag("--check", action="store_true", help="check the flags' values, and exit: nothing starts")
     # how a run operates, not what it trains
     flag("--compile_backend", default="inductor", choices=["inductor", "eager"],
          help="eager: dynamo's tracing and guards without code generation")
@@ -116,20 +117,27 @@ def parse_args(argv=None):
     return args
 
 
+INT_LIMIT = 2**31 - 1  # an int flag past int32's range overflows a size or counter in torch
+SEED_LIMIT = 2**28 - 1  # each step's seed, (seed * 1_000_003 + step) * 65_537 + v, must fit 64 bits
+
+
 def check_values(args):
     """Every number flag's range, checked once after parsing: ValueError naming the flag and value.
-    None leaves a flag to its default rule."""
+    None leaves a flag to its default rule. --vocab_size's type is the tokenizer's check."""
     rules = {
         "a positive number": (lambda v: 0 < v < math.inf, (
-            "depth", "d_model", "head_dim", "mu_rec", "mu_bwd", "seq_len", "max_tokens",
-            "target_flops", "param_data_ratio", "device_batch_size", "total_batch_size", "adamw_lr",
-            "muon_lr", "grad_clip", "eval_every", "eval_tokens", "core_max_per_task", "save_every",
-            "log_every", "stop_at", "rho_every", "diverge_h_norm", "collective_timeout",
-            "rank0_timeout")),
-        "zero or more": (lambda v: 0 <= v < math.inf, ("weight_decay", "seed", "diverge_steps")),
+            "max_tokens", "target_flops", "param_data_ratio", "adamw_lr", "muon_lr", "grad_clip",
+            "diverge_h_norm", "collective_timeout", "rank0_timeout")),
+        f"between 1 and {INT_LIMIT}": (lambda v: 1 <= v <= INT_LIMIT, (
+            "depth", "d_model", "head_dim", "mu_rec", "mu_bwd", "seq_len", "device_batch_size",
+            "total_batch_size", "eval_every", "eval_tokens", "core_max_per_task", "save_every",
+            "log_every", "stop_at", "rho_every")),
+        "zero or more": (lambda v: 0 <= v < math.inf, ("weight_decay",)),
+        f"between 0 and {INT_LIMIT}": (lambda v: 0 <= v <= INT_LIMIT, ("diverge_steps",)),
+        f"between 0 and {SEED_LIMIT}": (lambda v: 0 <= v <= SEED_LIMIT, ("seed",)),
         "between 0 and 1": (lambda v: 0 <= v <= 1, ("warmdown_frac",)),
-        "a number of steps, or -1 for never": (lambda v: v > 0 or v == -1, ("core_every",)),
-        VOCAB_RANGE: (vocab_size_ok, ("vocab_size",)),
+        f"a number of steps up to {INT_LIMIT}, or -1 for never": (
+            lambda v: 0 < v <= INT_LIMIT or v == -1, ("core_every",)),
     }
     for rule, (holds, names) in rules.items():
         for name in names:
@@ -139,6 +147,8 @@ def check_values(args):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.check:  # the flags parse and hold their ranges; nothing is made or started
+        return 0
     # sizes, processes, the run's identity, data, lock and resume point (nanoparcae/prepare.py)
     setup = prepare_run(args, RUN_FLAGS)
     if setup is None:  # a --dry_run, or a finished run

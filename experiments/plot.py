@@ -41,11 +41,12 @@ LOG_SPAN = 100  # a panel whose positive values span more than this factor gets 
 # Reading runs
 
 def run_dir(run):
-    """RUN -> its folder: the path itself if it holds metrics.jsonl, else base dir / runs / RUN."""
-    if (Path(run) / "metrics.jsonl").is_file():
+    """RUN -> its folder: the path itself if it holds metrics.jsonl, else base dir / runs / RUN.
+    A metrics.jsonl that is no file counts, so that reading it names it."""
+    if (Path(run) / "metrics.jsonl").exists():
         return Path(run)
     named = named_run(run)
-    if not (named / "metrics.jsonl").is_file():
+    if not (named / "metrics.jsonl").exists():
         raise FileNotFoundError(f"no metrics for run {run!r}: neither {Path(run) / 'metrics.jsonl'} nor "
                                 f"{named / 'metrics.jsonl'} exists; pass a run folder or a train.py --run name "
                                 f"(NANOPARCAE_BASE_DIR={named.parent.parent})")
@@ -172,7 +173,8 @@ def draw_test_time(results, title):
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(Ts, results["loss"], "o", color="black", label="val loss")
     ax.plot(grid, fit["L_inf"] + fit["Z"] * np.exp(-fit["z"] * grid), "-",
-            label=f"L_inf + Z exp(-z T): L_inf {fit['L_inf']:.4f}, z {fit['z']:.2f}, RMS error {fit['rms']:.1e}")
+            label=f"L_inf + Z exp(-z T): L_inf {fit['L_inf']:.4f}, z {fit['z']:.2f}, RMS error {fit['rms']:.1e}"
+            + ("\n(z at the edge of its search: L_inf is no limit)" if fit.get("at_edge") else ""))
     ax.axhline(fit["loss_at_mu_rec"], color="gray", linestyle="--", label=f"loss at T = mu_rec = {fit['mu_rec']}")
     ax.set(xscale="log", xlabel="test-time recurrence T", ylabel="val loss (nats)", title=title)
     ax.set_xticks(Ts, [str(int(T)) for T in Ts])

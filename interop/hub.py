@@ -741,7 +741,7 @@ def eval_main(argv):
     args = parser.parse_args(argv)
     device = eval_core.start_device(args)
     model, tokenizer = load_pretrained(args.source, device, need_tokenizer=True)
-    eval_core.evaluate(args, model, tokenizer, {}, local_dir(args.source) / "authors", device)
+    return eval_core.evaluate(args, model, tokenizer, {}, local_dir(args.source) / "authors", device)
 
 
 def summary_main(argv):

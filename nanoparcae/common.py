@@ -8,6 +8,7 @@ import errno
 import inspect
 import json
 import os
+import secrets
 import shutil
 import sys
 import tempfile
@@ -173,8 +174,11 @@ def write_atomically(path, write, partial=None):
 
 
 def write_json(path, value):
-    """Write value as indented JSON, atomically."""
-    write_atomically(Path(path), lambda partial: partial.write_text(json.dumps(value, indent=2) + "\n"))
+    """Write value as indented JSON, atomically.
+    Its temporary name holds the pid and a random part, so two writers of one file never share it."""
+    path = Path(path)
+    write_atomically(path, lambda partial: partial.write_text(json.dumps(value, indent=2) + "\n"),
+                     path.with_name(f"{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"))
 
 
 def read_json(path):

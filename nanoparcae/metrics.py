@@ -3,26 +3,49 @@ nanoparcae/metrics.py: what a run logs, metrics.jsonl and the step's log line.
 """
 
 import json
+import sys
 from pathlib import Path
 
 import torch
 
-from nanoparcae.common import FULL_DISK, disk_full, print0, rank_and_world, write_atomically
+from nanoparcae.common import FULL_DISK, EnvironmentFailure, disk_full, print0, rank_and_world, write_atomically
+
+TEXT_FIELDS = ("warning", "reason", "core_skipped", "stage")  # the fields of a record that hold text
 
 
-def read_metrics(path):
-    """metrics.jsonl -> its records, in order; none when it is absent.
-    The one reader of a JSON-lines log. Unlike common.read_json's whole file, a log's torn last line
-    is expected (a run killed while writing it), so a torn or bad line is skipped."""
-    records = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict):
-            records.append(record)
-    return records
+def read_record(line, key):
+    """A log's line -> its record, or None when it holds none.
+    A record is a JSON object holding `key` (an int step), with numbers or null in all but TEXT_FIELDS."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(record, dict) or key not in record or (key == "step" and type(record[key]) is not int):
+        return None
+    typed = all(name in TEXT_FIELDS or value is None or isinstance(value, (int, float))
+                for name, value in record.items())
+    return record if typed else None
+
+
+def read_metrics(path, key="step"):
+    """A JSON-lines log, metrics.jsonl or the recipe's stages.jsonl (key "stage") -> its records, in order.
+    It returns none when the log is absent. It is the one reader of such a log.
+    Unlike common.read_json's whole file, a log's torn last line is expected (a run killed while writing it): it is
+    skipped. Any other line that holds no record is skipped too, with a warning that counts them.
+    A folder in its place raises ValueError, one it may not read EnvironmentFailure, each naming it."""
+    try:
+        lines = path.read_bytes().decode("utf-8", errors="replace").split("\n")
+    except FileNotFoundError:
+        return []
+    except (IsADirectoryError, NotADirectoryError) as err:
+        raise ValueError(f"{path} is not a file ({err.strerror}): move what is there away, then run again") from None
+    except PermissionError as err:
+        raise EnvironmentFailure(f"{path} cannot be read ({err.strerror}): make it readable, then run again") from None
+    records = [read_record(line, key) for line in lines]
+    bad = sum(record is None and bool(line.strip()) for line, record in zip(lines[:-1], records))  # last: torn or ""
+    if bad:
+        print0(f"warning: {path}: {bad} line(s) that hold no record skipped", file=sys.stderr)
+    return [record for record in records if record is not None]
 
 
 class Metrics:

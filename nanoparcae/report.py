@@ -104,7 +104,7 @@ def read_run(run_dir):
     checkpoint = find_checkpoint(run_dir.parent, run_dir.name)
     ckpt = read_checkpoint(checkpoint, mmap=True, unused=("model", "optimizer", "loader"))  # reads no tensor
     model = sized_model(ParcaeConfig(**ckpt["config"]))  # for its counts, without weights
-    stages = read_metrics(run_dir / "recipe" / "stages.jsonl")
+    stages = read_metrics(run_dir / "recipe" / "stages.jsonl", key="stage")
     samples = {int(path.stem.split("_T")[1]): path.read_text()
                for path in sorted((run_dir / "recipe").glob("samples_T*.txt"))}
     bpb_path = widest(run_dir, f"{checkpoint.stem}_bpb_T*.json")
@@ -246,7 +246,9 @@ def loss_section(run):
         if fit := bpb.get("fit"):
             lines += ["", f"L(T) = L_inf + Z exp(-z T): L_inf {fit['L_inf']:.4f}, Z {fit['Z']:.4f}, "
                       f"z {fit['z']:.4f}, RMS error {fit['rms']:.2e}; L_inf against the loss at T = mu_rec = "
-                      f"{fit['mu_rec']}: {100 * (fit['L_inf'] - fit['loss_at_mu_rec']) / fit['loss_at_mu_rec']:+.2f}%"]
+                      f"{fit['mu_rec']}: {100 * (fit['L_inf'] - fit['loss_at_mu_rec']) / fit['loss_at_mu_rec']:+.2f}%"
+                      + ("; the fit ends at the edge of its search for z: L_inf is no limit the losses show"
+                         if fit.get("at_edge") else "")]
     else:
         lines.append("eval_core.py --eval bpb: not run.")
     return lines + [""]

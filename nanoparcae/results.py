@@ -3,8 +3,19 @@ nanoparcae/results.py: where an evaluation's results are kept, and which kept re
 The run's own result sits beside its checkpoint as <stem>_<kind>_T<Ts>.json; the report card reads it.
 """
 
-from nanoparcae.common import check_writable, print0, rank_and_world, read_json, write_json
+import json
+import math
+import os
+import sys
+import tempfile
+
+from nanoparcae.common import (NO_WRITE, EnvironmentFailure, check_writable, print0, rank_and_world, read_json,
+                               write_json)
+from nanoparcae.core_tasks import EXTENDED_TASKS
 from nanoparcae.dataset import data_key
+
+TASK_BYTES = 400  # a task's lines in a CORE run's JSON: its items, accuracy, centered accuracy, why skipped
+DEPTH_BYTES = 200  # a depth's numbers in a bpb or ppl result
 
 
 def run_data(ckpt):
@@ -33,20 +44,75 @@ def result_path(ckpt, ckpt_path, kind, Ts, measured):
     return ckpt_path.parent / "evals" / aside, own
 
 
-def check_results_folder(ckpt_path):
-    """Refuse before any work when rank 0 could not keep results beside ckpt_path."""
+def result_bytes(args, Ts):
+    """An upper estimate of an eval's JSON: its flags, then each depth's numbers, or each depth and seed's tasks."""
+    flags = len(json.dumps(vars(args), indent=2, default=str))
+    if args.eval == "core":
+        return 4096 + 2 * flags + len(Ts) * len(args.seeds) * len(EXTENDED_TASKS) * TASK_BYTES
+    return 4096 + 2 * flags + len(Ts) * DEPTH_BYTES
+
+
+def check_results_folder(ckpt_path, needs=1 << 16):
+    """Refuse before any work when rank 0 could not keep `needs` bytes of results beside ckpt_path."""
     if rank_and_world()[0] == 0:
-        check_writable(ckpt_path.parent, "the results")
+        check_writable(ckpt_path.parent, "the results", needs)
+
+
+def non_finite(value, where=""):
+    """The keys of value's NaN or infinite numbers, such as loss[2] or fit.L_inf."""
+    if isinstance(value, float):
+        return [] if math.isfinite(value) else [where]
+    if isinstance(value, dict):
+        return [key for k, v in value.items() for key in non_finite(v, f"{where}.{k}" if where else str(k))]
+    if isinstance(value, list):
+        return [key for i, v in enumerate(value) for key in non_finite(v, f"{where}[{i}]")]
+    return []
+
+
+def refuse_non_finite(out, ckpt_path):
+    """Refuse results that hold NaN or infinity, in one line -> whether it refused them.
+    Such numbers say the weights diverged or overflow: they are no run's result."""
+    bad = non_finite(out)
+    if not bad:
+        return False
+    print0(f"error: the results of {ckpt_path} are not finite ({', '.join(bad[:4])}{', ...' if len(bad) > 4 else ''}):"
+           f" its weights diverged or overflow; nothing was written", file=sys.stderr)
+    return True
+
+
+def spare_copy(path, value):
+    """Keep value as JSON in the temporary folder -> where it went; printed on stdout when that fails too."""
+    try:
+        handle, name = tempfile.mkstemp(prefix=f"{path.stem}.", suffix=".json")
+        try:
+            with os.fdopen(handle, "w") as spare:
+                spare.write(json.dumps(value, indent=2) + "\n")
+            return name
+        except OSError:
+            os.unlink(name)
+            raise
+    except OSError:
+        print(json.dumps(value), flush=True)
+        return "stdout, as the JSON line above"
 
 
 def keep_results(out, args, ckpt, ckpt_path, Ts, kind):
-    """Write the results as JSON where result_path says, from rank 0."""
+    """Write the results as JSON where result_path says, from rank 0.
+    A disk that refuses them keeps them in spare_copy's place, named in the one line of EnvironmentFailure."""
     if rank_and_world()[0] != 0:
         return
     # the harness's results say nothing of what they measured: they replace as before
     path, kept = result_path(ckpt, ckpt_path, kind, Ts, out.get("measured", {"data": None, "amount": 0}))
-    path.parent.mkdir(exist_ok=True)
-    write_json(path, {"ckpt": str(ckpt_path), "step": ckpt.get("step"), "args": vars(args), **out})
+    value = {"ckpt": str(ckpt_path), "step": ckpt.get("step"), "args": vars(args), **out}
+    try:
+        path.parent.mkdir(exist_ok=True)
+        write_json(path, value)
+    except (OSError, EnvironmentFailure) as err:
+        why = err if isinstance(err, OSError) else err.__cause__
+        if not isinstance(why, OSError) or why.errno not in NO_WRITE:
+            raise
+        raise EnvironmentFailure(f"{path} could not be written ({why.strerror}); the results are kept in "
+                                 f"{spare_copy(path, value)}: copy them to {path} once it can be written") from None
     print0(f"Wrote {path}" + (f"; the run's own, {kept}, stays: this eval measured other data, or less"
                               if kept else ""))
 

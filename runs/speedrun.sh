@@ -54,6 +54,12 @@ if [ "${SKIP_SETUP:-0}" != 1 ]; then
     [ "$rehearsal" = 1 ] || export TORCH_INDEX=${TORCH_INDEX:-pypi}
     . runs/setup.sh requirements.txt
 fi
+# The training command, whose flags train.py's own parser checks before any stage: a bad VOCAB_SIZE or TRAIN_FLAGS
+# stops the recipe here, not after the machine stage and the download
+# shellcheck disable=SC2086  # TRAIN_FLAGS is a list of flags
+train=(train.py --depth="$depth" --injection="$injection" --mu_rec=$mu_rec --run="$run" --vocab_size="$vocab" \
+    ${TRAIN_FLAGS:-})
+why=$(python "${train[@]}" --check 2>&1) || refuse "VOCAB_SIZE or TRAIN_FLAGS: ${why#error: }"
 if [ "$rehearsal" = 1 ]; then
     launch=(python -m torch.distributed.run --standalone --nproc_per_node="${NPROC:-2}" --)
     stage machine python -m nanoparcae.report --run="$run" --machine
@@ -75,9 +81,7 @@ stage tokenizer python -m nanoparcae.dataset tokenizer --data=fineweb-edu --voca
 
 # -----------------------------------------------------------------------------
 # Training, then the evals: bpb at T = 1..32 and the fit of L(T), the paper's val PPL and CORE at T = mu_rec
-# shellcheck disable=SC2086  # TRAIN_FLAGS and EVAL_FLAGS are lists of flags
-stage train "${launch[@]}" train.py --depth="$depth" --injection="$injection" --mu_rec=$mu_rec --run="$run" \
-    --vocab_size="$vocab" ${TRAIN_FLAGS:-}
+stage train "${launch[@]}" "${train[@]}"
 if [ "$injection" = none ]; then
     sweep=1; at=1  # the Transformer runs its blocks once, whatever T
 else

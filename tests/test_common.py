@@ -115,3 +115,19 @@ def test_ddp_is_told_not_to_sync_buffers_in_its_torch_release_s_words(monkeypatc
             pass
     monkeypatch.setattr(common, "DistributedDataParallel", OlderDDP)
     assert common.no_buffer_sync() == {"broadcast_buffers": False}
+
+
+def test_two_writers_of_one_json_never_share_its_temporary_file(tmp_path, monkeypatch):
+    """A second writer of the same file (another eval of the run) finishes while the first is between its write and
+    its rename: both succeed, and the file holds whole JSON, the last rename's."""
+    path, write_text = tmp_path / "result.json", type(tmp_path).write_text
+    others = []
+
+    def write_then_another_writes(self, text):
+        write_text(self, text)
+        if not others:
+            others.append(self)
+            common.write_json(path, {"writer": 2})
+    monkeypatch.setattr(type(tmp_path), "write_text", write_then_another_writes)
+    common.write_json(path, {"writer": 1})
+    assert json.loads(path.read_text()) == {"writer": 1} and [p.name for p in tmp_path.iterdir()] == [path.name]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY, carries, run_here
+from conftest import TINY, carries, raises_naming, run_here
 
 BOUND = ["positive"]  # the rule a value broke
 ERRORS = [  # (command and flags, status, words naming the problem, words naming the fix)
@@ -50,6 +50,8 @@ ERRORS = [  # (command and flags, status, words naming the problem, words naming
     (["train.py"], 2, ["{base}/fineweb-edu"], ["python -m nanoparcae.dataset download", "bash runs/cpu.sh"]),
     (["train.py", *TINY, "--data=stdlib", "--run=never", "--resume"], 2, ["never", "{base}/runs/never"],
      ["--resume"]),
+    (["train.py", *TINY, "--data=stdlib", f"--seed={2**64}"], 2, [f"--seed={2**64}"], ["0", "268435455"]),
+    (["train.py", *TINY, "--check", "--bogus_flag"], 2, ["--bogus_flag"], []),
 ]
 
 
@@ -69,3 +71,23 @@ def test_bad_input_ends_in_one_line_naming_the_problem_and_the_fix(args, status,
     assert carries(lines[0], *named) and carries(lines[0], *[word.format(base=base) for word in fix]), lines[0]
     made = {path.relative_to(base).as_posix() for path in base.rglob("*")}
     assert made <= {"fineweb-edu"}, made  # before any work: at most the shards' folder, empty
+
+
+# train.py's int flags: each past its range (int32's, or the seed's, whose step seeds must fit 64 bits) is refused
+INT_FLAGS = ("depth", "d_model", "head_dim", "mu_rec", "mu_bwd", "seq_len", "device_batch_size", "total_batch_size",
+             "eval_every", "eval_tokens", "core_every", "core_max_per_task", "save_every", "log_every", "stop_at",
+             "rho_every", "diverge_steps", "seed")
+
+
+def test_every_int_flag_past_its_range_is_refused_naming_the_flag_and_range():
+    import train
+    for flag in INT_FLAGS:
+        with raises_naming(ValueError, f"--{flag}={2**64}", "268435455" if flag == "seed" else "2147483647"):
+            train.parse_args([f"--{flag}={2**64}"])
+
+
+def test_train_check_accepts_good_flags_and_starts_nothing(monkeypatch, capsys):
+    base = Path(os.environ["NANOPARCAE_BASE_DIR"])
+    result = run_here(["train.py", *TINY, "--data=fineweb-edu", "--check"], monkeypatch, capsys)
+    assert result.returncode == 0 and not result.stdout and not result.stderr, result
+    assert not base.exists() or not any(base.rglob("*"))

@@ -204,6 +204,9 @@ def test_scores_match_hand_computed_accuracy(bundle):
     # extended: the 24 extra tasks are all absent, so Core-Extended averages what ran
     result = evaluate_core(model, ByteTokenizer(), bundle, tasks="extended", verbose=False)
     assert len(result["skipped"]) == 46 - len(FIXTURE)
+    with torch.no_grad():  # a loss that is NaN scores no item: the accuracy is NaN, never a guess
+        model.table.fill_(math.nan)
+    assert all(map(math.isnan, evaluate_core(model, ByteTokenizer(), bundle, verbose=False)["accuracy"].values()))
 
 
 def test_language_modelling_prompt_strip():
@@ -390,7 +393,7 @@ def test_fit_recovers_the_law():
     assert fit["L_inf"] == pytest.approx(L_inf, abs=2e-3)
     assert fit["Z"] == pytest.approx(Z, rel=2e-2)
     assert fit["z"] == pytest.approx(z, rel=2e-2)
-    assert fit["rms"] < 3e-4
+    assert fit["rms"] < 3e-4 and not fit["at_edge"]
     with raises_naming(ValueError, "[1, 2]", "--T"):
         fit_test_time_scaling([1, 2], [3.0, 2.9])
 
@@ -401,24 +404,35 @@ def test_a_prefix_of_a_flag_is_not_taken_for_it(tmp_path, monkeypatch):
         eval_core.main(["--eval", "bpb", "--batch=4"])
 
 
-def test_an_eval_on_other_data_or_fewer_tokens_never_replaces_the_runs_own(tmp_path, capsys):
-    """The run's own result beside its checkpoint, which the report card reads, is replaced only by an eval on the
-    run's own data measuring at least as many tokens; one on --data=OTHER, or with fewer --val_tokens, goes to the
-    run's evals/ folder, named after what it measured."""
+def tiny_run(tmp_path, overflow=False):
+    """Run "tiny": a 1-1-1 Parcae at step 7 on a corpus and tokenizer of its own -> (its checkpoint, its corpus).
+    overflow: its coda's MLP weights times 1e30, finite, but every forward overflows to NaN."""
     from nanoparcae.checkpoint import run_dir, save_checkpoint
     from nanoparcae.dataset import data_key
-    from nanoparcae.report import read_run
     from nanoparcae.tokenizer import Tokenizer
     from conftest import write_corpus
-    ours, other = write_corpus(tmp_path / "ours.txt"), tmp_path / "other.txt"
-    other.write_text(ours.read_text().replace("loop", "ring"))
+    ours = write_corpus(tmp_path / "ours.txt")
     Tokenizer.train(iter([ours.read_text()]), vocab_size=260).save(tmp_path / "tok")
     torch.manual_seed(0)
     model = Parcae(ParcaeConfig(vocab_size=260, seq_len=32, n_prelude=1, n_recur=1, n_coda=1, d_model=64,
                                 head_dim=32, mu_rec=3))
+    with torch.no_grad():
+        model.coda[0].mlp.c_fc.weight.mul_(1e30 if overflow else 1)
     path = run_dir("tiny") / "ckpt_000007.pt"
     save_checkpoint(path, model, step=7, args={"data": str(ours)}, run={"data": data_key(str(ours))},
                     tokenizer_dir=str(tmp_path / "tok"))
+    return path, ours
+
+
+def test_an_eval_on_other_data_or_fewer_tokens_never_replaces_the_runs_own(tmp_path, capsys):
+    """The run's own result beside its checkpoint, which the report card reads, is replaced only by an eval on the
+    run's own data measuring at least as many tokens; one on --data=OTHER, or with fewer --val_tokens, goes to the
+    run's evals/ folder, named after what it measured."""
+    from nanoparcae.dataset import data_key
+    from nanoparcae.report import read_run
+    path, ours = tiny_run(tmp_path)
+    other = tmp_path / "other.txt"
+    other.write_text(ours.read_text().replace("loop", "ring"))
     own, evals = path.with_name("ckpt_000007_bpb_T1.json"), path.parent / "evals"
 
     def evaluate(*flags):
@@ -435,3 +449,55 @@ def test_an_eval_on_other_data_or_fewer_tokens_never_replaces_the_runs_own(tmp_p
     assert read_run(path.parent)["bpb"]["measured"]["amount"] == 256
     assert evaluate(f"--data={ours}", "--val_tokens=512")["amount"] == 512  # the same files, more tokens
     assert read_run(path.parent)["bpb"]["measured"]["amount"] == 512
+
+
+def test_results_are_checked_for_their_size_before_the_work_and_kept_when_the_write_fails(tmp_path, monkeypatch,
+                                                                                       capsys):
+    """A disk with less room than the result: refused before any depth is scored. A write refused after the work
+    (ENOSPC while free space shows, as a quota does): the results kept in the temporary folder, named."""
+    import errno
+    import shutil
+    import tempfile
+    from nanoparcae import common
+    from nanoparcae.common import EnvironmentFailure
+    path, _ = tiny_run(tmp_path)
+    flags = ["--eval=bpb", f"--ckpt={path}", "--T=1,2,4", "--batch_size=2", "--val_tokens=128", "--device=cpu"]
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(common.shutil, "disk_usage", lambda folder: usage._replace(free=2000))
+    with raises_naming(EnvironmentFailure, str(path.parent)):
+        eval_core.main(flags)
+    assert "T =" not in capsys.readouterr().out  # nothing scored
+    monkeypatch.undo()
+
+    write_text, spare = type(path).write_text, tmp_path / "spare"
+    spare.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(spare))
+
+    def quota(self, text):
+        if self.parent == path.parent:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return write_text(self, text)
+    monkeypatch.setattr(type(path), "write_text", quota)
+    with pytest.raises(EnvironmentFailure) as refused:
+        eval_core.main(flags)
+    kept = list(spare.glob("*.json"))
+    assert len(kept) == 1 and carries(str(refused.value), str(kept[0])), (kept, refused.value)
+    assert json.loads(kept[0].read_text())["T"] == [1, 2, 3, 4] and not list(path.parent.glob("*.json*"))
+
+
+def test_results_that_are_not_finite_are_refused_not_kept(tmp_path, monkeypatch, capsys):
+    """Finite weights that overflow: every loss is NaN. The eval ends in one line with a diverged run's status, 3, and
+    leaves no result as the run's own."""
+    from conftest import run_here
+    path, _ = tiny_run(tmp_path, overflow=True)
+    result = run_here(["eval_core.py", "--eval=bpb", f"--ckpt={path}", "--T=1,2,4", "--batch_size=2",
+                       "--val_tokens=128", "--device=cpu"], monkeypatch, capsys)
+    assert result.returncode == 3 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert carries(result.stderr, str(path), "loss[0]") and not list(path.parent.glob("*.json"))
+
+
+def test_a_fit_at_the_edge_of_its_search_says_so(capsys):
+    """Losses near 2.75 that rise at large T: z ends at its smallest rate and L_inf far above every loss."""
+    fit = eval_core.fit_line([1, 2, 4, 8, 16, 32], [2.76, 2.75, 2.745, 2.75, 2.76, 2.78], 8)
+    assert fit["at_edge"] and fit["L_inf"] > 3
+    assert carries(capsys.readouterr().out, "warning:", f"z = {fit['z']:g}")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import carries, python
+from conftest import carries, python, raises_naming, run_here
 from experiments import plot
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,6 +74,40 @@ def test_a_missing_run_or_metric_ends_in_one_line(tmp_path, runs, args, named):
     assert result.returncode != 0 and carries(result.stderr, *named), result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert not (tmp_path / "x.png").exists()
+
+
+def test_metrics_that_are_a_folder_unreadable_or_garbage_end_in_one_line_or_are_counted(tmp_path, monkeypatch, capsys):
+    """Lines that hold no record (not JSON, not an object, no int step, text for a number, not UTF-8) are skipped
+    and counted; the torn last line alone is skipped silently. A folder or an unreadable file is named."""
+    import errno
+    from nanoparcae.common import EnvironmentFailure
+    from nanoparcae.metrics import read_metrics
+    path = tmp_path / "noisy" / "metrics.jsonl"
+    path.parent.mkdir()
+    garbage = ["not json", '{"step": 2, "loss": "x"}', '{"loss": 2.0}', "[1, 2]", '{"step": null, "loss": 1.0}']
+    path.write_bytes("\n".join([json.dumps(step(1, 10.0)), *garbage]).encode() + b"\n\xff\xfe\n"
+                     + json.dumps(step(3, 11.0)).encode() + b'\n{"step": 4, "lo')
+    assert [record["step"] for record in plot.read_run(path.parent)["steps"]] == [1, 3]
+    assert carries(capsys.readouterr().err, str(path), "6")
+
+    folder = tmp_path / "folder" / "metrics.jsonl"
+    folder.mkdir(parents=True)
+    with raises_naming(ValueError, str(folder)):
+        read_metrics(folder)
+    result = run_here(["-m", "experiments.plot", str(folder.parent), "-o", str(tmp_path / "x.png")], monkeypatch,
+                      capsys)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert carries(result.stderr, str(folder)) and not (tmp_path / "x.png").exists()
+
+    opened = Path.open
+
+    def denied(self, *args, **kwargs):  # root reads any file, so its refusal is made here
+        if self == path:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
+        return opened(self, *args, **kwargs)
+    monkeypatch.setattr(Path, "open", denied)
+    with raises_naming(EnvironmentFailure, str(path)):
+        read_metrics(path)
 
 
 def write_test_time(folder, name, Ts, with_fit=True):

@@ -103,3 +103,19 @@ def test_a_run_without_a_checkpoint_is_one_line(capsys):
     error = capsys.readouterr().err
     assert exit.value.code == 2 and len(error.strip().splitlines()) == 1, error
     assert carries(error, "nothing", "train.py"), error
+
+
+def test_a_fit_at_the_edge_of_its_search_is_said_and_metrics_that_are_a_folder_end_in_one_line(capsys):
+    run_dir, _ = made_up_run()
+    bpb = run_dir / "ckpt_000010_bpb_T1-2-4-8-16-32.json"
+    write_json(bpb, {**json.loads(bpb.read_text()), "fit": {**json.loads(bpb.read_text())["fit"], "at_edge": True}})
+    main(["--run=d6_diagonal"])
+    fit_line = next(line for line in (run_dir / "report.md").read_text().splitlines() if "L_inf 3.8000" in line)
+    assert carries(fit_line, "edge"), fit_line
+    (run_dir / "metrics.jsonl").unlink()
+    (run_dir / "metrics.jsonl").mkdir()
+    with pytest.raises(SystemExit) as exit:
+        run_command(main, ["--run=d6_diagonal"])
+    error = capsys.readouterr().err
+    assert exit.value.code == 2 and len(error.strip().splitlines()) == 1, error
+    assert carries(error, str(run_dir / "metrics.jsonl")), error

@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import ROOT, awaited, beforehand, environment, serving, write_corpus
+from conftest import ROOT, awaited, beforehand, carries, environment, serving, write_corpus
 
 STEPS = 30  # within a pass of the one training shard
 TRAIN_FLAGS = ["--d_model=64", "--head_dim=32", "--vocab_size=320", "--seq_len=32", "--device_batch_size=2",
@@ -154,6 +154,19 @@ def test_the_recipe_s_own_inputs_are_refused_in_one_line_before_anything(args, e
     assert result.returncode == 2 and result.stdout == "", result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and named in result.stderr, result.stderr
     assert not (tmp_path / "base").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("env,named", [({"VOCAB_SIZE": "100"}, ["--vocab_size", "100"]),
+                                       ({"TRAIN_FLAGS": "--bogus_flag"}, ["--bogus_flag"])])
+def test_vocab_size_and_train_flags_are_checked_by_train_py_before_the_first_stage(env, named, tmp_path):
+    """No machine stage, no download: the host given for the shards is one no server listens on."""
+    result = subprocess.run(["bash", "runs/speedrun.sh"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                            env={**environment(), "HOME": str(tmp_path), "NANOPARCAE_BASE_DIR": str(tmp_path / "base"),
+                                 "CPU_REHEARSAL": "1", "SKIP_SETUP": "1", "FINEWEB_URL": "http://127.0.0.1:9",
+                                 "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}", **env})
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr[-3000:]
+    assert carries(result.stderr, *named) and not (tmp_path / "base").exists(), result.stderr
 
 
 def test_a_failed_stage_that_a_rerun_cannot_fix_says_so(tmp_path):
