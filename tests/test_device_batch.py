@@ -177,7 +177,7 @@ FREE = {
     "rho_every": "5", "diverge_steps": "2", "diverge_h_norm": "5", "resume": None, "stop_at": "1",
     "collective_timeout": "60", "rank0_timeout": "60",
 }
-NEITHER = {"run", "dry_run"}  # another run; a plan only
+NEITHER = {"run", "dry_run", "check"}  # another run; a plan only; the flags checked only
 
 
 @pytest.mark.slow
