@@ -18,7 +18,7 @@ import torch
 from conftest import ROOT, TINY, awaited, beforehand, carries, python, train, train_command, train_env, write_corpus
 from model import Parcae, ParcaeConfig
 from nanoparcae.checkpoint import digest_of
-from nanoparcae.memory import activation_bytes, largest_divisor, memory_plan
+from nanoparcae.memory import largest_divisor, memory_plan
 from optim import optimizer_state_bytes
 
 

@@ -160,8 +160,9 @@ def chi_square(counts, expected):
 def test_sampled_tokens_are_distributed_as_plain_decodings(monkeypatch):
     """The first two tokens sampled with drafts of two, at temperature 0.3 on a 4-token vocabulary: their joint
     distribution over 16 cells is plain decoding's, computed exactly from its logits (chi-square, 1,000 samples,
-    500 batches of two rows with one h0, so that a row's second token is at times one it verified ahead). Power: the same test rejects a sampler that always accepts the draft (the drafts' own distribution)
-    with probability >= 0.99 at the 0.001 level, estimated from 2,000 draws of that distribution."""
+    500 batches of two rows with one h0, so that a row's second token is at times one it verified ahead). Power:
+    the same test rejects a sampler that always accepts the draft (the drafts' own distribution) with probability
+    >= 0.99 at the 0.001 level, estimated from 2,000 draws of that distribution."""
     model, temperature, n = tiny_model(1, vocab_size=4, d_model=32, head_dim=16, n_recur=1), 0.3, 1000
     calls = spy_on_accept(monkeypatch)
     prefilled = Decoder(model, [[1, 2, 3]] * 2, 2, T=4, generators=[torch.Generator().manual_seed(0) for _ in "ab"])
