@@ -10,7 +10,7 @@ import torch
 
 import engine
 import sample
-from conftest import carries, raises_naming, train
+from conftest import awaited, beforehand, carries, raises_naming, train, write_corpus
 from engine import Decoder, Draft, Pace, Sampling, drafted, generate
 from nanoparcae.checkpoint import load_run
 from nanoparcae.common import run_command
@@ -275,13 +275,19 @@ def test_a_temperature_below_float32s_reach_is_greedy():
 # -----------------------------------------------------------------------------
 # A trained model in float32
 
+def drafted_run(folder):
+    """A small model trained on the tiny corpus in folder, 65,536 tokens -> its newest checkpoint."""
+    write_corpus(folder / "corpus.txt")
+    train(folder, "--max_tokens=65536", "--total_batch_size=512", "--device_batch_size=16", "--run=drafted")
+    return max((folder / "base" / "runs" / "drafted").glob("ckpt_*.pt"))
+
+
 @pytest.mark.slow
-def test_a_trained_model_drafts_256_greedy_tokens_of_plain_decoding(corpus):
+@beforehand(drafted_run)
+def test_a_trained_model_drafts_256_greedy_tokens_of_plain_decoding():
     """A small model trained on the tiny corpus, float32: 256 greedy tokens at T = 32 drafted at depth 3 (its
     mu_rec), 8 at a time, are plain decoding's; most drafts are accepted."""
-    train(corpus, "--max_tokens=65536", "--total_batch_size=512", "--device_batch_size=16", "--run=drafted")
-    run = corpus / "base" / "runs" / "drafted"
-    model, tokenizer, _, _ = load_run(str(max(run.glob("ckpt_*.pt"))), torch.device("cpu"))
+    model, tokenizer, _, _ = load_run(str(awaited(drafted_run)), torch.device("cpu"))
     prompt = tokenizer.encode("the loop", prepend_bos=True)
     counts = {}
     plain = tokens(model, [prompt], 256, T=32, temperature=0)
