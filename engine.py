@@ -463,8 +463,8 @@ def paced(pace, most, accepted, seconds):
     - After `wait` plain tokens, a pass drafts one position: a probe that costs about a token.
     - A pass whose drafts were all accepted drafts twice as many next (up to most).
       One accepting under half drafts half as many.
-    - A probe some row rejects, or a speed-up under 1 (a running mean of each pass's kept tokens
-      over its seconds in plain tokens), decodes `pause` tokens plainly, doubled each time."""
+    - A probe some row rejects, or a speed-up under 1, decodes `pause` tokens plainly.
+      `pause` doubles each time. The speed-up: a running mean of kept tokens a second over plain."""
     k = pace.length
     if k == 0:  # a plain token, timed; after the wait, a probe
         return pace._replace(length=int(pace.wait == 1), wait=pace.wait - 1, speedup=math.nan,
