@@ -24,9 +24,9 @@ from typing import NamedTuple
 
 import torch
 
-from nanoparcae.common import command_parser, get_base_dir, run_command
+from nanoparcae.command import command_parser, run_command, positive
+from nanoparcae.files import get_base_dir
 from nanoparcae.dataset import ChunkReader, check_split, get_tokenizer, list_chunks
-from nanoparcae.flags import positive
 from nanoparcae.tokenizer import vocab_size_flag
 
 # -----------------------------------------------------------------------------

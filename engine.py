@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from model import decoding_initial_state
-from nanoparcae.common import size
+from nanoparcae.command import size
 
 # -----------------------------------------------------------------------------
 # The KV cache

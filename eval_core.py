@@ -32,14 +32,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from nanoparcae.checkpoint import load_run
-from nanoparcae.common import (command_parser, init_distributed, parse_device,
-                               print0, rank_and_world, run_command)
+from nanoparcae.command import command_parser, run_command, checked, listed, positive
+from nanoparcae.ranks import init_distributed, parse_device, print0, rank_and_world
 from nanoparcae.core_tasks import (CORE_LABELS, LM, build_rows, load_task_data,
                                    read_random_baselines, select_tasks)
 from nanoparcae.download import EVAL_BUNDLE_URL, shared_eval_bundle
 from data import val_batches
 from nanoparcae.dataset import data_key, iter_documents
-from nanoparcae.flags import checked, listed, positive
 from nanoparcae.results import (check_results_folder, keep_results, refuse_non_finite, result_bytes,
                                 run_data)
 from model import evaluation_initial_state

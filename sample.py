@@ -25,8 +25,8 @@ import warnings
 import torch
 
 from nanoparcae.checkpoint import load_run
-from nanoparcae.common import command_parser, comma_list, parse_device, run_command
-from nanoparcae.flags import positive, zero_or_more
+from nanoparcae.command import command_parser, comma_list, run_command, positive, zero_or_more
+from nanoparcae.ranks import parse_device
 from engine import EXIT_THRESHOLDS, EXITS, KV_CACHES, Draft, auto_draft, check_draft, generate
 
 # -----------------------------------------------------------------------------

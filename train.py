@@ -30,7 +30,8 @@ from eval_core import core_during_training, evaluate_during_training
 from model import INJECTIONS, SAMPLINGS
 from optim import build_optimizer, lr_multiplier, muon_momentum, weight_decay_at
 from nanoparcae.checkpoint import save_and_prune
-from nanoparcae.common import command_parser, no_buffer_sync, peak_bf16_flops, print0, run_command
+from nanoparcae.command import command_parser, run_command
+from nanoparcae.ranks import no_buffer_sync, peak_bf16_flops, print0
 from nanoparcae.divergence import Divergence
 from nanoparcae.download import shared_eval_bundle
 from nanoparcae.metrics import Metrics, compile_counts, read_at_once

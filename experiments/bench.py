@@ -31,11 +31,12 @@ import torch
 import torch.nn.functional as F
 
 from nanoparcae.checkpoint import load_run, sized_model, tensors_digest
-from nanoparcae.common import comma_list, command_parser, peak_bf16_flops, run_command, size, write_json
+from nanoparcae.command import comma_list, command_parser, run_command, size, positive
+from nanoparcae.files import write_json
+from nanoparcae.ranks import peak_bf16_flops
 from nanoparcae.core_tasks import MC, Task
 from data import DataLoader
 from nanoparcae.dataset import iter_documents
-from nanoparcae.flags import positive
 from nanoparcae.report import cpu_name
 from engine import DRAFT_LENGTH, Draft, auto_draft, generate
 from eval_core import bf16_autocast, evaluate_task

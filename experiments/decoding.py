@@ -18,9 +18,10 @@ import torch
 import torch.nn.functional as F
 
 from nanoparcae.checkpoint import load_run
-from nanoparcae.common import check_writable, command_parser, parse_device, run_command
+from nanoparcae.command import command_parser, run_command, positive
+from nanoparcae.files import check_writable
+from nanoparcae.ranks import parse_device
 from nanoparcae.dataset import iter_documents
-from nanoparcae.flags import positive
 from engine import EXIT_THRESHOLDS, EXITS, KV_CACHES, Decoder, forced_logits, generate, teacher_forced
 from experiments.plot import pyplot, save_png
 from experiments.scaling_fit import paired_interval

@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from nanoparcae.checkpoint import checkpoints, load_run, run_dir
-from nanoparcae.common import check_writable, command_parser, read_json, run_command, write_atomically, write_json
+from nanoparcae.command import command_parser, run_command
+from nanoparcae.files import check_writable, read_json, write_atomically, write_json
 from nanoparcae.divergence import STATE_NORM_LIMIT
 from data import val_batches
 from eval_core import evaluate_bpb, fit_test_time_scaling

@@ -34,10 +34,10 @@ from types import SimpleNamespace
 
 import torch
 
-from nanoparcae.common import command_parser, first_sentence, read_json, run_command
+from nanoparcae.command import command_parser, first_sentence, run_command, positive
+from nanoparcae.files import read_json
 from nanoparcae.core_tasks import CORE_TASKS
 from nanoparcae.dataset import list_chunks
-from nanoparcae.flags import positive
 from nanoparcae.metrics import read_metrics
 from experiments.bench import device_name, si
 

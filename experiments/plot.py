@@ -18,8 +18,8 @@ import math
 from pathlib import Path
 
 from nanoparcae.checkpoint import run_dir as named_run
-from nanoparcae.common import (check_writable, comma_list, command_parser, read_json, run_command,
-                               write_atomically)
+from nanoparcae.command import comma_list, command_parser, run_command
+from nanoparcae.files import check_writable, read_json, write_atomically
 from nanoparcae.metrics import read_metrics
 
 # -----------------------------------------------------------------------------

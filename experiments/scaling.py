@@ -36,8 +36,9 @@ import numpy as np
 import torch
 
 from nanoparcae.checkpoint import latest, run_dir
-from nanoparcae.common import (PEAK_BF16_FLOPS, comma_list, command_parser, get_base_dir, read_json, run_command,
-                               write_atomically, write_json)
+from nanoparcae.command import comma_list, command_parser, run_command
+from nanoparcae.files import get_base_dir, read_json, write_atomically, write_json
+from nanoparcae.ranks import PEAK_BF16_FLOPS
 from nanoparcae.metrics import read_metrics
 from experiments.scaling_fit import (bootstrap_exponents, fit_unified, interval_verdict, mean_relative_error,
                                      paired_interval, parabola_optimum, pooled_spread, power_law, t_interval,

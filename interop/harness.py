@@ -27,9 +27,9 @@ import torch
 
 import eval_core
 from nanoparcae.checkpoint import load_run
-from nanoparcae.common import (EnvironmentFailure, comma_list, command_parser, first_sentence, print0, rank_and_world,
-                               run_command)
-from nanoparcae.flags import listed, positive
+from nanoparcae.command import (EnvironmentFailure, comma_list, command_parser, first_sentence, run_command)
+from nanoparcae.ranks import print0, rank_and_world
+from nanoparcae.command import listed, positive
 from nanoparcae.results import check_results_folder, keep_results
 from nanoparcae.core_tasks import Row, common_length, crop_left
 from engine import generate

@@ -31,8 +31,8 @@ import torch
 import eval_core
 import sample
 from nanoparcae.checkpoint import assign_weights, load_run, saved_bytes, sized_model
-from nanoparcae.common import (NO_WRITE, EnvironmentFailure, check_writable, command_parser, first_sentence,
-                               get_base_dir, read_json, run_command, size)
+from nanoparcae.command import EnvironmentFailure, command_parser, first_sentence, run_command, size
+from nanoparcae.files import NO_WRITE, check_writable, get_base_dir, read_json
 from nanoparcae.download import download_file
 from engine import free_memory
 from model import SAMPLINGS, Block, Parcae, ParcaeConfig, value_embedding_layers

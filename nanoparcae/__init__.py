@@ -2,15 +2,15 @@
 nanoparcae: what the root's files lean on that is not the method.
 A package beside them, as nanochat keeps its own.
 
-    common.py       what every command shares: its processes, its files, its one way to fail, numbers in a line
-    flags.py        the checked flag types of the commands' parsers
+    command.py      a command's flags and its one way to fail, in one line
+    files.py        the base folder, its writes checked first and never torn, and JSON read back
     memory.py       the device batch: the memory plan per GPU and the batch it picks
     dataset.py      a data source's text: its documents in chunks, its cached tokenizer, its size against a run
     fineweb.py      FineWeb-Edu's shards, fetched and counted
     tokenizer.py    byte-level BPE, trained with rustbpe, run with tiktoken
     prepare.py      train.py's set-up before its first step, in one call
     run.py          the run's identity and its lock
-    ranks.py        ranks that agree, through one gather: on their start, their data and their weights
+    ranks.py        the processes torchrun starts, and ranks that agree through one gather
     checkpoint.py   checkpoint files written, found and read back checked; load_run loads a trained run
     metrics.py      metrics.jsonl, read and written, and the step's log line
     divergence.py   the rule that stops a diverged run

@@ -25,10 +25,10 @@ from pathlib import Path
 import torch
 
 from model import Parcae, ParcaeConfig
-from nanoparcae.common import (FULL_DISK, EnvironmentFailure, disk_full, first_sentence, get_base_dir, print0,
-                               rank_and_world, size, wait_for_rank0, write_atomically)
+from nanoparcae.command import EnvironmentFailure, first_sentence, size
+from nanoparcae.files import FULL_DISK, disk_full, get_base_dir, write_atomically
+from nanoparcae.ranks import print0, rank_and_world, wait_for_rank0, drift, gather
 from nanoparcae.dataset import tokenizer_dir
-from nanoparcae.ranks import drift, gather
 from nanoparcae.tokenizer import Tokenizer
 
 

@@ -17,7 +17,7 @@ import random
 from pathlib import Path
 from typing import NamedTuple
 
-from nanoparcae.common import comma_list, command_parser, run_command
+from nanoparcae.command import comma_list, command_parser, run_command
 from nanoparcae.download import EVAL_BUNDLE_URL, download_eval_bundle
 
 # -----------------------------------------------------------------------------

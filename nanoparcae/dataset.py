@@ -37,11 +37,11 @@ from typing import NamedTuple
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from nanoparcae.common import (EnvironmentFailure, check_writable, command_parser, first_sentence, get_base_dir,
-                               print0, run_command, size, write_atomically)
+from nanoparcae.command import (EnvironmentFailure, command_parser, first_sentence, run_command, size, positive)
+from nanoparcae.files import check_writable, get_base_dir, write_atomically
+from nanoparcae.ranks import print0
 from nanoparcae.fineweb import (FINEWEB_URL, FINEWEB_VAL_SHARD, download_shards, fineweb_dir,
                                 fineweb_train_shards, shard_name, shards_for)
-from nanoparcae.flags import positive
 from nanoparcae.tokenizer import Tokenizer, vocab_size_flag
 
 VAL_EVERY = 20  # a stdlib or user document is validation iff crc32(text) % 20 == 0 (~5%)

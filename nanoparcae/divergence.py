@@ -6,7 +6,7 @@ docs/troubleshooting.md states it for users.
 import math
 
 from nanoparcae.checkpoint import latest
-from nanoparcae.common import print0
+from nanoparcae.ranks import print0
 
 STATE_NORM_LIMIT = 1e4  # ~256 ||e|| (||e|| ~ sqrt(d)): bf16's 8 significant bits no longer resolve e beside h
 VAL_LOSS_MARGIN = 1.0  # nats below a uniform guess ln V that show a run has learned

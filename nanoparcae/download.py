@@ -15,8 +15,9 @@ from pathlib import Path
 
 import requests
 
-from nanoparcae.common import EnvironmentFailure, get_base_dir, local_rank, rank_and_world, wait_for_rank0
-from nanoparcae.ranks import gather
+from nanoparcae.command import EnvironmentFailure
+from nanoparcae.files import get_base_dir
+from nanoparcae.ranks import local_rank, rank_and_world, wait_for_rank0, gather
 
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"  # METHOD.md §5
 

@@ -14,7 +14,8 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 import pyarrow.parquet as pq
 
 from model import PAPER_TOKENS
-from nanoparcae.common import EnvironmentFailure, check_writable, get_base_dir
+from nanoparcae.command import EnvironmentFailure
+from nanoparcae.files import check_writable, get_base_dir
 from nanoparcae.download import download_file
 
 FINEWEB_URL = "https://huggingface.co/datasets/karpathy/fineweb-edu-100b-shuffle/resolve/main"

@@ -9,8 +9,7 @@ from types import SimpleNamespace
 import torch
 
 from model import poisson_tail
-from nanoparcae.common import print0
-from nanoparcae.ranks import gather
+from nanoparcae.ranks import print0, gather
 
 # Bytes a training step saves for backward per token, from saved tensors on small CPU models:
 # (a block run with grad per d, a value embedding per d, the loop per d per (4 + k) steps,

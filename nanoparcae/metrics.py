@@ -8,7 +8,9 @@ from pathlib import Path
 
 import torch
 
-from nanoparcae.common import FULL_DISK, EnvironmentFailure, disk_full, print0, rank_and_world, write_atomically
+from nanoparcae.command import EnvironmentFailure
+from nanoparcae.files import FULL_DISK, disk_full, write_atomically
+from nanoparcae.ranks import print0, rank_and_world
 
 TEXT_FIELDS = ("warning", "reason", "core_skipped", "stage")  # the fields of a record that hold text
 
@@ -30,7 +32,7 @@ def read_record(line, key):
 def read_metrics(path, key="step"):
     """A JSON-lines log, metrics.jsonl or the recipe's stages.jsonl (key "stage") -> its records, in order.
     It returns none when the log is absent. It is the one reader of such a log.
-    Unlike common.read_json's whole file, a log's torn last line is expected (a run killed while writing it): it is
+    Unlike files.read_json's whole file, a log's torn last line is expected (a run killed while writing it): it is
     skipped. Any other line that holds no record is skipped too, with a warning that counts them.
     A folder in its place raises ValueError, one it may not read EnvironmentFailure, each naming it."""
     try:

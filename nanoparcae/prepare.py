@@ -22,8 +22,9 @@ from model import PAPER_TOKENS, Parcae, ParcaeConfig, mean_steps
 from optim import learning_rate_for_depth, optimizer_state_bytes
 from nanoparcae import dataset, memory, ranks
 from nanoparcae.checkpoint import latest, saved_bytes, training_model
-from nanoparcae.common import (check_writable, init_distributed, parse_device, print0, rank_and_world,
-                               spans)
+from nanoparcae.command import spans
+from nanoparcae.files import check_writable
+from nanoparcae.ranks import init_distributed, parse_device, print0, rank_and_world
 from nanoparcae import run as runs
 
 

@@ -1,18 +1,104 @@
 """
-nanoparcae/ranks.py: ranks that agree, through one gather.
-Before the first step, every rank checks that all start from the same checkpoint and read the same data.
+nanoparcae/ranks.py: the processes torchrun starts, and ranks that agree through one gather.
+A plain `python` run is one process. Before the first step every rank checks its start and data.
 At each checkpoint, the replicas' weights are compared.
-Each check runs before what it protects; docs/distributed.md says what each catches.
 """
 
+import inspect
 import os
 import socket
 from contextlib import contextmanager
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
-from nanoparcae.common import rank_and_world, spans, wait_for_rank0
+from nanoparcae.command import spans
+
+# -----------------------------------------------------------------------------
+# Processes and the device. torchrun sets RANK; NCCL runs on CUDA, gloo on a CPU.
+# A plain `python` run is one process.
+
+
+def parse_device(name):
+    """Turn --device's value into a torch.device.
+    Raises ValueError naming the flag for a device this code cannot use, or CUDA where there is none."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device={name} is not a device this code runs on; pass cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device={name}, but this machine has no CUDA GPU; pass --device=cpu")
+    return device
+
+
+def local_rank():
+    """Return this process's rank on its node, torchrun's LOCAL_RANK; 0 in a plain run."""
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
+RANK0_GROUP = None  # init_distributed's gloo group with the long timeout, for wait_for_rank0
+
+
+def init_distributed(device, timeout=timedelta(minutes=10), rank0_timeout=timedelta(hours=1)):
+    """Join torchrun's process group when RANK is set, and return this process's device.
+    Its collectives fail after `timeout`; wait_for_rank0 waits up to `rank0_timeout`.
+    Workers restarted into the failed attempt's store would hang, so they raise ValueError."""
+    global RANK0_GROUP
+    if "RANK" not in os.environ:
+        return device
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
+    if restarted and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # pytorch #167288
+        raise ValueError("torchrun restarted the workers into the failed attempt's rendezvous store; launch it "
+                         "with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank())
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
+    # A gloo group beside NCCL's waits on the CPU.
+    # No NCCL op is then pending, which NCCL's watchdog would time out.
+    RANK0_GROUP = dist.new_group(backend="gloo", timeout=rank0_timeout)
+    return device
+
+
+def no_buffer_sync():
+    """Return DDP's keyword that skips the buffer sync at each forward; torch 2.13 renamed it.
+    The old one also skips the sync at start. That is safe, since every rank computes its own RoPE tables."""
+    names = inspect.signature(DistributedDataParallel.__init__).parameters
+    return {"forward_sync_buffers": False} if "forward_sync_buffers" in names else {"broadcast_buffers": False}
+
+
+def wait_for_rank0():
+    """Make every rank wait here while rank 0, or a node's local rank 0, works alone.
+    Such work writes a checkpoint, trains the tokenizer or fetches the CORE bundle.
+    Each rank's read of the checkpoint it resumes from counts too.
+    The wait lasts up to init_distributed's rank0_timeout.
+    Otherwise the others would fail at their next collective's shorter timeout."""
+    if dist.is_initialized():
+        dist.barrier(group=RANK0_GROUP)
+
+
+def rank_and_world():
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def print0(*args, **kwargs):
+    """Print on rank 0 only, flushed, so a multi-process run logs from one process."""
+    if rank_and_world()[0] == 0:
+        print(*args, **kwargs, flush=True)
+
+
+# MFU divides the matmul FLOPs executed (Parcae.matmul_flops_per_token) by the GPU's peak.
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense, per GPU
+
+
+def peak_bf16_flops(device):
+    """Return the GPU's dense bf16 peak, MFU's denominator; None on a CPU or an unlisted GPU."""
+    name = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else ""
+    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
 
 # -----------------------------------------------------------------------------
 # Ranks that agree. DDP keeps replicas equal only through equal averaged gradients and optimiser arithmetic.

@@ -24,8 +24,8 @@ import torch
 
 from model import PAPER_TOKENS, ParcaeConfig
 from nanoparcae.checkpoint import find_checkpoint, read_checkpoint, run_dir, sized_model
-from nanoparcae.common import (EnvironmentFailure, check_writable, command_parser, read_json, run_command,
-                               write_atomically, write_json)
+from nanoparcae.command import EnvironmentFailure, command_parser, run_command
+from nanoparcae.files import check_writable, read_json, write_atomically, write_json
 from nanoparcae.core_tasks import CORE_LABELS
 from nanoparcae.memory import memory_plan
 from nanoparcae.metrics import read_metrics
@@ -185,7 +185,7 @@ def how_it_ran_section(run):
         if train_s else "not recorded (no recipe/stages.jsonl)"))
     lines.append(f"- tokens/s at the last logged step: {number(last.get('tokens_per_s'), '{:,.0f}')}"
                  + (f", MFU {last['mfu']:.1%}" if last.get("mfu") else
-                    " (no MFU: a CPU, or a GPU whose peak nanoparcae/common.py does not list)"))
+                    " (no MFU: a CPU, or a GPU whose peak nanoparcae/ranks.py does not list)"))
     peaks = [r["peak_memory"] for r in steps if r.get("peak_memory")]
     if peaks:
         bf16 = args.get("dtype", "bfloat16") == "bfloat16"

@@ -9,8 +9,9 @@ import os
 import sys
 import tempfile
 
-from nanoparcae.common import (NO_WRITE, EnvironmentFailure, check_writable, print0, rank_and_world, read_json,
-                               write_json)
+from nanoparcae.command import EnvironmentFailure
+from nanoparcae.files import NO_WRITE, check_writable, read_json, write_json
+from nanoparcae.ranks import print0, rank_and_world
 from nanoparcae.core_tasks import EXTENDED_TASKS
 from nanoparcae.dataset import data_key
 

@@ -18,8 +18,7 @@ import rustbpe
 import tiktoken
 import torch
 
-from nanoparcae.common import EnvironmentFailure, first_sentence
-from nanoparcae.flags import checked
+from nanoparcae.command import EnvironmentFailure, first_sentence, checked
 
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>"]
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # every byte a token of its own, then the specials

@@ -29,7 +29,7 @@ import torch
 from conftest import carries, python, raises_naming, refused, run_here
 import data
 from nanoparcae import dataset
-from nanoparcae.common import EnvironmentFailure, spans
+from nanoparcae.command import EnvironmentFailure, spans
 from nanoparcae.download import download_file
 from nanoparcae.tokenizer import SPECIAL_TOKENS, Tokenizer
 

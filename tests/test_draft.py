@@ -13,7 +13,7 @@ import sample
 from conftest import awaited, beforehand, carries, raises_naming, train, write_corpus
 from engine import Decoder, Draft, Pace, Sampling, drafted, generate
 from nanoparcae.checkpoint import load_run
-from nanoparcae.common import run_command
+from nanoparcae.command import run_command
 from test_sample import checkpoint, tiny_model  # noqa: F401 (checkpoint: a fixture)
 
 PROMPTS = [[7], [5, 17, 42, 8, 91, 3, 60], [11, 2, 7, 30, 19, 44, 80, 1, 9, 64, 23, 5]]

@@ -458,12 +458,12 @@ def test_results_are_checked_for_their_size_before_the_work_and_kept_when_the_wr
     import errno
     import shutil
     import tempfile
-    from nanoparcae import common
-    from nanoparcae.common import EnvironmentFailure
+    from nanoparcae import files
+    from nanoparcae.command import EnvironmentFailure
     path, _ = tiny_run(tmp_path)
     flags = ["--eval=bpb", f"--ckpt={path}", "--T=1,2,4", "--batch_size=2", "--val_tokens=128", "--device=cpu"]
     usage = shutil.disk_usage(tmp_path)
-    monkeypatch.setattr(common.shutil, "disk_usage", lambda folder: usage._replace(free=2000))
+    monkeypatch.setattr(files.shutil, "disk_usage", lambda folder: usage._replace(free=2000))
     with raises_naming(EnvironmentFailure, str(path.parent)):
         eval_core.main(flags)
     assert "T =" not in capsys.readouterr().out  # nothing scored

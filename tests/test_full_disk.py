@@ -15,7 +15,7 @@ import torch
 
 from conftest import ROOT, TINY, awaited, beforehand, carries, python, train, train_env, untouched, write_corpus
 from model import Parcae, ParcaeConfig
-from nanoparcae import checkpoint, common, dataset, metrics
+from nanoparcae import checkpoint, command, dataset, files, metrics
 from nanoparcae.tokenizer import Tokenizer
 
 CONFIG = ParcaeConfig(vocab_size=97, seq_len=16, n_prelude=1, n_recur=1, n_coda=1, d_model=64, head_dim=32)
@@ -23,10 +23,10 @@ CONFIG = ParcaeConfig(vocab_size=97, seq_len=16, n_prelude=1, n_recur=1, n_coda=
 
 def stopped_in_one_line(call, capsys):
     """call() must raise EnvironmentFailure, which a command ends with in one line, status 1 -> that line."""
-    with pytest.raises(common.EnvironmentFailure):
+    with pytest.raises(command.EnvironmentFailure):
         call()
     with pytest.raises(SystemExit) as stop:
-        common.run_command(lambda argv: call())
+        command.run_command(lambda argv: call())
     assert stop.value.code == 1
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1, lines
@@ -197,24 +197,24 @@ def refusing(code):
 
 @pytest.mark.parametrize("code", [errno.EROFS, errno.ENOSPC])
 def test_a_folder_that_cannot_be_written_is_refused_before_the_work(tmp_path, monkeypatch, capsys, code):
-    monkeypatch.setattr(common.tempfile, "TemporaryFile", refusing(code))
-    line = stopped_in_one_line(lambda: common.check_writable(tmp_path / "out", "the results"), capsys)
+    monkeypatch.setattr(files.tempfile, "TemporaryFile", refusing(code))
+    line = stopped_in_one_line(lambda: files.check_writable(tmp_path / "out", "the results"), capsys)
     assert carries(line, str(tmp_path / "out")), line
     assert not (tmp_path / "out").exists()
 
 
 def test_a_disk_without_room_for_the_result_is_refused_before_the_work(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(common.shutil, "disk_usage", lambda path: SimpleNamespace(free=1000))
-    line = stopped_in_one_line(lambda: common.check_writable(tmp_path, "the export", needs=10**6), capsys)
+    monkeypatch.setattr(files.shutil, "disk_usage", lambda path: SimpleNamespace(free=1000))
+    line = stopped_in_one_line(lambda: files.check_writable(tmp_path, "the export", needs=10**6), capsys)
     assert carries(line, str(tmp_path), "full"), line
 
 
 def test_a_file_named_as_the_folder_is_bad_input(tmp_path, capsys):
     (tmp_path / "a_file").write_text("")
     with pytest.raises(ValueError):
-        common.check_writable(tmp_path / "a_file", "the export")
+        files.check_writable(tmp_path / "a_file", "the export")
     with pytest.raises(SystemExit) as stop:
-        common.run_command(lambda argv: common.check_writable(tmp_path / "a_file", "the export"))
+        command.run_command(lambda argv: files.check_writable(tmp_path / "a_file", "the export"))
     assert stop.value.code == 2 and carries(capsys.readouterr().err, str(tmp_path / "a_file"))
 
 
@@ -225,7 +225,7 @@ def test_an_atomic_write_that_fails_leaves_nothing_in_one_line(tmp_path, capsys,
     def half_then_fail(partial):
         partial.write_text("half")
         refusing(code)()
-    line = stopped_in_one_line(lambda: common.write_atomically(tmp_path / "report.md", half_then_fail), capsys)
+    line = stopped_in_one_line(lambda: files.write_atomically(tmp_path / "report.md", half_then_fail), capsys)
     assert carries(line, str(tmp_path / "report.md")), line
     assert [path.name for path in tmp_path.iterdir()] == ["report.md"]
     assert (tmp_path / "report.md").read_text() == "the old card"
@@ -238,13 +238,13 @@ def test_a_tokenizer_save_without_room_leaves_no_folder(tmp_path, monkeypatch, c
                                                                    refusing(errno.ENOSPC)()))
     line = stopped_in_one_line(lambda: dataset.get_tokenizer(str(corpus), 300), capsys)
     assert carries(line, "tokenizers"), line
-    assert list((common.get_base_dir() / "tokenizers").iterdir()) == []
+    assert list((files.get_base_dir() / "tokenizers").iterdir()) == []
 
 
 def test_a_torn_json_file_is_named(tmp_path):
     (tmp_path / "ckpt_000008_bpb_T1-2-4.json").write_text('{"T": [1, 2\n "lo')
     with pytest.raises(ValueError) as torn:
-        common.read_json(tmp_path / "ckpt_000008_bpb_T1-2-4.json")
+        files.read_json(tmp_path / "ckpt_000008_bpb_T1-2-4.json")
     assert carries(str(torn.value), str(tmp_path / "ckpt_000008_bpb_T1-2-4.json"), "delete"), torn.value
 
 
@@ -291,9 +291,9 @@ def read_only_runs(folder):
     values = {"run": base / "runs" / "ro", "runs": base / "runs", "corpus": folder / "corpus.txt",
               "tokenizers": base / "tokenizers"}
     results = {}
-    for case, (command, mounted, _, _) in READ_ONLY.items():
+    for case, (words, mounted, _, _) in READ_ONLY.items():
         before = untouched(values["run"])
-        result = read_only_run([word.format(**values) for word in command], str(mounted).format(**values),
+        result = read_only_run([word.format(**values) for word in words], str(mounted).format(**values),
                                train_env(folder))
         results[case] = result, before, untouched(values["run"]), list(base.rglob("*.tmp"))
     return values, results

@@ -25,7 +25,7 @@ import torch
 
 from conftest import carries, python, raises_naming, refused, run_here, warns_naming
 from interop import hub
-from nanoparcae.common import run_command
+from nanoparcae.command import run_command
 from nanoparcae.tokenizer import SPLIT_PATTERN
 from model import Parcae, ParcaeConfig, apply_rotary, initial_state
 

@@ -28,7 +28,7 @@ def imported_names(path):
 
 def import_graph(root):
     """{module: set of the modules it imports}, for every .py file at the root (model) and in the package
-    (nanoparcae.common), among those modules; `from nanoparcae import common` counts as nanoparcae.common."""
+    (nanoparcae.files), among those modules; `from nanoparcae import files` counts as nanoparcae.files."""
     modules = {path.stem: path for path in root.glob("*.py")}
     modules |= {f"{PACKAGE}.{path.stem}": path for path in (root / PACKAGE).glob("*.py") if path.stem != "__init__"}
 
@@ -86,7 +86,7 @@ def test_the_root_holds_the_reading_path_and_at_most_two_more_files():
 
 def test_no_import_cycle_among_the_root_files_and_the_package():
     graph = import_graph(ROOT)
-    assert "engine" in graph["sample"] and "eval_core" in graph["train"] and "nanoparcae.common" in graph["data"]
+    assert "engine" in graph["sample"] and "eval_core" in graph["train"] and "nanoparcae.files" in graph["data"]
     assert "model" in graph["nanoparcae.checkpoint"] and "nanoparcae.ranks" in graph["nanoparcae.run"]
     cycle = find_cycle(graph)
     assert cycle is None, f"import cycle: {' -> '.join(cycle)}"

@@ -80,7 +80,7 @@ def test_metrics_that_are_a_folder_unreadable_or_garbage_end_in_one_line_or_are_
     """Lines that hold no record (not JSON, not an object, no int step, text for a number, not UTF-8) are skipped
     and counted; the torn last line alone is skipped silently. A folder or an unreadable file is named."""
     import errno
-    from nanoparcae.common import EnvironmentFailure
+    from nanoparcae.command import EnvironmentFailure
     from nanoparcae.metrics import read_metrics
     path = tmp_path / "noisy" / "metrics.jsonl"
     path.parent.mkdir()

@@ -9,7 +9,8 @@ from conftest import carries
 
 from model import Parcae, ParcaeConfig
 from nanoparcae.checkpoint import digest_of, save_checkpoint
-from nanoparcae.common import get_base_dir, run_command
+from nanoparcae.command import run_command
+from nanoparcae.files import get_base_dir
 from nanoparcae.memory import memory_plan
 from nanoparcae.report import main
 from optim import optimizer_state_bytes

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import sample
-from nanoparcae import common
+from nanoparcae import command
 from nanoparcae.checkpoint import save_checkpoint
 from nanoparcae.dataset import list_chunks
 from nanoparcae.divergence import Divergence
@@ -595,7 +595,7 @@ def test_every_bad_sample_flag_value_ends_in_one_line_naming_it(tmp_path, monkey
     for flag, values in SAMPLE_BAD_VALUES.items():
         for value in values:
             with pytest.raises(SystemExit) as exit_info:
-                common.run_command(sample.main, ["--prompt=hi", f"--{flag}={value}"])
+                command.run_command(sample.main, ["--prompt=hi", f"--{flag}={value}"])
             err = capsys.readouterr().err
             assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1, (flag, value, err)
             assert err.startswith("error: ") and f"--{flag}" in err and "Traceback" not in err, err

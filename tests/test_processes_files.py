@@ -1,4 +1,4 @@
-"""Tests for nanoparcae.common and nanoparcae.checkpoint: the base directory, the GPU peak table, reading a
+"""Tests for the processes, files, command and checkpoint modules: the base directory, the GPU peak table, reading a
 checkpoint that is missing or damaged."""
 
 import json
@@ -6,26 +6,26 @@ import json
 import pytest
 import torch
 
-from nanoparcae import checkpoint, common
+from nanoparcae import checkpoint, command, files, ranks
 from conftest import carries, raises_naming
 from model import Parcae, ParcaeConfig
 
 
 def test_the_base_directory_is_the_variable_else_under_home(tmp_path, monkeypatch):
     monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(tmp_path / "custom"))
-    assert common.get_base_dir() == tmp_path / "custom"
+    assert files.get_base_dir() == tmp_path / "custom"
     assert (tmp_path / "custom").is_dir()
     monkeypatch.delenv("NANOPARCAE_BASE_DIR")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert common.get_base_dir() == tmp_path / "home" / ".cache" / "nanoparcae"
+    assert files.get_base_dir() == tmp_path / "home" / ".cache" / "nanoparcae"
 
 
 def test_peak_flops_only_for_listed_gpus(monkeypatch):
-    assert common.peak_bf16_flops("cpu") is None
+    assert ranks.peak_bf16_flops("cpu") is None
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H100 80GB HBM3")
-    assert common.peak_bf16_flops(torch.device("cuda", 0)) == 989e12
+    assert ranks.peak_bf16_flops(torch.device("cuda", 0)) == 989e12
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA GeForce RTX 3090")
-    assert common.peak_bf16_flops(torch.device("cuda", 0)) is None
+    assert ranks.peak_bf16_flops(torch.device("cuda", 0)) is None
 
 
 def test_a_missing_or_damaged_checkpoint_is_named_with_what_to_do(tmp_path):
@@ -47,14 +47,14 @@ def test_a_missing_or_damaged_checkpoint_is_named_with_what_to_do(tmp_path):
 
 
 def test_a_device_is_checked_once_for_every_cli():
-    assert common.parse_device("cpu") == torch.device("cpu")
+    assert ranks.parse_device("cpu") == torch.device("cpu")
     for name in ("gpu", "mps"):
         with pytest.raises(ValueError) as err:
-            common.parse_device(name)
+            ranks.parse_device(name)
         assert carries(str(err.value), f"--device={name}", "cpu", "cuda"), err.value  # the value, then the choices
     if not torch.cuda.is_available():
         with pytest.raises(ValueError) as err:
-            common.parse_device("cuda")
+            ranks.parse_device("cuda")
         assert carries(str(err.value), "--device=cuda", "--device=cpu"), err.value  # no GPU here: the fix
 
 
@@ -82,39 +82,39 @@ def refusing(err):
 
 
 def test_run_command_prints_a_refusal_once_a_node_and_exits_with_its_status(monkeypatch, capsys):
-    monkeypatch.setattr(common.time, "sleep", lambda seconds: None)
+    monkeypatch.setattr(command.time, "sleep", lambda seconds: None)
     for local_rank, printed in (("0", True), ("3", False), (None, True)):
         if local_rank is None:
             monkeypatch.delenv("LOCAL_RANK", raising=False)
         else:
             monkeypatch.setenv("LOCAL_RANK", local_rank)
         with pytest.raises(SystemExit) as exit_info:
-            common.run_command(refusing(common.EnvironmentFailure("the disk is full")))
+            command.run_command(refusing(command.EnvironmentFailure("the disk is full")))
         assert exit_info.value.code == 1
         assert (capsys.readouterr().err == "error: the disk is full\n") == printed
 
 
 def test_run_command_gives_each_kind_of_error_its_status_and_raises_the_rest(capsys):
     for err, status in ((ValueError("--depth=0 must be positive"), 2), (FileNotFoundError("no shard"), 2),
-                        (common.EnvironmentFailure("the disk is full"), 1), (KeyboardInterrupt(), 130)):
+                        (command.EnvironmentFailure("the disk is full"), 1), (KeyboardInterrupt(), 130)):
         with pytest.raises(SystemExit) as exit_info:
-            common.run_command(refusing(err))
+            command.run_command(refusing(err))
         assert exit_info.value.code == status and capsys.readouterr().err.count("\n") == 1
     with pytest.raises(SystemExit) as exit_info:
-        common.run_command(lambda argv: 3)
+        command.run_command(lambda argv: 3)
     assert exit_info.value.code == 3
     with pytest.raises(KeyError):  # a bug keeps its traceback
-        common.run_command(refusing(KeyError("step")))
+        command.run_command(refusing(KeyError("step")))
 
 
 def test_ddp_is_told_not_to_sync_buffers_in_its_torch_release_s_words(monkeypatch):
-    assert common.no_buffer_sync() == {"forward_sync_buffers": False}  # torch 2.13 and later
+    assert ranks.no_buffer_sync() == {"forward_sync_buffers": False}  # torch 2.13 and later
 
     class OlderDDP:  # torch 2.11's DistributedDataParallel knows only the old keyword
         def __init__(self, module, device_ids=None, broadcast_buffers=True):
             pass
-    monkeypatch.setattr(common, "DistributedDataParallel", OlderDDP)
-    assert common.no_buffer_sync() == {"broadcast_buffers": False}
+    monkeypatch.setattr(ranks, "DistributedDataParallel", OlderDDP)
+    assert ranks.no_buffer_sync() == {"broadcast_buffers": False}
 
 
 def test_two_writers_of_one_json_never_share_its_temporary_file(tmp_path, monkeypatch):
@@ -127,7 +127,26 @@ def test_two_writers_of_one_json_never_share_its_temporary_file(tmp_path, monkey
         write_text(self, text)
         if not others:
             others.append(self)
-            common.write_json(path, {"writer": 2})
+            files.write_json(path, {"writer": 2})
     monkeypatch.setattr(type(tmp_path), "write_text", write_then_another_writes)
-    common.write_json(path, {"writer": 1})
+    files.write_json(path, {"writer": 1})
     assert json.loads(path.read_text()) == {"writer": 1} and [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
+def test_an_empty_base_dir_setting_is_refused_for_every_command(monkeypatch, tmp_path):
+    """An empty NANOPARCAE_BASE_DIR names itself, rather than writing into the current folder."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("NANOPARCAE_BASE_DIR", "")
+    with pytest.raises(ValueError, match="NANOPARCAE_BASE_DIR is set but empty"):
+        files.get_base_dir()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_json_reader_checks_the_type_at_the_top(tmp_path):
+    """A JSON file holding a list where the project writes a dict is named in one line."""
+    path = tmp_path / "result.json"
+    path.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="holds a JSON list, not the dict"):
+        files.read_json(path)
+    path.write_text('{"a": 1}')
+    assert files.read_json(path) == {"a": 1}

@@ -1,0 +1,149 @@
+"""
+nanoparcae/command.py: a command's flags, and its one way to fail, in one line.
+Library code raises; run_command ends a command's main() with one line and a status.
+"""
+
+import argparse
+import math
+import os
+import sys
+import time
+
+import torch.distributed as dist
+
+# -----------------------------------------------------------------------------
+# Errors. Library code raises, and run_command ends a command's main() in one line.
+# Status 2 says the user gave something wrong (ValueError, FileNotFoundError).
+# Status 1 says the machine lacks something (EnvironmentFailure). A command may return 3 (diverged).
+
+
+class EnvironmentFailure(Exception):
+    """The machine failed the command, not its input, with a full disk, a read-only folder or replicas apart."""
+
+
+def exit_status(err):
+    """Return a refusal's status, 1 for EnvironmentFailure, 2 for ValueError and FileNotFoundError; else None."""
+    if isinstance(err, EnvironmentFailure):
+        return 1
+    return 2 if isinstance(err, (ValueError, FileNotFoundError)) else None
+
+
+class CommandParser(argparse.ArgumentParser):
+    """argparse that raises ValueError for a bad flag, so run_command says it in one line."""
+
+    def error(self, message):
+        raise ValueError(message)
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """--help keeps the docstring's layout and shows every default."""
+
+
+def command_parser(description):
+    """Build every command's parser, with its module docstring as --help, defaults shown, no abbreviations."""
+    return CommandParser(description=description, formatter_class=HelpFormatter, allow_abbrev=False)
+
+
+def run_command(main, argv=None):
+    """Run a command's main(argv) and exit with its status, the one it returns or its refusal's.
+    A refusal is one line on stderr, from local rank 0 under torchrun; anything else keeps its traceback.
+    Every rank closes its process group first, so no rank aborts on the way out."""
+    try:
+        status = main(argv) or 0
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr, flush=True)
+        status = 130
+    except Exception as err:
+        status = exit_status(err)
+        if status is None:
+            raise
+        sys.stdout.flush()
+        if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+            print(f"error: {err}", file=sys.stderr, flush=True)
+        else:  # torchrun stops every worker once one exits: local rank 0 first says why
+            time.sleep(2)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    sys.exit(status)
+
+# -----------------------------------------------------------------------------
+# Numbers and errors in a line of text, and a flag's list of values read from one
+
+
+def size(number, unit="B"):
+    """Write a number as a person reads it, such as 13.4 GB, 2.2 MB or 0.4 MB.
+    With unit "" it writes a count, such as 104.0 G, 12.3 M or 47,370."""
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M")):
+        if abs(number) >= scale or (unit and prefix == "M"):  # a unit's amount stays in M at least
+            return f"{number / scale:.1f} {prefix}{unit}"
+    return f"{number:,.0f}"
+
+
+def comma_list(text, kind=int):
+    """Read a flag's values separated by commas, each by kind: "1,2,4" gives [1, 2, 4].
+    Raises ValueError naming the text when it holds no value or one that kind cannot read."""
+    try:
+        values = [kind(value) for value in str(text).split(",") if value.strip()]
+    except ValueError:
+        values = []
+    if not values:
+        raise ValueError(f"{text!r} must be values separated by commas, e.g. 1,2,4")
+    return values
+
+
+def spans(numbers, separator=", "):
+    """Write ascending numbers (64 ranks, 1,822 shards) in a line: [0, 1, 2, 5] gives "0-2, 5"."""
+    runs = []
+    for number in numbers:
+        if runs and number == runs[-1][1] + 1:
+            runs[-1][1] = number
+        else:
+            runs.append([number, number])
+    return separator.join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def first_sentence(err, limit=300):
+    """Write an exception as one line, its type and first sentence, never cut inside a word.
+    torch's messages go on for several sentences of advice that does not apply here."""
+    sentence = " ".join(str(err).split()).split(". ")[0].rstrip(".")
+    if len(sentence) > limit:
+        sentence = sentence[:limit].rsplit(" ", 1)[0] + " ..."
+    return f"{type(err).__name__}: {sentence}"
+
+
+
+# -----------------------------------------------------------------------------
+# Checked flag types: a bad value is one line, said one way
+
+
+
+
+def checked(kind, rule, holds):
+    """An argparse type: the text read as `kind`, refused unless holds(value), naming `rule`."""
+    def parse(text):
+        value = kind(text)
+        if not holds(value):
+            raise argparse.ArgumentTypeError(f"{text} must be {rule}")
+        return value
+    parse.__name__ = kind.__name__  # argparse's "invalid int value: 'x'" for text that is no number
+    return parse
+
+
+def positive(kind):
+    return checked(kind, "a positive number", lambda value: 0 < value < math.inf)
+
+
+def zero_or_more(kind):
+    return checked(kind, "zero or more", lambda value: 0 <= value < math.inf)
+
+
+def listed(each):
+    """An argparse type: integers separated by commas, each read by `each` (1,2,4,8)."""
+    def parse(text):
+        try:
+            return comma_list(text, each)
+        except ValueError:  # a value out of each's range says so itself
+            raise argparse.ArgumentTypeError(f"{text!r} must be integers separated by commas, "
+                                             f"e.g. 1,2,4") from None
+    return parse

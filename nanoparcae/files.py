@@ -1,0 +1,113 @@
+"""
+nanoparcae/files.py: the base folder and every write in it, checked first and never torn.
+Runs, tokenizers, data and downloads live under the base folder. JSON is read back in one place.
+"""
+
+import errno
+import json
+import os
+import secrets
+import shutil
+import tempfile
+from pathlib import Path
+
+from nanoparcae.command import EnvironmentFailure, size
+
+FULL_DISK = (errno.ENOSPC, errno.EDQUOT)  # the errors of a disk or quota without room
+NO_WRITE = (*FULL_DISK, errno.EROFS, errno.EACCES, errno.EPERM)  # a full disk, a read-only mount or mode
+
+
+def get_base_dir():
+    """Return $NANOPARCAE_BASE_DIR (default ~/.cache/nanoparcae), created on first use.
+    A file in its place, or a folder that cannot be made, raises ValueError naming it and the variable.
+    A folder there is not written: a read-only one serves reads, and each write checks its own folder."""
+    setting = os.environ.get("NANOPARCAE_BASE_DIR", str(Path.home() / ".cache" / "nanoparcae"))
+    if not setting.strip():  # an empty setting would write into the current folder
+        raise ValueError("NANOPARCAE_BASE_DIR is set but empty; set it to a folder, or unset it for "
+                         "~/.cache/nanoparcae")
+    base_dir = Path(setting).expanduser()
+    if not base_dir.is_dir():
+        check_writable(base_dir, "the base folder's runs, data and tokenizers",
+                       fix="set NANOPARCAE_BASE_DIR to a writable folder", refusal=ValueError)
+        base_dir.mkdir(parents=True, exist_ok=True)
+    return base_dir
+
+
+def nearest(folder):
+    """Return `folder`, or the nearest path above it that exists, where a write would be tried."""
+    folder = Path(folder).absolute()
+    return next(path for path in (folder, *folder.parents) if path.exists())
+
+
+def check_writable(folder, what, needs=0, fix=None, refusal=None):
+    """Raise before work whose result `what` goes to `folder` if `needs` bytes could not be written there.
+    A file named as the folder raises ValueError.
+    A read-only or full disk raises `refusal`, EnvironmentFailure by default, or ValueError for a folder the user set.
+    A missing folder is tried at the nearest folder above it, and not made. `fix` replaces the advice.
+    Called on the rank that writes."""
+    folder, there = Path(folder).absolute(), nearest(folder)
+    if not there.is_dir():
+        why = ("it is a file" if there == folder else
+               f"it cannot be made ({os.strerror(errno.ENOTDIR)}, since {there} is a file)")
+        raise ValueError(f"{what} would go to {folder}, but {why}; nothing was computed: "
+                         f"{fix or 'name a folder instead'}")
+    fix, refusal = fix or "make it writable or free space on its disk, then run again", refusal or EnvironmentFailure
+    try:
+        tempfile.TemporaryFile(dir=there).close()  # a write, which a read-only mount or mode refuses
+    except OSError as err:
+        raise refusal(f"{what} would go to {folder}, which cannot be written to ({err.strerror}); "
+                      f"nothing was computed: {fix}") from None
+    if (free := shutil.disk_usage(there).free) < needs:
+        raise refusal(f"{what} would go to {folder}, but the disk holding it is full ({size(free)} free, "
+                      f"{size(needs)} needed); nothing was computed: {fix}")
+
+
+def write_atomically(path, write, partial=None):
+    """Call write(partial), then rename partial to `path`, so an interrupted write never leaves a torn file.
+    partial defaults to `path` plus .tmp, so a figure's writer names its format; it may be a folder.
+    A full disk or read-only folder raises EnvironmentFailure, the partial file removed."""
+    partial = Path(partial or path.with_name(path.name + ".tmp"))
+    try:
+        write(partial)
+        os.replace(partial, path)
+    except BaseException as err:
+        if partial.is_dir():
+            shutil.rmtree(partial)
+        elif partial.exists():  # a read-only folder refuses even the unlink of a missing file
+            partial.unlink()
+        if isinstance(err, OSError) and err.errno in NO_WRITE:
+            raise EnvironmentFailure(f"{path} could not be written ({err.strerror}); nothing else changed: free "
+                                     f"space on its disk or make {path.parent} writable, then run the same "
+                                     f"command again") from err
+        raise
+
+
+def write_json(path, value):
+    """Write value as indented JSON, atomically.
+    Its temporary name holds the pid and a random part, so two writers of one file never share it."""
+    path = Path(path)
+    write_atomically(path, lambda partial: partial.write_text(json.dumps(value, indent=2) + "\n"),
+                     path.with_name(f"{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"))
+
+
+def read_json(path, kind=dict):
+    """Return a JSON file's value, or None when it is absent. Every JSON the project reads comes here.
+    A torn file, or a value not of `kind` (a list where a dict belongs), raises ValueError naming it."""
+    if not (path and Path(path).is_file()):
+        return None
+    try:
+        value = json.loads(Path(path).read_text())
+    except (ValueError, OSError) as err:
+        raise ValueError(f"{path} is not whole JSON ({err}): delete it, or run again the command that "
+                         f"wrote it") from None
+    if not isinstance(value, kind):
+        raise ValueError(f"{path} holds a JSON {type(value).__name__}, not the {kind.__name__} this "
+                         f"project writes there: delete it, or run again the command that wrote it")
+    return value
+
+
+def disk_full(folder, needs):
+    """Stop a run whose disk is full: EnvironmentFailure naming what `needs` room and what is free."""
+    raise EnvironmentFailure(
+        f"the disk holding {folder} is full: {needs} and {size(shutil.disk_usage(folder).free)} is free; "
+        f"the last checkpoint is kept: free space there, then the same command continues from it") from None
