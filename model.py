@@ -540,7 +540,7 @@ class Parcae(nn.Module):
             return initial_state(shape, device, generator)
         if self.training:
             raise ValueError("a training forward needs h0= or h0_generator=: "
-                             "its h0 is drawn from the caller's generator (METHOD.md §2)")
+                             "its h0 is drawn from the caller's generator (METHOD.md §1)")
         return initial_state(shape, "cpu", torch.Generator().manual_seed(0)).to(device)
 
     def loop_depths(self, batch_size, T=None, depths=None, generator=None):

@@ -37,7 +37,7 @@ from nanoparcae.ranks import peak_bf16_flops
 from nanoparcae.core_tasks import MC, Task
 from data import DataLoader
 from nanoparcae.dataset import iter_documents
-from nanoparcae.report import cpu_name
+from experiments.report import cpu_name
 from engine import DRAFT_LENGTH, Draft, auto_draft, generate
 from eval_core import bf16_autocast, evaluate_task
 from experiments.decoding import decoding_rows, stdlib_tokens

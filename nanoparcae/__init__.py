@@ -1,22 +1,20 @@
 """
-nanoparcae: what the root's files lean on that is not the method.
-A package beside them, as nanochat keeps its own.
+The package holds what the root's files lean on that is not the method, as nanochat keeps its own.
+It imports no file of the root, so it reads from the bottom up.
 
     command.py      a command's flags and its one way to fail, in one line
     files.py        the base folder, its writes checked first and never torn, and JSON read back
-    memory.py       the device batch: the memory plan per GPU and the batch it picks
-    dataset.py      a data source's text: its documents in chunks, its cached tokenizer, its size against a run
-    fineweb.py      FineWeb-Edu's shards, fetched and counted
-    tokenizer.py    byte-level BPE, trained with rustbpe, run with tiktoken
-    prepare.py      train.py's set-up before its first step, in one call
-    run.py          the run's identity and its lock
     ranks.py        the processes torchrun starts, and ranks that agree through one gather
-    checkpoint.py   checkpoint files written, found and read back checked; load_run loads a trained run
+    run.py          the run's name and folder, its identity against its checkpoint, and its lock
+    checkpoint.py   checkpoint files saved, found, loaded and verified
+    dataset.py      every data source's text, FineWeb-Edu's shards included, and the run's horizon checked
+    tokenizer.py    byte-level BPE, trained with rustbpe, run with tiktoken, and its cache
+    download.py     files fetched over HTTP, FineWeb-Edu's shards and CORE's eval bundle among them
+    memory.py       the device batch, picked from the memory plan per GPU
     metrics.py      metrics.jsonl, read and written, and the step's log line
     divergence.py   the rule that stops a diverged run
-    download.py     files fetched over HTTP: one resumable download, and CORE's eval bundle on every rank
+    results.py      where an evaluation's results are kept, and which one is read back
     core_tasks.py   CORE's task table, its items read from the bundle and rendered into scored token rows
-    report.py       a run's report card, report.md, read from the run's own files
 
     python -m nanoparcae.dataset download -n 240    # its one command: the FineWeb-Edu shards
 """

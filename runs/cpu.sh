@@ -10,7 +10,7 @@ export PYTHONUNBUFFERED=1  # each stage's lines as they come, through tee
 run=d3_diagonal
 RECIPE=${NANOPARCAE_BASE_DIR:-$HOME/.cache/nanoparcae}/runs/$run/recipe
 . runs/stage.sh
-stage machine python -m nanoparcae.report --run=$run --machine
+stage machine python -m experiments.report --run=$run --machine
 # train.py's defaults are the paper's 140M on FineWeb-Edu (bf16, compiled, GPUs); these flags make a 2.2M model
 # (run d3_diagonal) that trains on a CPU in float32, eager, with an eval and a checkpoint every 130 steps
 stage train python train.py --depth=3 --d_model=128 --head_dim=64 --mu_rec=4 --vocab_size=4096 --seq_len=256 \
@@ -32,5 +32,5 @@ samples() {  # samples T: sample.py's text at depth T, to recipe/samples_T<T>.tx
 stage samples_T4 samples 4
 stage samples_T1 samples 1
 rm -f "$RECIPE/report.done"  # the card is written again on every run
-stage report python -m nanoparcae.report --run=$run
+stage report python -m experiments.report --run=$run
 echo "== the report card: $(dirname "$RECIPE")/report.md"

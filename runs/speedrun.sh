@@ -62,10 +62,10 @@ train=(train.py --depth="$depth" --injection="$injection" --mu_rec=$mu_rec --run
 why=$(python "${train[@]}" --check 2>&1) || refuse "VOCAB_SIZE or TRAIN_FLAGS: ${why#error: }"
 if [ "$rehearsal" = 1 ]; then
     launch=(python -m torch.distributed.run --standalone --nproc_per_node="${NPROC:-2}" --)
-    stage machine python -m nanoparcae.report --run="$run" --machine
+    stage machine python -m experiments.report --run="$run" --machine
 else
     launch=(python -m torch.distributed.run --standalone --nproc_per_node="${NPROC:-gpu}" --)
-    stage machine python -m nanoparcae.report --run="$run" --machine --gpu  # torch must see the GPUs
+    stage machine python -m experiments.report --run="$run" --machine --gpu  # torch must see the GPUs
     [ "${SKIP_GPU_CHECK:-0}" = 1 ] || stage gpu_check bash runs/gpu_check.sh
 fi
 
@@ -109,5 +109,5 @@ samples() {  # samples T: sample.py's text at depth T, to recipe/samples_T<T>.tx
 stage samples_T1 samples 1
 [ "$at" = 1 ] || stage "samples_T$at" samples "$at"
 rm -f "$RECIPE/report.done"  # the card is written again on every run
-stage report python -m nanoparcae.report --run="$run"
+stage report python -m experiments.report --run="$run"
 echo "== the report card: $NANOPARCAE_BASE_DIR/runs/$run/report.md"

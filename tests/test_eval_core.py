@@ -429,7 +429,7 @@ def test_an_eval_on_other_data_or_fewer_tokens_never_replaces_the_runs_own(tmp_p
     run's own data measuring at least as many tokens; one on --data=OTHER, or with fewer --val_tokens, goes to the
     run's evals/ folder, named after what it measured."""
     from nanoparcae.dataset import data_key
-    from nanoparcae.report import read_run
+    from experiments.report import read_run
     path, ours = tiny_run(tmp_path)
     other = tmp_path / "other.txt"
     other.write_text(ours.read_text().replace("loop", "ring"))

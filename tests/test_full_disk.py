@@ -268,8 +268,8 @@ def read_only_run(args, folder, env):
 
 READ_ONLY = {  # command ({run}: the run's folder), the folder mounted read-only, the status, the words it names
     "eval": (["eval_core.py", "--run=ro", "--eval=bpb", "--T=1,2,4", "--val_tokens=256"], "{run}", 1, ["{run}"]),
-    "report": (["-m", "nanoparcae.report", "--run=ro"], "{run}", 1, ["{run}/report.md"]),
-    "report --machine": (["-m", "nanoparcae.report", "--run=ro", "--machine"], "{run}", 1, ["{run}/recipe"]),
+    "report": (["-m", "experiments.report", "--run=ro"], "{run}", 1, ["{run}/report.md"]),
+    "report --machine": (["-m", "experiments.report", "--run=ro", "--machine"], "{run}", 1, ["{run}/recipe"]),
     "plot": (["-m", "experiments.plot", "ro", "-o", "{run}/plot.png"], "{run}", 1, ["{run}"]),
     "export": (["-m", "interop.hub", "export", "ro", "{run}/export"], "{run}", 1, ["{run}/export"]),
     "export onto a file": (["-m", "interop.hub", "export", "ro", "{run}/metrics.jsonl"], "{run}", 2,

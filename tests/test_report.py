@@ -1,4 +1,4 @@
-"""The report card (nanoparcae/report.py) on made-up run files: each number it shows is the one in the files."""
+"""The report card (experiments/report.py) on made-up run files: each number it shows is the one in the files."""
 
 import json
 
@@ -12,7 +12,7 @@ from nanoparcae.checkpoint import digest_of, save_checkpoint
 from nanoparcae.command import run_command
 from nanoparcae.files import get_base_dir
 from nanoparcae.memory import memory_plan
-from nanoparcae.report import main
+from experiments.report import main
 from optim import optimizer_state_bytes
 
 CONFIG = dict(vocab_size=320, seq_len=32, d_model=64, head_dim=32, mu_rec=8)  # depth 6: 2/2/2

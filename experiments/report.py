@@ -1,8 +1,8 @@
 """
-nanoparcae/report.py: write a run's report card, report.md in its folder, from the run's own files.
+experiments/report.py: write a run's report card, report.md in its folder, from the run's own files.
 
-    python -m nanoparcae.report --run=d6_diagonal             # <base dir>/runs/d6_diagonal/report.md
-    python -m nanoparcae.report --run=d6_diagonal --machine   # first: record this machine for the card
+    python -m experiments.report --run=d6_diagonal             # <base dir>/runs/d6_diagonal/report.md
+    python -m experiments.report --run=d6_diagonal --machine   # first: record this machine for the card
 
 It reads these files of the run:
 
