@@ -1,8 +1,10 @@
-"""The layout's rules, read from the source without importing it: the root holds the reading path and the
-package nanoparcae/ what it leans on; no root file imports from the folders of experiments and adapters (an import
-inside a function counts too), and the root's files and the package's import one another without a cycle."""
+"""The layout's rules, read from the source without importing it. The root holds the reading path and the package
+nanoparcae/ what it leans on, as nanoparcae/__init__.py's table lists it. No root or package file imports from the
+folders of experiments and adapters, and no package file imports a root file (an import inside a function counts
+too), so the root's files and the package's import one another without a cycle."""
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,7 @@ from conftest import python
 ROOT = Path(__file__).resolve().parent.parent
 FOLDERS = ("experiments", "interop")  # the paper's experiments; the adapters to other tools
 PACKAGE = "nanoparcae"  # what the root's files lean on that is not the method
-READING_PATH = {"train.py", "model.py", "data.py", "eval_core.py", "sample.py"}
+READING_PATH = {"train.py", "model.py", "data.py", "eval_core.py", "sample.py", "engine.py", "optim.py"}
 
 
 def imported_names(path):
@@ -48,6 +50,18 @@ def root_imports_of_folders(root, folders=FOLDERS):
                   if name.split(".")[0] in folders)
 
 
+def package_imports_of_root(root, package=PACKAGE):
+    """['file: name'] for every import a package file makes of a root module."""
+    modules = {path.stem for path in root.glob("*.py")}
+    return sorted(f"{path.name}: {name}" for path in (root / package).glob("*.py") for name in imported_names(path)
+                  if name.split(".")[0] in modules)
+
+
+def table_modules(init):
+    """The module files a package's __init__.py lists, one a line as `    name.py    what it holds`."""
+    return {line.split()[0] for line in init.read_text().splitlines() if re.match(r"    \w+\.py\s", line)}
+
+
 def find_cycle(graph):
     """One import cycle as a list [a, b, ..., a], or None."""
     state = {}  # module -> "open" while on the current path, "done" once every path from it is explored
@@ -78,16 +92,16 @@ def test_find_cycle_finds_one_and_only_one():
     assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set(), "d": {"d"}}) == ["d", "d"]
 
 
-def test_the_root_holds_the_reading_path_and_at_most_two_more_files():
-    root = {path.name for path in ROOT.glob("*.py")}
-    assert READING_PATH <= root and len(root - READING_PATH) <= 2, sorted(root - READING_PATH)
-    assert (ROOT / PACKAGE / "__init__.py").is_file()
+def test_the_root_holds_the_reading_path_and_the_package_what_its_table_lists():
+    assert {path.name for path in ROOT.glob("*.py")} == READING_PATH
+    listed, held = table_modules(ROOT / PACKAGE / "__init__.py"), {path.name for path in (ROOT / PACKAGE).glob("*.py")}
+    assert "checkpoint.py" in listed and listed == held - {"__init__.py"}, sorted(listed ^ (held - {"__init__.py"}))
 
 
 def test_no_import_cycle_among_the_root_files_and_the_package():
     graph = import_graph(ROOT)
     assert "engine" in graph["sample"] and "eval_core" in graph["train"] and "nanoparcae.files" in graph["data"]
-    assert "model" in graph["nanoparcae.checkpoint"] and "nanoparcae.ranks" in graph["nanoparcae.run"]
+    assert "nanoparcae.checkpoint" in graph["train"] and "nanoparcae.ranks" in graph["nanoparcae.run"]
     cycle = find_cycle(graph)
     assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
 
@@ -100,6 +114,20 @@ def test_the_folder_check_finds_every_kind_of_import(tmp_path):
     (tmp_path / "model.py").write_text("from experiments import bench\nimport experimental\n")
     assert root_imports_of_folders(tmp_path) == ["model.py: experiments", "sample.py: interop.hub",
                                                  "train.py: experiments.bench"]
+
+
+def test_the_package_check_finds_every_import_of_a_root_file(tmp_path):
+    (tmp_path / PACKAGE).mkdir()
+    (tmp_path / "model.py").write_text("")
+    (tmp_path / "data.py").write_text("")
+    (tmp_path / PACKAGE / "files.py").write_text("import os\nfrom nanoparcae import ranks\n")  # the package's own
+    (tmp_path / PACKAGE / "memory.py").write_text("def plan():\n    from model import Parcae\n")  # inside a function
+    (tmp_path / PACKAGE / "dataset.py").write_text("import data.loader\nimport modeling\n")
+    assert package_imports_of_root(tmp_path) == ["dataset.py: data.loader", "memory.py: model"]
+
+
+def test_no_package_file_imports_a_root_file():
+    assert package_imports_of_root(ROOT) == []
 
 
 def test_no_root_or_package_file_imports_from_the_folders():
