@@ -1,5 +1,5 @@
 """
-model.py: Parcae, the stable looped language model, and its baselines (METHOD.md §1).
+Parcae, the stable looped language model, and its baselines (METHOD.md §1).
 
     x = wte(ids); e = RMSNorm(Prelude(x))
     h = h0 ~ TruncNormal(0, sqrt(2/(5d)))
@@ -8,14 +8,14 @@ model.py: Parcae, the stable looped language model, and its baselines (METHOD.md
 
 A loop step is h_{t+1} = R(A_bar h_t + Bbar e), as the authors' code computes it.
 The paper writes it loosely as h_{t+1} = A_bar h_t + Bbar e + R(h_t, e).
-config.injection picks the mixing:
+config.injection picks how the state and the input mix:
 
-- "diagonal": Parcae. A_bar = exp(-Delta exp(A_log)), so rho(A_bar) < 1.
-- "concat": RDM / Huginn.
-- "add": u = h + e.
-- "none": the Transformer. Its blocks run once.
+- "diagonal" is Parcae, whose A_bar = exp(-Delta exp(A_log)) makes rho(A_bar) < 1.
+- "concat" is the adapter of RDM and Huginn.
+- "add" is u = h + e.
+- "none" is the Transformer, whose blocks run once.
 
-In training config.sampling draws the depths (METHOD.md §2): by default one per sequence.
+In training config.sampling draws the depths, by default one per sequence (METHOD.md §2).
 
     model = Parcae(ParcaeConfig.from_depth(6))
     loss = model(idx, targets, h0_generator=g)      # training: depths drawn by config.sampling
@@ -23,10 +23,10 @@ In training config.sampling draws the depths (METHOD.md §2): by default one per
     loss = model(idx, targets, depths=(n, k))       # n steps without gradient, then k with it
     stats = {}; model(idx, targets, diagnostics=stats)   # ||h_T|| and the update ratio
 
-The caller owns the randomness: depth_generator= and h0_generator= (or h0=).
+The caller owns the randomness, through depth_generator= and h0_generator= (or h0=).
 The model keeps no state between forwards.
-model.compile_regions() compiles the prelude, one loop step and the coda with the loss:
-a new depth does not recompile.
+model.compile_regions() compiles the prelude, one loop step and the coda with the loss,
+so a new depth does not recompile.
 """
 
 import math
@@ -53,7 +53,7 @@ class ParcaeConfig:
     n_recur: int = 2
     n_coda: int = 2
     d_model: int = 768
-    head_dim: int = 128  # METHOD.md §1: head_dim 128, n_head = n_kv_head = d / 128
+    head_dim: int = 128  # so n_head = n_kv_head = d / 128 (METHOD.md §1)
     n_head: int | None = None  # derived from d_model / head_dim when not given
     mu_rec: int = 8  # mean recurrence depth
     mu_bwd: int | None = None  # backpropagated depth, ceil(mu_rec / 2) when not given
@@ -87,7 +87,8 @@ class ParcaeConfig:
 
     @classmethod
     def from_depth(cls, depth, **overrides):
-        """METHOD.md §1 sizes: L_P = L_R = L_C = depth/3, d = 128 (depth/3 + 4): 140M at 6."""
+        """The paper's sizes, L_P = L_R = L_C = depth/3 and d = 128 (depth/3 + 4) (METHOD.md §1).
+        Depth 6 gives the 140M."""
         if depth <= 0 or depth % 3 != 0:
             raise ValueError(f"depth={depth} must be a positive multiple of 3 (prelude, recurrent "
                              f"block and coda take a third each); try --depth=6, 12, 18 or 24")
@@ -101,7 +102,7 @@ class ParcaeConfig:
 
     @property
     def padded_vocab_size(self):
-        return -(-self.vocab_size // 64) * 64  # METHOD.md §1: vocab padded up to a multiple of 64
+        return -(-self.vocab_size // 64) * 64  # padded up to a multiple of 64 (METHOD.md §1)
 
 
 # -----------------------------------------------------------------------------
@@ -122,7 +123,7 @@ def apply_rotary(x, cos, sin):
 class Attention(nn.Module):
     def __init__(self, config, has_value_embed):
         super().__init__()
-        # q/k norm eps None: the dtype's epsilon, as the authors' F.rms_norm(q)
+        # q and k are normed with eps None, the dtype's epsilon, as the authors' F.rms_norm(q) is
         d, self.n_head, self.head_dim = config.d_model, config.n_head, config.head_dim
         self.eps = None
         self.c_q = nn.Linear(d, d, bias=False)
@@ -141,7 +142,7 @@ class Attention(nn.Module):
         if self.ve_gate is not None:
             gate = 2 * torch.sigmoid(self.ve_gate(x[..., :self.ve_gate_channels]))  # (B, S, H)
             v = v + gate.unsqueeze(-1) * ve.view(B, S, H, D)
-        # METHOD.md §1: RoPE, then a parameter-free RMS norm per head, on q and k together
+        # RoPE, then a parameter-free RMS norm per head, on q and k together (METHOD.md §1)
         qk = torch.cat([self.c_q(x).view(B, S, H, D), self.c_k(x).view(B, S, H, D)], dim=2)
         q, k = rms_norm(apply_rotary(qk, cos, sin), self.eps).transpose(1, 2).split(H, dim=1)
         v = v.transpose(1, 2)
@@ -152,7 +153,7 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         elif S == 1:  # one new token attends to everything cached
             y = F.scaled_dot_product_attention(q, k, v)
-        else:  # a chunk after a cached prefix: causal, aligned to the end
+        else:  # a chunk after a cached prefix attends causally, its mask aligned to the end
             mask = torch.ones(S, S_kv, dtype=torch.bool, device=x.device).tril(diagonal=S_kv - S)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.c_proj(y.transpose(1, 2).reshape(B, S, -1))
@@ -169,7 +170,7 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + Attn(RMSNorm(x)), then x + MLP(RMSNorm(x))."""
+    """A pre-norm transformer block, x + Attn(RMSNorm(x)), then x + MLP(RMSNorm(x))."""
 
     def __init__(self, config, has_value_embed):
         super().__init__()
@@ -184,7 +185,7 @@ class Block(nn.Module):
 
 
 # -----------------------------------------------------------------------------
-# Injections: u = A_bar h + Bbar e mixes the state h with the prelude's e (METHOD.md §1).
+# An injection mixes the state h with the prelude's e as u = A_bar h + Bbar e (METHOD.md §1).
 # Each owns its parameters and their init. A_bar() and Bbar_e(e) are the same at every step,
 # so the loop forms them once per forward.
 
@@ -194,7 +195,7 @@ def trunc_normal_(weight, std, generator=None):
 
 @torch.no_grad()
 def trunc_orthogonal_(weight, std):
-    """The authors' truncated orthogonal init: each entry has std `std`, as an i.i.d. draw.
+    """The authors' truncated orthogonal init gives each entry std `std`, as an i.i.d. draw would.
     But every singular value equals std * sqrt(max(rows, cols)) instead of spreading out."""
     rows, cols = weight.shape
     if weight.is_meta:  # a model sized on the meta device has nothing to fill
@@ -206,9 +207,9 @@ def trunc_orthogonal_(weight, std):
 
 
 class Injection(nn.Module):
-    """The baselines' defaults: the input term is e itself and there is no A_bar to form ahead."""
+    """The baselines' defaults, whose input term is e itself, with no A_bar to form ahead."""
 
-    rho_on_host = False  # spectral_radius runs on the weights' device: free to log at every step
+    rho_on_host = False  # spectral_radius runs on the weights' device, so logging it is free
 
     def reset_parameters(self, std):
         pass
@@ -226,7 +227,8 @@ class Discretized(NamedTuple):
 
 
 class DiagonalInjection(Injection):
-    """Parcae: A_bar = exp(-Delta exp(A_log)) and Bbar = Delta B, so rho(A_bar) = max(A_bar) < 1."""
+    """Parcae's injection, A_bar = exp(-Delta exp(A_log)) and Bbar = Delta B.
+    So rho(A_bar) = max(A_bar) < 1."""
 
     def __init__(self, d):
         super().__init__()
@@ -236,21 +238,23 @@ class DiagonalInjection(Injection):
 
     @torch.no_grad()
     def reset_parameters(self, std):
-        """METHOD.md §1: A_log = 0, Delta = -ln(sqrt(1/5)), so A_bar = sqrt(1/5) = 0.4472; B = I."""
+        """The paper's init sets A_log = 0, Delta = -ln(sqrt(1/5)) and B = I (METHOD.md §1).
+        So A_bar = sqrt(1/5) = 0.4472."""
         self.A_log.zero_()
         self.dt_bias.fill_(math.log(math.expm1(-math.log(math.sqrt(1 / 5)))))
         self.B.weight.copy_(torch.eye(self.B.weight.size(0)))
 
     def discretize(self):
-        """Zero-order hold of A = Diag(-exp(A_log)) with step Delta: A_bar in [0, 1), in float32."""
+        """The zero-order hold of A = Diag(-exp(A_log)) with step Delta, in float32.
+        It puts every entry of A_bar in [0, 1)."""
         delta = F.softplus(self.dt_bias)
-        # no 0 * inf. float32 rounds exp(-rate) to 1 below ~3e-8: the 1e-6 floor keeps A_bar < 1.
-        # Past a rate of ~104, A_bar underflows to 0.
+        # Adding logs avoids 0 * inf. Below a rate of ~3e-8 float32 rounds exp(-rate) to 1,
+        # so the 1e-6 floor keeps A_bar < 1. Past a rate of ~104, A_bar underflows to 0.
         rate = torch.exp(self.A_log + torch.log(delta)).clamp(min=1e-6)
         return Discretized(A_bar=torch.exp(-rate), delta=delta)
 
     def Bbar_e(self, e):
-        return self.discretize().delta * self.B(e)  # Euler: Bbar = Delta B, float32 like A_bar
+        return self.discretize().delta * self.B(e)  # Euler's Bbar = Delta B, float32 like A_bar
 
     def A_bar(self):
         return self.discretize().A_bar
@@ -264,9 +268,10 @@ class DiagonalInjection(Injection):
 
 
 class ConcatInjection(Injection):
-    """RDM / Huginn: u = W [h; e], W a Linear(2d -> d); its state half, an unconstrained A_bar."""
+    """The adapter of RDM and Huginn, u = W [h; e] with W a Linear(2d -> d).
+    Its state half is an unconstrained A_bar."""
 
-    # rho is an eigendecomposition that LAPACK runs on the host (after a sync): to be logged rarely
+    # rho is an eigendecomposition that LAPACK runs on the host after a sync, so it is logged rarely
     rho_on_host = True
 
     def __init__(self, d):
@@ -275,7 +280,7 @@ class ConcatInjection(Injection):
 
     @torch.no_grad()
     def reset_parameters(self, std):
-        # the authors' "adapter" rule: i.i.d. truncated normal, even beside orthogonal matrices
+        # the authors' "adapter" rule draws i.i.d. truncated normals, even beside orthogonal ones
         trunc_normal_(self.adapter.weight, std)
 
     def forward(self, h, Bbar_e, A_bar=None):
@@ -288,7 +293,7 @@ class ConcatInjection(Injection):
 
 
 class AddInjection(Injection):
-    """u = h + e: A_bar = I, rho = 1 (marginally stable). No parameters."""
+    """Addition, u = h + e, so A_bar = I and rho = 1 (marginally stable). It has no parameters."""
 
     def __init__(self, d):
         super().__init__()
@@ -305,12 +310,12 @@ INJECTION_CLASSES = {"diagonal": DiagonalInjection, "concat": ConcatInjection, "
 
 
 # -----------------------------------------------------------------------------
-# h0: the loop's initial state (METHOD.md §1). Training draws a fresh one from the generator
+# h0 is the loop's initial state (METHOD.md §1). Training draws a fresh one from the generator
 # it hands forward; evaluation and decoding pass their own. No draw uses torch's global RNG.
 
 def initial_state(shape, device=None, generator=None):
     """h0 ~ TruncNormal(0, s, -3s..3s), s = sqrt(2 / (5 d)), float32 of `shape` (B, S, d).
-    generator: a torch.Generator on `device`, or one per row."""
+    generator is a torch.Generator on `device`, or a list of one per row."""
     if isinstance(generator, (list, tuple)):
         return torch.cat([initial_state((1, *shape[1:]), device, g) for g in generator])
     sigma = math.sqrt(2 / (5 * shape[-1]))
@@ -318,21 +323,22 @@ def initial_state(shape, device=None, generator=None):
 
 
 def evaluation_initial_state(d_model, length, seed, device):
-    """Evaluation's h0 (1, length, d): one seeded table read by every row, so scores reproduce."""
+    """Evaluation's h0 (1, length, d) is one seeded table every row reads, so scores reproduce."""
     generator = torch.Generator().manual_seed(seed)
     return initial_state((1, length, d_model), "cpu", generator).to(device)
 
 
 def decoding_initial_state(shape, device, generators):
-    """Decoding's h0: row i from generators[i], so a sample does not depend on those beside it."""
+    """Decoding's h0 draws row i from generators[i], so a sample does not depend on the others."""
     return initial_state(shape, device, list(generators))
 
 
 # -----------------------------------------------------------------------------
-# Depths: how many loop steps each sequence of a training forward runs (METHOD.md §2): n_i steps
+# The depths are the loop steps each sequence of a training forward runs (METHOD.md §2), n_i steps
 # without gradient, then k_i with it. Parcae.loop_depths, right after forward, draws them from here.
 
-# Each sampler: what it draws, then its mean executed (n + k) and backpropagated (k) steps.
+# Each sampler's text says what it draws, then its mean executed (n + k) and backpropagated (k)
+# steps.
 # Values are at mu_rec 8, mu_bwd 4; "mu_rec - mu_bwd" means max(0, mu_rec - mu_bwd).
 # The Poisson ones are the authors' other per-batch schemes (their names, "-" written "_").
 SAMPLINGS = {
@@ -357,7 +363,7 @@ SAMPLINGS = {
 
 def sample_depths(config, batch_size, generator=None):
     """One training draw of config.sampling -> (n, k), two (B,) long tensors.
-    n: each sequence's loop steps without gradient; k: its steps with gradient, after them.
+    n holds each sequence's loop steps without gradient, and k its steps with gradient after them.
     Only per_sequence draws per sequence. The others draw once per micro-batch, as the authors'."""
     scheme, mu_bwd = config.sampling, config.mu_bwd
     draws = batch_size if scheme == "per_sequence" else 1
@@ -385,7 +391,8 @@ def sample_depths(config, batch_size, generator=None):
 
 
 def split_depths(depths, mu_bwd, training):
-    """T -> (n, k): in training the last k = min(T, mu_bwd) steps have gradient; otherwise none."""
+    """Split depths T into (n, k).
+    In training the last k = min(T, mu_bwd) steps have gradient, and otherwise none has."""
     k = depths.clamp(max=mu_bwd) if training else torch.zeros_like(depths)
     return depths - k, k
 
@@ -417,20 +424,21 @@ def poisson_tail(rate, j):
 # The model
 
 class Slot(NamedTuple):
-    """A KV-cache slot, one attention call site: a recurrent layer has one per loop step."""
+    """A KV-cache slot names one attention call site, so a recurrent layer has one per loop step."""
     part: str  # "prelude", "recur" or "coda"
     layer: int  # the layer's index within its part
     step: int = 0  # the loop step; 0 in the prelude and the coda
 
 
 def value_embedding_layers(config):
-    """METHOD.md §1: layers are numbered 0..n-1 across prelude, recurrent block and coda.
-    Layer i has a value embedding when i % 2 == (n - 1) % 2: every other, the last always."""
+    """Layers are numbered 0..n-1 across prelude, recurrent block and coda (METHOD.md §1).
+    Layer i has a value embedding when i % 2 == (n - 1) % 2, so every other layer has one.
+    The last layer always has one."""
     return [i for i in range(config.n_layer) if i % 2 == (config.n_layer - 1) % 2]
 
 
 class Parcae(nn.Module):
-    """The looped language model of METHOD.md §1 (injection "none": the fixed-depth Transformer)."""
+    """The looped language model of METHOD.md §1, or under injection "none" the Transformer."""
 
     def __init__(self, config):
         super().__init__()
@@ -448,18 +456,18 @@ class Parcae(nn.Module):
         self.coda = nn.ModuleList(Block(c, has_ve[c.n_prelude + c.n_recur + i])
                                   for i in range(c.n_coda))
         self.norm_f = nn.RMSNorm(d, eps=c.norm_eps)
-        injection = INJECTION_CLASSES[c.injection]  # None: the fixed-depth Transformer
+        injection = INJECTION_CLASSES[c.injection]  # None for the fixed-depth Transformer
         looped = injection is not None
         self.prelude_norm = nn.RMSNorm(d, eps=c.norm_eps) if looped and c.prelude_norm else None
         self.injection = injection(d) if looped else None
-        # C_proj reads the loop's output, no norm before it (METHOD.md §1), in every looped variant:
-        # the injection ablations differ from Parcae in the injection alone
+        # C_proj reads the loop's output with no norm before it (METHOD.md §1), in every looped
+        # variant, so the injection ablations differ from Parcae in the injection alone
         self.C_proj = nn.Linear(d, d, bias=False) if looped else None
         self.init_buffers()
         self.init_weights()
 
     def init_buffers(self):
-        """The RoPE tables: buffers left out of the state dict.
+        """Compute the RoPE tables, buffers left out of the state dict.
         A model built on the meta device, then loaded with assign=True, computes them here."""
         cos, sin = self._rope_tables(10 * self.config.seq_len)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -476,7 +484,7 @@ class Parcae(nn.Module):
     def init_weights(self):
         """METHOD.md §1's "scaled-zero" init, orthogonal as in the authors' code.
         Each module draws from a generator seeded by init_seed and its name.
-        So variants built at one seed share every common module's tensors: paired runs."""
+        So variants built at one seed share every common module's tensors, and their runs pair."""
         std = math.sqrt(2 / (5 * self.config.d_model))
         inits = {self.wte: lambda m: trunc_orthogonal_(m.weight, std)}  # module -> its init
         for block in [*self.prelude, *self.recur, *self.coda]:
@@ -499,7 +507,7 @@ class Parcae(nn.Module):
                 torch.default_generator.manual_seed(self.init_seed + zlib.crc32(name.encode()))
                 init(module) if init else module.reset_parameters()
 
-    # --- forward, then the loop it runs, in order: its depths, the recurrence, one loop step.
+    # --- forward, then the parts of the loop it runs, in order (depths, recurrence, loop step).
     # Under bf16 autocast the weights and the residual stream (prelude, h0, h, coda) stay float32.
     # The matmuls' bf16 outputs are added into it, so rounding does not build up over T steps.
     # Every RMSNorm sees float32 with its float32 weight (the fused kernel).
@@ -510,15 +518,15 @@ class Parcae(nn.Module):
                 depth_generator=None, h0_generator=None, diagnostics=None):
         """idx (B, S) -> logits (B, S, vocab).
 
-        - targets (-1: ignored): the cross-entropy instead, (B, S) with reduction="none".
-        - T or depths = (n, k), steps without / with gradient per sequence (loop_depths).
-        - h0 (B, S, d): the initial state; None draws one from h0_generator (on idx's device).
-          With neither, training raises ValueError; eval mode draws from a generator seeded 0.
-        - cache: decoding's KV cache, which the S new positions extend.
-        - diagnostics: a dict that gets ||h_T|| and the update ratio.
+        - With targets (-1 is ignored) it returns the cross-entropy, (B, S) with reduction="none".
+        - T or depths = (n, k) give the steps without / with gradient per sequence (loop_depths).
+        - h0 (B, S, d) is the initial state. Without it h0_generator draws one on idx's device.
+          With neither, training raises ValueError and eval mode draws from a generator seeded 0.
+        - cache is decoding's KV cache, which the S new positions extend.
+        - diagnostics is a dict that gets ||h_T|| and the update ratio.
         """
         Bbar_e, ves, cos, sin = self.run_prelude(idx, cache)
-        if self.injection is None:  # the Transformer: its recurrent blocks run once on e, no h0
+        if self.injection is None:  # the Transformer runs its recurrent blocks once on e, no h0
             h, h_prev = self.recurrent_block(Bbar_e, 0, ves, cos, sin, cache), None
         else:
             n, k = self.loop_depths(idx.size(0), T, depths, depth_generator)
@@ -547,9 +555,10 @@ class Parcae(nn.Module):
         """forward's T or depths -> (n, k), two (B,) CPU long tensors (METHOD.md §2).
         Sequence i loops n_i steps without gradient, then k_i with it.
 
-        - T: T steps each (None: mu_rec); in training the last min(T, mu_bwd) have gradient.
-        - depths: (n, k) as given.
-        - neither, in training: drawn by sample_depths.
+        - T gives T steps each (None means mu_rec), and in training the last min(T, mu_bwd)
+          have gradient.
+        - depths gives (n, k) as they are.
+        - With neither, training draws them with sample_depths.
         """
         if depths is not None and T is not None:
             raise ValueError("give the loop's depth as T or as depths = (n, k), not both")
@@ -560,7 +569,7 @@ class Parcae(nn.Module):
             if T < 1:
                 raise ValueError(f"recurrence depth T must be >= 1, got {T}")
             depths = split_depths(torch.full((batch_size,), T), self.config.mu_bwd, self.training)
-        # What recurrence needs: a longer sequence has no fewer steps of either kind.
+        # recurrence needs a longer sequence to have no fewer steps of either kind.
         # And k_i >= 1 for all or none, so every sequence ends at the loop's last step.
         n, k = (torch.as_tensor(x).long().cpu().expand(batch_size).clone() for x in depths)
         if (n < 0).any() or (k < 0).any() or (n + k < 1).any():
@@ -577,18 +586,18 @@ class Parcae(nn.Module):
     def recurrence(self, h, Bbar_e, n, k, ves, cos, sin, cache=None):
         """The loop (METHOD.md §1) with truncated backprop (§2) -> (h_T, h_{T-1}).
         Sequence i runs n_i steps without gradient, then k_i with it.
-        h: h0 (B, S, d); n, k: loop_depths'.
+        h is h0 (B, S, d), and n, k are loop_depths'.
 
         No step is spent on a sequence that has stopped. Rows are sorted longest first.
         Each row's no-grad steps end with the no-grad phase, its grad steps with the loop.
-        So the rows looping at a step are the first ones: sum(n_i + k_i) row-steps in all.
-        Example, in training: T = (7, 3, 1), mu_bwd 4 give k = (4, 3, 1), n = (3, 0, 0).
+        So the rows looping at a step are the first ones, sum(n_i + k_i) row-steps in all.
+        For example, in training T = (7, 3, 1) and mu_bwd 4 give k = (4, 3, 1) and n = (3, 0, 0).
 
             step        0    1    2  |  3    4       5       6
             rows       {0}  {0}  {0} | {0}  {0, 1}  {0, 1}  {0, 1, 2}
             gradient    no   no   no | yes  yes     yes     yes
 
-        Row 0 runs 7 steps, row 1 its 3 at steps 4-6, row 2 its 1 at step 6: all end together.
+        Row 0 runs 7 steps, row 1 its 3 at steps 4-6 and row 2 its 1 at step 6, so all end together.
         """
         # sort the rows longest first, so the rows still looping are a prefix
         order = torch.argsort(n + k, descending=True, stable=True)
@@ -600,7 +609,7 @@ class Parcae(nn.Module):
         A_bar = self.injection.A_bar()  # (d,) for Parcae, None for the baselines
         n_max, k_max, grad = int(n[0]), int(k[0]), torch.is_grad_enabled()
         for step in range(n_max + k_max):
-            # the rows with at least as many steps as are left in this phase: the first `looping`
+            # the first `looping` rows have at least as many steps as are left in this phase
             if step < n_max:
                 looping = int((n >= n_max - step).sum())  # n_max - step steps without gradient left
             else:
@@ -618,11 +627,11 @@ class Parcae(nn.Module):
         return h, h_prev
 
     def loop_step(self, h, Bbar_e, A_bar, step, ves, cos, sin, cache=None):
-        """One loop step, h -> R(A_bar h + Bbar e): the only place the loop's update is written."""
+        """One loop step, h -> R(A_bar h + Bbar e), the only place the loop's update is written."""
         return self.recurrent_block(self.injection(h, Bbar_e, A_bar), step, ves, cos, sin, cache)
 
     def recurrent_block(self, u, step, ves, cos, sin, cache=None):
-        """R: the recurrent layers on u (B, S, d) at loop step `step`, which names cache slots."""
+        """R, the recurrent layers on u (B, S, d) at loop step `step`, which names their slots."""
         for i, block in enumerate(self.recur):
             ve = ves.get(self.config.n_prelude + i)
             u = block(u, ve, cos, sin, cache, Slot("recur", i, step))
@@ -632,10 +641,10 @@ class Parcae(nn.Module):
 
     def run_prelude(self, idx, cache=None):
         """ids (B, S) -> (Bbar_e, ves, cos, sin).
-        Bbar_e (B, S, d): the loop's input term, Bbar e of the prelude's normed output e.
+        Bbar_e (B, S, d) is the loop's input term, Bbar e of the prelude's normed output e.
         It is e itself for the baselines without a B, and the Transformer's blocks read e.
-        ves: the value embeddings by layer. cos, sin: the S positions' RoPE tables, claimed in
-        the cache."""
+        ves holds the value embeddings by layer, and cos, sin the RoPE tables of the S positions
+        the cache claims."""
         pos = cache.pos if cache is not None else 0
         S = idx.size(1)
         if pos + S > self.rope_cos.size(1):
@@ -661,8 +670,8 @@ class Parcae(nn.Module):
         return logits.to(torch.promote_types(self.wte.weight.dtype, torch.float32))
 
     def coda_loss(self, h, ves, cos, sin, targets, reduction="mean"):
-        """run_coda, then the cross-entropy with targets (B, S) (-1: ignored).
-        reduction="none": (B, S)."""
+        """run_coda, then the cross-entropy with targets (B, S), where -1 is ignored.
+        With reduction="none" the loss is (B, S)."""
         logits = self.run_coda(h, ves, cos, sin)
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
                                ignore_index=-1, reduction=reduction)
@@ -673,23 +682,23 @@ class Parcae(nn.Module):
     def compile_regions(self, backend="inductor"):
         """Compile the forward in regions, each a plain method above, and keep the loop in Python.
 
-        - run_prelude: the prelude, its norm and Bbar e.
-        - loop_step: the injection and the recurrent block (the Transformer: recurrent_block).
-        - coda_loss: the coda, the head and the loss. In one graph the loss reads the head's bf16
-          logits: float32 ones are never stored, for the forward or the backward.
-        - run_coda: the logits alone, for evals.
+        - run_prelude runs the prelude, its norm and Bbar e.
+        - loop_step runs the injection and the recurrent block (the Transformer's recurrent_block).
+        - coda_loss runs the coda, the head and the loss. In one graph the loss reads the head's
+          bf16 logits, so float32 ones are never stored, for the forward or the backward.
+        - run_coda gives the logits alone, for evals.
 
         The loop step runs on the rows still looping, a prefix of the batch.
-        Its row count is dynamic: a new depth does not recompile, one row included.
+        Its row count is dynamic, so a new depth does not recompile, one row included.
         Inductor alone may add a one-row graph per gradient variant, once.
-        Decoding runs them eagerly (engine.py): each token's cache position is new."""
+        Decoding runs them eagerly (engine.py), since each token's cache position is new."""
         for name, dynamic in (("run_prelude", False), ("coda_loss", False), ("run_coda", False),
                               ("loop_step" if self.injection else "recurrent_block", None)):
             plain = getattr(type(self), name).__get__(self)  # the method, compiled before or not
             setattr(self, name, torch.compile(plain, dynamic=dynamic, backend=backend))
-        # a row count of one is then not a graph of its own: no broadcast reads it as special
+        # a row count of one then gets no graph of its own, since no broadcast reads it as special
         torch.fx.experimental._config.backed_size_oblivious = True
-        # the loop step's graphs: with and without gradient, its first step's, one-row ones, evals'
+        # the loop step compiles graphs with and without gradient, its first step, one row, evals
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
         # a region's backward hands DDP its gradients region by region, to all-reduce meanwhile;
         # DDP's graph splitting would only compile other graphs than one process does
@@ -699,9 +708,9 @@ class Parcae(nn.Module):
     def spectral_radius(self):
         """rho(A_bar), a 0-d float32 tensor on the weights' device; None unlooped.
 
-        - Parcae: max(A_bar).
-        - add: 1.
-        - concat: the largest |eigenvalue| of the adapter's state half.
+        - Parcae's is max(A_bar).
+        - Addition's is 1.
+        - concat's is the largest |eigenvalue| of the adapter's state half.
         """
         if self.injection is None:
             return None
@@ -717,8 +726,9 @@ class Parcae(nn.Module):
     def paper_flops_per_token(self):
         """The paper's training compute C per token (METHOD.md §2, its Appendix D).
         FLOP budgets use it, so they compare with the paper's; what runs is matmul_flops_per_token.
-        N leaves out wte alone: C counts value-embedding lookups as matmuls, not the tied head.
-        The 140M (depth 6, mu_rec 8): C = 1.360e9, 29.2% above its matmul FLOPs; the 1.3B 27.2%."""
+        N leaves out wte alone, as C counts value-embedding lookups as matmuls, not the tied head.
+        At the 140M (depth 6, mu_rec 8) C = 1.360e9, 29.2% above its matmul FLOPs, and at the 1.3B
+        27.2% above."""
         c = self.config
         d, S = c.d_model, c.seq_len
         N = self.num_params() - self.wte.weight.numel()
@@ -732,8 +742,8 @@ class Parcae(nn.Module):
 
     def matmul_flops_per_token(self, n=None, k=None, backward=True):
         """The matmul FLOPs a training forward and backward run per token, for MFU (METHOD.md §2).
-        backward=False: a forward alone. n, k: loop steps without and with gradient.
-        They are numbers or per-sequence tensors (their means count); None: mean_steps(config).
+        backward=False counts a forward alone. n and k are the loop steps without and with
+        gradient, as numbers or per-sequence tensors whose means count. None takes mean_steps.
 
         - A forward costs 2 per nn.Linear weight and 2 d V for the tied head.
         - Attention costs 4 S d per block, over all S x S, as FlopCounterMode counts it.
@@ -748,7 +758,7 @@ class Parcae(nn.Module):
             blocks = sum(isinstance(m, Block) for m in parts)
             return 2 * linears + blocks * 4 * c.seq_len * c.d_model
 
-        # per loop step: the recurrent blocks, and concat's adapter (Parcae's B makes Bbar e once)
+        # a loop step runs the recurrent blocks and concat's adapter (Parcae's B makes Bbar e once)
         per_step = [*self.recur, *([self.injection] if c.injection == "concat" else [])] \
             if self.injection is not None else []
         step = forward_flops(per_step)
@@ -763,7 +773,7 @@ class Parcae(nn.Module):
 
 @torch.no_grad()
 def stability_diagnostics(h, h_prev):
-    """The paper's stability diagnostics: ||h_T|| and ||h_T - h_{T-1}|| / ||h_T||.
+    """The paper's stability diagnostics, ||h_T|| and ||h_T - h_{T-1}|| / ||h_T||.
     Each is a mean over the batch's positions; None without a loop (the Transformer)."""
     if h_prev is None:
         return {"h_norm": None, "update_ratio": None}

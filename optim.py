@@ -1,11 +1,11 @@
 """
-optim.py: the paper's optimiser (METHOD.md §2), the authors' MuonAdamW, and its schedules.
-One torch.optim.Optimizer with two kinds of parameter groups:
+The paper's optimiser (METHOD.md §2), the authors' MuonAdamW, and its schedules.
+It is one torch.optim.Optimizer with two kinds of parameter groups.
 
-- kind='adamw': the embeddings, norms, every vector, and Parcae's injection parameters (A_log,
-  dt_bias, B, C_proj, or the concat baseline's adapter). Plain AdamW, no weight decay.
-- kind='muon': every other matrix, one group per shape, orthogonalised as a stack.
-  Nesterov momentum, Polar Express in bf16, NorMuon, cautious weight decay.
+- kind='adamw' holds the embeddings, norms, every vector, and Parcae's injection parameters
+  (A_log, dt_bias, B, C_proj, or the concat baseline's adapter). It is plain AdamW, no weight decay.
+- kind='muon' holds every other matrix, one group per shape, orthogonalised as a stack.
+  It runs Nesterov momentum, Polar Express in bf16, NorMuon and cautious weight decay.
 
 A library, not a script:
 
@@ -13,7 +13,7 @@ A library, not a script:
     for group in optimizer.param_groups:                  # before each optimizer.step()
         group['lr'] = group['initial_lr'] * lr_multiplier(step, total_steps)
 
-Sources: the authors' recpre/optim/muon_adamw.py and scripts/train.py (sandyresearch/parcae).
+It follows the authors' recpre/optim/muon_adamw.py and scripts/train.py (sandyresearch/parcae).
 They follow nanochat's nanochat/optim.py, itself from modded-nanogpt.
 It runs eagerly; optimizer.compile() runs the same updates compiled.
 """
@@ -26,9 +26,9 @@ from torch import Tensor
 # -----------------------------------------------------------------------------
 # Polar Express (METHOD.md §2; Amsel et al., https://arxiv.org/abs/2505.16932).
 # Each step applies an odd quintic a X + b (X X^T) X + c (X X^T)^2 X.
-# Its coefficients push every singular value towards 1: G = U S V^T goes to about U V^T,
-# the orthogonal matrix nearest the momentum. The published coefficients, as the authors'.
-# Dividing by ||G||_F * 1.02 first (nanochat: 1.01) puts the singular values in (0, 1].
+# Its coefficients push every singular value towards 1, so G = U S V^T goes to about U V^T,
+# the orthogonal matrix nearest the momentum. They are the published ones, as the authors' are.
+# Dividing by ||G||_F * 1.02 first (nanochat uses 1.01) puts the singular values in (0, 1].
 
 POLAR_EXPRESS_COEFFS = (
     (8.156554524902461, -22.48329292557795, 15.878769915207462),
@@ -63,7 +63,7 @@ def polar_express(G: Tensor, steps: int = 5) -> Tensor:
 # an EMA of its mean square per row (per column when wide), then rescaled to its former norm.
 
 def normuon(U: Tensor, v: Tensor, beta2: float) -> Tensor:
-    """U (n, rows, cols) -> U normalised; v, (n, rows, 1) or (n, 1, cols), updated in place."""
+    """U (n, rows, cols) -> U normalised, with v, (n, rows, 1) or (n, 1, cols), updated in place."""
     reduce_dim = -1 if U.size(-2) >= U.size(-1) else -2
     v.lerp_(U.square().mean(dim=reduce_dim, keepdim=True), 1 - beta2)
     scaled = U * v.clamp_min(1e-10).rsqrt()
@@ -78,7 +78,7 @@ def normuon(U: Tensor, v: Tensor, beta2: float) -> Tensor:
 # that the two agree to the last bit on CPU.
 
 def adamw_update(params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, eps, wd) -> None:
-    """AdamW on a group's tensors, in place; steps: each one's updates, this one included."""
+    """AdamW on a group's tensors, in place. steps counts each one's updates, this one included."""
     for p, g, m, v, t in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
         p.mul_(1 - lr * wd)
         m.lerp_(g, 1 - beta1)
@@ -96,18 +96,19 @@ def muon_update(P, g, momentum_buffer, second_momentum_buffer, momentum, lr, wd,
     # fp32 from here, as nanochat; the authors stay in bf16, which differs only by rounding
     U = polar_express(g, ns_steps).float()
     U = normuon(U, second_momentum_buffer, beta2)
-    # Cautious weight decay (METHOD.md §2), where update * param >= 0, the update being U as
-    # in the authors' code: only entries the update already moves towards zero decay, so the
-    # decay never fights the optimiser.
+    # Cautious weight decay (METHOD.md §2) decays only where update * param >= 0, the update
+    # being U as in the authors' code. Only entries the update already moves towards zero
+    # decay, so the decay never fights the optimiser.
     mask = (U * P) >= 0
     P.sub_(lr * U + (lr * wd) * P * mask)
 
 
 # Compiled, each group's update is one graph of few fused kernels, not dozens of small ones.
-# The hyperparameters go in as 0-d CPU tensors, graph inputs, as nanochat does: a schedule that
-# changes lr, momentum or wd every step then never recompiles. float64, as Python's floats: the
-# scalars reach the kernels as the plain update's do. dynamic=False: a group's shapes are fixed.
-# Not fullgraph: past dynamo's recompile limit an update runs eagerly, with its warning, not fails.
+# The hyperparameters go in as 0-d CPU tensors, graph inputs, as nanochat does, so a schedule
+# that changes lr, momentum or wd every step never recompiles. They are float64, as Python's
+# floats are, so they reach the kernels as the plain update's do. A group's shapes are fixed,
+# hence dynamic=False. Without fullgraph, an update past dynamo's recompile limit runs eagerly
+# with its warning instead of failing.
 
 def compiled_update(update, backend: str):
     """update, compiled; called with numbers, it passes them on as 0-d float64 tensors."""
@@ -178,7 +179,7 @@ class MuonAdamW(torch.optim.Optimizer):
                           wd=group['weight_decay'])
 
     # Muon on one group's stack (n, rows, cols). Its buffers live in the first parameter's state,
-    # as in the authors' code: state_dict saves them like any optimiser state.
+    # as in the authors' code, so state_dict saves them like any optimiser state.
     def _step_muon(self, group: dict) -> None:
         params = group['params']
         if all(p.grad is None for p in params):
@@ -194,7 +195,7 @@ class MuonAdamW(torch.optim.Optimizer):
         # no gradient counts as a zero gradient, as in the authors' code
         g = torch.stack([p.grad if p.grad is not None else torch.zeros_like(p) for p in params])
         P = torch.stack(params)
-        # METHOD.md §2: the factor makes an update's RMS entry 1/sqrt(fan_in) for every shape,
+        # the factor makes an update's RMS entry 1/sqrt(fan_in) for every shape (METHOD.md §2),
         # so tall matrices are not under-stepped
         lr = group['lr'] * math.sqrt(max(1.0, rows / cols))
         self.muon_update(P, g, state['momentum_buffer'], state['second_momentum_buffer'],
@@ -217,9 +218,9 @@ class MuonAdamW(torch.optim.Optimizer):
 
 
 # -----------------------------------------------------------------------------
-# Parameter groups (METHOD.md §2): Muon takes the 2-D matrices inside the blocks (prelude., recur.,
-# coda.); AdamW everything else. The injection (A_log, dt_bias, B or the adapter) and C_proj live
-# outside the blocks, so the prefix alone keeps them on AdamW, as the authors keep them.
+# Parameter groups (METHOD.md §2). Muon takes the 2-D matrices inside the blocks (prelude.,
+# recur., coda.), and AdamW everything else. The injection (A_log, dt_bias, B or the adapter)
+# and C_proj live outside the blocks, so the prefix alone keeps them on AdamW, as the authors do.
 # The authors match substrings of their own names; this picks the same by place.
 
 MUON_PREFIXES = ('prelude.', 'recur.', 'coda.')
@@ -235,8 +236,8 @@ def is_muon_param(name: str, p: Tensor) -> bool:
 def build_optimizer(model: torch.nn.Module, adamw_lr: float, muon_lr: float = 8e-3,
                     weight_decay: float = 0.2, muon: bool = True) -> MuonAdamW:
     """One AdamW group and one Muon group per matrix shape, in the model's parameter order.
-    So a checkpoint loads back into the same groups; each lists its 'names'.
-    muon=False: AdamW alone."""
+    So a checkpoint loads back into the same groups, and each lists its 'names'.
+    muon=False puts every parameter in AdamW."""
     adamw, matrices = {'params': [], 'names': []}, {}
     for name, p in model.named_parameters():  # a tied tensor comes once
         if not p.requires_grad:
@@ -253,7 +254,7 @@ def build_optimizer(model: torch.nn.Module, adamw_lr: float, muon_lr: float = 8e
 
 def optimizer_state_bytes(model: torch.nn.Module, muon: bool = True) -> int:
     """Bytes of the optimiser's state for model, which may be on the meta device.
-    float32 moments: two per AdamW parameter, one per Muon parameter.
+    Its float32 moments are two per AdamW parameter and one per Muon parameter.
     NorMuon adds one per row or column."""
     total = 0
     for group in build_optimizer(model, adamw_lr=1.0, muon=muon).param_groups:

@@ -32,8 +32,8 @@ from nanoparcae.metrics import read_metrics
 from nanoparcae.results import widest
 from optim import optimizer_state_bytes
 
-# The paper's nanochat table (METHOD.md §4), Parcae at T = 8. Columns:
-# val PPL, LAMBADA PPL, CORE, Core-Extended.
+# The paper's nanochat table (METHOD.md §4), Parcae at T = 8, with the columns val PPL,
+# LAMBADA PPL, CORE and Core-Extended.
 PAPER = {
     6: {"none": (21.48, 127.39, 13.00, 8.80), "diagonal": (19.06, 80.64, 14.04, 9.67)},
     12: {"none": (15.79, 40.77, 17.46, 11.71), "diagonal": (14.49, 32.74, 20.00, 12.75)},
