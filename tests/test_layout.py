@@ -58,7 +58,7 @@ def package_imports_of_root(root, package=PACKAGE):
 
 
 def table_modules(init):
-    """The module files a package's __init__.py lists, one a line as `    name.py    what it holds`."""
+    """The module files a package's __init__.py lists, each on an indented line before what it holds."""
     return {line.split()[0] for line in init.read_text().splitlines() if re.match(r"    \w+\.py\s", line)}
 
 
