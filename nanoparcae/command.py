@@ -1,5 +1,5 @@
 """
-nanoparcae/command.py: a command's flags, and its one way to fail, in one line.
+A command's flags, and its one way to fail, in one line.
 Library code raises; run_command ends a command's main() with one line and a status.
 """
 
@@ -81,7 +81,7 @@ def size(number, unit="B"):
 
 
 def comma_list(text, kind=int):
-    """Read a flag's values separated by commas, each by kind: "1,2,4" gives [1, 2, 4].
+    """Read a flag's values separated by commas, each by kind, so "1,2,4" gives [1, 2, 4].
     Raises ValueError naming the text when it holds no value or one that kind cannot read."""
     try:
         values = [kind(value) for value in str(text).split(",") if value.strip()]
@@ -93,7 +93,7 @@ def comma_list(text, kind=int):
 
 
 def spans(numbers, separator=", "):
-    """Write ascending numbers (64 ranks, 1,822 shards) in a line: [0, 1, 2, 5] gives "0-2, 5"."""
+    """Write ascending numbers (64 ranks, 1,822 shards) in a line, so [0, 1, 2, 5] gives "0-2, 5"."""
     runs = []
     for number in numbers:
         if runs and number == runs[-1][1] + 1:
@@ -114,19 +114,19 @@ def first_sentence(err, limit=300):
 
 
 # -----------------------------------------------------------------------------
-# Checked flag types: a bad value is one line, said one way
+# Checked flag types, so a bad value is one line, said one way
 
 
 
 
 def checked(kind, rule, holds):
-    """An argparse type: the text read as `kind`, refused unless holds(value), naming `rule`."""
+    """An argparse type that reads the text as `kind` and refuses it unless holds(value), naming `rule`."""
     def parse(text):
         value = kind(text)
         if not holds(value):
             raise argparse.ArgumentTypeError(f"{text} must be {rule}")
         return value
-    parse.__name__ = kind.__name__  # argparse's "invalid int value: 'x'" for text that is no number
+    parse.__name__ = kind.__name__  # so argparse names the kind for text that is no number
     return parse
 
 
@@ -139,7 +139,7 @@ def zero_or_more(kind):
 
 
 def listed(each):
-    """An argparse type: integers separated by commas, each read by `each` (1,2,4,8)."""
+    """An argparse type for integers separated by commas, each read by `each` (1,2,4,8)."""
     def parse(text):
         try:
             return comma_list(text, each)

@@ -1,5 +1,5 @@
 """
-nanoparcae/files.py: the base folder and every write in it, checked first and never torn.
+The base folder and every write in it, checked first and never torn.
 Runs, tokenizers, data and downloads live under the base folder. JSON is read back in one place.
 """
 
@@ -20,7 +20,7 @@ NO_WRITE = (*FULL_DISK, errno.EROFS, errno.EACCES, errno.EPERM)  # a full disk, 
 def get_base_dir():
     """Return $NANOPARCAE_BASE_DIR (default ~/.cache/nanoparcae), created on first use.
     A file in its place, or a folder that cannot be made, raises ValueError naming it and the variable.
-    A folder there is not written: a read-only one serves reads, and each write checks its own folder."""
+    A folder there is not written, since a read-only one serves reads and each write checks its own."""
     setting = os.environ.get("NANOPARCAE_BASE_DIR", str(Path.home() / ".cache" / "nanoparcae"))
     if not setting.strip():  # an empty setting would write into the current folder
         raise ValueError("NANOPARCAE_BASE_DIR is set but empty; set it to a folder, or unset it for "
@@ -107,7 +107,7 @@ def read_json(path, kind=dict):
 
 
 def disk_full(folder, needs):
-    """Stop a run whose disk is full: EnvironmentFailure naming what `needs` room and what is free."""
+    """Stop a run whose disk is full with EnvironmentFailure, naming what `needs` room and what is free."""
     raise EnvironmentFailure(
         f"the disk holding {folder} is full: {needs} and {size(shutil.disk_usage(folder).free)} is free; "
         f"the last checkpoint is kept: free space there, then the same command continues from it") from None
