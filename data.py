@@ -20,14 +20,13 @@ import queue
 import random
 import threading
 import time
-from typing import NamedTuple
 
 import torch
 
 from nanoparcae.command import command_parser, run_command, positive
 from nanoparcae.files import get_base_dir
-from nanoparcae.dataset import ChunkReader, check_split, get_tokenizer, list_chunks
-from nanoparcae.tokenizer import vocab_size_flag
+from nanoparcae.dataset import ChunkReader, check_split, list_chunks
+from nanoparcae.tokenizer import get_tokenizer, vocab_size_flag
 
 # -----------------------------------------------------------------------------
 # The document stream, one rank's share of a split, epoch after epoch, each document with an id
@@ -85,7 +84,7 @@ class DocumentStream:
 # -----------------------------------------------------------------------------
 # The loader: BOS-aligned best-fit packing (METHOD.md §2), tokenized ahead, exactly resumable
 
-# At an epoch's end a buffer holds at most 1/DRAIN of its share; packing measures DRAIN buffers
+# At an epoch's end a buffer holds at most 1/DRAIN of its share
 DRAIN = 8
 
 
@@ -236,11 +235,6 @@ class DataLoader:
         """Tokens of every document buffered so far."""
         return self.tokens_used + self.tokens_cropped + sum(entry[0] for entry in self.buffer)
 
-    @property
-    def cropped_fraction(self):
-        """Share of packed tokens cropped (low while long ones wait)."""
-        return self.tokens_cropped / max(self.tokens_used + self.tokens_cropped, 1)
-
     def state_dict(self):
         s = self.stream
         return {"source": s.source, "split": s.split, "seed": s.seed, "rank": s.rank,
@@ -294,46 +288,6 @@ def val_batches(tokenizer, source, batch_size, seq_len, num_tokens, rank=0, worl
     yield from itertools.islice(loader, max(1, num_tokens // (batch_size * seq_len * world_size)))
     loader.close()
 
-
-class Packing(NamedTuple):
-    crop: float  # the share of the tokens packed that packing crops
-    rows: int | None  # rows each loader yields before it reads a second epoch; None if not reached
-    lengths: list  # the tokens of each document the first loader read, BOS included
-    buffer_docs: int  # documents a loader holds back unpacked, in its buffer
-
-
-def packing(tokenizer, source, seq_len, seed=0, world_size=1, settle=6, measure=2):
-    """How packing meets a run's train split, read by the run's world_size loaders.
-    The first reads `settle` + `measure` buffers of documents, or its share if that ends first.
-
-    - crop: over the last `measure` buffers, or the whole pass if the share ended first.
-      Short documents leave first, so the buffer fills with long ones as a long run goes on.
-    - rows: where the first's share ended, every loader packs its pass: the fewest rows one
-      yields before reading its second epoch.
-    - lengths: what dataset.check_data bounds a longer pass's buffer with.
-      A longer share never drains at its end, since a buffer is at most 1/DRAIN of it."""
-    assert settle + measure == DRAIN
-    def loader(rank):
-        return DataLoader(tokenizer, source, "train", 1, seq_len, rank=rank, world_size=world_size,
-                          seed=seed)
-    first, start, rows = loader(0), (0, 0), None
-    while first.arrivals < (settle + measure) * first.buffer_docs and first.next_doc[0] == 0:
-        if first.arrivals < settle * first.buffer_docs:
-            start = first.tokens_used, first.tokens_cropped
-        next(first)
-    first.close()
-    if first.next_doc[0] > 0:  # the row just packed took a document of the next epoch
-        start, rows = (0, 0), first.batches - 1
-        for rank in range(1, world_size):  # the others' shares are short too, each packed through
-            other = loader(rank)
-            while other.next_doc[0] == 0:
-                next(other)
-            other.close()
-            rows = min(rows, other.batches - 1)
-    texts = [text for _, text in itertools.islice(first.stream.iterate(loop=False), first.arrivals)]
-    lengths = [len(ids) for ids in tokenizer.encode(texts, prepend_bos=True)]
-    used, cropped = first.tokens_used - start[0], first.tokens_cropped - start[1]
-    return Packing(cropped / max(used + cropped, 1), rows, lengths, first.buffer_docs)
 
 # -----------------------------------------------------------------------------
 # Command line, the loader measured
