@@ -3,9 +3,7 @@ data.py: the training data loader (METHOD.md §2).
 Each rank reads its own share of the documents and tokenizes them ahead in a thread.
 It packs them best-fit into rows that start with BOS. Its state is small and resumes exactly.
 It also yields the held-out batches that evals score.
-nanoparcae/dataset.py reads the text and its tokenizer.
-
-    python data.py --data=stdlib --vocab_size=4096 --seq_len=2048   # tokens/s and the share cropped
+nanoparcae/dataset.py reads the text, and nanoparcae/tokenizer.py tokenizes it.
 
     reader = ChunkReader()                       # one per process, shared by its loaders
     loader = DataLoader(tokenizer, "stdlib", "train", batch_size=8, seq_len=2048, reader=reader)
@@ -19,14 +17,10 @@ import math
 import queue
 import random
 import threading
-import time
 
 import torch
 
-from nanoparcae.command import command_parser, run_command, positive
-from nanoparcae.files import get_base_dir
 from nanoparcae.dataset import ChunkReader, check_split, list_chunks
-from nanoparcae.tokenizer import get_tokenizer, vocab_size_flag
 
 # -----------------------------------------------------------------------------
 # The document stream, one rank's share of a split, epoch after epoch, each document with an id
@@ -162,7 +156,7 @@ class DataLoader:
         self.next_doc = (0, 0, 0)  # id of the next document to take into the buffer
         self.epoch_docs = 0  # documents taken from the epoch of next_doc: the share, at its end
         self.buffer = []  # (length, arrival, doc_id, tokens), sorted by length then arrival
-        self.arrivals = self.batches = self.tokens_used = self.tokens_cropped = 0
+        self.arrivals = self.batches = 0
 
     def _next_document(self):
         if not self.pending:
@@ -202,8 +196,6 @@ class DataLoader:
             longest_fitting = bisect.bisect_right(self.buffer, (room, math.inf)) - 1
             tokens = self.buffer.pop(max(longest_fitting, 0))[3]
             row.extend(tokens[:room])
-            self.tokens_used += min(len(tokens), room)
-            self.tokens_cropped += max(len(tokens) - room, 0)
         return row
 
     def __iter__(self):
@@ -230,18 +222,12 @@ class DataLoader:
                     y.pin_memory().to(self.device, non_blocking=True))
         return x.to(self.device), y.to(self.device)
 
-    @property
-    def tokens_read(self):
-        """Tokens of every document buffered so far."""
-        return self.tokens_used + self.tokens_cropped + sum(entry[0] for entry in self.buffer)
-
     def state_dict(self):
         s = self.stream
         return {"source": s.source, "split": s.split, "seed": s.seed, "rank": s.rank,
                 "world_size": s.world_size, "next_doc": list(self.next_doc),
                 "buffer": [[arrival, *doc_id] for _, arrival, doc_id, _ in self.buffer],
-                "epoch_docs": self.epoch_docs, "arrivals": self.arrivals, "batches": self.batches,
-                "tokens_used": self.tokens_used, "tokens_cropped": self.tokens_cropped}
+                "epoch_docs": self.epoch_docs, "arrivals": self.arrivals, "batches": self.batches}
 
     def load_state_dict(self, state):
         s = self.stream
@@ -256,7 +242,6 @@ class DataLoader:
         self.next_doc = tuple(state["next_doc"])
         self.epoch_docs = state.get("epoch_docs", math.inf)  # a state without it never drains
         self.arrivals, self.batches = state["arrivals"], state["batches"]
-        self.tokens_used, self.tokens_cropped = state["tokens_used"], state["tokens_cropped"]
         # the buffered documents, re-read and re-tokenized a chunk at a time
         by_chunk = collections.defaultdict(list)
         for arrival, epoch, position, index in state["buffer"]:
@@ -288,40 +273,3 @@ def val_batches(tokenizer, source, batch_size, seq_len, num_tokens, rank=0, worl
     yield from itertools.islice(loader, max(1, num_tokens // (batch_size * seq_len * world_size)))
     loader.close()
 
-
-# -----------------------------------------------------------------------------
-# Command line, the loader measured
-
-def main(argv=None):
-    parser = command_parser(__doc__)
-    parser.add_argument("--data", default="stdlib",
-                        help="fineweb-edu, stdlib, or a path/folder/glob of your files")
-    parser.add_argument("--vocab_size", type=vocab_size_flag, default=4096)
-    parser.add_argument("--batch_size", type=positive(int), default=8)
-    parser.add_argument("--seq_len", type=positive(int), default=2048)
-    parser.add_argument("--tokens", type=positive(int), default=4_000_000,
-                        help="tokens to time after the first batch")
-    args = parser.parse_args(argv)
-    print(f"Base directory: {get_base_dir()}")
-    tokenizer = get_tokenizer(args.data, args.vocab_size)
-    loader = DataLoader(tokenizer, args.data, "train", args.batch_size, args.seq_len)
-    t0 = time.time()
-    next(loader)
-    t1 = time.time()
-    steps = max(2, args.tokens // (args.batch_size * args.seq_len))
-    for step in range(steps):
-        if step == steps // 2:  # the crop share over the second half, once the buffer settles
-            used, read = loader.tokens_used, loader.tokens_read
-        next(loader)
-    t2 = time.time()
-    cropped = 1 - (loader.tokens_used - used) / (loader.tokens_read - read)
-    tokens_per_second = steps * args.batch_size * args.seq_len / (t2 - t1)
-    print(f"First batch after {t1 - t0:.1f}s (tokenizing the first {loader.buffer_docs} "
-          f"documents), then {tokens_per_second:,.0f} tokens/s over {steps} batches of "
-          f"{args.batch_size} x {args.seq_len}; packing cropped {100 * cropped:.1f}% of the tokens "
-          f"read over the last {steps - steps // 2} batches")
-    loader.close()
-
-
-if __name__ == "__main__":
-    run_command(main)

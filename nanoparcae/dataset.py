@@ -1,11 +1,11 @@
 """
-nanoparcae/dataset.py: every data source's text, read in one place, before the loader (METHOD.md §2).
-Its jobs are these five.
+nanoparcae/dataset.py: every data source's text, read in one place before the loader (METHOD.md §2).
+Its five jobs are these.
 
 - It lists a source's files in chunks, and names their content (data_key).
 - It reads a chunk's documents, and names a file it cannot read with the fix.
 - A ChunkReader shares each chunk it reads among a process's loaders.
-- It checks a split holds documents, and that FineWeb-Edu's shards on disk cover a run (check_horizon).
+- It checks that a split holds documents, and that FineWeb-Edu's shards on disk cover a run (check_horizon).
 - Its command line downloads FineWeb-Edu's shards and trains a source's tokenizer.
 
     python -m nanoparcae.dataset download -n 8                  # FineWeb-Edu: 7 train shards + the validation shard
@@ -21,7 +21,6 @@ A data source (`--data`) is one of these three.
                   or .parquet (column "text") files, or a folder holding them
 
 For stdlib and your own files, a hash of each document's text puts a fixed ~5% in validation.
-Everything is cached under $NANOPARCAE_BASE_DIR (default ~/.cache/nanoparcae).
 """
 
 import contextlib
@@ -42,7 +41,8 @@ from typing import NamedTuple
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from nanoparcae.command import EnvironmentFailure, command_parser, first_sentence, positive, run_command, size
+from nanoparcae.command import (EnvironmentFailure, checked, command_parser, first_sentence, positive, run_command,
+                                size)
 from nanoparcae.download import FINEWEB_URL, PAPER_TOKENS, download_shards
 from nanoparcae.files import check_writable, get_base_dir
 
@@ -98,59 +98,19 @@ def walk(folder):
     return found
 
 
-@contextlib.contextmanager
-def reading(path, where=""):
-    """Name the data file `path` (and `where` in it, a row group) in what a failed read raises, with the fix.
-    A permission error is the machine's (EnvironmentFailure); a file that is not whole data is the user's."""
-    try:
-        yield
-    except PermissionError as err:
-        raise EnvironmentFailure(f"{path} cannot be read ({err.strerror}): make it readable, then run the same "
-                                 f"command again") from None
-    except (OSError, pa.ArrowException) as err:  # ArrowInvalid is a ValueError too
-        cause = "it is empty (0 bytes)" if os.path.isfile(path) and os.path.getsize(path) == 0 else \
-            first_sentence(err)
-        raise ValueError(f"{path}{where} cannot be read ({cause}): remove it, then download or copy it "
-                         f"again") from None
-
-
-def parquet_metadata(path):
-    """Return a parquet file's footer, checked to hold a 'text' column of strings."""
-    with reading(path):
-        metadata = pq.read_metadata(path)
-        schema = metadata.schema.to_arrow_schema()
-    if "text" not in schema.names:
-        raise ValueError(f"{path} has no 'text' column (columns: {schema.names}); rename the column to 'text'")
-    if not pa.types.is_string(kind := schema.field("text").type) and not pa.types.is_large_string(kind):
-        raise ValueError(f"{path}: its 'text' column holds {kind}, not strings; write the text as strings, or remove "
-                         f"the file")
-    return metadata
-
-
-def parquet_texts(path, row_group):
-    """Return the texts of one row group of a parquet file; a corrupt or null row is named."""
-    where = f" (row group {row_group})"
-    with reading(path, where):
-        column = pq.ParquetFile(path).read_row_group(row_group, columns=["text"]).column("text")
-    if column.null_count:
-        raise ValueError(f"{path}{where} holds {column.null_count:,} null text(s); remove those rows, or the file")
-    return column.to_pylist()
-
-
-def parquet_chunks(path, keep):
-    return [Chunk((path,), rg, keep) for rg in range(parquet_metadata(path).num_row_groups)]
-
-
-def files_chunks(paths, keep, quiet=False):
-    """Chunk parquet files by row group, and other files FILES_PER_CHUNK at a time."""
-    texts = [p for p in paths if not p.endswith(".parquet")]
-    chunks = [Chunk(tuple(texts[i:i + FILES_PER_CHUNK]), -1, keep, quiet)
-              for i in range(0, len(texts), FILES_PER_CHUNK)]
-    return chunks + [c for p in paths if p.endswith(".parquet") for c in parquet_chunks(p, keep)]
+def data_key(source):
+    """Name a data source's content, so the same files give the same key, whatever the base folder."""
+    if source == "fineweb-edu":
+        return source
+    if source == "stdlib":  # another Python version has another standard library; where it lives does not count
+        return f"stdlib-py{sys.version_info.major}{sys.version_info.minor}"
+    # the key holds the files' sizes and modification times, so a changed corpus trains a new tokenizer
+    files = [(str(Path(p).resolve()), os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in user_files(source)]
+    return "files-" + hashlib.sha1(json.dumps(files).encode()).hexdigest()[:10]
 
 
 def fineweb_dir(make=False):
-    """Return the shards' folder, made if `make` (a download), so a read-only cache serves reads.
+    """Return the shards' folder, made only for a download, so a read-only cache serves reads.
     A file in its place raises ValueError naming it, and a folder a download cannot write EnvironmentFailure."""
     path = get_base_dir() / "fineweb-edu"
     if path.exists() and not path.is_dir():
@@ -189,17 +149,63 @@ def list_chunks(source, split):
         raise ValueError(f"split must be 'train' or 'val', got '{split}'")
     if source == "fineweb-edu":
         train = fineweb_train_shards()  # both splits need the validation shard there
-        paths = [fineweb_dir() / shard_name(i) for i in (train if split == "train" else [FINEWEB_VAL_SHARD])]
-        return [c for path in paths for c in parquet_chunks(str(path), None)]
-    if source == "stdlib":
-        return files_chunks(stdlib_files(), split, quiet=True)
-    return files_chunks(user_files(source), split)
+        paths = [str(fineweb_dir() / shard_name(i)) for i in (train if split == "train" else [FINEWEB_VAL_SHARD])]
+    else:
+        paths = stdlib_files() if source == "stdlib" else user_files(source)
+    keep = None if source == "fineweb-edu" else split
+    texts = [p for p in paths if not p.endswith(".parquet")]  # read FILES_PER_CHUNK at a time
+    chunks = [Chunk(tuple(texts[i:i + FILES_PER_CHUNK]), -1, keep, source == "stdlib")
+              for i in range(0, len(texts), FILES_PER_CHUNK)]
+    return chunks + [Chunk((p,), group, keep) for p in paths if p.endswith(".parquet")
+                     for group in range(parquet_metadata(p).num_row_groups)]
+
+# -----------------------------------------------------------------------------
+# A chunk's documents, each failure naming its file
+
+
+@contextlib.contextmanager
+def reading(path, where=""):
+    """Name the data file `path` (and `where` in it, a row group) in what a failed read raises, with the fix.
+    A permission error is the machine's (EnvironmentFailure), and a file that is not whole data is the user's."""
+    try:
+        yield
+    except PermissionError as err:
+        raise EnvironmentFailure(f"{path} cannot be read ({err.strerror}): make it readable, then run the same "
+                                 f"command again") from None
+    except (OSError, pa.ArrowException) as err:  # ArrowInvalid is a ValueError too
+        cause = "it is empty (0 bytes)" if os.path.isfile(path) and os.path.getsize(path) == 0 else \
+            first_sentence(err)
+        raise ValueError(f"{path}{where} cannot be read ({cause}); remove it, then download or copy it "
+                         f"again") from None
+
+
+def parquet_metadata(path):
+    """Return a parquet file's footer, checked to hold a 'text' column of strings."""
+    with reading(path):
+        metadata = pq.read_metadata(path)
+        schema = metadata.schema.to_arrow_schema()
+    if "text" not in schema.names:
+        raise ValueError(f"{path} has no 'text' column (columns: {schema.names}); rename the column to 'text'")
+    if not pa.types.is_string(kind := schema.field("text").type) and not pa.types.is_large_string(kind):
+        raise ValueError(f"{path}: its 'text' column holds {kind}, not strings; write the text as strings, or remove "
+                         f"the file")
+    return metadata
+
+
+def parquet_texts(path, row_group):
+    """Return the texts of one row group of a parquet file; a corrupt or null row is named."""
+    where = f" (row group {row_group})"
+    with reading(path, where):
+        column = pq.ParquetFile(path).read_row_group(row_group, columns=["text"]).column("text")
+    if column.null_count:
+        raise ValueError(f"{path}{where} holds {column.null_count:,} null text(s); remove those rows, or the file")
+    return column.to_pylist()
 
 
 def read_text_file(path, reported=None):
     """Return the documents of a text file, leaving out bytes that are not UTF-8.
     The warning names each file once, adding it to `reported` (a ChunkReader's set).
-    A NUL byte says the file is not UTF-8 text at all (UTF-16, or binary): that raises ValueError.
+    A NUL byte says the file is not UTF-8 text at all (UTF-16, or binary), so it raises ValueError.
     With reported None it checks none, since a few standard-library files use other encodings."""
     with reading(path), open(path, "rb") as f:
         raw = f.read()
@@ -236,37 +242,29 @@ def jsonl_text(path, number, line):
     return text
 
 
-def read_units(chunk, reported):
-    """Return the chunk's documents, grouped by what goes to one split together.
-    A .py file's blocks share names and imports, so the whole file is train or val.
-    Any other document goes by its own hash. `reported` is read_text_file's."""
-    if chunk.row_group >= 0:
-        return [[doc] for doc in parquet_texts(chunk.paths[0], chunk.row_group)]
-    units = []
-    for path in chunk.paths:
-        docs = read_text_file(path, None if chunk.quiet else reported)
-        units += [docs] if path.endswith(".py") else [[doc] for doc in docs]
-    return units
-
-
 def read_chunk(chunk, reported):
-    docs = []
-    for unit in read_units(chunk, reported):
-        if chunk.keep is None or is_val_document("".join(unit)) == (chunk.keep == "val"):
-            docs += [doc for doc in unit if doc and not doc.isspace()]
-    return docs
+    """Return the chunk's documents of its split; `reported` is read_text_file's.
+    A .py file's blocks share names and imports, so the whole file goes to one split by its hash.
+    Any other document goes by its own hash."""
+    if chunk.row_group >= 0:
+        units = [[doc] for doc in parquet_texts(chunk.paths[0], chunk.row_group)]
+    else:
+        units = []
+        for path in chunk.paths:
+            docs = read_text_file(path, None if chunk.quiet else reported)
+            units += [docs] if path.endswith(".py") else [[doc] for doc in docs]
+    kept = [unit for unit in units if chunk.keep is None or is_val_document("".join(unit)) == (chunk.keep == "val")]
+    return [doc for unit in kept for doc in unit if doc and not doc.isspace()]
 
 
 class ChunkReader:
     """Reads chunks for the loaders that share it, each chunk once for all of them.
 
     - train.py builds one per process, and a loader per micro-batch (a virtual rank).
-      Each loader takes its own share of every chunk.
-      Without a shared reader, a process would read and decode each chunk once per micro-batch.
+      Without it, a process would read and decode each chunk once per micro-batch.
     - A chunk is kept until all its `sharers` loaders have taken it, then dropped.
-      What a loader yields does not change.
-    - At most max_kept chunks are kept; the oldest go first, read again if asked for.
-      Loaders drift apart a little, and after a resume a loader past a chunk never takes it.
+    - At most max_kept chunks are kept, the oldest going first, because loaders drift apart a little
+      and a resumed loader never takes a chunk it is past.
     - A file with bytes that are not UTF-8 is named once per reader (read_text_file).
     """
 
@@ -306,6 +304,9 @@ def iter_documents(source, split, reader=None):
     for chunk in list_chunks(source, split):
         yield from reader.read(chunk)
 
+# -----------------------------------------------------------------------------
+# What a run needs of its data, checked before it starts
+
 
 def check_split(source, split, reader=None):
     """Raise ValueError naming the cause when a source's split holds no documents.
@@ -322,29 +323,10 @@ def check_split(source, split, reader=None):
                      f"{sum(counts.values())}; split the text into more documents (a blank line between two "
                      f"in a .txt file) or pass several files")
 
-# -----------------------------------------------------------------------------
-# FineWeb-Edu's shards against a run's horizon, by the download's own rule
-
 
 def train_shards_needed(tokens):
     """Count the training shards a run of `tokens` reads at SHARD_TOKENS a shard, capped at the 1,822 there are."""
     return min(math.ceil(tokens / SHARD_TOKENS), FINEWEB_VAL_SHARD)
-
-
-def shards_for(num_shards=None, depth=None, tokens=None):
-    """List the shards a download fetches, the validation shard always among them.
-    It fetches num_shards in all, or as many as `tokens` need, or as many as the paper's horizon at `depth` needs."""
-    tokens = None if num_shards else tokens or PAPER_TOKENS.get(depth)
-    if tokens is None and depth is not None:
-        raise ValueError(f"--depth={depth} has no paper horizon (depths {', '.join(map(str, PAPER_TOKENS))}); "
-                         f"pass --tokens or -n")
-    num_train = num_shards - 1 if tokens is None else train_shards_needed(tokens)
-    if tokens is not None:
-        print(f"{tokens / 1e9:.1f}B tokens at about {SHARD_TOKENS / 1e6:.1f}M a shard (50M less the ~35% packing "
-              f"crops): {num_train} training shards" + (f", all there are, which the run reads "
-                                                        f"{tokens / (FINEWEB_VAL_SHARD * SHARD_TOKENS):.2f} times"
-                                                        if tokens > FINEWEB_VAL_SHARD * SHARD_TOKENS else ""))
-    return list(range(num_train)) + [FINEWEB_VAL_SHARD]
 
 
 def check_horizon(source, tokens):
@@ -364,49 +346,34 @@ def check_horizon(source, tokens):
                          f"--max_tokens")
     return shards
 
-
-# -----------------------------------------------------------------------------
-# A source's content, named for its tokenizer's cache
-
-
-def data_key(source):
-    """Name a data source's content, so the same files give the same key, whatever the base folder."""
-    if source == "fineweb-edu":
-        return source
-    if source == "stdlib":  # another Python version has another standard library; where it lives does not count
-        return f"stdlib-py{sys.version_info.major}{sys.version_info.minor}"
-    # the key holds the files' sizes and modification times, so a changed corpus trains a new tokenizer
-    files = [(str(Path(p).resolve()), os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in user_files(source)]
-    return "files-" + hashlib.sha1(json.dumps(files).encode()).hexdigest()[:10]
-
-
 # -----------------------------------------------------------------------------
 # Command line
 
 
-def check_flags(args):
-    """Refuse before any work -n beyond the shards there are, and two ways of sizing a download."""
-    if args.command == "download":
-        sizings = [flag for flag, value in (("-n", args.num_shards), ("--depth", args.depth),
-                                            ("--tokens", args.tokens)) if value is not None]
-        if len(sizings) > 1:
-            raise ValueError(f"pass one of -n, --depth and --tokens, not {' and '.join(sizings)}")
-        if args.num_shards is not None and not 2 <= args.num_shards <= FINEWEB_VAL_SHARD + 1:
-            raise ValueError(f"-n={args.num_shards} must be in 2..{FINEWEB_VAL_SHARD + 1} (at least one train shard "
-                             f"and the validation shard)")
-        if not sizings:
-            args.num_shards = 8
+def shards_for(num_shards=None, depth=None, tokens=None):
+    """List the shards a download fetches, the validation shard always among them.
+    It fetches num_shards in all, or as many as `tokens` need, or as many as the paper's horizon at `depth` needs."""
+    tokens = None if num_shards else tokens or PAPER_TOKENS.get(depth)
+    if tokens is None and depth is not None:
+        raise ValueError(f"--depth={depth} has no paper horizon (depths {', '.join(map(str, PAPER_TOKENS))}); "
+                         f"pass --tokens or -n")
+    num_train = (num_shards or 8) - 1 if tokens is None else train_shards_needed(tokens)
+    if tokens is not None:
+        reads = tokens / (FINEWEB_VAL_SHARD * SHARD_TOKENS)
+        print(f"{tokens / 1e9:.1f}B tokens at about {SHARD_TOKENS / 1e6:.1f}M a shard (50M less the ~35% that packing "
+              f"crops): {num_train} training shards" + (f", all there are, read {reads:.2f} times" if reads > 1 else ""))
+    return list(range(num_train)) + [FINEWEB_VAL_SHARD]
 
 
 def main(argv=None):
-    # The tokenizer imports this module, so its command reaches it here
-    from nanoparcae.tokenizer import get_tokenizer, vocab_size_flag
+    from nanoparcae.tokenizer import get_tokenizer, vocab_size_flag  # the tokenizer imports this module
     parser = command_parser(__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     p = commands.add_parser("download", allow_abbrev=False,
                             help=f"FineWeb-Edu shards: N-1 for training, shard {FINEWEB_VAL_SHARD} for val")
-    p.add_argument("-n", "--num_shards", type=int, default=None,
-                   help="shards in all, validation included (default 8)")
+    p.add_argument("-n", "--num_shards", default=None, help="shards in all, validation included (default 8)",
+                   type=checked(int, f"from 2 to {FINEWEB_VAL_SHARD + 1} (a training shard and the validation shard "
+                                     f"at least)", lambda n: 2 <= n <= FINEWEB_VAL_SHARD + 1))
     p.add_argument("--depth", type=positive(int), default=None, help="as many as train.py --depth=D reads")
     p.add_argument("--tokens", type=positive(float), default=None, help="as many as a run of this many tokens reads")
     p.add_argument("-w", "--workers", type=positive(int), default=4, help="parallel downloads (default 4)")
@@ -418,7 +385,10 @@ def main(argv=None):
     p.add_argument("--max_chars", type=positive(int), default=2_000_000_000, help="characters to train on (default 2B)")
     p.add_argument("--doc_cap", type=positive(int), default=10_000, help="characters kept per document (default 10k)")
     args = parser.parse_args(argv)
-    check_flags(args)
+    sizes = (("-n", args.num_shards), ("--depth", args.depth), ("--tokens", args.tokens)) \
+        if args.command == "download" else ()
+    if len(sized := [flag for flag, value in sizes if value is not None]) > 1:
+        raise ValueError(f"pass one of -n, --depth and --tokens, not {' and '.join(sized)}")
     print(f"Base directory: {get_base_dir()}")
     if args.command == "download":
         names = [shard_name(i) for i in shards_for(args.num_shards, args.depth, args.tokens)]

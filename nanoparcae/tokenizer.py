@@ -95,11 +95,6 @@ def parse_config(raw):
         raise TypeError("a pattern string and special tokens' ids are expected")
     return pattern, specials
 
-
-def parse_counts(raw):
-    """token_bytes.txt's lines, a byte count per id -> int32 tensor."""
-    return torch.tensor([int(n) for n in raw.decode().split()], dtype=torch.int32)
-
 # -----------------------------------------------------------------------------
 # The tokenizer, trained with rustbpe, run with tiktoken
 
@@ -195,11 +190,12 @@ class Tokenizer:
         if ids != list(range(len(ids))):  # a file cut short lacks its last tokens
             raise torn(directory / "tokenizer.tiktoken", f"its {len(ranks)} tokens and {len(specials)} specials "
                                                          f"leave ids out")
-        token_bytes = read_part(directory / "token_bytes.txt", parse_counts)
-        if len(token_bytes) != len(ids):
-            raise torn(directory / "token_bytes.txt", f"{len(token_bytes)} counts for {len(ids)} tokens")
-        enc = tiktoken.Encoding("nanoparcae", pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials)
-        return cls(enc, token_bytes, digest=cls.files_digest(directory))
+        tokenizer = cls.from_ranks(ranks, pattern, specials)
+        counts = read_part(directory / "token_bytes.txt", lambda raw: [int(n) for n in raw.decode().split()])
+        if counts != tokenizer.token_bytes.tolist():
+            raise torn(directory / "token_bytes.txt", f"its {len(counts)} counts are not its {len(ids)} tokens' bytes")
+        tokenizer.digest = cls.files_digest(directory)
+        return tokenizer
 
     def encode(self, text, prepend_bos=False, num_threads=8):
         """A string gives a list of ids; a list of strings, a list of lists (on num_threads threads).
