@@ -3,9 +3,7 @@ data.py: the training data loader (METHOD.md §2).
 Each rank reads its own share of the documents and tokenizes them ahead in a thread.
 It packs them best-fit into rows that start with BOS. Its state is small and resumes exactly.
 It also yields the held-out batches that evals score.
-nanoparcae/dataset.py reads the text and its tokenizer.
-
-    python data.py --data=stdlib --vocab_size=4096 --seq_len=2048   # tokens/s and the share cropped
+nanoparcae/dataset.py reads the text, and nanoparcae/tokenizer.py tokenizes it.
 
     reader = ChunkReader()                       # one per process, shared by its loaders
     loader = DataLoader(tokenizer, "stdlib", "train", batch_size=8, seq_len=2048, reader=reader)
@@ -19,15 +17,10 @@ import math
 import queue
 import random
 import threading
-import time
-from typing import NamedTuple
 
 import torch
 
-from nanoparcae.command import command_parser, run_command, positive
-from nanoparcae.files import get_base_dir
-from nanoparcae.dataset import ChunkReader, check_split, get_tokenizer, list_chunks
-from nanoparcae.tokenizer import vocab_size_flag
+from nanoparcae.dataset import ChunkReader, check_split, list_chunks
 
 # -----------------------------------------------------------------------------
 # The document stream, one rank's share of a split, epoch after epoch, each document with an id
@@ -85,7 +78,7 @@ class DocumentStream:
 # -----------------------------------------------------------------------------
 # The loader: BOS-aligned best-fit packing (METHOD.md §2), tokenized ahead, exactly resumable
 
-# At an epoch's end a buffer holds at most 1/DRAIN of its share; packing measures DRAIN buffers
+# At an epoch's end a buffer holds at most 1/DRAIN of its share
 DRAIN = 8
 
 
@@ -163,7 +156,7 @@ class DataLoader:
         self.next_doc = (0, 0, 0)  # id of the next document to take into the buffer
         self.epoch_docs = 0  # documents taken from the epoch of next_doc: the share, at its end
         self.buffer = []  # (length, arrival, doc_id, tokens), sorted by length then arrival
-        self.arrivals = self.batches = self.tokens_used = self.tokens_cropped = 0
+        self.arrivals = self.batches = 0
 
     def _next_document(self):
         if not self.pending:
@@ -203,8 +196,6 @@ class DataLoader:
             longest_fitting = bisect.bisect_right(self.buffer, (room, math.inf)) - 1
             tokens = self.buffer.pop(max(longest_fitting, 0))[3]
             row.extend(tokens[:room])
-            self.tokens_used += min(len(tokens), room)
-            self.tokens_cropped += max(len(tokens) - room, 0)
         return row
 
     def __iter__(self):
@@ -231,23 +222,12 @@ class DataLoader:
                     y.pin_memory().to(self.device, non_blocking=True))
         return x.to(self.device), y.to(self.device)
 
-    @property
-    def tokens_read(self):
-        """Tokens of every document buffered so far."""
-        return self.tokens_used + self.tokens_cropped + sum(entry[0] for entry in self.buffer)
-
-    @property
-    def cropped_fraction(self):
-        """Share of packed tokens cropped (low while long ones wait)."""
-        return self.tokens_cropped / max(self.tokens_used + self.tokens_cropped, 1)
-
     def state_dict(self):
         s = self.stream
         return {"source": s.source, "split": s.split, "seed": s.seed, "rank": s.rank,
                 "world_size": s.world_size, "next_doc": list(self.next_doc),
                 "buffer": [[arrival, *doc_id] for _, arrival, doc_id, _ in self.buffer],
-                "epoch_docs": self.epoch_docs, "arrivals": self.arrivals, "batches": self.batches,
-                "tokens_used": self.tokens_used, "tokens_cropped": self.tokens_cropped}
+                "epoch_docs": self.epoch_docs, "arrivals": self.arrivals, "batches": self.batches}
 
     def load_state_dict(self, state):
         s = self.stream
@@ -262,7 +242,6 @@ class DataLoader:
         self.next_doc = tuple(state["next_doc"])
         self.epoch_docs = state.get("epoch_docs", math.inf)  # a state without it never drains
         self.arrivals, self.batches = state["arrivals"], state["batches"]
-        self.tokens_used, self.tokens_cropped = state["tokens_used"], state["tokens_cropped"]
         # the buffered documents, re-read and re-tokenized a chunk at a time
         by_chunk = collections.defaultdict(list)
         for arrival, epoch, position, index in state["buffer"]:
@@ -294,80 +273,3 @@ def val_batches(tokenizer, source, batch_size, seq_len, num_tokens, rank=0, worl
     yield from itertools.islice(loader, max(1, num_tokens // (batch_size * seq_len * world_size)))
     loader.close()
 
-
-class Packing(NamedTuple):
-    crop: float  # the share of the tokens packed that packing crops
-    rows: int | None  # rows each loader yields before it reads a second epoch; None if not reached
-    lengths: list  # the tokens of each document the first loader read, BOS included
-    buffer_docs: int  # documents a loader holds back unpacked, in its buffer
-
-
-def packing(tokenizer, source, seq_len, seed=0, world_size=1, settle=6, measure=2):
-    """How packing meets a run's train split, read by the run's world_size loaders.
-    The first reads `settle` + `measure` buffers of documents, or its share if that ends first.
-
-    - crop: over the last `measure` buffers, or the whole pass if the share ended first.
-      Short documents leave first, so the buffer fills with long ones as a long run goes on.
-    - rows: where the first's share ended, every loader packs its pass: the fewest rows one
-      yields before reading its second epoch.
-    - lengths: what dataset.check_data bounds a longer pass's buffer with.
-      A longer share never drains at its end, since a buffer is at most 1/DRAIN of it."""
-    assert settle + measure == DRAIN
-    def loader(rank):
-        return DataLoader(tokenizer, source, "train", 1, seq_len, rank=rank, world_size=world_size,
-                          seed=seed)
-    first, start, rows = loader(0), (0, 0), None
-    while first.arrivals < (settle + measure) * first.buffer_docs and first.next_doc[0] == 0:
-        if first.arrivals < settle * first.buffer_docs:
-            start = first.tokens_used, first.tokens_cropped
-        next(first)
-    first.close()
-    if first.next_doc[0] > 0:  # the row just packed took a document of the next epoch
-        start, rows = (0, 0), first.batches - 1
-        for rank in range(1, world_size):  # the others' shares are short too, each packed through
-            other = loader(rank)
-            while other.next_doc[0] == 0:
-                next(other)
-            other.close()
-            rows = min(rows, other.batches - 1)
-    texts = [text for _, text in itertools.islice(first.stream.iterate(loop=False), first.arrivals)]
-    lengths = [len(ids) for ids in tokenizer.encode(texts, prepend_bos=True)]
-    used, cropped = first.tokens_used - start[0], first.tokens_cropped - start[1]
-    return Packing(cropped / max(used + cropped, 1), rows, lengths, first.buffer_docs)
-
-# -----------------------------------------------------------------------------
-# Command line, the loader measured
-
-def main(argv=None):
-    parser = command_parser(__doc__)
-    parser.add_argument("--data", default="stdlib",
-                        help="fineweb-edu, stdlib, or a path/folder/glob of your files")
-    parser.add_argument("--vocab_size", type=vocab_size_flag, default=4096)
-    parser.add_argument("--batch_size", type=positive(int), default=8)
-    parser.add_argument("--seq_len", type=positive(int), default=2048)
-    parser.add_argument("--tokens", type=positive(int), default=4_000_000,
-                        help="tokens to time after the first batch")
-    args = parser.parse_args(argv)
-    print(f"Base directory: {get_base_dir()}")
-    tokenizer = get_tokenizer(args.data, args.vocab_size)
-    loader = DataLoader(tokenizer, args.data, "train", args.batch_size, args.seq_len)
-    t0 = time.time()
-    next(loader)
-    t1 = time.time()
-    steps = max(2, args.tokens // (args.batch_size * args.seq_len))
-    for step in range(steps):
-        if step == steps // 2:  # the crop share over the second half, once the buffer settles
-            used, read = loader.tokens_used, loader.tokens_read
-        next(loader)
-    t2 = time.time()
-    cropped = 1 - (loader.tokens_used - used) / (loader.tokens_read - read)
-    tokens_per_second = steps * args.batch_size * args.seq_len / (t2 - t1)
-    print(f"First batch after {t1 - t0:.1f}s (tokenizing the first {loader.buffer_docs} "
-          f"documents), then {tokens_per_second:,.0f} tokens/s over {steps} batches of "
-          f"{args.batch_size} x {args.seq_len}; packing cropped {100 * cropped:.1f}% of the tokens "
-          f"read over the last {steps - steps // 2} batches")
-    loader.close()
-
-
-if __name__ == "__main__":
-    run_command(main)

@@ -42,7 +42,6 @@ import torch.nn.functional as F
 # Configuration
 
 INJECTIONS = ("diagonal", "concat", "add", "none")
-PAPER_TOKENS = {6: 11.2e9, 12: 29.6e9, 18: 61.6e9, 24: 104e9}  # METHOD.md §1: tokens per depth
 
 
 @dataclass

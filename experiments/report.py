@@ -22,11 +22,12 @@ from pathlib import Path
 
 import torch
 
-from model import PAPER_TOKENS, ParcaeConfig
+from model import ParcaeConfig
 from nanoparcae.checkpoint import find_checkpoint, read_checkpoint, run_dir, sized_model
 from nanoparcae.command import EnvironmentFailure, command_parser, run_command
 from nanoparcae.files import check_writable, read_json, write_atomically, write_json
 from nanoparcae.core_tasks import CORE_LABELS
+from nanoparcae.download import PAPER_TOKENS
 from nanoparcae.memory import memory_plan
 from nanoparcae.metrics import read_metrics
 from nanoparcae.results import widest

@@ -388,7 +388,14 @@ def split_pattern(pre_tokenizer):
 def tokenizer_from_json(path, bos_token=None):
     """tokenizer.json -> tokenizer.Tokenizer: the vocabulary mapped back to bytes, ranks = ids (BPE merges
     in id order, as a trainer mints them), added tokens kept as special tokens."""
-    spec = read_json(path)
+    try:
+        return tokenizer_from_spec(read_json(path), path, bos_token)
+    except (AttributeError, TypeError, KeyError) as err:  # a field of a type HF tokenizers never writes there
+        raise ValueError(f"{path} is not a tokenizer.json as HF tokenizers writes it ({first_sentence(err)}); "
+                         f"put the one its model was saved with in its place") from None
+
+
+def tokenizer_from_spec(spec, path, bos_token):
     bpe = spec.get("model", {})
     if bpe.get("type") != "BPE" or spec.get("normalizer"):
         raise ValueError(f"{path} is not a plain BPE tokenizer (model {bpe.get('type')}, normalizer "

@@ -28,8 +28,7 @@ from model import Parcae, ParcaeConfig
 from nanoparcae.command import EnvironmentFailure, first_sentence, size
 from nanoparcae.files import FULL_DISK, disk_full, get_base_dir, write_atomically
 from nanoparcae.ranks import print0, rank_and_world, wait_for_rank0, drift, gather
-from nanoparcae.dataset import tokenizer_dir
-from nanoparcae.tokenizer import Tokenizer
+from nanoparcae.tokenizer import Tokenizer, tokenizer_dir
 
 
 def run_dir(name=""):

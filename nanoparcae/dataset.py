@@ -1,6 +1,12 @@
 """
-nanoparcae/dataset.py: a data source's text, everything before the loader (METHOD.md §2).
-It reads a source's documents in chunks, trains and caches its tokenizer, and sizes it against a run.
+nanoparcae/dataset.py: every data source's text, read in one place before the loader (METHOD.md §2).
+Its five jobs are these.
+
+- It lists a source's files in chunks, and names their content (data_key).
+- It reads a chunk's documents, and names a file it cannot read with the fix.
+- A ChunkReader shares each chunk it reads among a process's loaders.
+- It checks that a split holds documents, and that FineWeb-Edu's shards on disk cover a run (check_horizon).
+- Its command line downloads FineWeb-Edu's shards and trains a source's tokenizer.
 
     python -m nanoparcae.dataset download -n 8                  # FineWeb-Edu: 7 train shards + the validation shard
     python -m nanoparcae.dataset download --depth=12            # the shards the paper's 370M run reads
@@ -15,7 +21,6 @@ A data source (`--data`) is one of these three.
                   or .parquet (column "text") files, or a folder holding them
 
 For stdlib and your own files, a hash of each document's text puts a fixed ~5% in validation.
-Everything is cached under $NANOPARCAE_BASE_DIR (default ~/.cache/nanoparcae).
 """
 
 import contextlib
@@ -29,7 +34,6 @@ import re
 import sys
 import sysconfig
 import threading
-import time
 import zlib
 from pathlib import Path
 from typing import NamedTuple
@@ -37,15 +41,17 @@ from typing import NamedTuple
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from nanoparcae.command import (EnvironmentFailure, command_parser, first_sentence, run_command, size, positive)
-from nanoparcae.files import check_writable, get_base_dir, write_atomically
-from nanoparcae.ranks import print0
-from nanoparcae.fineweb import (FINEWEB_URL, FINEWEB_VAL_SHARD, download_shards, fineweb_dir,
-                                fineweb_train_shards, shard_name, shards_for)
-from nanoparcae.tokenizer import Tokenizer, vocab_size_flag
+from nanoparcae.command import (EnvironmentFailure, checked, command_parser, first_sentence, positive, run_command,
+                                size)
+from nanoparcae.download import FINEWEB_URL, PAPER_TOKENS, download_shards
+from nanoparcae.files import check_writable, get_base_dir
 
 VAL_EVERY = 20  # a stdlib or user document is validation iff crc32(text) % 20 == 0 (~5%)
 FILES_PER_CHUNK = 64  # text files are read (and shared across ranks) in groups of this many
+FINEWEB_VAL_SHARD = 1822  # shards 0..1822, the last one held out, as nanochat does (METHOD.md §5)
+# A shard holds about 50M tokens, and best-fit packing crops about 35% of them at 2,048 a row
+# (nanochat/dataloader.py's docstring). So a download is sized before any shard is there to measure.
+SHARD_TOKENS = 32.5e6
 
 # -----------------------------------------------------------------------------
 # Data sources. A split is a list of chunks, each a list of documents.
@@ -70,7 +76,7 @@ def stdlib_files():
 
 def user_files(pattern):
     path = Path(pattern).expanduser()
-    found = glob.glob(str(path / "**" / "*"), recursive=True) if path.is_dir() else glob.glob(str(path), recursive=True)
+    found = walk(path) if path.is_dir() else glob.glob(str(path), recursive=True)
     files = sorted(f for f in found if Path(f).suffix in (".txt", ".jsonl", ".parquet", ".py") and Path(f).is_file())
     if not files:
         raise FileNotFoundError(f"no .txt, .jsonl, .parquet or .py files match '{pattern}': pass --data=stdlib, "
@@ -78,10 +84,89 @@ def user_files(pattern):
     return files
 
 
+def walk(folder):
+    """List the files in `folder` and below, leaving out hidden ones, as glob's "**/*" does.
+    A subfolder that cannot be read raises EnvironmentFailure naming it, where glob would skip it silently."""
+    def refuse(err):
+        if isinstance(err, PermissionError):
+            raise EnvironmentFailure(f"{err.filename} cannot be read ({err.strerror}), so --data={folder} would "
+                                     f"train without it; make it readable or move it out, then run again")
+    found = []
+    for parent, folders, files in os.walk(folder, onerror=refuse, followlinks=True):
+        folders[:] = [name for name in folders if not name.startswith(".")]
+        found += [os.path.join(parent, name) for name in files if not name.startswith(".")]
+    return found
+
+
+def data_key(source):
+    """Name a data source's content, so the same files give the same key, whatever the base folder."""
+    if source == "fineweb-edu":
+        return source
+    if source == "stdlib":  # another Python version has another standard library; where it lives does not count
+        return f"stdlib-py{sys.version_info.major}{sys.version_info.minor}"
+    # the key holds the files' sizes and modification times, so a changed corpus trains a new tokenizer
+    files = [(str(Path(p).resolve()), os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in user_files(source)]
+    return "files-" + hashlib.sha1(json.dumps(files).encode()).hexdigest()[:10]
+
+
+def fineweb_dir(make=False):
+    """Return the shards' folder, made only for a download, so a read-only cache serves reads.
+    A file in its place raises ValueError naming it, and a folder a download cannot write EnvironmentFailure."""
+    path = get_base_dir() / "fineweb-edu"
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{path} is a file where the FineWeb-Edu shards' folder belongs: move or remove it, then "
+                         f"download the shards again")
+    if make:
+        check_writable(path, "the FineWeb-Edu shards")
+        path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def shard_name(index):
+    return f"shard_{index:05d}.parquet"
+
+
+def fineweb_train_shards(download=None):
+    """List the indices of the FineWeb-Edu training shards on disk.
+    A missing validation shard, or no training shard, raises FileNotFoundError naming the download.
+    `download` names the flags that size a run's own download ("--tokens=1e9"); None names -n."""
+    folder = fineweb_dir()
+    found = [i for i in range(FINEWEB_VAL_SHARD + 1) if (folder / shard_name(i)).is_file()]
+    train = [i for i in found if i != FINEWEB_VAL_SHARD]
+    missing = [what for what, there in ((f"the validation shard {shard_name(FINEWEB_VAL_SHARD)}",
+                                         FINEWEB_VAL_SHARD in found), ("any training shard", train)) if not there]
+    if not missing:
+        return train
+    fetch = ("run `python -m nanoparcae.dataset download -n N`, which fetches shards 0..N-2 and the validation "
+             "shard" if download is None else
+             f"`python -m nanoparcae.dataset download {download}` fetches what this run reads; without a GPU, "
+             f"`bash runs/cpu.sh` trains a small model on this Python's standard library, no download needed")
+    raise FileNotFoundError(f"{folder} lacks {' and '.join(missing)} ({len(found)} shards there): {fetch}")
+
+
+def list_chunks(source, split):
+    if split not in ("train", "val"):
+        raise ValueError(f"split must be 'train' or 'val', got '{split}'")
+    if source == "fineweb-edu":
+        train = fineweb_train_shards()  # both splits need the validation shard there
+        paths = [str(fineweb_dir() / shard_name(i)) for i in (train if split == "train" else [FINEWEB_VAL_SHARD])]
+    else:
+        paths = stdlib_files() if source == "stdlib" else user_files(source)
+    keep = None if source == "fineweb-edu" else split
+    texts = [p for p in paths if not p.endswith(".parquet")]  # read FILES_PER_CHUNK at a time
+    chunks = [Chunk(tuple(texts[i:i + FILES_PER_CHUNK]), -1, keep, source == "stdlib")
+              for i in range(0, len(texts), FILES_PER_CHUNK)]
+    return chunks + [Chunk((p,), group, keep) for p in paths if p.endswith(".parquet")
+                     for group in range(parquet_metadata(p).num_row_groups)]
+
+# -----------------------------------------------------------------------------
+# A chunk's documents, each failure naming its file
+
+
 @contextlib.contextmanager
 def reading(path, where=""):
     """Name the data file `path` (and `where` in it, a row group) in what a failed read raises, with the fix.
-    A permission error is the machine's (EnvironmentFailure); a file that is not whole data is the user's."""
+    A permission error is the machine's (EnvironmentFailure), and a file that is not whole data is the user's."""
     try:
         yield
     except PermissionError as err:
@@ -90,7 +175,8 @@ def reading(path, where=""):
     except (OSError, pa.ArrowException) as err:  # ArrowInvalid is a ValueError too
         cause = "it is empty (0 bytes)" if os.path.isfile(path) and os.path.getsize(path) == 0 else \
             first_sentence(err)
-        raise ValueError(f"{path}{where} cannot be read ({cause}): remove it or download it again") from None
+        raise ValueError(f"{path}{where} cannot be read ({cause}); remove it, then download or copy it "
+                         f"again") from None
 
 
 def parquet_metadata(path):
@@ -116,34 +202,10 @@ def parquet_texts(path, row_group):
     return column.to_pylist()
 
 
-def parquet_chunks(path, keep):
-    return [Chunk((path,), rg, keep) for rg in range(parquet_metadata(path).num_row_groups)]
-
-
-def files_chunks(paths, keep, quiet=False):
-    """Chunk parquet files by row group, and other files FILES_PER_CHUNK at a time."""
-    texts = [p for p in paths if not p.endswith(".parquet")]
-    chunks = [Chunk(tuple(texts[i:i + FILES_PER_CHUNK]), -1, keep, quiet)
-              for i in range(0, len(texts), FILES_PER_CHUNK)]
-    return chunks + [c for p in paths if p.endswith(".parquet") for c in parquet_chunks(p, keep)]
-
-
-def list_chunks(source, split):
-    if split not in ("train", "val"):
-        raise ValueError(f"split must be 'train' or 'val', got '{split}'")
-    if source == "fineweb-edu":
-        train = fineweb_train_shards()  # both splits need the validation shard there
-        paths = [fineweb_dir() / shard_name(i) for i in (train if split == "train" else [FINEWEB_VAL_SHARD])]
-        return [c for path in paths for c in parquet_chunks(str(path), None)]
-    if source == "stdlib":
-        return files_chunks(stdlib_files(), split, quiet=True)
-    return files_chunks(user_files(source), split)
-
-
 def read_text_file(path, reported=None):
     """Return the documents of a text file, leaving out bytes that are not UTF-8.
     The warning names each file once, adding it to `reported` (a ChunkReader's set).
-    A NUL byte says the file is not UTF-8 text at all (UTF-16, or binary): that raises ValueError.
+    A NUL byte says the file is not UTF-8 text at all (UTF-16, or binary), so it raises ValueError.
     With reported None it checks none, since a few standard-library files use other encodings."""
     with reading(path), open(path, "rb") as f:
         raw = f.read()
@@ -180,37 +242,29 @@ def jsonl_text(path, number, line):
     return text
 
 
-def read_units(chunk, reported):
-    """Return the chunk's documents, grouped by what goes to one split together.
-    A .py file's blocks share names and imports, so the whole file is train or val.
-    Any other document goes by its own hash. `reported` is read_text_file's."""
-    if chunk.row_group >= 0:
-        return [[doc] for doc in parquet_texts(chunk.paths[0], chunk.row_group)]
-    units = []
-    for path in chunk.paths:
-        docs = read_text_file(path, None if chunk.quiet else reported)
-        units += [docs] if path.endswith(".py") else [[doc] for doc in docs]
-    return units
-
-
 def read_chunk(chunk, reported):
-    docs = []
-    for unit in read_units(chunk, reported):
-        if chunk.keep is None or is_val_document("".join(unit)) == (chunk.keep == "val"):
-            docs += [doc for doc in unit if doc and not doc.isspace()]
-    return docs
+    """Return the chunk's documents of its split; `reported` is read_text_file's.
+    A .py file's blocks share names and imports, so the whole file goes to one split by its hash.
+    Any other document goes by its own hash."""
+    if chunk.row_group >= 0:
+        units = [[doc] for doc in parquet_texts(chunk.paths[0], chunk.row_group)]
+    else:
+        units = []
+        for path in chunk.paths:
+            docs = read_text_file(path, None if chunk.quiet else reported)
+            units += [docs] if path.endswith(".py") else [[doc] for doc in docs]
+    kept = [unit for unit in units if chunk.keep is None or is_val_document("".join(unit)) == (chunk.keep == "val")]
+    return [doc for unit in kept for doc in unit if doc and not doc.isspace()]
 
 
 class ChunkReader:
     """Reads chunks for the loaders that share it, each chunk once for all of them.
 
     - train.py builds one per process, and a loader per micro-batch (a virtual rank).
-      Each loader takes its own share of every chunk.
-      Without a shared reader, a process would read and decode each chunk once per micro-batch.
+      Without it, a process would read and decode each chunk once per micro-batch.
     - A chunk is kept until all its `sharers` loaders have taken it, then dropped.
-      What a loader yields does not change.
-    - At most max_kept chunks are kept; the oldest go first, read again if asked for.
-      Loaders drift apart a little, and after a resume a loader past a chunk never takes it.
+    - At most max_kept chunks are kept, the oldest going first, because loaders drift apart a little
+      and a resumed loader never takes a chunk it is past.
     - A file with bytes that are not UTF-8 is named once per reader (read_text_file).
     """
 
@@ -250,6 +304,9 @@ def iter_documents(source, split, reader=None):
     for chunk in list_chunks(source, split):
         yield from reader.read(chunk)
 
+# -----------------------------------------------------------------------------
+# What a run needs of its data, checked before it starts
+
 
 def check_split(source, split, reader=None):
     """Raise ValueError naming the cause when a source's split holds no documents.
@@ -266,169 +323,57 @@ def check_split(source, split, reader=None):
                      f"{sum(counts.values())}; split the text into more documents (a blank line between two "
                      f"in a .txt file) or pass several files")
 
-# -----------------------------------------------------------------------------
-# The tokens a split holds, against the tokens a run trains
+
+def train_shards_needed(tokens):
+    """Count the training shards a run of `tokens` reads at SHARD_TOKENS a shard, capped at the 1,822 there are."""
+    return min(math.ceil(tokens / SHARD_TOKENS), FINEWEB_VAL_SHARD)
 
 
-def stored_text_bytes(chunks):
-    """Count the bytes of the chunks' text as stored, from parquet metadata or file sizes, not the text.
-
-    - a parquet row group: its 'text' column, less its 4-byte length prefixes.
-      Also less the min and max strings its page statistics repeat.
-    - text files: the hash rule's share of their sizes.
-    """
-    total, footers = 0, {}
-    for chunk in chunks:
-        if chunk.row_group >= 0:
-            path = chunk.paths[0]
-            footers[path] = footers.get(path) or parquet_metadata(path)  # one read of each file's footer
-            group = footers[path].row_group(chunk.row_group)
-            column = next(group.column(i) for i in range(group.num_columns)
-                          if group.column(i).path_in_schema == "text")
-            stats = column.statistics
-            repeated = len(stats.min.encode()) + len(stats.max.encode()) if stats and stats.has_min_max else 0
-            total += column.total_uncompressed_size - 4 * group.num_rows - repeated
-        else:
-            share = {None: 1.0, "train": 1 - 1 / VAL_EVERY, "val": 1 / VAL_EVERY}[chunk.keep]
-            total += share * sum(os.path.getsize(path) for path in chunk.paths)
-    return total
-
-
-def train_tokens(source, tokenizer, sample_docs=1000):
-    """Estimate the tokens the train split holds; return them and the bytes per token.
-    The tokens are the stored text's bytes over bytes per token, within a few percent, read in seconds.
-    Bytes per token come from the first sample_docs validation documents, BOS included.
-    A split without validation documents raises ValueError, since the run's evals need them too."""
-    check_split(source, "val")
-    texts = list(itertools.islice(iter_documents(source, "val"), sample_docs))
-    tokens = sum(len(ids) for ids in tokenizer.encode(texts, prepend_bos=True))
-    bytes_per_token = sum(len(text.encode("utf-8")) for text in texts) / tokens
-    return stored_text_bytes(list_chunks(source, "train")) / bytes_per_token, bytes_per_token
-
-
-def check_data(source, held, tokens, packed, seq_len, world_size=1):
-    """Return the passes a run makes over its train split, as its world_size loaders pack it (data.packing).
-    `held` is train_tokens' pair of tokens and bytes per token.
-    A pass is the tokens trained before a loader reads the second epoch. It is counted one of two ways:
-
-    - the loaders' rows, where they were packed through one pass.
-    - else, the tokens held, less what packing crops and what the buffers hold back at its end (held_back).
-      A row's seq_len + 1 tokens train seq_len.
-
-    A FineWeb-Edu run that would read a second pass while shards remain to download raises ValueError.
-    It names the download. Another source repeats as it must, and says how often."""
-    held, bytes_per_token = held
-    crop, row_share = packed.crop, seq_len / (seq_len + 1)
-    trained = held * (1 - crop) * row_share  # the tokens trained on, whoever holds them back
-    if packed.rows is not None:
-        one_pass = max(packed.rows * seq_len * world_size, 1)
-    else:
-        one_pass = max((held - held_back(held, packed, world_size)) * (1 - crop) * row_share, 1)
-    packs = f"packing crops {crop:.1%} at --seq_len={seq_len} and {world_size} loader(s) hold a buffer back"
-    shards = fineweb_train_shards() if source == "fineweb-edu" else None
-    passes = tokens / one_pass
-    if shards and passes > 1 and len(shards) < FINEWEB_VAL_SHARD:
-        per_shard = trained / len(shards)
-        needed = math.ceil((tokens + max(trained - one_pass, 0)) / per_shard)  # the buffers' too
-        usable = FINEWEB_VAL_SHARD * per_shard
-        still = (f"; all {FINEWEB_VAL_SHARD:,} training shards hold about {size(usable, '')} usable tokens, which "
-                 f"the run would read {tokens / usable:.2f} times" if needed > FINEWEB_VAL_SHARD else "")
-        raise ValueError(f"the run's {size(tokens, '')} tokens would pass the {len(shards)} FineWeb-Edu training "
-                         f"shards on disk (about {size(one_pass, '')} tokens a pass once {packs}) {passes:.1f} "
-                         f"times: run `python -m nanoparcae.dataset download -n "
-                         f"{min(needed, FINEWEB_VAL_SHARD) + 1}` first{still}, or give a smaller --max_tokens")
-    print0(f"data: {source}, about {size(held, '')} training tokens ({bytes_per_token:.2f} bytes a token"
-           + (f", {len(shards)} shards" if shards else "") + f"), {size(one_pass, '')} a pass once {packs}: the "
-           + (f"run trains on {passes:.1%} of them" if passes <= 1 else
-              f"run trains on them about {max(tokens / trained, 1):.2f} times"))
-    return passes
-
-
-def held_back(held, packed, world_size):
-    """Bound the tokens world_size loaders hold unpacked in their buffers when a pass of `held` tokens ends.
-    Long documents wait there, since data.DataLoader packs the longest that fits. A buffer holds at most
-    a share's buffer_docs longest. The bound is their sum, from the sample of lengths, scaled to a share."""
-    lengths = sorted(packed.lengths, reverse=True)
-    share_docs = held / world_size / (sum(lengths) / len(lengths))
-    top = lengths[:math.ceil(packed.buffer_docs * len(lengths) / share_docs)]
-    return min(world_size * sum(top) * share_docs / len(lengths), held)
-
-
-# -----------------------------------------------------------------------------
-# The tokenizer of a data source, trained on its train split on first use, then cached
-
-def data_key(source):
-    """Name a data source's content, so the same files give the same key, whatever the base folder."""
-    if source == "fineweb-edu":
-        return source
-    if source == "stdlib":  # another Python version has another standard library; where it lives does not count
-        return f"stdlib-py{sys.version_info.major}{sys.version_info.minor}"
-    # the key holds the files' sizes and modification times, so a changed corpus trains a new tokenizer
-    files = [(str(Path(p).resolve()), os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in user_files(source)]
-    return "files-" + hashlib.sha1(json.dumps(files).encode()).hexdigest()[:10]
-
-
-def tokenizer_key(source, vocab_size):
-    """Name a source's tokenizer cache folder by its tokenizer and corpus, whatever the base folder."""
-    return f"{data_key(source)}-{vocab_size}"
-
-
-def tokenizer_dir(source=None, vocab_size=None, key=None):
-    """A tokenizer's cache folder in this base folder: of source at vocab_size, or by its key."""
-    return get_base_dir() / "tokenizers" / (key or tokenizer_key(source, vocab_size))
-
-
-def get_tokenizer(source, vocab_size, max_chars=2_000_000_000, doc_cap=10_000, train=True):
-    """Load the cached tokenizer for this source and vocab size.
-    It trains on the source's train split on first use; with train=False it returns None instead."""
-    directory = tokenizer_dir(source, vocab_size)
-    if not train and not Tokenizer.saved(directory):
+def check_horizon(source, tokens):
+    """Refuse a FineWeb-Edu run whose tokens need more training shards than are on disk, and return those shards.
+    The need is the download's rule, so after `download --tokens=N` a run of N tokens passes.
+    It does not promise that a run reads no shard twice, because SHARD_TOKENS is an estimate.
+    Other sources repeat as often as the run needs, so nothing is checked and None is returned.
+    The loader announces each epoch it begins, on every source."""
+    if source != "fineweb-edu":
         return None
-    if not Tokenizer.saved(directory):
-        reader = ChunkReader()  # one reader names a file with bytes that are not UTF-8 once
-        check_split(source, "train", reader)  # a missing or empty source fails here, before the announcement
-        # its three files hold a line of under 64 bytes per token
-        check_writable(directory.parent, f"the {vocab_size}-token tokenizer", needs=3 * 64 * vocab_size,
-                       fix="make it writable, free space on its disk, or set NANOPARCAE_BASE_DIR to another folder")
-        print(f"Training a {vocab_size}-token tokenizer on {source} (train split, <= {max_chars:,} chars) ...")
-        t0 = time.time()
-        tokenizer = Tokenizer.train(iter_documents(source, "train", reader), vocab_size, max_chars, doc_cap)
-        # A private name per process keeps half a tokenizer from a crash or a concurrent process
-        try:
-            write_atomically(directory, tokenizer.save, directory.with_name(f"{directory.name}.{os.getpid()}.tmp"))
-        except OSError:
-            if not Tokenizer.saved(directory):
-                raise
-            # another process finished first, and its copy is kept
-        print(f"Trained in {time.time() - t0:.1f}s, saved to {directory}")
-    return Tokenizer.load(directory)
-
+    download = f"--tokens={math.ceil(tokens)}"
+    shards = fineweb_train_shards(download)
+    if len(shards) < (needed := train_shards_needed(tokens)):
+        raise ValueError(f"a run of {size(tokens, '')} tokens reads about {needed} FineWeb-Edu training shards "
+                         f"(about {SHARD_TOKENS / 1e6:.1f}M tokens each), and {len(shards)} are on disk; run "
+                         f"`python -m nanoparcae.dataset download {download}` first, or give a smaller "
+                         f"--max_tokens")
+    return shards
 
 # -----------------------------------------------------------------------------
 # Command line
 
 
-def check_flags(args):
-    """Refuse before any work -n beyond the shards there are, and two ways of sizing a download."""
-    if args.command == "download":
-        sizings = [flag for flag, value in (("-n", args.num_shards), ("--depth", args.depth),
-                                            ("--tokens", args.tokens)) if value is not None]
-        if len(sizings) > 1:
-            raise ValueError(f"pass one of -n, --depth and --tokens, not {' and '.join(sizings)}")
-        if args.num_shards is not None and not 2 <= args.num_shards <= FINEWEB_VAL_SHARD + 1:
-            raise ValueError(f"-n={args.num_shards} must be in 2..{FINEWEB_VAL_SHARD + 1} (at least one train shard "
-                             f"and the validation shard)")
-        if not sizings:
-            args.num_shards = 8
+def shards_for(num_shards=None, depth=None, tokens=None):
+    """List the shards a download fetches, the validation shard always among them.
+    It fetches num_shards in all, or as many as `tokens` need, or as many as the paper's horizon at `depth` needs."""
+    tokens = None if num_shards else tokens or PAPER_TOKENS.get(depth)
+    if tokens is None and depth is not None:
+        raise ValueError(f"--depth={depth} has no paper horizon (depths {', '.join(map(str, PAPER_TOKENS))}); "
+                         f"pass --tokens or -n")
+    num_train = (num_shards or 8) - 1 if tokens is None else train_shards_needed(tokens)
+    if tokens is not None:
+        reads = tokens / (FINEWEB_VAL_SHARD * SHARD_TOKENS)
+        print(f"{tokens / 1e9:.1f}B tokens at about {SHARD_TOKENS / 1e6:.1f}M a shard (50M less the ~35% that packing "
+              f"crops): {num_train} training shards" + (f", all there are, read {reads:.2f} times" if reads > 1 else ""))
+    return list(range(num_train)) + [FINEWEB_VAL_SHARD]
 
 
 def main(argv=None):
+    from nanoparcae.tokenizer import get_tokenizer, vocab_size_flag  # the tokenizer imports this module
     parser = command_parser(__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     p = commands.add_parser("download", allow_abbrev=False,
                             help=f"FineWeb-Edu shards: N-1 for training, shard {FINEWEB_VAL_SHARD} for val")
-    p.add_argument("-n", "--num_shards", type=int, default=None,
-                   help="shards in all, validation included (default 8)")
+    p.add_argument("-n", "--num_shards", default=None, help="shards in all, validation included (default 8)",
+                   type=checked(int, f"from 2 to {FINEWEB_VAL_SHARD + 1} (a training shard and the validation shard "
+                                     f"at least)", lambda n: 2 <= n <= FINEWEB_VAL_SHARD + 1))
     p.add_argument("--depth", type=positive(int), default=None, help="as many as train.py --depth=D reads")
     p.add_argument("--tokens", type=positive(float), default=None, help="as many as a run of this many tokens reads")
     p.add_argument("-w", "--workers", type=positive(int), default=4, help="parallel downloads (default 4)")
@@ -440,10 +385,14 @@ def main(argv=None):
     p.add_argument("--max_chars", type=positive(int), default=2_000_000_000, help="characters to train on (default 2B)")
     p.add_argument("--doc_cap", type=positive(int), default=10_000, help="characters kept per document (default 10k)")
     args = parser.parse_args(argv)
-    check_flags(args)
+    sizes = (("-n", args.num_shards), ("--depth", args.depth), ("--tokens", args.tokens)) \
+        if args.command == "download" else ()
+    if len(sized := [flag for flag, value in sizes if value is not None]) > 1:
+        raise ValueError(f"pass one of -n, --depth and --tokens, not {' and '.join(sized)}")
     print(f"Base directory: {get_base_dir()}")
     if args.command == "download":
-        download_shards(shards_for(args.num_shards, args.depth, args.tokens), args.base_url, args.workers)
+        names = [shard_name(i) for i in shards_for(args.num_shards, args.depth, args.tokens)]
+        download_shards(names, fineweb_dir(make=True), args.base_url, args.workers)
         return
     tokenizer = get_tokenizer(args.data, args.vocab_size, args.max_chars, args.doc_cap)
     texts = list(itertools.islice(iter_documents(args.data, "val"), 1000))

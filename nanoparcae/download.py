@@ -1,18 +1,24 @@
 """
-nanoparcae/download.py: files fetched over HTTP.
-One streamed, resumable, retried download serves the FineWeb-Edu shards, the eval bundle and the authors' release.
-CORE's eval bundle is fetched here too, and extracted only where it belongs.
+nanoparcae/download.py: files fetched over HTTP, and the paper's horizons that size a FineWeb-Edu download.
+It has three jobs.
 
-    download_file(url, path)        # path appears only once every byte is there
-    bundle_dir, why = shared_eval_bundle()   # the bundle on every rank, or why no rank has it
+- One streamed, resumable, retried download serves the shards, the eval bundle and the authors' release.
+- FineWeb-Edu's shards are fetched, each checked as parquet before it takes its final name.
+- CORE's eval bundle is extracted only where it belongs, and found on every rank.
+
+    download_file(url, path)                      # path appears only once every byte is there
+    download_shards(["shard_00000.parquet"], folder)
+    bundle_dir, why = shared_eval_bundle()        # the bundle on every rank, or why no rank has it
 """
 
 import os
 import shutil
 import time
 import zipfile
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import requests
 
 from nanoparcae.command import EnvironmentFailure
@@ -20,6 +26,9 @@ from nanoparcae.files import get_base_dir
 from nanoparcae.ranks import local_rank, rank_and_world, wait_for_rank0, gather
 
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"  # METHOD.md §5
+FINEWEB_URL = "https://huggingface.co/datasets/karpathy/fineweb-edu-100b-shuffle/resolve/main"
+BASE_URL = "--base_url (runs/speedrun.sh: FINEWEB_URL)"  # the mirror's flag, and the recipe's variable
+PAPER_TOKENS = {6: 11.2e9, 12: 29.6e9, 18: 61.6e9, 24: 104e9}  # METHOD.md §1: tokens per depth
 
 
 def download_file(url, path, max_attempts=5, retry_delay=1.0, timeout=60):
@@ -69,6 +78,51 @@ def download_file(url, path, max_attempts=5, retry_delay=1.0, timeout=60):
             time.sleep(delay)
     os.replace(part, path)
     return path
+
+# -----------------------------------------------------------------------------
+# FineWeb-Edu's shards. Each is fetched, checked as parquet, then given its final name.
+
+
+def download_shard(path, base_url=FINEWEB_URL, max_attempts=5, retry_delay=1.0):
+    """Fetch one shard to `path`; return whether it was fetched now (False when it was there).
+    A 404 raises FileNotFoundError, a failed fetch EnvironmentFailure, a file that is no shard ValueError."""
+    if path.exists():  # only complete, checked shards ever get the final name
+        return False
+    url = f"{base_url.rstrip('/')}/{path.name}"
+    unchecked = path.with_name(path.name + ".tmp")  # the parquet check comes before the final name
+    try:
+        download_file(url, unchecked, max_attempts, retry_delay)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"{e}: check {BASE_URL}, which serves shards 0 to 1822") from None
+    except OSError as e:  # retried already, so the network failed
+        raise EnvironmentFailure(f"{e}; check the network or {BASE_URL}") from None
+    try:
+        columns = pq.read_metadata(unchecked).schema.names
+    except Exception as e:
+        unchecked.unlink()
+        raise ValueError(f"{url} is not a valid parquet file ({e}); deleted it, check {BASE_URL} and download "
+                         f"again") from None
+    if "text" not in columns:
+        unchecked.unlink()
+        raise ValueError(f"{url} has no 'text' column (columns: {columns}); deleted it, check {BASE_URL}")
+    unchecked.rename(path)
+    return True
+
+
+def download_shards(names, folder, base_url=FINEWEB_URL, num_workers=4, max_attempts=5, retry_delay=1.0):
+    """Fetch the shards named into `folder` and return their paths.
+    A line per shard says how many are done and, from those fetched, the time left."""
+    print(f"Downloading {len(names)} shards from {base_url} to {folder} with {num_workers} workers")
+    paths, start, fetched = [Path(folder) / name for name in names], time.time(), 0
+    with ThreadPoolExecutor(num_workers) as pool:
+        shards = {pool.submit(download_shard, path, base_url, max_attempts, retry_delay): path for path in paths}
+        for done, shard in enumerate(as_completed(shards), 1):
+            new = shard.result()
+            fetched += new
+            left = (time.time() - start) / fetched * (len(names) - done) if fetched else 0
+            print(f"{'Downloaded' if new else 'Skipping'} {shards[shard].name}{'' if new else ' (already there)'} "
+                  f"[{done}/{len(names)}, about {left / 60:.0f} min left]", flush=True)
+    return paths
 
 # -----------------------------------------------------------------------------
 # CORE's eval bundle, downloaded once and extracted only where it belongs

@@ -17,12 +17,14 @@ from types import SimpleNamespace
 
 import torch
 
-from data import DataLoader, packing, val_batches
-from model import PAPER_TOKENS, Parcae, ParcaeConfig, mean_steps
+from data import DataLoader, val_batches
+from model import Parcae, ParcaeConfig, mean_steps
 from optim import learning_rate_for_depth, optimizer_state_bytes
 from nanoparcae import dataset, memory, ranks
 from nanoparcae.checkpoint import latest, saved_bytes, training_model
 from nanoparcae.command import spans
+from nanoparcae.download import PAPER_TOKENS
+from nanoparcae.tokenizer import get_tokenizer
 from nanoparcae.files import check_writable
 from nanoparcae.ranks import init_distributed, parse_device, print0, rank_and_world
 from nanoparcae import run as runs
@@ -156,14 +158,11 @@ def open_data(args, tokens, shards, grad_accum, device):
     rank, world = rank_and_world()
     with ranks.refusing_alike():  # global rank 0 alone trains the tokenizer, on first use
         if rank == 0:
-            dataset.get_tokenizer(args.data, args.vocab_size)
+            get_tokenizer(args.data, args.vocab_size)
     with ranks.refusing_alike():  # a rank's own refusal (none of its share to read) included
-        tokenizer = dataset.get_tokenizer(args.data, args.vocab_size, train=False)  # None: not here
+        tokenizer = get_tokenizer(args.data, args.vocab_size, train=False)  # None: not here
         ranks.agree_on_data(tokenizer, shards)  # rank 0's tokenizer and shards on every node
-        # the horizon against the tokens the loader keeps: a FineWeb-Edu run never repeats unasked
-        held = dataset.train_tokens(args.data, tokenizer)  # a split without documents is named first
-        packed = packing(tokenizer, args.data, args.seq_len, args.seed, world * grad_accum)
-        dataset.check_data(args.data, held, tokens, packed, args.seq_len, world * grad_accum)
+        dataset.check_horizon(args.data, tokens)
         reader = dataset.ChunkReader()
         loaders = [DataLoader(tokenizer, args.data, "train", args.device_batch_size, args.seq_len,
                               rank=rank * grad_accum + micro, world_size=world * grad_accum,

@@ -21,7 +21,8 @@ from types import SimpleNamespace
 from nanoparcae.checkpoint import (check_tokenizer, checkpoints, latest, read_checkpoint, remove_partial_saves,
                                    run_dir, warn_if_undigested, weights_digest)
 from nanoparcae.ranks import print0, rank_and_world, agree_to_start, gather, refusing_alike
-from nanoparcae.dataset import data_key, tokenizer_dir
+from nanoparcae.dataset import data_key
+from nanoparcae.tokenizer import tokenizer_dir
 
 
 # -----------------------------------------------------------------------------

@@ -1,16 +1,22 @@
 """
-nanoparcae/tokenizer.py: the tokenizer, a byte-level BPE (METHOD.md §2).
-It uses the GPT-4 split pattern and the specials <|bos|>, <|eos|>, <|pad|>.
-rustbpe trains it and tiktoken runs it. nanoparcae.dataset.get_tokenizer caches one per data source.
+nanoparcae/tokenizer.py: the tokenizer, a byte-level BPE (METHOD.md §2), and its cache.
+It uses the GPT-4 split pattern and the specials <|bos|>, <|eos|>, <|pad|>. It has three jobs.
+
+- rustbpe trains it and tiktoken runs it.
+- Its saved files are written, then read back checked.
+- get_tokenizer trains one per data source on first use, and caches it under the base folder.
 
     tokenizer = Tokenizer.train(texts, vocab_size=4096)     # any iterator of strings
     ids = tokenizer.encode("def f(x):", prepend_bos=True)
     tokenizer.save(directory); tokenizer = Tokenizer.load(directory)
+    tokenizer = get_tokenizer("stdlib", 4096)               # trained once, then loaded from its cache
 """
 
 import base64
 import hashlib
 import json
+import os
+import time
 import warnings
 from pathlib import Path
 
@@ -19,6 +25,8 @@ import tiktoken
 import torch
 
 from nanoparcae.command import EnvironmentFailure, first_sentence, checked
+from nanoparcae.dataset import ChunkReader, check_split, data_key, iter_documents
+from nanoparcae.files import check_writable, get_base_dir, write_atomically
 
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>"]
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # every byte a token of its own, then the specials
@@ -61,11 +69,13 @@ def unreadable(path, err):
                               f"readable, then run the same command again")
 
 
+RECREATE = "recreate it with `python -m nanoparcae.dataset tokenizer` and the run's --data and --vocab_size"
+
+
 def torn(path, cause):
     """The ValueError for a tokenizer file that is torn or not one save wrote, with the fix."""
-    return ValueError(f"the tokenizer file {path} is torn or not ours ({cause}): remove {path.parent}, then "
-                      f"recreate it with `python -m nanoparcae.dataset tokenizer` and the run's --data and "
-                      f"--vocab_size")
+    return ValueError(f"the tokenizer file {path} is torn or not ours ({cause}); remove {path.parent}, then "
+                      f"{RECREATE}")
 
 
 def parse_ranks(raw):
@@ -84,11 +94,6 @@ def parse_config(raw):
     if not isinstance(pattern, str) or not all(isinstance(i, int) for i in specials.values()):
         raise TypeError("a pattern string and special tokens' ids are expected")
     return pattern, specials
-
-
-def parse_counts(raw):
-    """token_bytes.txt's lines, a byte count per id -> int32 tensor."""
-    return torch.tensor([int(n) for n in raw.decode().split()], dtype=torch.int32)
 
 # -----------------------------------------------------------------------------
 # The tokenizer, trained with rustbpe, run with tiktoken
@@ -162,12 +167,18 @@ class Tokenizer:
 
     @classmethod
     def saved(cls, directory):
-        """Whether save wrote a tokenizer in `directory`; one that cannot be looked into raises EnvironmentFailure."""
-        path = Path(directory) / cls.FILES[-1]  # save writes it last
+        """Whether save wrote a tokenizer in `directory`.
+        A folder holding some of the files but not all (an interrupted copy) raises ValueError naming those it lacks.
+        One that cannot be looked into raises EnvironmentFailure."""
         try:
-            return path.is_file()
+            there = [(Path(directory) / name).is_file() for name in cls.FILES]
         except PermissionError as err:
-            raise unreadable(path, err) from None
+            raise unreadable(Path(directory) / cls.FILES[0], err) from None
+        if any(there) and not all(there):
+            missing = [name for name, here in zip(cls.FILES, there) if not here]
+            raise ValueError(f"the tokenizer folder {directory} lacks {' and '.join(missing)}; copy it whole, or "
+                             f"remove it and {RECREATE}")
+        return all(there)
 
     @classmethod
     def load(cls, directory):
@@ -179,11 +190,12 @@ class Tokenizer:
         if ids != list(range(len(ids))):  # a file cut short lacks its last tokens
             raise torn(directory / "tokenizer.tiktoken", f"its {len(ranks)} tokens and {len(specials)} specials "
                                                          f"leave ids out")
-        token_bytes = read_part(directory / "token_bytes.txt", parse_counts)
-        if len(token_bytes) != len(ids):
-            raise torn(directory / "token_bytes.txt", f"{len(token_bytes)} counts for {len(ids)} tokens")
-        enc = tiktoken.Encoding("nanoparcae", pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials)
-        return cls(enc, token_bytes, digest=cls.files_digest(directory))
+        tokenizer = cls.from_ranks(ranks, pattern, specials)
+        counts = read_part(directory / "token_bytes.txt", lambda raw: [int(n) for n in raw.decode().split()])
+        if counts != tokenizer.token_bytes.tolist():
+            raise torn(directory / "token_bytes.txt", f"its {len(counts)} counts are not its {len(ids)} tokens' bytes")
+        tokenizer.digest = cls.files_digest(directory)
+        return tokenizer
 
     def encode(self, text, prepend_bos=False, num_threads=8):
         """A string gives a list of ids; a list of strings, a list of lists (on num_threads threads).
@@ -207,3 +219,61 @@ class Tokenizer:
         warnings.warn(f"the model has {vocab_size} token ids, its tokenizer {len(ids)}: the "
                       f"{vocab_size - len(ids)} ids the tokenizer lacks are never sampled")
         return known
+
+
+# -----------------------------------------------------------------------------
+# The tokenizer of a data source, trained on its train split on first use, then cached
+
+KEY_FILE = "key.txt"  # the tokenizer_key a cached tokenizer was trained as, beside the files it digests
+
+
+def tokenizer_key(source, vocab_size):
+    """Name a source's tokenizer cache folder by its tokenizer and corpus, whatever the base folder."""
+    return f"{data_key(source)}-{vocab_size}"
+
+
+def tokenizer_dir(source=None, vocab_size=None, key=None):
+    """A tokenizer's cache folder in this base folder: of source at vocab_size, or by its key."""
+    return get_base_dir() / "tokenizers" / (key or tokenizer_key(source, vocab_size))
+
+
+def get_tokenizer(source, vocab_size, max_chars=2_000_000_000, doc_cap=10_000, train=True):
+    """Load the cached tokenizer for this source and vocab size, checked to be what its folder's name says.
+    It trains on the source's train split on first use; with train=False it returns None instead."""
+    directory = tokenizer_dir(source, vocab_size)
+    if not Tokenizer.saved(directory):
+        if not train:
+            return None
+        train_and_save(source, vocab_size, directory, max_chars, doc_cap)
+    tokenizer = Tokenizer.load(directory)
+    recorded = directory / KEY_FILE  # older saves lack it, so they must hold as many tokens as asked
+    trained_as = read_part(recorded, lambda raw: raw.decode().strip()) if recorded.is_file() else None
+    if trained_as not in (None, directory.name) or (trained_as is None and tokenizer.vocab_size != vocab_size):
+        raise ValueError(f"the tokenizer at {directory} has {tokenizer.vocab_size} tokens"
+                         + (f" and was trained as {trained_as}" if trained_as else "")
+                         + f", not the {directory.name} its name promises; remove it, and the same command trains it")
+    return tokenizer
+
+
+def train_and_save(source, vocab_size, directory, max_chars, doc_cap):
+    reader = ChunkReader()  # one reader names a file with bytes that are not UTF-8 once
+    check_split(source, "train", reader)  # a missing or empty source fails here, before the announcement
+    # its files hold a line of under 64 bytes per token
+    check_writable(directory.parent, f"the {vocab_size}-token tokenizer", needs=3 * 64 * vocab_size,
+                   fix="make it writable, free space on its disk, or set NANOPARCAE_BASE_DIR to another folder")
+    print(f"Training a {vocab_size}-token tokenizer on {source} (train split, <= {max_chars:,} chars) ...")
+    t0 = time.time()
+    tokenizer = Tokenizer.train(iter_documents(source, "train", reader), vocab_size, max_chars, doc_cap)
+
+    def save(partial):
+        tokenizer.save(partial)
+        (partial / KEY_FILE).write_text(directory.name + "\n")
+
+    # A private name per process keeps half a tokenizer from a crash or a concurrent process
+    try:
+        write_atomically(directory, save, directory.with_name(f"{directory.name}.{os.getpid()}.tmp"))
+    except OSError as err:
+        if not Tokenizer.saved(directory):  # else another process finished first, and its copy is kept
+            raise ValueError(f"{directory} is in the way of the trained tokenizer ({err.strerror}); move it aside, "
+                             f"then run the same command again") from None
+    print(f"Trained in {time.time() - t0:.1f}s, saved to {directory}")

@@ -15,8 +15,8 @@ import torch
 
 from conftest import ROOT, TINY, awaited, beforehand, carries, python, train, train_env, untouched, write_corpus
 from model import Parcae, ParcaeConfig
-from nanoparcae import checkpoint, command, dataset, files, metrics
-from nanoparcae.tokenizer import Tokenizer
+from nanoparcae import checkpoint, command, files, metrics
+from nanoparcae.tokenizer import Tokenizer, get_tokenizer
 
 CONFIG = ParcaeConfig(vocab_size=97, seq_len=16, n_prelude=1, n_recur=1, n_coda=1, d_model=64, head_dim=32)
 
@@ -236,7 +236,7 @@ def test_a_tokenizer_save_without_room_leaves_no_folder(tmp_path, monkeypatch, c
     corpus.write_text("\n\n".join(f"document {i} of a few words" for i in range(60)))
     monkeypatch.setattr(Tokenizer, "save", lambda self, directory: (Path(directory).mkdir(parents=True),
                                                                    refusing(errno.ENOSPC)()))
-    line = stopped_in_one_line(lambda: dataset.get_tokenizer(str(corpus), 300), capsys)
+    line = stopped_in_one_line(lambda: get_tokenizer(str(corpus), 300), capsys)
     assert carries(line, "tokenizers"), line
     assert list((files.get_base_dir() / "tokenizers").iterdir()) == []
 
