@@ -1,6 +1,5 @@
 """
-engine.py: decoding, the model of METHOD.md §1 run one position at a time.
-A library; its command line is sample.py.
+engine.py: decoding, the model of METHOD.md §1 run one position at a time, for sample.py.
 
     for ids, steps in generate(model, tokens, 64, T="auto", top_k=50):   # token after token
         ...
@@ -29,10 +28,10 @@ KV_CACHES = ("steps", "shared")
 
 
 class KVCache:
-    """Keys and values written in place (as nanochat), a pair of buffers per model.Slot, which
-    grow with T. shared=True gives a recurrent layer one slot for all steps (kv="shared"), exact
-    only at T = 1 because earlier positions are seen at their last step. With `loop_steps` a
-    layer's steps view one tensor, so one copy fills the steps an early exit skipped."""
+    """Keys and values written in place (as nanochat), a pair of buffers per model.Slot.
+    shared=True gives a recurrent layer one slot for all its steps, exact only at T = 1, since
+    earlier positions are then seen at their last step. With `loop_steps` a layer's steps view
+    one tensor, so one copy fills the steps an early exit skipped."""
 
     def __init__(self, max_len, loop_steps=None, shared=False):
         self.max_len, self.loop_steps, self.shared = max_len, loop_steps, shared
@@ -44,8 +43,8 @@ class KVCache:
     def claim(self, length):
         """Claim the next forward's `length` positions, before any layer writes."""
         if self.pos + length > self.max_len:
-            raise ValueError(f"{self.pos + length} positions exceed the KV cache's "
-                             f"{self.max_len}; size the cache for the prompt plus every new token")
+            raise ValueError(f"{self.pos + length} positions exceed the KV cache's {self.max_len}; "
+                             f"size it for the prompt and every new token")
         self.pos += length
 
     def buffers(self, slot, like):
@@ -53,26 +52,24 @@ class KVCache:
         if self.shared:
             slot = slot._replace(step=0)
         if slot not in self.slots:
-            B, H, _, D = like.shape
-            if slot.part == "recur" and self.loop_steps is not None and slot.step < self.loop_steps:
+            shape = (*like.shape[:2], self.max_len, like.size(3))  # (B, H, max_len, D)
+            if slot.part == "recur" and slot.step < (self.loop_steps or 0):
                 if slot.layer not in self.stacks:
-                    self.stacks[slot.layer] = like.new_zeros(
-                        self.loop_steps, 2, B, H, self.max_len, D)
+                    self.stacks[slot.layer] = like.new_zeros(self.loop_steps, 2, *shape)
                 self.slots[slot] = tuple(self.stacks[slot.layer][slot.step])
             else:
-                self.slots[slot] = tuple(like.new_zeros(B, H, self.max_len, D) for _ in range(2))
+                self.slots[slot] = tuple(like.new_zeros(shape) for _ in range(2))
         return self.slots[slot]
 
     def update(self, slot, k, v):
         """Write the newest positions' k and v, and return every cached position's as views.
         A frozen row's recurrent entries keep what they hold."""
         k_buf, v_buf = self.buffers(slot, k)
-        start = self.pos - k.size(2)
+        new = slice(self.pos - k.size(2), self.pos)
         if self.frozen is not None and slot.part == "recur":
-            k = torch.where(self.frozen, k_buf[:, :, start:self.pos], k)
-            v = torch.where(self.frozen, v_buf[:, :, start:self.pos], v)
-        k_buf[:, :, start:self.pos] = k
-        v_buf[:, :, start:self.pos] = v
+            k = torch.where(self.frozen, k_buf[:, :, new], k)
+            v = torch.where(self.frozen, v_buf[:, :, new], v)
+        k_buf[:, :, new], v_buf[:, :, new] = k, v
         return k_buf[:, :, :self.pos], v_buf[:, :, :self.pos]
 
     def nbytes(self):
@@ -98,19 +95,14 @@ def free_memory(device):
     or less where an address-space limit (ulimit -v) leaves this process less."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
-    left = (math.inf if limit == resource.RLIM_INFINITY
-            else limit - proc_bytes("/proc/self/status", "VmSize:", 0))
-    return min(proc_bytes("/proc/meminfo", "MemAvailable:", math.inf), left)
-
-
-def proc_bytes(path, field, default):
-    """A /proc file's field, given in kB, in bytes. Off Linux there is none, so `default`."""
     try:
-        with open(path) as lines:
-            return int(next(line for line in lines if line.startswith(field)).split()[1]) * 1024
-    except (OSError, StopIteration):
-        return default
+        with open("/proc/meminfo") as meminfo, open("/proc/self/status") as status:
+            kb = dict(line.split()[:2] for line in [*meminfo, *status] if len(line.split()) > 1)
+        available, used = int(kb["MemAvailable:"]) * 1024, int(kb["VmSize:"]) * 1024
+    except (OSError, KeyError):  # not Linux, so nothing to plan against
+        return math.inf
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    return available if limit == resource.RLIM_INFINITY else min(available, limit - used)
 
 # -----------------------------------------------------------------------------
 # One token from the logits
@@ -155,8 +147,7 @@ class Sampling(NamedTuple):
     def masked(self, logits):
         return logits if self.allowed is None else logits.masked_fill(~self.allowed, -math.inf)
 
-    def pick(self, logits):
-        """Masked logits (B, V) -> ids (B,)."""
+    def pick(self, logits):  # masked logits (B, V) -> ids (B,)
         return sample_next(logits, self.temperature, self.top_k, self.generators)
 
 # -----------------------------------------------------------------------------
@@ -170,16 +161,14 @@ EXIT_THRESHOLDS = {"state": 0.15, "kl": 5e-4}
 
 def relative_change(new, old):
     """||h_t - h_{t-1}|| / ||h_t|| per row."""
-    return (torch.linalg.vector_norm(new - old, dim=(1, 2))
-            / torch.linalg.vector_norm(new, dim=(1, 2)))
+    return (new - old).norm(dim=(1, 2)) / new.norm(dim=(1, 2))
 
 
 def decode_step(model, idx, cache, h0, T, exit=None, threshold=0.0, A_bar=None):
     """Run idx (B, 1), the position after the cached ones -> (logits (B, 1, V), steps (B,)).
     exit=None runs T steps. Otherwise row r stops after step t >= 2 once its test falls under
-    threshold, and its state stays put while the other rows run on. The "state" test
-    (relative_change) costs far less than a step, so the coda and head run once per token.
-    The "kl" test, KL(p_t || p_{t-1}), runs them every step."""
+    threshold, while the others run on. The "state" test (relative_change) costs far less than
+    a step, so the coda runs once. The "kl" test, KL(p_t || p_{t-1}), runs it every step."""
     Bbar_e, ves, cos, sin = model.run_prelude(idx, cache)
     A_bar = model.injection.A_bar() if A_bar is None else A_bar
     h, B = h0.to(Bbar_e.dtype), idx.size(0)
@@ -218,8 +207,7 @@ def decode_step(model, idx, cache, h0, T, exit=None, threshold=0.0, A_bar=None):
 
 
 def fill_skipped_steps(cache, steps, T_max):
-    """Copy each row's last step into the newest position's slots of the steps it skipped, so
-    later tokens see it at every depth. steps holds the steps each row ran."""
+    """Copy each row's last step into the steps it skipped, which later tokens read."""
     if cache.loop_steps is None or cache.loop_steps < T_max:
         raise ValueError(f"an early exit fills the steps it skipped in the cache's stacks, so "
                          f"build the cache as KVCache(max_len, loop_steps={T_max})")
@@ -234,21 +222,17 @@ def fill_skipped_steps(cache, steps, T_max):
 class Decoder:
     """Next-token logits for a batch of prompts, one position per call; append() feeds a token back.
     T is an int >= 1, None for mu_rec, or "auto" (up to T_max, default 2 mu_rec).
-    use_cache=False recomputes the sequence for every token, the reference at a fixed T.
-    kv is "steps", the exact cache, or "shared". A prompt beyond seq_len is cropped from the left.
-    """
+    use_cache=False recomputes the sequence for every token, the reference at a fixed T."""
 
     def __init__(self, model, tokens, max_new_tokens, T=None, generators=(None,), exit="state",
                  exit_threshold=None, T_max=None, use_cache=True, kv="steps"):
-        c = self.config = model.config
-        device = model.wte.weight.device
-        idx = torch.as_tensor(tokens, dtype=torch.long, device=device)
-        idx = idx[None] if idx.dim() == 1 else idx
+        c, device = model.config, model.wte.weight.device
+        idx = torch.atleast_2d(torch.as_tensor(tokens, dtype=torch.long, device=device))  # (B, S)
         if idx.size(1) > c.seq_len:
             warnings.warn(f"the prompt's {idx.size(1)} tokens exceed seq_len={c.seq_len}, so it "
                           f"is cropped from the left to the last {c.seq_len}")
             idx = idx[:, -c.seq_len:]
-        # the options, checked before anything is allocated
+        # the options and the memory, checked before anything is allocated
         adaptive, positions = T == "auto", idx.size(1) + max_new_tokens
         if adaptive and (not use_cache or model.injection is None):
             raise ValueError(f"T='auto' needs the KV cache and a looped model (here "
@@ -259,7 +243,6 @@ class Decoder:
             raise ValueError(f"{positions} positions (prompt + max_new_tokens) exceed the "
                              f"RoPE table's {model.rope_cos.size(1)}; lower max_new_tokens")
         self.model, self.T = model, (T_max or 2 * c.mu_rec) if adaptive else (T or c.mu_rec)
-        # the cache planned before any of it is allocated
         needs, free = decoding_bytes(model, len(idx), positions, self.T, kv), free_memory(device)
         if use_cache and needs > free:
             raise ValueError(f"decoding at T={self.T} needs {size(needs)} for its KV cache "
@@ -294,8 +277,7 @@ class Decoder:
                                             self.h0[:, n - 1:n], self.T, self.exit,
                                             self.threshold, self.A_bar)
                 return logits[:, -1], steps
-            # the Transformer's one pass, or without the cache the whole sequence again
-            start = n - 1 if self.cache is not None else 0
+            start = n - 1 if self.cache is not None else 0  # without the cache, all of it again
             logits = model(self.tokens[:, start:n], T=self.T, h0=self.h0[:, start:n],
                            cache=self.cache)
             return logits[:, -1], torch.full((B,), self.T if model.injection is not None else 1)
@@ -312,13 +294,12 @@ def generate(model, tokens, max_new_tokens, T=None, temperature=1.0, top_k=None,
     """Yield (ids (B,), steps (B,)) per new token, each row's token and its recurrent steps.
     tokens is a list of ids or a (B, S) tensor. generator is one, or one per row (None for the
     global RNG). allowed is a bool mask of the ids that may be sampled. The rest are Decoder's.
-    A draft decodes self-speculatively (drafted, the last section), and counts gets its tallies.
-    """
+    A draft decodes self-speculatively (drafted, the last section), and counts gets its tallies."""
     generators = list(generator) if isinstance(generator, (list, tuple)) else [generator]
     decoder = Decoder(model, tokens, max_new_tokens, T, generators, exit, exit_threshold, T_max,
                       use_cache, kv)
     sampling = Sampling(temperature, top_k, decoder.generators, allowed)
-    if draft is not None:  # the same distribution of tokens, several positions a pass
+    if draft is not None:  # plain decoding's distribution, several positions a pass
         check_draft(model, T, kv, use_cache, draft)
         yield from drafted(decoder, max_new_tokens, draft, sampling, counts)
         return
@@ -364,11 +345,12 @@ class Draft(NamedTuple):
 DRAFT_LENGTH, DRAFT_MIN_RATIO = 32, 4
 
 
-def auto_draft(model, T=None):
+def auto_draft(model, T=None, kv="steps"):
     """sample.py's --draft=auto at depth T (None for mu_rec), or None to decode plainly.
-    It is None for the Transformer, or where T < DRAFT_MIN_RATIO mu_rec."""
+    It drafts where drafting is exact and T >= DRAFT_MIN_RATIO mu_rec, where it paid."""
     mu_rec = model.config.mu_rec
-    if model.injection is None or (T or mu_rec) < DRAFT_MIN_RATIO * mu_rec:
+    if (model.injection is None or T == "auto" or kv != "steps"
+            or (T or mu_rec) < DRAFT_MIN_RATIO * mu_rec):
         return None
     return Draft(max(1, mu_rec - 1), DRAFT_LENGTH)
 
@@ -402,10 +384,8 @@ def mean(old, new):
 
 def paced(pace, most, accepted, seconds):
     """The Pace after a pass of pace.length drafts (0 for a plain token) in `seconds`, of which
-    every row accepted `accepted`. It picks how many positions to draft, never a token.
-    Drafts all accepted double the next pass (up to most), and under half accepted halve it.
-    After `wait` plain tokens a one-position probe costs about a token. A probe some row rejects,
-    or a speed-up under 1, decodes `pause` tokens plainly, and `pause` doubles each time."""
+    every row accepted `accepted`. It picks how many positions to draft, never a token, so that
+    drafting goes on only while it pays (the rule is docs/sampling.md's)."""
     k = pace.length
     if k == 0:  # a plain token, timed; after the wait, a probe
         return pace._replace(length=int(pace.wait == 1), wait=pace.wait - 1, speedup=math.nan,
@@ -421,17 +401,12 @@ def paced(pace, most, accepted, seconds):
 
 
 def drafted(decoder, max_new_tokens, draft, sampling, counts=None, pace=Pace()):
-    """generate's tokens at depth T, up to `draft.length` positions per pass through the loop.
-    A position's first t loop steps do not depend on T, given the same h0, input and cache of
-    earlier positions. So a draft at depth t is the first t steps of the target.
-    1. Draft k positions one at a time at depth t, each keeping its state h_t.
-    2. Verify them together from step t to T, then the coda, for the target's logits.
-    3. Accept by speculative sampling's rule, so each token is distributed as plain decoding's.
-       The cache rolls back past the rest.
-    paced picks k (0 for a plain token). Sampled, only the acceptance paces it, so a seed's text
-    never depends on time. A batch keeps the run every row keeps, and a row's further tokens,
-    verified already, wait in `ahead` for the next pass. counts gets "passes", "drafted",
-    "agreed" (drafts a row accepted before its first rejection) and "plain" tokens."""
+    """generate's tokens at depth T, up to `draft.length` positions per pass (docs/sampling.md).
+    A position's first t loop steps do not depend on T, so a draft at depth t is the first t
+    steps of the target. Sampled, only the acceptance paces k, so a seed's text never depends on
+    time. A batch keeps the run every row keeps, and a row's further tokens, verified already,
+    wait in `ahead` for the next pass. counts gets "passes", "drafted", "agreed" (drafts a row
+    accepted before its first rejection) and "plain" tokens."""
     B = decoder.tokens.size(0)
     steps, made, ahead = torch.full((B,), decoder.T), 0, [[] for _ in range(B)]
     counts, timed = {} if counts is None else counts, greedy(sampling.temperature)
@@ -463,7 +438,7 @@ def drafted(decoder, max_new_tokens, draft, sampling, counts=None, pace=Pace()):
             ahead = [own[r, ids.size(1):rows_kept[r]].tolist() + run[k:]
                      for r, run in enumerate(ahead)]
             decoder.tokens[:, start:start + ids.size(1)] = ids
-            decoder.length = start + ids.size(1)  # the cache keeps the positions before the last
+            decoder.length = start + ids.size(1)  # and the cache the positions before the last
             decoder.cache.pos = decoder.length - 1
             guided = int(known.sum())  # positions whose tokens were verified already
             tallies = {"passes": 1, "drafted": B * k - guided,

@@ -7,10 +7,10 @@ sample.py: text from a trained Parcae checkpoint, at any recurrence depth, strea
     echo "def fibonacci(n):" | python sample.py --temperature=0    # prompt from a pipe, greedy
 
 It reads top to bottom: the flags, the run loaded, the draft chosen, then the samples streamed.
---T is any depth from 1 up, whatever mu_rec the model trained with (METHOD.md §3).
---T=auto, --kv=shared and --draft go beyond the paper (docs/sampling.md). A draft is verified at
-T, so every token is distributed as at T, and greedy decoding gives the same tokens.
-Sample i draws from a generator seeded --seed + i, so it does not depend on how many are drawn.
+--T is any depth from 1 up, whatever mu_rec the model trained with (METHOD.md §3). --T=auto,
+--kv=shared and --draft go beyond the paper (docs/sampling.md). A draft is verified at T, so
+every token is distributed as at T, and greedy decoding gives the same tokens. Sample i draws
+from a generator seeded --seed + i, so it does not depend on how many are drawn.
 """
 
 import argparse
@@ -46,8 +46,7 @@ def parse_draft(value):
     return Draft(*numbers)
 
 
-# A generator takes 64 bits, a negative seed wrapping round, so signed seeds reach every state
-# and leave --seed + i room.
+# Signed 64-bit seeds reach every generator state (negative ones wrap) and leave --seed + i room
 SEED = checked(int, "an integer from -2**63 to 2**63 - 1", lambda seed: -2**63 <= seed < 2**63)
 
 
@@ -77,10 +76,7 @@ def add_sampling_flags(parser):
 def parse_sampling_flags(parser, argv):
     """The flags, each checked before any work, so a bad one ends in one line naming it."""
     args = parser.parse_args(argv)
-    try:
-        parse_device(args.device)
-    except ValueError as err:
-        parser.error(str(err))
+    parse_device(args.device)
     args.top_k = args.top_k or None
     warnings.formatwarning = lambda message, *_, **__: f"warning: {message}\n"
     return args
@@ -90,11 +86,9 @@ def parse_sampling_flags(parser, argv):
 
 def chosen_draft(model, args):
     """The Draft that --draft asks for, or None to decode one position at a time.
-    auto drafts where it is exact and pays (engine.auto_draft); depth,length must be exact."""
-    if args.draft == "off" or (args.draft == "auto" and (args.T == "auto" or args.kv != "steps")):
-        return None
-    if args.draft == "auto":
-        return auto_draft(model, args.T)
+    auto drafts where it is exact and pays, and depth,length is refused where it is not exact."""
+    if args.draft in ("auto", "off"):
+        return auto_draft(model, args.T, args.kv) if args.draft == "auto" else None
     check_draft(model, args.T, args.kv, True, args.draft)
     return args.draft
 
