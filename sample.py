@@ -129,7 +129,7 @@ def stream(model, tokenizer, prompt, args, device, allowed, draft):
             print(f"\n--- sample {i + 1}/{args.num_samples}")
         print(prompt, end="", flush=True)
         generator = torch.Generator(device).manual_seed(args.seed + i)
-        utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character spans tokens
+        utf8 = codecs.getincrementaldecoder("utf-8")("replace")  # a character may span tokens
         depths, counts, t0 = [], {}, time.perf_counter()
         for next_ids, steps in generate(model, ids, args.max_new_tokens, args.T, args.temperature,
                                         args.top_k, generator, args.exit, args.exit_threshold,
