@@ -1,31 +1,16 @@
 """
-engine.py: decoding, the model of METHOD.md §1 run one position at a time.
-A library; its command line is sample.py.
+engine.py: decoding, the model of METHOD.md §1 run one position at a time, for sample.py.
 
     for ids, steps in generate(model, tokens, 64, T="auto", top_k=50):   # token after token
         ...
     loss, steps_per_token = teacher_forced(model, ids, prompt_len, T=8)  # loss on known text
 
-The prompt but its last token is prefilled in one forward. The last prompt token then takes the
-same one-position step as every new token. Two KV caches:
-
-- kv="steps" (the default) is exact. It has a slot per prelude or coda layer and per (recurrent
-  layer, loop step), so its memory grows with T.
-- kv="shared" keeps one slot per recurrent layer: T = 1's memory at any T. Position p's entry
-  holds the keys and values of the last step p computed. A new position at step t sees those
-  entries and its own step-t keys and values. The prefill's step t sees the prompt's step t.
-  Exact at T = 1; beyond, earlier positions are seen at their final depth.
-
-T="auto" (beyond the paper) stops each token's loop once it settles, after step t >= 2 or at T_max.
-The default test is the state's relative change ||h_t - h_{t-1}|| / ||h_t||. It costs far less
-than a step, so the coda and head run once per token. exit="kl" tests KL(p_t || p_{t-1}) instead,
-running the coda and head every step. A token's skipped steps hold its last step's keys and values.
-
-With one generator per row, a row's h0 and tokens do not depend on the rows beside it.
-One generator shared by several rows makes each row's draws depend on the others.
+It reads top to bottom: the KV cache, one token from the logits, one new position, then the
+plain decoding loop. Drafting (beyond the paper) is the last section, one branch of generate.
 """
 
 import math
+import resource
 import time
 import warnings
 from typing import NamedTuple
@@ -37,33 +22,29 @@ from model import decoding_initial_state
 from nanoparcae.command import size
 
 # -----------------------------------------------------------------------------
-# The KV cache
+# The KV cache, and the memory it is planned against
 
 KV_CACHES = ("steps", "shared")
 
 
 class KVCache:
-    """Keys and values for decoding, one slot per attention call site.
-
-    A site is a prelude or coda layer, or a recurrent layer at one loop step.
-    With shared=True a recurrent layer's steps all write one slot (kv="shared").
-    Each slot is a (B, H, max_len, D) buffer for k and one for v, written in place (as nanochat).
-    With `loop_steps`, layer i's slots view one (loop_steps, 2, B, H, max_len, D) tensor.
-    Then one copy fills the steps an early exit skipped (fill_skipped_steps)."""
+    """Keys and values written in place (as nanochat), a pair of buffers per model.Slot.
+    shared=True gives a recurrent layer one slot for all its steps, exact only at T = 1, since
+    earlier positions are then seen at their last step. With `loop_steps` a layer's steps view
+    one tensor, so one copy fills the steps an early exit skipped."""
 
     def __init__(self, max_len, loop_steps=None, shared=False):
         self.max_len, self.loop_steps, self.shared = max_len, loop_steps, shared
         self.slots = {}  # model.Slot -> (k, v) buffers, each (B, H, max_len, D)
         self.stacks = {}  # recurrent layer i -> (loop_steps, 2, B, H, max_len, D), when given
         self.pos = 0  # positions claimed so far, those of the forward under way included
-        # shared: (B, 1, 1, 1), the rows whose newest entries stay at the step they stopped at
-        self.frozen = None
+        self.frozen = None  # shared, the rows (B, 1, 1, 1) whose entries stay at their last step
 
     def claim(self, length):
         """Claim the next forward's `length` positions, before any layer writes."""
         if self.pos + length > self.max_len:
-            raise ValueError(f"{self.pos + length} positions exceed the KV cache's "
-                             f"{self.max_len}; size the cache for the prompt plus every new token")
+            raise ValueError(f"{self.pos + length} positions exceed the KV cache's {self.max_len}; "
+                             f"size it for the prompt and every new token")
         self.pos += length
 
     def buffers(self, slot, like):
@@ -71,26 +52,24 @@ class KVCache:
         if self.shared:
             slot = slot._replace(step=0)
         if slot not in self.slots:
-            B, H, _, D = like.shape
-            if slot.part == "recur" and self.loop_steps is not None and slot.step < self.loop_steps:
+            shape = (*like.shape[:2], self.max_len, like.size(3))  # (B, H, max_len, D)
+            if slot.part == "recur" and slot.step < (self.loop_steps or 0):
                 if slot.layer not in self.stacks:
-                    self.stacks[slot.layer] = like.new_zeros(
-                        self.loop_steps, 2, B, H, self.max_len, D)
+                    self.stacks[slot.layer] = like.new_zeros(self.loop_steps, 2, *shape)
                 self.slots[slot] = tuple(self.stacks[slot.layer][slot.step])
             else:
-                self.slots[slot] = tuple(like.new_zeros(B, H, self.max_len, D) for _ in range(2))
+                self.slots[slot] = tuple(like.new_zeros(shape) for _ in range(2))
         return self.slots[slot]
 
     def update(self, slot, k, v):
-        """Write the newest positions' k and v -> every cached position's, as views.
+        """Write the newest positions' k and v, and return every cached position's as views.
         A frozen row's recurrent entries keep what they hold."""
         k_buf, v_buf = self.buffers(slot, k)
-        start = self.pos - k.size(2)
+        new = slice(self.pos - k.size(2), self.pos)
         if self.frozen is not None and slot.part == "recur":
-            k = torch.where(self.frozen, k_buf[:, :, start:self.pos], k)
-            v = torch.where(self.frozen, v_buf[:, :, start:self.pos], v)
-        k_buf[:, :, start:self.pos] = k
-        v_buf[:, :, start:self.pos] = v
+            k = torch.where(self.frozen, k_buf[:, :, new], k)
+            v = torch.where(self.frozen, v_buf[:, :, new], v)
+        k_buf[:, :, new], v_buf[:, :, new] = k, v
         return k_buf[:, :, :self.pos], v_buf[:, :, :self.pos]
 
     def nbytes(self):
@@ -101,7 +80,7 @@ class KVCache:
 
 
 def decoding_bytes(model, rows, positions, depth, kv):
-    """Bytes decoding allocates: the KV cache's buffers at `depth` loop steps, and every h0.
+    """Bytes decoding allocates, for the KV cache's buffers at `depth` loop steps and every h0.
     Under autocast the keys and values take its dtype, else the weights'."""
     c, device = model.config, model.wte.weight.device
     itemsize = (torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type)
@@ -112,27 +91,29 @@ def decoding_bytes(model, rows, positions, depth, kv):
 
 
 def free_memory(device):
-    """Bytes the device can still allocate: CUDA's free memory, else the system's available."""
+    """Bytes the device can still allocate. On the CPU that is the system's available memory,
+    or less where an address-space limit (ulimit -v) leaves this process less."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     try:
-        with open("/proc/meminfo") as meminfo:
-            available = next(line for line in meminfo if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):  # not Linux: nothing to plan against
+        with open("/proc/meminfo") as meminfo, open("/proc/self/status") as status:
+            kb = dict(line.split()[:2] for line in [*meminfo, *status] if len(line.split()) > 1)
+        available, used = int(kb["MemAvailable:"]) * 1024, int(kb["VmSize:"]) * 1024
+    except (OSError, KeyError):  # not Linux, so nothing to plan against
         return math.inf
-    return int(available.split()[1]) * 1024
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    return available if limit == resource.RLIM_INFINITY else min(available, limit - used)
 
 # -----------------------------------------------------------------------------
 # One token from the logits
 
 def greedy(temperature):
-    """Whether temperature samples greedily: 0, or too small for float32 to divide by."""
+    """Whether temperature samples greedily, being 0 or too small for float32 to divide by."""
     return temperature < torch.finfo(torch.float32).tiny
 
 
 def top_probabilities(logits, temperature, top_k):
-    """logits (..., V) -> (probabilities, ids or None) that sample_next draws from.
-    The probabilities cover the top_k ids (all V without top_k), in ids' order.
+    """logits (..., V) -> (probabilities of the top_k ids, those ids), all V and None without top_k.
     The largest logit is subtracted first, so a small temperature overflows to no NaN."""
     ids = None
     if top_k is not None:
@@ -141,19 +122,13 @@ def top_probabilities(logits, temperature, top_k):
     return scaled.softmax(dim=-1), ids
 
 
-def probabilities(logits, temperature, top_k):
-    """logits (..., V) -> sample_next's distribution over all V ids, 0 outside the top_k."""
-    probs, ids = top_probabilities(logits, temperature, top_k)
-    return probs if ids is None else torch.zeros_like(logits).scatter_(-1, ids, probs)
-
-
 def draw(probs, generators):
     """One id per row of probs (B, V), row r drawn with generators[r]."""
     return torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators)])
 
 
 def sample_next(logits, temperature, top_k, generators):
-    """logits (B, V) -> ids (B,): argmax at temperature 0, else a draw among the top_k.
+    """logits (B, V) -> ids (B,), the argmax at temperature 0, else a draw among the top_k.
     Drawing among the top_k alone is far cheaper than over the vocabulary (as nanochat)."""
     if greedy(temperature):
         return logits.argmax(dim=-1)
@@ -161,6 +136,19 @@ def sample_next(logits, temperature, top_k, generators):
     choice = draw(probs, generators)  # (B,)
     return choice if ids is None else ids.gather(1, choice[:, None]).squeeze(1)
 
+
+class Sampling(NamedTuple):
+    """How generate picks each row's token from its logits, with one generator per row."""
+    temperature: float
+    top_k: int | None
+    generators: list
+    allowed: torch.Tensor | None  # a bool mask of the ids that may be sampled
+
+    def masked(self, logits):
+        return logits if self.allowed is None else logits.masked_fill(~self.allowed, -math.inf)
+
+    def pick(self, logits):  # masked logits (B, V) -> ids (B,)
+        return sample_next(logits, self.temperature, self.top_k, self.generators)
 
 # -----------------------------------------------------------------------------
 # One new position: the recurrence at a fixed depth, or stopped per row when it settles
@@ -173,20 +161,14 @@ EXIT_THRESHOLDS = {"state": 0.15, "kl": 5e-4}
 
 def relative_change(new, old):
     """||h_t - h_{t-1}|| / ||h_t|| per row."""
-    return (torch.linalg.vector_norm(new - old, dim=(1, 2))
-            / torch.linalg.vector_norm(new, dim=(1, 2)))
+    return (new - old).norm(dim=(1, 2)) / new.norm(dim=(1, 2))
 
 
 def decode_step(model, idx, cache, h0, T, exit=None, threshold=0.0, A_bar=None):
-    """idx (B, 1), the position after the cached ones -> (logits (B, 1, V), steps (B,)).
-
-    - exit=None runs T steps.
-    - Otherwise row r stops after step t >= 2 once its test falls under threshold.
-    - "state" tests relative_change; "kl" runs the coda and head every step.
-    - A stopped row's state stays put while the others run on.
-    A_bar: injection.A_bar(), if already formed.
-    """
-    # the prelude and the injection's input, once per position
+    """Run idx (B, 1), the position after the cached ones -> (logits (B, 1, V), steps (B,)).
+    exit=None runs T steps. Otherwise row r stops after step t >= 2 once its test falls under
+    threshold, while the others run on. The "state" test (relative_change) costs far less than
+    a step, so the coda runs once. The "kl" test, KL(p_t || p_{t-1}), runs it every step."""
     Bbar_e, ves, cos, sin = model.run_prelude(idx, cache)
     A_bar = model.injection.A_bar() if A_bar is None else A_bar
     h, B = h0.to(Bbar_e.dtype), idx.size(0)
@@ -194,10 +176,9 @@ def decode_step(model, idx, cache, h0, T, exit=None, threshold=0.0, A_bar=None):
         for step in range(T):
             h = model.loop_step(h, Bbar_e, A_bar, step, ves, cos, sin, cache)
         return model.run_coda(h, ves, cos, sin, cache), torch.full((B,), T)
-    # adaptive depth. Python lists: at B = 1 a tensor op costs as much as a small matmul
+    # adaptive depth. Python lists, because at B = 1 a tensor op costs as much as a small matmul
     steps, done, logits, prev_logp = [T] * B, [False] * B, None, None
     for step in range(T):
-        # one step; a stopped row keeps its state
         stepped = model.loop_step(h, Bbar_e, A_bar, step, ves, cos, sin, cache)
         change = relative_change(stepped, h) if exit == "state" and step > 0 else None
         h = (torch.where(torch.tensor(done, device=h.device)[:, None, None], h, stepped)
@@ -216,7 +197,7 @@ def decode_step(model, idx, cache, h0, T, exit=None, threshold=0.0, A_bar=None):
                 break
             if cache is not None and cache.shared and any(done):
                 cache.frozen = torch.tensor(done, device=h.device)[:, None, None, None]
-    # the cache after an early exit: shared unfreezes, steps fills what was skipped
+    # after an early exit the shared cache unfreezes, and the steps cache fills what was skipped
     if cache is not None and cache.shared:
         cache.frozen = None
     elif cache is not None and any(done):
@@ -226,10 +207,9 @@ def decode_step(model, idx, cache, h0, T, exit=None, threshold=0.0, A_bar=None):
 
 
 def fill_skipped_steps(cache, steps, T_max):
-    """Copy each row's last step into the newest position's slots of the steps it skipped.
-    Later tokens then see it at every depth. steps: the steps each row ran."""
+    """Copy each row's last step into the steps it skipped, which later tokens read."""
     if cache.loop_steps is None or cache.loop_steps < T_max:
-        raise ValueError(f"an early exit fills the steps it skipped in the cache's stacks: "
+        raise ValueError(f"an early exit fills the steps it skipped in the cache's stacks, so "
                          f"build the cache as KVCache(max_len, loop_steps={T_max})")
     p = cache.pos - 1
     for r, ran in enumerate(steps):
@@ -241,67 +221,47 @@ def fill_skipped_steps(cache, steps, T_max):
 
 class Decoder:
     """Next-token logits for a batch of prompts, one position per call; append() feeds a token back.
-
-    - T: an int >= 1, None for mu_rec, or "auto" (up to T_max, default 2 mu_rec).
-    - use_cache=False recomputes the sequence for every token: the reference, fixed T only.
-    - kv: "steps", the exact cache, or "shared", one slot per recurrent layer.
-    Prompts longer than seq_len are cropped from the left.
-    """
+    T is an int >= 1, None for mu_rec, or "auto" (up to T_max, default 2 mu_rec).
+    use_cache=False recomputes the sequence for every token, the reference at a fixed T."""
 
     def __init__(self, model, tokens, max_new_tokens, T=None, generators=(None,), exit="state",
                  exit_threshold=None, T_max=None, use_cache=True, kv="steps"):
-        # the prompts as a (B, S) tensor, cropped to seq_len
-        c = self.config = model.config
-        device = model.wte.weight.device
-        idx = torch.as_tensor(tokens, dtype=torch.long, device=device)
-        idx = idx[None] if idx.dim() == 1 else idx
+        c, device = model.config, model.wte.weight.device
+        idx = torch.atleast_2d(torch.as_tensor(tokens, dtype=torch.long, device=device))  # (B, S)
         if idx.size(1) > c.seq_len:
-            warnings.warn(f"the prompt's {idx.size(1)} tokens exceed seq_len={c.seq_len}: "
-                          f"cropped from the left to the last {c.seq_len}")
+            warnings.warn(f"the prompt's {idx.size(1)} tokens exceed seq_len={c.seq_len}, so it "
+                          f"is cropped from the left to the last {c.seq_len}")
             idx = idx[:, -c.seq_len:]
-        # the options, checked before anything is allocated
-        adaptive = T == "auto"
-        if adaptive and use_cache is False:
-            raise ValueError("T='auto' decodes through the KV cache; use_cache=False needs a "
-                             "fixed T")
-        if adaptive and model.injection is None:
-            raise ValueError("T='auto' needs a looped model; this is the fixed-depth Transformer "
-                             "baseline")
-        if exit not in EXITS:
-            raise ValueError(f"exit={exit!r} is not one of {EXITS}")
-        if kv not in KV_CACHES:
-            raise ValueError(f"kv={kv!r} is not one of {KV_CACHES}")
-        num_positions = idx.size(1) + max_new_tokens
-        if num_positions > model.rope_cos.size(1):
-            raise ValueError(f"prompt + max_new_tokens = {num_positions} positions exceed the "
-                             f"model's RoPE table of {model.rope_cos.size(1)}; "
-                             f"lower max_new_tokens")
-        # the depth and the exit test
-        self.model, self.T = model, ((T_max or 2 * c.mu_rec) if adaptive
-                                     else (T or c.mu_rec))
-        if use_cache:  # the cache planned before any of it is allocated
-            needs = decoding_bytes(model, idx.size(0), num_positions, self.T, kv)
-            free = free_memory(device)
-            if needs > free:
-                raise ValueError(f"decoding at T={self.T} needs {size(needs)} for its KV cache "
-                                 f"({idx.size(0)} rows of {num_positions} positions), more than "
-                                 f"the {size(free)} free on {device}; lower --T or --T_max, "
-                                 f"or use --kv=shared")
+        # the options and the memory, checked before anything is allocated
+        adaptive, positions = T == "auto", idx.size(1) + max_new_tokens
+        if adaptive and (not use_cache or model.injection is None):
+            raise ValueError(f"T='auto' needs the KV cache and a looped model (here "
+                             f"use_cache={use_cache}, injection={c.injection!r})")
+        if exit not in EXITS or kv not in KV_CACHES:
+            raise ValueError(f"exit={exit!r} and kv={kv!r} must be in {EXITS} and {KV_CACHES}")
+        if positions > model.rope_cos.size(1):
+            raise ValueError(f"{positions} positions (prompt + max_new_tokens) exceed the "
+                             f"RoPE table's {model.rope_cos.size(1)}; lower max_new_tokens")
+        self.model, self.T = model, (T_max or 2 * c.mu_rec) if adaptive else (T or c.mu_rec)
+        needs, free = decoding_bytes(model, len(idx), positions, self.T, kv), free_memory(device)
+        if use_cache and needs > free:
+            raise ValueError(f"decoding at T={self.T} needs {size(needs)} for its KV cache "
+                             f"({len(idx)} rows of {positions} positions), more than the "
+                             f"{size(free)} free on {device}; lower --T or --T_max, "
+                             f"or use --kv=shared")
         self.exit = exit if adaptive else None
         self.threshold = EXIT_THRESHOLDS[exit] if exit_threshold is None else exit_threshold
         # every position's h0 drawn up front, so it does not depend on the tokens sampled
-        rows = list(generators) * (idx.size(0) // len(generators))
-        self.h0 = decoding_initial_state((len(rows), num_positions, c.d_model), device, rows)
-        # the tokens so far, in a buffer sized for every new one
-        self.tokens = torch.zeros(idx.size(0), num_positions, dtype=torch.long, device=device)
+        self.generators = list(generators) * (len(idx) // len(generators))  # one per row
+        self.h0 = decoding_initial_state((len(idx), positions, c.d_model), device, self.generators)
+        self.tokens = torch.zeros(len(idx), positions, dtype=torch.long, device=device)
         self.tokens[:, :idx.size(1)], self.length = idx, idx.size(1)
         # stacked steps only for T="auto" on the steps cache, whose early exits fill those skipped
         loop_steps = self.T if adaptive and kv == "steps" else None
-        self.cache = (KVCache(num_positions, loop_steps, shared=kv == "shared") if use_cache
-                      else None)
-        # eager even under compiled regions (model.compile_regions): each token's cache is new
+        self.cache = KVCache(positions, loop_steps, kv == "shared") if use_cache else None
+        # eager even under compiled regions (model.compile_regions), as each token's cache is new
         with torch.inference_mode(), torch.compiler.set_stance("force_eager"):
-            # A_bar does not change while decoding: formed once
+            # A_bar does not change while decoding, so it is formed once
             self.A_bar = model.injection.A_bar() if model.injection is not None else None
             # prefill the prompt but its last token, which next_logits runs like any new token
             if self.cache is not None and self.length > 1:
@@ -312,98 +272,35 @@ class Decoder:
         """-> (logits (B, V) of the next position, recurrent steps (B,) each row took)."""
         with torch.compiler.set_stance("force_eager"):  # as the prefill
             n, model, B = self.length, self.model, self.tokens.size(0)
-            depth = self.T if model.injection is not None else 1
-            if self.cache is None:
-                logits = model(self.tokens[:, :n], T=self.T, h0=self.h0[:, :n])
-            elif model.injection is None:
-                logits = model(self.tokens[:, n - 1:n], cache=self.cache)
-            else:
+            if self.cache is not None and model.injection is not None:
                 logits, steps = decode_step(model, self.tokens[:, n - 1:n], self.cache,
                                             self.h0[:, n - 1:n], self.T, self.exit,
                                             self.threshold, self.A_bar)
                 return logits[:, -1], steps
-            return logits[:, -1], torch.full((B,), depth)
+            start = n - 1 if self.cache is not None else 0  # without the cache, all of it again
+            logits = model(self.tokens[:, start:n], T=self.T, h0=self.h0[:, start:n],
+                           cache=self.cache)
+            return logits[:, -1], torch.full((B,), self.T if model.injection is not None else 1)
 
     def append(self, ids):
-        """ids (B,): the next token of every row."""
+        """ids (B,) holds the next token of every row."""
         self.tokens[:, self.length] = ids
         self.length += 1
-
-    # Self-speculative decoding's two passes (drafted, below) and its rollback
-
-    @torch.inference_mode()
-    def draft_logits(self, depth):
-        """Run the next position through `depth` loop steps and the coda.
-        -> (logits (B, V), its state: h_depth and what the loop reads, for verify_logits).
-        Its prelude and loop steps write what fixed T writes; its coda's entry is a draft's."""
-        with torch.compiler.set_stance("force_eager"):  # as the prefill
-            n, model, cache = self.length, self.model, self.cache
-            Bbar_e, ves, cos, sin = model.run_prelude(self.tokens[:, n - 1:n], cache)
-            h = self.h0[:, n - 1:n].to(Bbar_e.dtype)
-            for step in range(depth):
-                h = model.loop_step(h, Bbar_e, self.A_bar, step, ves, cos, sin, cache)
-            return model.run_coda(h, ves, cos, sin, cache)[:, -1], (h, Bbar_e, ves, cos, sin)
-
-    @torch.inference_mode()
-    def verify_logits(self, states, depth):
-        """The last len(states) positions, drafted at `depth`, run on together to T.
-        Causal among them, they read the cache for earlier positions.
-        -> logits (B, k, V) at T; the coda's entries are overwritten with T's."""
-        with torch.compiler.set_stance("force_eager"):
-            model, cache = self.model, self.cache
-            h, Bbar_e, cos, sin = (torch.cat(parts, dim=1) for parts in zip(
-                *[(h, Bbar_e, cos, sin) for h, Bbar_e, _, cos, sin in states]))
-            ves = {i: torch.cat([state[2][i] for state in states], dim=1) for i in states[0][2]}
-            for step in range(depth, self.T):
-                h = model.loop_step(h, Bbar_e, self.A_bar, step, ves, cos, sin, cache)
-            return model.run_coda(h, ves, cos, sin, cache)
-
-    def rewind(self, length):
-        """Keep the first `length` tokens and the cache of the positions before the last."""
-        self.length, self.cache.pos = length, length - 1
-
-
-class Sampling(NamedTuple):
-    """How generate picks each row's token from its logits (sample_next)."""
-    temperature: float
-    top_k: int | None
-    generators: list  # one per row
-    allowed: torch.Tensor | None  # a bool mask of the ids that may be sampled
-
-    def masked(self, logits):
-        return logits if self.allowed is None else logits.masked_fill(~self.allowed, -math.inf)
-
-    def pick(self, logits):
-        """Masked logits (B, V) -> ids (B,)."""
-        return sample_next(logits, self.temperature, self.top_k, self.generators)
-
-
-class Draft(NamedTuple):
-    """Self-speculative decoding's shape: up to `length` positions a pass, drafted at `depth`
-    loop steps (drafted's paced picks how many)."""
-    depth: int
-    length: int
 
 
 def generate(model, tokens, max_new_tokens, T=None, temperature=1.0, top_k=None, generator=None,
              exit="state", exit_threshold=None, T_max=None, use_cache=True, allowed=None,
              kv="steps", draft=None, counts=None):
-    """Yield (ids (B,), steps (B,)) per new token: each row's token and its recurrent steps.
-
-    tokens: a list of ids or a (B, S) tensor. T, exit, exit_threshold, T_max, use_cache, kv:
-    Decoder's. generator: one, or one per row (None: the global RNG).
-    allowed: a bool mask of the ids that may be sampled.
-    draft: a Draft to decode self-speculatively (drafted), None for one position at a time.
-    counts: drafted's tallies, added to this dict.
-    """
-    if draft is not None:
-        check_draft(model, T, kv, use_cache, draft)
+    """Yield (ids (B,), steps (B,)) per new token, each row's token and its recurrent steps.
+    tokens is a list of ids or a (B, S) tensor. generator is one, or one per row (None for the
+    global RNG). allowed is a bool mask of the ids that may be sampled. The rest are Decoder's.
+    A draft decodes self-speculatively (drafted, the last section), and counts gets its tallies."""
     generators = list(generator) if isinstance(generator, (list, tuple)) else [generator]
     decoder = Decoder(model, tokens, max_new_tokens, T, generators, exit, exit_threshold, T_max,
                       use_cache, kv)
-    rows = generators * (decoder.tokens.size(0) // len(generators))
-    sampling = Sampling(temperature, top_k, rows, allowed)
-    if draft is not None:
+    sampling = Sampling(temperature, top_k, decoder.generators, allowed)
+    if draft is not None:  # plain decoding's distribution, several positions a pass
+        check_draft(model, T, kv, use_cache, draft)
         yield from drafted(decoder, max_new_tokens, draft, sampling, counts)
         return
     for _ in range(max_new_tokens):
@@ -413,167 +310,9 @@ def generate(model, tokens, max_new_tokens, T=None, temperature=1.0, top_k=None,
         decoder.append(next_ids)
 
 
-# -----------------------------------------------------------------------------
-# Self-speculative decoding (beyond the paper): the looped model drafts for itself
-
-# auto's draft, from a sweep of depth and length on the CPU checkpoint (docs/sampling.md):
-# depth mu_rec - 1, up to 32 positions a pass, where T >= 4 mu_rec; at 2 mu_rec drafting lost
-DRAFT_LENGTH, DRAFT_MIN_RATIO = 32, 4
-
-
-def auto_draft(model, T=None):
-    """The Draft of sample.py's --draft=auto at depth T (None: mu_rec), or None.
-    None (one position at a time) for the Transformer, or where T < DRAFT_MIN_RATIO mu_rec."""
-    mu_rec = model.config.mu_rec
-    if model.injection is None or (T or mu_rec) < DRAFT_MIN_RATIO * mu_rec:
-        return None
-    return Draft(max(1, mu_rec - 1), DRAFT_LENGTH)
-
-
-def check_draft(model, T, kv, use_cache, draft):
-    """Refuse a draft that cannot be exact: it continues a fixed-depth loop in the exact cache."""
-    if model.injection is None:
-        raise ValueError("drafting needs a looped model; this is the fixed-depth Transformer")
-    if T == "auto" or kv != "steps" or not use_cache:
-        raise ValueError(f"drafting is exact only at a fixed T through the exact cache "
-                         f"(kv='steps'), not at T={T!r}, kv={kv!r}, use_cache={use_cache}")
-    T = T or model.config.mu_rec
-    if not (1 <= draft.depth < T and draft.length >= 1):
-        raise ValueError(f"a draft of depth {draft.depth} and length {draft.length} needs "
-                         f"1 <= depth < T={T} and length >= 1")
-
-
-class Pace(NamedTuple):
-    """drafted's plan for its next pass, and what it measured so far (running means)."""
-    length: int = 0  # the positions the next pass drafts; 0 decodes one token plainly
-    wait: int = 1  # plain tokens left before drafting again: the first times a plain token
-    pause: int = 16  # the plain tokens after the next failure, doubled at each
-    plain: float = math.nan  # seconds per plain token
-    speedup: float = math.nan  # tokens per second drafting over plain decoding's, since a probe
-
-
-def mean(old, new):
-    """A running mean that halves the weight of the past at each new value."""
-    return new if math.isnan(old) else (old + new) / 2
-
-
-def paced(pace, most, accepted, seconds):
-    """The Pace after a pass that drafted pace.length positions (0: a plain token) in `seconds`.
-    accepted: the drafts every row accepted. It picks how many positions to draft, never a token.
-    - After `wait` plain tokens, a pass drafts one position: a probe that costs about a token.
-    - A pass whose drafts were all accepted drafts twice as many next (up to most).
-      One accepting under half drafts half as many.
-    - A probe some row rejects, or a speed-up under 1, decodes `pause` tokens plainly.
-      `pause` doubles each time. The speed-up: a running mean of kept tokens a second over plain."""
-    k = pace.length
-    if k == 0:  # a plain token, timed; after the wait, a probe
-        return pace._replace(length=int(pace.wait == 1), wait=pace.wait - 1, speedup=math.nan,
-                             plain=mean(pace.plain, seconds))
-    # a probe keeps one token at any rate: only its acceptance counts. nan until a plain token
-    speedup = pace.speedup if k == 1 else mean(pace.speedup, min(accepted + 1, k) * pace.plain
-                                                / seconds)
-    if (accepted == 0 if k == 1 else speedup < 1):  # drafting does not pay: plainly for a while
-        return pace._replace(length=0, wait=pace.pause, pause=2 * pace.pause)
-    length = min(2 * k, most) if accepted == k else k // 2 if 2 * accepted < k else k
-    return pace._replace(length=length, speedup=speedup,
-                         pause=pace.pause if k == 1 else Pace().pause)
-
-
-def drafted(decoder, max_new_tokens, draft, sampling, counts=None, pace=Pace()):
-    """generate's tokens at depth T, up to `draft.length` positions per pass through the loop.
-
-    At depth T a position's loop steps 0..t-1 do not depend on T: the same h0, input and cache
-    entries of earlier positions. So a draft at depth t is the first t steps of the target.
-    1. draft: k positions one at a time at depth t, each keeping its state h_t.
-    2. verify: those k positions together from step t to T, then the coda: the target's logits.
-    3. accept: speculative sampling's rule (accept), so each token is distributed as plain
-       decoding's; greedy, the target's argmax. The cache rolls back past the rest.
-    paced picks k from the drafts accepted and the seconds each pass took, 0 for a plain token.
-    Sampled (temperature > 0), only the acceptance paces it: a seed's text never depends on time.
-    A batch keeps the run every row keeps. A row's further tokens, verified at T, wait `ahead`:
-    the next pass drafts them for the row, and accepts them.
-    counts gets "passes", "drafted", "agreed" (drafts a row accepted before its first
-    rejection) and "plain" (tokens decoded one position at a time)."""
-    B = decoder.tokens.size(0)
-    steps, made, ahead = torch.full((B,), decoder.T), 0, [[] for _ in range(B)]
-    counts, timed = {} if counts is None else counts, greedy(sampling.temperature)
-    while made < max_new_tokens:
-        k, start = min(pace.length, max_new_tokens - made), decoder.length
-        began = time.perf_counter()
-        if k == 0:  # one position at depth T, as generate decodes without a draft
-            ids = ahead_of(sampling.pick(sampling.masked(decoder.next_logits()[0])), ahead, 0)
-            decoder.append(ids)
-            ids, accepted, tallies = ids[:, None], 0, {"plain": 1}
-            ahead = [run[1:] for run in ahead]
-        else:
-            # 1. draft: each position's token drawn as plain decoding draws it, from the draft's
-            states, shallow = [], []  # each position's state, and its logits at depth t
-            for i in range(k):
-                logits, state = decoder.draft_logits(draft.depth)
-                states.append(state)
-                shallow.append(sampling.masked(logits))
-                decoder.append(ahead_of(sampling.pick(shallow[-1]), ahead, i))
-            # 2. verify: the k positions run on to T together
-            target = sampling.masked(decoder.verify_logits(states, draft.depth))
-            # 3. accept, keep the run every row keeps, then roll back past the rest
-            known = torch.tensor([[i < len(run) for i in range(k)] for run in ahead],
-                                 device=target.device)
-            own, agreed = accept(torch.stack(shallow, dim=1), target,
-                                 decoder.tokens[:, start:start + k], sampling, known)
-            rows_kept, accepted = (agreed + 1).clamp(max=k).tolist(), int(agreed.min())
-            ids = own[:, :min(rows_kept)]
-            ahead = [own[r, ids.size(1):rows_kept[r]].tolist() + run[k:]
-                     for r, run in enumerate(ahead)]
-            decoder.tokens[:, start:start + ids.size(1)] = ids
-            decoder.rewind(start + ids.size(1))
-            guided = int(known.sum())  # positions whose tokens were verified already
-            tallies = {"passes": 1, "drafted": B * k - guided,
-                       "agreed": int(agreed.sum()) - guided}
-        seconds = time.perf_counter() - began if timed else math.nan  # nan: no speed-up rule
-        pace = paced(pace._replace(length=k), draft.length, accepted, seconds)
-        made += ids.size(1)
-        for name, value in tallies.items():
-            counts[name] = counts.get(name, 0) + value
-        for next_ids in ids.unbind(dim=1):
-            yield next_ids, steps
-
-
-def ahead_of(ids, ahead, i):
-    """ids (B,), each row's replaced by the i-th of its tokens verified ahead, if it has one."""
-    if all(len(run) <= i for run in ahead):
-        return ids
-    return torch.tensor([run[i] if i < len(run) else x for run, x in zip(ahead, ids.tolist())],
-                        device=ids.device)
-
-
-def accept(draft_logits, target_logits, guesses, sampling, known):
-    """Each row's tokens of k drafted ones: speculative sampling's rule (Leviathan et al., 2023).
-    A row accepts draft token x with probability min(1, p(x) / q(x)) (target p, draft q).
-    At its first rejection it draws from max(0, p - q), normalised. Greedy, x must be p's argmax.
-    known (B, k): the drafts verified already, accepted as they are.
-    -> (ids (B, k), each row's valid up to and with its first rejection's draw; the drafts
-    each row accepted before it (B,))."""
-    k = guesses.size(1)
-    if greedy(sampling.temperature):
-        best = torch.where(known, guesses, target_logits.argmax(dim=-1))  # (B, k)
-        return best, (guesses == best).cumprod(dim=1).sum(dim=1)
-    p, q = (probabilities(logits, sampling.temperature, sampling.top_k)
-            for logits in (target_logits, draft_logits))  # (B, k, V) each
-    p_x, q_x = (probs.gather(-1, guesses[..., None])[..., 0] for probs in (p, q))
-    u = torch.stack([torch.rand(k, generator=g, device=p.device) for g in sampling.generators])
-    agreed = ((u * q_x < p_x) | known).cumprod(dim=1).sum(dim=1)  # u < p(x) / q(x)
-    ids = guesses.clone()
-    for row, at in enumerate(agreed.tolist()):  # each rejecting row's draw at its rejection
-        if at < k:
-            residual = (p[row, at] - q[row, at]).clamp(min=0)
-            ids[row, at] = draw(residual[None], sampling.generators[row:row + 1])[0]
-    return ids, agreed
-
-
 def forced_logits(model, ids, prompt_len, T=None, seed=0, **decoding):
-    """Decode ids (B, S) past prompt_len as generate does, feeding the true tokens.
-    Yield (logits (B, V), steps (B,)) of each position from prompt_len on.
-    decoding: Decoder's options."""
+    """Yield (logits (B, V), steps (B,)) of each position of ids (B, S) from prompt_len on.
+    They are decoded as generate decodes them (with Decoder's options), fed the true tokens."""
     generator = torch.Generator(model.wte.weight.device).manual_seed(seed)
     decoder = Decoder(model, ids[:, :prompt_len], ids.size(1) - prompt_len, T, [generator],
                       **decoding)
@@ -590,3 +329,188 @@ def teacher_forced(model, ids, prompt_len, T=None, seed=0, **decoding):
         losses.append(F.cross_entropy(logits.float(), ids[:, p], reduction="none"))
         steps.append(ran)
     return torch.cat(losses).mean().item(), torch.cat(steps).float().mean().item()
+
+# -----------------------------------------------------------------------------
+# Drafting (beyond the paper): the looped model drafts for itself, several positions a pass.
+# Plain decoding above never enters this section; generate does where it is given a Draft.
+
+class Draft(NamedTuple):
+    """Up to `length` positions a pass drafted at `depth` loop steps (paced picks how many)."""
+    depth: int
+    length: int
+
+
+# auto's draft, from a sweep of depth and length on the CPU checkpoint (docs/sampling.md).
+# Depth mu_rec - 1, up to 32 positions a pass, where T >= 4 mu_rec; at 2 mu_rec drafting lost.
+DRAFT_LENGTH, DRAFT_MIN_RATIO = 32, 4
+
+
+def auto_draft(model, T=None, kv="steps"):
+    """sample.py's --draft=auto at depth T (None for mu_rec), or None to decode plainly.
+    It drafts where drafting is exact and T >= DRAFT_MIN_RATIO mu_rec, where it paid."""
+    mu_rec = model.config.mu_rec
+    if (model.injection is None or T == "auto" or kv != "steps"
+            or (T or mu_rec) < DRAFT_MIN_RATIO * mu_rec):
+        return None
+    return Draft(max(1, mu_rec - 1), DRAFT_LENGTH)
+
+
+def check_draft(model, T, kv, use_cache, draft):
+    """Refuse a draft that cannot be exact, as it must continue a fixed-depth loop's exact cache."""
+    if model.injection is None:
+        raise ValueError("drafting needs a looped model; this is the fixed-depth Transformer")
+    if T == "auto" or kv != "steps" or not use_cache:
+        raise ValueError(f"drafting is exact only at a fixed T through the exact cache "
+                         f"(kv='steps'), not at T={T!r}, kv={kv!r}, use_cache={use_cache}")
+    T = T or model.config.mu_rec
+    if not (1 <= draft.depth < T and draft.length >= 1):
+        raise ValueError(f"a draft of depth {draft.depth} and length {draft.length} needs "
+                         f"1 <= depth < T={T} and length >= 1")
+
+
+class Pace(NamedTuple):
+    """drafted's plan for its next pass, and what it measured so far (running means)."""
+    length: int = 0  # the positions the next pass drafts, 0 to decode one token plainly
+    wait: int = 1  # plain tokens left before drafting again, so the first one is timed
+    pause: int = 16  # the plain tokens after the next failure, doubled at each
+    plain: float = math.nan  # seconds per plain token
+    speedup: float = math.nan  # tokens per second drafting over plain decoding's, since a probe
+
+
+def mean(old, new):
+    """A running mean that halves the weight of the past at each new value."""
+    return new if math.isnan(old) else (old + new) / 2
+
+
+def paced(pace, most, accepted, seconds):
+    """The Pace after a pass of pace.length drafts (0 for a plain token) in `seconds`, of which
+    every row accepted `accepted`. It picks how many positions to draft, never a token, so that
+    drafting goes on only while it pays (the rule is docs/sampling.md's)."""
+    k = pace.length
+    if k == 0:  # a plain token, timed; after the wait, a probe
+        return pace._replace(length=int(pace.wait == 1), wait=pace.wait - 1, speedup=math.nan,
+                             plain=mean(pace.plain, seconds))
+    # a probe keeps one token at any rate, so only its acceptance counts (nan until a plain token)
+    speedup = pace.speedup if k == 1 else mean(pace.speedup, min(accepted + 1, k) * pace.plain
+                                                / seconds)
+    if (accepted == 0 if k == 1 else speedup < 1):  # drafting does not pay: plainly for a while
+        return pace._replace(length=0, wait=pace.pause, pause=2 * pace.pause)
+    length = min(2 * k, most) if accepted == k else k // 2 if 2 * accepted < k else k
+    return pace._replace(length=length, speedup=speedup,
+                         pause=pace.pause if k == 1 else Pace().pause)
+
+
+def drafted(decoder, max_new_tokens, draft, sampling, counts=None, pace=Pace()):
+    """generate's tokens at depth T, up to `draft.length` positions per pass (docs/sampling.md).
+    A position's first t loop steps do not depend on T, so a draft at depth t is the first t
+    steps of the target. Sampled, only the acceptance paces k, so a seed's text never depends on
+    time. A batch keeps the run every row keeps, and a row's further tokens, verified already,
+    wait in `ahead` for the next pass. counts gets "passes", "drafted", "agreed" (drafts a row
+    accepted before its first rejection) and "plain" tokens."""
+    B = decoder.tokens.size(0)
+    steps, made, ahead = torch.full((B,), decoder.T), 0, [[] for _ in range(B)]
+    counts, timed = {} if counts is None else counts, greedy(sampling.temperature)
+    while made < max_new_tokens:
+        k, start = min(pace.length, max_new_tokens - made), decoder.length
+        began = time.perf_counter()
+        if k == 0:  # one position at depth T, as generate decodes without a draft
+            ids = ahead_of(sampling.pick(sampling.masked(decoder.next_logits()[0])), ahead, 0)
+            decoder.append(ids)
+            ids, accepted, tallies = ids[:, None], 0, {"plain": 1}
+            ahead = [run[1:] for run in ahead]
+        else:
+            # 1. draft, each position's token drawn as plain decoding draws it, from the draft's
+            states, shallow = [], []  # each position's state, and its logits at depth t
+            for i in range(k):
+                logits, state = draft_logits(decoder, draft.depth)
+                states.append(state)
+                shallow.append(sampling.masked(logits))
+                decoder.append(ahead_of(sampling.pick(shallow[-1]), ahead, i))
+            # 2. verify, the k positions run on to T together
+            target = sampling.masked(verify_logits(decoder, states, draft.depth))
+            # 3. accept, keep the run every row keeps, then roll back past the rest
+            known = torch.tensor([[i < len(run) for i in range(k)] for run in ahead],
+                                 device=target.device)
+            own, agreed = accept(torch.stack(shallow, dim=1), target,
+                                 decoder.tokens[:, start:start + k], sampling, known)
+            rows_kept, accepted = (agreed + 1).clamp(max=k).tolist(), int(agreed.min())
+            ids = own[:, :min(rows_kept)]
+            ahead = [own[r, ids.size(1):rows_kept[r]].tolist() + run[k:]
+                     for r, run in enumerate(ahead)]
+            decoder.tokens[:, start:start + ids.size(1)] = ids
+            decoder.length = start + ids.size(1)  # and the cache the positions before the last
+            decoder.cache.pos = decoder.length - 1
+            guided = int(known.sum())  # positions whose tokens were verified already
+            tallies = {"passes": 1, "drafted": B * k - guided,
+                       "agreed": int(agreed.sum()) - guided}
+        seconds = time.perf_counter() - began if timed else math.nan  # nan, so no speed-up rule
+        pace = paced(pace._replace(length=k), draft.length, accepted, seconds)
+        made += ids.size(1)
+        for name, value in tallies.items():
+            counts[name] = counts.get(name, 0) + value
+        for next_ids in ids.unbind(dim=1):
+            yield next_ids, steps
+
+
+@torch.inference_mode()
+def draft_logits(decoder, depth):
+    """Run the next position through `depth` loop steps and the coda -> (logits (B, V), state).
+    verify_logits goes on from the state. The coda's cache entry is the draft's until then."""
+    with torch.compiler.set_stance("force_eager"):  # as the prefill
+        n, model, cache = decoder.length, decoder.model, decoder.cache
+        Bbar_e, ves, cos, sin = model.run_prelude(decoder.tokens[:, n - 1:n], cache)
+        h = decoder.h0[:, n - 1:n].to(Bbar_e.dtype)
+        for step in range(depth):
+            h = model.loop_step(h, Bbar_e, decoder.A_bar, step, ves, cos, sin, cache)
+        return model.run_coda(h, ves, cos, sin, cache)[:, -1], (h, Bbar_e, ves, cos, sin)
+
+
+@torch.inference_mode()
+def verify_logits(decoder, states, depth):
+    """The last k = len(states) positions, drafted at `depth`, run on together to T, causal
+    among themselves -> logits (B, k, V). Their coda entries overwrite the drafts'."""
+    with torch.compiler.set_stance("force_eager"):
+        model, cache = decoder.model, decoder.cache
+        h, Bbar_e, cos, sin = (torch.cat(parts, dim=1) for parts in zip(
+            *[(h, Bbar_e, cos, sin) for h, Bbar_e, _, cos, sin in states]))
+        ves = {i: torch.cat([state[2][i] for state in states], dim=1) for i in states[0][2]}
+        for step in range(depth, decoder.T):
+            h = model.loop_step(h, Bbar_e, decoder.A_bar, step, ves, cos, sin, cache)
+        return model.run_coda(h, ves, cos, sin, cache)
+
+
+def ahead_of(ids, ahead, i):
+    """ids (B,), each row's replaced by the i-th of its tokens verified ahead, if it has one."""
+    if all(len(run) <= i for run in ahead):
+        return ids
+    return torch.tensor([run[i] if i < len(run) else x for run, x in zip(ahead, ids.tolist())],
+                        device=ids.device)
+
+
+def probabilities(logits, temperature, top_k):
+    """logits (..., V) -> sample_next's distribution over all V ids, 0 outside the top_k."""
+    probs, ids = top_probabilities(logits, temperature, top_k)
+    return probs if ids is None else torch.zeros_like(logits).scatter_(-1, ids, probs)
+
+
+def accept(shallow, target, guesses, sampling, known):
+    """Speculative sampling's rule (Leviathan et al., 2023) on k drafted tokens per row.
+    A row accepts draft token x with probability min(1, p(x) / q(x)) (target p, draft q).
+    At its first rejection it draws from max(0, p - q), normalised. Greedy, x must be p's argmax.
+    known (B, k) marks the drafts verified already, accepted as they are. -> (ids (B, k), valid
+    up to and with each row's first rejection's draw; the drafts each row accepted before it)."""
+    k = guesses.size(1)
+    if greedy(sampling.temperature):
+        best = torch.where(known, guesses, target.argmax(dim=-1))  # (B, k)
+        return best, (guesses == best).cumprod(dim=1).sum(dim=1)
+    p, q = (probabilities(logits, sampling.temperature, sampling.top_k)
+            for logits in (target, shallow))  # (B, k, V) each
+    p_x, q_x = (probs.gather(-1, guesses[..., None])[..., 0] for probs in (p, q))
+    u = torch.stack([torch.rand(k, generator=g, device=p.device) for g in sampling.generators])
+    agreed = ((u * q_x < p_x) | known).cumprod(dim=1).sum(dim=1)  # u < p(x) / q(x)
+    ids = guesses.clone()
+    for row, at in enumerate(agreed.tolist()):  # each rejecting row's draw at its rejection
+        if at < k:
+            residual = (p[row, at] - q[row, at]).clamp(min=0)
+            ids[row, at] = draw(residual[None], sampling.generators[row:row + 1])[0]
+    return ids, agreed

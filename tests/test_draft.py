@@ -3,6 +3,7 @@ tokens, the same cache after a rollback, batches whose rows accept different run
 sampled tokens; what it refuses; and decoding's memory plan and tiny temperatures."""
 
 import copy
+import resource
 from types import SimpleNamespace
 
 import pytest
@@ -182,7 +183,7 @@ def test_sampled_tokens_are_distributed_as_plain_decodings(monkeypatch):
         return torch.cat([p()[x0] * p(x0) for x0 in range(4)])
 
     expected = chain(lambda decoder: decoder.next_logits()[0])
-    always_accepted = chain(lambda decoder: decoder.draft_logits(1)[0])
+    always_accepted = chain(lambda decoder: engine.draft_logits(decoder, 1)[0])
     counts = torch.zeros(16, dtype=torch.float64)
     for i in range(n // 2):
         generators = [torch.Generator().manual_seed(seed + i) for seed in (1000, 5000)]
@@ -247,6 +248,20 @@ def test_a_cache_that_cannot_fit_is_refused_before_it_is_allocated(monkeypatch):
     needs = engine.decoding_bytes(model, 1, 11, 10**6, "steps")
     assert needs == ((1 + 1 + 10**6) * 2 * 8 + 4) * 11 * 64  # slots x (k, v) x float64, then h0's float32
     assert engine.decoding_bytes(model, 1, 11, 10**6, "shared") == (3 * 2 * 8 + 4) * 11 * 64
+
+
+def test_the_memory_plan_sees_an_address_space_limit(monkeypatch):
+    """Under `ulimit -v` an allocation fails long before the system's memory runs out, so the plan takes what the
+    limit leaves, the limit less the address space in use: T = 10^5 (about 1.1 GB) is refused with 100 MB left."""
+    with open("/proc/self/status") as status:
+        used = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
+    getrlimit = resource.getrlimit
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (used + 10**8, resource.RLIM_INFINITY)
+                        if which == resource.RLIMIT_AS else getrlimit(which))
+    assert 0.9e8 < engine.free_memory(torch.device("cpu")) <= 1.1e8
+    monkeypatch.setattr(engine.KVCache, "__init__", lambda *_: pytest.fail("allocated"))
+    with raises_naming(ValueError, "T=100000", "--kv=shared"):
+        next(generate(float64_model(), PROMPTS[1], 4, T=10**5))
 
 
 def test_sample_py_refuses_a_depth_beyond_memory_in_one_line(checkpoint, monkeypatch, capsys):  # noqa: F811

@@ -17,6 +17,7 @@ import torch
 import sample
 from nanoparcae.checkpoint import save_checkpoint
 from conftest import carries, python, raises_naming
+from nanoparcae.command import run_command
 from experiments import decoding
 from engine import KVCache, decode_step, generate, relative_change, sample_next, teacher_forced
 from model import Parcae, ParcaeConfig, Slot, initial_state
@@ -296,6 +297,21 @@ def test_parse_depth():
     for bad in ("0", "-3", "2.5", "deep"):
         with raises_naming(argparse.ArgumentTypeError, "--T", repr(bad)):
             sample.parse_depth(bad)
+
+
+def test_a_seed_beyond_64_bits_is_refused_in_one_line_naming_seed(checkpoint, monkeypatch, capsys):
+    """torch's generators take 64-bit seeds: a larger --seed said "Overflow when unpacking long long", naming no flag.
+    Signed seeds reach every generator state, the largest with room for --seed + i."""
+    monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(checkpoint))
+    for seed in (2**64, -99999999999999999999, 2**63):
+        with pytest.raises(SystemExit) as exit_info:
+            run_command(sample.main, ["--prompt=The cat", "--max_new_tokens=2", f"--seed={seed}"])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1, err
+        assert carries(err, "--seed", str(seed), "-2**63", "2**63"), err
+    for seed in (2**63 - 1, -2**63):
+        sample.main(["--prompt=The cat", "--max_new_tokens=2", "--num_samples=2", f"--seed={seed}"])
+    assert capsys.readouterr().out.count("The cat") == 4
 
 
 def one_line_error(base, *args):
