@@ -41,7 +41,7 @@ from data import val_batches
 from nanoparcae.dataset import data_key, iter_documents
 from nanoparcae.results import (check_results_folder, keep_results, refuse_non_finite, result_bytes,
                                 run_data)
-from model import evaluation_initial_state
+from model import evaluation_initial_state, from_weights
 
 # -----------------------------------------------------------------------------
 # Scoring token rows, many per forward (METHOD.md §3).
@@ -519,7 +519,8 @@ def main(argv=None):
                         help="a run under <base dir>/runs, its latest checkpoint")
     args = parser.parse_args(argv)
     device = start_device(args)
-    model, tokenizer, ckpt, ckpt_path = load_run(args.ckpt or args.run, device)
+    ckpt, tokenizer, ckpt_path = load_run(args.run, args.ckpt)
+    model = from_weights(ckpt["config"], ckpt["model"], device)
     return evaluate(args, model, tokenizer, ckpt, ckpt_path, device)
 
 

@@ -25,6 +25,7 @@ import warnings
 import torch
 
 from nanoparcae.checkpoint import load_run
+from model import from_weights
 from nanoparcae.command import command_parser, comma_list, run_command, positive, zero_or_more
 from nanoparcae.ranks import parse_device
 from engine import EXIT_THRESHOLDS, EXITS, KV_CACHES, Draft, auto_draft, check_draft, generate
@@ -169,7 +170,8 @@ def main(argv=None):
     which.add_argument("--run", help="a run under <base dir>/runs (default: the newest)")
     add_sampling_flags(parser)
     args = parse_sampling_flags(parser, argv)
-    model, tokenizer, _, path = load_run(args.ckpt or args.run, torch.device(args.device))
+    ckpt, tokenizer, path = load_run(args.run, args.ckpt)
+    model = from_weights(ckpt["config"], ckpt["model"], torch.device(args.device))
     sample(model, tokenizer, args, path)
 
 

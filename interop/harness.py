@@ -35,7 +35,7 @@ from nanoparcae.core_tasks import Row, common_length, crop_left
 from engine import generate
 from eval_core import bf16_autocast, score_rows
 from interop.hub import SOURCE_HELP, load_pretrained, local_dir
-from model import evaluation_initial_state
+from model import evaluation_initial_state, from_weights
 
 NO_LM_EVAL = "lm-eval is not installed; run `pip install -r requirements-eval.txt`"
 try:
@@ -183,7 +183,8 @@ def main(argv=None):
         model, tokenizer = load_pretrained(args.from_, device, need_tokenizer=True)
         ckpt, ckpt_path = {}, local_dir(args.from_) / "authors"
     else:
-        model, tokenizer, ckpt, ckpt_path = load_run(args.ckpt or args.run, device)
+        ckpt, tokenizer, ckpt_path = load_run(args.run, args.ckpt)
+        model = from_weights(ckpt["config"], ckpt["model"], device)
     check_results_folder(ckpt_path)
     Ts = args.T or [model.config.mu_rec]
     out = run_harness(model, tokenizer, args.tasks, Ts, args.batch_size,

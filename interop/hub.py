@@ -24,18 +24,20 @@ import re
 import shutil
 import sys
 import warnings
+import zipfile
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 import eval_core
 import sample
-from nanoparcae.checkpoint import assign_weights, load_run, saved_bytes, sized_model
+from nanoparcae.checkpoint import load_run, saved_bytes
 from nanoparcae.command import EnvironmentFailure, command_parser, first_sentence, run_command, size
 from nanoparcae.files import NO_WRITE, check_writable, get_base_dir, read_json
 from nanoparcae.download import download_file
 from engine import free_memory
-from model import SAMPLINGS, Block, Parcae, ParcaeConfig, value_embedding_layers
+from model import SAMPLINGS, Block, Parcae, ParcaeConfig, from_weights, value_embedding_layers
 from nanoparcae.tokenizer import Tokenizer
 
 HUB_URL = os.environ.get("NANOPARCAE_HUB_URL", "https://huggingface.co")  # tests point it at 127.0.0.1
@@ -449,6 +451,8 @@ def read_weights(path, fix):
     try:
         state_dict = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
+        if isinstance(err, RuntimeError) and zipfile.is_zipfile(path):  # whole, so the machine refused it
+            raise out_of_memory(path, err) from None
         raise ValueError(f"{path} is not a loadable state dict ({first_sentence(err)}); {fix}") from None
     entries = state_dict.items() if type(state_dict) is dict else [(None, state_dict)]
     bad = next(((name, value) for name, value in entries
@@ -457,6 +461,12 @@ def read_weights(path, fix):
         what = f"a {type(state_dict).__name__}" if bad[0] is None else f"{bad[0]!r}: a {type(bad[1]).__name__}"
         raise ValueError(f"{path} holds {what}, not a state dict of named tensors; {fix}")
     return state_dict
+
+
+def out_of_memory(path, err):
+    """The refusal of an allocation the memory plan passed, which a limit such as ulimit -v refused."""
+    return EnvironmentFailure(f"{path} could not be loaded into memory ({first_sentence(err)}); this process may "
+                              f"allocate less than is free (ulimit -v), so raise its limit or free memory")
 
 
 def load_pretrained(source, device="cpu", need_tokenizer=False):
@@ -470,8 +480,13 @@ def load_pretrained(source, device="cpu", need_tokenizer=False):
     state_dict = read_weights(weights_path, fix)
     if config.injection == "none" and not authors_config.get("use_fused_head", "pytorch"):
         state_dict.pop("lm_head.weight", None)  # their GPT's own head, never read when tied (authors_state_dict)
-    model = sized_model(config)  # no random init: the weights are the release's tensors themselves
-    model = assign_weights(model, convert_state_dict(state_dict, model), device)
+    try:  # no random init, as the weights are the release's tensors themselves
+        with torch.device("meta"):
+            shaped = Parcae(config)  # our names and shapes
+        shaped.init_buffers()  # the RoPE table, compared with theirs
+        model = from_weights(asdict(config), convert_state_dict(state_dict, shaped), device)
+    except RuntimeError as err:
+        raise out_of_memory(weights_path, err) from None
     tokenizer = None if tokenizer_path is None else tokenizer_from_json(tokenizer_path)
     if tokenizer and tokenizer.vocab_size > config.vocab_size:
         raise ValueError(f"{tokenizer_path} has {tokenizer.vocab_size} tokens, the model only {config.vocab_size}")
@@ -638,8 +653,9 @@ def export_target(out_dir):
     """The folder an export into out_dir replaces: out_dir, or the folder its symbolic links lead to.
     A file there, a loop of links or a folder holding other files than a model's: ValueError."""
     target = Path(os.path.realpath(out_dir))
-    if target.is_symlink() or (target.exists() and not target.is_dir()):
-        why = "a loop of symbolic links" if target.is_symlink() else "a file"
+    if target.is_symlink() or (target.exists() and not target.is_dir()) or os.path.ismount(target):
+        why = "a loop of symbolic links" if target.is_symlink() else "a mount point, which the export cannot " \
+            "replace by renaming" if target.is_dir() else "a file"
         raise ValueError(f"{out_dir} is {why}; pass a folder to export into")
     if target.is_dir() and (others := sorted(p.name for p in target.iterdir() if p.name not in MODEL_FILES)):
         raise ValueError(f"{out_dir} holds {', '.join(others[:3])}{', ...' if len(others) > 3 else ''}, not a "
@@ -711,11 +727,13 @@ def export_main(argv):
     """A nanoparcae checkpoint -> a folder the authors' from_pretrained reads."""
     parser = command_parser("Write a nanoparcae checkpoint as a folder the authors' parcae_lm.from_pretrained reads")
     parser.prog = "python -m interop.hub export"
-    parser.add_argument("source", help="a checkpoint file, or a run under <base dir>/runs (its latest checkpoint)")
+    parser.add_argument("source", help="a run under <base dir>/runs (its latest checkpoint), or a checkpoint file's "
+                                       "path, which holds a / (./ckpt.pt)")
     parser.add_argument("out_dir", help="the folder to write (upload it with `hf upload`)")
     args = parser.parse_args(argv)
     warnings.formatwarning = lambda message, *_, **__: f"interop.hub export: {message}\n"
-    model, tokenizer, _, path = load_run(args.source)
+    ckpt, tokenizer, path = load_run(ckpt=args.source) if os.sep in args.source else load_run(run=args.source)
+    model = from_weights(ckpt["config"], ckpt["model"])
     out = export(model, tokenizer, args.out_dir)
     link = f" (where {args.out_dir} leads)" if Path(args.out_dir).is_symlink() else ""
     print(f"{path} -> {out}{link}: config.json ({model.config.injection}), model.pt, tokenizer.json, "

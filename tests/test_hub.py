@@ -330,7 +330,7 @@ def test_a_malformed_config_json_is_refused_naming_it_and_the_field_before_any_a
 
     def allocates(*args, **kwargs):
         raise AssertionError("allocated before the config was checked")
-    monkeypatch.setattr("nanoparcae.checkpoint.sized_model", allocates)
+    monkeypatch.setattr(hub, "from_weights", allocates)
     monkeypatch.setattr(torch, "load", allocates)
     message = refused(run_here(["-m", "interop.hub", str(folder)], monkeypatch, capsys))
     assert carries(message, str(folder / "config.json"), *[name] * bool(name)), message
