@@ -763,20 +763,22 @@ class Parcae(nn.Module):
 
 def from_weights(config, state_dict, device="cpu"):
     """A Parcae holding state_dict's tensors, in eval mode on device, with no random init.
-    config is a checkpoint's dict. One that builds no Parcae, or weights of other shapes, raise ValueError.
-    It is sized on the meta device, then given the tensors, each cast to the model's dtype (one copy at most)."""
+    config is a checkpoint's dict. One that builds no Parcae, or weights of other shapes, raise
+    ValueError. The model is sized on the meta device, then given the tensors, each cast to its
+    dtype (one copy at most)."""
     try:
         with torch.device("meta"):
             model = Parcae(ParcaeConfig(**config))
     except (TypeError, ValueError, ArithmeticError, RuntimeError) as err:
-        raise ValueError(f"the checkpoint's config builds no Parcae ({type(err).__name__}: {err})") from None
+        raise ValueError(f"the checkpoint's config builds no Parcae ({type(err).__name__}: "
+                         f"{err})") from None
     dtypes = {name: tensor.dtype for name, tensor in model.state_dict().items()}
-    weights = {name: tensor.to(dtypes.get(name, tensor.dtype)) for name, tensor in state_dict.items()}
+    weights = {name: value.to(dtypes.get(name, value.dtype)) for name, value in state_dict.items()}
     try:
         model.load_state_dict(weights, assign=True)
-    except RuntimeError as err:  # missing, unexpected or misshapen tensors, said over several lines
-        raise ValueError(f"the checkpoint's weights do not fit its config ({' '.join(str(err).split())[:300]})") \
-            from None
+    except RuntimeError as err:  # missing, unexpected or misshapen tensors, over several lines
+        why = " ".join(str(err).split())[:300]
+        raise ValueError(f"the checkpoint's weights do not fit its config ({why})") from None
     model.init_buffers()  # the RoPE tables, which no checkpoint carries
     return model.to(device).eval()
 

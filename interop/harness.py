@@ -185,8 +185,8 @@ def main(argv=None):
     else:
         ckpt, tokenizer, ckpt_path = load_run(args.run, args.ckpt)
         model = from_weights(ckpt["config"], ckpt["model"], device)
-    check_results_folder(ckpt_path)
     Ts = args.T or [model.config.mu_rec]
+    check_results_folder(ckpt_path, "harness", Ts)
     out = run_harness(model, tokenizer, args.tasks, Ts, args.batch_size,
                       args.max_per_task if args.max_per_task > 0 else None)
     keep_results(out, args, ckpt, ckpt_path, Ts, "harness")

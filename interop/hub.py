@@ -465,8 +465,9 @@ def read_weights(path, fix):
 
 def out_of_memory(path, err):
     """The refusal of an allocation the memory plan passed, which a limit such as ulimit -v refused."""
-    return EnvironmentFailure(f"{path} could not be loaded into memory ({first_sentence(err)}); this process may "
-                              f"allocate less than is free (ulimit -v), so raise its limit or free memory")
+    why = " ".join(str(err).split())[:300]  # torch's allocator puts the OS's cause last
+    return EnvironmentFailure(f"{path} could not be loaded into memory ({why}); this process may allocate less "
+                              f"than is free (ulimit -v), so raise its limit or free memory")
 
 
 def load_pretrained(source, device="cpu", need_tokenizer=False):
@@ -684,10 +685,9 @@ def write_folder(target, texts, state):
             torch.save(state, file)
         replace_folder(scratch, target)
     except OSError as err:
-        if err.errno not in NO_WRITE:
-            raise
+        fix = "free space on its disk or make it writable" if err.errno in NO_WRITE else "see the cause"
         raise EnvironmentFailure(f"the export to {target} could not be written ({err.strerror}); that folder is "
-                                 f"as it was: free space on its disk or make it writable, then export again") from None
+                                 f"as it was, so {fix}, then export again") from None
     finally:  # a failed write leaves no folder behind
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -719,7 +719,12 @@ def replace_folder(new, old):
     aside = old.with_name(f".{old.name}.{os.getpid()}.old")
     if old.is_dir():
         old.rename(aside)
-    new.rename(old)
+    try:
+        new.rename(old)
+    except OSError:
+        if aside.is_dir():  # the earlier folder back in its place
+            aside.rename(old)
+        raise
     shutil.rmtree(aside, ignore_errors=True)
 
 

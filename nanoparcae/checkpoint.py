@@ -217,15 +217,14 @@ def read_checkpoint(path, device="cpu", mmap=False, unused=()):
     mmap maps the tensors from the file on the CPU. unused names entries the caller never reads, left unhashed.
     It raises FileNotFoundError where no file is, and ValueError naming it, in one line, for anything else."""
     path = Path(path)
-    if path.is_dir():
-        newest = latest(path)
-        raise ValueError(f"{path} is a folder, not a checkpoint file; pass one" + (f", such as its newest, {newest}, "
-                                                                               f"or --run={path.name}" * bool(newest)))
     try:
         ckpt = torch.load(path, map_location="cpu" if mmap else device, weights_only=True, mmap=mmap)
     except (FileNotFoundError, NotADirectoryError):
         raise FileNotFoundError(f"checkpoint {path} does not exist; pass a ckpt_*.pt file, or a run's name under "
                                 f"{run_dir()} for its newest") from None
+    except IsADirectoryError:
+        newest = f", such as its newest, {latest(path)}, or --run={path.name}" if latest(path) else ""
+        raise ValueError(f"{path} is a folder, not a checkpoint file; pass one{newest}") from None
     except OSError as err:
         fix = "give this user permission to read it" if err.errno in (errno.EACCES, errno.EPERM) else "pass another"
         raise ValueError(f"checkpoint {path} cannot be read ({err.strerror or err}); {fix}") from None
@@ -233,9 +232,10 @@ def read_checkpoint(path, device="cpu", mmap=False, unused=()):
         with open(path, "rb") as file:  # torch.save's zip, or the start of one
             if b"PK\x03\x04".startswith(file.read(4)):
                 whole = zipfile.is_zipfile(path)  # so memory (ulimit -v) or an edit inside refused it
+                why = " ".join(str(err).split())[:300] if whole else first_sentence(err)  # the OS's cause last
                 raise ValueError(f"checkpoint {path} is {'whole, yet' if whole else 'truncated, so'} unreadable ("
-                                 f"{first_sentence(err)}); " + "free memory or raise this process's limit if that "
-                                 "names memory, else " * whole + advice(path)) from None
+                                 f"{why}); " + "free memory or raise this process's limit if that names memory, "
+                                 "else " * whole + advice(path)) from None
         ckpt = None
 
     def of(value, kinds):  # a dict of those kinds by name

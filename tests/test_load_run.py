@@ -489,3 +489,14 @@ def test_only_the_names_the_project_writes_are_resumed_pruned_or_removed(tmp_pat
     save_and_prune(folder, 12, model, [loader], tokenizer_dir=str(tokenizer_dir))
     assert sorted(p.name for p in folder.iterdir()) == sorted([*users, "ckpt_000012.pt"])
     assert (tmp_path / "mine.pt").read_text() == "a user's file" and latest(folder) == folder / "ckpt_000012.pt"
+
+
+def test_a_name_too_long_for_the_filesystem_is_one_line_with_its_cause(tmp_path, monkeypatch, capsys):
+    """Probes: a 300-character --run gave `File name too long` as a traceback, and a 300-character --ckpt in
+    sample.py was advised a permission fix. The run name is refused as such, the file by the OS's cause."""
+    long_path = tmp_path / ("c" * 300 + ".pt")
+    for command in (["sample.py", "--prompt=a"], ["eval_core.py", "--eval=bpb"]):
+        message = refused(run_here([*command, "--run=" + "r" * 300], monkeypatch, capsys))
+        assert carries(message, "--run") and "run name" in message, message
+        message = refused(run_here([*command, f"--ckpt={long_path}"], monkeypatch, capsys))
+        assert "File name too long" in message and "permission" not in message, message
