@@ -12,8 +12,7 @@ It scores CORE and Core-Extended, bits per byte, and the test-time scaling law L
 CORE is DCLM's 22-task ensemble, scored as nanochat scores it, from nanochat's task files.
 They are downloaded on first use to $NANOPARCAE_BASE_DIR/eval_bundle.
 Results print as a table and go to a JSON file beside the checkpoint.
-There are two validation losses.
---eval bpb scores packed BOS-aligned rows, as training does.
+Of the two validation losses, --eval bpb scores packed BOS-aligned rows, as training does.
 --eval ppl scores one document per forward, as the authors do for the paper's val PPL.
 """
 
@@ -66,8 +65,7 @@ def bf16_autocast(device):
 
 def forward_batches(rows, batch_tokens, one_per_forward):
     """Split rows into forwards -> row indices, one list per forward, longest first.
-    A forward holds as many rows as fit batch_tokens (rows x width).
-    With one_per_forward it holds one item's rows, as nanochat does."""
+    A forward holds the rows that fit batch_tokens (rows x width), or one item's rows alone."""
     if one_per_forward:
         by_example = defaultdict(list)
         for i, row in enumerate(rows):
@@ -159,7 +157,6 @@ def evaluate_core(model, tokenizer, bundle_dir, T=None, max_per_task=-1, tasks="
     h0_table = evaluation_initial_state(model.config.d_model, model.config.seq_len, seed, device)
     accuracy, centered, skipped, items = {}, {}, {}, {}
     for task in select_tasks(tasks) if isinstance(tasks, str) else tasks:
-        # Skip a task the bundle cannot score, and say why.
         if not (Path(bundle_dir) / "eval_data" / task.path).is_file():
             skipped[task.label] = f"eval_data/{task.path} is not in the bundle"
         elif task.label not in baselines:
@@ -168,7 +165,6 @@ def evaluate_core(model, tokenizer, bundle_dir, T=None, max_per_task=-1, tasks="
             if verbose:
                 print0(f"{task.label:<34} skipped: {skipped[task.label]}")
             continue
-        # Score it, then center its accuracy on chance.
         t0 = time.time()
         data = load_task_data(bundle_dir, task, max_per_task)
         items[task.label] = len(data)
@@ -194,10 +190,8 @@ def evaluate_core(model, tokenizer, bundle_dir, T=None, max_per_task=-1, tasks="
 @torch.no_grad()
 @in_eval_mode
 def evaluate_bpb(model, tokenizer, batches, T=None, seed=1234, state_norm=False):
-    """Score (x, y) batches over all ranks -> (loss, bpb).
-    The loss is the mean nats per target, ignoring y = -1.
-    Bits per byte count the UTF-8 bytes of the targets that have bytes.
-    With state_norm it also returns the mean ||h_T||."""
+    """Score (x, y) batches over all ranks -> (loss, bpb), and the mean ||h_T|| with state_norm.
+    The loss is the mean nats per target, not y = -1. Bits per byte count the targets' bytes."""
     device = next(model.parameters()).device
     token_bytes = tokenizer.token_bytes.to(device)
     # Sums of nats, targets, nats of byte tokens, bytes, ||h_T|| x positions, positions.
@@ -211,14 +205,12 @@ def evaluate_bpb(model, tokenizer, batches, T=None, seed=1234, state_norm=False)
         with bf16_autocast(device):
             nats = model(x, targets=y, T=T, h0=h0_table[:, :x.size(1)].expand(x.size(0), -1, -1),
                          reduction="none", diagnostics=stats).double()
-        h_norm = stats["h_norm"] if state_norm else None
         valid = y >= 0
         num_bytes = torch.where(valid, token_bytes[y.clamp(min=0)], 0)
         sums[:4] += torch.stack([nats[valid].sum(), valid.sum().double(), nats[num_bytes > 0].sum(),
                                  num_bytes.sum().double()])
-        if h_norm is not None:
-            sums[4:] += torch.stack([h_norm.double() * x.numel(),
-                                     torch.tensor(float(x.numel()), device=device)])
+        if state_norm and stats["h_norm"] is not None:
+            sums[4:] += torch.stack([stats["h_norm"].double(), sums.new_ones(())]) * x.numel()
     if dist.is_initialized():
         dist.all_reduce(sums)
     nats, targets, byte_nats, num_bytes, h_norm, positions = sums.tolist()
@@ -285,10 +277,7 @@ def fit_test_time_scaling(Ts, losses):
     ratio = (math.sqrt(5) - 1) / 2
     for _ in range(80):
         a, b = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
-        if solve(a)[0] < solve(b)[0]:
-            hi = b
-        else:
-            lo = a
+        lo, hi = (lo, b) if solve(a)[0] < solve(b)[0] else (a, hi)
     log_z = (lo + hi) / 2
     rms, (L_inf, Z) = solve(log_z)
     at_edge = bool(min(abs(log_z - grid[0]), abs(log_z - grid[-1])) < 1e-6)
@@ -413,7 +402,6 @@ def perplexity(loss):
 
 def run_ppl(args, model, tokenizer, source, Ts):
     """Score the paper's val PPL at each T, one document per forward."""
-    key = data_key(source)
     docs = list(itertools.islice(iter_documents(source, "val"), args.max_docs))
     print0(f"Validation: the first {len(docs)} documents of {source}'s val split, one per "
            f"forward, up to {model.config.seq_len} tokens each, no BOS")
@@ -424,10 +412,9 @@ def run_ppl(args, model, tokenizer, source, Ts):
         out["loss"].append(loss)
         out["ppl"].append(perplexity(loss))
         out["bpb"].append(bpb)
-        out["measured"] = {"data": key, "amount": tokens}
         print0(f"T = {T:>3}: val loss {loss:.4f}  ppl {perplexity(loss):.2f}  bpb {bpb:.4f}  "
                f"({num_docs} documents, {tokens:,} tokens)  {time.time() - t0:.1f}s")
-    return out
+    return {**out, "measured": {"data": data_key(source), "amount": tokens}}
 
 
 items_or_all = checked(int, "a positive number, or -1 for every item",

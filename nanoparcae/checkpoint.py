@@ -1,6 +1,7 @@
 """
 nanoparcae/checkpoint.py: a run's checkpoints, saved, found, and read back checked.
 Each is run_dir(run)/ckpt_<step>.pt, a plain dict that torch.load reads with weights_only=True.
+It reads, prunes and removes only the files it names itself, never through a link.
 """
 
 import errno
@@ -22,9 +23,6 @@ from nanoparcae.ranks import drift, gather, print0, rank_and_world, wait_for_ran
 from nanoparcae.dataset import tokenizer_dir
 from nanoparcae.tokenizer import Tokenizer
 
-# -----------------------------------------------------------------------------
-# Names. The project reads, prunes and removes only the files it names itself, never through a link.
-
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,99}")  # one folder name, never a path or a pattern
 STEP = r"ckpt_([0-9]{6}|[1-9][0-9]{6,})"  # ckpt_{step:06d}, as save_and_prune names a checkpoint
 
@@ -38,8 +36,16 @@ def run_dir(name=""):
 
 
 def checkpoints(folder, suffix=".pt"):
-    """The regular files in a run folder named as STEP and suffix, oldest step first. The rest is the user's."""
-    found = {int(own[1]): Path(entry.path) for entry in entries(folder)
+    """The regular files in a run folder named as STEP and suffix, oldest step first. The rest is the user's.
+    A file in the folder's place, a dangling symlink, or a folder that cannot be read raises ValueError naming it."""
+    try:
+        entries = list(os.scandir(folder))
+    except OSError as err:
+        if isinstance(err, FileNotFoundError) and not os.path.islink(folder):
+            return []
+        raise ValueError(f"run folder {folder} cannot be listed ({err.strerror}); fix or move that path, or pass "
+                         f"another run") from None
+    found = {int(own[1]): Path(entry.path) for entry in entries
              if (own := re.fullmatch(STEP + re.escape(suffix), entry.name)) and entry.is_file(follow_symlinks=False)}
     return [found[step] for step in sorted(found)]
 
@@ -56,21 +62,10 @@ def remove_partial_saves(folder):
         partial.unlink()
 
 
-def entries(folder, what="run folder"):
-    """The entries of a run folder, or of the runs' folder, none where nothing is there, or ValueError naming it."""
-    try:
-        return list(os.scandir(folder))
-    except OSError as err:
-        if isinstance(err, FileNotFoundError) and not os.path.islink(folder):
-            return []
-        raise ValueError(f"{what} {folder} cannot be listed ({err.strerror}); fix or move that path, or pass "
-                         f"another run") from None
-
-
 def find_checkpoint(runs_dir, run=None):
     """The newest checkpoint of the run named `run`, or of the run saved last. FileNotFoundError when none."""
-    runs = [runs_dir / run] if run else [Path(entry.path) for entry in entries(runs_dir, "the runs' folder")
-                                         if entry.is_dir() or entry.is_symlink()]
+    runs = [runs_dir / run] if run else [path for path in sorted(Path(runs_dir).glob("*"))
+                                         if path.is_dir() or path.is_symlink()]
     if not (found := [path for path in map(latest, runs) if path]):
         raise FileNotFoundError(f"no checkpoint under {runs[0] if run else runs_dir}; train one with train.py")
     return max(found, key=lambda path: (path.stat().st_mtime, path.name))
@@ -80,8 +75,7 @@ def find_checkpoint(runs_dir, run=None):
 
 
 def save_checkpoint(path, model, **extra):
-    """Write the model's weights and `extra`, signed (digest_of), under a temporary name, read back, then renamed.
-    It is written through Python's file, so a full disk raises the OS's errno (files.write_atomically)."""
+    """Write the model's weights and `extra`, signed (digest_of), under a temporary name, read back, then renamed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {"config": asdict(model.config), "model": model.state_dict(), **extra}
@@ -90,7 +84,7 @@ def save_checkpoint(path, model, **extra):
         disk_full(path.parent, f"a checkpoint needs {size(need)}")
 
     def write(partial):
-        with open(partial, "wb") as file:
+        with open(partial, "wb") as file:  # Python's file raises a full disk's errno (files.write_atomically)
             torch.save(state, file)
         try:  # whole and finite, or never renamed
             read_checkpoint(partial, mmap=True, unused=("optimizer", "loader"))
@@ -113,12 +107,10 @@ def save_and_prune(folder, step, model, loaders, **state):
     weights = model.state_dict()
     if bad := next(filter(None, gather(non_finite(weights))), None):  # before drift, as NaN equals no NaN
         raise ValueError(f"at step {step} the run's weights are not finite ({bad}), so it diverged; nothing was "
-                         f"saved, and the last checkpoint is kept ({latest(folder) or 'none yet'}; "
-                         f"docs/troubleshooting.md)")
+                         f"saved, and its last checkpoint stays ({latest(folder) or 'none yet'}; docs/troubleshooting.md)")
     if drifted := drift(weights):
-        raise EnvironmentFailure(f"at step {step} the ranks' weights have drifted apart: {drifted}; nothing "
-                                 f"saved: the run's last checkpoint stays, and the same command resumes every "
-                                 f"rank from it")
+        raise EnvironmentFailure(f"at step {step} the ranks' weights have drifted apart ({drifted}); nothing was "
+                                 f"saved, and the same command resumes every rank from the last checkpoint")
     loader_states = [each for states in gather([loader.state_dict() for loader in loaders]) for each in states]
     if rank_and_world()[0] == 0:
         path, older = folder / f"ckpt_{step:06d}.pt", checkpoints(folder)
@@ -176,9 +168,8 @@ def check_digest(ckpt, path, unused=()):
         raise ValueError(f"checkpoint {path} is damaged, as its digest is of no form train.py writes; {advice(path)}")
     problems = [f"its {key} has no digest" for key in ckpt if key != "digest" and key not in saved]
     problems += [f"its digest names {key}, which it lacks" for key in saved if key == "digest" or key not in ckpt]
-    checked = [key for key in saved if key in ckpt and key != "digest" and key not in unused]
-    found = entry_digests(ckpt, checked)
-    problems += [f"its {key} differs from the digest saved with it" for key in checked if found[key] != saved[key]]
+    found = entry_digests(ckpt, [key for key in saved if key in ckpt and key not in ("digest", *unused)])
+    problems += [f"its {key} differs from the digest saved with it" for key in found if found[key] != saved[key]]
     if problems:
         raise ValueError(f"checkpoint {path} is damaged: {'; '.join(problems)}; {advice(path)}")
 
@@ -214,8 +205,7 @@ def non_finite(weights):
 
 def read_checkpoint(path, device="cpu", mmap=False, unused=()):
     """The one reader of checkpoints, torch.load with weights_only=True, its form, digest and weights checked.
-    mmap maps the tensors from the file on the CPU. unused names entries the caller never reads, left unhashed.
-    It raises FileNotFoundError where no file is, and ValueError naming it, in one line, for anything else."""
+    mmap maps the tensors from the file, and unused names entries the caller never reads, left unhashed."""
     path = Path(path)
     try:
         ckpt = torch.load(path, map_location="cpu" if mmap else device, weights_only=True, mmap=mmap)
@@ -253,11 +243,9 @@ def read_checkpoint(path, device="cpu", mmap=False, unused=()):
 
 
 def load_run(run=None, ckpt=None):
-    """A trained run's checkpoint and tokenizer -> (the checkpoint dict, its tokenizer, the checkpoint's path).
-    run names a run, for its newest checkpoint, and ckpt a checkpoint file; neither, the run saved last.
-    Only the weights are read, mapped; model.from_weights(ckpt["config"], ckpt["model"], device) builds the model.
-    The tokenizer is the one recorded, or by its key in this base folder's tokenizers/, and it must be the one
-    the checkpoint was trained with, within the model's vocabulary. Refusals carry one line."""
+    """A run's newest checkpoint (ckpt: a checkpoint file; neither: the run saved last) -> (the checkpoint, its
+    tokenizer, its path). Only the weights are read, mapped, and model.from_weights(ckpt["config"], ckpt["model"])
+    builds the model. The tokenizer is the one recorded, or the same-named one in this base folder (moved)."""
     path = Path(ckpt) if ckpt is not None else find_checkpoint(run_dir(), run and run_dir(run).name)
     ckpt = read_checkpoint(path, mmap=True, unused=(unused := ("optimizer", "loader")))
     if not isinstance(recorded := ckpt.get("tokenizer_dir"), str):

@@ -46,19 +46,19 @@ def result_path(ckpt, ckpt_path, kind, Ts, measured):
 
 def check_results_folder(ckpt_path, kind, Ts, needs=1 << 16):
     """Refuse, before any work, results that rank 0 could not keep beside ckpt_path.
-    A disk without room, a folder at the result's name, or a file there of no result (read_json) is refused."""
-    if rank_and_world()[0] != 0:
-        return
-    check_writable(ckpt_path.parent, "the results", needs)
-    own = own_result(ckpt_path, kind, Ts)
-    try:
-        if own.is_dir() or (own.parent / "evals").is_file():
-            raise ValueError(f"the results would go to {own} or {own.parent / 'evals'}, where a folder or file of "
-                             f"another kind is; nothing was computed, so move it away and run again")
-        amount(own)  # a torn file, or one of another kind, is named before the work
-    except OSError as err:  # such as a name the filesystem finds too long
-        raise ValueError(f"the results would go to {own}, which cannot be used ({err.strerror}); nothing was "
-                         f"computed, so pass fewer depths (--T) or a checkpoint of a shorter path") from None
+    A disk without room, or the result's name taken by a folder or a file of no result (read_json), is refused."""
+    if rank_and_world()[0] == 0:
+        check_writable(ckpt_path.parent, "the results", needs)
+        own = own_result(ckpt_path, kind, Ts)
+        try:
+            taken = own.is_dir() or (own.parent / "evals").is_file()
+            amount(own)  # a torn result there, or one of another kind, is named now
+        except OSError as err:  # such as a name the filesystem finds too long
+            taken = err.strerror
+        if taken:
+            raise ValueError(f"the results would go to {own}, whose name or evals/ beside it cannot be used"
+                             f"{f' ({taken})' if taken is not True else ''}; nothing was computed, so move what "
+                             f"is there away, or pass fewer depths (--T)")
 
 
 def non_finite(value, where=""):
