@@ -103,11 +103,13 @@ def saved_bytes(state):
 def save_and_prune(folder, step, model, loaders, **state):
     """Write ckpt_<step>.pt on rank 0 with `state`, every virtual rank's loader position and the tokenizer's digest.
     The RNG state is a function of (seed, step, virtual rank), so nothing else is needed.
-    Weights not finite, or apart across ranks, stop every rank before any write; the older go after one (13.4 GB)."""
+    Weights that are not finite, or that differ across ranks, stop every rank before anything is written.
+    The older checkpoints (13.4 GB each at the 1.3B) go once the new one is written and read back."""
     weights = model.state_dict()
     if bad := next(filter(None, gather(non_finite(weights))), None):  # before drift, as NaN equals no NaN
         raise ValueError(f"at step {step} the run's weights are not finite ({bad}), so it diverged; nothing was "
-                         f"saved, and its last checkpoint stays ({latest(folder) or 'none yet'}; docs/troubleshooting.md)")
+                         f"saved, and its last checkpoint stays ({latest(folder) or 'none yet'}; see "
+                         f"docs/troubleshooting.md)")
     if drifted := drift(weights):
         raise EnvironmentFailure(f"at step {step} the ranks' weights have drifted apart ({drifted}); nothing was "
                                  f"saved, and the same command resumes every rank from the last checkpoint")
@@ -137,8 +139,8 @@ def plain(value, tensors):
         return {f"{type(key).__name__}:{key}": plain(item, tensors) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
         return [plain(item, tensors) for item in value]
-    plain_value = value is None or isinstance(value, (bool, int, float, str))
-    return value if plain_value else {"object": f"{type(value).__qualname__} {value!r}"}
+    json_value = value is None or isinstance(value, (bool, int, float, str))
+    return value if json_value else {"object": f"{type(value).__qualname__} {value!r}"}
 
 
 def entry_digests(state, keys):
@@ -243,9 +245,10 @@ def read_checkpoint(path, device="cpu", mmap=False, unused=()):
 
 
 def load_run(run=None, ckpt=None):
-    """A run's newest checkpoint (ckpt: a checkpoint file; neither: the run saved last) -> (the checkpoint, its
-    tokenizer, its path). Only the weights are read, mapped, and model.from_weights(ckpt["config"], ckpt["model"])
-    builds the model. The tokenizer is the one recorded, or the same-named one in this base folder (moved)."""
+    """The newest checkpoint of the run named `run`, the file `ckpt`, or with neither the run saved last.
+    Returns (the checkpoint, its tokenizer, its path). Only the weights are read, mapped from the file, and
+    model.from_weights(ckpt["config"], ckpt["model"]) builds the model. The tokenizer is the one recorded, or
+    the same-named one in this base folder's tokenizers/, for a base folder that moved."""
     path = Path(ckpt) if ckpt is not None else find_checkpoint(run_dir(), run and run_dir(run).name)
     ckpt = read_checkpoint(path, mmap=True, unused=(unused := ("optimizer", "loader")))
     if not isinstance(recorded := ckpt.get("tokenizer_dir"), str):
