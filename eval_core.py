@@ -5,7 +5,6 @@ It scores CORE and Core-Extended, bits per byte, and the test-time scaling law L
     python eval_core.py                                   # CORE of the latest checkpoint
     python eval_core.py --T 8 --max_per_task 50           # quicker: 50 examples per task
     python eval_core.py --tasks extended --seeds 1234,2345,3456   # Core-Extended, over 3 seeds
-    python eval_core.py --max_per_task 50 --compare_batching      # batched vs one per forward
     python eval_core.py --eval bpb --T 1,2,4,8,16,32      # val loss and bpb at each T, fit L(T)
     python eval_core.py --eval ppl --T 1,4                # the paper's val PPL
     torchrun --nproc_per_node 8 eval_core.py --T 8        # examples striped across ranks
@@ -13,8 +12,7 @@ It scores CORE and Core-Extended, bits per byte, and the test-time scaling law L
 CORE is DCLM's 22-task ensemble, scored as nanochat scores it, from nanochat's task files.
 They are downloaded on first use to $NANOPARCAE_BASE_DIR/eval_bundle.
 Results print as a table and go to a JSON file beside the checkpoint.
-There are two validation losses.
---eval bpb scores packed BOS-aligned rows, as training does.
+Of the two validation losses, --eval bpb scores packed BOS-aligned rows, as training does.
 --eval ppl scores one document per forward, as the authors do for the paper's val PPL.
 """
 
@@ -34,14 +32,13 @@ import torch.nn.functional as F
 from nanoparcae.checkpoint import load_run
 from nanoparcae.command import command_parser, run_command, checked, listed, positive
 from nanoparcae.ranks import init_distributed, parse_device, print0, rank_and_world
-from nanoparcae.core_tasks import (CORE_LABELS, LM, build_rows, load_task_data,
+from nanoparcae.core_tasks import (CORE_LABELS, EXTENDED_TASKS, LM, build_rows, load_task_data,
                                    read_random_baselines, select_tasks)
 from nanoparcae.download import EVAL_BUNDLE_URL, shared_eval_bundle
 from data import val_batches
 from nanoparcae.dataset import data_key, iter_documents
-from nanoparcae.results import (check_results_folder, keep_results, refuse_non_finite, result_bytes,
-                                run_data)
-from model import evaluation_initial_state
+from nanoparcae.results import check_results_folder, keep_results, refuse_non_finite, run_data
+from model import evaluation_initial_state, from_weights
 
 # -----------------------------------------------------------------------------
 # Scoring token rows, many per forward (METHOD.md §3).
@@ -53,26 +50,22 @@ def in_eval_mode(evaluate):
     @functools.wraps(evaluate)
     def run(model, *args, **kwargs):
         was_training = model.training
-        model.eval()
         try:
-            return evaluate(model, *args, **kwargs)
+            return evaluate(model.eval(), *args, **kwargs)
         finally:
             model.train(was_training)
     return run
 
 
 def bf16_autocast(device):
-    """Autocast to bf16 on CUDA, as training does.
-    On a CPU it keeps an enclosing autocast on."""
-    return torch.autocast(device.type, torch.bfloat16,
-                          enabled=device.type == "cuda"
-                          or torch.is_autocast_enabled(device.type))
+    """Autocast to bf16 on CUDA, as training does. On a CPU it keeps an enclosing autocast on."""
+    enabled = device.type == "cuda" or torch.is_autocast_enabled(device.type)
+    return torch.autocast(device.type, torch.bfloat16, enabled=enabled)
 
 
 def forward_batches(rows, batch_tokens, one_per_forward):
     """Split rows into forwards -> row indices, one list per forward, longest first.
-    A forward holds as many rows as fit batch_tokens (rows x width).
-    With one_per_forward it holds one item's rows, as nanochat does."""
+    A forward holds the rows that fit batch_tokens (rows x width), or one item's rows alone."""
     if one_per_forward:
         by_example = defaultdict(list)
         for i, row in enumerate(rows):
@@ -107,12 +100,11 @@ def score_rows(model, rows, T, h0_table, batch_tokens=1024, one_per_forward=Fals
             batch_losses, batch_exact = [], []
             for j, i in enumerate(batch):
                 row = rows[i]
-                predicted, targets = (logits[j, row.start - 1:row.end - 1],
-                                      ids[j, row.start:row.end])
+                predicted, targets = logits[j, row.start - 1:row.end - 1], ids[j, row.start:row.end]
                 batch_losses.append(F.cross_entropy(predicted, targets))
                 batch_exact.append((predicted.argmax(-1) == targets).all())
-            for i, loss, hit in zip(batch, torch.stack(batch_losses).tolist(),
-                                    torch.stack(batch_exact).tolist()):
+            scores = zip(torch.stack(batch_losses).tolist(), torch.stack(batch_exact).tolist())
+            for i, (loss, hit) in zip(batch, scores):
                 losses[i], exact[i] = loss, hit
         return losses, exact
 
@@ -165,7 +157,6 @@ def evaluate_core(model, tokenizer, bundle_dir, T=None, max_per_task=-1, tasks="
     h0_table = evaluation_initial_state(model.config.d_model, model.config.seq_len, seed, device)
     accuracy, centered, skipped, items = {}, {}, {}, {}
     for task in select_tasks(tasks) if isinstance(tasks, str) else tasks:
-        # Skip a task the bundle cannot score, and say why.
         if not (Path(bundle_dir) / "eval_data" / task.path).is_file():
             skipped[task.label] = f"eval_data/{task.path} is not in the bundle"
         elif task.label not in baselines:
@@ -174,7 +165,6 @@ def evaluate_core(model, tokenizer, bundle_dir, T=None, max_per_task=-1, tasks="
             if verbose:
                 print0(f"{task.label:<34} skipped: {skipped[task.label]}")
             continue
-        # Score it, then center its accuracy on chance.
         t0 = time.time()
         data = load_task_data(bundle_dir, task, max_per_task)
         items[task.label] = len(data)
@@ -190,8 +180,7 @@ def evaluate_core(model, tokenizer, bundle_dir, T=None, max_per_task=-1, tasks="
     extended_ran = any(label not in CORE_LABELS for label in centered)
     return {"T": T if T is not None else model.config.mu_rec, "seed": seed,
             "max_per_task": max_per_task, "items": items, "accuracy": accuracy,
-            "centered": centered,
-            "core": sum(core) / len(core) if core else None,
+            "centered": centered, "core": sum(core) / len(core) if core else None,
             "core_extended": sum(centered.values()) / len(centered) if extended_ran else None,
             "skipped": skipped, "seconds": time.time() - t_start}
 
@@ -201,10 +190,8 @@ def evaluate_core(model, tokenizer, bundle_dir, T=None, max_per_task=-1, tasks="
 @torch.no_grad()
 @in_eval_mode
 def evaluate_bpb(model, tokenizer, batches, T=None, seed=1234, state_norm=False):
-    """Score (x, y) batches over all ranks -> (loss, bpb).
-    The loss is the mean nats per target, ignoring y = -1.
-    Bits per byte count the UTF-8 bytes of the targets that have bytes.
-    With state_norm it also returns the mean ||h_T||."""
+    """Score (x, y) batches over all ranks -> (loss, bpb), and the mean ||h_T|| with state_norm.
+    The loss is the mean nats per target, not y = -1. Bits per byte count the targets' bytes."""
     device = next(model.parameters()).device
     token_bytes = tokenizer.token_bytes.to(device)
     # Sums of nats, targets, nats of byte tokens, bytes, ||h_T|| x positions, positions.
@@ -218,14 +205,12 @@ def evaluate_bpb(model, tokenizer, batches, T=None, seed=1234, state_norm=False)
         with bf16_autocast(device):
             nats = model(x, targets=y, T=T, h0=h0_table[:, :x.size(1)].expand(x.size(0), -1, -1),
                          reduction="none", diagnostics=stats).double()
-        h_norm = stats["h_norm"] if state_norm else None
         valid = y >= 0
         num_bytes = torch.where(valid, token_bytes[y.clamp(min=0)], 0)
         sums[:4] += torch.stack([nats[valid].sum(), valid.sum().double(), nats[num_bytes > 0].sum(),
                                  num_bytes.sum().double()])
-        if h_norm is not None:
-            sums[4:] += torch.stack([h_norm.double() * x.numel(),
-                                     torch.tensor(float(x.numel()), device=device)])
+        if state_norm and stats["h_norm"] is not None:
+            sums[4:] += torch.stack([stats["h_norm"].double(), sums.new_ones(())]) * x.numel()
     if dist.is_initialized():
         dist.all_reduce(sums)
     nats, targets, byte_nats, num_bytes, h_norm, positions = sums.tolist()
@@ -239,11 +224,9 @@ def evaluate_bpb(model, tokenizer, batches, T=None, seed=1234, state_norm=False)
 @torch.no_grad()
 @in_eval_mode
 def evaluate_ppl(model, tokenizer, docs, T=None, seed=1234):
-    """Score the authors' validation loss, behind the paper's val PPL (METHOD.md §3).
-    Each document runs alone in one forward, its first seq_len + 1 tokens, without BOS.
-    It returns (loss, bpb, documents, tokens) over the targets with bytes; PPL is exp(loss).
-    One seeded h0 serves all, as in evaluate_bpb.
-    The authors draw one per forward from the same law."""
+    """Score the authors' val loss, behind the paper's val PPL (METHOD.md §3), PPL being exp(loss).
+    It returns (loss, bpb, documents, tokens) over the targets with bytes. Each document runs alone
+    in one forward, its first seq_len + 1 tokens without BOS, from one seeded h0 for all."""
     device = next(model.parameters()).device
     rank, world = rank_and_world()
     seq_len = model.config.seq_len
@@ -260,8 +243,7 @@ def evaluate_ppl(model, tokenizer, docs, T=None, seed=1234):
             nats = model(x, targets=y, T=T, h0=h0_table[:, :x.size(1)], reduction="none").double()
         num_bytes = token_bytes[y]
         sums += torch.stack([nats[num_bytes > 0].sum(), (num_bytes > 0).sum().double(),
-                             num_bytes.sum().double(),
-                             torch.ones((), dtype=torch.float64, device=device)])
+                             num_bytes.sum().double(), torch.ones_like(sums[0])])
     if dist.is_initialized():
         dist.all_reduce(sums)
     nats, tokens, num_bytes, num_docs = sums.tolist()
@@ -295,10 +277,7 @@ def fit_test_time_scaling(Ts, losses):
     ratio = (math.sqrt(5) - 1) / 2
     for _ in range(80):
         a, b = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
-        if solve(a)[0] < solve(b)[0]:
-            hi = b
-        else:
-            lo = a
+        lo, hi = (lo, b) if solve(a)[0] < solve(b)[0] else (a, hi)
     log_z = (lo + hi) / 2
     rms, (L_inf, Z) = solve(log_z)
     at_edge = bool(min(abs(log_z - grid[0]), abs(log_z - grid[-1])) < 1e-6)
@@ -343,12 +322,9 @@ def core_during_training(step, model, tokenizer, bundle_dir, max_per_task):
     if result["core"] is None:
         print0(f"CORE skipped: the bundle at {bundle_dir} holds none of its tasks")
         return None
-    skipped = sorted(result["skipped"])  # tasks a partial bundle lacks; the mean is over the rest
-    ran = f"over {len(result['centered'])} of {len(result['centered']) + len(skipped)} tasks"
-    print0(f"CORE {result['core']:.4f} at T={result['T']} {ran}"
-           + (f", skipped: {', '.join(skipped)}" if skipped else "")
-           + f" ({result['seconds']:.0f}s)")
-    return {"step": step, "core": result["core"], "core_T": result["T"], "core_skipped": skipped}
+    print0(f"T={result['T']}: {aggregate_line(result)}")  # a partial bundle's mean is over the rest
+    return {"step": step, "core": result["core"], "core_T": result["T"],
+            "core_skipped": sorted(result["skipped"])}
 
 
 # -----------------------------------------------------------------------------
@@ -356,17 +332,16 @@ def core_during_training(step, model, tokenizer, bundle_dir, max_per_task):
 
 def aggregate_line(result):
     """Say a CORE result's means, skipped tasks and time in one line."""
-    parts = [f"{result['seconds']:.1f}s"]
+    centered, skipped, parts = result["centered"], result["skipped"], []
     if result["core"] is not None:
-        n_core = sum(label in CORE_LABELS for label in result["centered"])
-        parts.insert(0, f"CORE {result['core']:.4f} (x100: {100 * result['core']:.2f}) "
-                        f"over {n_core} of 22 tasks")
+        parts.append(f"CORE {result['core']:.4f} (x100: {100 * result['core']:.2f}) over "
+                     f"{sum(label in CORE_LABELS for label in centered)} of 22 tasks")
     if result["core_extended"] is not None:
-        parts.insert(-1, f"Core-Extended {result['core_extended']:.4f} "
-                         f"over {len(result['centered'])} of 46 tasks")
-    if result["skipped"]:
-        parts.insert(-1, f"skipped {len(result['skipped'])}: {', '.join(result['skipped'])}")
-    return " | ".join(parts)
+        parts.append(f"Core-Extended {result['core_extended']:.4f} over {len(centered)} of 46 "
+                     f"tasks")
+    if skipped:
+        parts.append(f"skipped {len(skipped)}: {', '.join(skipped)}")
+    return " | ".join(parts + [f"{result['seconds']:.1f}s"])
 
 
 def run_core(args, model, tokenizer, Ts, seeds):
@@ -382,14 +357,6 @@ def run_core(args, model, tokenizer, Ts, seeds):
             result = evaluate_core(model, tokenizer, bundle_dir, T, seed=seed,
                                    one_per_forward=args.one_per_forward, **kw)
             print0(aggregate_line(result))
-            if args.compare_batching:
-                single = evaluate_core(model, tokenizer, bundle_dir, T, seed=seed,
-                                       one_per_forward=True, verbose=False, **kw)
-                result["one_per_forward_seconds"] = single["seconds"]
-                print0(f"one example per forward: {single['seconds']:.1f}s; "
-                       f"batched: {result['seconds']:.1f}s; "
-                       f"batched is {single['seconds'] / result['seconds']:.2f}x faster; "
-                       f"same accuracies: {single['accuracy'] == result['accuracy']}")
             runs.append(result)
         for key in ("core", "core_extended"):
             values = [r[key] for r in runs if r["T"] == T and r[key] is not None]
@@ -419,7 +386,7 @@ def run_bpb(args, model, tokenizer, source, Ts, device):
         loss, bpb = evaluate_bpb(model, tokenizer, batches, T)
         losses.append(loss)
         bpbs.append(bpb)
-        print0(f"T = {T:>3}: val loss {loss:.4f}  bpb {bpb:.4f}  ppl {math.exp(loss):.2f}  "
+        print0(f"T = {T:>3}: val loss {loss:.4f}  bpb {bpb:.4f}  ppl {perplexity(loss):.2f}  "
                f"{time.time() - t0:.1f}s")
     out = {"T": Ts, "loss": losses, "bpb": bpbs, "data": source,
            "measured": {"data": data_key(source), "amount": tokens}}
@@ -428,9 +395,13 @@ def run_bpb(args, model, tokenizer, source, Ts, device):
     return out
 
 
+def perplexity(loss):
+    """exp(loss), and inf where a finite loss is too large for a float to hold its exponential."""
+    return math.exp(loss) if loss < 709 else math.inf
+
+
 def run_ppl(args, model, tokenizer, source, Ts):
     """Score the paper's val PPL at each T, one document per forward."""
-    key = data_key(source)
     docs = list(itertools.islice(iter_documents(source, "val"), args.max_docs))
     print0(f"Validation: the first {len(docs)} documents of {source}'s val split, one per "
            f"forward, up to {model.config.seq_len} tokens each, no BOS")
@@ -439,12 +410,11 @@ def run_ppl(args, model, tokenizer, source, Ts):
         t0 = time.time()
         loss, bpb, num_docs, tokens = evaluate_ppl(model, tokenizer, docs, T)
         out["loss"].append(loss)
-        out["ppl"].append(math.exp(loss))
+        out["ppl"].append(perplexity(loss))
         out["bpb"].append(bpb)
-        out["measured"] = {"data": key, "amount": tokens}
-        print0(f"T = {T:>3}: val loss {loss:.4f}  ppl {math.exp(loss):.2f}  bpb {bpb:.4f}  "
+        print0(f"T = {T:>3}: val loss {loss:.4f}  ppl {perplexity(loss):.2f}  bpb {bpb:.4f}  "
                f"({num_docs} documents, {tokens:,} tokens)  {time.time() - t0:.1f}s")
-    return out
+    return {**out, "measured": {"data": data_key(source), "amount": tokens}}
 
 
 items_or_all = checked(int, "a positive number, or -1 for every item",
@@ -454,34 +424,23 @@ items_or_all = checked(int, "a positive number, or -1 for every item",
 def eval_parser(description):
     """Build the flags of an evaluation, for any command that evaluates a loaded model."""
     parser = command_parser(description)
-    parser.add_argument("--eval", default="core", choices=["core", "bpb", "ppl"],
-                        help="core: CORE; bpb: loss on packed rows; ppl: one document per forward")
-    parser.add_argument("--T", type=listed(positive(int)), default=None,
-                        help="test-time depth(s), e.g. 8 or 1,2,4,8 (default: mu_rec)")
-    parser.add_argument("--seeds", type=listed(int), default=[1234],
-                        help="few-shot seeds; several print mean and std")
-    parser.add_argument("--max_per_task", type=items_or_all, default=-1,
-                        help="items per task after shuffling (-1: all)")
-    parser.add_argument("--tasks", default="core",
-                        help="core (22), extended (46), or task labels separated by commas")
-    parser.add_argument("--batch_tokens", type=positive(int), default=None,
-                        help="rows x width per forward (default 16384 on CUDA, 1024 on CPU)")
-    parser.add_argument("--one_per_forward", action="store_true",
-                        help="one item per forward (nanochat's way)")
-    parser.add_argument("--compare_batching", action="store_true",
-                        help="also run one item per forward, print the speed ratio")
-    parser.add_argument("--bundle_url", default=EVAL_BUNDLE_URL,
-                        help="where eval_bundle.zip is downloaded from")
-    parser.add_argument("--data", default=None,
-                        help="bpb, ppl: validation source (default: the checkpoint's data)")
-    parser.add_argument("--val_tokens", type=positive(int), default=1 << 20,
-                        help="bpb: validation tokens over all ranks")
-    parser.add_argument("--batch_size", type=positive(int), default=8,
-                        help="bpb: sequences per forward")
-    parser.add_argument("--max_docs", type=positive(int), default=1000,
-                        help="ppl: the first N validation documents")
-    parser.add_argument("--device", default=None,
-                        help="cpu or cuda (default: cuda when available)")
+    flag = parser.add_argument
+    flag("--eval", default="core", choices=["core", "bpb", "ppl"],
+         help="core: CORE; bpb: loss on packed rows; ppl: one document per forward")
+    flag("--T", type=listed(positive(int)), default=None,
+         help="test-time depth(s), e.g. 8 or 1,2,4,8 (default: mu_rec)")
+    flag("--seeds", type=listed(int), default=[1234], help="few-shot seeds (several: mean, std)")
+    flag("--max_per_task", type=items_or_all, default=-1, help="items per task, shuffled (-1: all)")
+    flag("--tasks", default="core", help="core (22), extended (46), or labels: a,b")
+    flag("--batch_tokens", type=positive(int), default=None,
+         help="rows x width per forward (default 16384 on CUDA, 1024 on CPU)")
+    flag("--one_per_forward", action="store_true", help="one item per forward (nanochat's way)")
+    flag("--bundle_url", default=EVAL_BUNDLE_URL, help="where eval_bundle.zip is downloaded from")
+    flag("--data", default=None, help="bpb, ppl: validation data (default: the run's)")
+    flag("--val_tokens", type=positive(int), default=1 << 20, help="bpb: tokens over all ranks")
+    flag("--batch_size", type=positive(int), default=8, help="bpb: sequences per forward")
+    flag("--max_docs", type=positive(int), default=1000, help="ppl: the first N documents")
+    flag("--device", default=None, help="cpu or cuda (default: cuda when available)")
     return parser
 
 
@@ -495,7 +454,9 @@ def evaluate(args, model, tokenizer, ckpt, ckpt_path, device):
     """Run --eval on a loaded model and keep the results beside ckpt_path -> the command's status.
     Results that are not finite are refused with status 3, as a diverged run."""
     Ts = args.T or [model.config.mu_rec]
-    check_results_folder(ckpt_path, result_bytes(args, Ts))
+    # the JSON's room, 400 bytes for each depth's numbers, or each depth and seed's CORE tasks
+    tasks = len(args.seeds) * len(EXTENDED_TASKS) if args.eval == "core" else 1
+    check_results_folder(ckpt_path, args.eval, Ts, 2**16 + len(Ts) * tasks * 400)
     print0(f"Checkpoint {ckpt_path} (step {ckpt.get('step')}), {model.num_params():,} "
            f"parameters, mu_rec {model.config.mu_rec}, on {device} x {rank_and_world()[1]}")
     source = args.data or run_data(ckpt)
@@ -513,13 +474,13 @@ def evaluate(args, model, tokenizer, ckpt, ckpt_path, device):
 
 def main(argv=None):
     parser = eval_parser(__doc__)
-    parser.add_argument("--ckpt", default=None,
-                        help="checkpoint file (default: the latest under <base dir>/runs)")
-    parser.add_argument("--run", default=None,
-                        help="a run under <base dir>/runs, its latest checkpoint")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--ckpt", help="a checkpoint file (default: the latest of --run)")
+    which.add_argument("--run", help="a run under <base dir>/runs (default: the newest)")
     args = parser.parse_args(argv)
     device = start_device(args)
-    model, tokenizer, ckpt, ckpt_path = load_run(args.ckpt or args.run, device)
+    ckpt, tokenizer, ckpt_path = load_run(args.run, args.ckpt)
+    model = from_weights(ckpt["config"], ckpt["model"], device)
     return evaluate(args, model, tokenizer, ckpt, ckpt_path, device)
 
 

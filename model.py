@@ -770,6 +770,28 @@ class Parcae(nn.Module):
         return 3 * once + (n + 3 * k) * step if backward else once + (n + k) * step
 
 
+def from_weights(config, state_dict, device="cpu"):
+    """A Parcae holding state_dict's tensors, in eval mode on device, with no random init.
+    config is a checkpoint's dict. One that builds no Parcae, or weights of other shapes, raise
+    ValueError. The model is sized on the meta device, then given the tensors, each cast to its
+    dtype (one copy at most)."""
+    try:
+        with torch.device("meta"):
+            model = Parcae(ParcaeConfig(**config))
+    except (TypeError, ValueError, ArithmeticError, RuntimeError) as err:
+        raise ValueError(f"the checkpoint's config builds no Parcae ({type(err).__name__}: "
+                         f"{err})") from None
+    dtypes = {name: tensor.dtype for name, tensor in model.state_dict().items()}
+    weights = {name: value.to(dtypes.get(name, value.dtype)) for name, value in state_dict.items()}
+    try:
+        model.load_state_dict(weights, assign=True)
+    except RuntimeError as err:  # missing, unexpected or misshapen tensors, over several lines
+        why = " ".join(str(err).split())[:300]
+        raise ValueError(f"the checkpoint's weights do not fit its config ({why})") from None
+    model.init_buffers()  # the RoPE tables, which no checkpoint carries
+    return model.to(device).eval()
+
+
 @torch.no_grad()
 def stability_diagnostics(h, h_prev):
     """The paper's stability diagnostics, ||h_T|| and ||h_T - h_{T-1}|| / ||h_T||.

@@ -22,6 +22,7 @@ import warnings
 import torch
 
 from nanoparcae.checkpoint import load_run
+from model import from_weights
 from nanoparcae.command import (checked, command_parser, comma_list, positive, run_command,
                                 zero_or_more)
 from nanoparcae.ranks import parse_device
@@ -156,7 +157,8 @@ def main(argv=None):
     which.add_argument("--run", help="a run under <base dir>/runs (default: the newest)")
     add_sampling_flags(parser)
     args = parse_sampling_flags(parser, argv)
-    model, tokenizer, _, path = load_run(args.ckpt or args.run, torch.device(args.device))
+    ckpt, tokenizer, path = load_run(args.run, args.ckpt)
+    model = from_weights(ckpt["config"], ckpt["model"], torch.device(args.device))
     sample(model, tokenizer, args, path)
 
 

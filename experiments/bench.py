@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from nanoparcae.checkpoint import load_run, sized_model, tensors_digest
+from nanoparcae.checkpoint import digest_of, entry_digests, load_run
 from nanoparcae.command import comma_list, command_parser, run_command, size, positive
 from nanoparcae.files import write_json
 from nanoparcae.ranks import peak_bf16_flops
@@ -42,7 +42,7 @@ from engine import DRAFT_LENGTH, Draft, auto_draft, generate
 from eval_core import bf16_autocast, evaluate_task
 from experiments.decoding import decoding_rows, stdlib_tokens
 from experiments.timing import log, median_seconds, print_table, timed
-from model import (Parcae, ParcaeConfig, evaluation_initial_state, initial_state, sample_depths,
+from model import (Parcae, ParcaeConfig, evaluation_initial_state, from_weights, initial_state, sample_depths,
                    split_depths)
 from optim import build_optimizer, optimizer_state_bytes
 from nanoparcae.tokenizer import Tokenizer
@@ -286,7 +286,8 @@ def row_decode(args, device, training, figures):
     """Row 5 on a trained checkpoint (--ckpt, else the newest) and the stdlib's text.
     Without a checkpoint it uses an untrained model of the bench's size and random tokens."""
     try:
-        model, tokenizer, _, path = load_run(args.ckpt, device)
+        ckpt, tokenizer, path = load_run(ckpt=args.ckpt)
+        model = from_weights(ckpt["config"], ckpt["model"], device)
         ids = stdlib_tokens(tokenizer, DECODE_PROMPT + args.new_tokens, device)
         where = f"checkpoint {path.parent.name}/{path.name}"
     except (FileNotFoundError, ValueError):
@@ -533,10 +534,12 @@ def row_step(args, device, training, figures):
 
 
 def row_digest(args, device, training, figures):
-    """Row 10: a checkpoint's digest (checkpoint.tensors_digest), checked on every load, against torch.save and
+    """Row 10: a checkpoint's digest (checkpoint.entry_digests), checked on every load, against torch.save and
     torch.load of the same file, in a temporary folder (torch.load reads it from the page cache). The weights are
     the bench's model's; the optimizer's state is a stand-in of optim.optimizer_state_bytes's size."""
-    model = sized_model(model_config(args)).to_empty(device="cpu")
+    with torch.device("meta"):
+        model = Parcae(model_config(args))
+    model = model.to_empty(device="cpu")
     with torch.no_grad():
         for tensor in model.state_dict().values():
             tensor.normal_()
@@ -549,8 +552,8 @@ def row_digest(args, device, training, figures):
         seconds = median_seconds({
             "save": lambda: torch.save(state, path),
             "load": lambda: torch.load(path, weights_only=True),
-            "digest_weights": lambda: tensors_digest(loaded["model"]),
-            "digest_all": lambda: [tensors_digest(value) for value in loaded.values()],
+            "digest_weights": lambda: entry_digests(loaded, ["model"]),
+            "digest_all": lambda: digest_of(loaded),
         }, args.repeats)
         weights, whole = sum(t.nbytes for t in state["model"].values()), path.stat().st_size
     figures["digest"] = {**seconds, "weights_bytes": weights, "checkpoint_bytes": whole}
@@ -607,7 +610,8 @@ def draft_models(args, device):
     decodes --new_tokens; the 140M's shapes (depth 6, random weights drawn at seed 0) an eighth of them."""
     models = {}
     try:
-        model, tokenizer, _, path = load_run(args.ckpt, device)
+        ckpt, tokenizer, path = load_run(ckpt=args.ckpt)
+        model = from_weights(ckpt["config"], ckpt["model"], device)
         prompts = stdlib_tokens(tokenizer, 8 * DECODE_PROMPT, device).view(8, DECODE_PROMPT)
         models[f"trained ({path.parent.name})"] = (model, prompts, args.new_tokens)
     except (FileNotFoundError, ValueError) as err:

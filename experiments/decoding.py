@@ -26,7 +26,7 @@ from engine import EXIT_THRESHOLDS, EXITS, KV_CACHES, Decoder, forced_logits, ge
 from experiments.plot import pyplot, save_png
 from experiments.scaling_fit import paired_interval
 from experiments.timing import log, median_seconds, print_table
-from model import ParcaeConfig, decoding_initial_state
+from model import ParcaeConfig, decoding_initial_state, from_weights
 
 PROMPT = 16  # tokens of prompt before the max_new_tokens decoded
 
@@ -303,7 +303,8 @@ def main(argv=None):
     device = parse_device(args.device)
     if args.kv:  # the figure's folder, checked before the work
         check_writable(args.figure.parent, args.figure.name)
-    model, tokenizer, _, path = load_run(args.ckpt or args.run, device)
+    ckpt, tokenizer, path = load_run(args.run, args.ckpt)
+    model = from_weights(ckpt["config"], ckpt["model"], device)
     ids = stdlib_tokens(tokenizer, PROMPT + args.max_new_tokens, device)
     log(f"{path}: {model.num_params():,} parameters, mu_rec={model.config.mu_rec}, injection={model.config.injection}")
     if args.kv and model.injection is None:

@@ -28,6 +28,7 @@ from eval_core import evaluate_bpb, fit_test_time_scaling
 from experiments.plot import draw_evidence, read_run
 from experiments.scaling import run_logged
 from experiments.timing import markdown_table
+from model import from_weights
 from experiments.scaling_fit import (drift_check, interval_verdict, mean_relative_error, paired_interval,
                                      seeds_needed, t_quantile)
 
@@ -192,7 +193,8 @@ def evaluate(name, mu_rec, with_curve):
     record = dict(name=name, diverged_at=logged["diverged_at"], max_rho=largest(logged["steps"], "rho"),
                   max_h_norm=largest(logged["steps"], "h_norm"), val=val, curve=None)
     if logged["diverged_at"] is None and with_curve:
-        model, tokenizer, _, _ = load_run(name)
+        ckpt, tokenizer, _ = load_run(name)
+        model = from_weights(ckpt["config"], ckpt["model"])
         batches = list(val_batches(tokenizer, "stdlib", 16, model.config.seq_len, 8192))
         rows = [evaluate_bpb(model, tokenizer, batches, T, state_norm=True) for T in CURVE_T]
         record["curve"] = dict(T=CURVE_T, loss=[r[0] for r in rows], h_norm=[r[2] for r in rows])

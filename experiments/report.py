@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from model import ParcaeConfig
-from nanoparcae.checkpoint import find_checkpoint, read_checkpoint, run_dir, sized_model
+from model import from_weights
+from nanoparcae.checkpoint import find_checkpoint, read_checkpoint, run_dir
 from nanoparcae.command import EnvironmentFailure, command_parser, run_command
 from nanoparcae.files import check_writable, read_json, write_atomically, write_json
 from nanoparcae.core_tasks import CORE_LABELS
@@ -104,7 +104,7 @@ def read_run(run_dir):
     A missing file reads as None."""
     checkpoint = find_checkpoint(run_dir.parent, run_dir.name)
     ckpt = read_checkpoint(checkpoint, mmap=True, unused=("model", "optimizer", "loader"))  # reads no tensor
-    model = sized_model(ParcaeConfig(**ckpt["config"]))  # for its counts, without weights
+    model = from_weights(ckpt["config"], ckpt["model"])  # for its counts; the mapped weights are never read
     stages = read_metrics(run_dir / "recipe" / "stages.jsonl", key="stage")
     samples = {int(path.stem.split("_T")[1]): path.read_text()
                for path in sorted((run_dir / "recipe").glob("samples_T*.txt"))}

@@ -7,11 +7,11 @@ The authors evaluate LAMBADA this way, and the paper reports WikiText perplexity
     python -m interop.harness --tasks lambada_openai,wikitext --T 8       # the latest checkpoint, or --ckpt / --run
     python -m interop.harness --from SandyResearch/parcae-140m --tasks lambada_openai --T 8
 
-From Python, with the harness's own evaluator:
+From Python, the harness's own evaluator runs it so.
 
     import lm_eval
     from interop import harness
-    lm = harness.HarnessLM(model, tokenizer, T=8)   # from hub.load_pretrained or checkpoint.load_run
+    lm = harness.HarnessLM(model, tokenizer, T=8)   # from hub.load_pretrained, or model.from_weights
     results = lm_eval.simple_evaluate(model=lm, tasks=["lambada_openai", "wikitext"])
 
 The harness downloads each task's data set on first use (Hugging Face datasets, cached under ~/.cache/huggingface).
@@ -35,7 +35,7 @@ from nanoparcae.core_tasks import Row, common_length, crop_left
 from engine import generate
 from eval_core import bf16_autocast, score_rows
 from interop.hub import SOURCE_HELP, load_pretrained, local_dir
-from model import evaluation_initial_state
+from model import evaluation_initial_state, from_weights
 
 NO_LM_EVAL = "lm-eval is not installed; run `pip install -r requirements-eval.txt`"
 try:
@@ -50,8 +50,8 @@ except ImportError:
 
 
 class HarnessLM(LM):
-    """The harness's LM interface over a nanoparcae model at recurrence depth T (None: mu_rec).
-    batch_size: sequences of seq_len tokens per forward; seed: h0's draw, and each generation's generator."""
+    """The harness's LM interface over a nanoparcae model at recurrence depth T (None for mu_rec).
+    batch_size is the sequences of seq_len tokens per forward, and seed draws h0 and seeds each generation."""
 
     def __init__(self, model, tokenizer, T=None, batch_size=8, seed=1234, max_gen_toks=256):
         super().__init__()
@@ -65,7 +65,7 @@ class HarnessLM(LM):
         self.allowed = None if allowed is None else allowed.to(self._device)
 
     def score(self, rows, count):
-        """-> per request: (sum of the log-probabilities of its rows' spans, whether greedy decoding gives them)."""
+        """-> per request (sum of the log-probabilities of its rows' spans, whether greedy decoding gives them)."""
         losses, exact = score_rows(self.model, rows, self.T, self.h0_table, self.batch_tokens)
         totals = [[0.0, True] for _ in range(count)]
         for row, loss, hit in zip(rows, losses, exact):
@@ -137,8 +137,8 @@ class HarnessLM(LM):
 
 
 def run_harness(model, tokenizer, tasks, Ts, batch_size=8, limit=None):
-    """The harness's tasks (names separated by commas) at each T, tables printed.
-    -> {"tasks", "T", "results": {T: the harness's results per task}}. limit: documents per task (None: all)."""
+    """The harness's tasks (names separated by commas) at each T, tables printed -> the tasks, the Ts and, by T,
+    the harness's results per task. limit caps the documents per task (None for all)."""
     names = [name.strip() for name in comma_list(tasks, str)]  # ValueError naming the text when it has none
     if tasks in ("core", "extended"):
         raise ValueError(f"--tasks={tasks} is eval_core.py's; give the harness's task names, e.g. lambada_openai")
@@ -183,9 +183,10 @@ def main(argv=None):
         model, tokenizer = load_pretrained(args.from_, device, need_tokenizer=True)
         ckpt, ckpt_path = {}, local_dir(args.from_) / "authors"
     else:
-        model, tokenizer, ckpt, ckpt_path = load_run(args.ckpt or args.run, device)
-    check_results_folder(ckpt_path)
+        ckpt, tokenizer, ckpt_path = load_run(args.run, args.ckpt)
+        model = from_weights(ckpt["config"], ckpt["model"], device)
     Ts = args.T or [model.config.mu_rec]
+    check_results_folder(ckpt_path, "harness", Ts)
     out = run_harness(model, tokenizer, args.tasks, Ts, args.batch_size,
                       args.max_per_task if args.max_per_task > 0 else None)
     keep_results(out, args, ckpt, ckpt_path, Ts, "harness")

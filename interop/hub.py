@@ -13,7 +13,7 @@ It turns tokenizer.json into a tiktoken Encoding wrapped in tokenizer.Tokenizer.
     python -m interop.hub SandyResearch/parcae-140m                   # download, load, print a summary
     python -m interop.hub sample SandyResearch/parcae-140m --T=8 --prompt="The ocean"   # sample.py's flags
     python -m interop.hub eval SandyResearch/parcae-140m --T 8 --max_per_task 100       # eval_core.py's flags
-    python -m interop.hub export d12 out/parcae-d12                   # a run (or a checkpoint file) -> their format
+    python -m interop.hub export d12 out/parcae-d12                   # a run, or ./ckpt.pt (a path) -> their format
     model, tokenizer = interop.hub.load_pretrained("SandyResearch/parcae-140m")   # or a local folder
 """
 
@@ -24,28 +24,30 @@ import re
 import shutil
 import sys
 import warnings
+import zipfile
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 import eval_core
 import sample
-from nanoparcae.checkpoint import assign_weights, load_run, saved_bytes, sized_model
+from nanoparcae.checkpoint import load_run, saved_bytes
 from nanoparcae.command import EnvironmentFailure, command_parser, first_sentence, run_command, size
 from nanoparcae.files import NO_WRITE, check_writable, get_base_dir, read_json
 from nanoparcae.download import download_file
 from engine import free_memory
-from model import SAMPLINGS, Block, Parcae, ParcaeConfig, value_embedding_layers
+from model import SAMPLINGS, Block, Parcae, ParcaeConfig, from_weights, value_embedding_layers
 from nanoparcae.tokenizer import Tokenizer
 
 HUB_URL = os.environ.get("NANOPARCAE_HUB_URL", "https://huggingface.co")  # tests point it at 127.0.0.1
 WEIGHT_FILES = ("pytorch_model.bin", "model.pt")  # the order their from_pretrained tries
-# a model folder's files: what export writes, or their save_pretrained (either weights file)
+# a model folder's files, as export or their save_pretrained (either weights file) writes them
 MODEL_FILES = ("config.json", *WEIGHT_FILES, "tokenizer.json", "tokenizer_config.json")
 SOURCE_HELP = "a Hub repo id (SandyResearch/parcae-140m) or a local folder with config.json, model.pt, tokenizer.json"
 
 # -----------------------------------------------------------------------------
-# Download: {HUB_URL}/{repo_id}/resolve/main/{file} -> get_base_dir()/hub/<repo_id>/<file>
+# Download, from {HUB_URL}/{repo_id}/resolve/main/{file} to get_base_dir()/hub/<repo_id>/<file>
 
 
 def cache_dir(repo_id):
@@ -53,7 +55,7 @@ def cache_dir(repo_id):
 
 
 def local_dir(source):
-    """Where a source's files sit on this machine: the folder itself, or a repo's cache."""
+    """Where a source's files sit on this machine, the folder itself or a repo's cache."""
     return Path(source) if Path(source).is_dir() else cache_dir(source)
 
 
@@ -88,7 +90,7 @@ def fetch_files(source, need_tokenizer=False):
 
     config_path, tokenizer_path = get("config.json"), get("tokenizer.json")
     both = [name for name in WEIGHT_FILES if local and (folder / name).is_file()]
-    if len(both) > 1:  # their loader reads the first: it may be another model's, left by an earlier export
+    if len(both) > 1:  # their loader reads the first, maybe another model's left by an earlier export
         raise ValueError(f"{folder} holds both {' and '.join(both)}, which may be two models' weights; remove the "
                          f"one that is not this model's, or export again into a new folder")
     # a weights file already in the cache first, so a cached repo never touches the network
@@ -105,9 +107,9 @@ def fetch_files(source, need_tokenizer=False):
 
 
 # -----------------------------------------------------------------------------
-# Config: their ParcaeConfig / GPTConfig (parcae_lm/models/*/config.py) -> our ParcaeConfig
+# Config, from their ParcaeConfig / GPTConfig (parcae_lm/models/*/config.py) to our ParcaeConfig
 
-INJECTION_OF_CLASS = {"ParcaeConfig": None, "GPTConfig": "none"}  # Parcae: from injection_type below
+INJECTION_OF_CLASS = {"ParcaeConfig": None, "GPTConfig": "none"}  # Parcae's comes from injection_type below
 INJECTION_OF_TYPE = {"diagonal": "diagonal", "linear": "concat", "add": "add"}  # their LinearInjection = our concat
 # every field whose other values change the forward, with the one value our model computes
 REQUIRED = {"bias": False, "qk_bias": False, "qk_norm": True, "clip_qkv": None, "logit_softcap": None,
@@ -121,7 +123,7 @@ REQUIRED_GPT = {"use_abacus": False}
 PLAIN_INITS = ("scaled-zero", "scaled", "scaled-geiping", "scaled-stuck", "small")
 
 
-# what each field read must hold: its test and its name in a refusal (JSON's true is no number here)
+# what each field read must hold, its test and its name in a refusal (JSON's true is no number here)
 KINDS = {"size": (lambda v: type(v) is int and v >= 1, "a whole number of at least 1"),
          "count": (lambda v: type(v) is int and v >= 0, "a whole number of at least 0"),
          "number": (lambda v: type(v) in (int, float) and 0 <= v < math.inf, "a finite number of at least 0"),
@@ -148,7 +150,8 @@ def require(cfg, name, expected, where="config.json"):
 
 
 def rope_base(cfg, where):
-    """Their rope_settings, checked field by field -> the RoPE base; an unknown setting may change RoPE: refused."""
+    """Their rope_settings, checked field by field -> the RoPE base. An unknown setting may change RoPE, so it is
+    refused."""
     rope = field(cfg, "rope_settings", "object", where)
     if unknown := sorted(set(rope) - set(ROPE_FIELDS)):
         raise ValueError(f"{where} has rope_settings.{unknown[0]}, a RoPE setting nanoparcae does not know")
@@ -188,7 +191,7 @@ def config_from_authors(cfg, where="config.json"):
     common = dict(vocab_size=get("vocab_size"), seq_len=get("block_size"), d_model=d, head_dim=d // n_head,
                   n_head=n_head, norm_eps=get("norm_eps", "number"), rope_base=rope_base(cfg, where))
     if not parcae:
-        n_layer = get("n_layer")  # the blocks run once, in order: any split into three parts is the same
+        n_layer = get("n_layer")  # the blocks run once in order, so any split into three parts is the same
         third = n_layer // 3
         config = ParcaeConfig(**common, n_prelude=third, n_recur=n_layer - 2 * third, n_coda=third, injection="none")
     else:
@@ -229,35 +232,35 @@ def gated_layers(config, mean_backprop_depth):
 
 
 # -----------------------------------------------------------------------------
-# Parameter names: theirs -> ours, one explicit table
+# Parameter names, theirs -> ours, in one explicit table
 #
 # Where the authors' forward could differ from ours, and how we match it (read from parcae_lm):
-# - h0: their state_init "like-init" draws TruncNormal(0, std, +-3 std), std their init table's embedding
-#   std (sqrt(2/(5d)) for scaled-zero) times emb_scale = 1: model.initial_state, on another random stream
-#   (pass h0 to compare the two on one draw).
-# - value embeddings: ResFormer v += 2 sigmoid(ve_gate(x[..., :32])) * ve, x the block's normed input, in
-#   both, the recurrent layers reusing theirs at every step; which layers carry them: gated_layers.
-# - norms: norm_1, norm_2, ln_prelude, ln_f are RMSNorm(eps=norm_eps) with a weight and no unit offset (their
+# - h0. Their state_init "like-init" draws TruncNormal(0, std, +-3 std), std being their init table's
+#   embedding std (sqrt(2/(5d)) for scaled-zero) times emb_scale = 1. That is model.initial_state, on another
+#   random stream (pass h0 to compare the two on one draw).
+# - value embeddings. Both add ResFormer's 2 sigmoid(ve_gate(x[..., :32])) * ve to v, x the block's normed
+#   input, the recurrent layers reusing theirs at every step. gated_layers says which layers carry them.
+# - norms. norm_1, norm_2, ln_prelude and ln_f are RMSNorm(eps=norm_eps) with a weight and no unit offset (their
 #   Config.Norm adds one only for "Gemma" names). The prelude norm feeds the injection only, as ours.
-# - RoPE: theirs rotates interleaved pairs (2i, 2i+1) by +angle (modules/utils.py apply_rotary_emb_complex_like);
+# - RoPE. Theirs rotates interleaved pairs (2i, 2i+1) by +angle (modules/utils.py apply_rotary_emb_complex_like);
 #   ours halves (i, D/2 + i) by -angle. Rotating (b, a) by -angle is rotating (a, b) by +angle, so our dims
-#   (i, D/2 + i) = their (2i + 1, 2i): rope_order permutes the rows of c_q and c_k in each head, and RMS norm
+#   (i, D/2 + i) = their (2i + 1, 2i). rope_order permutes the rows of c_q and c_k in each head, and RMS norm
 #   and q.k do not see the order. Same frequencies base^(-2i/D); the base is checked against their freqs_cis.
-# - qk norm: parameter-free RMS norm after RoPE in both; theirs is F.rms_norm with eps=None (the dtype's
+# - qk norm. Both take a parameter-free RMS norm after RoPE, theirs F.rms_norm with eps=None (the dtype's
 #   machine epsilon, 1.2e-7 in float32), see model.py's Attention.
-# - attention: SDPA / flash with the default scale 1/sqrt(head_dim), causal, n_kv_head = n_head.
-# - MLP: fc -> 0.5 * relu(x)^2 (their Relu2's mul(0.5)) -> proj, no biases: ours.
-# - head: tied to wte (tie_embeddings), logits * logit_scale = 1 (PLAIN_INITS), no softcap; their logits have
+# - attention. SDPA / flash with the default scale 1/sqrt(head_dim), causal, n_kv_head = n_head.
+# - MLP. Theirs is fc -> 0.5 * relu(x)^2 (their Relu2's mul(0.5)) -> proj, no biases, as ours.
+# - head. It is tied to wte (tie_embeddings), logits * logit_scale = 1 (PLAIN_INITS), no softcap. Theirs have
 #   padded_vocab_size columns, ours are cut to vocab_size.
-# - injection: theirs x * exp(-dt * exp(A_log)) + dt * (e @ B^T), dt = softplus(dt_bias); ours forms the rate
-#   as exp(A_log + ln dt) floored at 1e-6 (model.py DiagonalInjection.discretize): below it the decays differ
-#   by less than 1e-6.
-# - C_proj: their transformer.C, a bias-free Linear after the loop with no norm before it: ours.
-# - vocabulary: both pad to a multiple of 64 (config_from_authors checks padded_vocab_size).
-# - depth: without num_steps_pair their per-sequence forward samples a depth even in eval mode; ours
-#   runs mu_rec. Give T explicitly (theirs: num_steps_pair=[T]) to compare.
+# - injection. Theirs is x * exp(-dt * exp(A_log)) + dt * (e @ B^T), dt = softplus(dt_bias). Ours forms the
+#   rate as exp(A_log + ln dt) floored at 1e-6 (model.py DiagonalInjection.discretize), below which the decays
+#   differ by less than 1e-6.
+# - C_proj. Their transformer.C, a bias-free Linear after the loop with no norm before it, is ours.
+# - vocabulary. Both pad to a multiple of 64 (config_from_authors checks padded_vocab_size).
+# - depth. Without num_steps_pair their per-sequence forward samples a depth even in eval mode, and ours
+#   runs mu_rec. Give T explicitly (theirs num_steps_pair=[T]) to compare.
 
-BLOCK_NAMES = {  # their TransformerPreNormBlock (parcae_lm/modules/: blocks, mixer, mlp) -> our Block
+BLOCK_NAMES = {  # their TransformerPreNormBlock (parcae_lm/modules/ blocks, mixer and mlp) -> our Block
     "norm_1.weight": "attn_norm.weight", "norm_2.weight": "mlp_norm.weight",
     "attn.c_q.weight": "attn.c_q.weight", "attn.c_k.weight": "attn.c_k.weight", "attn.c_v.weight": "attn.c_v.weight",
     "attn.c_proj.weight": "attn.c_proj.weight", "attn.ve_gate.weight": "attn.ve_gate.weight",
@@ -270,11 +273,11 @@ TOP_NAMES = {
     "transformer.adapter.A_log": "injection.A_log",  # DiagonalInjection (modules/injection.py)
     "transformer.adapter.dt_bias": "injection.dt_bias",
     "transformer.adapter.B": "injection.B.weight",  # a bare (d, d) Parameter used as e @ B^T, i.e. Linear's weight
-    "transformer.adapter.adapter.weight": "injection.adapter.weight",  # LinearInjection: Linear(2d -> d) on [h, e]
+    "transformer.adapter.adapter.weight": "injection.adapter.weight",  # LinearInjection, a Linear(2d -> d) on [h, e]
     "transformer.C.weight": "C_proj.weight",
 }
 BLOCK_PARTS = {"prelude": "prelude", "core_block": "recur", "coda": "coda"}  # their Parcae's ModuleLists
-CHECKED_NAMES = ("lm_head.weight", "freqs_cis")  # the tied head and their persistent RoPE buffer: checked, not loaded
+CHECKED_NAMES = ("lm_head.weight", "freqs_cis")  # the tied head and RoPE buffer, checked only
 BLOCK_NAME = re.compile(r"transformer\.(prelude|core_block|coda|h)\.(\d+)\.(.+)")
 VALUE_EMBED_NAME = re.compile(r"value_embeds\.(\d+)\.weight")
 
@@ -299,7 +302,7 @@ def our_name(name, config):
 
 
 def map_names(their_shapes, our_shapes, config):
-    """Map {their name: shape} -> {their name: our name}.
+    """Map their names and shapes to our names, as a dict from each name of theirs to ours.
     Every name of theirs, but CHECKED_NAMES, lands on exactly one of ours with the same shape.
     Every one of ours is covered."""
     mapping = {}
@@ -323,7 +326,7 @@ def map_names(their_shapes, our_shapes, config):
 
 
 def rope_order(head_dim):
-    """Our dim j of a head holds their dim rope_order[j]: (i, D/2 + i) <- (2i + 1, 2i)."""
+    """Our dim j of a head holds their dim rope_order[j], so (i, D/2 + i) <- (2i + 1, 2i)."""
     half = head_dim // 2
     return torch.tensor([2 * i + 1 for i in range(half)] + [2 * i for i in range(half)])
 
@@ -353,21 +356,21 @@ def convert_state_dict(state_dict, model):
 
 
 # -----------------------------------------------------------------------------
-# Tokenizer: byte-level BPE tokenizer.json (HF tokenizers) -> tiktoken Encoding
+# Tokenizer, from a byte-level BPE tokenizer.json (HF tokenizers) to a tiktoken Encoding
 
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 BOS_NAMES = ("<|bos|>", "<|endoftext|>", "<s>")  # the first one the tokenizer has marks a document start
 
 
 def byte_level_alphabet():
-    """GPT-2's byte-level alphabet: printable bytes stand for themselves, the other 68 for chr(256 + k)."""
+    """GPT-2's byte-level alphabet, in which printable bytes stand for themselves and the other 68 for chr(256 + k)."""
     printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
     others = [b for b in range(256) if b not in printable]
     return {**{chr(b): b for b in printable}, **{chr(256 + k): b for k, b in enumerate(others)}}
 
 
 def split_pattern(pre_tokenizer):
-    """The regex that cuts text into pieces: a Split before a regex-free ByteLevel, or ByteLevel's own (GPT-2's)."""
+    """The regex that cuts text into pieces, a Split's before a regex-free ByteLevel, or ByteLevel's own (GPT-2's)."""
     kind = (pre_tokenizer or {}).get("type")
     steps = pre_tokenizer.get("pretokenizers", []) if kind == "Sequence" else [pre_tokenizer or {}]
     kinds = [s.get("type") for s in steps]
@@ -386,20 +389,13 @@ def split_pattern(pre_tokenizer):
 
 
 def tokenizer_from_json(path, bos_token=None):
-    """tokenizer.json -> tokenizer.Tokenizer: the vocabulary mapped back to bytes, ranks = ids (BPE merges
-    in id order, as a trainer mints them), added tokens kept as special tokens."""
-    try:
-        return tokenizer_from_spec(read_json(path), path, bos_token)
-    except (AttributeError, TypeError, KeyError) as err:  # a field of a type HF tokenizers never writes there
-        raise ValueError(f"{path} is not a tokenizer.json as HF tokenizers writes it ({first_sentence(err)}); "
-                         f"put the one its model was saved with in its place") from None
-
-
-def tokenizer_from_spec(spec, path, bos_token):
-    bpe = spec.get("model", {})
-    if bpe.get("type") != "BPE" or spec.get("normalizer"):
-        raise ValueError(f"{path} is not a plain BPE tokenizer (model {bpe.get('type')}, normalizer "
-                         f"{(spec.get('normalizer') or {}).get('type')})")
+    """tokenizer.json -> tokenizer.Tokenizer, its vocabulary mapped back to bytes with ranks = ids.
+    BPE merges are in id order, as a trainer mints them, and added tokens are kept as special tokens."""
+    spec = read_json(path)
+    bpe = spec.get("model") if isinstance(spec.get("model"), dict) else {}
+    if bpe.get("type") != "BPE" or not isinstance(bpe.get("vocab"), dict) or spec.get("normalizer"):
+        raise ValueError(f"{path} is not a plain BPE tokenizer with a vocabulary (its model is "
+                         f"{str(spec.get('model'))[:40]!r}, its normalizer {str(spec.get('normalizer'))[:40]!r})")
     pattern = split_pattern(spec.get("pre_tokenizer"))
     specials = {t["content"]: t["id"] for t in spec.get("added_tokens", [])}
     alphabet = byte_level_alphabet()
@@ -425,7 +421,7 @@ def tokenizer_from_spec(spec, path, bos_token):
 
 def model_bytes(config, free):
     """Bytes of config's float32 model, its parameters and RoPE tables, counted on the meta device.
-    Where its layers alone pass `free`, their count times one layer's bytes: a lower bound, built at once."""
+    Where its layers alone pass `free`, it is their count times one layer's bytes, a lower bound built at once."""
     with torch.device("meta"):
         layers = config.n_layer * sum(p.nbytes for p in Block(config, False).parameters())
         if layers > free:
@@ -452,10 +448,12 @@ def check_memory(config, config_path, weights_path, device):
 
 
 def read_weights(path, fix):
-    """Their weights file -> its state dict, read with weights_only; anything but named tensors: ValueError."""
+    """Their weights file -> its state dict, read with weights_only. Anything but named tensors raises ValueError."""
     try:
         state_dict = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
+        if isinstance(err, RuntimeError) and zipfile.is_zipfile(path):  # whole, so the machine refused it
+            raise out_of_memory(path, err) from None
         raise ValueError(f"{path} is not a loadable state dict ({first_sentence(err)}); {fix}") from None
     entries = state_dict.items() if type(state_dict) is dict else [(None, state_dict)]
     bad = next(((name, value) for name, value in entries
@@ -464,6 +462,13 @@ def read_weights(path, fix):
         what = f"a {type(state_dict).__name__}" if bad[0] is None else f"{bad[0]!r}: a {type(bad[1]).__name__}"
         raise ValueError(f"{path} holds {what}, not a state dict of named tensors; {fix}")
     return state_dict
+
+
+def out_of_memory(path, err):
+    """The refusal of an allocation the memory plan passed, which a limit such as ulimit -v refused."""
+    why = " ".join(str(err).split())[:300]  # torch's allocator puts the OS's cause last
+    return EnvironmentFailure(f"{path} could not be loaded into memory ({why}); this process may allocate less "
+                              f"than is free (ulimit -v), so raise its limit or free memory")
 
 
 def load_pretrained(source, device="cpu", need_tokenizer=False):
@@ -477,8 +482,13 @@ def load_pretrained(source, device="cpu", need_tokenizer=False):
     state_dict = read_weights(weights_path, fix)
     if config.injection == "none" and not authors_config.get("use_fused_head", "pytorch"):
         state_dict.pop("lm_head.weight", None)  # their GPT's own head, never read when tied (authors_state_dict)
-    model = sized_model(config)  # no random init: the weights are the release's tensors themselves
-    model = assign_weights(model, convert_state_dict(state_dict, model), device)
+    try:  # no random init, as the weights are the release's tensors themselves
+        with torch.device("meta"):
+            shaped = Parcae(config)  # our names and shapes
+        shaped.init_buffers()  # the RoPE table, compared with theirs
+        model = from_weights(asdict(config), convert_state_dict(state_dict, shaped), device)
+    except RuntimeError as err:
+        raise out_of_memory(weights_path, err) from None
     tokenizer = None if tokenizer_path is None else tokenizer_from_json(tokenizer_path)
     if tokenizer and tokenizer.vocab_size > config.vocab_size:
         raise ValueError(f"{tokenizer_path} has {tokenizer.vocab_size} tokens, the model only {config.vocab_size}")
@@ -486,11 +496,11 @@ def load_pretrained(source, device="cpu", need_tokenizer=False):
 
 
 # -----------------------------------------------------------------------------
-# Export: a nanoparcae checkpoint -> a folder their from_pretrained reads (the tables above, inverted)
+# Export, from a nanoparcae checkpoint to a folder their from_pretrained reads (the tables above, inverted)
 #
 # Their from_pretrained (parcae_lm/__init__.py) reads config.json into ParcaeConfig or GPTConfig by
 # _class_name, dropping rope_settings (so RoPE base 50,000, their default), builds the model and loads
-# pytorch_model.bin or model.pt with strict=False: a name that is not theirs would be skipped silently, so
+# pytorch_model.bin or model.pt with strict=False, which would skip a name that is not theirs silently, so
 # the names come from the same tables the loader checks. Their tokenizer (parcae_lm/tokenizer.py) is
 # AutoTokenizer on tokenizer.json, with tokenizer_config.json naming the class and the special tokens.
 
@@ -499,7 +509,7 @@ THEIR_TOP_NAMES = {ours: theirs for theirs, ours in TOP_NAMES.items()}  # the lo
 THEIR_BLOCK_NAMES = {ours: theirs for theirs, ours in BLOCK_NAMES.items()}
 THEIR_BLOCK_PARTS = {ours: theirs for theirs, ours in BLOCK_PARTS.items()}
 # our depth sampler -> their (recurrent_iteration_method, sampling_scheme); training only, the forward at a
-# given depth does not read it. per_batch_split has no scheme of theirs: its nearest draws the same T per batch.
+# given depth does not read it. per_batch_split has no scheme of theirs, and its nearest draws the same T per batch.
 THEIR_SAMPLING = {"per_sequence": ("per-sequence", "poisson-truncated-full"), "fixed": ("per-sequence", "fixed"),
                   **dict.fromkeys(("per_batch", "per_batch_split"), ("per-batch", "poisson-truncated-full")),
                   **{name: ("per-batch", name.replace("_", "-")) for name in SAMPLINGS if name.startswith("poisson")}}
@@ -507,9 +517,9 @@ THEIR_SAMPLING = {"per_sequence": ("per-sequence", "poisson-truncated-full"), "f
 
 def their_backprop_depth(c):
     """mu_bwd, or else its neighbour whose parity puts their value-embedding gates on our value-embedding layers.
-    Past the gates it reaches only their depth sampler: T ~ Poisson(max(mean_recurrence, mean_backprop_depth)),
-    k = min(T, mean_backprop_depth) of them backpropagated. Keeping the max keeps every forward (any T, eval mode,
-    per-sequence sampling); only training changes: k, and in per-batch training T + k steps run."""
+    Past the gates it reaches only their depth sampler, T ~ Poisson(max(mean_recurrence, mean_backprop_depth)),
+    with k = min(T, mean_backprop_depth) of them backpropagated. Keeping the max keeps every forward (any T, eval mode,
+    per-sequence sampling). Only training changes, in k, and per-batch training runs T + k steps."""
     embedded, top = value_embedding_layers(c), max(c.mu_rec, c.mu_bwd)
     for depth in (c.mu_bwd, c.mu_bwd - 1, c.mu_bwd + 1):
         if depth >= 1 and max(c.mu_rec, depth) == top and gated_layers(c, depth) == embedded:
@@ -535,7 +545,7 @@ def authors_config(c):
     cfg = dict(name="nanoparcae", block_size=c.seq_len, vocab_size=c.vocab_size, padding_multiple=64,
                padded_vocab_size=c.padded_vocab_size, n_embd=c.d_model, num_attention_heads=c.n_head,
                num_key_value_heads=c.n_head, intermediate_size=4 * c.d_model, norm_eps=c.norm_eps,
-               init_strategy=PLAIN_INITS[0], init_orthogonal=True,  # model.py's init: their scaled-zero, orthogonal
+               init_strategy=PLAIN_INITS[0], init_orthogonal=True,  # model.py's init, their scaled-zero, orthogonal
                use_fused_head=False,  # any other value, their default "pytorch" too, gives their GPT a Triton head
                rope_settings=dict(use_rope=True, rope_condense_ratio=1, rope_base=THEIR_ROPE_BASE), **REQUIRED)
     if c.injection == "none":
@@ -554,12 +564,12 @@ def authors_config(c):
 
 
 def their_name(name, config):
-    """Our state-dict name -> theirs: our_name inverted."""
+    """Our state-dict name -> theirs, our_name inverted."""
     if name in THEIR_TOP_NAMES or VALUE_EMBED_NAME.fullmatch(name):
         return THEIR_TOP_NAMES.get(name, name)
     part, index, rest = name.split(".", 2)
     block = THEIR_BLOCK_NAMES[rest]
-    if config.injection == "none":  # their GPT: one list of blocks
+    if config.injection == "none":  # their GPT has one list of blocks
         index = int(index) + {"prelude": 0, "recur": config.n_prelude, "coda": config.n_prelude + config.n_recur}[part]
         return f"transformer.h.{index}.{block}"
     return f"transformer.{THEIR_BLOCK_PARTS[part]}.{index}.{block}"
@@ -589,7 +599,7 @@ def tokenizer_json(tokenizer):
     Every token is spelled in GPT-2's byte alphabet, with its rank as id.
     Each token of two or more bytes gets a merge for every cut into two tokens, ordered by the token's rank.
     That is because tiktoken joins the adjacent pair whose join ranks lowest.
-    ignore_merges matches tiktoken's shortcut: a piece that is one token whole is that token."""
+    ignore_merges matches tiktoken's shortcut, by which a piece that is one token whole is that token."""
     enc = tokenizer.enc
     char_of = {b: ch for ch, b in byte_level_alphabet().items()}
     ranks = enc._mergeable_ranks
@@ -619,8 +629,8 @@ def tokenizer_json(tokenizer):
 
 def export(model, tokenizer, out_dir):
     """Write config.json, model.pt, tokenizer.json and tokenizer_config.json for their from_pretrained.
-    out_dir is written whole: a folder beside it, renamed to it at the end. A model folder there is replaced.
-    So an earlier export's pytorch_model.bin never shadows this model.pt. Any other file there: refused.
+    out_dir is written whole, as a folder beside it renamed to it at the end. A model folder there is replaced.
+    So an earlier export's pytorch_model.bin never shadows this model.pt. Any other file there is refused.
     Where out_dir is a symbolic link, the folder it points to is replaced and the link kept.
     Returns the folder written."""
     special = {v: k for k, v in tokenizer.enc._special_tokens.items()}
@@ -642,11 +652,12 @@ def export(model, tokenizer, out_dir):
 
 
 def export_target(out_dir):
-    """The folder an export into out_dir replaces: out_dir, or the folder its symbolic links lead to.
-    A file there, a loop of links or a folder holding other files than a model's: ValueError."""
+    """The folder an export into out_dir replaces, which is out_dir or the folder its symbolic links lead to.
+    A file there, a loop of links, a mount point or a folder of other files than a model's raises ValueError."""
     target = Path(os.path.realpath(out_dir))
-    if target.is_symlink() or (target.exists() and not target.is_dir()):
-        why = "a loop of symbolic links" if target.is_symlink() else "a file"
+    if target.is_symlink() or (target.exists() and not target.is_dir()) or os.path.ismount(target):
+        why = "a loop of symbolic links" if target.is_symlink() else "a mount point, which the export cannot " \
+            "replace by renaming" if target.is_dir() else "a file"
         raise ValueError(f"{out_dir} is {why}; pass a folder to export into")
     if target.is_dir() and (others := sorted(p.name for p in target.iterdir() if p.name not in MODEL_FILES)):
         raise ValueError(f"{out_dir} holds {', '.join(others[:3])}{', ...' if len(others) > 3 else ''}, not a "
@@ -663,8 +674,8 @@ def make_room(target, needs):
 
 
 def write_folder(target, texts, state):
-    """Write texts ({name: bytes}) and state, as model.pt, into a folder beside target, then rename it to target.
-    A disk that fills on the way raises EnvironmentFailure: target stays as it was, and no folder is left."""
+    """Write texts (bytes by name) and state, as model.pt, into a folder beside target, then rename it to target.
+    A write that fails raises EnvironmentFailure in one line, with target as it was and no folder left."""
     target.parent.mkdir(parents=True, exist_ok=True)
     scratch = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
@@ -675,10 +686,9 @@ def write_folder(target, texts, state):
             torch.save(state, file)
         replace_folder(scratch, target)
     except OSError as err:
-        if err.errno not in NO_WRITE:
-            raise
+        fix = "free space on its disk or make it writable" if err.errno in NO_WRITE else "see the cause"
         raise EnvironmentFailure(f"the export to {target} could not be written ({err.strerror}); that folder is "
-                                 f"as it was: free space on its disk or make it writable, then export again") from None
+                                 f"as it was, so {fix}, then export again") from None
     finally:  # a failed write leaves no folder behind
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -710,7 +720,12 @@ def replace_folder(new, old):
     aside = old.with_name(f".{old.name}.{os.getpid()}.old")
     if old.is_dir():
         old.rename(aside)
-    new.rename(old)
+    try:
+        new.rename(old)
+    except OSError:
+        if aside.is_dir():  # the earlier folder back in its place
+            aside.rename(old)
+        raise
     shutil.rmtree(aside, ignore_errors=True)
 
 
@@ -718,11 +733,13 @@ def export_main(argv):
     """A nanoparcae checkpoint -> a folder the authors' from_pretrained reads."""
     parser = command_parser("Write a nanoparcae checkpoint as a folder the authors' parcae_lm.from_pretrained reads")
     parser.prog = "python -m interop.hub export"
-    parser.add_argument("source", help="a checkpoint file, or a run under <base dir>/runs (its latest checkpoint)")
+    parser.add_argument("source", help="a run under <base dir>/runs (its latest checkpoint), or a checkpoint file's "
+                                       "path, which holds a / (./ckpt.pt)")
     parser.add_argument("out_dir", help="the folder to write (upload it with `hf upload`)")
     args = parser.parse_args(argv)
     warnings.formatwarning = lambda message, *_, **__: f"interop.hub export: {message}\n"
-    model, tokenizer, _, path = load_run(args.source)
+    ckpt, tokenizer, path = load_run(ckpt=args.source) if os.sep in args.source else load_run(run=args.source)
+    model = from_weights(ckpt["config"], ckpt["model"])
     out = export(model, tokenizer, args.out_dir)
     link = f" (where {args.out_dir} leads)" if Path(args.out_dir).is_symlink() else ""
     print(f"{path} -> {out}{link}: config.json ({model.config.injection}), model.pt, tokenizer.json, "

@@ -13,6 +13,7 @@ import engine
 import sample
 from conftest import awaited, beforehand, carries, raises_naming, train, write_corpus
 from engine import Decoder, Draft, Pace, Sampling, drafted, generate
+from model import from_weights
 from nanoparcae.checkpoint import load_run
 from nanoparcae.command import run_command
 from test_sample import checkpoint, tiny_model  # noqa: F401 (checkpoint: a fixture)
@@ -302,7 +303,8 @@ def drafted_run(folder):
 def test_a_trained_model_drafts_256_greedy_tokens_of_plain_decoding():
     """A small model trained on the tiny corpus, float32: 256 greedy tokens at T = 32 drafted at depth 3 (its
     mu_rec), 8 at a time, are plain decoding's; most drafts are accepted."""
-    model, tokenizer, _, _ = load_run(str(awaited(drafted_run)), torch.device("cpu"))
+    ckpt, tokenizer, _ = load_run(ckpt=awaited(drafted_run))
+    model = from_weights(ckpt["config"], ckpt["model"])
     prompt = tokenizer.encode("the loop", prepend_bos=True)
     counts = {}
     plain = tokens(model, [prompt], 256, T=32, temperature=0)

@@ -404,9 +404,10 @@ def test_a_prefix_of_a_flag_is_not_taken_for_it(tmp_path, monkeypatch):
         eval_core.main(["--eval", "bpb", "--batch=4"])
 
 
-def tiny_run(tmp_path, overflow=False):
+def tiny_run(tmp_path, overflow=False, huge=False):
     """Run "tiny": a 1-1-1 Parcae at step 7 on a corpus and tokenizer of its own -> (its checkpoint, its corpus).
-    overflow: its coda's MLP weights times 1e30, finite, but every forward overflows to NaN."""
+    overflow: its coda's MLP weights times 1e30, finite, but every forward overflows to NaN.
+    huge: its final norm's weight times 1e4, so every loss is finite but past 709 nats, whose exp overflows."""
     from nanoparcae.checkpoint import run_dir, save_checkpoint
     from nanoparcae.dataset import data_key
     from nanoparcae.tokenizer import Tokenizer
@@ -418,6 +419,7 @@ def tiny_run(tmp_path, overflow=False):
                                 head_dim=32, mu_rec=3))
     with torch.no_grad():
         model.coda[0].mlp.c_fc.weight.mul_(1e30 if overflow else 1)
+        model.norm_f.weight.mul_(1e4 if huge else 1)
     path = run_dir("tiny") / "ckpt_000007.pt"
     save_checkpoint(path, model, step=7, args={"data": str(ours)}, run={"data": data_key(str(ours))},
                     tokenizer_dir=str(tmp_path / "tok"))
@@ -454,10 +456,9 @@ def test_an_eval_on_other_data_or_fewer_tokens_never_replaces_the_runs_own(tmp_p
 def test_results_are_checked_for_their_size_before_the_work_and_kept_when_the_write_fails(tmp_path, monkeypatch,
                                                                                        capsys):
     """A disk with less room than the result: refused before any depth is scored. A write refused after the work
-    (ENOSPC while free space shows, as a quota does): the results kept in the temporary folder, named."""
+    (ENOSPC while free space shows, as a quota does): the results kept as a JSON line on stdout, said so."""
     import errno
     import shutil
-    import tempfile
     from nanoparcae import files
     from nanoparcae.command import EnvironmentFailure
     path, _ = tiny_run(tmp_path)
@@ -469,9 +470,7 @@ def test_results_are_checked_for_their_size_before_the_work_and_kept_when_the_wr
     assert "T =" not in capsys.readouterr().out  # nothing scored
     monkeypatch.undo()
 
-    write_text, spare = type(path).write_text, tmp_path / "spare"
-    spare.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(spare))
+    write_text = type(path).write_text
 
     def quota(self, text):
         if self.parent == path.parent:
@@ -480,9 +479,9 @@ def test_results_are_checked_for_their_size_before_the_work_and_kept_when_the_wr
     monkeypatch.setattr(type(path), "write_text", quota)
     with pytest.raises(EnvironmentFailure) as refused:
         eval_core.main(flags)
-    kept = list(spare.glob("*.json"))
-    assert len(kept) == 1 and carries(str(refused.value), str(kept[0])), (kept, refused.value)
-    assert json.loads(kept[0].read_text())["T"] == [1, 2, 3, 4] and not list(path.parent.glob("*.json*"))
+    kept = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert carries(str(refused.value), str(path.with_name("ckpt_000007_bpb_T1-2-4.json")), "JSON"), refused.value
+    assert kept["T"] == [1, 2, 3, 4] and not list(path.parent.glob("*.json*"))
 
 
 def test_results_that_are_not_finite_are_refused_not_kept(tmp_path, monkeypatch, capsys):
@@ -501,3 +500,50 @@ def test_a_fit_at_the_edge_of_its_search_says_so(capsys):
     fit = eval_core.fit_line([1, 2, 4, 8, 16, 32], [2.76, 2.75, 2.745, 2.75, 2.76, 2.78], 8)
     assert fit["at_edge"] and fit["L_inf"] > 3
     assert carries(capsys.readouterr().out, "warning:", f"z = {fit['z']:g}")
+
+
+EVAL_FLAGS = ["--eval=bpb", "--T=1,2", "--batch_size=2", "--val_tokens=64", "--device=cpu"]
+
+
+@pytest.mark.parametrize("there", ["a folder", "a list"])
+def test_a_result_name_held_by_a_folder_or_a_list_is_refused_before_the_work(tmp_path, monkeypatch, capsys, there):
+    """Probes: eval_core computed every depth, then failed on a result name that is a folder (IsADirectoryError), or
+    on an earlier eval JSON that holds a list (AttributeError), and the results were lost. Both are refused in one
+    line naming that path before any depth is scored, and the path is left as it was."""
+    from conftest import refused, run_here
+    path, _ = tiny_run(tmp_path)
+    own = path.with_name("ckpt_000007_bpb_T1-2.json")
+    own.mkdir() if there == "a folder" else own.write_text("[1, 2]")
+    result = run_here(["eval_core.py", f"--ckpt={path}", *EVAL_FLAGS], monkeypatch, capsys)
+    assert carries(refused(result), str(own)) and "T =" not in result.stdout, result
+    assert own.is_dir() if there == "a folder" else own.read_text() == "[1, 2]"
+
+
+def test_no_usable_temporary_folder_is_said_so_not_blamed_on_the_checkpoint(tmp_path, monkeypatch, capsys):
+    """Probe: with every temporary location full, eval_core said the checkpoint "is not a nanoparcae checkpoint (...
+    No usable temporary directory ...)". Sizing the model imports torch's compiler, which wants a temporary folder:
+    that error, as tempfile raises it, is the line."""
+    from conftest import run_here
+    path, _ = tiny_run(tmp_path)
+
+    def no_temporary_folder(model):
+        raise FileNotFoundError(2, "No usable temporary directory found in ['/tmp', '/var/tmp', '/usr/tmp']")
+    monkeypatch.setattr(Parcae, "init_weights", no_temporary_folder)
+    result = run_here(["eval_core.py", f"--ckpt={path}", *EVAL_FLAGS], monkeypatch, capsys)
+    assert result.returncode != 0 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "No usable temporary directory" in result.stderr and "checkpoint" not in result.stderr, result.stderr
+
+
+def test_a_finite_loss_too_large_for_its_perplexity_prints_inf(tmp_path, monkeypatch, capsys):
+    """Probe: `OverflowError: math range error` printing the perplexity of a finite loss past 709 nats. --eval bpb
+    prints ppl inf and keeps its finite results; --eval ppl, whose results would hold inf, is refused in one line
+    with a diverged run's status, 3."""
+    from conftest import run_here
+    path, corpus = tiny_run(tmp_path, huge=True)
+    result = run_here(["eval_core.py", f"--ckpt={path}", *EVAL_FLAGS], monkeypatch, capsys)
+    assert result.returncode == 0 and "ppl inf" in result.stdout, result
+    losses = json.loads(path.with_name("ckpt_000007_bpb_T1-2.json").read_text())["loss"]
+    assert min(losses) > 709 and all(map(math.isfinite, losses)), losses
+    result = run_here(["eval_core.py", f"--ckpt={path}", "--eval=ppl", "--T=1", "--max_docs=2", "--device=cpu"],
+                      monkeypatch, capsys)
+    assert result.returncode == 3 and carries(result.stderr, "ppl[0]") and "ppl inf" in result.stdout, result

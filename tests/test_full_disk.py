@@ -1,7 +1,9 @@
-"""A full disk: a save that has no room stops the run in one line, keeps the last checkpoint and leaves no partial
-file; a partial file a run left behind is removed by the next start, which continues the run."""
+"""A save that cannot finish (a full disk, weights that are not finite, a file that does not read back) stops the
+run in one line, keeps the last checkpoint and leaves no partial file; a partial file a run left behind is removed by
+the next start, which continues the run."""
 
 import errno
+import io
 import os
 import re
 import shlex
@@ -13,7 +15,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import ROOT, TINY, awaited, beforehand, carries, python, train, train_env, untouched, write_corpus
+from conftest import (ROOT, TINY, awaited, beforehand, carries, python, raises_naming, train, train_env, untouched,
+                      write_corpus)
 from model import Parcae, ParcaeConfig
 from nanoparcae import checkpoint, command, files, metrics
 from nanoparcae.tokenizer import Tokenizer, get_tokenizer
@@ -61,52 +64,76 @@ def test_a_save_without_room_is_refused_before_it_writes(saved, monkeypatch, cap
     assert kept_as_it_was(folder)
 
 
-@pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"),
-                                   RuntimeError("basic_ios::clear: iostream error")])
-def test_a_write_the_disk_cuts_short_removes_its_partial_file_in_one_line(saved, monkeypatch, capsys, error):
-    """torch.save writes part of the file, then the disk is full: no errno in torch's own RuntimeError, so the
-    free space left decides."""
-    folder, model = saved
-    free = [10**12]  # room at the check, none once the partial file has filled the disk
+def refusing_file(code):
+    """A file whose every write raises OSError(code), as a full disk or a quota makes Python's file do."""
+    class Refusing(io.BytesIO):
+        def write(self, data):
+            raise OSError(code, os.strerror(code))
+    return Refusing()
 
-    def filling_save(state, partial):
-        partial.write_bytes(b"x" * 1000)
-        free[0] = 0
-        raise error
-    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: SimpleNamespace(free=free[0]))
-    monkeypatch.setattr(checkpoint.torch, "save", filling_save)
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT])
+def test_a_write_the_disk_or_a_quota_cuts_short_removes_its_partial_file_in_one_line(saved, monkeypatch, capsys,
+                                                                                     code):
+    """torch.save writes through Python's file, whose OSError carries the errno (/dev/full for a full disk), while
+    the disk still shows room: one line naming the file and the OS's cause, the partial file gone."""
+    folder, model = saved
+    target = "/dev/full" if code == errno.ENOSPC and os.path.exists("/dev/full") else None
+
+    def refusing_open(path, mode):
+        Path(path).write_bytes(b"x" * 1000)  # the part written before the disk refused more
+        return open(target, mode) if target else refusing_file(code)
+    monkeypatch.setattr(checkpoint, "open", refusing_open, raising=False)
     line = stopped_in_one_line(lambda: checkpoint.save_checkpoint(folder / "ckpt_000004.pt", model, step=4),
                                capsys)
-    need = checkpoint.saved_bytes({"model": model.state_dict()})
-    assert carries(line, str(folder), "full", checkpoint.size(need)), line
-    assert kept_as_it_was(folder)
-
-
-def test_a_write_a_quota_cuts_short_while_free_space_shows_removes_its_partial_file_in_one_line(saved, monkeypatch,
-                                                                                                capsys):
-    """A quota: torch's zip writer fails with no errno, and the disk still shows room."""
-    folder, model = saved
-
-    def refused_save(state, partial):
-        partial.write_bytes(b"x" * 1000)
-        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
-    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: SimpleNamespace(free=10**12))
-    monkeypatch.setattr(checkpoint.torch, "save", refused_save)
-    line = stopped_in_one_line(lambda: checkpoint.save_checkpoint(folder / "ckpt_000004.pt", model, step=4),
-                               capsys)
-    assert carries(line, str(folder / "ckpt_000004.pt"), "unexpected", "pos", str(folder)), line
+    assert carries(line, str(folder / "ckpt_000004.pt"), os.strerror(code)), line
     assert kept_as_it_was(folder)
 
 
 def test_a_write_that_fails_with_room_left_is_not_called_a_full_disk(saved, monkeypatch):
     folder, model = saved
 
-    def failing_save(state, partial):
-        partial.write_bytes(b"x" * 1000)
+    def failing_save(state, file):
+        file.write(b"x" * 1000)
         raise RuntimeError("some other fault")
     monkeypatch.setattr(checkpoint.torch, "save", failing_save)
     with pytest.raises(RuntimeError, match="some other fault"):
         checkpoint.save_checkpoint(folder / "ckpt_000004.pt", model, step=4)
+    assert kept_as_it_was(folder)
+
+
+# -----------------------------------------------------------------------------
+# A diverged run, or a save that does not read back, keeps its last good checkpoint
+
+
+def test_weights_that_are_not_finite_are_never_saved_and_the_last_checkpoint_stays(saved, monkeypatch, capsys):
+    """Probes: a resume whose optimizer state held NaN, and --adamw_lr=3e38, made every weight NaN or inf. The
+    save then pruned the run's good checkpoint for one that is not finite; here nothing is written, in one line."""
+    folder, model = saved
+    from nanoparcae.tokenizer import Tokenizer
+    monkeypatch.setattr(Tokenizer, "files_digest", lambda directory: "0" * 16)
+    with torch.no_grad():
+        model.wte.weight.fill_(float("nan"))
+        model.coda[0].mlp.c_fc.weight[0, 0] = float("inf")
+    with pytest.raises(SystemExit) as stop:
+        command.run_command(lambda argv: checkpoint.save_and_prune(folder, 3, model, [], tokenizer_dir=str(folder)))
+    line = capsys.readouterr().err.strip()
+    assert stop.value.code == 2 and "\n" not in line, line
+    assert carries(line, "step", "3", "wte.weight", str(folder / "ckpt_000002.pt")), line
+    assert kept_as_it_was(folder)
+
+
+def test_a_save_that_does_not_read_back_whole_never_replaces_the_last_checkpoint(saved, monkeypatch):
+    """A write that leaves another file than the one saved (a disk that drops a block, say): the new checkpoint is
+    refused on reading back, before its rename, and the older one is kept."""
+    folder, model = saved
+    other = io.BytesIO()
+    torch.save({"config": {}, "model": {}}, other)
+    monkeypatch.setattr(checkpoint.torch, "save", lambda state, file: file.write(other.getvalue()))
+    from nanoparcae.tokenizer import Tokenizer
+    monkeypatch.setattr(Tokenizer, "files_digest", lambda directory: "0" * 16)
+    with raises_naming(command.EnvironmentFailure, str(folder / "ckpt_000003.pt")):
+        checkpoint.save_and_prune(folder, 3, model, [], tokenizer_dir=str(folder))
     assert kept_as_it_was(folder)
 
 

@@ -330,7 +330,7 @@ def test_a_malformed_config_json_is_refused_naming_it_and_the_field_before_any_a
 
     def allocates(*args, **kwargs):
         raise AssertionError("allocated before the config was checked")
-    monkeypatch.setattr("nanoparcae.checkpoint.sized_model", allocates)
+    monkeypatch.setattr(hub, "from_weights", allocates)
     monkeypatch.setattr(torch, "load", allocates)
     message = refused(run_here(["-m", "interop.hub", str(folder)], monkeypatch, capsys))
     assert carries(message, str(folder / "config.json"), *[name] * bool(name)), message
@@ -738,3 +738,52 @@ def test_exporting_a_checkpoint_that_holds_no_dict_ends_in_one_line(tmp_path, mo
     torch.save(torch.zeros(3) if held == "a tensor" else [torch.zeros(3)], path)
     message = refused(run_here(["-m", "interop.hub", "export", str(path), str(tmp_path / "out")], monkeypatch, capsys))
     assert carries(message, str(path)) and not (tmp_path / "out").exists(), message
+
+
+def test_an_export_into_a_mount_point_or_a_busy_folder_ends_in_one_line(tmp_path, monkeypatch, capsys):
+    """Probe: an export into a mount point ended in `Device or resource busy` from the rename, a traceback. A mount
+    point is refused before anything is written; a folder the OS will not rename is one line naming its cause."""
+    _, folder = exported(tmp_path, "diagonal")
+    _, checkpoint = export_newer(tmp_path)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    ismount = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda path: Path(path) == folder or ismount(path))
+    message = refused(run_here(["-m", "interop.hub", "export", str(checkpoint), str(folder)], monkeypatch, capsys))
+    assert carries(message, str(folder), "mount") and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    monkeypatch.undo()
+    rename = Path.rename
+
+    def busy(self, target):
+        if self == folder:
+            raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), str(self))
+        return rename(self, target)
+    monkeypatch.setattr(Path, "rename", busy)
+    result = run_here(["-m", "interop.hub", "export", str(checkpoint), str(folder)], monkeypatch, capsys)
+    assert result.returncode == 1 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert carries(result.stderr, str(folder), os.strerror(errno.EBUSY)), result.stderr
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_an_allocation_a_process_limit_refuses_is_one_line_naming_it(tmp_path, monkeypatch, capsys):
+    """Probe: under `ulimit -v`, a load the memory plan passed failed; the release's weights file was said not to be
+    a state dict, to be deleted, and our checkpoint to be truncated, to be removed. Each now names the memory refused,
+    and neither file is advised away."""
+    folder = write_authors_folder(tmp_path / "release", tiny_model("diagonal"))
+    _, checkpoint = exported(tmp_path, "diagonal")
+    load = torch.load
+
+    def refused_memory(path, *args, **kwargs):
+        if kwargs.get("mmap"):
+            raise RuntimeError(f"unable to mmap 4096 bytes from file <{path}>: Cannot allocate memory (12)")
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+                           "you tried to allocate 4096 bytes. Error code 12 (Cannot allocate memory)")
+    monkeypatch.setattr(torch, "load", refused_memory)
+    for args, status in ((["-m", "interop.hub", str(folder)], 1),
+                         (["-m", "interop.hub", "export", str(tmp_path / "ckpt.pt"), str(tmp_path / "again")], 2)):
+        result = run_here(args, monkeypatch, capsys)
+        assert result.returncode == status and len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert carries(result.stderr, "Cannot allocate memory", "limit"), result.stderr
+        assert not any(word in result.stderr for word in ("delete", "truncated", "loadable", "not a nanoparcae")), result.stderr
+    monkeypatch.setattr(torch, "load", load)
+    assert hub.load_pretrained(str(folder))[0] is not None and checkpoint.is_dir()

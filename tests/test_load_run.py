@@ -10,8 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from model import from_weights
 from nanoparcae.checkpoint import load_run
-from conftest import Started, carries, corrupt_a_weight, raises_naming, refused, run_here, train, train_env
+from nanoparcae.command import EnvironmentFailure
+from conftest import ROOT, Started, carries, corrupt_a_weight, raises_naming, refused, run_here, train, train_env
+
+
+def loaded(run=None, ckpt=None):
+    """load_run, then the model built as every command builds it -> (model, tokenizer, checkpoint dict, path)."""
+    ckpt, tokenizer, path = load_run(run, ckpt)
+    return from_weights(ckpt["config"], ckpt["model"]), tokenizer, ckpt, path
 
 
 @pytest.fixture(scope="module")
@@ -50,19 +58,18 @@ def test_every_command_that_loads_a_run_works_after_the_base_folder_moved(corpus
 def test_a_wrong_checkpoint_or_tokenizer_is_one_line(moved, tmp_path, monkeypatch):
     monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(moved))
     path = moved / "runs" / "tiny" / "ckpt_000002.pt"
-    model, tokenizer, ckpt, found = load_run("tiny")
+    model, tokenizer, ckpt, found = loaded("tiny")
     assert found == path and not model.training and tokenizer.vocab_size == model.config.vocab_size == 320
-    assert load_run(path)[3] == load_run(None)[3] == path  # a file, a run's name, the newest run
+    assert load_run(ckpt=path)[2] == load_run()[2] == path  # a file, a run's name, the newest run
 
-    def message(ckpt_or_run, error=ValueError):
+    def message(path, error=ValueError):
         with pytest.raises(error) as err:
-            load_run(ckpt_or_run)
+            load_run(ckpt=path)
         assert "\n" not in str(err.value)
         return str(err.value)
 
-    assert message(path.parent, FileNotFoundError) == (f"{path.parent} is a folder, not a checkpoint file; pass a "
-                                                       f"checkpoint file such as its newest, {path}, or the run's "
-                                                       f"name, tiny")
+    assert message(path.parent) == (f"{path.parent} is a folder, not a checkpoint file; pass one, such as its "
+                                    f"newest, {path}, or --run=tiny")
     torch.save({"weights": torch.zeros(2)}, tmp_path / "other.pt")
     assert carries(message(tmp_path / "other.pt"), str(tmp_path / "other.pt"), "nanoparcae", "config")
 
@@ -117,16 +124,16 @@ def test_load_run_gives_the_logits_of_a_randomly_initialised_model_loaded_in_ful
     old = Parcae(ParcaeConfig(**full["config"]))
     old.load_state_dict(full["model"])
     old.eval()
-    model, tokenizer, ckpt, found = load_run(path)
+    model, tokenizer, ckpt, found = loaded(ckpt=path)
     assert found == path and not model.training and tokenizer.vocab_size == 260
     old_tensors = {**dict(old.named_parameters()), **dict(old.named_buffers())}
     new_tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     assert old_tensors.keys() == new_tensors.keys() and {"rope_cos", "rope_sin"} <= new_tensors.keys()
     for name, tensor in old_tensors.items():
-        loaded = new_tensors[name]
-        assert (loaded.dtype, loaded.device, loaded.shape) == (tensor.dtype, tensor.device, tensor.shape), name
-        assert torch.equal(loaded, tensor), name
-        assert loaded.requires_grad == tensor.requires_grad, name
+        new = new_tensors[name]
+        assert (new.dtype, new.device, new.shape) == (tensor.dtype, tensor.device, tensor.shape), name
+        assert torch.equal(new, tensor), name
+        assert new.requires_grad == tensor.requires_grad, name
     idx = torch.randint(0, 260, (2, 20), generator=torch.Generator().manual_seed(1))
     h0 = torch.randn(2, 20, 64, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -162,7 +169,7 @@ def test_load_run_runs_no_random_init(tmp_path, tokenizer_dir, monkeypatch):
         init_weights(self)
 
     monkeypatch.setattr(model_module.Parcae, "init_weights", init_weights_on_meta_only)
-    model = load_run(path)[0]
+    model = loaded(ckpt=path)[0]
     assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
     with raises_naming(AssertionError, "cpu"):  # the guards do catch an init
         model_module.Parcae(model.config)
@@ -192,7 +199,7 @@ def test_load_run_reads_the_weights_alone_into_the_model_itself(tmp_path, tokeni
     _, path = tiny_checkpoint(tmp_path / "ckpt_000007.pt", tokenizer_dir, optimizer_bytes=256 * 2**20)
     Path("/proc/self/clear_refs").write_text("5")  # the peak, VmHWM, starts again from the resident size
     before = memory_kb("VmRSS")
-    model = load_run(path)[0]
+    model = loaded(ckpt=path)[0]
     assert memory_kb("VmHWM") - before < 64 * 1024
     ranges = mapped_ranges(path)
     assert ranges, "nothing maps the checkpoint's file"
@@ -204,7 +211,7 @@ def test_a_truncated_checkpoint_is_one_line_naming_it(tmp_path, tokenizer_dir):
     _, path = tiny_checkpoint(tmp_path / "ckpt_000007.pt", tokenizer_dir, optimizer_bytes=4096)
     path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
     with raises_naming(ValueError, str(path)) as err:
-        load_run(path)
+        load_run(ckpt=path)
     assert "\n" not in str(err.value)
 
 
@@ -244,7 +251,7 @@ def test_a_checkpoint_with_a_changed_byte_is_refused_by_every_command_that_loads
     model): each command ends in one line naming the file and the entry, status 2, and writes nothing; the same file
     whole loads."""
     path = run_with_tokenizer(Path(os.environ["NANOPARCAE_BASE_DIR"]), tokenizer_dir)
-    load_run(path)
+    load_run(ckpt=path)
     if damage == "model":
         corrupt_a_weight(path)
     else:
@@ -280,42 +287,43 @@ def test_every_entry_a_load_reads_is_checked_against_its_digest(tmp_path, tokeni
     assert "\n" not in str(err.value) and "remove" not in str(err.value)  # a file in no run folder
     if named != "loader":  # which load_run never reads
         with raises_naming(ValueError, str(path), named):
-            load_run(path)
+            load_run(ckpt=path)
 
 
-@pytest.mark.parametrize("digest", ["removed", "signed"])
-def test_non_finite_weights_are_refused_in_one_line_whatever_the_digest(tmp_path, tokenizer_dir, digest):
-    """A checkpoint whose weights hold a NaN and an inf, with no digest or with one saved with them: refused in one
-    line naming the file and the tensors."""
-    from nanoparcae.checkpoint import save_checkpoint
+def test_non_finite_weights_are_refused_in_one_line_whatever_the_digest(tmp_path, tokenizer_dir):
+    """A checkpoint whose weights hold a NaN and an inf, signed with them: refused in one line naming the file and
+    the tensors. save_checkpoint itself never puts such weights in place."""
+    from nanoparcae.checkpoint import digest_of, save_checkpoint
     model, path = tiny_checkpoint(tmp_path / "ckpt_000007.pt", tokenizer_dir)
     with torch.no_grad():
         model.wte.weight[3, 5] = float("nan")
         model.C_proj.weight[0, 0] = float("inf")
-    save_checkpoint(path, model, step=7, tokenizer_dir=str(tokenizer_dir))
-    if digest == "removed":
-        edit_checkpoint(path, lambda ckpt: ckpt.pop("digest"))
+    with raises_naming(EnvironmentFailure, "wte.weight", "C_proj.weight"):
+        save_checkpoint(path, model, step=8, tokenizer_dir=str(tokenizer_dir))
+    assert torch.load(path, weights_only=True)["step"] == 7 and sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+
+    def signed_with_these_weights(ckpt):
+        ckpt["model"] = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+        ckpt["digest"] = digest_of({key: value for key, value in ckpt.items() if key != "digest"})
+    edit_checkpoint(path, signed_with_these_weights)
     with raises_naming(ValueError, str(path), "wte.weight", "C_proj.weight") as err:
-        load_run(path)
+        load_run(ckpt=path)
     assert "\n" not in str(err.value)
 
 
-def test_an_earlier_versions_digest_of_tensors_alone_loads_with_a_warning_and_must_be_whole(tmp_path, tokenizer_dir,
-                                                                                           capsys):
-    """A checkpoint whose digest covers its tensors alone, as an earlier version wrote it: it loads, warning that
-    its other entries go unchecked; without its model's digest it is refused."""
-    from nanoparcae.checkpoint import tensors_digest, tensors_in
+@pytest.mark.parametrize("digest", ["none", "of the tensors alone"])
+def test_a_checkpoint_an_earlier_version_signed_or_none_is_refused_in_one_line(tmp_path, tokenizer_dir, digest):
+    """One without a digest, or with the earlier digest of its tensors alone, which leaves its config and step
+    unchecked: refused in one line naming the file and that it predates this version, never advised away."""
+    from nanoparcae.checkpoint import read_checkpoint
     _, path = tiny_checkpoint(tmp_path / "ckpt_000007.pt", tokenizer_dir, optimizer_bytes=64)
-    edit_checkpoint(path, lambda ckpt: ckpt.update(digest={key: tensors_digest(value) for key, value in ckpt.items()
-                                                           if key != "digest" and tensors_in(value)}))
-    model = load_run(path)[0]
-    assert all(torch.equal(model.state_dict()[name], tensor) for name, tensor in
-               torch.load(path, weights_only=True)["model"].items())
-    warning = capsys.readouterr().err.strip().splitlines()
-    assert len(warning) == 1 and carries(warning[0], "warning:", str(path), "digest", "config"), warning
-    edit_checkpoint(path, lambda ckpt: ckpt["digest"].pop("model"))
-    with raises_naming(ValueError, str(path), "model"):
-        load_run(path)
+    earlier = {"none": lambda ckpt: ckpt.pop("digest"),
+               "of the tensors alone": lambda ckpt: ckpt.update(digest={"model": "0" * 64, "optimizer": "0" * 64})}
+    edit_checkpoint(path, earlier[digest])
+    for read in (lambda: load_run(ckpt=path), lambda: read_checkpoint(path)):
+        with raises_naming(ValueError, str(path), "predates") as err:
+            read()
+        assert "\n" not in str(err.value) and "remove" not in str(err.value)
 
 
 NOT_CHECKPOINTS = {  # what a .pt file may hold that torch.load reads, or a file torch.save never wrote
@@ -335,7 +343,7 @@ def test_a_file_that_holds_no_checkpoint_is_one_line_naming_it_and_never_advised
         path = tmp_path / "ckpt_000001.pt"
         write(path)
         with raises_naming(ValueError, str(path), "nanoparcae") as err:
-            load_run(path)
+            load_run(ckpt=path)
         assert "\n" not in str(err.value) and "remove" not in str(err.value), (why, err.value)
 
 
@@ -362,14 +370,14 @@ def test_only_a_runs_own_checkpoint_is_advised_away(tmp_path, tokenizer_dir, mon
         tiny_checkpoint(path, tokenizer_dir)
         path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
         with raises_naming(ValueError, str(path), "truncated") as err:
-            load_run(path)
+            load_run(ckpt=path)
         assert ("remove" in str(err.value)) == (path == own), err.value
 
     def denied(path, *args, **kwargs):
         raise PermissionError(13, "Permission denied", str(path))
     monkeypatch.setattr(torch, "load", denied)
     with raises_naming(ValueError, str(own), "Permission", "denied") as err:
-        load_run(own)
+        load_run(ckpt=own)
     assert not any(word in str(err.value) for word in ("remove", "damaged", "truncated")), err.value
 
 
@@ -378,7 +386,7 @@ def test_a_checkpoint_this_user_may_not_read_is_said_so(tmp_path, tokenizer_dir)
     _, path = tiny_checkpoint(tmp_path / "ckpt_000007.pt", tokenizer_dir)
     path.chmod(0)
     with raises_naming(ValueError, str(path), "Permission", "denied") as err:
-        load_run(path)
+        load_run(ckpt=path)
     assert "remove" not in str(err.value)
 
 
@@ -394,29 +402,18 @@ def test_a_run_folder_that_is_not_one_is_named_in_one_line(tmp_path, tokenizer_d
         folder.symlink_to(tmp_path / "gone")
     else:
         tiny_checkpoint(folder / "ckpt_000007.pt", tokenizer_dir)
-        listdir = os.listdir
+        scandir = os.scandir
 
         def denied(path):  # root reads any folder: its refusal, as another user meets it
             if Path(path) == folder:
                 raise PermissionError(13, "Permission denied", str(path))
-            return listdir(path)
-        monkeypatch.setattr(os, "listdir", denied)
-    newest = [] if made == "a file" else [lambda: load_run(None)]  # a file there is no run
+            return scandir(path)
+        monkeypatch.setattr(os, "scandir", denied)
+    newest = [] if made == "a file" else [lambda: load_run()]  # a file there is no run
     for find in (lambda: load_run("tiny"), lambda: checkpoint.latest(folder), *newest):
         with raises_naming(ValueError, str(folder)) as err:
             find()
         assert "\n" not in str(err.value) and "no checkpoint" not in str(err.value)
-
-
-def test_a_checkpoint_saved_before_digests_loads_with_one_warning_naming_it(tmp_path, tokenizer_dir, capsys):
-    _, path = tiny_checkpoint(tmp_path / "ckpt_000007.pt", tokenizer_dir)
-    ckpt = torch.load(path, weights_only=True)
-    del ckpt["digest"]
-    torch.save(ckpt, path)
-    model = load_run(path)[0]
-    assert all(torch.equal(model.state_dict()[name], tensor) for name, tensor in ckpt["model"].items())
-    warning = capsys.readouterr().err.strip().splitlines()
-    assert len(warning) == 1 and carries(warning[0], "warning:", str(path), "digest"), warning
 
 
 def test_a_tokenizer_other_than_the_checkpoints_is_refused_naming_both(tmp_path, tokenizer_dir, monkeypatch, capsys):
@@ -430,7 +427,7 @@ def test_a_tokenizer_other_than_the_checkpoints_is_refused_naming_both(tmp_path,
     other = Tokenizer.files_digest(ours)
     assert other != trained_with
     with pytest.raises(ValueError) as err:
-        load_run(path)
+        load_run(ckpt=path)
     assert carries(str(err.value), str(ours), other, str(path), trained_with) and "\n" not in str(err.value)
     message = refused(run_here(["sample.py", "--prompt=a", f"--ckpt={path}"], monkeypatch, capsys))
     assert carries(message, str(ours), other, trained_with), message
@@ -439,15 +436,21 @@ def test_a_tokenizer_other_than_the_checkpoints_is_refused_naming_both(tmp_path,
 # -----------------------------------------------------------------------------
 # A run is found by its exact name, and only the files train.py wrote are its checkpoints
 
-def test_a_run_is_found_by_its_exact_name_never_as_a_pattern(tmp_path, tokenizer_dir):
-    """Run x1 saved: `x[1]` and `x?` name no run (a glob would match x1), and x1 itself loads."""
+def test_a_run_is_found_by_its_exact_name_never_as_a_pattern_or_a_file(tmp_path, tokenizer_dir, monkeypatch, capsys):
+    """Run x1 saved: `x[1]`, `x?` and `*` are no run names, and x1 itself loads. A name is never read as a file
+    (probes --run=x.pt and --run=model.py): sample.py --run=x.pt loads the run named so, and eval_core.py
+    --run=model.py, from the folder holding model.py, looks for that run alone."""
     from nanoparcae.checkpoint import run_dir
     _, path = tiny_checkpoint(run_dir("x1") / "ckpt_000007.pt", tokenizer_dir)
-    for pattern in ("x[1]", "x?", "*"):
-        with pytest.raises(FileNotFoundError) as info:
+    for pattern in ("x[1]", "x?", "*", "../x1", "a" * 300):
+        with raises_naming(ValueError, f"--run={pattern[:120]!r}"):
             load_run(pattern)
-        assert carries(str(info.value), str(run_dir(pattern))), info.value
-    assert load_run("x1")[3] == path
+    assert load_run("x1")[2] == path
+    tiny_checkpoint(run_dir("x.pt") / "ckpt_000007.pt", tokenizer_dir)
+    monkeypatch.chdir(ROOT)
+    assert run_here(["sample.py", "--run=x.pt", "--prompt=a", "--max_new_tokens=2"], monkeypatch, capsys).returncode == 0
+    message = refused(run_here(["eval_core.py", "--run=model.py", "--eval=bpb"], monkeypatch, capsys))
+    assert carries(message, str(run_dir("model.py"))) and "not a nanoparcae checkpoint" not in message, message
 
 
 def test_a_users_copy_of_a_checkpoint_is_neither_resumed_nor_pruned(tmp_path, tokenizer_dir):
@@ -461,3 +464,39 @@ def test_a_users_copy_of_a_checkpoint_is_neither_resumed_nor_pruned(tmp_path, to
     save_and_prune(tmp_path, 12, model, [loader], tokenizer_dir=str(tokenizer_dir))
     assert sorted(p.name for p in tmp_path.glob("ckpt_*.pt")) == ["ckpt_000010_backup.pt", "ckpt_000012.pt"]
     assert Path(copy).is_file() and latest(tmp_path) == tmp_path / "ckpt_000012.pt"
+
+
+def test_only_the_names_the_project_writes_are_resumed_pruned_or_removed(tmp_path, tokenizer_dir, capsys):
+    """Probes: a user's ckpt_10.pt and ckpt_0000000010.pt were resumed from, then deleted; ckpt_notes.pt.tmp was
+    deleted as a partial save; a folder named ckpt_000001.pt stopped the prune with IsADirectoryError. Here none is
+    resumed from or touched, nor a link to a user's file; only the run's own partial file and older checkpoint go."""
+    from nanoparcae.checkpoint import latest, remove_partial_saves, save_and_prune
+    folder = tmp_path / "run"
+    model, own = tiny_checkpoint(folder / "ckpt_000008.pt", tokenizer_dir)
+    for name in ("ckpt_10.pt", "ckpt_0000000010.pt", "ckpt_notes.pt.tmp"):
+        shutil.copy(own, folder / name)
+    (folder / "ckpt_000001.pt").mkdir()
+    (folder / "ckpt_000001.pt" / "notes.txt").write_text("mine")
+    (tmp_path / "mine.pt").write_text("a user's file")
+    (folder / "ckpt_000009.pt").symlink_to(tmp_path / "mine.pt")
+    (folder / "ckpt_000009.pt.tmp").symlink_to(tmp_path / "mine.pt")
+    (folder / "ckpt_000011.pt.tmp").write_bytes(b"a save cut short")
+    users = sorted(p.name for p in folder.iterdir() if p.name not in ("ckpt_000008.pt", "ckpt_000011.pt.tmp"))
+    assert latest(folder) == own
+    remove_partial_saves(folder)
+    assert carries(capsys.readouterr().out, str(folder / "ckpt_000011.pt.tmp"))
+    loader = type("Loader", (), {"state_dict": lambda self: {"position": 5}})()
+    save_and_prune(folder, 12, model, [loader], tokenizer_dir=str(tokenizer_dir))
+    assert sorted(p.name for p in folder.iterdir()) == sorted([*users, "ckpt_000012.pt"])
+    assert (tmp_path / "mine.pt").read_text() == "a user's file" and latest(folder) == folder / "ckpt_000012.pt"
+
+
+def test_a_name_too_long_for_the_filesystem_is_one_line_with_its_cause(tmp_path, monkeypatch, capsys):
+    """Probes: a 300-character --run gave `File name too long` as a traceback, and a 300-character --ckpt in
+    sample.py was advised a permission fix. The run name is refused as such, the file by the OS's cause."""
+    long_path = tmp_path / ("c" * 300 + ".pt")
+    for command in (["sample.py", "--prompt=a"], ["eval_core.py", "--eval=bpb"]):
+        message = refused(run_here([*command, "--run=" + "r" * 300], monkeypatch, capsys))
+        assert carries(message, "--run") and "run name" in message, message
+        message = refused(run_here([*command, f"--ckpt={long_path}"], monkeypatch, capsys))
+        assert "File name too long" in message and "permission" not in message, message

@@ -456,6 +456,7 @@ def test_tiny_model_learns_a_fixed_batch(injection):
 
 
 def test_checkpoint_round_trip_and_clear_errors(tmp_path):
+    from model import from_weights
     from nanoparcae.checkpoint import find_checkpoint, load_run, save_checkpoint
     from nanoparcae.tokenizer import Tokenizer
     model = randomized(Parcae(tiny_config(injection="concat", mu_rec=3, vocab_size=260))).eval()
@@ -463,7 +464,8 @@ def test_checkpoint_round_trip_and_clear_errors(tmp_path):
     save_checkpoint(tmp_path / "runs" / "a" / "ckpt_000010.pt", model, step=10, tokenizer_dir=str(tmp_path / "tok"))
     path = find_checkpoint(tmp_path / "runs")
     assert path.name == "ckpt_000010.pt" and not list(tmp_path.rglob("*.tmp"))
-    loaded, tokenizer, ckpt, loaded_path = load_run(path)
+    ckpt, tokenizer, loaded_path = load_run(ckpt=path)
+    loaded = from_weights(ckpt["config"], ckpt["model"])
     assert ckpt["step"] == 10 and loaded.config == model.config and loaded_path == path and not loaded.training
     assert tokenizer.vocab_size == 260
     idx = torch.randint(0, 97, (1, 8))
@@ -473,7 +475,7 @@ def test_checkpoint_round_trip_and_clear_errors(tmp_path):
         find_checkpoint(tmp_path / "runs", run="missing")
     (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
     with raises_naming(ValueError, str(tmp_path / "bad.pt")):
-        load_run(tmp_path / "bad.pt")
+        load_run(ckpt=tmp_path / "bad.pt")
 
 
 def counted_flops_per_token(model, x, backward, **depth):

@@ -1,53 +1,46 @@
-"""The random init runs once per run: on a fresh run's rank 0. The other ranks and a resume build the model
-without it, and train as before."""
+"""A model from a checkpoint's weights (model.from_weights) never runs the random init, and holds those weights;
+the random init runs once per run, on a fresh run's rank 0."""
+
+from dataclasses import asdict
 
 import pytest
 import torch
 
-from conftest import ROOT, TINY, awaited, beforehand, carries, python, train_env, write_corpus
-from model import Parcae, ParcaeConfig
-from nanoparcae.checkpoint import training_model
+from conftest import ROOT, TINY, awaited, beforehand, carries, python, raises_naming, train_env, write_corpus
+from model import Parcae, ParcaeConfig, from_weights
 
 CONFIG = ParcaeConfig(vocab_size=97, seq_len=16, n_prelude=1, n_recur=1, n_coda=1, d_model=64, head_dim=32)
 
 
-@pytest.fixture
-def inits(monkeypatch):
-    """The devices on which Parcae.init_weights ran (a model sized on the meta device runs it there, at no cost)."""
-    devices, init_weights = [], Parcae.init_weights
-
-    def counted(model):
-        devices.append(next(model.parameters()).device.type)
-        return init_weights(model)
-    monkeypatch.setattr(Parcae, "init_weights", counted)
-    return devices
-
-
-def same_tensors(a, b):
-    return a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
-
-
-def test_the_initialising_rank_draws_the_weights_it_drew_before(inits):
-    torch.manual_seed(7)
-    before = Parcae(CONFIG)
-    torch.manual_seed(0)  # the seed is the argument's, not the caller's
-    model = training_model(CONFIG, "cpu", 7)
-    assert same_tensors(model.state_dict(), before.state_dict()) and model.training
-    assert inits == ["cpu", "cpu"]
-
-
-def test_a_resume_and_the_other_ranks_never_run_the_init(inits):
+def test_a_model_from_weights_holds_them_and_never_runs_the_init(monkeypatch):
+    """Its parameters are the weights given (cast to float32 where saved in bfloat16), its RoPE tables those of a
+    model built with its init; the init ran on the meta device alone, where it fills nothing."""
+    torch.manual_seed(3)
     reference = Parcae(CONFIG)
-    inits.clear()
     weights = {name: tensor.clone() for name, tensor in reference.state_dict().items()}
-    resumed = training_model(CONFIG, "cpu", 7, weights)
-    assert same_tensors(resumed.state_dict(), reference.state_dict()) and resumed.training
-    empty = training_model(CONFIG, "cpu", 7, initialise=False)
-    assert all(tensor.device.type == "cpu" for tensor in empty.state_dict().values())
-    assert empty.state_dict().keys() == reference.state_dict().keys()
-    for model in (resumed, empty):  # the RoPE tables, which no checkpoint or broadcast needs to carry
-        assert torch.equal(model.rope_cos, reference.rope_cos) and torch.equal(model.rope_sin, reference.rope_sin)
-    assert set(inits) == {"meta"}
+    weights["wte.weight"] = weights["wte.weight"].bfloat16()
+    devices, init_weights = [], Parcae.init_weights
+    monkeypatch.setattr(Parcae, "init_weights", lambda model: (devices.append(model.wte.weight.device.type),
+                                                                init_weights(model)))
+    model = from_weights(asdict(CONFIG), weights)
+    assert devices == ["meta"] and not model.training and model.config == CONFIG
+    for name, tensor in model.state_dict().items():
+        assert tensor.dtype == torch.float32 and torch.equal(tensor, weights[name].float()), name
+    assert torch.equal(model.rope_cos, reference.rope_cos) and torch.equal(model.rope_sin, reference.rope_sin)
+
+
+def test_a_config_or_weights_that_build_no_parcae_are_one_line():
+    """A field no config has, a value of the wrong type, a shape ParcaeConfig refuses, or weights of another model:
+    ValueError in one line, naming what is wrong."""
+    weights = Parcae(CONFIG).state_dict()
+    for config, named in ((dict(asdict(CONFIG), colour=1), "colour"), (dict(asdict(CONFIG), vocab_size="97"), "str"),
+                          (dict(asdict(CONFIG), n_head=3), "n_head=3"), (dict(asdict(CONFIG), d_model=-64), "-64")):
+        with raises_naming(ValueError, named) as err:
+            from_weights(config, weights)
+        assert "\n" not in str(err.value)
+    with raises_naming(ValueError, "wte.weight") as err:
+        from_weights(asdict(CONFIG), {**weights, "wte.weight": torch.zeros(3, 64)})
+    assert "\n" not in str(err.value)
 
 
 # train.py, each rank saying where it ran the random init on real weights
