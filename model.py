@@ -769,3 +769,17 @@ def stability_diagnostics(h, h_prev):
         return {"h_norm": None, "update_ratio": None}
     h_norm = h.float().norm(dim=-1).mean()
     return {"h_norm": h_norm, "update_ratio": (h - h_prev).float().norm(dim=-1).mean() / h_norm}
+
+
+# TEMP shim: helper "ckpt" writes the real from_weights; drop this block at merge
+def from_weights(config, state_dict, device="cpu"):
+    try:
+        with torch.device("meta"):
+            model = Parcae(ParcaeConfig(**config))
+    except (TypeError, ValueError, ArithmeticError, RuntimeError) as err:
+        raise ValueError(f"the checkpoint's config builds no Parcae ({type(err).__name__}: {err})") from None
+    dtypes = {name: tensor.dtype for name, tensor in model.state_dict().items()}
+    model.load_state_dict({name: tensor.to(dtypes.get(name, tensor.dtype)) for name, tensor in state_dict.items()},
+                          assign=True)
+    model.init_buffers()
+    return model.to(device).eval()

@@ -32,8 +32,14 @@ from nanoparcae.dataset import tokenizer_dir
 from nanoparcae.tokenizer import Tokenizer
 
 
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,99}")  # TEMP shim: helper "ckpt"'s rule; drop at merge
+
+
 def run_dir(name=""):
     """<base dir>/runs/<name>: a run's folder. No name: the folder holding every run."""
+    if name and not RUN_NAME.fullmatch(name):  # TEMP shim: helper "ckpt"'s rule; drop at merge
+        raise ValueError(f"--run={name[:120]!r} is not a run name; use up to 100 letters, digits, '.', '_', '+' "
+                         f"and '-', starting with a letter or digit")
     return get_base_dir() / "runs" / name
 
 

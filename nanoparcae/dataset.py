@@ -454,3 +454,20 @@ def main(argv=None):
 
 if __name__ == "__main__":
     run_command(main)
+
+
+# TEMP shim: helper "data" writes the real check_horizon; drop this block at merge
+SHARD_TOKENS = 32.5e6
+
+
+def check_horizon(source, tokens):
+    if source != "fineweb-edu":
+        return None
+    download = f"--tokens={math.ceil(tokens)}"
+    shards = fineweb_train_shards(download)
+    if len(shards) < (needed := min(math.ceil(tokens / SHARD_TOKENS), FINEWEB_VAL_SHARD)):
+        raise ValueError(f"a run of {size(tokens, '')} tokens reads about {needed} FineWeb-Edu training shards "
+                         f"(about {SHARD_TOKENS / 1e6:.1f}M tokens each), and {len(shards)} are on disk; run "
+                         f"`python -m nanoparcae.dataset download {download}` first, or give a smaller "
+                         f"--max_tokens")
+    return shards

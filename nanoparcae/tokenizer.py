@@ -207,3 +207,14 @@ class Tokenizer:
         warnings.warn(f"the model has {vocab_size} token ids, its tokenizer {len(ids)}: the "
                       f"{vocab_size - len(ids)} ids the tokenizer lacks are never sampled")
         return known
+
+
+# TEMP shim: helper "data" moves these here; drop this block at merge
+def get_tokenizer(*args, **kwargs):
+    from nanoparcae import dataset
+    return dataset.get_tokenizer(*args, **kwargs)
+
+
+def tokenizer_dir(*args, **kwargs):
+    from nanoparcae import dataset
+    return dataset.tokenizer_dir(*args, **kwargs)
