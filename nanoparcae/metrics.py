@@ -1,5 +1,5 @@
 """
-nanoparcae/metrics.py: what a run logs, metrics.jsonl and the step's log line.
+nanoparcae/metrics.py: what a run logs, metrics.jsonl and the step's log line, and a step's skip rule read.
 """
 
 import json
@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from nanoparcae.command import EnvironmentFailure
 from nanoparcae.files import FULL_DISK, disk_full, write_atomically
@@ -51,14 +52,14 @@ def read_metrics(path, key="step"):
 
 
 class Metrics:
-    """metrics.jsonl in the run folder, one JSON record a line, written by rank 0.
+    """metrics.jsonl in the run folder, one JSON record a line, written by rank 0, and the step's log line.
     It records steps, evals, warnings and the divergence verdict.
-    Opened for a run resumed from `step` (0: none), it keeps the records up to that step.
-    Those a killed run logged past its checkpoint come again as the run redoes them.
-    So each step stays once, in order. Rewritten under a temporary name; a torn last line goes too."""
+    Opened for a run resumed from `step` (0: none), it keeps the records up to that step, so the steps a killed
+    run logged past its checkpoint, done again, stay once and in order. Rewritten under a temporary name."""
 
-    def __init__(self, run_dir, step):
-        self.file = None
+    def __init__(self, run_dir, step, compiled=False):
+        self.file, self.start, self.compiled, self.tokens_per_s = None, step, compiled, None
+        self.graphs = self.counts().get("graphs")
         if rank_and_world()[0] != 0:
             return
         path = run_dir / "metrics.jsonl"
@@ -70,26 +71,51 @@ class Metrics:
         except OSError as err:
             full_disk(err, run_dir)
 
-    def record(self, entry, compiled=False):
-        """One record; compiled: with the graph counts so far (compile_counts)."""
-        if compiled:
-            from torch._dynamo.utils import counters
-            entry = {**entry, **compile_counts(counters)}
+    def counts(self):
+        """dynamo's graph counts so far when compiled, else {}. graphs: the graphs it built.
+        recompile_limits: the frames it ran eagerly past a recompile limit, where graphs stop growing."""
+        if not self.compiled:
+            return {}
+        from torch._dynamo.utils import counters
+        hits = sum(n for why, n in counters["unimplemented"].items() if "Limit type:" in why and "recompile" in why)
+        return {"graphs": counters["stats"]["unique_graphs"], "recompile_limits": hits}
+
+    def record(self, entry):
+        """One record, with the graph counts so far when compiled."""
+        counts = self.counts()
+        self.graphs = counts.get("graphs")  # an eval's graphs are not the next step's
         if self.file:
             try:
-                self.file.write(json.dumps(entry) + "\n")
+                self.file.write(json.dumps({**entry, **counts}) + "\n")
                 self.file.flush()
             except OSError as err:
                 full_disk(err, Path(self.file.name).parent)
 
-    def log_step(self, entry, num_steps, total_batch_size, compiled, device):
-        """A step's record, printed as its log line.
-        Compiled, it adds the graph counts: graphs that still grow after the first steps are recompiling.
+    def speed(self, step, tokens, seconds):
+        """Tokens per second, smoothed over the steady steps: past the first step's warm-up, and not a step that
+        compiled a graph. None until one comes."""
+        graphs = self.counts().get("graphs")
+        if step > self.start + 1 and graphs == self.graphs:
+            rate = tokens / seconds
+            self.tokens_per_s = rate if self.tokens_per_s is None else 0.9 * self.tokens_per_s + 0.1 * rate
+        self.graphs = graphs
+        return self.tokens_per_s
+
+    def log_step(self, entry, num_steps, total_batch_size, device):
+        """A step's record, printed as its log line (fields that are None left out).
+        Compiled, it holds the graph counts, which still grow after the first steps when it recompiles.
         On a GPU it adds the peak memory, to hold against the memory plan."""
         if device.type == "cuda":
             entry["peak_memory"] = torch.cuda.max_memory_allocated(device)
-        print0(log_line(entry, num_steps, total_batch_size))
-        self.record(entry, compiled)
+        fields = [("loss", "loss {:.4f}"), ("lr_mult", "lrm {:.2f}"), ("tokens_per_s", "{:,.0f} tok/s"),
+                  ("mfu", "mfu {:.1%}"), ("rho", "rho {:.4f}"), ("h_norm", "|h_T| {:.2f}"),
+                  ("update_ratio", "dh/h {:.4f}")]
+        tokens_per_s = entry["tokens_per_s"]
+        eta = (num_steps - entry["step"]) * total_batch_size / tokens_per_s if tokens_per_s else float("nan")
+        print0(" | ".join([f"step {entry['step']}/{num_steps}"]
+                          + [form.format(entry[key]) for key, form in fields if entry.get(key) is not None]
+                          + [f"eta {eta / 60:.1f} min"]))
+        self.record(entry)
 
 
 def full_disk(err, folder):
@@ -99,30 +125,18 @@ def full_disk(err, folder):
     disk_full(folder, "metrics.jsonl cannot be written")
 
 
-def read_at_once(values):
-    """{name: a 0-d device tensor, or None} -> {name: float, or None}, read in one transfer.
-    The step's skip rule and its log line share it: one wait for the device."""
+def read_step(grad_norm, loss_sum, stats):
+    """The step's skip rule and its log values, read from the device in one wait -> {name: float or None}.
+    non_finite: whether any rank's gradients were, so that every rank skips alike, and worst_h_norm the largest
+    ||h_T|| of any rank, both reduced across ranks at once. loss: the sum of the step's micro-batch losses."""
+    h_norm = stats["h_norm"]
+    worst = torch.stack([(~torch.isfinite(grad_norm)).float(),
+                         torch.zeros((), device=grad_norm.device) if h_norm is None else h_norm.float()])
+    if dist.is_initialized():
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
+    values = {"non_finite": worst[0], "worst_h_norm": None if h_norm is None else worst[1], "loss": loss_sum,
+              "grad_norm": grad_norm, **stats}
     present = [name for name, value in values.items() if value is not None]
     floats = dict(zip(present, torch.stack([values[name].float() for name in present]).tolist()))
     return {name: floats.get(name) for name in values}
-
-
-def compile_counts(counters):
-    """dynamo's counters -> {graphs, recompile_limits}.
-    graphs: the graphs it built. recompile_limits: the times it hit a recompile limit and ran a frame eagerly.
-    A graph count that stops growing is no proof of no recompiles.
-    Past the limit dynamo stops compiling, so both are recorded."""
-    hits = sum(n for why, n in counters["unimplemented"].items() if "Limit type:" in why and "recompile" in why)
-    return {"graphs": counters["stats"]["unique_graphs"], "recompile_limits": hits}
-
-
-def log_line(entry, num_steps, total_batch_size):
-    """A step's log line from its metrics record, leaving out None fields."""
-    fields = [("loss", "loss {:.4f}"), ("lr_mult", "lrm {:.2f}"), ("tokens_per_s", "{:,.0f} tok/s"),
-              ("mfu", "mfu {:.1%}"), ("rho", "rho {:.4f}"), ("h_norm", "|h_T| {:.2f}"),
-              ("update_ratio", "dh/h {:.4f}")]
-    parts = [f"step {entry['step']}/{num_steps}"]
-    parts += [form.format(entry[key]) for key, form in fields if entry.get(key) is not None]
-    tokens_per_s = entry["tokens_per_s"]
-    eta = (num_steps - entry["step"]) * total_batch_size / tokens_per_s if tokens_per_s else float("nan")
-    return " | ".join(parts + [f"eta {eta / 60:.1f} min"])

@@ -64,13 +64,13 @@ if faults["bundle_port"] >= 0:
         f"http://127.0.0.1:{faults['bundle_port']}/eval_bundle.zip", path, timeout=0.2, retry_delay=0.01)
 if faults["pause_lock"] >= 0:
     import nanoparcae.run as run_module  # noqa: E402
-    claim_run = run_module.claim_run
+    claim = run_module.claim
 
-    def paused_claim_run(run):
+    def paused_claim(*args):
         signal.sigwait({signal.SIGUSR1})
-        return claim_run(run)
+        return claim(*args)
 
-    run_module.claim_run = paused_claim_run
+    run_module.claim = paused_claim
 if faults["rank_order"] >= 0:
     from experiments.gpu_check import reverse_chunk_order
     reverse_chunk_order(faults["rank_order"])
