@@ -224,7 +224,7 @@ def main(argv=None):
     # -----------------------------------------------------------------------------
     # The device batch: on a GPU the largest whose memory plan fits (nanoparcae/memory.py)
     optimizer_bytes = optimizer_state_bytes(meta_model, muon=args.optimizer == "muon")
-    device_batch_size = memory.device_batch(meta_model, args, device, sequences, optimizer_bytes)
+    device_batch_size = memory.choose_device_batch(meta_model, args, device, sequences, optimizer_bytes)
     if args.dry_run:
         return 0
 

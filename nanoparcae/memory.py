@@ -64,7 +64,7 @@ def largest_divisor(sequences, at_most):
     return max((size for size in range(1, min(at_most, sequences) + 1) if sequences % size == 0), default=None)
 
 
-def device_batch(model, args, device, sequences, optimizer_bytes):
+def choose_device_batch(model, args, device, sequences, optimizer_bytes):
     """--device_batch_size, or the largest divisor of a process's `sequences` that fits -> its size.
     On a GPU it fits in 90% of the memory free now, and on a CPU it is at most 32.
     It prints the choice, and the plan on a GPU or for --dry_run. A size that does not fit raises ValueError."""

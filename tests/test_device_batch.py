@@ -1,4 +1,4 @@
-"""The device batch train.py runs (memory.device_batch against the GPU's memory, the run's recorded size on
+"""The device batch train.py runs (memory.choose_device_batch against the GPU's memory, the run's recorded size on
 resume), the two kinds of flag (those that define a run, and those that may change when it continues), and concat's
 rho at a cadence of its own. The GPU is faked: torch.cuda reports 80 GB, and train.py stops at its memory plan,
 before it would touch the device.

@@ -628,17 +628,17 @@ def write_fineweb_shards(base, indices):
 
 @pytest.mark.slow
 def test_a_fineweb_run_reads_its_shards_once_and_continues_only_on_the_same_ones(tmp_path):
-    """A horizon beyond the training shards on disk is refused, naming the download, before the run folder
-    exists; a run within them records its shards, and the same command with a shard added is refused naming
-    both lists; with its shards back, it continues."""
+    """A horizon beyond the training shards on disk (by the download's rule: 1e8 tokens read 4) is refused, naming
+    the download, before the run folder exists; a run within them records its shards, and the same command with a
+    shard added is refused naming both lists; with its shards back, it continues."""
     base = tmp_path / "base"
     write_fineweb_shards(base, [0, 1, 1822])
     fineweb = ["--data=fineweb-edu", "--run=fw", "--save_every=4"]
-    message = refused(train(tmp_path, *fineweb, "--max_tokens=1e7", base=base, expect_ok=False))
-    assert carries(message, "python -m nanoparcae.dataset download -n", "--max_tokens"), message
+    message = refused(train(tmp_path, *fineweb, "--max_tokens=1e8", base=base, expect_ok=False))
+    assert carries(message, "python -m nanoparcae.dataset download --tokens=100000000", "--max_tokens"), message
     assert not (base / "runs").exists()
-    result = train(tmp_path, *fineweb, "--stop_at=4", base=base)
-    assert re.search(r"data: fineweb-edu, about [\d,]+ training tokens \(.*2 shards\)", result.stdout)
+    train(tmp_path, *fineweb, "--stop_at=4", base=base)
+    assert torch.load(base / "runs" / "fw" / "ckpt_000004.pt", weights_only=True)["run"]["train_shards"] == "0-1"
     write_fineweb_shards(base, [2])
     before = untouched(base / "runs" / "fw")
     message = refused(train(tmp_path, *fineweb, base=base, expect_ok=False))
@@ -649,16 +649,14 @@ def test_a_fineweb_run_reads_its_shards_once_and_continues_only_on_the_same_ones
 
 
 @pytest.mark.slow
-def test_a_corpus_read_more_than_once_says_how_often_and_logs_each_epoch(tmp_path):
-    """120 documents, read ahead by the loaders' buffers and trained on several times: each new epoch is said once,
-    in order, and the loaders read at least as many as the start-up line said the run trains on."""
+def test_a_corpus_read_more_than_once_logs_each_epoch(tmp_path):
+    """120 documents , read ahead by the loaders' buffers and trained on for 12,288 tokens: each
+    new epoch is said once, in order, from the second on."""
     (tmp_path / "corpus.txt").write_text("\n\n".join(write_corpus(tmp_path / "all.txt").read_text()
                                                       .split("\n\n")[:120]))
     result = train(tmp_path, "--run=epochs", "--max_tokens=12288", base=tmp_path / "base")
-    times = float(re.search(r"the run trains on them about ([\d.]+) times", result.stdout)[1])
     said = [int(n) for n in re.findall(r"began reading epoch (\d+) of the data", result.stdout)]
-    assert said == list(range(said[0], said[-1] + 1)) and len(said) > 1
-    assert times > 1 and said[-1] >= times, (said, times)
+    assert said == list(range(2, said[-1] + 1)) and len(said) > 1, said
 
 
 @pytest.mark.slow
