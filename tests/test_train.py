@@ -93,10 +93,10 @@ def one_chunked(corpus, chunked):
 @pytest.fixture(scope="module")
 def two(corpus, chunked):
     """Two processes on this node, 1 micro-batch of 4 each, on the chunked corpus; DDP set up without its deprecated
-    arguments."""
-    result = train(corpus, "--run=two", chunked, nproc=2)
+    arguments -> the losses, and the collectives rank 0 made before step 1."""
+    result = train(corpus, "--run=two", chunked, nproc=2, fault="collectives=1")
     assert "Warning" not in result.stderr, result.stderr[-3000:]
-    return step_losses(corpus, "two")
+    return step_losses(corpus, "two"), re.search(r"collectives before step 1: (\d+) \((.*)\)", result.stdout)
 
 
 @pytest.fixture(scope="module")
@@ -264,10 +264,15 @@ def test_a_command_forked_from_the_suites_torch_is_the_command_in_a_fresh_interp
 
 
 @pytest.mark.slow
-def test_two_processes_give_the_losses_of_one(one_chunked, two):
+def test_two_processes_give_the_losses_of_one_and_agree_once_before_step_1(one_chunked, two):
+    """The ranks meet before step 1 to start (the process group and the long-timeout group), to wait for rank 0's
+    tokenizer, in the one gather of what they found, for the lock's outcome, and in DDP's broadcast."""
+    two, collectives = two
     assert list(one_chunked) == list(two) == list(range(1, 9))
     for step in one_chunked:
         assert two[step] == pytest.approx(one_chunked[step], rel=1e-4), step
+    assert collectives[2] == "init_process_group, new_group, barrier, all_gather_object, all_gather_object, DDP", \
+        collectives[0]
 
 
 @pytest.mark.slow
@@ -571,14 +576,14 @@ def test_every_bad_flag_value_ends_in_one_line_naming_it_and_writes_nothing(flag
         assert not base.exists() or not any(base.rglob("*")), list(base.rglob("*"))
 
 
-@pytest.mark.parametrize("name", ["../escape", "team/exp1", "", ".", "[a]", "-x", "x y"])
+@pytest.mark.parametrize("name", ["../escape", "team/exp1", "", ".", "[a]", "-x", "x y", "x" * 300])
 def test_a_run_name_that_is_not_one_safe_folder_name_is_refused_before_anything_is_made(name, tmp_path,
                                                                                       monkeypatch, capsys):
     base = tmp_path / "base"
     monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(base))
     status, _, err = run_train(monkeypatch, capsys, *TINY, "--data=stdlib", f"--run={name}")
     assert status == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
-    assert carries(err, "--run") and repr(name) in err, err
+    assert carries(err, "--run") and repr(name)[:100] in err, err  # a long name, at least its start
     assert not base.exists() or not any(base.rglob("*")), list(base.rglob("*"))
 
 
@@ -700,20 +705,26 @@ RUN_FILES = {  # what a run's files may be instead, made in its folder -> what t
     "a file for its folder": (lambda folder: folder.write_text(""), ""),
     "a dangling symlink for its folder": (lambda folder: folder.symlink_to(folder.with_name("gone")), ""),
     "a folder for its lock": (lambda folder: (folder / "lock").mkdir(parents=True), "lock"),
+    "a symlink to a user's file for its lock": (
+        lambda folder: (folder.mkdir(parents=True), (folder / "lock").symlink_to(folder.parents[2] / "notes.txt")),
+        "lock"),
 }
 
 
 @pytest.mark.parametrize("made", list(RUN_FILES))
 def test_a_run_whose_files_are_not_what_train_py_wrote_is_refused_in_one_line_naming_them(made, tmp_path,
                                                                                           monkeypatch, capsys):
+    """Each refused in one line naming it; a user's file the lock links to is never opened through the link."""
     base = tmp_path / "base"
     monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(base))
     (base / "runs").mkdir(parents=True)
+    (tmp_path / "notes.txt").write_text("the user's own\n")
     make, named = RUN_FILES[made]
     make(base / "runs" / "tiny")
     status, _, err = run_train(monkeypatch, capsys, *TINY, "--data=stdlib", "--run=tiny")
     assert status == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
     assert carries(err, str(base / "runs" / "tiny" / named).rstrip("/")), err
+    assert (tmp_path / "notes.txt").read_text() == "the user's own\n"
 
 
 def test_dry_run_prints_the_paper_size(monkeypatch, capsys):
