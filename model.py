@@ -105,9 +105,10 @@ class ParcaeConfig:
 
     @property
     def backprop_depth(self):
-        """The most loop steps a sequence backpropagates under its sampler (sample_depths), which memory follows.
-        It is mu_bwd where k is capped there, 2 mu_bwd for poisson_unbounded's k ~ U{1..2 mu_bwd}, and for
-        poisson_full's uncapped k = max(1, Poisson(r)) the k it passes once in 10^6 draws."""
+        """The most loop steps a sequence backpropagates under its sampler, which memory follows.
+        It is mu_bwd where sample_depths caps k there, and 2 mu_bwd for poisson_unbounded's
+        k ~ U{1..2 mu_bwd}. For poisson_full's k = max(1, Poisson(r)) it is the k passed once
+        in 10^6 draws."""
         if self.sampling == "poisson_unbounded":
             return 2 * self.mu_bwd
         if self.sampling == "poisson_full":

@@ -8,14 +8,11 @@ train.py: train Parcae (or a baseline) with the paper's recipe (METHOD.md §2), 
 
 Every optimiser step sees the same rows, depths and h0 whatever the number of processes.
 Its micro-batches are "virtual ranks" v = rank * grad_accum + micro, each with its data and seed.
-So two processes reproduce one, a resumed run continues exactly, and so do the workers that
-torchrun --max_restarts restarts, from the last checkpoint.
+So two processes reproduce one, and a resumed run continues exactly.
 
-A run (--run, default d<depth>_<injection>) is its RUN_FLAGS' values; its checkpoint records them.
-
-- The same command continues it from its last checkpoint; a finished run exits at once.
-- A command whose run flags differ is refused, naming those flags.
-- A diverged run stops with exit status 3 (docs/troubleshooting.md).
+A run (--run, default d<depth>_<injection>) is its RUN_FLAGS' values, which its checkpoint records.
+The same command continues it from its last checkpoint, and a finished run exits at once.
+A command whose run flags differ is refused, naming them. A diverged run stops with exit status 3.
 """
 
 import math
@@ -30,8 +27,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from data import DataLoader, val_batches
 from eval_core import core_during_training, evaluate_during_training
 from model import INJECTIONS, SAMPLINGS, Parcae, ParcaeConfig, from_weights, mean_steps
-from optim import (build_optimizer, learning_rate_for_depth, lr_multiplier, muon_momentum, optimizer_state_bytes,
-                   weight_decay_at)
+from optim import build_optimizer, learning_rate_for_depth, lr_multiplier, muon_momentum
+from optim import optimizer_state_bytes, weight_decay_at
 from nanoparcae import memory, ranks, run as runs
 from nanoparcae.checkpoint import check_tokenizer, save_and_prune, saved_bytes, weights_digest
 from nanoparcae.command import command_parser, run_command, spans
@@ -104,7 +101,8 @@ def parse_args(argv=None):
     flag("--resume", action="store_true", help="require a checkpoint to continue from")
     flag("--stop_at", type=int, default=None, help="end this command after that step")
     flag("--dry_run", action="store_true", help="print the configuration and memory plan, and exit")
-    flag("--check", action="store_true", help="check the flags' values, and exit: nothing starts")
+    flag("--check", action="store_true",
+         help="run the checks training runs before it reads data, and exit: nothing starts")
     # how a run operates, not what it trains
     flag("--compile_backend", default="inductor", choices=["inductor", "eager"],
          help="eager: dynamo's tracing and guards without code generation")
@@ -119,36 +117,27 @@ def parse_args(argv=None):
     flag("--rank0_timeout", type=float, default=3600,
          help="seconds ranks wait for lone work: rank 0's save, tokenizer, CORE fetch, resume read")
     args = parser.parse_args(argv)
-    check_values(args)
+    for rule, holds, names in RANGES:  # --vocab_size's type is the tokenizer's own check
+        for name in names.split():
+            if (value := getattr(args, name)) is not None and not holds(value):
+                raise ValueError(f"--{name}={value} must be {rule}")
     return args
 
 
 INT_LIMIT = 2**31 - 1  # an int flag past int32's range overflows a size or counter in torch
 SEED_LIMIT = 2**28 - 1  # each step's seed, (seed * 1_000_003 + step) * 65_537 + v, must fit 64 bits
-
-
-def check_values(args):
-    """Every number flag's range, checked once after parsing: ValueError naming the flag and value.
-    None leaves a flag to its default rule. --vocab_size's type is the tokenizer's check."""
-    rules = {
-        "a positive number": (lambda v: 0 < v < math.inf, (
-            "max_tokens", "target_flops", "param_data_ratio", "adamw_lr", "muon_lr", "grad_clip",
-            "diverge_h_norm", "collective_timeout", "rank0_timeout")),
-        f"between 1 and {INT_LIMIT}": (lambda v: 1 <= v <= INT_LIMIT, (
-            "depth", "d_model", "head_dim", "mu_rec", "mu_bwd", "seq_len", "device_batch_size",
-            "total_batch_size", "eval_every", "eval_tokens", "core_max_per_task", "save_every",
-            "log_every", "stop_at", "rho_every")),
-        "zero or more": (lambda v: 0 <= v < math.inf, ("weight_decay",)),
-        f"between 0 and {INT_LIMIT}": (lambda v: 0 <= v <= INT_LIMIT, ("diverge_steps",)),
-        f"between 0 and {SEED_LIMIT}": (lambda v: 0 <= v <= SEED_LIMIT, ("seed",)),
-        "between 0 and 1": (lambda v: 0 <= v <= 1, ("warmdown_frac",)),
-        f"a number of steps up to {INT_LIMIT}, or -1 for never": (
-            lambda v: 0 < v <= INT_LIMIT or v == -1, ("core_every",)),
-    }
-    for rule, (holds, names) in rules.items():
-        for name in names:
-            if (value := getattr(args, name)) is not None and not holds(value):
-                raise ValueError(f"--{name}={value} must be {rule}")
+RANGES = [  # each number flag's range, checked after parsing (None: the flag's default rule)
+    ("a positive number", lambda v: 0 < v < math.inf, "max_tokens target_flops param_data_ratio "
+     "adamw_lr muon_lr grad_clip diverge_h_norm collective_timeout rank0_timeout"),
+    (f"between 1 and {INT_LIMIT}", lambda v: 1 <= v <= INT_LIMIT, "depth d_model head_dim mu_rec "
+     "mu_bwd seq_len device_batch_size total_batch_size eval_every eval_tokens core_max_per_task "
+     "save_every log_every stop_at rho_every"),
+    ("zero or more", lambda v: 0 <= v < math.inf, "weight_decay"),
+    (f"between 0 and {INT_LIMIT}", lambda v: 0 <= v <= INT_LIMIT, "diverge_steps"),
+    (f"between 0 and {SEED_LIMIT}", lambda v: 0 <= v <= SEED_LIMIT, "seed"),
+    ("between 0 and 1", lambda v: 0 <= v <= 1, "warmdown_frac"),
+    (f"a number of steps up to {INT_LIMIT}, or -1 for never",
+     lambda v: 0 < v <= INT_LIMIT or v == -1, "core_every")]
 
 
 def main(argv=None):
@@ -168,16 +157,17 @@ def main(argv=None):
         torch.backends.cuda.matmul.allow_tf32 = True
 
     # -----------------------------------------------------------------------------
-    # The model's config and the run's horizon, in C (METHOD.md §2): nothing is allocated yet
+    # The model's config and the run's horizon, counted in the paper's C (METHOD.md §2)
     config = ParcaeConfig.from_depth(
         args.depth, vocab_size=args.vocab_size, seq_len=args.seq_len, head_dim=args.head_dim,
         mu_rec=args.mu_rec, mu_bwd=args.mu_bwd, injection=args.injection,
         sampling=args.depth_sampling, prelude_norm=bool(args.prelude_norm),
         **({"d_model": args.d_model} if args.d_model else {}))
-    with torch.device("meta"):
+    with torch.device("meta"):  # sized, nothing allocated
         meta_model = Parcae(config)
     num_params = meta_model.num_params()
-    C = meta_model.paper_flops_per_token()  # the paper's FLOPs per token, the horizon's unit
+    C = meta_model.paper_flops_per_token()  # the horizon's unit; MFU counts what runs (executed)
+    executed = meta_model.matmul_flops_per_token()
     if args.max_tokens:
         max_tokens = args.max_tokens
     elif args.target_flops:
@@ -194,52 +184,54 @@ def main(argv=None):
     adamw_lr = args.adamw_lr or learning_rate_for_depth(args.depth)
 
     # -----------------------------------------------------------------------------
-    # The run's name and each process's share of a step. `--check` ends here: it runs every check
-    # training runs before it reads data or allocates.
+    # The run's name and each process's share of a step, in sequences. `--check` ends here, after
+    # every check training runs before it reads data or allocates.
     folder = runs.run_folder(args)  # <base dir>/runs/<name>, a name every command finds
     rows = (args.device_batch_size or 1) * args.seq_len * world
     if args.total_batch_size % rows:  # accumulation keeps every micro-batch whole
         raise ValueError(f"--total_batch_size={args.total_batch_size} is not divisible by device "
                          f"batch x seq_len x processes = {args.device_batch_size or 1} x "
-                         f"{args.seq_len} x {world}; change --total_batch_size, --device_batch_size "
-                         f"or --seq_len")
-    sequences = args.total_batch_size // (args.seq_len * world)  # one process's, per step
+                         f"{args.seq_len} x {world}; change --total_batch_size, "
+                         f"--device_batch_size or --seq_len")
+    sequences = args.total_batch_size // (args.seq_len * world)
     if args.check:
         return 0
-    print0(f"model: depth {args.depth} ({config.n_prelude}/{config.n_recur}/{config.n_coda}), "
-           f"d_model {config.d_model}, {config.n_head} heads, injection {config.injection}, mu_rec "
-           f"{config.mu_rec}, mu_bwd {config.mu_bwd}, sampling {config.sampling}, prelude_norm "
-           f"{config.prelude_norm}")
-    if config.mu_bwd > config.mu_rec:  # warned, not refused: full backprop is an ablation
-        no_grad, with_grad = mean_steps(config)
-        print0(f"warning: --mu_bwd={config.mu_bwd} > --mu_rec={config.mu_rec}: "
-               f"{with_grad / (no_grad + with_grad):.0%} of the loop's steps are backpropagated, and "
-               f"memory grows with the depth drawn; for the paper's truncation (METHOD.md §2) pass "
-               f"--mu_bwd={math.ceil(config.mu_rec / 2)} or leave it out")
-    executed = meta_model.matmul_flops_per_token()  # what the hardware runs, MFU's numerator
+    c = config
+    print0(f"model: depth {args.depth} ({c.n_prelude}/{c.n_recur}/{c.n_coda}), d_model "
+           f"{c.d_model}, {c.n_head} heads, injection {c.injection}, mu_rec {c.mu_rec}, mu_bwd "
+           f"{c.mu_bwd}, sampling {c.sampling}, prelude_norm {c.prelude_norm}")
+    if c.mu_bwd > c.mu_rec:  # warned, not refused, since full backprop is an ablation
+        no_grad, with_grad = mean_steps(c)
+        print0(f"warning: --mu_bwd={c.mu_bwd} > --mu_rec={c.mu_rec}, so "
+               f"{with_grad / (no_grad + with_grad):.0%} of the loop's steps are backpropagated "
+               f"and memory grows with the depth drawn; for the paper's truncation (METHOD.md §2) "
+               f"pass --mu_bwd={math.ceil(c.mu_rec / 2)} or leave it out")
     print0(f"parameters: {num_params:,} | FLOPs/token (paper's C, the horizon's unit): {C:.4e} | "
-           f"tokens: {tokens:,} | total FLOPs: {C * tokens:.4e} | executed matmul FLOPs/token (MFU's): "
-           f"{executed:.4e}, C / executed {C / executed:.2f}")
+           f"tokens: {tokens:,} | total FLOPs: {C * tokens:.4e} | executed matmul FLOPs/token "
+           f"(MFU's): {executed:.4e}, C / executed {C / executed:.2f}")
 
     # -----------------------------------------------------------------------------
     # The device batch: on a GPU the largest whose memory plan fits (nanoparcae/memory.py)
     optimizer_bytes = optimizer_state_bytes(meta_model, muon=args.optimizer == "muon")
-    device_batch_size = memory.choose_device_batch(meta_model, args, device, sequences, optimizer_bytes)
+    device_batch_size = memory.choose_device_batch(meta_model, args, device, sequences,
+                                                   optimizer_bytes)
     if args.dry_run:
         return 0
 
     # -----------------------------------------------------------------------------
-    # The run, its batch and its data, which each rank checks on its own disk. The ranks compare what
-    # they found in one gather at the block's end; a refusal or a difference stops every rank alike.
+    # The run and its data, which each rank checks on its own disk. The ranks compare what they
+    # found in one gather at the block's end, and a refusal or a difference stops every rank alike.
     with ranks.Agreement() as agreement:
-        # --- the run: its checkpoint's flags against this command's (nanoparcae/run.py)
-        shards = check_horizon(args.data, tokens)  # FineWeb-Edu's training shards, enough for it
+        # --- the run: its newest checkpoint, and the flags it recorded against this command's
+        checkpoint, ckpt = runs.open_run(folder, args.resume, device)
+        shards = check_horizon(args.data, tokens)  # FineWeb-Edu's training shards, enough of them
         flags = {name: getattr(args, name) for name in RUN_FLAGS}
-        flags.update(d_model=config.d_model, mu_bwd=config.mu_bwd, max_tokens=max_tokens,
-                     adamw_lr=adamw_lr, data=data_key(args.data))  # the data's content, not its path
+        flags.update(d_model=c.d_model, mu_bwd=c.mu_bwd, max_tokens=max_tokens, adamw_lr=adamw_lr,
+                     data=data_key(args.data))  # the data's content, not its path
         if shards:  # their shuffle is the run's data order
             flags["train_shards"] = spans(shards, ",")
-        checkpoint, ckpt = runs.open_run(folder, flags, args.resume, device)
+        if ckpt:
+            runs.check_flags(checkpoint, ckpt, flags)
         start_step = ckpt["step"] if ckpt else 0
         agreement.share(start=f"run {folder.name} at step {start_step} ("
                         + (f"weights {weights_digest(ckpt)})" if ckpt else "no checkpoint)"))
@@ -254,17 +246,16 @@ def main(argv=None):
             print0(f"device batch: {recorded}, as run {folder.name} recorded (it fixes the run's "
                    f"data order)")
         if sequences % device_batch_size:  # a recorded batch, on another number of processes
-            raise ValueError(f"run {folder.name}'s device batch {device_batch_size} does not divide "
-                             f"the {sequences} sequences each of {world} process(es) runs per step; "
-                             f"continue it on a number of processes it divides")
+            raise ValueError(f"run {folder.name}'s device batch {device_batch_size} does not "
+                             f"divide the {sequences} sequences each of {world} process(es) runs "
+                             f"per step; continue it on a number of processes it divides")
         grad_accum = sequences // device_batch_size  # micro-batches per process per step
         flags["device_batch_size"] = device_batch_size
         agreement.share(batch=f"device batch {device_batch_size}")
         print0(f"steps: {num_steps} x {args.total_batch_size:,} tokens = {world} process(es) x "
                f"{grad_accum} micro-batch(es) x {device_batch_size} x {args.seq_len} | data: "
-               f"{args.data} | device: {device}, {args.dtype}")
-        print0(f"output: {folder}")
-        if rank == 0:  # the writer: a folder or disk that cannot take a checkpoint stops it here
+               f"{args.data} | device: {device}, {args.dtype}\noutput: {folder}")
+        if rank == 0:  # the writer: a folder or disk that cannot take a checkpoint stops it now
             check_writable(folder, "the run's checkpoints",
                            needs=saved_bytes({"model": meta_model.state_dict()}) + optimizer_bytes)
 
@@ -280,21 +271,20 @@ def main(argv=None):
         if ckpt:  # a resumed run's tokenizer is the one its checkpoint was trained with
             check_tokenizer(ckpt, checkpoint, tokenizer_dir(args.data, args.vocab_size),
                             "put that tokenizer back, or pass --run=NAME to start another run")
-        # virtual rank v = rank * grad_accum + micro: one loader each, one read of a chunk for all
-        reader = ChunkReader()
+        reader = ChunkReader()  # one read of each chunk for the loaders of this process
         loaders = [DataLoader(tokenizer, args.data, "train", device_batch_size, args.seq_len,
                               rank=rank * grad_accum + micro, world_size=world * grad_accum,
                               seed=args.seed, device=device, reader=reader, sharers=grad_accum)
-                   for micro in range(grad_accum)]
+                   for micro in range(grad_accum)]  # one per virtual rank
         val_data = list(val_batches(tokenizer, args.data, device_batch_size, args.seq_len,
-                                    args.eval_tokens, rank, world, device, reader))  # every eval's
+                                    args.eval_tokens, rank, world, device, reader))
     if agreement.finished:
         print0(agreement.finished)
         return 0
-    lock = runs.claim(folder, checkpoint)  # one trainer per run: its first write comes after every check
+    lock = runs.claim(folder, checkpoint)  # one trainer per run, and its first write in the folder
 
     # -----------------------------------------------------------------------------
-    # The model: the checkpoint's weights, or a random init on a fresh run's rank 0, which DDP
+    # The model: the checkpoint's weights, or a fresh run's init drawn on rank 0, which DDP
     # broadcasts to the others. Then compiled, and wrapped in DDP.
     if ckpt:
         model = from_weights(ckpt["config"], ckpt["model"], device).train()
@@ -327,16 +317,15 @@ def main(argv=None):
         optimizer.load_state_dict(ckpt["optimizer"])
         for micro, loader in enumerate(loaders):
             loader.load_state_dict(ckpt["loader"][rank * grad_accum + micro])
-        changed = [f"--{name} {value} -> {getattr(args, name)}" for name, value in ckpt["args"].items()
-                   if name in vars(args) and name not in (*RUN_FLAGS, "resume", "dry_run")
-                   and getattr(args, name) != value]
+        changed = [f"--{name} {value} -> {getattr(args, name)}"
+                   for name, value in ckpt["args"].items() if name in vars(args) and name not in
+                   (*RUN_FLAGS, "resume", "dry_run") and getattr(args, name) != value]
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))  # torchrun --max_restarts
         print0(f"resumed {folder.name} at step {step}"
                + (f", elastic restart {restart}" if restart else "")
                + f", from {checkpoint} (--run=NAME trains another)"
                + (f"; changed: {', '.join(changed)}" if changed else ""))
-        del ckpt  # the optimizer's and the loaders' states, read into their owners
-    start_step = step
+        del ckpt  # the optimizer's and the loaders' states, now in their owners
 
     # -----------------------------------------------------------------------------
     # Training loop, and its evals
@@ -354,9 +343,9 @@ def main(argv=None):
     depth_generator, h0_generator = torch.Generator(), torch.Generator(device)
     divergence = Divergence(args.vocab_size, args.dtype, args.diverge_steps, args.diverge_h_norm,
                             lowest_val_loss)
-    val_key = f"val_loss_T{config.mu_rec if raw_model.injection else 1}"  # the rule's eval
+    val_key = f"val_loss_T{c.mu_rec if raw_model.injection else 1}"  # the rule's eval
     host_rho = getattr(raw_model.injection, "rho_on_host", False)  # concat's: per --rho_every
-    metrics = Metrics(folder, start_step, args.compile)
+    metrics = Metrics(folder, step, args.compile)
     t_run, save_due, verdict = time.time(), False, None
     while step < num_steps and (args.stop_at is None or step < args.stop_at):
 
@@ -383,22 +372,21 @@ def main(argv=None):
             if group["kind"] == "muon":
                 group["momentum"] = muon_momentum(step)
                 group["weight_decay"] = weight_decay_at(step, num_steps, args.weight_decay)
-        # non-finite gradients on any rank skip the update on every rank, in one read of the device
-        logged = read_step(grad_norm, loss_sum, stats)
+        logged = read_step(grad_norm, loss_sum, stats)  # non-finite on any rank: all skip alike
         if not logged["non_finite"]:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
 
-        # --- the step's bookkeeping: the skip, tokens/s, the log line (nanoparcae/metrics.py)
+        # --- the step's bookkeeping: a skipped update, tokens/s and the log line (metrics.py)
         if logged["non_finite"]:
             skipped_steps += 1
             print0(f"step {step}: non-finite gradients, update skipped ({skipped_steps} so far)")
         tokens_per_s = metrics.speed(step, args.total_batch_size, time.time() - t0)
         if step % args.log_every == 0 or step == num_steps:
-            rho_due = not host_rho or step % (args.rho_every or args.eval_every) == 0 \
-                or step == num_steps
-            rho = raw_model.spectral_radius() if rho_due else None  # after the update: its own wait
+            rho_every = args.rho_every or args.eval_every
+            rho = raw_model.spectral_radius() if not host_rho or step % rho_every == 0 \
+                or step == num_steps else None  # after the update, its own wait
             entry = {"step": step, "loss": logged["loss"] / grad_accum, "lr_mult": lrm,
                      "grad_norm": logged["grad_norm"],
                      **{f"{group['kind']}_lr": group["lr"] for group in optimizer.param_groups},

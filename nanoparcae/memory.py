@@ -71,7 +71,8 @@ def choose_device_batch(model, args, device, sequences, optimizer_bytes):
     given, bf16, compiled = args.device_batch_size, args.dtype == "bfloat16", bool(args.compile)
     if device.type == "cuda":  # what is free now, since another process may hold some of the GPU
         free, total = (gb / 1e9 for gb in torch.cuda.mem_get_info(device))
-        gpus, gpu = (free,), f"the {free:.1f} GB free of this GPU's {total:.1f} GB ({torch.cuda.get_device_name(device)})"
+        gpus, gpu = (free,), f"the {free:.1f} GB free of this GPU's {total:.1f} GB"
+        gpu += f" ({torch.cuda.get_device_name(device)})"
     else:  # no GPU memory to plan for, so the plans for the two GPUs the paper's runs are sized for
         gpus, gpu = (80, 141), None
     plan = memory_plan(model, given or 1, bf16, optimizer_bytes, gpus, compiled)

@@ -3,6 +3,7 @@ nanoparcae/metrics.py: what a run logs, metrics.jsonl and the step's log line, a
 """
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -52,10 +53,9 @@ def read_metrics(path, key="step"):
 
 
 class Metrics:
-    """metrics.jsonl in the run folder, one JSON record a line, written by rank 0, and the step's log line.
-    It records steps, evals, warnings and the divergence verdict.
-    Opened for a run resumed from `step` (0: none), it keeps the records up to that step, so the steps a killed
-    run logged past its checkpoint, done again, stay once and in order. Rewritten under a temporary name."""
+    """metrics.jsonl in the run folder, one JSON record a line written by rank 0, and the step's log line.
+    A run resumed from `step` keeps the records up to that step, so the steps a killed run logged past its
+    checkpoint stay once and in order when done again. The file is rewritten under a temporary name."""
 
     def __init__(self, run_dir, step, compiled=False):
         self.file, self.start, self.compiled, self.tokens_per_s = None, step, compiled, None
@@ -72,8 +72,8 @@ class Metrics:
             full_disk(err, run_dir)
 
     def counts(self):
-        """dynamo's graph counts so far when compiled, else {}. graphs: the graphs it built.
-        recompile_limits: the frames it ran eagerly past a recompile limit, where graphs stop growing."""
+        """dynamo's graphs so far when compiled, else {}, and the frames it ran eagerly past a recompile limit,
+        where the graph count stops growing."""
         if not self.compiled:
             return {}
         from torch._dynamo.utils import counters
@@ -81,9 +81,9 @@ class Metrics:
         return {"graphs": counters["stats"]["unique_graphs"], "recompile_limits": hits}
 
     def record(self, entry):
-        """One record, with the graph counts so far when compiled."""
+        """Write one record, with the graph counts so far when compiled."""
         counts = self.counts()
-        self.graphs = counts.get("graphs")  # an eval's graphs are not the next step's
+        self.graphs = counts.get("graphs")  # so an eval's graphs are not the next step's
         if self.file:
             try:
                 self.file.write(json.dumps({**entry, **counts}) + "\n")
@@ -92,8 +92,8 @@ class Metrics:
                 full_disk(err, Path(self.file.name).parent)
 
     def speed(self, step, tokens, seconds):
-        """Tokens per second, smoothed over the steady steps: past the first step's warm-up, and not a step that
-        compiled a graph. None until one comes."""
+        """Return tokens per second, smoothed over the steady steps, which come after the first step's warm-up
+        and compile no graph; None until one comes."""
         graphs = self.counts().get("graphs")
         if step > self.start + 1 and graphs == self.graphs:
             rate = tokens / seconds
@@ -102,16 +102,14 @@ class Metrics:
         return self.tokens_per_s
 
     def log_step(self, entry, num_steps, total_batch_size, device):
-        """A step's record, printed as its log line (fields that are None left out).
-        Compiled, it holds the graph counts, which still grow after the first steps when it recompiles.
-        On a GPU it adds the peak memory, to hold against the memory plan."""
+        """Record a step, and print it as its log line, without the fields that are None. On a GPU it adds the
+        peak memory, to hold against the memory plan."""
         if device.type == "cuda":
             entry["peak_memory"] = torch.cuda.max_memory_allocated(device)
         fields = [("loss", "loss {:.4f}"), ("lr_mult", "lrm {:.2f}"), ("tokens_per_s", "{:,.0f} tok/s"),
                   ("mfu", "mfu {:.1%}"), ("rho", "rho {:.4f}"), ("h_norm", "|h_T| {:.2f}"),
                   ("update_ratio", "dh/h {:.4f}")]
-        tokens_per_s = entry["tokens_per_s"]
-        eta = (num_steps - entry["step"]) * total_batch_size / tokens_per_s if tokens_per_s else float("nan")
+        eta = (num_steps - entry["step"]) * total_batch_size / (entry["tokens_per_s"] or math.nan)
         print0(" | ".join([f"step {entry['step']}/{num_steps}"]
                           + [form.format(entry[key]) for key, form in fields if entry.get(key) is not None]
                           + [f"eta {eta / 60:.1f} min"]))
@@ -126,9 +124,9 @@ def full_disk(err, folder):
 
 
 def read_step(grad_norm, loss_sum, stats):
-    """The step's skip rule and its log values, read from the device in one wait -> {name: float or None}.
-    non_finite: whether any rank's gradients were, so that every rank skips alike, and worst_h_norm the largest
-    ||h_T|| of any rank, both reduced across ranks at once. loss: the sum of the step's micro-batch losses."""
+    """Read the step's skip rule and log values from the device in one wait -> {name: float or None}.
+    non_finite says whether any rank's gradients were, so that every rank skips alike, and worst_h_norm is
+    the largest ||h_T|| of any rank, both reduced at once. loss is the step's sum of micro-batch losses."""
     h_norm = stats["h_norm"]
     worst = torch.stack([(~torch.isfinite(grad_norm)).float(),
                          torch.zeros((), device=grad_norm.device) if h_norm is None else h_norm.float()])

@@ -20,8 +20,8 @@ from nanoparcae.command import spans
 
 
 def parse_device(name):
-    """Turn --device's value into a torch.device.
-    Raises ValueError naming the flag for a device this code cannot use, or CUDA where there is none."""
+    """Turn --device's value into a torch.device, or raise ValueError naming the flag for a device this
+    code cannot use, or for CUDA where there is none."""
     try:
         device = torch.device(name)
     except RuntimeError:
@@ -42,9 +42,9 @@ RANK0_GROUP = None  # init_distributed's gloo group with the long timeout, for l
 
 
 def init_distributed(device, timeout=timedelta(minutes=10), rank0_timeout=timedelta(hours=1)):
-    """Join torchrun's process group when RANK is set, and return this process's device.
-    Its collectives fail after `timeout`. Those that wait for lone work wait up to `rank0_timeout`.
-    Workers restarted into the failed attempt's store would hang, so they raise ValueError."""
+    """Join torchrun's process group when RANK is set, and return this process's device. Its collectives fail
+    after `timeout`, and those that wait for lone work after `rank0_timeout`. Workers restarted into the failed
+    attempt's store would hang, so they raise ValueError."""
     global RANK0_GROUP
     if "RANK" not in os.environ:
         return device
@@ -62,16 +62,15 @@ def init_distributed(device, timeout=timedelta(minutes=10), rank0_timeout=timede
 
 
 def no_buffer_sync():
-    """Return DDP's keyword that skips the buffer sync at each forward; torch 2.13 renamed it.
-    The old one also skips the sync at start, which is safe because every rank computes its own RoPE tables."""
+    """Return DDP's keyword that skips the buffer sync at each forward, which torch 2.13 renamed.
+    The old one skips the sync at start too, which is safe because every rank computes its RoPE tables."""
     names = inspect.signature(DistributedDataParallel.__init__).parameters
     return {"forward_sync_buffers": False} if "forward_sync_buffers" in names else {"broadcast_buffers": False}
 
 
 def wait_for_rank0():
-    """Make every rank wait here while rank 0, or a node's local rank 0, works alone.
-    Such work writes a checkpoint, trains the tokenizer or fetches the CORE bundle, so the wait lasts up to
-    init_distributed's rank0_timeout. The others would fail at their next collective's shorter timeout."""
+    """Make every rank wait here, up to init_distributed's rank0_timeout, while rank 0 (or a node's local
+    rank 0) writes a checkpoint, trains the tokenizer or fetches the CORE bundle alone."""
     if dist.is_initialized():
         dist.barrier(group=RANK0_GROUP)
 
@@ -98,7 +97,7 @@ def peak_bf16_flops(device):
 # -----------------------------------------------------------------------------
 # Ranks that agree. DDP keeps replicas equal only through equal averaged gradients and optimiser arithmetic.
 # A rank started from another checkpoint or other data trains on, drifting apart unseen, and a rank that
-# stops alone leaves the others waiting until their timeout. So each rank's findings are gathered on every rank.
+# stops alone leaves the others waiting until their timeout. So each rank's findings go to every rank.
 
 
 def gather(value, group=None):
@@ -115,18 +114,14 @@ class Finished(Exception):
 
 
 class Agreement:
-    """A `with` block of the set-up each rank runs on its own disk, ended by one gather on every rank.
-
-    - share(name=text) records what this rank found, such as its start or its tokenizer.
-    - wait_for_rank0() lets global rank 0 work alone first; a rank that left the block early waits at its end.
-    - A ValueError or FileNotFoundError ends the block on its rank, and Finished ends it without a refusal.
-
-    After the gather every rank raises ValueError alike, in one line. What differs from rank 0's comes first,
-    since it explains the refusals, then the first refusal, naming its rank where the others' differ.
-    Otherwise `finished` holds Finished's line, or None."""
+    """A `with` block of the set-up each rank runs on its own disk, which ends in one gather on every rank.
+    share(name=text) records what this rank found, and wait_for_rank0() lets global rank 0 work alone first.
+    A ValueError or FileNotFoundError ends the block on its rank, and Finished ends it without a refusal.
+    After the gather every rank raises one ValueError, for the first rank whose findings differ from rank 0's
+    (the cause of any refusal), else for the first refusal. Otherwise `finished` holds Finished's line."""
 
     def __enter__(self):
-        self.found, self.refusal, self.finished, self.waited = {}, None, None, False
+        self.found, self.waited = {}, False
         return self
 
     def share(self, **found):
@@ -139,48 +134,27 @@ class Agreement:
     def __exit__(self, kind, err, traceback):
         if kind is not None and not issubclass(kind, (ValueError, FileNotFoundError, Finished)):
             return False
-        self.refusal = str(err) if kind and kind is not Finished else None
-        self.finished = str(err) if kind is Finished else None
-        if not self.waited:
+        if not self.waited:  # every rank waits once, in the block or here
             wait_for_rank0()
         rank, world = rank_and_world()
         node = int(os.environ.get("GROUP_RANK", rank // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
-        # one gather, where the long timeout holds: a rank's own reads (13.4 GB at the 1.3B) take their time
-        ranks = gather((node, socket.gethostname(), self.found, self.refusal, self.finished), RANK0_GROUP)
-        if line := differences(ranks) or refusal(ranks):
-            raise ValueError(line)
-        self.finished = ranks[0][4]
+        where = f"node {node} ({socket.gethostname()}, rank {rank})"
+        # where the long timeout holds, as each rank's own reads take their time (13.4 GB at the 1.3B)
+        ranks = gather((where, self.found, kind is Finished, kind and str(err)), RANK0_GROUP)
+        shared = [name for name in ranks[0][1] if all(name in found for _, found, *_ in ranks)]
+        for where, found, *_ in ranks:
+            if names := [name for name in shared if found[name] != ranks[0][1][name]]:
+                raise ValueError(f"{where} holds {' and '.join(found[name] for name in names)}, rank 0 "
+                                 f"{' and '.join(ranks[0][1][name] for name in names)}; every rank must start "
+                                 f"from rank 0's run and data: keep $NANOPARCAE_BASE_DIR on a filesystem the nodes "
+                                 f"share, or copy rank 0's run folder, tokenizers/ and fineweb-edu/ to each node "
+                                 f"(or give --device_batch_size where the GPUs' free memory differs)")
+        lines = [line if not finished else None for _, _, finished, line in ranks]
+        if first := next(((rank, line) for rank, line in enumerate(lines) if line), None):
+            raise ValueError(first[1] if lines.count(first[1]) == len(lines) else
+                             f"{first[1]} (rank {first[0]}; every rank stops)")
+        self.finished = ranks[0][3] if ranks[0][2] else None
         return True
-
-
-def differences(ranks):
-    """The line naming the first node whose findings differ from rank 0's, or None.
-    Only what every rank shared is compared."""
-    common = [name for name in ranks[0][2] if all(name in found for _, _, found, *_ in ranks)]
-    differ = {}  # (node, host, its findings, rank 0's) -> its ranks
-    for rank, (node, host, found, *_) in enumerate(ranks):
-        names = [name for name in common if found[name] != ranks[0][2][name]]
-        if names:
-            key = (node, host, tuple(found[name] for name in names), tuple(ranks[0][2][name] for name in names))
-            differ.setdefault(key, []).append(rank)
-    if not differ:
-        return None
-    (node, host, theirs, rank0s), ranks_there = next(iter(differ.items()))
-    others = f" ({len(differ) - 1} more node(s) differ)" if len(differ) > 1 else ""
-    return (f"node {node} ({host}, rank {spans(ranks_there)}) holds {' and '.join(theirs)}, rank 0 "
-            f"{' and '.join(rank0s)}{others}; every rank must start from rank 0's run and data: keep "
-            f"$NANOPARCAE_BASE_DIR on a filesystem the nodes share, or copy rank 0's run folder, tokenizers/ and "
-            f"fineweb-edu/ to each node (a device batch differs where the GPUs' free memory does: pass "
-            f"--device_batch_size)")
-
-
-def refusal(ranks):
-    """The first refusing rank's line, naming that rank where the others' lines differ, or None."""
-    lines = [line for *_, line, _ in ranks]
-    first = next(((rank, line) for rank, line in enumerate(lines) if line), None)
-    if first is None or all(line == first[1] for line in lines):
-        return first and first[1]
-    return f"{first[1]} (rank {first[0]}; every rank stops)"
 
 # -----------------------------------------------------------------------------
 # Replicas that drift apart, found at each checkpoint
@@ -190,15 +164,15 @@ INTEGERS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # by
 
 def weight_sums(state):
     """Sum each tensor's bit patterns as int64, wrapping, and return one int per tensor of a state dict.
-    Integer addition is exact and order-free, so equal tensors sum equal on any device and GPU.
-    Any one changed bit changes the sum. It costs one read of the weights in memory."""
+    Integer addition is exact and order-free, so equal tensors sum equal on any device, and any one changed
+    bit changes the sum. It costs one read of the weights in memory."""
     sums = [t.detach().view(INTEGERS[t.element_size()]).sum(dtype=torch.int64) for t in state.values()]
     return torch.stack(sums).tolist() if sums else []
 
 
 def drift(state):
-    """At a checkpoint, gather every rank's weight_sums.
-    -> None if every replica equals rank 0's. Else what differs, for the line that stops the run."""
+    """Gather every rank's weight_sums at a checkpoint -> None if every replica equals rank 0's, else what
+    differs, for the line that stops the run."""
     if not dist.is_initialized():
         return None
     names, sums = list(state), gather(weight_sums(state))

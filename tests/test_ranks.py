@@ -28,7 +28,7 @@ from nanoparcae import command, run as guards
 from conftest import Started, awaited, beforehand, carries, refused, train, train_command, train_env, untouched
 from nanoparcae import dataset
 from nanoparcae.download import shared_eval_bundle
-from nanoparcae.run import lock_run, run_holder
+from nanoparcae.run import claim, run_holder
 from nanoparcae.tokenizer import Tokenizer
 from test_data import make_documents, write_parquet
 
@@ -201,7 +201,7 @@ def test_a_filesystem_without_locks_warns_and_the_run_goes_on(tmp_path, monkeypa
     (run_dir / "lock").write_text("process 1 on host elsewhere\n")
     monkeypatch.setattr(guards.fcntl, "lockf", no_locks)
     assert run_holder(run_dir) is None
-    lock_run(run_dir).close()
+    claim(run_dir, None).close()
     assert capsys.readouterr().out == f"warning: {run_dir / 'lock'} cannot be locked (No locks available); nothing " \
                                       f"stops a second command on run unlocked while this one trains\n"
 
