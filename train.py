@@ -40,7 +40,7 @@ from nanoparcae.metrics import Metrics, read_step
 from nanoparcae.ranks import init_distributed, no_buffer_sync, parse_device, peak_bf16_flops, print0
 from nanoparcae.tokenizer import get_tokenizer, tokenizer_dir, vocab_size_flag
 
-# A run is these flags' values: its checkpoints record them, and continuing it with another value
+# A run is these flags' values. Its checkpoints record them, and continuing it with another value
 # of one is refused. Every other flag may change when a run continues.
 RUN_FLAGS = ("depth", "d_model", "head_dim", "mu_rec", "mu_bwd", "injection", "depth_sampling",
              "prelude_norm", "vocab_size", "seq_len", "data", "max_tokens", "param_data_ratio",
@@ -49,7 +49,7 @@ RUN_FLAGS = ("depth", "d_model", "head_dim", "mu_rec", "mu_bwd", "injection", "d
 
 
 def parse_args(argv=None):
-    """The flags: the paper's 140M recipe by default (METHOD.md §2); runs/cpu.sh a small one's."""
+    """The flags, the paper's 140M recipe by default (METHOD.md §2), runs/cpu.sh a small one's."""
     parser = command_parser(__doc__)
     flag = parser.add_argument
     # the model
@@ -65,7 +65,7 @@ def parse_args(argv=None):
     flag("--prelude_norm", type=int, default=1, choices=[0, 1], help="RMSNorm after the prelude")
     flag("--vocab_size", type=vocab_size_flag, default=32768, help="tokens, the specials included")
     flag("--seq_len", type=int, default=2048, help="tokens per row")
-    # the data and the horizon: the first given of --max_tokens, --target_flops, --param_data_ratio
+    # the data, and the horizon: the first given of --max_tokens, --target_flops, --param_data_ratio
     flag("--data", default="fineweb-edu",
          help="fineweb-edu, stdlib, or a path / glob of .txt, .jsonl, .parquet, .py files")
     flag("--max_tokens", type=float, default=None, help="tokens to train (None: the paper's)")
@@ -126,7 +126,7 @@ def parse_args(argv=None):
 
 INT_LIMIT = 2**31 - 1  # an int flag past int32's range overflows a size or counter in torch
 SEED_LIMIT = 2**28 - 1  # each step's seed, (seed * 1_000_003 + step) * 65_537 + v, must fit 64 bits
-RANGES = [  # each number flag's range, checked after parsing (None: the flag's default rule)
+RANGES = [  # each number flag's range, checked after parsing, where None keeps its default rule
     ("a positive number", lambda v: 0 < v < math.inf, "max_tokens target_flops param_data_ratio "
      "adamw_lr muon_lr grad_clip diverge_h_norm collective_timeout rank0_timeout"),
     (f"between 1 and {INT_LIMIT}", lambda v: 1 <= v <= INT_LIMIT, "depth d_model head_dim mu_rec "
@@ -144,7 +144,7 @@ def main(argv=None):
     args = parse_args(argv)
 
     # -----------------------------------------------------------------------------
-    # The processes and the device: torchrun's (RANK set; NCCL on CUDA, gloo on a CPU), or this one
+    # The processes torchrun started (NCCL on CUDA, gloo on a CPU) or this one, and the device
     device = parse_device(args.device)
     ddp = "RANK" in os.environ and not (args.dry_run or args.check)  # a plan or a check starts none
     if ddp:
@@ -211,7 +211,7 @@ def main(argv=None):
            f"(MFU's): {executed:.4e}, C / executed {C / executed:.2f}")
 
     # -----------------------------------------------------------------------------
-    # The device batch: on a GPU the largest whose memory plan fits (nanoparcae/memory.py)
+    # The device batch, on a GPU the largest whose memory plan fits (nanoparcae/memory.py)
     optimizer_bytes = optimizer_state_bytes(meta_model, muon=args.optimizer == "muon")
     device_batch_size = memory.choose_device_batch(meta_model, args, device, sequences,
                                                    optimizer_bytes)
@@ -255,7 +255,7 @@ def main(argv=None):
         print0(f"steps: {num_steps} x {args.total_batch_size:,} tokens = {world} process(es) x "
                f"{grad_accum} micro-batch(es) x {device_batch_size} x {args.seq_len} | data: "
                f"{args.data} | device: {device}, {args.dtype}\noutput: {folder}")
-        if rank == 0:  # the writer: a folder or disk that cannot take a checkpoint stops it now
+        if rank == 0:  # the writer, stopped now by a folder or disk that cannot take a checkpoint
             check_writable(folder, "the run's checkpoints",
                            needs=saved_bytes({"model": meta_model.state_dict()}) + optimizer_bytes)
 
@@ -284,8 +284,8 @@ def main(argv=None):
     lock = runs.claim(folder, checkpoint)  # one trainer per run, and its first write in the folder
 
     # -----------------------------------------------------------------------------
-    # The model: the checkpoint's weights, or a fresh run's init drawn on rank 0, which DDP
-    # broadcasts to the others. Then compiled, and wrapped in DDP.
+    # The model, from the checkpoint's weights or from a fresh run's init drawn on rank 0, which DDP
+    # broadcasts to the others. Then it is compiled, and wrapped in DDP.
     if ckpt:
         model = from_weights(ckpt["config"], ckpt["model"], device).train()
     elif rank == 0:
@@ -297,19 +297,19 @@ def main(argv=None):
     raw_model = model
     if args.compile:
         model.compile_regions(backend=args.compile_backend)
-    if ddp:  # the RoPE tables are constant: no buffers to sync at each forward
+    if ddp:  # no buffers to sync at each forward, since the RoPE tables are constant
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                     **no_buffer_sync())
 
     # -----------------------------------------------------------------------------
-    # The optimizer: MuonAdamW (METHOD.md §2), or AdamW on all
+    # The optimizer, MuonAdamW (METHOD.md §2) or AdamW on all
     optimizer = build_optimizer(raw_model, adamw_lr=adamw_lr, muon_lr=args.muon_lr,
                                 weight_decay=args.weight_decay, muon=args.optimizer == "muon")
     if args.compile:
         optimizer.compile(backend=args.compile_backend)  # each group's update fused (optim.py)
 
     # -----------------------------------------------------------------------------
-    # The resume point: the step, the counts, the optimizer's state and every loader's position
+    # The resume point, with the step, the counts, the optimizer's state and every loader's position
     step, skipped_steps, lowest_val_loss = 0, 0, math.inf
     if ckpt:
         step, skipped_steps = ckpt["step"], ckpt["skipped_steps"]
@@ -329,7 +329,7 @@ def main(argv=None):
 
     # -----------------------------------------------------------------------------
     # Training loop, and its evals
-    bf16 = args.dtype == "bfloat16"  # autocast: the matmuls in bfloat16, the weights in float32
+    bf16 = args.dtype == "bfloat16"  # the matmuls in bfloat16, the weights in float32
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
     batches = [iter(loader) for loader in loaders]
     data_epoch = loaders[0].next_doc[0]  # the epoch of the training data the loaders read
@@ -339,12 +339,12 @@ def main(argv=None):
         if bundle_dir is None:
             print0(f"CORE skipped for this run: {why}")
     peak_flops = peak_bf16_flops(device)
-    # METHOD.md §2: each virtual rank draws its own depths (on the CPU) and h0 (where it is used)
+    # each virtual rank draws its own depths (on the CPU) and h0 (where it is used), METHOD.md §2
     depth_generator, h0_generator = torch.Generator(), torch.Generator(device)
     divergence = Divergence(args.vocab_size, args.dtype, args.diverge_steps, args.diverge_h_norm,
                             lowest_val_loss)
     val_key = f"val_loss_T{c.mu_rec if raw_model.injection else 1}"  # the rule's eval
-    host_rho = getattr(raw_model.injection, "rho_on_host", False)  # concat's: per --rho_every
+    host_rho = getattr(raw_model.injection, "rho_on_host", False)  # concat's, each --rho_every
     metrics = Metrics(folder, step, args.compile)
     t_run, save_due, verdict = time.time(), False, None
     while step < num_steps and (args.stop_at is None or step < args.stop_at):
@@ -353,7 +353,7 @@ def main(argv=None):
         t0 = time.time()
         loss_sum, stats = torch.zeros((), device=device), {}
         for micro in range(grad_accum):
-            # one seed per (seed, step, virtual rank): any number of processes draws alike
+            # one seed per (seed, step, virtual rank), so any number of processes draws alike
             seed = (args.seed * 1_000_003 + step) * 65_537 + rank * grad_accum + micro
             depth_generator.manual_seed(seed)
             h0_generator.manual_seed(seed)
@@ -372,7 +372,7 @@ def main(argv=None):
             if group["kind"] == "muon":
                 group["momentum"] = muon_momentum(step)
                 group["weight_decay"] = weight_decay_at(step, num_steps, args.weight_decay)
-        logged = read_step(grad_norm, loss_sum, stats)  # non-finite on any rank: all skip alike
+        logged = read_step(grad_norm, loss_sum, stats)  # all skip when any rank's are non-finite
         if not logged["non_finite"]:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -438,7 +438,7 @@ def main(argv=None):
     for loader in loaders:
         loader.close()
     del lock  # held to the end
-    return 3 if diverged else 0  # a status of its own: neither success nor bad input (2)
+    return 3 if diverged else 0  # a status of its own, neither success nor bad input (2)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ def activation_bytes(model, batch_size, bf16=True, compiled=False):
     """Bytes saved for backward by a training forward of batch_size sequences.
     Each backpropagates through at most config.backprop_depth steps, which memory follows, not the mean.
     Per token, SAVED_PER_TOKEN's bytes for the step as it runs (eager or compiled, its dtype).
-    bf16 also keeps a bf16 copy of every matrix (eager: autocast's weight cache)."""
+    bf16 also keeps a bf16 copy of every matrix (eager, in autocast's weight cache)."""
     c = model.config
     d, looped, k = c.d_model, model.injection is not None, c.backprop_depth
     block, ve, loop, head, vocab = SAVED_PER_TOKEN[compiled, bf16]
@@ -46,7 +46,7 @@ def memory_plan(model, device_batch_size, bf16, optimizer_bytes, gpu_gb=(80, 141
     """Estimated bytes per GPU of training at device_batch_size sequences. It counts float32 weights and
     gradients, DDP's gradient buckets (another copy), the optimiser's state (optim.optimizer_state_bytes)
     and the activations of the step compiled (train.py's default) or eager.
-    "largest_batch" maps each gb of gpu_gb to the most sequences per GPU within 90% of it (0: not one).
+    "largest_batch" maps each gb of gpu_gb to the most sequences per GPU within 90% of it (0 where not one fits).
     The rest is left for the backward's transient buffers, the CUDA context and fragmentation."""
     weights = 4 * model.num_params()
     static = 3 * weights + optimizer_bytes

@@ -34,8 +34,8 @@ def read_record(line, key):
 def read_metrics(path, key="step"):
     """A JSON-lines log, metrics.jsonl or the recipe's stages.jsonl (key "stage") -> its records, in order.
     It returns none when the log is absent. It is the one reader of such a log.
-    Unlike files.read_json's whole file, a log's torn last line is expected (a run killed while writing it): it is
-    skipped. Any other line that holds no record is skipped too, with a warning that counts them.
+    Unlike files.read_json's whole file, a log's torn last line is expected, since a run may be killed while
+    writing it, and it is skipped. Any other line that holds no record is skipped too, with a warning that counts them.
     A folder in its place raises ValueError, one it may not read EnvironmentFailure, each naming it."""
     try:
         lines = path.read_bytes().decode("utf-8", errors="replace").split("\n")
@@ -46,7 +46,7 @@ def read_metrics(path, key="step"):
     except PermissionError as err:
         raise EnvironmentFailure(f"{path} cannot be read ({err.strerror}): make it readable, then run again") from None
     records = [read_record(line, key) for line in lines]
-    bad = sum(record is None and bool(line.strip()) for line, record in zip(lines[:-1], records))  # last: torn or ""
+    bad = sum(record is None and bool(line.strip()) for line, record in zip(lines[:-1], records))  # last: torn
     if bad:
         print0(f"warning: {path}: {bad} line(s) that hold no record skipped", file=sys.stderr)
     return [record for record in records if record is not None]
@@ -124,7 +124,7 @@ def full_disk(err, folder):
 
 
 def read_step(grad_norm, loss_sum, stats):
-    """Read the step's skip rule and log values from the device in one wait -> {name: float or None}.
+    """Read the step's skip rule and log values from the device in one wait -> each as a float, or None.
     non_finite says whether any rank's gradients were, so that every rank skips alike, and worst_h_norm is
     the largest ||h_T|| of any rank, both reduced at once. loss is the step's sum of micro-batch losses."""
     h_norm = stats["h_norm"]

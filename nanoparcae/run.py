@@ -42,7 +42,7 @@ def open_run(folder, resume, device):
 
 
 def check_flags(checkpoint, ckpt, flags):
-    """The run's identity: this command's run flags against those its checkpoint recorded. A flag that is
+    """Check the run's identity, this command's run flags against those its checkpoint recorded. A flag that is
     None takes the run's value (the device batch), and one that differs raises ValueError naming them."""
     recorded = {RENAMED_FLAGS.get(flag, flag): value for flag, value in ckpt.get("run", {}).items()}
     if differ := [flag for flag, value in flags.items() if value is not None and recorded.get(flag) != value]:
@@ -53,7 +53,7 @@ def check_flags(checkpoint, ckpt, flags):
                          + "; pass its flags to continue it, or --run=NAME to start another")
 
 # -----------------------------------------------------------------------------
-# One trainer per run: <run folder>/lock, held by the process that writes the folder (rank 0).
+# One trainer per run holds <run folder>/lock, the process that writes the folder (rank 0).
 # POSIX record locks (lockf), not flock, belong to the process, so no forked child keeps a dead trainer's.
 # The kernel drops them however the process dies, so a killed run leaves the lock free for the same command.
 
