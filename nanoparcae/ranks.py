@@ -144,8 +144,8 @@ class Agreement:
         shared = [name for name in ranks[0][1] if all(name in found for _, found, *_ in ranks)]
         for where, found, *_ in ranks:
             if names := [name for name in shared if found[name] != ranks[0][1][name]]:
-                raise ValueError(f"{where} holds {' and '.join(found[name] for name in names)}, rank 0 "
-                                 f"{' and '.join(ranks[0][1][name] for name in names)}; every rank must start "
+                raise ValueError(f"{where} holds {' and '.join(str(found[name]) for name in names)}, rank 0 "
+                                 f"{' and '.join(str(ranks[0][1][name]) for name in names)}; every rank must start "
                                  f"from rank 0's run and data: keep $NANOPARCAE_BASE_DIR on a filesystem the nodes "
                                  f"share, or copy rank 0's run folder, tokenizers/ and fineweb-edu/ to each node "
                                  f"(or give --device_batch_size where the GPUs' free memory differs)")
