@@ -103,6 +103,19 @@ class ParcaeConfig:
     def padded_vocab_size(self):
         return -(-self.vocab_size // 64) * 64  # padded up to a multiple of 64 (METHOD.md §1)
 
+    @property
+    def backprop_depth(self):
+        """The most loop steps a sequence backpropagates under its sampler, which memory follows.
+        It is mu_bwd where sample_depths caps k there, and 2 mu_bwd for poisson_unbounded's
+        k ~ U{1..2 mu_bwd}. For poisson_full's k = max(1, Poisson(r)) it is the k passed once
+        in 10^6 draws."""
+        if self.sampling == "poisson_unbounded":
+            return 2 * self.mu_bwd
+        if self.sampling == "poisson_full":
+            rate = max(self.mu_rec, self.mu_bwd)
+            return next(k for k in range(1, 10 * rate + 100) if poisson_tail(rate, k + 1) < 1e-6)
+        return min(self.mu_rec, self.mu_bwd) if self.sampling == "fixed" else self.mu_bwd
+
 
 # -----------------------------------------------------------------------------
 # Building blocks

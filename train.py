@@ -8,37 +8,39 @@ train.py: train Parcae (or a baseline) with the paper's recipe (METHOD.md §2), 
 
 Every optimiser step sees the same rows, depths and h0 whatever the number of processes.
 Its micro-batches are "virtual ranks" v = rank * grad_accum + micro, each with its data and seed.
-So two processes reproduce one, a resumed run continues exactly, and so do the workers that
-torchrun --max_restarts restarts, from the last checkpoint.
+So two processes reproduce one, and a resumed run continues exactly.
 
-A run (--run, default d<depth>_<injection>) is its RUN_FLAGS' values; its checkpoint records them.
-
-- The same command continues it from its last checkpoint; a finished run exits at once.
-- A command whose run flags differ is refused, naming those flags.
-- A diverged run stops with exit status 3 (docs/troubleshooting.md).
+A run (--run, default d<depth>_<injection>) is its RUN_FLAGS' values, which its checkpoint records.
+The same command continues it from its last checkpoint, and a finished run exits at once.
+A command whose run flags differ is refused, naming them. A diverged run stops with exit status 3.
 """
 
 import math
+import os
 import time
 from contextlib import nullcontext
+from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from data import DataLoader, val_batches
 from eval_core import core_during_training, evaluate_during_training
-from model import INJECTIONS, SAMPLINGS
-from optim import build_optimizer, lr_multiplier, muon_momentum, weight_decay_at
-from nanoparcae.checkpoint import save_and_prune
-from nanoparcae.command import command_parser, run_command
-from nanoparcae.ranks import no_buffer_sync, peak_bf16_flops, print0
+from model import INJECTIONS, SAMPLINGS, Parcae, ParcaeConfig, from_weights, mean_steps
+from optim import build_optimizer, learning_rate_for_depth, lr_multiplier, muon_momentum
+from optim import optimizer_state_bytes, weight_decay_at
+from nanoparcae import memory, ranks, run as runs
+from nanoparcae.checkpoint import check_tokenizer, save_and_prune, saved_bytes, weights_digest
+from nanoparcae.command import command_parser, run_command, spans
+from nanoparcae.dataset import ChunkReader, check_horizon, data_key
 from nanoparcae.divergence import Divergence
-from nanoparcae.download import shared_eval_bundle
-from nanoparcae.metrics import Metrics, compile_counts, read_at_once
-from nanoparcae.prepare import prepare_run
-from nanoparcae.tokenizer import vocab_size_flag
+from nanoparcae.download import PAPER_TOKENS, shared_eval_bundle
+from nanoparcae.files import check_writable
+from nanoparcae.metrics import Metrics, read_step
+from nanoparcae.ranks import init_distributed, no_buffer_sync, parse_device, peak_bf16_flops, print0
+from nanoparcae.tokenizer import get_tokenizer, tokenizer_dir, vocab_size_flag
 
-# A run is these flags' values: its checkpoints record them, and continuing it with another value
+# A run is these flags' values. Its checkpoints record them, and continuing it with another value
 # of one is refused. Every other flag may change when a run continues.
 RUN_FLAGS = ("depth", "d_model", "head_dim", "mu_rec", "mu_bwd", "injection", "depth_sampling",
              "prelude_norm", "vocab_size", "seq_len", "data", "max_tokens", "param_data_ratio",
@@ -47,7 +49,7 @@ RUN_FLAGS = ("depth", "d_model", "head_dim", "mu_rec", "mu_bwd", "injection", "d
 
 
 def parse_args(argv=None):
-    """The flags: the paper's 140M recipe by default (METHOD.md §2); runs/cpu.sh a small one's."""
+    """The flags, the paper's 140M recipe by default (METHOD.md §2), runs/cpu.sh a small one's."""
     parser = command_parser(__doc__)
     flag = parser.add_argument
     # the model
@@ -63,7 +65,7 @@ def parse_args(argv=None):
     flag("--prelude_norm", type=int, default=1, choices=[0, 1], help="RMSNorm after the prelude")
     flag("--vocab_size", type=vocab_size_flag, default=32768, help="tokens, the specials included")
     flag("--seq_len", type=int, default=2048, help="tokens per row")
-    # the data and the horizon: the first given of --max_tokens, --target_flops, --param_data_ratio
+    # the data, and the horizon: the first given of --max_tokens, --target_flops, --param_data_ratio
     flag("--data", default="fineweb-edu",
          help="fineweb-edu, stdlib, or a path / glob of .txt, .jsonl, .parquet, .py files")
     flag("--max_tokens", type=float, default=None, help="tokens to train (None: the paper's)")
@@ -99,7 +101,8 @@ def parse_args(argv=None):
     flag("--resume", action="store_true", help="require a checkpoint to continue from")
     flag("--stop_at", type=int, default=None, help="end this command after that step")
     flag("--dry_run", action="store_true", help="print the configuration and memory plan, and exit")
-    flag("--check", action="store_true", help="check the flags' values, and exit: nothing starts")
+    flag("--check", action="store_true",
+         help="run the checks training runs before it reads data, and exit: nothing starts")
     # how a run operates, not what it trains
     flag("--compile_backend", default="inductor", choices=["inductor", "eager"],
          help="eager: dynamo's tracing and guards without code generation")
@@ -114,93 +117,243 @@ def parse_args(argv=None):
     flag("--rank0_timeout", type=float, default=3600,
          help="seconds ranks wait for lone work: rank 0's save, tokenizer, CORE fetch, resume read")
     args = parser.parse_args(argv)
-    check_values(args)
+    for rule, holds, names in RANGES:  # --vocab_size's type is the tokenizer's own check
+        for name in names.split():
+            if (value := getattr(args, name)) is not None and not holds(value):
+                raise ValueError(f"--{name}={value} must be {rule}")
     return args
 
 
 INT_LIMIT = 2**31 - 1  # an int flag past int32's range overflows a size or counter in torch
 SEED_LIMIT = 2**28 - 1  # each step's seed, (seed * 1_000_003 + step) * 65_537 + v, must fit 64 bits
-
-
-def check_values(args):
-    """Every number flag's range, checked once after parsing: ValueError naming the flag and value.
-    None leaves a flag to its default rule. --vocab_size's type is the tokenizer's check."""
-    rules = {
-        "a positive number": (lambda v: 0 < v < math.inf, (
-            "max_tokens", "target_flops", "param_data_ratio", "adamw_lr", "muon_lr", "grad_clip",
-            "diverge_h_norm", "collective_timeout", "rank0_timeout")),
-        f"between 1 and {INT_LIMIT}": (lambda v: 1 <= v <= INT_LIMIT, (
-            "depth", "d_model", "head_dim", "mu_rec", "mu_bwd", "seq_len", "device_batch_size",
-            "total_batch_size", "eval_every", "eval_tokens", "core_max_per_task", "save_every",
-            "log_every", "stop_at", "rho_every")),
-        "zero or more": (lambda v: 0 <= v < math.inf, ("weight_decay",)),
-        f"between 0 and {INT_LIMIT}": (lambda v: 0 <= v <= INT_LIMIT, ("diverge_steps",)),
-        f"between 0 and {SEED_LIMIT}": (lambda v: 0 <= v <= SEED_LIMIT, ("seed",)),
-        "between 0 and 1": (lambda v: 0 <= v <= 1, ("warmdown_frac",)),
-        f"a number of steps up to {INT_LIMIT}, or -1 for never": (
-            lambda v: 0 < v <= INT_LIMIT or v == -1, ("core_every",)),
-    }
-    for rule, (holds, names) in rules.items():
-        for name in names:
-            if (value := getattr(args, name)) is not None and not holds(value):
-                raise ValueError(f"--{name}={value} must be {rule}")
+RANGES = [  # each number flag's range, checked after parsing, where None keeps its default rule
+    ("a positive number", lambda v: 0 < v < math.inf, "max_tokens target_flops param_data_ratio "
+     "adamw_lr muon_lr grad_clip diverge_h_norm collective_timeout rank0_timeout"),
+    (f"between 1 and {INT_LIMIT}", lambda v: 1 <= v <= INT_LIMIT, "depth d_model head_dim mu_rec "
+     "mu_bwd seq_len device_batch_size total_batch_size eval_every eval_tokens core_max_per_task "
+     "save_every log_every stop_at rho_every"),
+    ("zero or more", lambda v: 0 <= v < math.inf, "weight_decay"),
+    (f"between 0 and {INT_LIMIT}", lambda v: 0 <= v <= INT_LIMIT, "diverge_steps"),
+    (f"between 0 and {SEED_LIMIT}", lambda v: 0 <= v <= SEED_LIMIT, "seed"),
+    ("between 0 and 1", lambda v: 0 <= v <= 1, "warmdown_frac"),
+    (f"a number of steps up to {INT_LIMIT}, or -1 for never",
+     lambda v: 0 < v <= INT_LIMIT or v == -1, "core_every")]
 
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.check:  # the flags parse and hold their ranges; nothing is made or started
-        return 0
-    # sizes, processes, the run's identity, data, lock and resume point (nanoparcae/prepare.py)
-    setup = prepare_run(args, RUN_FLAGS)
-    if setup is None:  # a --dry_run, or a finished run
-        return 0
-    device, ddp, rank, world = setup.device, setup.ddp, setup.rank, setup.world
-    run, loaders, tokenizer, num_steps = setup.run, setup.loaders, setup.tokenizer, setup.num_steps
-    grad_accum = setup.grad_accum  # micro-batches per step: the step's rows / (world x batch)
 
-    # The model and the optimizer: MuonAdamW (METHOD.md §2), or AdamW on all
-    model = raw_model = setup.model
+    # -----------------------------------------------------------------------------
+    # The processes torchrun started (NCCL on CUDA, gloo on a CPU) or this one, and the device
+    device = parse_device(args.device)
+    ddp = "RANK" in os.environ and not (args.dry_run or args.check)  # a plan or a check starts none
+    if ddp:
+        device = init_distributed(device, timedelta(seconds=args.collective_timeout),
+                                  timedelta(seconds=args.rank0_timeout))
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if args.dry_run and rank:  # one plan for torchrun's processes, printed once
+        return 0
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+
+    # -----------------------------------------------------------------------------
+    # The model's config and the run's horizon, counted in the paper's C (METHOD.md §2)
+    config = ParcaeConfig.from_depth(
+        args.depth, vocab_size=args.vocab_size, seq_len=args.seq_len, head_dim=args.head_dim,
+        mu_rec=args.mu_rec, mu_bwd=args.mu_bwd, injection=args.injection,
+        sampling=args.depth_sampling, prelude_norm=bool(args.prelude_norm),
+        **({"d_model": args.d_model} if args.d_model else {}))
+    with torch.device("meta"):  # sized, nothing allocated
+        meta_model = Parcae(config)
+    num_params = meta_model.num_params()
+    C = meta_model.paper_flops_per_token()  # the horizon's unit; MFU counts what runs (executed)
+    executed = meta_model.matmul_flops_per_token()
+    if args.max_tokens:
+        max_tokens = args.max_tokens
+    elif args.target_flops:
+        max_tokens = args.target_flops / C
+    elif args.param_data_ratio:
+        max_tokens = args.param_data_ratio * num_params
+    elif args.depth in PAPER_TOKENS:
+        max_tokens = PAPER_TOKENS[args.depth]
+    else:
+        raise ValueError(f"no default horizon for --depth={args.depth}; give --max_tokens, "
+                         f"--target_flops or --param_data_ratio")
+    num_steps = max(1, int(max_tokens // args.total_batch_size))
+    tokens = num_steps * args.total_batch_size
+    adamw_lr = args.adamw_lr or learning_rate_for_depth(args.depth)
+
+    # -----------------------------------------------------------------------------
+    # The run's name and each process's share of a step, in sequences. `--check` ends here, after
+    # every check training runs before it reads data or allocates.
+    folder = runs.run_folder(args)  # <base dir>/runs/<name>, a name every command finds
+    rows = (args.device_batch_size or 1) * args.seq_len * world
+    if args.total_batch_size % rows:  # accumulation keeps every micro-batch whole
+        raise ValueError(f"--total_batch_size={args.total_batch_size} is not divisible by device "
+                         f"batch x seq_len x processes = {args.device_batch_size or 1} x "
+                         f"{args.seq_len} x {world}; change --total_batch_size, "
+                         f"--device_batch_size or --seq_len")
+    sequences = args.total_batch_size // (args.seq_len * world)
+    if args.check:
+        return 0
+    c = config
+    print0(f"model: depth {args.depth} ({c.n_prelude}/{c.n_recur}/{c.n_coda}), d_model "
+           f"{c.d_model}, {c.n_head} heads, injection {c.injection}, mu_rec {c.mu_rec}, mu_bwd "
+           f"{c.mu_bwd}, sampling {c.sampling}, prelude_norm {c.prelude_norm}")
+    if c.mu_bwd > c.mu_rec:  # warned, not refused, since full backprop is an ablation
+        no_grad, with_grad = mean_steps(c)
+        print0(f"warning: --mu_bwd={c.mu_bwd} > --mu_rec={c.mu_rec}, so "
+               f"{with_grad / (no_grad + with_grad):.0%} of the loop's steps are backpropagated "
+               f"and memory grows with the depth drawn; for the paper's truncation (METHOD.md §2) "
+               f"pass --mu_bwd={math.ceil(c.mu_rec / 2)} or leave it out")
+    print0(f"parameters: {num_params:,} | FLOPs/token (paper's C, the horizon's unit): {C:.4e} | "
+           f"tokens: {tokens:,} | total FLOPs: {C * tokens:.4e} | executed matmul FLOPs/token "
+           f"(MFU's): {executed:.4e}, C / executed {C / executed:.2f}")
+
+    # -----------------------------------------------------------------------------
+    # The device batch, on a GPU the largest whose memory plan fits (nanoparcae/memory.py)
+    optimizer_bytes = optimizer_state_bytes(meta_model, muon=args.optimizer == "muon")
+    device_batch_size = memory.choose_device_batch(meta_model, args, device, sequences,
+                                                   optimizer_bytes)
+    if args.dry_run:
+        return 0
+
+    # -----------------------------------------------------------------------------
+    # The run and its data, which each rank checks on its own disk. The ranks compare what they
+    # found in one gather at the block's end, and a refusal or a difference stops every rank alike.
+    with ranks.Agreement() as agreement:
+        # --- the run: its newest checkpoint, and the flags it recorded against this command's
+        checkpoint, ckpt = runs.open_run(folder, args.resume, device)
+        shards = check_horizon(args.data, tokens)  # FineWeb-Edu's training shards, enough of them
+        flags = {name: getattr(args, name) for name in RUN_FLAGS}
+        flags.update(d_model=c.d_model, mu_bwd=c.mu_bwd, max_tokens=max_tokens, adamw_lr=adamw_lr,
+                     data=data_key(args.data))  # the data's content, not its path
+        if shards:  # their shuffle is the run's data order
+            flags["train_shards"] = spans(shards, ",")
+        if ckpt:
+            runs.check_flags(checkpoint, ckpt, flags)
+        start_step = ckpt["step"] if ckpt else 0
+        agreement.share(start=f"run {folder.name} at step {start_step} ("
+                        + (f"weights {weights_digest(ckpt)})" if ckpt else "no checkpoint)"))
+        if start_step >= num_steps:
+            raise ranks.Finished(f"run {folder.name} is done: {checkpoint} holds its last step, "
+                                 f"{num_steps}; nothing to train (--run=NAME trains another)")
+
+        # --- the device batch and grad_accum: a resumed run keeps its batch, its data order
+        recorded = ckpt and ckpt.get("run", {}).get("device_batch_size")
+        if recorded and not args.device_batch_size and recorded != device_batch_size:
+            device_batch_size = recorded
+            print0(f"device batch: {recorded}, as run {folder.name} recorded (it fixes the run's "
+                   f"data order)")
+        if sequences % device_batch_size:  # a recorded batch, on another number of processes
+            raise ValueError(f"run {folder.name}'s device batch {device_batch_size} does not "
+                             f"divide the {sequences} sequences each of {world} process(es) runs "
+                             f"per step; continue it on a number of processes it divides")
+        grad_accum = sequences // device_batch_size  # micro-batches per process per step
+        flags["device_batch_size"] = device_batch_size
+        agreement.share(batch=f"device batch {device_batch_size}")
+        print0(f"steps: {num_steps} x {args.total_batch_size:,} tokens = {world} process(es) x "
+               f"{grad_accum} micro-batch(es) x {device_batch_size} x {args.seq_len} | data: "
+               f"{args.data} | device: {device}, {args.dtype}\noutput: {folder}")
+        if rank == 0:  # the writer, stopped now by a folder or disk that cannot take a checkpoint
+            check_writable(folder, "the run's checkpoints",
+                           needs=saved_bytes({"model": meta_model.state_dict()}) + optimizer_bytes)
+
+        # --- the tokenizer (global rank 0 trains it on first use) and the loaders
+        if rank == 0:
+            get_tokenizer(args.data, args.vocab_size)
+        agreement.wait_for_rank0()
+        tokenizer = get_tokenizer(args.data, args.vocab_size, train=False)  # None: not on this node
+        agreement.share(tokenizer=f"tokenizer {tokenizer.digest}" if tokenizer else "no tokenizer",
+                        shards=shards and f"training shards {spans(shards)}")
+        if tokenizer is None:
+            raise FileNotFoundError(f"no tokenizer at {tokenizer_dir(args.data, args.vocab_size)}")
+        if ckpt:  # a resumed run's tokenizer is the one its checkpoint was trained with
+            check_tokenizer(ckpt, checkpoint, tokenizer_dir(args.data, args.vocab_size),
+                            "put that tokenizer back, or pass --run=NAME to start another run")
+        reader = ChunkReader()  # one read of each chunk for the loaders of this process
+        loaders = [DataLoader(tokenizer, args.data, "train", device_batch_size, args.seq_len,
+                              rank=rank * grad_accum + micro, world_size=world * grad_accum,
+                              seed=args.seed, device=device, reader=reader, sharers=grad_accum)
+                   for micro in range(grad_accum)]  # one per virtual rank
+        val_data = list(val_batches(tokenizer, args.data, device_batch_size, args.seq_len,
+                                    args.eval_tokens, rank, world, device, reader))
+    if agreement.finished:
+        print0(agreement.finished)
+        return 0
+    lock = runs.claim(folder, checkpoint)  # one trainer per run, and its first write in the folder
+
+    # -----------------------------------------------------------------------------
+    # The model, from the checkpoint's weights or from a fresh run's init drawn on rank 0, which DDP
+    # broadcasts to the others. Then it is compiled, and wrapped in DDP.
+    if ckpt:
+        model = from_weights(ckpt["config"], ckpt["model"], device).train()
+    elif rank == 0:
+        torch.manual_seed(args.seed)  # the init's draws (docs/reading.md)
+        model = Parcae(config).to(device)
+    else:  # sized without an init, for DDP to fill
+        model = meta_model.to_empty(device=device)
+        model.init_buffers()  # the RoPE tables, which to_empty left empty
+    raw_model = model
     if args.compile:
         model.compile_regions(backend=args.compile_backend)
-        from torch._dynamo.utils import counters as dynamo_counters
-    if ddp:  # the RoPE tables are constant: no buffers to sync at each forward
+    if ddp:  # no buffers to sync at each forward, since the RoPE tables are constant
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                     **no_buffer_sync())
-    optimizer = build_optimizer(raw_model, adamw_lr=setup.adamw_lr, muon_lr=args.muon_lr,
+
+    # -----------------------------------------------------------------------------
+    # The optimizer, MuonAdamW (METHOD.md §2) or AdamW on all
+    optimizer = build_optimizer(raw_model, adamw_lr=adamw_lr, muon_lr=args.muon_lr,
                                 weight_decay=args.weight_decay, muon=args.optimizer == "muon")
     if args.compile:
         optimizer.compile(backend=args.compile_backend)  # each group's update fused (optim.py)
-    if setup.optimizer_state:  # a resume: the checkpoint's optimizer state, then freed
-        optimizer.load_state_dict(setup.optimizer_state)
-        del setup.optimizer_state
-    bf16 = args.dtype == "bfloat16"  # autocast: the matmuls in bfloat16, the weights in float32
+
+    # -----------------------------------------------------------------------------
+    # The resume point, with the step, the counts, the optimizer's state and every loader's position
+    step, skipped_steps, lowest_val_loss = 0, 0, math.inf
+    if ckpt:
+        step, skipped_steps = ckpt["step"], ckpt["skipped_steps"]
+        lowest_val_loss = ckpt["lowest_val_loss"]  # the divergence rule's, across the resume
+        optimizer.load_state_dict(ckpt["optimizer"])
+        for micro, loader in enumerate(loaders):
+            loader.load_state_dict(ckpt["loader"][rank * grad_accum + micro])
+        changed = [f"--{name} {value} -> {getattr(args, name)}"
+                   for name, value in ckpt["args"].items() if name in vars(args) and name not in
+                   (*RUN_FLAGS, "resume", "dry_run") and getattr(args, name) != value]
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))  # torchrun --max_restarts
+        print0(f"resumed {folder.name} at step {step}"
+               + (f", elastic restart {restart}" if restart else "")
+               + f", from {checkpoint} (--run=NAME trains another)"
+               + (f"; changed: {', '.join(changed)}" if changed else ""))
+        del ckpt  # the optimizer's and the loaders' states, now in their owners
+
+    # -----------------------------------------------------------------------------
+    # Training loop, and its evals
+    bf16 = args.dtype == "bfloat16"  # the matmuls in bfloat16, the weights in float32
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
-    start_step, skipped_steps = setup.step, setup.skipped_steps
     batches = [iter(loader) for loader in loaders]
     data_epoch = loaders[0].next_doc[0]  # the epoch of the training data the loaders read
-
-    # Training loop, and its evals
     bundle_dir = None  # CORE's tasks, fetched once before step 1, on every rank or on none
     if args.core_every > 0:
         bundle_dir, why = shared_eval_bundle()
         if bundle_dir is None:
             print0(f"CORE skipped for this run: {why}")
     peak_flops = peak_bf16_flops(device)
-    # METHOD.md §2: each virtual rank draws its own depths (on the CPU) and h0 (where it is used)
+    # each virtual rank draws its own depths (on the CPU) and h0 (where it is used), METHOD.md §2
     depth_generator, h0_generator = torch.Generator(), torch.Generator(device)
     divergence = Divergence(args.vocab_size, args.dtype, args.diverge_steps, args.diverge_h_norm,
-                            setup.lowest_val_loss)
-    val_key = f"val_loss_T{setup.config.mu_rec if raw_model.injection else 1}"  # the rule's eval
-    host_rho = getattr(raw_model.injection, "rho_on_host", False)  # concat's: per --rho_every
-    metrics = Metrics(run.dir, start_step)
-    tokens_per_second, t_run, step, save_due, verdict = None, time.time(), start_step, False, None
+                            lowest_val_loss)
+    val_key = f"val_loss_T{c.mu_rec if raw_model.injection else 1}"  # the rule's eval
+    host_rho = getattr(raw_model.injection, "rho_on_host", False)  # concat's, each --rho_every
+    metrics = Metrics(folder, step, args.compile)
+    t_run, save_due, verdict = time.time(), False, None
     while step < num_steps and (args.stop_at is None or step < args.stop_at):
 
         # --- one step: grad_accum micro-batches forward and backward, clip, schedules, update
-        t0, graphs = time.time(), compile_counts(dynamo_counters)["graphs"] if args.compile else 0
+        t0 = time.time()
         loss_sum, stats = torch.zeros((), device=device), {}
         for micro in range(grad_accum):
-            # one seed per (seed, step, virtual rank): any number of processes draws alike
+            # one seed per (seed, step, virtual rank), so any number of processes draws alike
             seed = (args.seed * 1_000_003 + step) * 65_537 + rank * grad_accum + micro
             depth_generator.manual_seed(seed)
             h0_generator.manual_seed(seed)
@@ -219,48 +372,29 @@ def main(argv=None):
             if group["kind"] == "muon":
                 group["momentum"] = muon_momentum(step)
                 group["weight_decay"] = weight_decay_at(step, num_steps, args.weight_decay)
-        # [any rank's gradients non-finite, the largest ||h_T||], reduced at once: all skip alike
-        h_norm = stats["h_norm"]
-        worst = torch.stack([(~torch.isfinite(grad_norm)).float(),
-                             torch.zeros((), device=device) if h_norm is None else h_norm.float()])
-        if ddp:
-            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-            dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
-        # the skip rule's read brings the log line's values too: one wait for the device, not two
-        non_finite, worst_h_norm = worst.unbind()
-        logged = read_at_once({"non_finite": non_finite, "worst_h_norm": worst_h_norm,
-                               "loss": loss_sum, "grad_norm": grad_norm, **stats})
-        non_finite, worst_h_norm = logged["non_finite"], logged["worst_h_norm"]
-        if non_finite:
-            skipped_steps += 1
-            print0(f"step {step + 1}: non-finite gradients, update skipped "
-                   f"({skipped_steps} so far)")
-        else:
+        logged = read_step(grad_norm, loss_sum, stats)  # all skip when any rank's are non-finite
+        if not logged["non_finite"]:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
 
-        # --- once in a while: the log line
-        dt = time.time() - t0
-        # steady state: past the first step's warm-up, and not a step that compiled a graph
-        if step > start_step + 1 and (not args.compile or compile_counts(dynamo_counters)["graphs"]
-                                      == graphs):
-            tokens_per_second = args.total_batch_size / dt if tokens_per_second is None \
-                else 0.9 * tokens_per_second + 0.1 * args.total_batch_size / dt
+        # --- the step's bookkeeping: a skipped update, tokens/s and the log line (metrics.py)
+        if logged["non_finite"]:
+            skipped_steps += 1
+            print0(f"step {step}: non-finite gradients, update skipped ({skipped_steps} so far)")
+        tokens_per_s = metrics.speed(step, args.total_batch_size, time.time() - t0)
         if step % args.log_every == 0 or step == num_steps:
             rho_every = args.rho_every or args.eval_every
-            rho_due = not host_rho or step % rho_every == 0 or step == num_steps
-            rho = raw_model.spectral_radius() if rho_due else None  # after the update: its own wait
-            logged["rho"] = None if rho is None else rho.item()
+            rho = raw_model.spectral_radius() if not host_rho or step % rho_every == 0 \
+                or step == num_steps else None  # after the update, its own wait
             entry = {"step": step, "loss": logged["loss"] / grad_accum, "lr_mult": lrm,
                      "grad_norm": logged["grad_norm"],
                      **{f"{group['kind']}_lr": group["lr"] for group in optimizer.param_groups},
-                     "tokens_per_s": tokens_per_second, "rho": logged["rho"],
+                     "tokens_per_s": tokens_per_s, "rho": None if rho is None else rho.item(),
                      "skipped_steps": skipped_steps, **{key: logged[key] for key in stats}}
-            if peak_flops and tokens_per_second:
-                executed = setup.executed_flops_per_token * tokens_per_second
-                entry["mfu"] = executed / (peak_flops * world)
-            metrics.log_step(entry, num_steps, args.total_batch_size, args.compile, device)
+            if peak_flops and tokens_per_s:
+                entry["mfu"] = executed * tokens_per_s / (peak_flops * world)
+            metrics.log_step(entry, num_steps, args.total_batch_size, device)
 
         # --- a new epoch of the training data, read again in a new order
         if loaders[0].next_doc[0] > data_epoch:
@@ -271,20 +405,19 @@ def main(argv=None):
         results = []
         with autocast:
             if step % args.eval_every == 0 or step == num_steps:
-                results.append(evaluate_during_training(step, raw_model, tokenizer, setup.val_data))
+                results.append(evaluate_during_training(step, raw_model, tokenizer, val_data))
             if bundle_dir and (step % args.core_every == 0 or step == num_steps):
                 results.append(core_during_training(step, raw_model, tokenizer, bundle_dir,
                                                     args.core_max_per_task))
         results = [result for result in results if result]
-        for result in results:  # the graph count after evals: they compile graphs of their own
-            metrics.record(result, args.compile)
+        for result in results:  # the graph counts after evals, which compile graphs of their own
+            metrics.record(result)
 
         # --- every step: the divergence rule (docs/troubleshooting.md)
         val_loss = next((result[val_key] for result in results if val_key in result), None)
-        verdict = divergence.check(step, not non_finite, None if h_norm is None else worst_h_norm,
-                                   val_loss)
+        verdict = divergence.check(step, not logged["non_finite"], logged["worst_h_norm"], val_loss)
         if verdict:
-            metrics.record(divergence.announce(verdict, step, run.dir))
+            metrics.record(divergence.announce(verdict, step, folder))
             if "diverged_at" in verdict:
                 break
 
@@ -292,9 +425,10 @@ def main(argv=None):
         save_due = (save_due or step % args.save_every == 0 or step == num_steps
                     or step == args.stop_at)
         if save_due and divergence.bad_steps == 0:
-            save_and_prune(run.dir, step, raw_model, loaders, skipped_steps=skipped_steps,
-                           optimizer=optimizer.state_dict(), run=run.flags, args=vars(args),
-                           tokenizer_dir=str(run.tokenizer_dir),
+            save_and_prune(folder, step, raw_model, loaders, skipped_steps=skipped_steps,
+                           optimizer=optimizer.state_dict(), run=flags,
+                           args={**vars(args), "device_batch_size": device_batch_size},
+                           tokenizer_dir=str(tokenizer_dir(args.data, args.vocab_size)),
                            lowest_val_loss=divergence.lowest_val_loss)
             save_due = False
 
@@ -303,7 +437,8 @@ def main(argv=None):
            f"min, {skipped_steps} skipped")
     for loader in loaders:
         loader.close()
-    return 3 if diverged else 0  # a status of its own: neither success nor bad input (2)
+    del lock  # held to the end
+    return 3 if diverged else 0  # a status of its own, neither success nor bad input (2)
 
 
 if __name__ == "__main__":

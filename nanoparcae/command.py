@@ -6,6 +6,7 @@ Library code raises; run_command ends a command's main() with one line and a sta
 import argparse
 import math
 import os
+import re
 import sys
 import time
 
@@ -44,6 +45,11 @@ def command_parser(description):
     return CommandParser(description=description, formatter_class=HelpFormatter, allow_abbrev=False)
 
 
+# gloo's error on a rank whose peer died: "[10.0.0.2]:4242: Connection reset by peer", or closed, or a broken pipe
+LOST_PEER = re.compile(r"Connection (?:reset|closed) by peer|Broken pipe")
+PEER = re.compile(r"\[([^]\s]+)\]:(\d+)")
+
+
 def run_command(main, argv=None):
     """Run a command's main(argv) and exit with its status, the one it returns or its refusal's.
     A refusal is one line on stderr, from local rank 0 under torchrun; anything else keeps its traceback.
@@ -54,6 +60,10 @@ def run_command(main, argv=None):
         print("interrupted", file=sys.stderr, flush=True)
         status = 130
     except Exception as err:
+        if dist.is_initialized() and isinstance(err, RuntimeError) and LOST_PEER.search(str(err)):
+            peer = f"the rank at {found[1]}:{found[2]}" if (found := PEER.search(str(err))) else "a peer rank"
+            err = EnvironmentFailure(f"{peer} is gone (killed, or its machine failed), so this one stops too; the "
+                                     f"same command resumes the run from its last checkpoint")
         status = exit_status(err)
         if status is None:
             raise

@@ -8,25 +8,19 @@ import math
 from nanoparcae.checkpoint import latest
 from nanoparcae.ranks import print0
 
-STATE_NORM_LIMIT = 1e4  # ~256 ||e|| (||e|| ~ sqrt(d)): bf16's 8 significant bits no longer resolve e beside h
+STATE_NORM_LIMIT = 1e4  # ~256 ||e|| (||e|| ~ sqrt(d)), where bf16's 8 significant bits no longer resolve e beside h
 VAL_LOSS_MARGIN = 1.0  # nats below a uniform guess ln V that show a run has learned
 
 
 class Divergence:
-    """The divergence rule, checked step by step. A run diverged at the first of:
-
-    - `patience` bad steps in a row. A bad step has a non-finite loss or gradients,
-      or ||h_T|| past h_norm_limit where that stops a run.
-    - an eval whose val loss is non-finite.
-    - an eval back at a uniform guess ln V, after one VAL_LOSS_MARGIN below it (learned, then lost).
-
-    patience 0: never. A run that has not learned is not judged by its val loss.
-    Initial weights can score far above ln V: the Transformer's tied head predicts the current token.
-
-    The state-norm limit stops a run in bfloat16, or when given.
-    Past it, the input no longer registers in u = Abar h + Bbar e.
-    float32 resolves 2^16 times finer: there a state past 2^16 x the limit warns, once.
-    lowest_val_loss: the lowest eval so far, carried across a resume."""
+    """The divergence rule, checked step by step. A run diverged at the first of `patience` bad steps in a
+    row (a non-finite loss or gradients, or ||h_T|| past h_norm_limit where that stops a run), an eval whose
+    val loss is non-finite, or an eval back at a uniform guess ln V after one VAL_LOSS_MARGIN below it.
+    With patience 0 it never stops a run. A run that has not learned is not judged by its val loss, because
+    initial weights can score far above ln V (the Transformer's tied head predicts the current token).
+    The state-norm limit stops a run in bfloat16, or when given, because past it the input no longer
+    registers in u = Abar h + Bbar e. float32 resolves 2^16 times finer, so there a state past 2^16 x the
+    limit warns, once. lowest_val_loss is the lowest eval so far, carried across a resume."""
 
     def __init__(self, vocab_size, dtype, patience, h_norm_limit=None, lowest_val_loss=math.inf):
         self.vocab_size, self.uniform, self.patience, self.dtype = vocab_size, math.log(vocab_size), patience, dtype
@@ -35,12 +29,8 @@ class Divergence:
         self.bad_steps, self.lowest_val_loss, self.warned = 0, lowest_val_loss, False
 
     def check(self, step, finite, h_norm=None, val_loss=None):
-        """Judge `step`: None, {"diverged_at", "reason", "detail"} or {"warning": "h_norm"}.
-
-        - finite: whether its loss and gradients were.
-        - h_norm: its ||h_T||; None when unlooped.
-        - val_loss: this step's eval; None when none.
-        """
+        """Judge `step` from whether its loss and gradients were finite, its ||h_T|| (None unlooped) and its
+        eval's val loss (None without one) -> None, a verdict with diverged_at, reason and detail, or a warning."""
         past = h_norm is not None and h_norm > self.h_norm_limit
         reason = "non-finite loss or gradients" if not finite else \
             f"||h_T|| > {self.h_norm_limit:g}" if past and self.h_norm_stops else None

@@ -1,12 +1,14 @@
 """
-nanoparcae/metrics.py: what a run logs, metrics.jsonl and the step's log line.
+nanoparcae/metrics.py: what a run logs, metrics.jsonl and the step's log line, and a step's skip rule read.
 """
 
 import json
+import math
 import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from nanoparcae.command import EnvironmentFailure
 from nanoparcae.files import FULL_DISK, disk_full, write_atomically
@@ -32,8 +34,8 @@ def read_record(line, key):
 def read_metrics(path, key="step"):
     """A JSON-lines log, metrics.jsonl or the recipe's stages.jsonl (key "stage") -> its records, in order.
     It returns none when the log is absent. It is the one reader of such a log.
-    Unlike files.read_json's whole file, a log's torn last line is expected (a run killed while writing it): it is
-    skipped. Any other line that holds no record is skipped too, with a warning that counts them.
+    Unlike files.read_json's whole file, a log's torn last line is expected, since a run may be killed while
+    writing it, and it is skipped. Any other line that holds no record is skipped too, with a warning that counts them.
     A folder in its place raises ValueError, one it may not read EnvironmentFailure, each naming it."""
     try:
         lines = path.read_bytes().decode("utf-8", errors="replace").split("\n")
@@ -44,21 +46,20 @@ def read_metrics(path, key="step"):
     except PermissionError as err:
         raise EnvironmentFailure(f"{path} cannot be read ({err.strerror}): make it readable, then run again") from None
     records = [read_record(line, key) for line in lines]
-    bad = sum(record is None and bool(line.strip()) for line, record in zip(lines[:-1], records))  # last: torn or ""
+    bad = sum(record is None and bool(line.strip()) for line, record in zip(lines[:-1], records))  # last: torn
     if bad:
         print0(f"warning: {path}: {bad} line(s) that hold no record skipped", file=sys.stderr)
     return [record for record in records if record is not None]
 
 
 class Metrics:
-    """metrics.jsonl in the run folder, one JSON record a line, written by rank 0.
-    It records steps, evals, warnings and the divergence verdict.
-    Opened for a run resumed from `step` (0: none), it keeps the records up to that step.
-    Those a killed run logged past its checkpoint come again as the run redoes them.
-    So each step stays once, in order. Rewritten under a temporary name; a torn last line goes too."""
+    """metrics.jsonl in the run folder, one JSON record a line written by rank 0, and the step's log line.
+    A run resumed from `step` keeps the records up to that step, so the steps a killed run logged past its
+    checkpoint stay once and in order when done again. The file is rewritten under a temporary name."""
 
-    def __init__(self, run_dir, step):
-        self.file = None
+    def __init__(self, run_dir, step, compiled=False):
+        self.file, self.start, self.compiled, self.tokens_per_s = None, step, compiled, None
+        self.graphs = self.counts().get("graphs")
         if rank_and_world()[0] != 0:
             return
         path = run_dir / "metrics.jsonl"
@@ -70,26 +71,49 @@ class Metrics:
         except OSError as err:
             full_disk(err, run_dir)
 
-    def record(self, entry, compiled=False):
-        """One record; compiled: with the graph counts so far (compile_counts)."""
-        if compiled:
-            from torch._dynamo.utils import counters
-            entry = {**entry, **compile_counts(counters)}
+    def counts(self):
+        """dynamo's graphs so far when compiled, else {}, and the frames it ran eagerly past a recompile limit,
+        where the graph count stops growing."""
+        if not self.compiled:
+            return {}
+        from torch._dynamo.utils import counters
+        hits = sum(n for why, n in counters["unimplemented"].items() if "Limit type:" in why and "recompile" in why)
+        return {"graphs": counters["stats"]["unique_graphs"], "recompile_limits": hits}
+
+    def record(self, entry):
+        """Write one record, with the graph counts so far when compiled."""
+        counts = self.counts()
+        self.graphs = counts.get("graphs")  # so an eval's graphs are not the next step's
         if self.file:
             try:
-                self.file.write(json.dumps(entry) + "\n")
+                self.file.write(json.dumps({**entry, **counts}) + "\n")
                 self.file.flush()
             except OSError as err:
                 full_disk(err, Path(self.file.name).parent)
 
-    def log_step(self, entry, num_steps, total_batch_size, compiled, device):
-        """A step's record, printed as its log line.
-        Compiled, it adds the graph counts: graphs that still grow after the first steps are recompiling.
-        On a GPU it adds the peak memory, to hold against the memory plan."""
+    def speed(self, step, tokens, seconds):
+        """Return tokens per second, smoothed over the steady steps, which come after the first step's warm-up
+        and compile no graph; None until one comes."""
+        graphs = self.counts().get("graphs")
+        if step > self.start + 1 and graphs == self.graphs:
+            rate = tokens / seconds
+            self.tokens_per_s = rate if self.tokens_per_s is None else 0.9 * self.tokens_per_s + 0.1 * rate
+        self.graphs = graphs
+        return self.tokens_per_s
+
+    def log_step(self, entry, num_steps, total_batch_size, device):
+        """Record a step, and print it as its log line, without the fields that are None. On a GPU it adds the
+        peak memory, to hold against the memory plan."""
         if device.type == "cuda":
             entry["peak_memory"] = torch.cuda.max_memory_allocated(device)
-        print0(log_line(entry, num_steps, total_batch_size))
-        self.record(entry, compiled)
+        fields = [("loss", "loss {:.4f}"), ("lr_mult", "lrm {:.2f}"), ("tokens_per_s", "{:,.0f} tok/s"),
+                  ("mfu", "mfu {:.1%}"), ("rho", "rho {:.4f}"), ("h_norm", "|h_T| {:.2f}"),
+                  ("update_ratio", "dh/h {:.4f}")]
+        eta = (num_steps - entry["step"]) * total_batch_size / (entry["tokens_per_s"] or math.nan)
+        print0(" | ".join([f"step {entry['step']}/{num_steps}"]
+                          + [form.format(entry[key]) for key, form in fields if entry.get(key) is not None]
+                          + [f"eta {eta / 60:.1f} min"]))
+        self.record(entry)
 
 
 def full_disk(err, folder):
@@ -99,30 +123,18 @@ def full_disk(err, folder):
     disk_full(folder, "metrics.jsonl cannot be written")
 
 
-def read_at_once(values):
-    """{name: a 0-d device tensor, or None} -> {name: float, or None}, read in one transfer.
-    The step's skip rule and its log line share it: one wait for the device."""
+def read_step(grad_norm, loss_sum, stats):
+    """Read the step's skip rule and log values from the device in one wait -> each as a float, or None.
+    non_finite says whether any rank's gradients were, so that every rank skips alike, and worst_h_norm is
+    the largest ||h_T|| of any rank, both reduced at once. loss is the step's sum of micro-batch losses."""
+    h_norm = stats["h_norm"]
+    worst = torch.stack([(~torch.isfinite(grad_norm)).float(),
+                         torch.zeros((), device=grad_norm.device) if h_norm is None else h_norm.float()])
+    if dist.is_initialized():
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
+    values = {"non_finite": worst[0], "worst_h_norm": None if h_norm is None else worst[1], "loss": loss_sum,
+              "grad_norm": grad_norm, **stats}
     present = [name for name, value in values.items() if value is not None]
     floats = dict(zip(present, torch.stack([values[name].float() for name in present]).tolist()))
     return {name: floats.get(name) for name in values}
-
-
-def compile_counts(counters):
-    """dynamo's counters -> {graphs, recompile_limits}.
-    graphs: the graphs it built. recompile_limits: the times it hit a recompile limit and ran a frame eagerly.
-    A graph count that stops growing is no proof of no recompiles.
-    Past the limit dynamo stops compiling, so both are recorded."""
-    hits = sum(n for why, n in counters["unimplemented"].items() if "Limit type:" in why and "recompile" in why)
-    return {"graphs": counters["stats"]["unique_graphs"], "recompile_limits": hits}
-
-
-def log_line(entry, num_steps, total_batch_size):
-    """A step's log line from its metrics record, leaving out None fields."""
-    fields = [("loss", "loss {:.4f}"), ("lr_mult", "lrm {:.2f}"), ("tokens_per_s", "{:,.0f} tok/s"),
-              ("mfu", "mfu {:.1%}"), ("rho", "rho {:.4f}"), ("h_norm", "|h_T| {:.2f}"),
-              ("update_ratio", "dh/h {:.4f}")]
-    parts = [f"step {entry['step']}/{num_steps}"]
-    parts += [form.format(entry[key]) for key, form in fields if entry.get(key) is not None]
-    tokens_per_s = entry["tokens_per_s"]
-    eta = (num_steps - entry["step"]) * total_batch_size / tokens_per_s if tokens_per_s else float("nan")
-    return " | ".join(parts + [f"eta {eta / 60:.1f} min"])

@@ -1,249 +1,138 @@
 """
-nanoparcae/run.py: the run a command trains, identified by its flags and held by its lock.
-Its jobs:
-
-- the run's folder, from a safe name (run_folder).
-- the flags its checkpoint recorded, checked against the command's (identify_run).
-- one trainer per run, whose lock is taken before it trains what it checked (claim_run).
-
-It decides whether a command trains or continues a run exactly.
-Otherwise it raises ValueError, one line, before it writes anything.
+nanoparcae/run.py: the run a command trains, found by its name, checked against its flags, and held by its lock.
+A refused command leaves the run's folder as it was, since the lock is its first write.
 """
 
 import errno
 import fcntl
 import os
-import re
 import socket
-from pathlib import Path
-from types import SimpleNamespace
+import stat
 
-from nanoparcae.checkpoint import (check_tokenizer, checkpoints, latest, read_checkpoint, remove_partial_saves,
-                                   run_dir, warn_if_undigested, weights_digest)
-from nanoparcae.ranks import print0, rank_and_world, agree_to_start, gather, refusing_alike
-from nanoparcae.dataset import data_key
-from nanoparcae.tokenizer import tokenizer_dir
+from nanoparcae.checkpoint import latest, read_checkpoint, remove_partial_saves, run_dir
+from nanoparcae.ranks import gather, rank_and_world
 
-
-# -----------------------------------------------------------------------------
-# The run's identity: its folder, defined by the run flags its checkpoints record, and its lock
-
-
-RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")  # one folder name, never a path or a pattern
+RENAMED_FLAGS = {"sampling": "depth_sampling"}  # run flags older checkpoints recorded under a former name
+NOTES = {"data": "data: --data's content key, from its files' names, sizes and modification times, or "
+                 "stdlib's Python version",
+         "train_shards": "train_shards: the FineWeb-Edu training shards on disk, whose shuffle is the run's "
+                         "data order"}
 
 
 def run_folder(args):
-    """The folder of the run a command trains: --run, or d<depth>_<injection>.
-    A --run that is not one folder name of safe characters raises ValueError."""
-    if args.run is not None and not RUN_NAME.fullmatch(args.run):
-        raise ValueError(f"--run={args.run!r} is not a run name: use letters, digits, '.', '_', '+' and '-', "
-                         f"starting with a letter or digit")
-    return run_dir(args.run or f"d{args.depth}_{args.injection}")
+    """The folder of the run a command trains, --run or d<depth>_<injection>, under the base folder.
+    checkpoint.run_dir refuses a name that a command could not find by that name."""
+    name = f"d{args.depth}_{args.injection}" if args.run is None else args.run
+    if not name:  # run_dir("") is the folder of every run
+        raise ValueError("--run='' names no run; pass a name, or leave --run out for d<depth>_<injection>")
+    return run_dir(name)
 
 
-# Run flags that older checkpoints recorded under a former name: read as today's
-RENAMED_FLAGS = {"sampling": "depth_sampling"}
+def open_run(folder, resume, device):
+    """The run in `folder` -> (its newest checkpoint or None, that checkpoint read onto device). It only reads.
+    A --resume with nothing to resume, a run another process trains, a checkpoint that cannot be read, or a
+    folder or lock that is not one raises ValueError in one line."""
+    checkpoint = latest(folder)
+    if resume and checkpoint is None:
+        raise ValueError(f"there is no checkpoint of run {folder.name} under {folder} to resume; start it "
+                         f"without --resume")
+    if holder := run_holder(folder):  # before a live run's checkpoint is read onto its GPUs
+        raise held(folder, holder)
+    return checkpoint, checkpoint and read_checkpoint(checkpoint, device)
 
 
-def identify_run(args, run_flags, batch, device, **resolved):
-    """The run this command trains, checked on every rank before anything is built or written.
-    Returns namespace(dir, name, tokenizer_dir, flags, checkpoint, ckpt, step, device_batch_size, grad_accum, seen).
-    grad_accum: the micro-batches each process runs per optimiser step, decided here alone.
-
-    - checkpoint: the run's newest, or None. ckpt: it, read onto `device`.
-    - seen: the folder's checkpoints as checked (saved_state), for claim_run to find them unchanged.
-    - flags: the run_flags' values. Those whose defaults resolve (d_model, ...) take `resolved`'s.
-      --data takes the data's content key.
-
-    Every rank raises ValueError alike, in one line, for:
-
-    - a checkpoint that recorded other flag values.
-    - a live run.
-    - an unreadable checkpoint, or one that is not whole (checkpoint.read_checkpoint).
-    - a run folder or lock that is not one (a file, a folder, a dangling symlink, unreadable).
-    - a recorded device batch that does not divide this step.
-    """
-    tokenizer_path = tokenizer_dir(args.data, args.vocab_size)  # recorded in each checkpoint
-    content = data_key(args.data)  # not its path
-    folder = run_folder(args)
-    name, size, checkpoint, ckpt, start, seen = folder.name, batch.size, None, None, (0, None), []
-    # Each rank's read is its own work (13.4 GB from a shared filesystem, at the 1.3B): refusing_alike meets
-    # where the long timeout holds, so a slow reader never outlasts the gather's shorter one
-    with refusing_alike():  # a refusal on any rank stops every rank, in one line
-        seen = saved_state(folder)  # before the newest is chosen: one saved after it differs
-        refuse_if_held(folder, run_holder(folder))  # before a live run's checkpoint is read onto its GPUs
-        checkpoint = latest(folder)
-        recorded = {}
-        if checkpoint:
-            ckpt = read_checkpoint(checkpoint, device)  # unreadable: one line naming the file
-            recorded = {RENAMED_FLAGS.get(flag, flag): value for flag, value in ckpt.get("run", {}).items()}
-            if not batch.given and recorded.get("device_batch_size", batch.fitting) != batch.fitting:
-                size = recorded["device_batch_size"]  # it fixes the run's data order
-                tight = device.type == "cuda" and size > batch.plan["largest_batch"][batch.gpu_gb]
-                print0(f"device batch: {size}, as run {name} recorded (it fixes the run's data order)"
-                       + (f"; its plan no longer fits {batch.gpu}, where {batch.fitting} does" if tight
-                          else ""))
-        flags = {flag: getattr(args, flag) for flag in run_flags}
-        flags.update(resolved, data=content, device_batch_size=size)
-        if ckpt:
-            differ = [f"{flag} {recorded.get(flag, 'unrecorded')} there, {value} here"
-                      for flag, value in flags.items() if recorded.get(flag) != value]
-            if differ:
-                notes = {"data": "data: --data's content key, from its files' names, sizes and modification "
-                                 "times, or stdlib's Python version",
-                         "train_shards": "train_shards: the FineWeb-Edu training shards on disk, whose shuffle "
-                                         "is the run's data order, so only the same shards continue it"}
-                notes = "".join(f" ({note})" for flag, note in notes.items() if recorded.get(flag) != flags.get(flag))
-                raise ValueError(f"run {name} ({checkpoint}) was started with other flags: {'; '.join(differ)}"
-                                 f"{notes}; pass its flags to continue it, or --run=NAME to start another")
-            start = ckpt["step"], weights_digest(ckpt)
-        if batch.sequences % size:  # a recorded batch on another number of processes
-            raise ValueError(f"run {name}'s device batch {size} does not divide the {batch.sequences} "
-                             f"sequences each of {batch.world} process(es) runs per step; continue it on a "
-                             f"number of processes it divides")
-    agree_to_start(name, *start)  # every rank starts from the same checkpoint (none: step 0), or none
-    if ckpt:
-        warn_if_undigested(ckpt, checkpoint)
-    return SimpleNamespace(dir=folder, name=name, tokenizer_dir=tokenizer_path, flags=flags,
-                           checkpoint=checkpoint, ckpt=ckpt, step=start[0], device_batch_size=size,
-                           grad_accum=batch.sequences // size, seen=seen)
-
-
-def saved_state(folder):
-    """A run folder's checkpoints as sorted (name, bytes, modification time) triples."""
-    state = []
-    for path in checkpoints(folder):
-        try:
-            stat = path.stat()
-        except FileNotFoundError:  # removed by a live run's save since the listing
-            continue
-        state.append((path.name, stat.st_size, stat.st_mtime_ns))
-    return sorted(state)
-
-
-def check_unchanged(run):
-    """Under the run's lock: the folder must hold what identify_run checked, or ValueError.
-    Another command may have trained it between identify_run's checks and the lock.
-    Training then would overwrite that command's work."""
-    if saved_state(run.dir) != run.seen:
-        now, was = latest(run.dir), run.checkpoint
-        raise ValueError(f"run {run.name} changed while this command prepared its data: another command trained "
-                         f"it, and {run.dir} now holds {now.name if now else 'no checkpoint'}, not "
-                         f"{was.name if was else 'no checkpoint'}; run this command again to check it against "
-                         f"the run as it is, or pass --run=NAME to train another")
-
-
-def claim_run(run):
-    """Take the run's lock (lock_run) on rank 0 -> the open lock file, kept until the process ends.
-    Holding it, the folder is checked unchanged since identify_run: no command trains a run it did not check.
-    It is the first write in the run folder, so it comes after every check that can refuse the command.
-    A live run holding it, a run trained meanwhile, a resumed run's tokenizer not its own:
-    every rank raises ValueError alike, the folder as it was."""
-    lock = lock_for_every_rank(run)
-    if lock:  # rank 0, the one that writes here: a save a full disk or a kill cut short goes
-        remove_partial_saves(run.dir)
-    return lock
+def check_flags(checkpoint, ckpt, flags):
+    """Check the run's identity, this command's run flags against those its checkpoint recorded. A flag that is
+    None takes the run's value (the device batch), and one that differs raises ValueError naming them."""
+    recorded = {RENAMED_FLAGS.get(flag, flag): value for flag, value in ckpt.get("run", {}).items()}
+    if differ := [flag for flag, value in flags.items() if value is not None and recorded.get(flag) != value]:
+        raise ValueError(f"run {checkpoint.parent.name} ({checkpoint}) was started with other flags: "
+                         + "; ".join(f"{flag} {recorded.get(flag, 'unrecorded')} there, {flags[flag]} here"
+                                     for flag in differ)
+                         + "".join(f" ({NOTES[flag]})" for flag in differ if flag in NOTES)
+                         + "; pass its flags to continue it, or --run=NAME to start another")
 
 # -----------------------------------------------------------------------------
-# One trainer per run: <run folder>/lock, held by the process that writes the folder (rank 0).
-# POSIX record locks (lockf), not flock: they belong to the process, so no forked child keeps a dead trainer's.
-# The kernel drops them however the process dies. A killed run, or workers torchrun --max_restarts replaces,
-# leave the lock free for the command that continues the run.
+# One trainer per run holds <run folder>/lock, the process that writes the folder (rank 0).
+# POSIX record locks (lockf), not flock, belong to the process, so no forked child keeps a dead trainer's.
+# The kernel drops them however the process dies, so a killed run leaves the lock free for the same command.
 
 HELD = (errno.EACCES, errno.EAGAIN)  # what lockf raises for a lock another process holds
 
 
-def refuse_if_held(run_dir, holder):
-    """A run another process trains (holder: who, or None): ValueError naming it."""
-    if holder:
-        raise ValueError(f"run {run_dir.name} is being trained by {holder}, which holds {run_dir / 'lock'}; "
-                         f"wait for it to end, or pass --run=NAME to train another")
+def held(folder, holder):
+    return ValueError(f"run {folder.name} is being trained by {holder}, which holds {folder / 'lock'}; wait for "
+                      f"it to end, or pass --run=NAME to train another")
 
 
-def run_holder(run_dir):
-    """Who trains the run in run_dir now: the 'process P on host H' its lock names.
-    None when no process holds the lock, or there is none.
-    It only reads: a command refused for it leaves the folder as it was."""
-    handle = open_lock(run_dir, "r")
-    if handle is None:
+def open_lock(folder, create=False):
+    """The run's lock file, opened to read and write -> the file; None where there is none and create is False.
+    Only a regular file is opened, and never through a symlink, so a user's file is never written.
+    Anything else in its place raises ValueError naming it."""
+    path = folder / "lock"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | create * os.O_CREAT, 0o644)
+    except (FileNotFoundError, NotADirectoryError):
+        if create:
+            raise
         return None
-    with handle:  # closing it drops the shared lock taken to test the lock
+    except OSError as err:
+        why = {errno.ELOOP: "is a symlink, which the lock is never opened through",
+               errno.EISDIR: "is a folder"}.get(err.errno, f"cannot be opened ({err.strerror})")
+        raise ValueError(f"{path} {why}; move it away or let this user read and write it, then run the command "
+                         f"again") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ValueError(f"{path} is not a regular file; move it away, then run the command again")
+    return os.fdopen(fd, "r+")
+
+
+def run_holder(folder):
+    """Who trains the run in `folder` now, the 'process P on host H' its lock names, or None. It only reads."""
+    lock = open_lock(folder)
+    if lock is None:
+        return None
+    with lock:  # closing it drops the shared lock taken to test the lock
         try:
-            fcntl.lockf(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            fcntl.lockf(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except OSError as err:
             if err.errno in HELD:
-                return handle.read().strip() or "another process"
+                return lock.read().strip() or "another process"
     return None
 
 
-def open_lock(run_dir, mode):
-    """The run's lock file opened in mode -> the file; None where "r" finds none.
-    A folder in its place, or one this user may not open: ValueError naming it."""
-    path = Path(run_dir) / "lock"
-    try:
-        return open(path, mode)
-    except FileNotFoundError:
-        if mode == "r":
-            return None
-        raise
-    except IsADirectoryError:
-        why = "is a folder, where the run's lock file belongs; move it away"
-    except PermissionError:
-        why = "cannot be opened (permission denied); give this user read and write permission on it"
-    raise ValueError(f"{path} {why}, then run the command again") from None
-
-
-def lock_run(run_dir, check=lambda: None):
-    """Take the run's lock for this process -> the open lock file; keep a reference.
-    It holds the lock until the process ends.
-
-    - Another process has it: ValueError naming the holder. The file stays the holder's.
-    - check(), called holding it, raises ValueError: the lock dropped, nothing written.
-    - A filesystem without locks (Lustre without its flock option): a warning; the run goes on unguarded.
-
-    It is the first thing a run writes in its folder.
-    So take it after every check that can refuse the command: a refused command leaves no lock."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    handle = open_lock(run_dir, "a+")  # "a+": opened without emptying what the holder wrote
-    try:
-        fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        locked = True
-    except OSError as err:
-        if err.errno in HELD:
-            handle.seek(0)
-            holder = handle.read().strip() or "another process"
-            handle.close()
-            refuse_if_held(run_dir, holder)
-        print(f"warning: {run_dir / 'lock'} cannot be locked ({err.strerror}); nothing stops a second command "
-              f"on run {run_dir.name} while this one trains", flush=True)
-        locked = False
-    try:
-        check()
-    except ValueError:
-        handle.close()
-        raise
-    if not locked:
-        return handle
-    handle.truncate(0)
-    handle.write(f"process {os.getpid()} on host {socket.gethostname()}\n")
-    handle.flush()
-    return handle
-
-
-def lock_for_every_rank(run):
-    """Rank 0, the one rank writing in the run folder, checks the run's tokenizer and takes its lock.
-    Holding it, it finds the folder as identify_run checked it. Every rank learns the outcome.
-    -> the lock file on rank 0, None on the others.
-    Or ValueError on every rank, so that all stop together."""
-    handle, refusal = None, None
-    if rank_and_world()[0] == 0:
+def claim(folder, checkpoint):
+    """Rank 0 takes the run's lock, held until the process ends -> the open lock file on rank 0 (keep it),
+    None elsewhere. Holding it, the folder must still hold `checkpoint` as its newest, since another command
+    may have trained the run meanwhile. Else, or when another process holds the lock, every rank raises
+    ValueError and nothing is written. On a filesystem without locks (Lustre without its flock option) a
+    warning says so, and the run goes on unguarded. The partial files of saves cut short are removed."""
+    lock, refusal, locked = None, None, True
+    if rank_and_world()[0] == 0:  # the one rank that writes in the run folder
+        folder.mkdir(parents=True, exist_ok=True)
+        lock = open_lock(folder, create=True)
         try:
-            if run.ckpt:  # a resumed run's tokenizer must be the one its checkpoint was trained with
-                check_tokenizer(run.ckpt, run.checkpoint, run.tokenizer_dir,
-                                "put that tokenizer back, or pass --run=NAME to start another run")
-            handle = lock_run(run.dir, lambda: check_unchanged(run))
-        except ValueError as err:
-            refusal = str(err)
-    if refusal := gather(refusal)[0]:  # rank 0's outcome, on every rank
+            fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            locked = False
+            if err.errno in HELD:
+                refusal = str(held(folder, lock.read().strip() or "another process"))
+            else:
+                print(f"warning: {folder / 'lock'} cannot be locked ({err.strerror}); nothing stops a second "
+                      f"command on run {folder.name} while this one trains", flush=True)
+        if not refusal and (now := latest(folder)) != checkpoint:
+            refusal = (f"run {folder.name} changed while this command prepared its data: another command trained "
+                       f"it, and {folder} now holds {now.name if now else 'no checkpoint'}, not "
+                       f"{checkpoint.name if checkpoint else 'no checkpoint'}; run this command again to check it "
+                       f"against the run as it is, or pass --run=NAME to train another")
+        if refusal:
+            lock.close()
+        elif locked:
+            lock.truncate(0)
+            lock.write(f"process {os.getpid()} on host {socket.gethostname()}\n")
+            lock.flush()
+    if refusal := gather(refusal)[0]:
         raise ValueError(refusal)
-    return handle
+    if lock:
+        remove_partial_saves(folder)
+    return lock

@@ -54,8 +54,9 @@ if [ "${SKIP_SETUP:-0}" != 1 ]; then
     [ "$rehearsal" = 1 ] || export TORCH_INDEX=${TORCH_INDEX:-pypi}
     . runs/setup.sh requirements.txt
 fi
-# The training command, whose flags train.py's own parser checks before any stage: a bad VOCAB_SIZE or TRAIN_FLAGS
-# stops the recipe here, not after the machine stage and the download
+# The training command, which `train.py --check` checks before any stage as training would (its flags, the model's
+# shape, the step's split, the run's name), so a bad VOCAB_SIZE or TRAIN_FLAGS stops the recipe here, not after the
+# machine stage and the download
 # shellcheck disable=SC2086  # TRAIN_FLAGS is a list of flags
 train=(train.py --depth="$depth" --injection="$injection" --mu_rec=$mu_rec --run="$run" --vocab_size="$vocab" \
     ${TRAIN_FLAGS:-})

@@ -12,9 +12,11 @@ never sees). pause_step=N: the process waits there for a SIGUSR1 (one sent earli
 pause_lock=1: the process waits so for a SIGUSR1 once its checks are done, before it takes the run's lock.
 rank_order=R: rank R reads each epoch's chunks in reverse order (GPU_CHECK_FAULT=rank_order's fault, at R = 1).
 bundle_port=N: CORE's bundle is fetched from 127.0.0.1:N, each attempt timing out after 0.2 s, 10 ms apart.
+collectives=1: rank 0 prints the calls into torch.distributed (and DDP's set-up, one) made before step 1's clip.
 Steps are counted from this process's first; then train.py runs as `python train.py` would run it.
 """
 
+import functools
 import os
 import runpy
 import signal
@@ -26,7 +28,7 @@ import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 faults = dict(nan_step=-1, nan_steps=1, kill_step=-1, drift_step=-1, pause_step=-1, rank_order=-1,
-              bundle_port=-1, pause_lock=-1)
+              bundle_port=-1, pause_lock=-1, collectives=-1)
 for item in filter(None, sys.argv[1].split(",")):
     name, _, value = item.partition("=")
     if name not in faults or not value.isdigit():
@@ -35,7 +37,7 @@ for item in filter(None, sys.argv[1].split(",")):
 last_rank = int(os.environ.get("RANK", 0)) == int(os.environ.get("WORLD_SIZE", 1)) - 1
 first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0
 clip_grad_norm = torch.nn.utils.clip_grad_norm_
-steps = 0
+steps, collectives = 0, []
 
 
 def faulty_clip_grad_norm(parameters, *args, **kwargs):
@@ -51,11 +53,28 @@ def faulty_clip_grad_norm(parameters, *args, **kwargs):
             parameters[0].add_(1e-3)
     if steps == faults["pause_step"]:
         signal.sigwait({signal.SIGUSR1})
+    if steps == 0 and faults["collectives"] > 0 and int(os.environ.get("RANK", 0)) == 0:
+        print(f"collectives before step 1: {len(collectives)} ({', '.join(collectives)})", flush=True)
     steps += 1
     return clip_grad_norm(parameters, *args, **kwargs)
 
 
 torch.nn.utils.clip_grad_norm_ = faulty_clip_grad_norm
+if faults["collectives"] > 0:
+    import torch.distributed as dist  # noqa: E402
+    from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+
+    def counted(name, call):
+        @functools.wraps(call)  # DDP's signature stays readable (ranks.no_buffer_sync)
+        def count(*args, **kwargs):
+            collectives.append(name)
+            return call(*args, **kwargs)
+        return count
+
+    for name in ("init_process_group", "new_group", "barrier", "monitored_barrier", "all_gather_object", "all_gather",
+                 "all_reduce", "broadcast", "broadcast_object_list", "gather_object", "scatter_object_list"):
+        setattr(dist, name, counted(name, getattr(dist, name)))
+    DistributedDataParallel.__init__ = counted("DDP", DistributedDataParallel.__init__)
 sys.path.insert(0, str(ROOT))
 if faults["bundle_port"] >= 0:
     import nanoparcae.download as download  # noqa: E402
@@ -64,13 +83,13 @@ if faults["bundle_port"] >= 0:
         f"http://127.0.0.1:{faults['bundle_port']}/eval_bundle.zip", path, timeout=0.2, retry_delay=0.01)
 if faults["pause_lock"] >= 0:
     import nanoparcae.run as run_module  # noqa: E402
-    claim_run = run_module.claim_run
+    claim = run_module.claim
 
-    def paused_claim_run(run):
+    def paused_claim(*args):
         signal.sigwait({signal.SIGUSR1})
-        return claim_run(run)
+        return claim(*args)
 
-    run_module.claim_run = paused_claim_run
+    run_module.claim = paused_claim
 if faults["rank_order"] >= 0:
     from experiments.gpu_check import reverse_chunk_order
     reverse_chunk_order(faults["rank_order"])

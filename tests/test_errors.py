@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY, carries, raises_naming, run_here
+from conftest import TINY, carries, raises_naming, refused, run_here
 
 BOUND = ["positive"]  # the rule a value broke
 ERRORS = [  # (command and flags, status, words naming the problem, words naming the fix)
@@ -84,6 +84,16 @@ def test_every_int_flag_past_its_range_is_refused_naming_the_flag_and_range():
     for flag in INT_FLAGS:
         with raises_naming(ValueError, f"--{flag}={2**64}", "268435455" if flag == "seed" else "2147483647"):
             train.parse_args([f"--{flag}={2**64}"])
+
+
+@pytest.mark.parametrize("flags", [["--depth=4"], ["--head_dim=48"], ["--total_batch_size=100"], ["--run=../x"],
+                                   [f"--run={'x' * 300}"]])
+def test_check_refuses_in_training_s_line_what_training_refuses_before_it_allocates(flags, monkeypatch, capsys):
+    """The model's shape (d_model 64 over heads of 48), the step's split into rows and the run's name: --check runs
+    the checks training runs before it reads data or allocates, so it ends in the line training ends in."""
+    lines = [refused(run_here(["train.py", *TINY, "--data=stdlib", *flags, *check], monkeypatch, capsys))
+             for check in (["--check"], [])]
+    assert lines[0] == lines[1] and flags[0].split("=")[0][2:] in lines[0], lines
 
 
 def test_train_check_accepts_good_flags_and_starts_nothing(monkeypatch, capsys):

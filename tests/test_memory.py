@@ -18,7 +18,7 @@ import torch._dynamo
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script too
 from conftest import awaited, beforehand, python  # noqa: E402
 from model import Parcae, ParcaeConfig, poisson_tail  # noqa: E402
-from nanoparcae.memory import activation_bytes, backprop_depth, memory_plan  # noqa: E402
+from nanoparcae.memory import activation_bytes, memory_plan  # noqa: E402
 from optim import optimizer_state_bytes  # noqa: E402
 
 
@@ -92,7 +92,7 @@ def test_activation_estimate_within_2_percent_of_the_saved_tensors(depth, d_mode
 
 def test_the_plan_is_at_the_samplers_most_backpropagated_steps():
     """poisson_unbounded's k reaches 2 mu_bwd; poisson_full's k ~ max(1, Poisson(8)) passes 23 once in 10^6 draws."""
-    depths = {sampling: backprop_depth(ParcaeConfig(sampling=sampling, mu_rec=8))
+    depths = {sampling: ParcaeConfig(sampling=sampling, mu_rec=8).backprop_depth
               for sampling in ("per_sequence", "per_batch", "fixed", "poisson_fill", "poisson_unbounded",
                                "poisson_full")}
     assert depths == {"per_sequence": 4, "per_batch": 4, "fixed": 4, "poisson_fill": 4, "poisson_unbounded": 8,

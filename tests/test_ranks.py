@@ -24,11 +24,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from nanoparcae import run as guards
+from nanoparcae import command, run as guards
 from conftest import Started, awaited, beforehand, carries, refused, train, train_command, train_env, untouched
 from nanoparcae import dataset
 from nanoparcae.download import shared_eval_bundle
-from nanoparcae.run import lock_run, run_holder
+from nanoparcae.run import claim, run_holder
 from nanoparcae.tokenizer import Tokenizer
 from test_data import make_documents, write_parquet
 
@@ -201,7 +201,7 @@ def test_a_filesystem_without_locks_warns_and_the_run_goes_on(tmp_path, monkeypa
     (run_dir / "lock").write_text("process 1 on host elsewhere\n")
     monkeypatch.setattr(guards.fcntl, "lockf", no_locks)
     assert run_holder(run_dir) is None
-    lock_run(run_dir).close()
+    claim(run_dir, None).close()
     assert capsys.readouterr().out == f"warning: {run_dir / 'lock'} cannot be locked (No locks available); nothing " \
                                       f"stops a second command on run unlocked while this one trains\n"
 
@@ -259,3 +259,25 @@ def test_the_eval_bundle_is_on_every_rank_or_core_is_skipped_on_every_rank(tmp_p
         assert fetched == [str(tmp_path / f"node{rank}" / "eval_bundle"), None]
         assert shared == [str(tmp_path / "shared" / "eval_bundle"), None]
     assert server.requests == ["/missing.zip", "/eval_bundle.zip", "/eval_bundle.zip"]  # the shared folder fetched once
+
+
+def lost_peer_worker(rank, port, root):
+    """Two gloo ranks: rank 1 dies with the group open, as a killed worker does; rank 0's next all-reduce fails
+    inside run_command, whose stderr and status go to root."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    if rank == 1:
+        os._exit(0)
+    os.dup2(os.open(Path(root, "stderr"), os.O_WRONLY | os.O_CREAT), 2)
+    try:
+        command.run_command(lambda argv: dist.all_reduce(torch.ones(1)))
+    except SystemExit as stop:
+        Path(root, "status").write_text(str(stop.code))
+
+
+@pytest.mark.slow
+def test_a_rank_whose_peer_died_stops_in_one_line_naming_it_and_the_command_that_resumes(tmp_path):
+    mp.start_processes(lost_peer_worker, args=(free_port(), str(tmp_path)), nprocs=2, start_method="forkserver")
+    stderr = (tmp_path / "stderr").read_text()
+    assert (tmp_path / "status").read_text() == "1" and len(stderr.strip().splitlines()) == 1, stderr[-3000:]
+    assert carries(stderr, "127.0.0.1", "gone", "same command", "resumes"), stderr

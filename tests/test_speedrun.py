@@ -158,9 +158,10 @@ def test_the_recipe_s_own_inputs_are_refused_in_one_line_before_anything(args, e
 
 @pytest.mark.slow
 @pytest.mark.parametrize("env,named", [({"VOCAB_SIZE": "100"}, ["--vocab_size", "100"]),
-                                       ({"TRAIN_FLAGS": "--bogus_flag"}, ["--bogus_flag"])])
+                                       ({"TRAIN_FLAGS": "--d_model=64 --head_dim=48"}, ["d_model=64", "head_dim=48"])])
 def test_vocab_size_and_train_flags_are_checked_by_train_py_before_the_first_stage(env, named, tmp_path):
-    """No machine stage, no download: the host given for the shards is one no server listens on."""
+    """No machine stage, no download: the host given for the shards is one no server listens on. A shape the model
+    refuses (d_model 64 over heads of 48) is refused here too, since --check runs training's own checks."""
     result = subprocess.run(["bash", "runs/speedrun.sh"], cwd=ROOT, capture_output=True, text=True, timeout=120,
                             env={**environment(), "HOME": str(tmp_path), "NANOPARCAE_BASE_DIR": str(tmp_path / "base"),
                                  "CPU_REHEARSAL": "1", "SKIP_SETUP": "1", "FINEWEB_URL": "http://127.0.0.1:9",

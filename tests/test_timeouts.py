@@ -1,6 +1,6 @@
 """The ranks wait for lone work (rank 0's checkpoint write, each rank's checkpoint read on resume) at a barrier with
 a timeout of its own, not in their next collective: two processes on gloo with a 3 s --collective_timeout, one rank
-slowed 8 s in that work, finish the run; the same run without that barrier dies at the collective's timeout.
+slowed 8 s in that work, finish the run; the same run waiting there on the collective's timeout dies at it.
 
 Run as a script, this file is train.py with rank 0's first save, or rank 1's resume read, slowed (the tests'
 torchrun workers):
@@ -48,8 +48,14 @@ def slowed_train(seconds, wait, work, *flags):
             checkpoint.wait_for_rank0 = lambda: None
     else:
         run.read_checkpoint = slow_read
-        if wait == "skip_wait":
-            ranks.wait_for_rank0 = lambda: None  # refusing_alike's, which identify_run's read ends in
+        if wait == "skip_wait":  # the ranks' agreement, which each rank's read ends in, on the short timeout
+            init_distributed = ranks.init_distributed
+
+            def short_waits(*args):
+                device = init_distributed(*args)
+                ranks.RANK0_GROUP = None
+                return device
+            ranks.init_distributed = short_waits
     sys.argv = [str(ROOT / "train.py"), *flags]
     runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
 
@@ -127,7 +133,7 @@ def test_the_ranks_wait_out_rank1_reading_its_checkpoint_past_the_collective_tim
     run_dir = tmp_path / "wait" / "runs" / "slowed"
     steps = [r["step"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
     assert steps == list(range(1, 9)) and [p.name for p in run_dir.glob("ckpt_*.pt")] == ["ckpt_000008.pt"]
-    # Without the wait, rank 0 meets rank 1 in agree_to_start's gather, which gives up after the collective timeout
+    # Without the long wait, rank 0 meets rank 1 in the ranks' agreement, which gives up after the collective timeout
     assert skipped.returncode != 0 and slowed in skipped.stderr, why(skipped)
     assert carries(skipped.stderr, f"{COLLECTIVE_TIMEOUT * 1000}ms"), why(skipped)
     assert "step 5/8" not in skipped.stdout

@@ -93,10 +93,10 @@ def one_chunked(corpus, chunked):
 @pytest.fixture(scope="module")
 def two(corpus, chunked):
     """Two processes on this node, 1 micro-batch of 4 each, on the chunked corpus; DDP set up without its deprecated
-    arguments."""
-    result = train(corpus, "--run=two", chunked, nproc=2)
+    arguments -> the losses, and the collectives rank 0 made before step 1."""
+    result = train(corpus, "--run=two", chunked, nproc=2, fault="collectives=1")
     assert "Warning" not in result.stderr, result.stderr[-3000:]
-    return step_losses(corpus, "two")
+    return step_losses(corpus, "two"), re.search(r"collectives before step 1: (\d+) \((.*)\)", result.stdout)
 
 
 @pytest.fixture(scope="module")
@@ -264,10 +264,15 @@ def test_a_command_forked_from_the_suites_torch_is_the_command_in_a_fresh_interp
 
 
 @pytest.mark.slow
-def test_two_processes_give_the_losses_of_one(one_chunked, two):
+def test_two_processes_give_the_losses_of_one_and_agree_once_before_step_1(one_chunked, two):
+    """The ranks meet before step 1 to start (the process group and the long-timeout group), to wait for rank 0's
+    tokenizer, in the one gather of what they found, for the lock's outcome, and in DDP's broadcast."""
+    two, collectives = two
     assert list(one_chunked) == list(two) == list(range(1, 9))
     for step in one_chunked:
         assert two[step] == pytest.approx(one_chunked[step], rel=1e-4), step
+    assert collectives[2] == "init_process_group, new_group, barrier, all_gather_object, all_gather_object, DDP", \
+        collectives[0]
 
 
 @pytest.mark.slow
@@ -571,14 +576,14 @@ def test_every_bad_flag_value_ends_in_one_line_naming_it_and_writes_nothing(flag
         assert not base.exists() or not any(base.rglob("*")), list(base.rglob("*"))
 
 
-@pytest.mark.parametrize("name", ["../escape", "team/exp1", "", ".", "[a]", "-x", "x y"])
+@pytest.mark.parametrize("name", ["../escape", "team/exp1", "", ".", "[a]", "-x", "x y", "x" * 300])
 def test_a_run_name_that_is_not_one_safe_folder_name_is_refused_before_anything_is_made(name, tmp_path,
                                                                                       monkeypatch, capsys):
     base = tmp_path / "base"
     monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(base))
     status, _, err = run_train(monkeypatch, capsys, *TINY, "--data=stdlib", f"--run={name}")
     assert status == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
-    assert carries(err, "--run") and repr(name) in err, err
+    assert carries(err, "--run") and repr(name)[:100] in err, err  # a long name, at least its start
     assert not base.exists() or not any(base.rglob("*")), list(base.rglob("*"))
 
 
@@ -628,17 +633,17 @@ def write_fineweb_shards(base, indices):
 
 @pytest.mark.slow
 def test_a_fineweb_run_reads_its_shards_once_and_continues_only_on_the_same_ones(tmp_path):
-    """A horizon beyond the training shards on disk is refused, naming the download, before the run folder
-    exists; a run within them records its shards, and the same command with a shard added is refused naming
-    both lists; with its shards back, it continues."""
+    """A horizon beyond the training shards on disk (by the download's rule: 1e8 tokens read 4) is refused, naming
+    the download, before the run folder exists; a run within them records its shards, and the same command with a
+    shard added is refused naming both lists; with its shards back, it continues."""
     base = tmp_path / "base"
     write_fineweb_shards(base, [0, 1, 1822])
     fineweb = ["--data=fineweb-edu", "--run=fw", "--save_every=4"]
-    message = refused(train(tmp_path, *fineweb, "--max_tokens=1e7", base=base, expect_ok=False))
-    assert carries(message, "python -m nanoparcae.dataset download -n", "--max_tokens"), message
+    message = refused(train(tmp_path, *fineweb, "--max_tokens=1e8", base=base, expect_ok=False))
+    assert carries(message, "python -m nanoparcae.dataset download --tokens=100000000", "--max_tokens"), message
     assert not (base / "runs").exists()
-    result = train(tmp_path, *fineweb, "--stop_at=4", base=base)
-    assert re.search(r"data: fineweb-edu, about [\d,]+ training tokens \(.*2 shards\)", result.stdout)
+    train(tmp_path, *fineweb, "--stop_at=4", base=base)
+    assert torch.load(base / "runs" / "fw" / "ckpt_000004.pt", weights_only=True)["run"]["train_shards"] == "0-1"
     write_fineweb_shards(base, [2])
     before = untouched(base / "runs" / "fw")
     message = refused(train(tmp_path, *fineweb, base=base, expect_ok=False))
@@ -649,16 +654,14 @@ def test_a_fineweb_run_reads_its_shards_once_and_continues_only_on_the_same_ones
 
 
 @pytest.mark.slow
-def test_a_corpus_read_more_than_once_says_how_often_and_logs_each_epoch(tmp_path):
-    """120 documents, read ahead by the loaders' buffers and trained on several times: each new epoch is said once,
-    in order, and the loaders read at least as many as the start-up line said the run trains on."""
+def test_a_corpus_read_more_than_once_logs_each_epoch(tmp_path):
+    """120 documents , read ahead by the loaders' buffers and trained on for 12,288 tokens: each
+    new epoch is said once, in order, from the second on."""
     (tmp_path / "corpus.txt").write_text("\n\n".join(write_corpus(tmp_path / "all.txt").read_text()
                                                       .split("\n\n")[:120]))
     result = train(tmp_path, "--run=epochs", "--max_tokens=12288", base=tmp_path / "base")
-    times = float(re.search(r"the run trains on them about ([\d.]+) times", result.stdout)[1])
     said = [int(n) for n in re.findall(r"began reading epoch (\d+) of the data", result.stdout)]
-    assert said == list(range(said[0], said[-1] + 1)) and len(said) > 1
-    assert times > 1 and said[-1] >= times, (said, times)
+    assert said == list(range(2, said[-1] + 1)) and len(said) > 1, said
 
 
 @pytest.mark.slow
@@ -702,20 +705,26 @@ RUN_FILES = {  # what a run's files may be instead, made in its folder -> what t
     "a file for its folder": (lambda folder: folder.write_text(""), ""),
     "a dangling symlink for its folder": (lambda folder: folder.symlink_to(folder.with_name("gone")), ""),
     "a folder for its lock": (lambda folder: (folder / "lock").mkdir(parents=True), "lock"),
+    "a symlink to a user's file for its lock": (
+        lambda folder: (folder.mkdir(parents=True), (folder / "lock").symlink_to(folder.parents[2] / "notes.txt")),
+        "lock"),
 }
 
 
 @pytest.mark.parametrize("made", list(RUN_FILES))
 def test_a_run_whose_files_are_not_what_train_py_wrote_is_refused_in_one_line_naming_them(made, tmp_path,
                                                                                           monkeypatch, capsys):
+    """Each refused in one line naming it; a user's file the lock links to is never opened through the link."""
     base = tmp_path / "base"
     monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(base))
     (base / "runs").mkdir(parents=True)
+    (tmp_path / "notes.txt").write_text("the user's own\n")
     make, named = RUN_FILES[made]
     make(base / "runs" / "tiny")
     status, _, err = run_train(monkeypatch, capsys, *TINY, "--data=stdlib", "--run=tiny")
     assert status == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
     assert carries(err, str(base / "runs" / "tiny" / named).rstrip("/")), err
+    assert (tmp_path / "notes.txt").read_text() == "the user's own\n"
 
 
 def test_dry_run_prints_the_paper_size(monkeypatch, capsys):
