@@ -66,7 +66,8 @@ def find_checkpoint(runs_dir, run=None):
     runs = [runs_dir / run] if run else [path for path in sorted(Path(runs_dir).glob("*"))
                                          if path.is_dir() or path.is_symlink()]
     if not (found := [path for path in map(latest, runs) if path]):
-        raise FileNotFoundError(f"no checkpoint under {runs[0] if run else runs_dir}; train one with train.py")
+        raise FileNotFoundError(f"no checkpoint under {runs[0] if run else runs_dir}; train one first with "
+                                f"`python train.py`")
     return max(found, key=lambda path: (path.stat().st_mtime, path.name))
 
 # -----------------------------------------------------------------------------

@@ -652,7 +652,7 @@ def test_a_folder_is_listed_as_glob_listed_it_and_an_unreadable_subfolder_is_nam
     """--data=FOLDER lists what glob's "**/*" listed (hidden names left out, a linked folder followed), so the
     data order stays. A subfolder this user cannot read is named, where glob left it out without a word."""
     folder = tmp_path / "mine"
-    for name in ("a.txt", "sub/b.jsonl", "sub/deeper/c.txt", ".hidden.txt", ".git/d.txt", "sub/.e.txt", "f.md"):
+    for name in ("a.txt", "sub/b.jsonl", "sub/deeper/c.txt", ".hidden.txt", ".git/d.txt", "sub/.e.txt", "f.csv"):
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
         write_jsonl(folder / name, ["some text"])
     (folder / "linked").symlink_to(folder / "sub")

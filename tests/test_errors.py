@@ -12,8 +12,6 @@ from conftest import TINY, carries, raises_naming, refused, run_here
 
 BOUND = ["positive"]  # the rule a value broke
 ERRORS = [  # (command and flags, status, words naming the problem, words naming the fix)
-    (["data.py", "--seq_len=0"], 2, ["--seq_len", "0"], BOUND),
-    (["data.py", "--batch_size=-2"], 2, ["--batch_size", "-2"], BOUND),
     (["-m", "nanoparcae.dataset", "tokenizer", "--vocab_size=0"], 2, ["--vocab_size", "0"], ["--vocab_size=259"]),
     # below the 256 byte tokens and the specials: refused before a tokenizer trains
     (["train.py", *TINY, "--data=stdlib", "--vocab_size=10"], 2, ["--vocab_size", "10"], ["--vocab_size=259"]),
