@@ -260,7 +260,7 @@ def load_run(run=None, ckpt=None):
         flags = f"--data={run['data']} --vocab_size={run['vocab_size']}" if {"data", "vocab_size"} <= run.keys() \
             else "--data and --vocab_size of the run"
         raise FileNotFoundError(f"the tokenizer of checkpoint {path} is not at {' nor at '.join(map(str, places))}; "
-                                f"recreate it with `python -m nanoparcae.dataset tokenizer {flags}`")
+                                f"recreate it with `python -m nanoparcae.tokenizer {flags}`")
     tokenizer = Tokenizer.load(directory)  # a torn file is named before the digest differs
     check_tokenizer(ckpt, path, directory, f"put that tokenizer ({recorded}) back, or load a checkpoint trained "
                                            f"with this one")

@@ -6,11 +6,10 @@ Its five jobs are these.
 - It reads a chunk's documents, and names a file it cannot read with the fix.
 - A ChunkReader shares each chunk it reads among a process's loaders.
 - It checks that a split holds documents, and that FineWeb-Edu's shards on disk cover a run (check_horizon).
-- Its command line downloads FineWeb-Edu's shards and trains a source's tokenizer.
+- Its command line downloads FineWeb-Edu's shards.
 
     python -m nanoparcae.dataset download -n 8                  # FineWeb-Edu: 7 train shards + the validation shard
     python -m nanoparcae.dataset download --depth=12            # the shards the paper's 370M run reads
-    python -m nanoparcae.dataset tokenizer --data=fineweb-edu   # train the 32,768-token BPE on ~2B characters, cache it
 
 A data source (`--data`) is one of these three.
 
@@ -26,7 +25,6 @@ For stdlib and your own files, a hash of each document's text puts a fixed ~5% i
 import contextlib
 import glob
 import hashlib
-import itertools
 import json
 import math
 import os
@@ -366,7 +364,6 @@ def shards_for(num_shards=None, depth=None, tokens=None):
 
 
 def main(argv=None):
-    from nanoparcae.tokenizer import get_tokenizer, vocab_size_flag  # the tokenizer imports this module
     parser = command_parser(__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     p = commands.add_parser("download", allow_abbrev=False,
@@ -378,27 +375,13 @@ def main(argv=None):
     p.add_argument("--tokens", type=positive(float), default=None, help="as many as a run of this many tokens reads")
     p.add_argument("-w", "--workers", type=positive(int), default=4, help="parallel downloads (default 4)")
     p.add_argument("--base_url", default=FINEWEB_URL, help="where the shard_XXXXX.parquet files live")
-    p = commands.add_parser("tokenizer", allow_abbrev=False,
-                            help="train (once) and cache the tokenizer of a data source")
-    p.add_argument("--data", default="fineweb-edu", help="fineweb-edu, stdlib, or a path/folder/glob of your files")
-    p.add_argument("--vocab_size", type=vocab_size_flag, default=32768, help="special tokens included (default 32768)")
-    p.add_argument("--max_chars", type=positive(int), default=2_000_000_000, help="characters to train on (default 2B)")
-    p.add_argument("--doc_cap", type=positive(int), default=10_000, help="characters kept per document (default 10k)")
     args = parser.parse_args(argv)
-    sizes = (("-n", args.num_shards), ("--depth", args.depth), ("--tokens", args.tokens)) \
-        if args.command == "download" else ()
+    sizes = (("-n", args.num_shards), ("--depth", args.depth), ("--tokens", args.tokens))
     if len(sized := [flag for flag, value in sizes if value is not None]) > 1:
         raise ValueError(f"pass one of -n, --depth and --tokens, not {' and '.join(sized)}")
     print(f"Base directory: {get_base_dir()}")
-    if args.command == "download":
-        names = [shard_name(i) for i in shards_for(args.num_shards, args.depth, args.tokens)]
-        download_shards(names, fineweb_dir(make=True), args.base_url, args.workers)
-        return
-    tokenizer = get_tokenizer(args.data, args.vocab_size, args.max_chars, args.doc_cap)
-    texts = list(itertools.islice(iter_documents(args.data, "val"), 1000))
-    num_tokens = sum(map(len, tokenizer.encode(texts)))
-    num_bytes = sum(len(text.encode("utf-8")) for text in texts)
-    print(f"Validation: {num_bytes / num_tokens:.2f} bytes per token over {len(texts)} documents")
+    names = [shard_name(i) for i in shards_for(args.num_shards, args.depth, args.tokens)]
+    download_shards(names, fineweb_dir(make=True), args.base_url, args.workers)
 
 
 if __name__ == "__main__":

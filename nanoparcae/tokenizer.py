@@ -10,9 +10,12 @@ It uses the GPT-4 split pattern and the specials <|bos|>, <|eos|>, <|pad|>. It h
     ids = tokenizer.encode("def f(x):", prepend_bos=True)
     tokenizer.save(directory); tokenizer = Tokenizer.load(directory)
     tokenizer = get_tokenizer("stdlib", 4096)               # trained once, then loaded from its cache
+
+    python -m nanoparcae.tokenizer --data=fineweb-edu       # the 32,768-token BPE on ~2B characters, cached
 """
 
 import base64
+import itertools
 import hashlib
 import json
 import os
@@ -24,7 +27,7 @@ import rustbpe
 import tiktoken
 import torch
 
-from nanoparcae.command import EnvironmentFailure, first_sentence, checked
+from nanoparcae.command import EnvironmentFailure, checked, command_parser, first_sentence, positive, run_command
 from nanoparcae.dataset import ChunkReader, check_split, data_key, iter_documents
 from nanoparcae.files import check_writable, get_base_dir, write_atomically
 
@@ -69,7 +72,7 @@ def unreadable(path, err):
                               f"readable, then run the same command again")
 
 
-RECREATE = "recreate it with `python -m nanoparcae.dataset tokenizer` and the run's --data and --vocab_size"
+RECREATE = "recreate it with `python -m nanoparcae.tokenizer` and the run's --data and --vocab_size"
 
 
 def torn(path, cause):
@@ -277,3 +280,27 @@ def train_and_save(source, vocab_size, directory, max_chars, doc_cap):
             raise ValueError(f"{directory} is in the way of the trained tokenizer ({err.strerror}); move it aside, "
                              f"then run the same command again") from None
     print(f"Trained in {time.time() - t0:.1f}s, saved to {directory}")
+
+
+# -----------------------------------------------------------------------------
+# Command line: train (once) and cache the tokenizer of a data source
+
+
+def main(argv=None):
+    parser = command_parser(__doc__)
+    flag = parser.add_argument
+    flag("--data", default="fineweb-edu", help="fineweb-edu, stdlib, or a path/folder/glob of your files")
+    flag("--vocab_size", type=vocab_size_flag, default=32768, help="special tokens included (default 32768)")
+    flag("--max_chars", type=positive(int), default=2_000_000_000, help="characters to train on (default 2B)")
+    flag("--doc_cap", type=positive(int), default=10_000, help="characters kept per document (default 10k)")
+    args = parser.parse_args(argv)
+    print(f"Base directory: {get_base_dir()}")
+    tokenizer = get_tokenizer(args.data, args.vocab_size, args.max_chars, args.doc_cap)
+    texts = list(itertools.islice(iter_documents(args.data, "val"), 1000))
+    num_tokens = sum(map(len, tokenizer.encode(texts)))
+    num_bytes = sum(len(text.encode("utf-8")) for text in texts)
+    print(f"Validation: {num_bytes / num_tokens:.2f} bytes per token over {len(texts)} documents")
+
+
+if __name__ == "__main__":
+    run_command(main)

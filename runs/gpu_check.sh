@@ -173,7 +173,7 @@ rm -rf "$base/eval_bundle"
 mkdir -p "$base"
 "$PY" -m experiments.gpu_check bundle "$base/eval_bundle"
 # the tokenizer first, under a limit of its own (trained once, then cached under $base)
-stage tokenizer "${LIMIT[tokenizer]}" "$PY" -m nanoparcae.dataset tokenizer --data=stdlib --vocab_size=$vocab
+stage tokenizer "${LIMIT[tokenizer]}" "$PY" -m nanoparcae.tokenizer --data=stdlib --vocab_size=$vocab
 if [ "$tiny" = 1 ]; then
     stage plan "${LIMIT[plan]}" "${FAKE_GPU[@]}" train.py --depth=24 --mu_rec=8 --device=cuda --dry_run
     memory=$FAKE_GPU_BYTES

@@ -78,7 +78,7 @@ download() {  # in stage's `if`, where set -e is off: `|| return`
     show python -m nanoparcae.core_tasks ${EVAL_BUNDLE_URL:+--url="$EVAL_BUNDLE_URL"}
 }
 stage download download
-stage tokenizer python -m nanoparcae.dataset tokenizer --data=fineweb-edu --vocab_size="$vocab"
+stage tokenizer python -m nanoparcae.tokenizer --data=fineweb-edu --vocab_size="$vocab"
 
 # -----------------------------------------------------------------------------
 # Training, then the evals: bpb at T = 1..32 and the fit of L(T), the paper's val PPL and CORE at T = mu_rec

@@ -56,7 +56,7 @@ CASES = {
                                          ["base folder", "{base}"], ["NANOPARCAE_BASE_DIR"]),
     "base folder a file, download": (["-m", "nanoparcae.dataset", "download", "-n", "2"], base_is_a_file, 2,
                                      ["base folder", "{base}"], ["NANOPARCAE_BASE_DIR"]),
-    "base folder a file, tokenizer": (["-m", "nanoparcae.dataset", "tokenizer"], base_is_a_file, 2,
+    "base folder a file, tokenizer": (["-m", "nanoparcae.tokenizer"], base_is_a_file, 2,
                                       ["base folder", "{base}"], ["NANOPARCAE_BASE_DIR"]),
     "base folder a file, hub sample": (["-m", "interop.hub", "sample", "d6_diagonal"], base_is_a_file, 2,
                                        ["base folder", "{base}"], ["NANOPARCAE_BASE_DIR"]),

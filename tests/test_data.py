@@ -141,7 +141,7 @@ def cut_at_a_line(path):
 def test_a_torn_tokenizer_file_is_named_with_the_command_that_recreates_it(tokenizer, tmp_path, name, cut):
     tokenizer.save(tmp_path / "tok")
     cut(tmp_path / "tok" / name)
-    with raises_naming(ValueError, str(tmp_path / "tok" / name), "python -m nanoparcae.dataset tokenizer") as torn:
+    with raises_naming(ValueError, str(tmp_path / "tok" / name), "python -m nanoparcae.tokenizer") as torn:
         Tokenizer.load(tmp_path / "tok")
     assert "\n" not in str(torn.value)
 
@@ -162,7 +162,7 @@ def test_a_tokenizer_that_cannot_be_read_is_the_machines_named(tokenizer, tmp_pa
         get_tokenizer("stdlib", 400)
 
 
-@pytest.mark.parametrize("command", [["-m", "nanoparcae.dataset", "tokenizer"], ["train.py"]])
+@pytest.mark.parametrize("command", [["-m", "nanoparcae.tokenizer"], ["train.py"]])
 def test_an_unreasonable_vocabulary_is_refused_before_any_work(command, monkeypatch, capsys):
     line = refused(run_here([*command, "--vocab_size=2147483647"], monkeypatch, capsys))
     assert carries(line, "2147483647", "259", "1048576"), line
@@ -277,13 +277,13 @@ def test_a_tokenizer_folder_copied_in_part_names_what_it_lacks_with_a_fix_that_w
     for name in lacking:
         (folder / name).unlink()
     for read in (lambda: get_tokenizer(str(corpus), 300), lambda: Tokenizer.saved(folder)):
-        with raises_naming(ValueError, str(folder), *lacking, "remove", "python -m nanoparcae.dataset tokenizer"):
+        with raises_naming(ValueError, str(folder), *lacking, "remove", "python -m nanoparcae.tokenizer"):
             read()
-    command = ["tokenizer", f"--data={corpus}", "--vocab_size=300"]
-    assert run_cli(monkeypatch, "nanoparcae.dataset", *command) == 2
+    command = [f"--data={corpus}", "--vocab_size=300"]
+    assert run_cli(monkeypatch, "nanoparcae.tokenizer", *command) == 2
     assert len(capsys.readouterr().err.splitlines()) == 1
     shutil.rmtree(folder)
-    assert run_cli(monkeypatch, "nanoparcae.dataset", *command) == 0 and Tokenizer.saved(folder)
+    assert run_cli(monkeypatch, "nanoparcae.tokenizer", *command) == 0 and Tokenizer.saved(folder)
 
 
 @pytest.mark.parametrize("spec", [[1, 2], {"model": "BPE"},
@@ -572,7 +572,7 @@ def run_cli(monkeypatch, command, *argv):
 
 
 def test_the_tokenizer_command_without_shards_fails_before_announcing_training(monkeypatch, capsys):
-    assert run_cli(monkeypatch, "nanoparcae.dataset", "tokenizer", "--data=fineweb-edu") == 2
+    assert run_cli(monkeypatch, "nanoparcae.tokenizer", "--data=fineweb-edu") == 2
     out, err = capsys.readouterr()
     assert "Training" not in out and len(err.splitlines()) == 1, err  # the line's words: test_errors.py
 
@@ -593,7 +593,7 @@ def test_a_base_folder_that_cannot_be_written_is_one_line(tmp_path, monkeypatch,
         (tmp_path / "a_file").write_text("")
         base = tmp_path / "a_file" / "base"
     monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(base))
-    status = run_cli(monkeypatch, "nanoparcae.dataset", "tokenizer", "--data=stdlib")
+    status = run_cli(monkeypatch, "nanoparcae.tokenizer", "--data=stdlib")
     assert status == (1 if kind == "read-only mount" else 2)
     strerror = os.strerror(errno.EROFS if kind == "read-only mount" else errno.ENOTDIR)
     out, message = capsys.readouterr()
@@ -631,7 +631,7 @@ def test_a_read_only_cache_serves_the_commands_that_only_read(tmp_path, monkeypa
 
 
 def test_a_flag_is_never_taken_for_a_prefix_of_another(monkeypatch, capsys):
-    assert run_cli(monkeypatch, "nanoparcae.dataset", "tokenizer", "--vocab=300") == 2
+    assert run_cli(monkeypatch, "nanoparcae.tokenizer", "--vocab=300") == 2
     assert carries(capsys.readouterr().err, "--vocab=300")
 
 

@@ -12,11 +12,11 @@ from conftest import TINY, carries, raises_naming, refused, run_here
 
 BOUND = ["positive"]  # the rule a value broke
 ERRORS = [  # (command and flags, status, words naming the problem, words naming the fix)
-    (["-m", "nanoparcae.dataset", "tokenizer", "--vocab_size=0"], 2, ["--vocab_size", "0"], ["--vocab_size=259"]),
+    (["-m", "nanoparcae.tokenizer", "--vocab_size=0"], 2, ["--vocab_size", "0"], ["--vocab_size=259"]),
     # below the 256 byte tokens and the specials: refused before a tokenizer trains
     (["train.py", *TINY, "--data=stdlib", "--vocab_size=10"], 2, ["--vocab_size", "10"], ["--vocab_size=259"]),
     (["sample.py", "--ckpt=/nonexistent.pt"], 2, ["/nonexistent.pt"], ["ckpt_*.pt", "{base}/runs"]),
-    (["-m", "nanoparcae.dataset", "tokenizer", "--data=fineweb-edu"], 2, ["{base}/fineweb-edu", "shard_01822.parquet"],
+    (["-m", "nanoparcae.tokenizer", "--data=fineweb-edu"], 2, ["{base}/fineweb-edu", "shard_01822.parquet"],
      ["python -m nanoparcae.dataset download -n"]),
     (["-m", "nanoparcae.dataset", "download", "-n", "1"], 2, ["-n", "1"], ["2"]),  # a train shard and the val one
     (["-m", "nanoparcae.dataset", "download", "--workers=0"], 2, ["--workers", "0"], BOUND),

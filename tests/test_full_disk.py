@@ -302,7 +302,7 @@ READ_ONLY = {  # command ({run}: the run's folder), the folder mounted read-only
     "export onto a file": (["-m", "interop.hub", "export", "ro", "{run}/metrics.jsonl"], "{run}", 2,
                            ["{run}/metrics.jsonl"]),
     "train": (["train.py", "--data={corpus}", *TINY, "--run=other"], "{runs}", 1, ["{runs}/other"]),
-    "tokenizer": (["-m", "nanoparcae.dataset", "tokenizer", "--data={corpus}", "--vocab_size=300"], "{tokenizers}", 1,
+    "tokenizer": (["-m", "nanoparcae.tokenizer", "--data={corpus}", "--vocab_size=300"], "{tokenizers}", 1,
                   ["{tokenizers}"]),
 }
 

@@ -79,7 +79,7 @@ def test_a_wrong_checkpoint_or_tokenizer_is_one_line(moved, tmp_path, monkeypatc
         return {**changed, "digest": digest_of(changed)}
     torch.save(signed(tokenizer_dir=str(tmp_path / "gone" / "files-0-320")), tmp_path / "no_tokenizer.pt")
     assert message(tmp_path / "no_tokenizer.pt", FileNotFoundError).endswith(
-        f"recreate it with `python -m nanoparcae.dataset tokenizer --data={ckpt['args']['data']} --vocab_size=320`")
+        f"recreate it with `python -m nanoparcae.tokenizer --data={ckpt['args']['data']} --vocab_size=320`")
     smaller = signed(config={**ckpt["config"], "vocab_size": 300})  # padded to 320 as well: the same weights
     torch.save(smaller, tmp_path / "smaller.pt")
     assert message(tmp_path / "smaller.pt").endswith("has 320 tokens, the model 300: they are not from the same run")

@@ -339,7 +339,7 @@ def test_missing_or_corrupt_checkpoint_gives_one_clear_line(tmp_path, checkpoint
     assert carries(empty, str(early / "runs"))
     assert carries(gone, str(runs / "tiny" / "ckpt_000005.pt"), "tiny")  # the folder's newest checkpoint, and its run
     assert carries(bad, str(tmp_path / "bad.pt"), "nanoparcae", "checkpoint") and "remove" not in bad  # not ours
-    assert carries(lacking, str(no_tokenizer), "python -m nanoparcae.dataset tokenizer")
+    assert carries(lacking, str(no_tokenizer), "python -m nanoparcae.tokenizer")
 
 
 @pytest.mark.slow
