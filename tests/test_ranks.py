@@ -2,8 +2,8 @@
 different checkpoints, or that hold other shards or another tokenizer, both refuse and train nothing; a second command
 on a live run is refused naming the holder, and the live run ends as it would have alone, and a filesystem without locks
 is trained on with a warning; replicas whose weights drift apart stop the run at the checkpoint; CORE's eval bundle is
-on every rank or skipped on every rank. The runs are train.py in subprocesses, as users run it; faults come from
-tests/faulty_train.py."""
+on every rank or skipped on every rank; a rank whose peer died says so in one line. The runs are train.py in
+subprocesses, as users run it; faults come from tests/faulty_train.py."""
 
 import errno
 import io
@@ -25,7 +25,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nanoparcae import command, run as guards
-from conftest import Started, awaited, beforehand, carries, refused, train, train_command, train_env, untouched
+from conftest import (Started, awaited, beforehand, carries, refused, serving, train, train_command, train_env,
+                      untouched)
 from nanoparcae import dataset
 from nanoparcae.download import shared_eval_bundle
 from nanoparcae.run import claim, run_holder
@@ -226,9 +227,11 @@ def bundle_zip():
     return buffer.getvalue()
 
 
-def bundle_worker(rank, port, root, url):
+def two_ranks_worker(rank, port, root, url):
     """One "node" of two (each its own local rank 0 and base folder, node 0's holding the bundle): the bundle
-    asked for where node 1 cannot fetch it, then where it can, then from one base folder the two share."""
+    asked for where node 1 cannot fetch it, then where it can, then from one base folder the two share. Then rank 1
+    dies with the group open, as a killed worker does, and rank 0's next all-reduce fails inside run_command, whose
+    stderr and status go to root."""
     torch.set_num_threads(1)
     os.environ["LOCAL_RANK"] = "0"
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
@@ -240,32 +243,6 @@ def bundle_worker(rank, port, root, url):
         bundle_dir, why = shared_eval_bundle(f"{url}/{path}")
         results.append([bundle_dir and str(bundle_dir), why])
     Path(root, f"rank{rank}.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
-
-
-@pytest.mark.slow
-def test_the_eval_bundle_is_on_every_rank_or_core_is_skipped_on_every_rank(tmp_path, server):
-    (server.root / "eval_bundle.zip").write_bytes(bundle_zip())
-    (tmp_path / "node0" / "eval_bundle").mkdir(parents=True)
-    (tmp_path / "node0" / "eval_bundle" / "eval_meta_data.csv").write_text("Eval Task,Random baseline\n")
-    mp.start_processes(bundle_worker, args=(free_port(), str(tmp_path), server.url), nprocs=2,
-                       start_method="forkserver")  # forked from the server conftest started
-    results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
-    (lacking0, *_), (lacking1, *_) = results  # node 0 has the bundle, node 1 cannot fetch it: neither runs CORE
-    assert lacking0 == [None, "a node has no eval bundle (its local rank 0 could not fetch it), so no rank runs CORE"]
-    assert lacking1[0] is None and lacking1[1].startswith("the eval bundle is not available (") and \
-        "missing.zip answered HTTP 404" in lacking1[1], lacking1
-    for rank, (_, fetched, shared) in enumerate(results):
-        assert fetched == [str(tmp_path / f"node{rank}" / "eval_bundle"), None]
-        assert shared == [str(tmp_path / "shared" / "eval_bundle"), None]
-    assert server.requests == ["/missing.zip", "/eval_bundle.zip", "/eval_bundle.zip"]  # the shared folder fetched once
-
-
-def lost_peer_worker(rank, port, root):
-    """Two gloo ranks: rank 1 dies with the group open, as a killed worker does; rank 0's next all-reduce fails
-    inside run_command, whose stderr and status go to root."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=60))
     if rank == 1:
         os._exit(0)
     os.dup2(os.open(Path(root, "stderr"), os.O_WRONLY | os.O_CREAT), 2)
@@ -275,9 +252,37 @@ def lost_peer_worker(rank, port, root):
         Path(root, "status").write_text(str(stop.code))
 
 
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """two_ranks_worker's two processes, forked once for the two tests that read them -> their folder, and the
+    requests the bundle's server answered."""
+    root = tmp_path_factory.mktemp("two_ranks")
+    with serving(root / "www") as server:
+        (server.root / "eval_bundle.zip").write_bytes(bundle_zip())
+        (root / "node0" / "eval_bundle").mkdir(parents=True)
+        (root / "node0" / "eval_bundle" / "eval_meta_data.csv").write_text("Eval Task,Random baseline\n")
+        mp.start_processes(two_ranks_worker, args=(free_port(), str(root), server.url), nprocs=2,
+                           start_method="forkserver")  # forked from the server conftest started
+        return root, server.requests
+
+
 @pytest.mark.slow
-def test_a_rank_whose_peer_died_stops_in_one_line_naming_it_and_the_command_that_resumes(tmp_path):
-    mp.start_processes(lost_peer_worker, args=(free_port(), str(tmp_path)), nprocs=2, start_method="forkserver")
+def test_the_eval_bundle_is_on_every_rank_or_core_is_skipped_on_every_rank(two_ranks):
+    tmp_path, requests = two_ranks
+    results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    (lacking0, *_), (lacking1, *_) = results  # node 0 has the bundle, node 1 cannot fetch it: neither runs CORE
+    assert lacking0 == [None, "a node has no eval bundle (its local rank 0 could not fetch it), so no rank runs CORE"]
+    assert lacking1[0] is None and lacking1[1].startswith("the eval bundle is not available (") and \
+        "missing.zip answered HTTP 404" in lacking1[1], lacking1
+    for rank, (_, fetched, shared) in enumerate(results):
+        assert fetched == [str(tmp_path / f"node{rank}" / "eval_bundle"), None]
+        assert shared == [str(tmp_path / "shared" / "eval_bundle"), None]
+    assert requests == ["/missing.zip", "/eval_bundle.zip", "/eval_bundle.zip"]  # the shared folder fetched once
+
+
+@pytest.mark.slow
+def test_a_rank_whose_peer_died_stops_in_one_line_naming_it_and_the_command_that_resumes(two_ranks):
+    tmp_path, _ = two_ranks
     stderr = (tmp_path / "stderr").read_text()
     assert (tmp_path / "status").read_text() == "1" and len(stderr.strip().splitlines()) == 1, stderr[-3000:]
     assert carries(stderr, "127.0.0.1", "gone", "same command", "resumes"), stderr
