@@ -63,7 +63,7 @@ CASES = {
     "--resume, nothing to resume": (["train.py", "--resume"], None, 2,
                                     ["no checkpoint", "d6_diagonal"], ["without", "--resume"]),
     "horizon past the shards on disk": (["train.py", *TINY, "--data=fineweb-edu", "--max_tokens=1e8"], three_shards,
-                                        2, ["3 are on disk", "FineWeb-Edu"],
+                                        2, ["FineWeb-Edu", "3 are on disk"],
                                         ["python -m nanoparcae.dataset download --tokens=100000000"]),
     "corrupt row group": (["train.py", *TINY, "--data={corpus}"], corrupt_pages, 2, ["{corrupt}", "row group 1"],
                           ["remove"]),
