@@ -41,10 +41,8 @@ def nearest(folder):
 
 def check_writable(folder, what, needs=0, fix=None, refusal=None):
     """Raise before work whose result `what` goes to `folder` if `needs` bytes could not be written there.
-    A file named as the folder raises ValueError.
-    A read-only or full disk raises `refusal`, EnvironmentFailure by default, or ValueError for a folder the user set.
-    A missing folder is tried at the nearest folder above it, and not made. `fix` replaces the advice.
-    Called on the rank that writes."""
+    A file named as the folder raises ValueError, a read-only or full disk `refusal` (EnvironmentFailure
+    by default). A missing folder is tried at the nearest folder above it, and not made."""
     folder, there = Path(folder).absolute(), nearest(folder)
     if not there.is_dir():
         why = ("it is a file" if there == folder else
@@ -77,8 +75,7 @@ def write_atomically(path, write, partial=None):
             partial.unlink()
         if isinstance(err, OSError) and err.errno in NO_WRITE:
             raise EnvironmentFailure(f"{path} could not be written ({err.strerror}); nothing else changed: free "
-                                     f"space on its disk or make {path.parent} writable, then run the same "
-                                     f"command again") from err
+                                     f"space on its disk or make {path.parent} writable, then run again") from err
         raise
 
 
@@ -98,16 +95,15 @@ def read_json(path, kind=dict):
     try:
         value = json.loads(Path(path).read_text())
     except (ValueError, OSError) as err:
-        raise ValueError(f"{path} is not whole JSON ({err}): delete it, or run again the command that "
-                         f"wrote it") from None
+        raise ValueError(f"{path} is not whole JSON ({err}): delete it, or rerun the command that wrote it") from None
     if not isinstance(value, kind):
         raise ValueError(f"{path} holds a JSON {type(value).__name__}, not the {kind.__name__} this "
-                         f"project writes there: delete it, or run again the command that wrote it")
+                         f"project writes there: delete it, or rerun the command that wrote it")
     return value
 
 
 def disk_full(folder, needs):
     """Stop a run whose disk is full with EnvironmentFailure, naming what `needs` room and what is free."""
-    raise EnvironmentFailure(
-        f"the disk holding {folder} is full: {needs} and {size(shutil.disk_usage(folder).free)} is free; "
-        f"the last checkpoint is kept: free space there, then the same command continues from it") from None
+    free = size(shutil.disk_usage(folder).free)
+    raise EnvironmentFailure(f"the disk holding {folder} is full: {needs} and {free} is free; the last checkpoint is "
+                             f"kept: free space there, then the same command continues from it") from None
