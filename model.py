@@ -517,14 +517,12 @@ class Parcae(nn.Module):
     def forward(self, idx, targets=None, T=None, depths=None, h0=None, cache=None, reduction="mean",
                 depth_generator=None, h0_generator=None, diagnostics=None):
         """idx (B, S) -> logits (B, S, vocab).
-
         - With targets (-1 is ignored) it returns the cross-entropy, (B, S) with reduction="none".
         - T or depths = (n, k) give the steps without / with gradient per sequence (loop_depths).
         - h0 (B, S, d) is the initial state. Without it h0_generator draws one on idx's device.
           With neither, training raises ValueError and eval mode draws from a generator seeded 0.
         - cache is decoding's KV cache, which the S new positions extend.
-        - diagnostics is a dict that gets ||h_T|| and the update ratio.
-        """
+        - diagnostics is a dict that gets ||h_T|| and the update ratio."""
         Bbar_e, ves, cos, sin = self.run_prelude(idx, cache)
         if self.injection is None:  # the Transformer runs its recurrent blocks once on e, no h0
             h, h_prev = self.recurrent_block(Bbar_e, 0, ves, cos, sin, cache), None
@@ -615,8 +613,7 @@ class Parcae(nn.Module):
             with torch.set_grad_enabled(grad and step >= n_max):  # gradient in the last k_i steps
                 h_now = self.loop_step(h_now, Bbar_e_now, A_bar, step, ves_now, cos, sin, cache)
             h_prev, h = h, (h_now if looping == len(h) else torch.cat([h_now, h[looping:]]))
-        # back in the caller's order
-        if not sorted_already:
+        if not sorted_already:  # back in the caller's order
             back = torch.argsort(rows)
             h, h_prev = h[back], h_prev[back]
         return h, h_prev
@@ -674,7 +671,6 @@ class Parcae(nn.Module):
 
     def compile_regions(self, backend="inductor"):
         """Compile the forward in regions, each a plain method above, and keep the loop in Python.
-
         - run_prelude runs the prelude, its norm and Bbar e.
         - loop_step runs the injection and the recurrent block (the Transformer's recurrent_block).
         - coda_loss runs the coda, the head and the loss. In one graph the loss reads the head's

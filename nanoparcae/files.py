@@ -33,17 +33,12 @@ def get_base_dir():
     return base_dir
 
 
-def nearest(folder):
-    """Return `folder`, or the nearest path above it that exists, where a write would be tried."""
-    folder = Path(folder).absolute()
-    return next(path for path in (folder, *folder.parents) if path.exists())
-
-
 def check_writable(folder, what, needs=0, fix=None, refusal=None):
     """Raise before work whose result `what` goes to `folder` if `needs` bytes could not be written there.
     A file named as the folder raises ValueError, a read-only or full disk `refusal` (EnvironmentFailure
     by default). A missing folder is tried at the nearest folder above it, and not made."""
-    folder, there = Path(folder).absolute(), nearest(folder)
+    folder = Path(folder).absolute()
+    there = next(path for path in (folder, *folder.parents) if path.exists())  # where a write is tried
     if not there.is_dir():
         why = ("it is a file" if there == folder else
                f"it cannot be made ({os.strerror(errno.ENOTDIR)}, since {there} is a file)")
