@@ -171,7 +171,6 @@ def evaluate_core(model, tokenizer, bundle_dir, T=None, max_per_task=-1, tasks="
             print0(f"{task.label:<34} {task.shots:>2}-shot {task.kind:<17} {len(data):>6} items  "
                    f"accuracy {accuracy[task.label]:.4f}  centered {centered[task.label]:+.4f}  "
                    f"{time.time() - t0:6.1f}s")
-    # Average CORE over its 22 tasks and Core-Extended over all that ran.
     core = [c for label, c in centered.items() if label in CORE_LABELS]
     extended_ran = any(label not in CORE_LABELS for label in centered)
     return {"T": T if T is not None else model.config.mu_rec, "seed": seed,
@@ -286,9 +285,8 @@ def fit_line(Ts, losses, mu_rec):
     fit = fit_test_time_scaling(Ts, losses)
     at_mu = losses[Ts.index(mu_rec)]
     print0(f"L(T) = L_inf + Z exp(-z T): L_inf {fit['L_inf']:.4f}  Z {fit['Z']:.4f}  "
-           f"z {fit['z']:.4f}  RMS error {fit['rms']:.2e}; "
-           f"L_inf vs loss at T = mu_rec = {mu_rec} ({at_mu:.4f}): "
-           f"{100 * (fit['L_inf'] - at_mu) / at_mu:+.2f}%")
+           f"z {fit['z']:.4f}  RMS error {fit['rms']:.2e}; L_inf vs loss at T = mu_rec = {mu_rec} "
+           f"({at_mu:.4f}): {100 * (fit['L_inf'] - at_mu) / at_mu:+.2f}%")
     if fit["at_edge"]:
         print0(f"warning: the fit of L(T) ends at the edge of its search, z = {fit['z']:g} "
                f"(searched {Z_RATES[0]:g} to {Z_RATES[1]:g}): the losses follow no such law, "

@@ -133,9 +133,8 @@ def apply_rotary(x, cos, sin):
 class Attention(nn.Module):
     def __init__(self, config, has_value_embed):
         super().__init__()
-        # q and k are normed with eps None, the dtype's epsilon, as the authors' F.rms_norm(q) is
         d, self.n_head, self.head_dim = config.d_model, config.n_head, config.head_dim
-        self.eps = None
+        self.eps = None  # q, k norms use the dtype's epsilon, as the authors' F.rms_norm(q)
         self.c_q = nn.Linear(d, d, bias=False)
         self.c_k = nn.Linear(d, d, bias=False)
         self.c_v = nn.Linear(d, d, bias=False)
@@ -344,7 +343,6 @@ def decoding_initial_state(shape, device, generators):
 # -----------------------------------------------------------------------------
 # The depths are the loop steps each sequence of a training forward runs (METHOD.md §2), n_i steps
 # without gradient, then k_i with it. Parcae.loop_depths, right after forward, draws them from here.
-
 # Each sampler's text says what it draws, then its mean executed (n + k) and backprop (k) steps,
 # at mu_rec 8, mu_bwd 4; "mu_rec - mu_bwd" means max(0, mu_rec - mu_bwd).
 # The Poisson ones are the authors' other per-batch schemes (their names, "-" written "_").
@@ -529,8 +527,7 @@ class Parcae(nn.Module):
         else:
             n, k = self.loop_depths(idx.size(0), T, depths, depth_generator)
             if cache is not None and ((n != n[0]).any() or (k != k[0]).any()):
-                raise ValueError("decoding with a KV cache runs one depth for the whole batch: "
-                                 "give T, not depths")
+                raise ValueError("a KV cache runs one depth for every row: give T, not depths")
             if h0 is None:
                 h0 = self.draw_h0(Bbar_e.shape, Bbar_e.device, h0_generator)
             h, h_prev = self.recurrence(h0.to(Bbar_e.dtype), Bbar_e, n, k, ves, cos, sin, cache)
@@ -592,7 +589,6 @@ class Parcae(nn.Module):
 
         Row 0 runs 7 steps, row 1 its 3 at steps 4-6 and row 2 its 1 at step 6, so all end together.
         """
-        # sort the rows longest first, so the rows still looping are a prefix
         order = torch.argsort(n + k, descending=True, stable=True)
         sorted_already = bool((order == torch.arange(len(order))).all())
         if not sorted_already:
@@ -740,9 +736,8 @@ class Parcae(nn.Module):
             return 2 * linears + blocks * 4 * c.seq_len * c.d_model
 
         # a loop step runs the recurrent blocks and concat's adapter (Parcae's B makes Bbar e once)
-        per_step = [*self.recur, *([self.injection] if c.injection == "concat" else [])] \
-            if self.injection is not None else []
-        step = forward_flops(per_step)
+        per_step = [*self.recur, *([self.injection] if c.injection == "concat" else [])]
+        step = forward_flops(per_step) if self.injection is not None else 0
         once = forward_flops([self]) - step + 2 * self.wte.weight.numel()
         if self.injection is None:  # the Transformer runs its blocks once, whatever n and k
             return (3 if backward else 1) * once

@@ -23,8 +23,7 @@ def get_base_dir():
     A folder there is not written, since a read-only one serves reads and each write checks its own."""
     setting = os.environ.get("NANOPARCAE_BASE_DIR", str(Path.home() / ".cache" / "nanoparcae"))
     if not setting.strip():  # an empty setting would write into the current folder
-        raise ValueError("NANOPARCAE_BASE_DIR is set but empty; set it to a folder, or unset it for "
-                         "~/.cache/nanoparcae")
+        raise ValueError("NANOPARCAE_BASE_DIR is set but empty; set it to a folder, or unset it (~/.cache/nanoparcae)")
     base_dir = Path(setting).expanduser()
     if not base_dir.is_dir():
         check_writable(base_dir, "the base folder's runs, data and tokenizers",
