@@ -105,8 +105,8 @@ class ParcaeConfig:
     @property
     def backprop_depth(self):
         """The most loop steps a sequence backpropagates under its sampler, which memory follows.
-        It is mu_bwd where sample_depths caps k there, 2 mu_bwd for poisson_unbounded's k ~ U{1..2
-        mu_bwd}, and for poisson_full's k = max(1, Poisson(r)) the k passed once in 10^6 draws."""
+        It is mu_bwd where k is capped there, 2 mu_bwd for poisson_unbounded's k ~ U{1..2 mu_bwd},
+        and for poisson_full's k = max(1, Poisson(r)) the k passed once in 10^6 draws."""
         if self.sampling == "poisson_unbounded":
             return 2 * self.mu_bwd
         if self.sampling == "poisson_full":
