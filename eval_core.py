@@ -97,14 +97,11 @@ def score_rows(model, rows, T, h0_table, batch_tokens=1024, one_per_forward=Fals
             ids = ids.to(device)
             with bf16_autocast(device):
                 logits = model(ids, T=T, h0=h0_table[:, :width].expand(len(batch), -1, -1))
-            batch_losses, batch_exact = [], []
-            for j, i in enumerate(batch):
-                row = rows[i]
-                predicted, targets = logits[j, row.start - 1:row.end - 1], ids[j, row.start:row.end]
-                batch_losses.append(F.cross_entropy(predicted, targets))
-                batch_exact.append((predicted.argmax(-1) == targets).all())
-            scores = zip(torch.stack(batch_losses).tolist(), torch.stack(batch_exact).tolist())
-            for i, (loss, hit) in zip(batch, scores):
+            pairs = [(logits[j, r.start - 1:r.end - 1], ids[j, r.start:r.end])  # predicted, targets
+                     for j, r in enumerate(rows[i] for i in batch)]
+            batch_losses = torch.stack([F.cross_entropy(p, t) for p, t in pairs]).tolist()
+            batch_exact = torch.stack([(p.argmax(-1) == t).all() for p, t in pairs]).tolist()
+            for i, loss, hit in zip(batch, batch_losses, batch_exact):
                 losses[i], exact[i] = loss, hit
         return losses, exact
 
@@ -152,7 +149,6 @@ def evaluate_core(model, tokenizer, bundle_dir, T=None, max_per_task=-1, tasks="
     device = next(model.parameters()).device
     # A GPU wants big batches; on a CPU a small batch's elementwise ops stay in cache.
     batch_tokens = batch_tokens or (16384 if device.type == "cuda" else 1024)
-    # One seeded h0 table and the chance baselines serve every task.
     baselines = read_random_baselines(bundle_dir)
     h0_table = evaluation_initial_state(model.config.d_model, model.config.seq_len, seed, device)
     accuracy, centered, skipped, items = {}, {}, {}, {}
@@ -175,7 +171,6 @@ def evaluate_core(model, tokenizer, bundle_dir, T=None, max_per_task=-1, tasks="
             print0(f"{task.label:<34} {task.shots:>2}-shot {task.kind:<17} {len(data):>6} items  "
                    f"accuracy {accuracy[task.label]:.4f}  centered {centered[task.label]:+.4f}  "
                    f"{time.time() - t0:6.1f}s")
-    # Average CORE over its 22 tasks and Core-Extended over all that ran.
     core = [c for label, c in centered.items() if label in CORE_LABELS]
     extended_ran = any(label not in CORE_LABELS for label in centered)
     return {"T": T if T is not None else model.config.mu_rec, "seed": seed,
@@ -280,9 +275,8 @@ def fit_test_time_scaling(Ts, losses):
         lo, hi = (lo, b) if solve(a)[0] < solve(b)[0] else (a, hi)
     log_z = (lo + hi) / 2
     rms, (L_inf, Z) = solve(log_z)
-    at_edge = bool(min(abs(log_z - grid[0]), abs(log_z - grid[-1])) < 1e-6)
     return {"L_inf": float(L_inf), "Z": float(Z), "z": math.exp(log_z), "rms": rms,
-            "at_edge": at_edge}
+            "at_edge": bool(min(abs(log_z - grid[0]), abs(log_z - grid[-1])) < 1e-6)}
 
 
 def fit_line(Ts, losses, mu_rec):
@@ -291,9 +285,8 @@ def fit_line(Ts, losses, mu_rec):
     fit = fit_test_time_scaling(Ts, losses)
     at_mu = losses[Ts.index(mu_rec)]
     print0(f"L(T) = L_inf + Z exp(-z T): L_inf {fit['L_inf']:.4f}  Z {fit['Z']:.4f}  "
-           f"z {fit['z']:.4f}  RMS error {fit['rms']:.2e}; "
-           f"L_inf vs loss at T = mu_rec = {mu_rec} ({at_mu:.4f}): "
-           f"{100 * (fit['L_inf'] - at_mu) / at_mu:+.2f}%")
+           f"z {fit['z']:.4f}  RMS error {fit['rms']:.2e}; L_inf vs loss at T = mu_rec = {mu_rec} "
+           f"({at_mu:.4f}): {100 * (fit['L_inf'] - at_mu) / at_mu:+.2f}%")
     if fit["at_edge"]:
         print0(f"warning: the fit of L(T) ends at the edge of its search, z = {fit['z']:g} "
                f"(searched {Z_RATES[0]:g} to {Z_RATES[1]:g}): the losses follow no such law, "
@@ -380,18 +373,17 @@ def run_bpb(args, model, tokenizer, source, Ts, device):
     tokens = len(batches) * args.batch_size * model.config.seq_len * world
     print0(f"Validation: {source}, {len(batches)} batches of {args.batch_size} x "
            f"{model.config.seq_len} per rank")
-    losses, bpbs = [], []
+    out = {"T": Ts, "loss": [], "bpb": [], "data": source,
+           "measured": {"data": data_key(source), "amount": tokens}}
     for T in Ts:
         t0 = time.time()
         loss, bpb = evaluate_bpb(model, tokenizer, batches, T)
-        losses.append(loss)
-        bpbs.append(bpb)
+        out["loss"].append(loss)
+        out["bpb"].append(bpb)
         print0(f"T = {T:>3}: val loss {loss:.4f}  bpb {bpb:.4f}  ppl {perplexity(loss):.2f}  "
                f"{time.time() - t0:.1f}s")
-    out = {"T": Ts, "loss": losses, "bpb": bpbs, "data": source,
-           "measured": {"data": data_key(source), "amount": tokens}}
-    if len(Ts) >= 3 and all(map(math.isfinite, losses)):  # non-finite ones are refused, not fitted
-        out["fit"] = fit_line(Ts, losses, mu_rec)
+    if len(Ts) >= 3 and all(map(math.isfinite, out["loss"])):  # non-finite: refused, not fitted
+        out["fit"] = fit_line(Ts, out["loss"], mu_rec)
     return out
 
 

@@ -65,9 +65,8 @@ class ParcaeConfig:
     def __post_init__(self):
         if self.n_head is None:
             if self.d_model % self.head_dim != 0:
-                raise ValueError(f"d_model={self.d_model} is not a multiple of "
-                                 f"head_dim={self.head_dim}; pick a d_model divisible by "
-                                 f"{self.head_dim} or set head_dim")
+                raise ValueError(f"d_model={self.d_model} is not a multiple of head_dim="
+                                 f"{self.head_dim}; pick a d_model divisible by it or set head_dim")
             self.n_head = self.d_model // self.head_dim
         elif self.n_head * self.head_dim != self.d_model:
             raise ValueError(f"n_head={self.n_head} x head_dim={self.head_dim} "
@@ -106,9 +105,8 @@ class ParcaeConfig:
     @property
     def backprop_depth(self):
         """The most loop steps a sequence backpropagates under its sampler, which memory follows.
-        It is mu_bwd where sample_depths caps k there, and 2 mu_bwd for poisson_unbounded's
-        k ~ U{1..2 mu_bwd}. For poisson_full's k = max(1, Poisson(r)) it is the k passed once
-        in 10^6 draws."""
+        It is mu_bwd where k is capped there, 2 mu_bwd for poisson_unbounded's k ~ U{1..2 mu_bwd},
+        and for poisson_full's k = max(1, Poisson(r)) the k passed once in 10^6 draws."""
         if self.sampling == "poisson_unbounded":
             return 2 * self.mu_bwd
         if self.sampling == "poisson_full":
@@ -135,9 +133,8 @@ def apply_rotary(x, cos, sin):
 class Attention(nn.Module):
     def __init__(self, config, has_value_embed):
         super().__init__()
-        # q and k are normed with eps None, the dtype's epsilon, as the authors' F.rms_norm(q) is
         d, self.n_head, self.head_dim = config.d_model, config.n_head, config.head_dim
-        self.eps = None
+        self.eps = None  # q, k norms use the dtype's epsilon, as the authors' F.rms_norm(q)
         self.c_q = nn.Linear(d, d, bias=False)
         self.c_k = nn.Linear(d, d, bias=False)
         self.c_v = nn.Linear(d, d, bias=False)
@@ -239,8 +236,7 @@ class Discretized(NamedTuple):
 
 
 class DiagonalInjection(Injection):
-    """Parcae's injection, A_bar = exp(-Delta exp(A_log)) and Bbar = Delta B.
-    So rho(A_bar) = max(A_bar) < 1."""
+    """Parcae's injection, A_bar = exp(-Delta exp(A_log)), Bbar = Delta B, rho = max(A_bar) < 1."""
 
     def __init__(self, d):
         super().__init__()
@@ -317,8 +313,7 @@ class AddInjection(Injection):
         return 1.0
 
 
-INJECTION_CLASSES = {"diagonal": DiagonalInjection, "concat": ConcatInjection, "add": AddInjection,
-                     "none": None}
+INJECTION_CLASSES = {"diagonal": DiagonalInjection, "concat": ConcatInjection, "add": AddInjection}
 
 
 # -----------------------------------------------------------------------------
@@ -348,10 +343,8 @@ def decoding_initial_state(shape, device, generators):
 # -----------------------------------------------------------------------------
 # The depths are the loop steps each sequence of a training forward runs (METHOD.md §2), n_i steps
 # without gradient, then k_i with it. Parcae.loop_depths, right after forward, draws them from here.
-
-# Each sampler's text says what it draws, then its mean executed (n + k) and backpropagated (k)
-# steps.
-# Values are at mu_rec 8, mu_bwd 4; "mu_rec - mu_bwd" means max(0, mu_rec - mu_bwd).
+# Each sampler's text says what it draws, then its mean executed (n + k) and backprop (k) steps,
+# at mu_rec 8, mu_bwd 4; "mu_rec - mu_bwd" means max(0, mu_rec - mu_bwd).
 # The Poisson ones are the authors' other per-batch schemes (their names, "-" written "_").
 SAMPLINGS = {
     "per_sequence": "Parcae: T_i = max(1, Poisson(mu_rec)) per sequence, n_i = T_i - k_i, "
@@ -392,10 +385,8 @@ def sample_depths(config, batch_size, generator=None):
         k = poisson(rest + mu_bwd).clamp_(min=1)  # rest + mu_bwd = max(mu_rec, mu_bwd)
         n = torch.zeros_like(k)
     else:
-        if scheme == "fixed":
-            T = torch.full((draws,), config.mu_rec)
-        else:
-            T = poisson(config.mu_rec).clamp_(min=1)
+        fixed = scheme == "fixed"
+        T = torch.full((draws,), config.mu_rec) if fixed else poisson(config.mu_rec).clamp_(min=1)
         n, k = split_depths(T, mu_bwd, training=True)
         if scheme == "per_batch":
             n = T  # the authors' per-batch path runs all T steps without grad, then k more with it
@@ -444,8 +435,7 @@ class Slot(NamedTuple):
 
 def value_embedding_layers(config):
     """Layers are numbered 0..n-1 across prelude, recurrent block and coda (METHOD.md §1).
-    Layer i has a value embedding when i % 2 == (n - 1) % 2, so every other layer has one.
-    The last layer always has one."""
+    Layer i has a value embedding when i % 2 == (n - 1) % 2, every other one, the last included."""
     return [i for i in range(config.n_layer) if i % 2 == (config.n_layer - 1) % 2]
 
 
@@ -460,15 +450,14 @@ class Parcae(nn.Module):
         self.init_seed = int(torch.randint(2**31, (), device="cpu"))
         self.wte = nn.Embedding(c.padded_vocab_size, d)  # tied with the output head
         self.ve_layers = value_embedding_layers(c)
-        has_ve = [i in self.ve_layers for i in range(c.n_layer)]
         self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(c.padded_vocab_size, d)
                                            for i in self.ve_layers})
-        self.prelude = nn.ModuleList(Block(c, has_ve[i]) for i in range(c.n_prelude))
-        self.recur = nn.ModuleList(Block(c, has_ve[c.n_prelude + i]) for i in range(c.n_recur))
-        self.coda = nn.ModuleList(Block(c, has_ve[c.n_prelude + c.n_recur + i])
-                                  for i in range(c.n_coda))
+        blocks = [Block(c, i in self.ve_layers) for i in range(c.n_layer)]
+        self.prelude = nn.ModuleList(blocks[:c.n_prelude])
+        self.recur = nn.ModuleList(blocks[c.n_prelude:c.n_prelude + c.n_recur])
+        self.coda = nn.ModuleList(blocks[c.n_prelude + c.n_recur:])
         self.norm_f = nn.RMSNorm(d, eps=c.norm_eps)
-        injection = INJECTION_CLASSES[c.injection]  # None for the fixed-depth Transformer
+        injection = INJECTION_CLASSES.get(c.injection)  # None for the fixed-depth Transformer
         looped = injection is not None
         self.prelude_norm = nn.RMSNorm(d, eps=c.norm_eps) if looped and c.prelude_norm else None
         self.injection = injection(d) if looped else None
@@ -481,16 +470,13 @@ class Parcae(nn.Module):
     def init_buffers(self):
         """Compute the RoPE tables, buffers left out of the state dict.
         A model built on the meta device, then loaded with assign=True, computes them here."""
-        cos, sin = self._rope_tables(10 * self.config.seq_len)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
-
-    def _rope_tables(self, length):
         c = self.config
         channels = torch.arange(0, c.head_dim, 2, dtype=torch.float32)
         inv_freq = 1.0 / (c.rope_base ** (channels / c.head_dim))
-        angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)  # (S, D/2)
-        return angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]  # (1, S, 1, D/2)
+        positions = torch.arange(10 * c.seq_len, dtype=torch.float32)
+        angles = torch.outer(positions, inv_freq)[None, :, None, :]  # (1, S, 1, D/2)
+        self.register_buffer("rope_cos", angles.cos(), persistent=False)
+        self.register_buffer("rope_sin", angles.sin(), persistent=False)
 
     @torch.no_grad()
     def init_weights(self):
@@ -529,22 +515,19 @@ class Parcae(nn.Module):
     def forward(self, idx, targets=None, T=None, depths=None, h0=None, cache=None, reduction="mean",
                 depth_generator=None, h0_generator=None, diagnostics=None):
         """idx (B, S) -> logits (B, S, vocab).
-
         - With targets (-1 is ignored) it returns the cross-entropy, (B, S) with reduction="none".
         - T or depths = (n, k) give the steps without / with gradient per sequence (loop_depths).
         - h0 (B, S, d) is the initial state. Without it h0_generator draws one on idx's device.
           With neither, training raises ValueError and eval mode draws from a generator seeded 0.
         - cache is decoding's KV cache, which the S new positions extend.
-        - diagnostics is a dict that gets ||h_T|| and the update ratio.
-        """
+        - diagnostics is a dict that gets ||h_T|| and the update ratio."""
         Bbar_e, ves, cos, sin = self.run_prelude(idx, cache)
         if self.injection is None:  # the Transformer runs its recurrent blocks once on e, no h0
             h, h_prev = self.recurrent_block(Bbar_e, 0, ves, cos, sin, cache), None
         else:
             n, k = self.loop_depths(idx.size(0), T, depths, depth_generator)
             if cache is not None and ((n != n[0]).any() or (k != k[0]).any()):
-                raise ValueError("decoding with a KV cache runs one depth for the whole batch: "
-                                 "give T, not depths")
+                raise ValueError("a KV cache runs one depth for every row: give T, not depths")
             if h0 is None:
                 h0 = self.draw_h0(Bbar_e.shape, Bbar_e.device, h0_generator)
             h, h_prev = self.recurrence(h0.to(Bbar_e.dtype), Bbar_e, n, k, ves, cos, sin, cache)
@@ -565,13 +548,9 @@ class Parcae(nn.Module):
 
     def loop_depths(self, batch_size, T=None, depths=None, generator=None):
         """forward's T or depths -> (n, k), two (B,) CPU long tensors (METHOD.md §2).
-        Sequence i loops n_i steps without gradient, then k_i with it.
-
-        - T gives T steps each (None means mu_rec), and in training the last min(T, mu_bwd)
-          have gradient.
-        - depths gives (n, k) as they are.
-        - With neither, training draws them with sample_depths.
-        """
+        Sequence i loops n_i steps without gradient, then k_i with it. T gives T steps each (None
+        means mu_rec), and in training the last min(T, mu_bwd) have gradient. depths gives (n, k)
+        as they are. With neither, training draws them with sample_depths."""
         if depths is not None and T is not None:
             raise ValueError("give the loop's depth as T or as depths = (n, k), not both")
         if depths is None and T is None and self.training:
@@ -597,8 +576,7 @@ class Parcae(nn.Module):
 
     def recurrence(self, h, Bbar_e, n, k, ves, cos, sin, cache=None):
         """The loop (METHOD.md §1) with truncated backprop (§2) -> (h_T, h_{T-1}).
-        Sequence i runs n_i steps without gradient, then k_i with it.
-        h is h0 (B, S, d), and n, k are loop_depths'.
+        h is h0 (B, S, d), and n, k are loop_depths' (n_i steps without gradient, then k_i with it).
 
         No step is spent on a sequence that has stopped. Rows are sorted longest first.
         Each row's no-grad steps end with the no-grad phase, its grad steps with the loop.
@@ -611,7 +589,6 @@ class Parcae(nn.Module):
 
         Row 0 runs 7 steps, row 1 its 3 at steps 4-6 and row 2 its 1 at step 6, so all end together.
         """
-        # sort the rows longest first, so the rows still looping are a prefix
         order = torch.argsort(n + k, descending=True, stable=True)
         sorted_already = bool((order == torch.arange(len(order))).all())
         if not sorted_already:
@@ -632,8 +609,7 @@ class Parcae(nn.Module):
             with torch.set_grad_enabled(grad and step >= n_max):  # gradient in the last k_i steps
                 h_now = self.loop_step(h_now, Bbar_e_now, A_bar, step, ves_now, cos, sin, cache)
             h_prev, h = h, (h_now if looping == len(h) else torch.cat([h_now, h[looping:]]))
-        # back in the caller's order
-        if not sorted_already:
+        if not sorted_already:  # back in the caller's order
             back = torch.argsort(rows)
             h, h_prev = h[back], h_prev[back]
         return h, h_prev
@@ -652,11 +628,9 @@ class Parcae(nn.Module):
     # The prelude and the coda stand apart from forward so that decoding can run the loop itself.
 
     def run_prelude(self, idx, cache=None):
-        """ids (B, S) -> (Bbar_e, ves, cos, sin).
-        Bbar_e (B, S, d) is the loop's input term, Bbar e of the prelude's normed output e.
-        It is e itself for the baselines without a B, and the Transformer's blocks read e.
-        ves holds the value embeddings by layer, and cos, sin the RoPE tables of the S positions
-        the cache claims."""
+        """ids (B, S) -> (Bbar_e, ves, cos, sin). Bbar_e (B, S, d) is the loop's input term, Bbar e
+        of the prelude's normed output e, or e itself for the baselines without a B and the
+        Transformer. ves holds the value embeddings by layer, cos, sin the S positions' RoPE."""
         pos = cache.pos if cache is not None else 0
         S = idx.size(1)
         if pos + S > self.rope_cos.size(1):
@@ -693,7 +667,6 @@ class Parcae(nn.Module):
 
     def compile_regions(self, backend="inductor"):
         """Compile the forward in regions, each a plain method above, and keep the loop in Python.
-
         - run_prelude runs the prelude, its norm and Bbar e.
         - loop_step runs the injection and the recurrent block (the Transformer's recurrent_block).
         - coda_loss runs the coda, the head and the loss. In one graph the loss reads the head's
@@ -719,11 +692,7 @@ class Parcae(nn.Module):
     @torch.no_grad()
     def spectral_radius(self):
         """rho(A_bar), a 0-d float32 tensor on the weights' device; None unlooped.
-
-        - Parcae's is max(A_bar).
-        - Addition's is 1.
-        - concat's is the largest |eigenvalue| of the adapter's state half.
-        """
+        Parcae's is max(A_bar), addition's 1, concat's the top |eigenvalue| of its state half."""
         if self.injection is None:
             return None
         rho = self.injection.spectral_radius()
@@ -739,8 +708,7 @@ class Parcae(nn.Module):
         """The paper's training compute C per token (METHOD.md §2, its Appendix D).
         FLOP budgets use it, so they compare with the paper's; what runs is matmul_flops_per_token.
         N leaves out wte alone, as C counts value-embedding lookups as matmuls, not the tied head.
-        At the 140M (depth 6, mu_rec 8) C = 1.360e9, 29.2% above its matmul FLOPs, and at the 1.3B
-        27.2% above."""
+        At the 140M (depth 6, mu_rec 8) C = 1.360e9, 29.2% above its matmul FLOPs (1.3B: 27.2%)."""
         c = self.config
         d, S = c.d_model, c.seq_len
         N = self.num_params() - self.wte.weight.numel()
@@ -756,12 +724,9 @@ class Parcae(nn.Module):
         """The matmul FLOPs a training forward and backward run per token, for MFU (METHOD.md §2).
         backward=False counts a forward alone. n and k are the loop steps without and with
         gradient, as numbers or per-sequence tensors whose means count. None takes mean_steps.
-
-        - A forward costs 2 per nn.Linear weight and 2 d V for the tied head.
-        - Attention costs 4 S d per block, over all S x S, as FlopCounterMode counts it.
-        - Lookups cost nothing. A backward costs twice its forward.
-        - All outside the loop is backpropagated (Bbar e is in each step).
-        """
+        A forward costs 2 per nn.Linear weight and 2 d V for the tied head, and attention 4 S d per
+        block, over all S x S, as FlopCounterMode counts it. Lookups cost nothing, and a backward
+        twice its forward. All outside the loop is backpropagated (Bbar e is in each step)."""
         c = self.config
 
         def forward_flops(modules):
@@ -771,9 +736,8 @@ class Parcae(nn.Module):
             return 2 * linears + blocks * 4 * c.seq_len * c.d_model
 
         # a loop step runs the recurrent blocks and concat's adapter (Parcae's B makes Bbar e once)
-        per_step = [*self.recur, *([self.injection] if c.injection == "concat" else [])] \
-            if self.injection is not None else []
-        step = forward_flops(per_step)
+        per_step = [*self.recur, *([self.injection] if c.injection == "concat" else [])]
+        step = forward_flops(per_step) if self.injection is not None else 0
         once = forward_flops([self]) - step + 2 * self.wte.weight.numel()
         if self.injection is None:  # the Transformer runs its blocks once, whatever n and k
             return (3 if backward else 1) * once
@@ -786,8 +750,7 @@ class Parcae(nn.Module):
 def from_weights(config, state_dict, device="cpu"):
     """A Parcae holding state_dict's tensors, in eval mode on device, with no random init.
     config is a checkpoint's dict. One that builds no Parcae, or weights of other shapes, raise
-    ValueError. The model is sized on the meta device, then given the tensors, each cast to its
-    dtype (one copy at most)."""
+    ValueError. The model is sized on the meta device, then given the tensors cast to its dtypes."""
     try:
         with torch.device("meta"):
             model = Parcae(ParcaeConfig(**config))

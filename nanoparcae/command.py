@@ -17,16 +17,8 @@ import torch.distributed as dist
 # Status 2 says the user gave something wrong (ValueError, FileNotFoundError).
 # Status 1 says the machine lacks something (EnvironmentFailure). A command may return 3 (diverged).
 
-
 class EnvironmentFailure(Exception):
     """The machine failed the command, not its input, with a full disk, a read-only folder or replicas apart."""
-
-
-def exit_status(err):
-    """Return a refusal's status, 1 for EnvironmentFailure, 2 for ValueError and FileNotFoundError; else None."""
-    if isinstance(err, EnvironmentFailure):
-        return 1
-    return 2 if isinstance(err, (ValueError, FileNotFoundError)) else None
 
 
 class CommandParser(argparse.ArgumentParser):
@@ -64,7 +56,8 @@ def run_command(main, argv=None):
             peer = f"the rank at {found[1]}:{found[2]}" if (found := PEER.search(str(err))) else "a peer rank"
             err = EnvironmentFailure(f"{peer} is gone (killed, or its machine failed), so this one stops too; the "
                                      f"same command resumes the run from its last checkpoint")
-        status = exit_status(err)
+        status = (1 if isinstance(err, EnvironmentFailure)
+                  else 2 if isinstance(err, (ValueError, FileNotFoundError)) else None)
         if status is None:
             raise
         sys.stdout.flush()
@@ -79,7 +72,6 @@ def run_command(main, argv=None):
 
 # -----------------------------------------------------------------------------
 # Numbers and errors in a line of text, and a flag's list of values read from one
-
 
 def size(number, unit="B"):
     """Write a number as a person reads it, such as 13.4 GB, 2.2 MB or 0.4 MB.
@@ -121,13 +113,8 @@ def first_sentence(err, limit=300):
         sentence = sentence[:limit].rsplit(" ", 1)[0] + " ..."
     return f"{type(err).__name__}: {sentence}"
 
-
-
 # -----------------------------------------------------------------------------
 # Checked flag types, so a bad value is one line, said one way
-
-
-
 
 def checked(kind, rule, holds):
     """An argparse type that reads the text as `kind` and refuses it unless holds(value), naming `rule`."""
@@ -154,6 +141,5 @@ def listed(each):
         try:
             return comma_list(text, each)
         except ValueError:  # a value out of each's range says so itself
-            raise argparse.ArgumentTypeError(f"{text!r} must be integers separated by commas, "
-                                             f"e.g. 1,2,4") from None
+            raise argparse.ArgumentTypeError(f"{text!r} must be integers separated by commas, e.g. 1,2,4") from None
     return parse

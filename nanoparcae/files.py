@@ -23,8 +23,7 @@ def get_base_dir():
     A folder there is not written, since a read-only one serves reads and each write checks its own."""
     setting = os.environ.get("NANOPARCAE_BASE_DIR", str(Path.home() / ".cache" / "nanoparcae"))
     if not setting.strip():  # an empty setting would write into the current folder
-        raise ValueError("NANOPARCAE_BASE_DIR is set but empty; set it to a folder, or unset it for "
-                         "~/.cache/nanoparcae")
+        raise ValueError("NANOPARCAE_BASE_DIR is set but empty; set it to a folder, or unset it (~/.cache/nanoparcae)")
     base_dir = Path(setting).expanduser()
     if not base_dir.is_dir():
         check_writable(base_dir, "the base folder's runs, data and tokenizers",
@@ -33,19 +32,12 @@ def get_base_dir():
     return base_dir
 
 
-def nearest(folder):
-    """Return `folder`, or the nearest path above it that exists, where a write would be tried."""
-    folder = Path(folder).absolute()
-    return next(path for path in (folder, *folder.parents) if path.exists())
-
-
 def check_writable(folder, what, needs=0, fix=None, refusal=None):
     """Raise before work whose result `what` goes to `folder` if `needs` bytes could not be written there.
-    A file named as the folder raises ValueError.
-    A read-only or full disk raises `refusal`, EnvironmentFailure by default, or ValueError for a folder the user set.
-    A missing folder is tried at the nearest folder above it, and not made. `fix` replaces the advice.
-    Called on the rank that writes."""
-    folder, there = Path(folder).absolute(), nearest(folder)
+    A file named as the folder raises ValueError, a read-only or full disk `refusal` (EnvironmentFailure
+    by default). A missing folder is tried at the nearest folder above it, and not made."""
+    folder = Path(folder).absolute()
+    there = next(path for path in (folder, *folder.parents) if path.exists())  # where a write is tried
     if not there.is_dir():
         why = ("it is a file" if there == folder else
                f"it cannot be made ({os.strerror(errno.ENOTDIR)}, since {there} is a file)")
@@ -77,8 +69,7 @@ def write_atomically(path, write, partial=None):
             partial.unlink()
         if isinstance(err, OSError) and err.errno in NO_WRITE:
             raise EnvironmentFailure(f"{path} could not be written ({err.strerror}); nothing else changed: free "
-                                     f"space on its disk or make {path.parent} writable, then run the same "
-                                     f"command again") from err
+                                     f"space on its disk or make {path.parent} writable, then run again") from err
         raise
 
 
@@ -98,16 +89,15 @@ def read_json(path, kind=dict):
     try:
         value = json.loads(Path(path).read_text())
     except (ValueError, OSError) as err:
-        raise ValueError(f"{path} is not whole JSON ({err}): delete it, or run again the command that "
-                         f"wrote it") from None
+        raise ValueError(f"{path} is not whole JSON ({err}): delete it, or rerun the command that wrote it") from None
     if not isinstance(value, kind):
         raise ValueError(f"{path} holds a JSON {type(value).__name__}, not the {kind.__name__} this "
-                         f"project writes there: delete it, or run again the command that wrote it")
+                         f"project writes there: delete it, or rerun the command that wrote it")
     return value
 
 
 def disk_full(folder, needs):
     """Stop a run whose disk is full with EnvironmentFailure, naming what `needs` room and what is free."""
-    raise EnvironmentFailure(
-        f"the disk holding {folder} is full: {needs} and {size(shutil.disk_usage(folder).free)} is free; "
-        f"the last checkpoint is kept: free space there, then the same command continues from it") from None
+    free = size(shutil.disk_usage(folder).free)
+    raise EnvironmentFailure(f"the disk holding {folder} is full: {needs} and {free} is free; the last checkpoint is "
+                             f"kept: free space there, then the same command continues from it") from None

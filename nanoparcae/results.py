@@ -87,7 +87,6 @@ def keep_results(out, args, ckpt, ckpt_path, Ts, kind):
     A write that fails prints them on stdout as one JSON line, and EnvironmentFailure says why in one line."""
     if rank_and_world()[0] != 0:
         return
-    # the harness's results say nothing of what they measured, so they replace as before
     path, kept = result_path(ckpt, ckpt_path, kind, Ts, out.get("measured", {"data": None, "amount": 0}))
     value = {"ckpt": str(ckpt_path), "step": ckpt.get("step"), "args": vars(args), **out}
     try:
