@@ -30,7 +30,7 @@ from model import INJECTIONS, SAMPLINGS, Parcae, ParcaeConfig, from_weights, mea
 from optim import build_optimizer, learning_rate_for_depth, lr_multiplier, muon_momentum
 from optim import optimizer_state_bytes, weight_decay_at
 from nanoparcae import memory, ranks, run as runs
-from nanoparcae.checkpoint import check_tokenizer, save_and_prune, saved_bytes, weights_digest
+from nanoparcae.checkpoint import save_and_prune, saved_bytes, weights_digest
 from nanoparcae.command import command_parser, run_command, spans
 from nanoparcae.dataset import ChunkReader, check_horizon, data_key
 from nanoparcae.divergence import Divergence
@@ -38,7 +38,7 @@ from nanoparcae.download import PAPER_TOKENS, shared_eval_bundle
 from nanoparcae.files import check_writable
 from nanoparcae.metrics import Metrics, read_step
 from nanoparcae.ranks import init_distributed, no_buffer_sync, parse_device, peak_bf16_flops, print0
-from nanoparcae.tokenizer import get_tokenizer, tokenizer_dir, vocab_size_flag
+from nanoparcae.tokenizer import checkpoint_tokenizer, get_tokenizer, tokenizer_dir, vocab_size_flag
 
 # A run is these flags' values. Its checkpoints record them, and continuing it with another value
 # of one is refused. Every other flag may change when a run continues.
@@ -269,8 +269,8 @@ def main(argv=None):
         if tokenizer is None:
             raise FileNotFoundError(f"no tokenizer at {tokenizer_dir(args.data, args.vocab_size)}")
         if ckpt:  # a resumed run's tokenizer is the one its checkpoint was trained with
-            check_tokenizer(ckpt, checkpoint, tokenizer_dir(args.data, args.vocab_size),
-                            "put that tokenizer back, or pass --run=NAME to start another run")
+            checkpoint_tokenizer(ckpt, checkpoint, tokenizer_dir(args.data, args.vocab_size),
+                                 "or pass --run=NAME to start another run")
         reader = ChunkReader()  # one read of each chunk for the loaders of this process
         loaders = [DataLoader(tokenizer, args.data, "train", device_batch_size, args.seq_len,
                               rank=rank * grad_accum + micro, world_size=world * grad_accum,
