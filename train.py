@@ -168,15 +168,10 @@ def main(argv=None):
     num_params = meta_model.num_params()
     C = meta_model.paper_flops_per_token()  # the horizon's unit; MFU counts what runs (executed)
     executed = meta_model.matmul_flops_per_token()
-    if args.max_tokens:
-        max_tokens = args.max_tokens
-    elif args.target_flops:
-        max_tokens = args.target_flops / C
-    elif args.param_data_ratio:
-        max_tokens = args.param_data_ratio * num_params
-    elif args.depth in PAPER_TOKENS:
-        max_tokens = PAPER_TOKENS[args.depth]
-    else:
+    max_tokens = (args.max_tokens or args.target_flops and args.target_flops / C
+                  or args.param_data_ratio and args.param_data_ratio * num_params
+                  or PAPER_TOKENS.get(args.depth))  # the first given, else the paper's
+    if not max_tokens:
         raise ValueError(f"no default horizon for --depth={args.depth}; give --max_tokens, "
                          f"--target_flops or --param_data_ratio")
     num_steps = max(1, int(max_tokens // args.total_batch_size))
@@ -422,8 +417,7 @@ def main(argv=None):
                 break
 
         # --- once in a while: a checkpoint, never inside a streak of bad steps (maybe diverging)
-        save_due = (save_due or step % args.save_every == 0 or step == num_steps
-                    or step == args.stop_at)
+        save_due = save_due or step % args.save_every == 0 or step in (num_steps, args.stop_at)
         if save_due and divergence.bad_steps == 0:
             save_and_prune(folder, step, raw_model, loaders, skipped_steps=skipped_steps,
                            optimizer=optimizer.state_dict(), run=flags,
