@@ -1,6 +1,5 @@
 """
-nanoparcae/divergence.py: the rule that stops a diverged run.
-docs/troubleshooting.md states it for users.
+nanoparcae/divergence.py: the rule that stops a diverged run, which docs/troubleshooting.md states for users.
 """
 
 import math

@@ -1,17 +1,15 @@
 """
 nanoparcae/memory.py: the device batch, picked from a training run's memory plan per GPU.
-The plan counts weights, gradients, DDP's buckets, the optimiser's state and saved activations.
-It needs nothing built. It is an estimate until a GPU measures it (runs/gpu_check.sh compares the two).
+It needs nothing built, and is an estimate until a GPU measures it (runs/gpu_check.sh compares the two).
 """
 
 import torch
 
 from nanoparcae.ranks import print0
 
-# Bytes a training step saves for backward per token, from saved tensors on small CPU models:
-# (a block run with grad per d, a value embedding per d, the loop per d per (4 + k) steps,
-# the head per d, the logits per vocab entry). Compiled (model.compile_regions), the backward
-# recomputes the cheap elementwise work, and the loss keeps the bf16 logits alone.
+# Bytes a training step saves for backward per token, from saved tensors on small CPU models (a block run with grad
+# per d, a value embedding per d, the loop per d per (4 + k) steps, the head per d, the logits per vocab entry).
+# Compiled (model.compile_regions), the backward recomputes the cheap elementwise work, and keeps the bf16 logits only.
 SAVED_PER_TOKEN = {(False, False): (80, 4, 4, 12, 4), (False, True): (56, 4, 4, 12, 4),
                    (True, False): (64, 6, 3, 10, 4), (True, True): (36, 4, 2, 4, 2)}  # (compiled, bf16)
 
@@ -26,8 +24,7 @@ def activation_bytes(model, batch_size, bf16=True, compiled=False):
     def runs(i):  # how many times layer i runs with grad in one forward
         return k if looped and c.n_prelude <= i < c.n_prelude + c.n_recur else 1
 
-    block_runs = sum(runs(i) for i in range(c.n_layer))
-    per_token = (block_runs * block * d + sum(runs(i) for i in model.ve_layers) * ve * d
+    per_token = (sum(map(runs, range(c.n_layer))) * block * d + sum(map(runs, model.ve_layers)) * ve * d
                  + (loop * (4 + k) * d if looped else 0) + head * d + vocab * c.vocab_size)
 
     def matrices(modules):  # embeddings are read, not cast

@@ -24,10 +24,8 @@ def read_record(line, key):
         record = json.loads(line)
     except ValueError:
         return None
-    if not isinstance(record, dict) or key not in record or (key == "step" and type(record[key]) is not int):
-        return None
-    typed = all(name in TEXT_FIELDS or value is None or isinstance(value, (int, float))
-                for name, value in record.items())
+    typed = isinstance(record, dict) and key in record and (key != "step" or type(record[key]) is int) and all(
+        name in TEXT_FIELDS or value is None or isinstance(value, (int, float)) for name, value in record.items())
     return record if typed else None
 
 

@@ -1,7 +1,6 @@
 """
 nanoparcae/ranks.py: the processes torchrun starts, and what they must agree on.
-A plain `python` run is one process. Before the first step the ranks compare their start and data
-in one gather, and at each checkpoint their weights.
+A plain `python` run is one process. Ranks compare their start and data in one gather, their weights at each checkpoint.
 """
 
 import inspect
@@ -92,9 +91,8 @@ def peak_bf16_flops(device):
     return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
 
 # -----------------------------------------------------------------------------
-# Ranks that agree. DDP keeps replicas equal only through equal averaged gradients and optimiser arithmetic.
-# A rank started from another checkpoint or other data trains on, drifting apart unseen, and a rank that
-# stops alone leaves the others waiting until their timeout. So each rank's findings go to every rank.
+# Ranks that agree. DDP keeps replicas equal only through equal gradients, so a rank started from another checkpoint
+# or data drifts apart unseen, and one that stops alone leaves the others waiting. So its findings go to every rank.
 
 
 def gather(value, group=None):
@@ -111,11 +109,10 @@ class Finished(Exception):
 
 
 class Agreement:
-    """A `with` block of the set-up each rank runs on its own disk, which ends in one gather on every rank.
-    share(name=text) records what this rank found, and wait_for_rank0() lets global rank 0 work alone first.
-    A ValueError or FileNotFoundError ends the block on its rank, and Finished ends it without a refusal.
-    After the gather every rank raises one ValueError, for the first rank whose findings differ from rank 0's
-    (the cause of any refusal), else for the first refusal. Otherwise `finished` holds Finished's line."""
+    """A `with` block of the set-up each rank runs on its own disk, ending in one gather on every rank. share(name=text)
+    records what this rank found, and wait_for_rank0() lets global rank 0 work alone first. A ValueError or
+    FileNotFoundError ends the block on its rank, Finished without a refusal. Then every rank raises one ValueError,
+    for the first rank whose findings differ from rank 0's, else the first refusal; else `finished` is Finished's."""
 
     def __enter__(self):
         self.found, self.waited = {}, False

@@ -49,9 +49,8 @@ def check_flags(checkpoint, ckpt, flags):
                          + "; pass its flags to continue it, or --run=NAME to start another")
 
 # -----------------------------------------------------------------------------
-# One trainer per run holds <run folder>/lock, the process that writes the folder (rank 0).
-# POSIX record locks (lockf), not flock, belong to the process, so no forked child keeps a dead trainer's.
-# The kernel drops them however the process dies, so a killed run leaves the lock free for the same command.
+# One trainer per run (rank 0) holds <run folder>/lock. POSIX record locks (lockf), not flock, belong to the process,
+# so no forked child keeps a dead trainer's, and the kernel drops them however it dies, freeing the lock.
 
 HELD = (errno.EACCES, errno.EAGAIN)  # what lockf raises for a lock another process holds
 
