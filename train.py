@@ -238,7 +238,7 @@ def main(argv=None):
         recorded = ckpt and ckpt.get("run", {}).get("device_batch_size")
         if recorded and not args.device_batch_size and recorded != device_batch_size:
             device_batch_size = recorded
-            print0(f"device batch: {recorded}, as the run recorded (it fixes its data order)")
+            print0(f"device batch: {recorded}, as run {folder.name} recorded (its data order)")
         if sequences % device_batch_size:  # a recorded batch, on another number of processes
             raise ValueError(f"run {folder.name}'s device batch {device_batch_size} does not "
                              f"divide the {sequences} sequences each of {world} process(es) runs "
