@@ -30,7 +30,7 @@ from model import INJECTIONS, SAMPLINGS, Parcae, ParcaeConfig, from_weights, mea
 from optim import build_optimizer, learning_rate_for_depth, lr_multiplier, muon_momentum
 from optim import optimizer_state_bytes, weight_decay_at
 from nanoparcae import memory, ranks, run as runs
-from nanoparcae.checkpoint import check_tokenizer, save_and_prune, saved_bytes, weights_digest
+from nanoparcae.checkpoint import save_and_prune, saved_bytes, weights_digest
 from nanoparcae.command import command_parser, run_command, spans
 from nanoparcae.dataset import ChunkReader, check_horizon, data_key
 from nanoparcae.divergence import Divergence
@@ -38,7 +38,7 @@ from nanoparcae.download import PAPER_TOKENS, shared_eval_bundle
 from nanoparcae.files import check_writable
 from nanoparcae.metrics import Metrics, read_step
 from nanoparcae.ranks import init_distributed, no_buffer_sync, parse_device, peak_bf16_flops, print0
-from nanoparcae.tokenizer import get_tokenizer, tokenizer_dir, vocab_size_flag
+from nanoparcae.tokenizer import checkpoint_tokenizer, get_tokenizer, tokenizer_dir, vocab_size_flag
 
 # A run is these flags' values. Its checkpoints record them, and continuing it with another value
 # of one is refused. Every other flag may change when a run continues.
@@ -168,15 +168,10 @@ def main(argv=None):
     num_params = meta_model.num_params()
     C = meta_model.paper_flops_per_token()  # the horizon's unit; MFU counts what runs (executed)
     executed = meta_model.matmul_flops_per_token()
-    if args.max_tokens:
-        max_tokens = args.max_tokens
-    elif args.target_flops:
-        max_tokens = args.target_flops / C
-    elif args.param_data_ratio:
-        max_tokens = args.param_data_ratio * num_params
-    elif args.depth in PAPER_TOKENS:
-        max_tokens = PAPER_TOKENS[args.depth]
-    else:
+    max_tokens = (args.max_tokens or args.target_flops and args.target_flops / C
+                  or args.param_data_ratio and args.param_data_ratio * num_params
+                  or PAPER_TOKENS.get(args.depth))  # the first given, else the paper's
+    if not max_tokens:
         raise ValueError(f"no default horizon for --depth={args.depth}; give --max_tokens, "
                          f"--target_flops or --param_data_ratio")
     num_steps = max(1, int(max_tokens // args.total_batch_size))
@@ -243,8 +238,7 @@ def main(argv=None):
         recorded = ckpt and ckpt.get("run", {}).get("device_batch_size")
         if recorded and not args.device_batch_size and recorded != device_batch_size:
             device_batch_size = recorded
-            print0(f"device batch: {recorded}, as run {folder.name} recorded (it fixes the run's "
-                   f"data order)")
+            print0(f"device batch: {recorded}, as run {folder.name} recorded (its data order)")
         if sequences % device_batch_size:  # a recorded batch, on another number of processes
             raise ValueError(f"run {folder.name}'s device batch {device_batch_size} does not "
                              f"divide the {sequences} sequences each of {world} process(es) runs "
@@ -269,8 +263,8 @@ def main(argv=None):
         if tokenizer is None:
             raise FileNotFoundError(f"no tokenizer at {tokenizer_dir(args.data, args.vocab_size)}")
         if ckpt:  # a resumed run's tokenizer is the one its checkpoint was trained with
-            check_tokenizer(ckpt, checkpoint, tokenizer_dir(args.data, args.vocab_size),
-                            "put that tokenizer back, or pass --run=NAME to start another run")
+            checkpoint_tokenizer(ckpt, checkpoint, tokenizer_dir(args.data, args.vocab_size),
+                                 "or pass --run=NAME to start another run")
         reader = ChunkReader()  # one read of each chunk for the loaders of this process
         loaders = [DataLoader(tokenizer, args.data, "train", device_batch_size, args.seq_len,
                               rank=rank * grad_accum + micro, world_size=world * grad_accum,
@@ -422,8 +416,7 @@ def main(argv=None):
                 break
 
         # --- once in a while: a checkpoint, never inside a streak of bad steps (maybe diverging)
-        save_due = (save_due or step % args.save_every == 0 or step == num_steps
-                    or step == args.stop_at)
+        save_due = save_due or step % args.save_every == 0 or step in (num_steps, args.stop_at)
         if save_due and divergence.bad_steps == 0:
             save_and_prune(folder, step, raw_model, loaders, skipped_steps=skipped_steps,
                            optimizer=optimizer.state_dict(), run=flags,

@@ -20,7 +20,7 @@ import torch
 from nanoparcae.command import EnvironmentFailure, first_sentence, size
 from nanoparcae.files import disk_full, get_base_dir, write_atomically
 from nanoparcae.ranks import drift, gather, print0, rank_and_world, wait_for_rank0
-from nanoparcae.tokenizer import Tokenizer, tokenizer_dir
+from nanoparcae.tokenizer import Tokenizer, checkpoint_tokenizer
 
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,99}")  # one folder name, never a path or a pattern
 STEP = r"ckpt_([0-9]{6}|[1-9][0-9]{6,})"  # ckpt_{step:06d}, as save_and_prune names a checkpoint
@@ -188,13 +188,6 @@ def advice(path):
             if ours else "restore it from a copy, or pass a checkpoint train.py wrote")
 
 
-def check_tokenizer(ckpt, path, directory, remedy):
-    """Raise ValueError, advising remedy, unless the tokenizer at directory is the one checkpoint path trained with."""
-    trained_with = ckpt.get("tokenizer_digest")
-    if trained_with and (found := Tokenizer.files_digest(directory)) != trained_with:
-        raise ValueError(f"the tokenizer at {directory} (digest {found}) is not the one {path} was "
-                         f"trained with (digest {trained_with}); {remedy}")
-
 # -----------------------------------------------------------------------------
 # Reading. Whatever a file holds, a refusal names it in one line.
 
@@ -247,24 +240,7 @@ def read_checkpoint(path, device="cpu", mmap=False, unused=()):
 def load_run(run=None, ckpt=None):
     """The newest checkpoint of the run named `run`, the file `ckpt`, or with neither the run saved last.
     Returns (the checkpoint, its tokenizer, its path). Only the weights are read, mapped from the file, and
-    model.from_weights(ckpt["config"], ckpt["model"]) builds the model. The tokenizer is the one recorded, or
-    the same-named one in this base folder's tokenizers/, for a base folder that moved."""
+    model.from_weights(ckpt["config"], ckpt["model"]) builds the model."""
     path = Path(ckpt) if ckpt is not None else find_checkpoint(run_dir(), run and run_dir(run).name)
     ckpt = read_checkpoint(path, mmap=True, unused=(unused := ("optimizer", "loader")))
-    if not isinstance(recorded := ckpt.get("tokenizer_dir"), str):
-        raise ValueError(f"checkpoint {path} is not a nanoparcae checkpoint (it names no tokenizer_dir); pass one "
-                         f"that train.py wrote")
-    places = list(dict.fromkeys((Path(recorded), tokenizer_dir(key=Path(recorded).name))))  # its path, its key here
-    if (directory := next((place for place in places if Tokenizer.saved(place)), None)) is None:
-        run = ckpt["args"] if isinstance(ckpt.get("args"), dict) else {}
-        flags = f"--data={run['data']} --vocab_size={run['vocab_size']}" if {"data", "vocab_size"} <= run.keys() \
-            else "--data and --vocab_size of the run"
-        raise FileNotFoundError(f"the tokenizer of checkpoint {path} is not at {' nor at '.join(map(str, places))}; "
-                                f"recreate it with `python -m nanoparcae.tokenizer {flags}`")
-    tokenizer = Tokenizer.load(directory)  # a torn file is named before the digest differs
-    check_tokenizer(ckpt, path, directory, f"put that tokenizer ({recorded}) back, or load a checkpoint trained "
-                                           f"with this one")
-    if type(vocab := ckpt["config"].get("vocab_size")) is int and tokenizer.vocab_size > vocab:
-        raise ValueError(f"the tokenizer at {directory} has {tokenizer.vocab_size} tokens, the model {vocab}: they "
-                         f"are not from the same run")
-    return {key: value for key, value in ckpt.items() if key not in unused}, tokenizer, path
+    return {key: value for key, value in ckpt.items() if key not in unused}, checkpoint_tokenizer(ckpt, path), path

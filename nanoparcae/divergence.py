@@ -1,6 +1,5 @@
 """
-nanoparcae/divergence.py: the rule that stops a diverged run.
-docs/troubleshooting.md states it for users.
+nanoparcae/divergence.py: the rule that stops a diverged run, which docs/troubleshooting.md states for users.
 """
 
 import math
@@ -13,14 +12,12 @@ VAL_LOSS_MARGIN = 1.0  # nats below a uniform guess ln V that show a run has lea
 
 
 class Divergence:
-    """The divergence rule, checked step by step. A run diverged at the first of `patience` bad steps in a
-    row (a non-finite loss or gradients, or ||h_T|| past h_norm_limit where that stops a run), an eval whose
-    val loss is non-finite, or an eval back at a uniform guess ln V after one VAL_LOSS_MARGIN below it.
-    With patience 0 it never stops a run. A run that has not learned is not judged by its val loss, because
-    initial weights can score far above ln V (the Transformer's tied head predicts the current token).
-    The state-norm limit stops a run in bfloat16, or when given, because past it the input no longer
-    registers in u = Abar h + Bbar e. float32 resolves 2^16 times finer, so there a state past 2^16 x the
-    limit warns, once. lowest_val_loss is the lowest eval so far, carried across a resume."""
+    """The divergence rule, checked step by step (patience 0 never stops a run). A run diverged at the first of
+    `patience` bad steps in a row (a non-finite loss or gradients, or ||h_T|| past h_norm_limit where that stops
+    a run), a non-finite val loss, or a val loss back at a uniform guess ln V after one VAL_LOSS_MARGIN below.
+    An unlearned run is not judged by its val loss, as initial weights can score far above ln V. The state-norm
+    limit stops a run in bfloat16 or when given, since past it the input no longer registers in u = Abar h +
+    Bbar e; float32 resolves 2^16 times finer, so there a state past 2^16 x the limit warns once."""
 
     def __init__(self, vocab_size, dtype, patience, h_norm_limit=None, lowest_val_loss=math.inf):
         self.vocab_size, self.uniform, self.patience, self.dtype = vocab_size, math.log(vocab_size), patience, dtype
@@ -53,8 +50,7 @@ class Divergence:
         return None
 
     def announce(self, verdict, step, run_dir):
-        """check's verdict said in a line -> its metrics record.
-        A diverged run names the last checkpoint, which comes from before it."""
+        """check's verdict said in a line, naming the last checkpoint (from before it) -> its metrics record."""
         if "warning" in verdict:
             print0(f"warning: step {step}: ||h_T|| {verdict['h_norm']:.3g} > {verdict['limit']:g}; this "
                    f"{self.dtype} run goes on")

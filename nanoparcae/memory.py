@@ -1,26 +1,22 @@
 """
 nanoparcae/memory.py: the device batch, picked from a training run's memory plan per GPU.
-The plan counts weights, gradients, DDP's buckets, the optimiser's state and saved activations.
-It needs nothing built. It is an estimate until a GPU measures it (runs/gpu_check.sh compares the two).
+It needs nothing built, and is an estimate until a GPU measures it (runs/gpu_check.sh compares the two).
 """
 
 import torch
 
 from nanoparcae.ranks import print0
 
-# Bytes a training step saves for backward per token, from saved tensors on small CPU models:
-# (a block run with grad per d, a value embedding per d, the loop per d per (4 + k) steps,
-# the head per d, the logits per vocab entry). Compiled (model.compile_regions), the backward
-# recomputes the cheap elementwise work, and the loss keeps the bf16 logits alone.
+# Bytes a training step saves for backward per token, from saved tensors on small CPU models (a block run with grad
+# per d, a value embedding per d, the loop per d per (4 + k) steps, the head per d, the logits per vocab entry).
+# Compiled (model.compile_regions), the backward recomputes the cheap elementwise work, and keeps the bf16 logits only.
 SAVED_PER_TOKEN = {(False, False): (80, 4, 4, 12, 4), (False, True): (56, 4, 4, 12, 4),
                    (True, False): (64, 6, 3, 10, 4), (True, True): (36, 4, 2, 4, 2)}  # (compiled, bf16)
 
 
 def activation_bytes(model, batch_size, bf16=True, compiled=False):
-    """Bytes saved for backward by a training forward of batch_size sequences.
-    Each backpropagates through at most config.backprop_depth steps, which memory follows, not the mean.
-    Per token, SAVED_PER_TOKEN's bytes for the step as it runs (eager or compiled, its dtype).
-    bf16 also keeps a bf16 copy of every matrix (eager, in autocast's weight cache)."""
+    """Bytes saved for backward by a training forward of batch_size sequences, each backpropagating through at
+    most config.backprop_depth steps (memory follows the most, not the mean), plus bf16's copy of each matrix."""
     c = model.config
     d, looped, k = c.d_model, model.injection is not None, c.backprop_depth
     block, ve, loop, head, vocab = SAVED_PER_TOKEN[compiled, bf16]
@@ -28,8 +24,7 @@ def activation_bytes(model, batch_size, bf16=True, compiled=False):
     def runs(i):  # how many times layer i runs with grad in one forward
         return k if looped and c.n_prelude <= i < c.n_prelude + c.n_recur else 1
 
-    block_runs = sum(runs(i) for i in range(c.n_layer))
-    per_token = (block_runs * block * d + sum(runs(i) for i in model.ve_layers) * ve * d
+    per_token = (sum(map(runs, range(c.n_layer))) * block * d + sum(map(runs, model.ve_layers)) * ve * d
                  + (loop * (4 + k) * d if looped else 0) + head * d + vocab * c.vocab_size)
 
     def matrices(modules):  # embeddings are read, not cast
@@ -43,11 +38,9 @@ def activation_bytes(model, batch_size, bf16=True, compiled=False):
 
 
 def memory_plan(model, device_batch_size, bf16, optimizer_bytes, gpu_gb=(80, 141), compiled=True):
-    """Estimated bytes per GPU of training at device_batch_size sequences. It counts float32 weights and
-    gradients, DDP's gradient buckets (another copy), the optimiser's state (optim.optimizer_state_bytes)
-    and the activations of the step compiled (train.py's default) or eager.
-    "largest_batch" maps each gb of gpu_gb to the most sequences per GPU within 90% of it (0 where not one fits).
-    The rest is left for the backward's transient buffers, the CUDA context and fragmentation."""
+    """Estimated bytes per GPU of training at device_batch_size sequences, float32 weights, gradients, DDP's
+    buckets, the optimiser's state and the activations. "largest_batch" maps each gb of gpu_gb to the most
+    sequences within 90% of it (0 where none fits), the rest left for transient buffers and the CUDA context."""
     weights = 4 * model.num_params()
     static = 3 * weights + optimizer_bytes
     per_sequence = activation_bytes(model, 2, bf16, compiled) - activation_bytes(model, 1, bf16, compiled)
@@ -59,20 +52,17 @@ def memory_plan(model, device_batch_size, bf16, optimizer_bytes, gpu_gb=(80, 141
 
 
 def largest_divisor(sequences, at_most):
-    """The largest device batch of at most at_most sequences that divides `sequences`, None when at_most < 1.
-    `sequences` is each process's share of an optimiser step, which accumulation keeps whole."""
+    """The largest device batch of at most at_most that divides a process's `sequences`, None when at_most < 1."""
     return max((size for size in range(1, min(at_most, sequences) + 1) if sequences % size == 0), default=None)
 
 
 def choose_device_batch(model, args, device, sequences, optimizer_bytes):
-    """--device_batch_size, or the largest divisor of a process's `sequences` that fits -> its size.
-    On a GPU it fits in 90% of the memory free now, and on a CPU it is at most 32.
-    It prints the choice, and the plan on a GPU or for --dry_run. A size that does not fit raises ValueError."""
+    """--device_batch_size, or the largest divisor of a process's `sequences` that fits in 90% of the GPU's free
+    memory (at most 32 on a CPU) -> its size. A size that does not fit raises ValueError."""
     given, bf16, compiled = args.device_batch_size, args.dtype == "bfloat16", bool(args.compile)
     if device.type == "cuda":  # what is free now, since another process may hold some of the GPU
         free, total = (gb / 1e9 for gb in torch.cuda.mem_get_info(device))
-        gpus, gpu = (free,), f"the {free:.1f} GB free of this GPU's {total:.1f} GB"
-        gpu += f" ({torch.cuda.get_device_name(device)})"
+        gpus, gpu = (free,), f"the {free:.1f} GB free of this {torch.cuda.get_device_name(device)}'s {total:.1f} GB"
     else:  # no GPU memory to plan for, so the plans for the two GPUs the paper's runs are sized for
         gpus, gpu = (80, 141), None
     plan = memory_plan(model, given or 1, bf16, optimizer_bytes, gpus, compiled)

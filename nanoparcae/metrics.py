@@ -18,25 +18,21 @@ TEXT_FIELDS = ("warning", "reason", "core_skipped", "stage")  # the fields of a 
 
 
 def read_record(line, key):
-    """A log's line -> its record, or None when it holds none.
-    A record is a JSON object holding `key` (an int step), with numbers or null in all but TEXT_FIELDS."""
+    """A log's line -> its record, a JSON object holding `key` (an int step) with numbers or null in all but
+    TEXT_FIELDS, or None."""
     try:
         record = json.loads(line)
     except ValueError:
         return None
-    if not isinstance(record, dict) or key not in record or (key == "step" and type(record[key]) is not int):
-        return None
-    typed = all(name in TEXT_FIELDS or value is None or isinstance(value, (int, float))
-                for name, value in record.items())
+    typed = isinstance(record, dict) and key in record and (key != "step" or type(record[key]) is int) and all(
+        name in TEXT_FIELDS or value is None or isinstance(value, (int, float)) for name, value in record.items())
     return record if typed else None
 
 
 def read_metrics(path, key="step"):
-    """A JSON-lines log, metrics.jsonl or the recipe's stages.jsonl (key "stage") -> its records, in order.
-    It returns none when the log is absent. It is the one reader of such a log.
-    Unlike files.read_json's whole file, a log's torn last line is expected, since a run may be killed while
-    writing it, and it is skipped. Any other line that holds no record is skipped too, with a warning that counts them.
-    A folder in its place raises ValueError, one it may not read EnvironmentFailure, each naming it."""
+    """A JSON-lines log, metrics.jsonl or the recipe's stages.jsonl (key "stage") -> its records, in order, none
+    when it is absent. A torn last line (a run killed while writing it) is skipped, and any other line that holds
+    no record is skipped with a warning that counts them."""
     try:
         lines = path.read_bytes().decode("utf-8", errors="replace").split("\n")
     except FileNotFoundError:
@@ -54,8 +50,7 @@ def read_metrics(path, key="step"):
 
 class Metrics:
     """metrics.jsonl in the run folder, one JSON record a line written by rank 0, and the step's log line.
-    A run resumed from `step` keeps the records up to that step, so the steps a killed run logged past its
-    checkpoint stay once and in order when done again. The file is rewritten under a temporary name."""
+    A run resumed from `step` keeps the records up to that step, so steps logged past its checkpoint stay once."""
 
     def __init__(self, run_dir, step, compiled=False):
         self.file, self.start, self.compiled, self.tokens_per_s = None, step, compiled, None
@@ -72,8 +67,7 @@ class Metrics:
             full_disk(err, run_dir)
 
     def counts(self):
-        """dynamo's graphs so far when compiled, else {}, and the frames it ran eagerly past a recompile limit,
-        where the graph count stops growing."""
+        """dynamo's graphs so far and the frames it ran eagerly past a recompile limit when compiled, else {}."""
         if not self.compiled:
             return {}
         from torch._dynamo.utils import counters
@@ -92,8 +86,7 @@ class Metrics:
                 full_disk(err, Path(self.file.name).parent)
 
     def speed(self, step, tokens, seconds):
-        """Return tokens per second, smoothed over the steady steps, which come after the first step's warm-up
-        and compile no graph; None until one comes."""
+        """Tokens per second, smoothed over the steps past the first that compile no graph; None until one."""
         graphs = self.counts().get("graphs")
         if step > self.start + 1 and graphs == self.graphs:
             rate = tokens / seconds
@@ -102,13 +95,11 @@ class Metrics:
         return self.tokens_per_s
 
     def log_step(self, entry, num_steps, total_batch_size, device):
-        """Record a step, and print it as its log line, without the fields that are None. On a GPU it adds the
-        peak memory, to hold against the memory plan."""
+        """Record a step and print its log line, without the fields that are None, with a GPU's peak memory."""
         if device.type == "cuda":
             entry["peak_memory"] = torch.cuda.max_memory_allocated(device)
-        fields = [("loss", "loss {:.4f}"), ("lr_mult", "lrm {:.2f}"), ("tokens_per_s", "{:,.0f} tok/s"),
-                  ("mfu", "mfu {:.1%}"), ("rho", "rho {:.4f}"), ("h_norm", "|h_T| {:.2f}"),
-                  ("update_ratio", "dh/h {:.4f}")]
+        fields = [("loss", "loss {:.4f}"), ("lr_mult", "lrm {:.2f}"), ("tokens_per_s", "{:,.0f} tok/s"), ("mfu",
+                  "mfu {:.1%}"), ("rho", "rho {:.4f}"), ("h_norm", "|h_T| {:.2f}"), ("update_ratio", "dh/h {:.4f}")]
         eta = (num_steps - entry["step"]) * total_batch_size / (entry["tokens_per_s"] or math.nan)
         print0(" | ".join([f"step {entry['step']}/{num_steps}"]
                           + [form.format(entry[key]) for key, form in fields if entry.get(key) is not None]
@@ -124,9 +115,8 @@ def full_disk(err, folder):
 
 
 def read_step(grad_norm, loss_sum, stats):
-    """Read the step's skip rule and log values from the device in one wait -> each as a float, or None.
-    non_finite says whether any rank's gradients were, so that every rank skips alike, and worst_h_norm is
-    the largest ||h_T|| of any rank, both reduced at once. loss is the step's sum of micro-batch losses."""
+    """The step's skip rule and log values read from the device in one wait -> each a float or None. non_finite
+    (any rank's gradients, so every rank skips alike) and worst_h_norm (any rank's) are reduced at once."""
     h_norm = stats["h_norm"]
     worst = torch.stack([(~torch.isfinite(grad_norm)).float(),
                          torch.zeros((), device=grad_norm.device) if h_norm is None else h_norm.float()])

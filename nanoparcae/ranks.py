@@ -1,7 +1,6 @@
 """
 nanoparcae/ranks.py: the processes torchrun starts, and what they must agree on.
-A plain `python` run is one process. Before the first step the ranks compare their start and data
-in one gather, and at each checkpoint their weights.
+A plain `python` run is one process. Ranks compare their start and data in one gather, their weights at each checkpoint.
 """
 
 import inspect
@@ -20,8 +19,7 @@ from nanoparcae.command import spans
 
 
 def parse_device(name):
-    """Turn --device's value into a torch.device, or raise ValueError naming the flag for a device this
-    code cannot use, or for CUDA where there is none."""
+    """Turn --device's value into a torch.device, or raise ValueError for one this code cannot use."""
     try:
         device = torch.device(name)
     except RuntimeError:
@@ -42,14 +40,13 @@ RANK0_GROUP = None  # init_distributed's gloo group with the long timeout, for l
 
 
 def init_distributed(device, timeout=timedelta(minutes=10), rank0_timeout=timedelta(hours=1)):
-    """Join torchrun's process group when RANK is set, and return this process's device. Its collectives fail
-    after `timeout`, and those that wait for lone work after `rank0_timeout`. Workers restarted into the failed
-    attempt's store would hang, so they raise ValueError."""
+    """Join torchrun's process group when RANK is set -> this process's device. Collectives fail after
+    `timeout`, those waiting for lone work after `rank0_timeout`."""
     global RANK0_GROUP
     if "RANK" not in os.environ:
         return device
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
-    if restarted and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # pytorch #167288
+    if restarted and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # it would hang, pytorch #167288
         raise ValueError("torchrun restarted the workers into the failed attempt's rendezvous store; launch it "
                          "with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
     if device.type == "cuda":
@@ -69,8 +66,7 @@ def no_buffer_sync():
 
 
 def wait_for_rank0():
-    """Make every rank wait here, up to init_distributed's rank0_timeout, while rank 0 (or a node's local
-    rank 0) writes a checkpoint, trains the tokenizer or fetches the CORE bundle alone."""
+    """Wait here, up to rank0_timeout, while rank 0 (or a node's local rank 0) works alone."""
     if dist.is_initialized():
         dist.barrier(group=RANK0_GROUP)
 
@@ -90,14 +86,13 @@ PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense, per
 
 
 def peak_bf16_flops(device):
-    """Return the GPU's dense bf16 peak, MFU's denominator; None on a CPU or an unlisted GPU."""
+    """The GPU's dense bf16 peak, MFU's denominator; None on a CPU or an unlisted GPU."""
     name = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else ""
     return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
 
 # -----------------------------------------------------------------------------
-# Ranks that agree. DDP keeps replicas equal only through equal averaged gradients and optimiser arithmetic.
-# A rank started from another checkpoint or other data trains on, drifting apart unseen, and a rank that
-# stops alone leaves the others waiting until their timeout. So each rank's findings go to every rank.
+# Ranks that agree. DDP keeps replicas equal only through equal gradients, so a rank started from another checkpoint
+# or data drifts apart unseen, and one that stops alone leaves the others waiting. So its findings go to every rank.
 
 
 def gather(value, group=None):
@@ -114,11 +109,10 @@ class Finished(Exception):
 
 
 class Agreement:
-    """A `with` block of the set-up each rank runs on its own disk, which ends in one gather on every rank.
-    share(name=text) records what this rank found, and wait_for_rank0() lets global rank 0 work alone first.
-    A ValueError or FileNotFoundError ends the block on its rank, and Finished ends it without a refusal.
-    After the gather every rank raises one ValueError, for the first rank whose findings differ from rank 0's
-    (the cause of any refusal), else for the first refusal. Otherwise `finished` holds Finished's line."""
+    """A `with` block of the set-up each rank runs on its own disk, ending in one gather on every rank. share(name=text)
+    records what this rank found, and wait_for_rank0() lets global rank 0 work alone first. A ValueError or
+    FileNotFoundError ends the block on its rank, Finished without a refusal. Then every rank raises one ValueError,
+    for the first rank whose findings differ from rank 0's, else the first refusal; else `finished` is Finished's."""
 
     def __enter__(self):
         self.found, self.waited = {}, False
@@ -163,21 +157,18 @@ INTEGERS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # by
 
 
 def weight_sums(state):
-    """Sum each tensor's bit patterns as int64, wrapping, and return one int per tensor of a state dict.
-    Integer addition is exact and order-free, so equal tensors sum equal on any device, and any one changed
-    bit changes the sum. It costs one read of the weights in memory."""
+    """Each tensor's bit patterns summed as int64, wrapping, one int per tensor. Integer addition is exact and
+    order-free, so equal tensors sum equal on any device, and any one changed bit changes the sum."""
     sums = [t.detach().view(INTEGERS[t.element_size()]).sum(dtype=torch.int64) for t in state.values()]
     return torch.stack(sums).tolist() if sums else []
 
 
 def drift(state):
-    """Gather every rank's weight_sums at a checkpoint -> None if every replica equals rank 0's, else what
-    differs, for the line that stops the run."""
+    """Every rank's weight_sums compared -> None if every replica equals rank 0's, else what differs."""
     if not dist.is_initialized():
         return None
     names, sums = list(state), gather(weight_sums(state))
-    off = [rank for rank, other in enumerate(sums) if other != sums[0]]
-    if not off:
+    if not (off := [rank for rank, other in enumerate(sums) if other != sums[0]]):
         return None
     tensors = [name for i, name in enumerate(names) if any(other[i] != sums[0][i] for other in sums)]
     return (f"on rank {spans(off)}, {len(tensors)} of {len(names)} tensors differ from rank 0's ("

@@ -13,15 +13,13 @@ from nanoparcae.checkpoint import latest, read_checkpoint, remove_partial_saves,
 from nanoparcae.ranks import gather, rank_and_world
 
 RENAMED_FLAGS = {"sampling": "depth_sampling"}  # run flags older checkpoints recorded under a former name
-NOTES = {"data": "data: --data's content key, from its files' names, sizes and modification times, or "
-                 "stdlib's Python version",
-         "train_shards": "train_shards: the FineWeb-Edu training shards on disk, whose shuffle is the run's "
-                         "data order"}
+NOTES = {"data": "data: --data's content key, from its files' names, sizes and modification times, or stdlib's "
+                 "Python version", "train_shards": "train_shards: the FineWeb-Edu training shards on disk, whose "
+                 "shuffle is the run's data order"}
 
 
 def run_folder(args):
-    """The folder of the run a command trains, --run or d<depth>_<injection>, under the base folder.
-    checkpoint.run_dir refuses a name that a command could not find by that name."""
+    """The folder of the run a command trains, --run or d<depth>_<injection>, under the base folder."""
     name = f"d{args.depth}_{args.injection}" if args.run is None else args.run
     if not name:  # run_dir("") is the folder of every run
         raise ValueError("--run='' names no run; pass a name, or leave --run out for d<depth>_<injection>")
@@ -29,9 +27,8 @@ def run_folder(args):
 
 
 def open_run(folder, resume, device):
-    """The run in `folder` -> (its newest checkpoint or None, that checkpoint read onto device). It only reads.
-    A --resume with nothing to resume, a run another process trains, a checkpoint that cannot be read, or a
-    folder or lock that is not one raises ValueError in one line."""
+    """The run in `folder` -> (its newest checkpoint or None, that checkpoint read onto device). It only reads,
+    and refuses a --resume with nothing to resume or a run another process trains."""
     checkpoint = latest(folder)
     if resume and checkpoint is None:
         raise ValueError(f"there is no checkpoint of run {folder.name} under {folder} to resume; start it "
@@ -42,8 +39,7 @@ def open_run(folder, resume, device):
 
 
 def check_flags(checkpoint, ckpt, flags):
-    """Check the run's identity, this command's run flags against those its checkpoint recorded. A flag that is
-    None takes the run's value (the device batch), and one that differs raises ValueError naming them."""
+    """Check this command's run flags against those its checkpoint recorded; a flag that is None takes the run's."""
     recorded = {RENAMED_FLAGS.get(flag, flag): value for flag, value in ckpt.get("run", {}).items()}
     if differ := [flag for flag, value in flags.items() if value is not None and recorded.get(flag) != value]:
         raise ValueError(f"run {checkpoint.parent.name} ({checkpoint}) was started with other flags: "
@@ -53,9 +49,8 @@ def check_flags(checkpoint, ckpt, flags):
                          + "; pass its flags to continue it, or --run=NAME to start another")
 
 # -----------------------------------------------------------------------------
-# One trainer per run holds <run folder>/lock, the process that writes the folder (rank 0).
-# POSIX record locks (lockf), not flock, belong to the process, so no forked child keeps a dead trainer's.
-# The kernel drops them however the process dies, so a killed run leaves the lock free for the same command.
+# One trainer per run (rank 0) holds <run folder>/lock. POSIX record locks (lockf), not flock, belong to the process,
+# so no forked child keeps a dead trainer's, and the kernel drops them however it dies, freeing the lock.
 
 HELD = (errno.EACCES, errno.EAGAIN)  # what lockf raises for a lock another process holds
 
@@ -66,9 +61,8 @@ def held(folder, holder):
 
 
 def open_lock(folder, create=False):
-    """The run's lock file, opened to read and write -> the file; None where there is none and create is False.
-    Only a regular file is opened, and never through a symlink, so a user's file is never written.
-    Anything else in its place raises ValueError naming it."""
+    """The run's lock file opened to read and write, or None where there is none and create is False. Only a
+    regular file is opened, never through a symlink, so a user's file is never written."""
     path = folder / "lock"
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | create * os.O_CREAT, 0o644)
@@ -89,8 +83,7 @@ def open_lock(folder, create=False):
 
 def run_holder(folder):
     """Who trains the run in `folder` now, the 'process P on host H' its lock names, or None. It only reads."""
-    lock = open_lock(folder)
-    if lock is None:
+    if (lock := open_lock(folder)) is None:
         return None
     with lock:  # closing it drops the shared lock taken to test the lock
         try:
@@ -102,11 +95,9 @@ def run_holder(folder):
 
 
 def claim(folder, checkpoint):
-    """Rank 0 takes the run's lock, held until the process ends -> the open lock file on rank 0 (keep it),
-    None elsewhere. Holding it, the folder must still hold `checkpoint` as its newest, since another command
-    may have trained the run meanwhile. Else, or when another process holds the lock, every rank raises
-    ValueError and nothing is written. On a filesystem without locks (Lustre without its flock option) a
-    warning says so, and the run goes on unguarded. The partial files of saves cut short are removed."""
+    """Rank 0 takes the run's lock until the process ends -> the lock file on rank 0 (keep it), None elsewhere.
+    The folder must still hold `checkpoint` as its newest, else every rank raises ValueError, as when another
+    process holds the lock. Without locks (Lustre without flock) the run goes on unguarded, warned."""
     lock, refusal, locked = None, None, True
     if rank_and_world()[0] == 0:  # the one rank that writes in the run folder
         folder.mkdir(parents=True, exist_ok=True)

@@ -282,6 +282,28 @@ def train_and_save(source, vocab_size, directory, max_chars, doc_cap):
     print(f"Trained in {time.time() - t0:.1f}s, saved to {directory}")
 
 
+def checkpoint_tokenizer(ckpt, path, directory=None, remedy="or load a checkpoint trained with this one"):
+    """The tokenizer checkpoint `path` (read as ckpt) trained with, from directory, else from the folder it recorded
+    or the same-named one here (a base folder that moved), checked by its files' digest and its size."""
+    if directory is None and not isinstance(recorded := ckpt.get("tokenizer_dir"), str):
+        raise ValueError(f"checkpoint {path} is not a nanoparcae checkpoint (it names no tokenizer_dir); pass one "
+                         f"that train.py wrote")
+    places = [directory] if directory else list(dict.fromkeys((Path(recorded), tokenizer_dir(key=Path(recorded).name))))
+    if (found := next((place for place in places if Tokenizer.saved(place)), None)) is None:
+        run = ckpt["args"] if isinstance(ckpt.get("args"), dict) else {}
+        flags = " ".join(f"--{flag}={run.get(flag, '...')}" for flag in ("data", "vocab_size"))
+        raise FileNotFoundError(f"the tokenizer of checkpoint {path} is not at {' nor at '.join(map(str, places))}; "
+                                f"recreate it with `python -m nanoparcae.tokenizer {flags}`")
+    tokenizer = Tokenizer.load(found)  # a torn file is named before the digest differs
+    if (trained_with := ckpt.get("tokenizer_digest")) and tokenizer.digest != trained_with:
+        raise ValueError(f"the tokenizer at {found} (digest {tokenizer.digest}) is not the one {path} was trained "
+                         f"with (digest {trained_with}); put that tokenizer back, {remedy}")
+    if type(vocab := ckpt["config"].get("vocab_size")) is int and tokenizer.vocab_size > vocab:
+        raise ValueError(f"the tokenizer at {found} has {tokenizer.vocab_size} tokens, the model {vocab}: they are "
+                         f"not from the same run")
+    return tokenizer
+
+
 # -----------------------------------------------------------------------------
 # Command line: train (once) and cache the tokenizer of a data source
 
