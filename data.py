@@ -12,6 +12,7 @@ nanoparcae/dataset.py reads the text, and nanoparcae/tokenizer.py tokenizes it.
 
 import bisect
 import collections
+import contextlib
 import itertools
 import math
 import queue
@@ -36,9 +37,8 @@ class DocumentStream:
             raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
         self.chunks = list_chunks(source, split)
         self.source, self.split, self.seed, self.rank = source, split, seed, rank
-        self.world_size = world_size
-        self.reader = reader or ChunkReader()  # shared by this process's loaders
-        self.sharers = sharers  # how many streams of this split read every chunk through `reader`
+        # `reader` is shared by this process's loaders, the `sharers` streams of this split
+        self.world_size, self.reader, self.sharers = world_size, reader or ChunkReader(), sharers
         self._order = (None, None)
 
     def order(self, epoch):
@@ -109,11 +109,9 @@ class Prefetcher:
 
     def _put(self, message):
         while not self.stop.is_set():
-            try:
+            with contextlib.suppress(queue.Full):
                 self.queue.put(message, timeout=0.1)
                 return True
-            except queue.Full:
-                pass
         return False
 
     def close(self):  # a thread left running could abort Python at exit
@@ -144,9 +142,8 @@ class DataLoader:
         # first, so that close() runs when a check below raises
         self.prefetcher, self.pending = None, collections.deque()
         self.tokenizer, self.batch_size, self.seq_len = tokenizer, batch_size, seq_len
-        self.device = torch.device(device)
+        self.device, self.tokenize_batch = torch.device(device), tokenize_batch
         self.buffer_docs, self.num_threads = buffer_docs, num_threads
-        self.tokenize_batch = tokenize_batch
         self.stream = DocumentStream(source, split, seed, rank, world_size, reader, sharers)
         self.loop = split == "train"
         self.next_doc = (0, 0, 0)  # id of the next document to take into the buffer
@@ -160,8 +157,7 @@ class DataLoader:
                 self.prefetcher = Prefetcher(tokenize_ahead(
                     self.tokenizer, self.stream, self.next_doc, self.loop, self.tokenize_batch,
                     self.num_threads))
-            batch = self.prefetcher.get()
-            if batch is None:
+            if (batch := self.prefetcher.get()) is None:
                 return None
             self.pending.extend(batch)
         doc_id, tokens = self.pending[0]
@@ -175,8 +171,7 @@ class DataLoader:
 
     def _fill_buffer(self):
         while len(self.buffer) < self.buffer_docs:
-            document = self._next_document()
-            if document is None:  # the val split is read once, or the buffer drains
+            if (document := self._next_document()) is None:  # val is read once, or it drains
                 return
             bisect.insort(self.buffer, (len(document[1]), self.arrivals, *document))
             self.arrivals += 1

@@ -184,8 +184,7 @@ def build_rows(task, data, indices, tokenizer, seed, max_len):
     prompts, owners = [], []  # owners hold (item index, how many prompts it has)
     for idx in indices:  # sample range(n - 1) and skip idx, rather than build every other index
         picks = random.Random(seed + idx).sample(range(len(data) - 1), shots)
-        fewshot = [data[j + (j >= idx)] for j in picks]
-        texts = render_prompts(task, data[idx], fewshot)
+        texts = render_prompts(task, data[idx], [data[j + (j >= idx)] for j in picks])
         prompts += texts
         owners.append((idx, len(texts)))
     tokens = tokenizer.encode(prompts, prepend_bos=True) if prompts else []  # BOS starts every prompt (METHOD.md §3)

@@ -78,8 +78,7 @@ def user_files(pattern):
 
 
 def walk(folder):
-    """List the files in `folder` and below, leaving out hidden ones, as glob's "**/*" does.
-    A subfolder that cannot be read raises EnvironmentFailure naming it, where glob would skip it silently."""
+    """List the files under `folder` but hidden ones, as glob's "**/*" does, naming a subfolder glob cannot read."""
     def refuse(err):
         if isinstance(err, PermissionError):
             raise EnvironmentFailure(f"{err.filename} cannot be read ({err.strerror}), so --data={folder} would "
@@ -103,8 +102,7 @@ def data_key(source):
 
 
 def fineweb_dir(make=False):
-    """Return the shards' folder, made only for a download, so a read-only cache serves reads.
-    A file in its place raises ValueError naming it, and a folder a download cannot write EnvironmentFailure."""
+    """Return the shards' folder, made (and checked writable) only for a download, so a read-only cache serves reads."""
     path = get_base_dir() / "fineweb-edu"
     if path.exists() and not path.is_dir():
         raise ValueError(f"{path} is a file where the FineWeb-Edu shards' folder belongs: move or remove it, then "
@@ -213,9 +211,8 @@ def read_text_file(path, reported=None):
         return re.split(r"\n\s*\n", text)
     if path.endswith(".jsonl"):
         return [jsonl_text(path, number, line) for number, line in enumerate(text.splitlines(), 1) if line.strip()]
-    # A .py file gives a document per block of a module or class body.
-    # A block starts after a blank line, at a line indented by at most 4 spaces.
-    # Whole stdlib files (median ~2k tokens) would lose most tokens to cropping at 256-token rows.
+    # A .py file gives a document per block (after a blank line, indented at most 4 spaces), because whole
+    # stdlib files (median ~2k tokens) would lose most tokens to cropping at 256-token rows.
     return re.split(r"\n\s*\n(?=(?: {4})?\S)", text)
 
 
@@ -268,8 +265,7 @@ class ChunkReader:
                 self.kept[key] = [docs, sharers]
                 if len(self.kept) > self.max_kept:
                     del self.kept[next(iter(self.kept))]
-                self.reads += 1
-                self.chars_read += sum(map(len, docs))
+                self.reads, self.chars_read = self.reads + 1, self.chars_read + sum(map(len, docs))
             entry = self.kept[key]
             entry[1] -= 1
             if entry[1] <= 0:
@@ -310,8 +306,7 @@ def check_horizon(source, tokens):
     an estimate). Other sources repeat as often as the run needs, so they return None."""
     if source != "fineweb-edu":
         return None
-    download = f"--tokens={math.ceil(tokens)}"
-    shards = fineweb_train_shards(download)
+    shards = fineweb_train_shards(download := f"--tokens={math.ceil(tokens)}")
     if len(shards) < (needed := train_shards_needed(tokens)):
         raise ValueError(f"a run of {size(tokens, '')} tokens reads about {needed} FineWeb-Edu training shards (about "
                          f"{SHARD_TOKENS / 1e6:.1f}M tokens each), and {len(shards)} are on disk; run `python -m "

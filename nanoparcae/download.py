@@ -1,10 +1,8 @@
 """
 nanoparcae/download.py: files fetched over HTTP, and the paper's horizons that size a FineWeb-Edu download.
-It has three jobs.
-
-- One streamed, resumable, retried download serves the shards, the eval bundle and the authors' release.
-- FineWeb-Edu's shards are fetched, each checked as parquet before it takes its final name.
-- CORE's eval bundle is extracted only where it belongs, and found on every rank.
+One streamed, resumable, retried download serves the shards, the eval bundle and the authors' release.
+Each shard is checked as parquet before it takes its final name; CORE's eval bundle is extracted only where
+it belongs, and found on every rank.
 
     download_file(url, path)                      # path appears only once every byte is there
     download_shards(["shard_00000.parquet"], folder)
@@ -59,8 +57,7 @@ def download_file(url, path, max_attempts=5, retry_delay=1.0, timeout=60):
                 response.raise_for_status()
                 resumable = status == 206 or response.headers.get("Accept-Ranges") == "bytes"
                 with open(part, "ab" if status == 206 else "wb") as f:
-                    for block in response.iter_content(chunk_size=1 << 20):
-                        f.write(block)
+                    f.writelines(response.iter_content(chunk_size=1 << 20))
             break
         except requests.RequestException as e:
             reason = str(e).split(" for url:")[0] if isinstance(e, requests.HTTPError) else type(e).__name__
@@ -92,13 +89,12 @@ def download_shard(path, base_url=FINEWEB_URL, max_attempts=5, retry_delay=1.0):
         raise EnvironmentFailure(f"{e}; check the network or {BASE_URL}") from None
     try:
         columns = pq.read_metadata(unchecked).schema.names
+        bad = None if "text" in columns else f"has no 'text' column (columns: {columns}); deleted it, check {BASE_URL}"
     except Exception as e:
+        bad = f"is not a valid parquet file ({e}); deleted it, check {BASE_URL} and download again"
+    if bad:
         unchecked.unlink()
-        raise ValueError(f"{url} is not a valid parquet file ({e}); deleted it, check {BASE_URL} and download "
-                         f"again") from None
-    if "text" not in columns:
-        unchecked.unlink()
-        raise ValueError(f"{url} has no 'text' column (columns: {columns}); deleted it, check {BASE_URL}")
+        raise ValueError(f"{url} {bad}")
     unchecked.rename(path)
     return True
 
@@ -110,8 +106,7 @@ def download_shards(names, folder, base_url=FINEWEB_URL, num_workers=4, max_atte
     with ThreadPoolExecutor(num_workers) as pool:
         shards = {pool.submit(download_shard, path, base_url, max_attempts, retry_delay): path for path in paths}
         for done, shard in enumerate(as_completed(shards), 1):
-            new = shard.result()
-            fetched += new
+            fetched += (new := shard.result())
             left = (time.time() - start) / fetched * (len(names) - done) if fetched else 0
             print(f"{'Downloaded' if new else 'Skipping'} {shards[shard].name}{'' if new else ' (already there)'} "
                   f"[{done}/{len(names)}, about {left / 60:.0f} min left]", flush=True)
@@ -121,8 +116,7 @@ def download_shards(names, folder, base_url=FINEWEB_URL, num_workers=4, max_atte
 # CORE's eval bundle, downloaded once and extracted only where it belongs
 
 def extract_zip_safely(zip_path, target):
-    """Extract every member under target, once none would land outside it ("../x", "/etc/x").
-    An archive with such a member is refused whole, before anything is written."""
+    """Extract every member under target, refusing the whole archive first if one would land outside ("../x")."""
     target = Path(target).resolve()
     with zipfile.ZipFile(zip_path) as archive:
         for name in archive.namelist():
