@@ -12,6 +12,7 @@ nanoparcae/dataset.py reads the text, and nanoparcae/tokenizer.py tokenizes it.
 
 import bisect
 import collections
+import contextlib
 import itertools
 import math
 import queue
@@ -35,10 +36,9 @@ class DocumentStream:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
         self.chunks = list_chunks(source, split)
-        (self.source, self.split, self.seed, self.rank,
-         self.world_size) = source, split, seed, rank, world_size
-        self.reader = reader or ChunkReader()  # shared by this process's loaders
-        self.sharers = sharers  # how many streams of this split read every chunk through `reader`
+        self.source, self.split, self.seed, self.rank = source, split, seed, rank
+        # `reader` is shared by this process's loaders, the `sharers` streams of this split
+        self.world_size, self.reader, self.sharers = world_size, reader or ChunkReader(), sharers
         self._order = (None, None)
 
     def order(self, epoch):
@@ -78,8 +78,7 @@ class DocumentStream:
 # -----------------------------------------------------------------------------
 # The loader: BOS-aligned best-fit packing (METHOD.md §2), tokenized ahead, exactly resumable
 
-# At an epoch's end a buffer holds at most 1/DRAIN of its share
-DRAIN = 8
+DRAIN = 8  # at an epoch's end a buffer holds at most 1/DRAIN of its share
 
 
 def tokenize_ahead(tokenizer, stream, start, loop, batch_docs, num_threads):
@@ -110,20 +109,16 @@ class Prefetcher:
 
     def _put(self, message):
         while not self.stop.is_set():
-            try:
+            with contextlib.suppress(queue.Full):
                 self.queue.put(message, timeout=0.1)
                 return True
-            except queue.Full:
-                pass
         return False
 
-    def close(self):
-        """Join the thread, which could abort Python at exit."""
+    def close(self):  # a thread left running could abort Python at exit
         self.stop.set()
         self.thread.join(timeout=60)
 
-    def get(self):
-        """The next item; None at the end."""
+    def get(self):  # the next item; None at the end
         kind, item = self.queue.get()
         if kind != "item":  # put back, so every later call sees the same end or error
             self.queue.put((kind, item))
@@ -134,11 +129,10 @@ class Prefetcher:
 
 class DataLoader:
     """Yields (x, y), (batch_size, seq_len) on `device` (METHOD.md §2).
-    Rows of seq_len + 1 tokens are packed best-fit from a buffer of about buffer_docs documents.
-    Each row starts with BOS; overflow is cropped, nothing padded.
-    The train split loops forever; val is read once.
-    At an epoch's end the buffer drains to an eighth of the share before the next epoch enters.
-    So a share smaller than the buffer is still trained once before any document repeats.
+    Rows of seq_len + 1 tokens, each starting with BOS, are packed best-fit from a buffer of
+    about buffer_docs documents; overflow is cropped. The train split loops; val is read once.
+    At an epoch's end the buffer drains to an eighth of the share before the next epoch enters,
+    so a share smaller than the buffer is still trained once before any document repeats.
     The state is only document ids; a resumed loader re-reads its buffer, yielding the same batches.
     `reader` is a ChunkReader this loader and sharers - 1 others share; None gives it its own."""
 
@@ -148,9 +142,8 @@ class DataLoader:
         # first, so that close() runs when a check below raises
         self.prefetcher, self.pending = None, collections.deque()
         self.tokenizer, self.batch_size, self.seq_len = tokenizer, batch_size, seq_len
-        self.device = torch.device(device)
-        self.buffer_docs, self.num_threads, self.tokenize_batch = (buffer_docs, num_threads,
-                                                                   tokenize_batch)
+        self.device, self.tokenize_batch = torch.device(device), tokenize_batch
+        self.buffer_docs, self.num_threads = buffer_docs, num_threads
         self.stream = DocumentStream(source, split, seed, rank, world_size, reader, sharers)
         self.loop = split == "train"
         self.next_doc = (0, 0, 0)  # id of the next document to take into the buffer
@@ -164,8 +157,7 @@ class DataLoader:
                 self.prefetcher = Prefetcher(tokenize_ahead(
                     self.tokenizer, self.stream, self.next_doc, self.loop, self.tokenize_batch,
                     self.num_threads))
-            batch = self.prefetcher.get()
-            if batch is None:
+            if (batch := self.prefetcher.get()) is None:
                 return None
             self.pending.extend(batch)
         doc_id, tokens = self.pending[0]
@@ -179,8 +171,7 @@ class DataLoader:
 
     def _fill_buffer(self):
         while len(self.buffer) < self.buffer_docs:
-            document = self._next_document()
-            if document is None:  # the val split is read once, or the buffer drains
+            if (document := self._next_document()) is None:  # val is read once, or it drains
                 return
             bisect.insort(self.buffer, (len(document[1]), self.arrivals, *document))
             self.arrivals += 1
@@ -218,9 +209,8 @@ class DataLoader:
         batch = torch.tensor(rows, dtype=torch.long)
         x, y = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
         if self.device.type == "cuda":  # pinned, so the copy overlaps the GPU's work
-            return (x.pin_memory().to(self.device, non_blocking=True),
-                    y.pin_memory().to(self.device, non_blocking=True))
-        return x.to(self.device), y.to(self.device)
+            x, y = x.pin_memory(), y.pin_memory()
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
     def state_dict(self):
         s = self.stream
@@ -254,8 +244,7 @@ class DataLoader:
             for (arrival, index), tokens in zip(entries, token_lists):
                 bisect.insort(self.buffer, (len(tokens), arrival, (epoch, position, index), tokens))
 
-    def close(self):
-        """Stop tokenizing ahead."""
+    def close(self):  # stop tokenizing ahead
         if self.prefetcher is not None:
             self.prefetcher.close()
             self.prefetcher = None

@@ -96,14 +96,11 @@ CORE_LABELS = {task.label for task in CORE_TASKS}
 
 def select_tasks(tasks):
     """"core" (22), "extended" (46), or labels separated by commas."""
-    if tasks == "core":
-        return CORE_TASKS
-    if tasks == "extended":
-        return EXTENDED_TASKS
+    if tasks in ("core", "extended"):
+        return CORE_TASKS if tasks == "core" else EXTENDED_TASKS
     by_label = {task.label: task for task in EXTENDED_TASKS}
     labels = [label.strip() for label in comma_list(tasks, str)]
-    unknown = [label for label in labels if label not in by_label]
-    if unknown:
+    if unknown := [label for label in labels if label not in by_label]:
         raise ValueError(f"unknown task(s) {unknown}: use --tasks core, extended, or labels from "
                          f"{', '.join(by_label)}")
     return [by_label[label] for label in labels]
@@ -112,15 +109,13 @@ def select_tasks(tasks):
 # Each task's items, read from the bundle
 
 def read_random_baselines(bundle_dir):
-    """Read each task's random baseline in percent from the bundle's eval_meta_data.csv.
-    They are DCLM's v1 values (METHOD.md §3)."""
+    """Read each task's random baseline in percent (DCLM's v1 values, METHOD.md §3) from eval_meta_data.csv."""
     with open(Path(bundle_dir) / "eval_meta_data.csv", newline="", encoding="utf-8") as f:
         return {row["Eval Task"]: float(row["Random baseline"]) for row in csv.DictReader(f)}
 
 
 def load_task_data(bundle_dir, task, max_per_task):
-    """The task's records shuffled with Random(1337), cut to max_per_task if > 0.
-    Many files are ordered; the shuffle keeps a cut representative. METHOD.md §3, as nanochat."""
+    """The task's records shuffled with Random(1337) as nanochat does, so a cut to max_per_task (if > 0) is fair."""
     with open(Path(bundle_dir) / "eval_data" / task.path, encoding="utf-8") as f:
         data = [json.loads(line) for line in f if line.strip()]
     random.Random(1337).shuffle(data)
@@ -130,13 +125,8 @@ def load_task_data(bundle_dir, task, max_per_task):
 # Prompts: nanochat's templates, tokens with BOS, the scored span, left cropping
 
 def render_prompts(task, item, fewshot):
-    """Prompt texts for one item:
-
-    - MC: one per choice.
-    - schema: one per context option.
-    - LM: the prompt without and with the continuation.
-
-    Each few-shot block is its solved example followed by a blank line."""
+    """Prompt texts for one item, one per MC choice or schema context option; for LM the prompt without and
+    with the continuation. Each few-shot block is its solved example followed by a blank line."""
     d = task.delimiter
     if task.kind == MC:
         shots = "".join(f"{ex['query']}{d}{ex['choices'][ex['gold']]}\n\n" for ex in fewshot)
@@ -146,8 +136,7 @@ def render_prompts(task, item, fewshot):
         return [f"{shots}{option}{d}{item['continuation']}" for option in item["context_options"]]
     shots = "".join(f"{ex['context'].strip()}{d}{ex['continuation']}\n\n" for ex in fewshot)
     prompt = f"{shots}{item['context'].strip()}{d}"
-    # The prompt alone is stripped, since a trailing " " or "\nAnswer: " would join the continuation's first token.
-    # The prompt's tokens would then no longer prefix the full text's.
+    # The prompt alone is stripped, so its tokens prefix the full text's (a trailing " " would join the next token).
     return [prompt.strip(), prompt + item["continuation"]]
 
 
@@ -169,9 +158,8 @@ def scored_spans(task, tokens):
     if task.kind == SCHEMA:  # the contexts differ and share the continuation, so score the common suffix
         n = common_length(tokens, from_end=True)
         return tokens, [(len(t) - n, len(t)) for t in tokens]
-    # An LM item sends only the full text forward. The continuation follows the two texts' common prefix.
-    # That is the whole prompt whenever the tokenizer keeps it a prefix, as nanochat asserts.
-    without, full = tokens
+    # An LM item scores only the full text, after the two texts' common prefix (the prompt, as nanochat asserts).
+    full = tokens[1]
     return [full], [(common_length(tokens), len(full))]
 
 
@@ -179,8 +167,7 @@ def crop_left(tokens, start, end, max_len):
     """Keep the last max_len tokens, shifting the span with them. METHOD.md §3 crops from the left.
     The span keeps at least one token. It never starts at position 0, which nothing predicts."""
     cut = max(0, len(tokens) - max_len)
-    start, end = start - cut, end - cut
-    return tokens[cut:], max(1, min(start, end - 1)), end
+    return tokens[cut:], max(1, min(start - cut, end - cut - 1)), end - cut
 
 
 class Row(NamedTuple):
@@ -191,16 +178,13 @@ class Row(NamedTuple):
 
 
 def build_rows(task, data, indices, tokenizer, seed, max_len):
-    """Every sequence to score for the items at `indices`.
-    Few-shot examples are drawn as nanochat draws them, with Random(seed + idx).sample(every other index, shots).
-    A task with fewer items than shots uses all the others."""
+    """Every sequence to score for the items at `indices`. Few-shot examples are drawn as nanochat draws them,
+    Random(seed + idx).sample(every other index, shots); a task with fewer items than shots uses all the others."""
     shots = min(task.shots, len(data) - 1)
     prompts, owners = [], []  # owners hold (item index, how many prompts it has)
-    for idx in indices:
-        # Random(seed + idx).sample(every index but idx, shots), without building that list for each item
+    for idx in indices:  # sample range(n - 1) and skip idx, rather than build every other index
         picks = random.Random(seed + idx).sample(range(len(data) - 1), shots)
-        fewshot = [data[j + (j >= idx)] for j in picks]
-        texts = render_prompts(task, data[idx], fewshot)
+        texts = render_prompts(task, data[idx], [data[j + (j >= idx)] for j in picks])
         prompts += texts
         owners.append((idx, len(texts)))
     tokens = tokenizer.encode(prompts, prepend_bos=True) if prompts else []  # BOS starts every prompt (METHOD.md §3)

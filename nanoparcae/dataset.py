@@ -1,12 +1,8 @@
 """
 nanoparcae/dataset.py: every data source's text, read in one place before the loader (METHOD.md §2).
-Its five jobs are these.
-
-- It lists a source's files in chunks, and names their content (data_key).
-- It reads a chunk's documents, and names a file it cannot read with the fix.
-- A ChunkReader shares each chunk it reads among a process's loaders.
-- It checks that a split holds documents, and that FineWeb-Edu's shards on disk cover a run (check_horizon).
-- Its command line downloads FineWeb-Edu's shards.
+It lists a source's files in chunks and reads their documents, naming a file it cannot read with the fix.
+A ChunkReader shares each chunk among a process's loaders. It checks that a split holds documents,
+and that FineWeb-Edu's shards on disk cover a run. Its command line downloads those shards.
 
     python -m nanoparcae.dataset download -n 8                  # FineWeb-Edu: 7 train shards + the validation shard
     python -m nanoparcae.dataset download --depth=12            # the shards the paper's 370M run reads
@@ -52,8 +48,7 @@ FINEWEB_VAL_SHARD = 1822  # shards 0..1822, the last one held out, as nanochat d
 SHARD_TOKENS = 32.5e6
 
 # -----------------------------------------------------------------------------
-# Data sources. A split is a list of chunks, each a list of documents.
-# A chunk is a parquet row group, or a group of text files.
+# Data sources. A split is a list of chunks (a parquet row group, or a group of text files).
 
 class Chunk(NamedTuple):
     paths: tuple  # the files read together
@@ -83,8 +78,7 @@ def user_files(pattern):
 
 
 def walk(folder):
-    """List the files in `folder` and below, leaving out hidden ones, as glob's "**/*" does.
-    A subfolder that cannot be read raises EnvironmentFailure naming it, where glob would skip it silently."""
+    """List the files under `folder` but hidden ones, as glob's "**/*" does, naming a subfolder glob cannot read."""
     def refuse(err):
         if isinstance(err, PermissionError):
             raise EnvironmentFailure(f"{err.filename} cannot be read ({err.strerror}), so --data={folder} would "
@@ -108,8 +102,7 @@ def data_key(source):
 
 
 def fineweb_dir(make=False):
-    """Return the shards' folder, made only for a download, so a read-only cache serves reads.
-    A file in its place raises ValueError naming it, and a folder a download cannot write EnvironmentFailure."""
+    """Return the shards' folder, made (and checked writable) only for a download, so a read-only cache serves reads."""
     path = get_base_dir() / "fineweb-edu"
     if path.exists() and not path.is_dir():
         raise ValueError(f"{path} is a file where the FineWeb-Edu shards' folder belongs: move or remove it, then "
@@ -125,9 +118,8 @@ def shard_name(index):
 
 
 def fineweb_train_shards(download=None):
-    """List the indices of the FineWeb-Edu training shards on disk.
-    A missing validation shard, or no training shard, raises FileNotFoundError naming the download.
-    `download` names the flags that size a run's own download ("--tokens=1e9"); None names -n."""
+    """List the FineWeb-Edu training shards on disk; no validation or training shard raises FileNotFoundError
+    naming the download, with `download`'s flags ("--tokens=1e9") or, for None, -n."""
     folder = fineweb_dir()
     found = [i for i in range(FINEWEB_VAL_SHARD + 1) if (folder / shard_name(i)).is_file()]
     train = [i for i in found if i != FINEWEB_VAL_SHARD]
@@ -160,7 +152,6 @@ def list_chunks(source, split):
 # -----------------------------------------------------------------------------
 # A chunk's documents, each failure naming its file
 
-
 @contextlib.contextmanager
 def reading(path, where=""):
     """Name the data file `path` (and `where` in it, a row group) in what a failed read raises, with the fix.
@@ -185,8 +176,8 @@ def parquet_metadata(path):
     if "text" not in schema.names:
         raise ValueError(f"{path} has no 'text' column (columns: {schema.names}); rename the column to 'text'")
     if not pa.types.is_string(kind := schema.field("text").type) and not pa.types.is_large_string(kind):
-        raise ValueError(f"{path}: its 'text' column holds {kind}, not strings; write the text as strings, or remove "
-                         f"the file")
+        raise ValueError(f"{path}: its 'text' column holds {kind}, not strings; write the text as strings, or "
+                         f"remove the file")
     return metadata
 
 
@@ -201,10 +192,8 @@ def parquet_texts(path, row_group):
 
 
 def read_text_file(path, reported=None):
-    """Return the documents of a text file, leaving out bytes that are not UTF-8.
-    The warning names each file once, adding it to `reported` (a ChunkReader's set).
-    A NUL byte says the file is not UTF-8 text at all (UTF-16, or binary), so it raises ValueError.
-    With reported None it checks none, since a few standard-library files use other encodings."""
+    """Return a text file's documents, leaving out bytes that are not UTF-8 and naming the file once in `reported`.
+    A NUL byte (UTF-16, or binary) raises ValueError. With reported None it checks none (stdlib's odd encodings)."""
     with reading(path), open(path, "rb") as f:
         raw = f.read()
     if reported is not None and (nul := raw.find(b"\0")) >= 0:
@@ -222,9 +211,8 @@ def read_text_file(path, reported=None):
         return re.split(r"\n\s*\n", text)
     if path.endswith(".jsonl"):
         return [jsonl_text(path, number, line) for number, line in enumerate(text.splitlines(), 1) if line.strip()]
-    # A .py file gives a document per block of a module or class body.
-    # A block starts after a blank line, at a line indented by at most 4 spaces.
-    # Whole stdlib files (median ~2k tokens) would lose most tokens to cropping at 256-token rows.
+    # A .py file gives a document per block (after a blank line, indented at most 4 spaces), because whole
+    # stdlib files (median ~2k tokens) would lose most tokens to cropping at 256-token rows.
     return re.split(r"\n\s*\n(?=(?: {4})?\S)", text)
 
 
@@ -241,9 +229,8 @@ def jsonl_text(path, number, line):
 
 
 def read_chunk(chunk, reported):
-    """Return the chunk's documents of its split; `reported` is read_text_file's.
-    A .py file's blocks share names and imports, so the whole file goes to one split by its hash.
-    Any other document goes by its own hash."""
+    """Return the chunk's documents of its split, each by its hash; `reported` is read_text_file's.
+    A .py file's blocks share names and imports, so the whole file goes to one split by its hash."""
     if chunk.row_group >= 0:
         units = [[doc] for doc in parquet_texts(chunk.paths[0], chunk.row_group)]
     else:
@@ -256,15 +243,9 @@ def read_chunk(chunk, reported):
 
 
 class ChunkReader:
-    """Reads chunks for the loaders that share it, each chunk once for all of them.
-
-    - train.py builds one per process, and a loader per micro-batch (a virtual rank).
-      Without it, a process would read and decode each chunk once per micro-batch.
-    - A chunk is kept until all its `sharers` loaders have taken it, then dropped.
-    - At most max_kept chunks are kept, the oldest going first, because loaders drift apart a little
-      and a resumed loader never takes a chunk it is past.
-    - A file with bytes that are not UTF-8 is named once per reader (read_text_file).
-    """
+    """Reads chunks for the loaders that share it (one per micro-batch), each chunk once for all of them.
+    A chunk is kept until all its `sharers` loaders have taken it. At most max_kept chunks are kept,
+    the oldest going first, because loaders drift apart and a resumed loader never takes a chunk it is past."""
 
     def __init__(self, max_kept=64):
         self.kept, self.lock = {}, threading.Lock()  # (chunk, epoch) -> [documents, loaders still to take it]
@@ -272,13 +253,11 @@ class ChunkReader:
         self.reads = self.chars_read = 0  # chunks read from disk and their characters
         self.reported = set()  # the files already named for bytes that are not UTF-8
 
-    def read(self, chunk):
-        """Read the chunk's documents now, and keep none."""
+    def read(self, chunk):  # now, keeping none
         return read_chunk(chunk, self.reported)
 
     def documents(self, chunk, epoch, sharers):
-        """Return the chunk's documents, shared by `sharers` loaders that each take it once.
-        The list is shared, so copy it before changing it."""
+        """Return the chunk's documents (copy before changing them), shared by `sharers` loaders taking it once."""
         with self.lock:  # the loaders' prefetch threads ask at once; the first one reads
             key = (chunk, epoch)
             if key not in self.kept:
@@ -286,8 +265,7 @@ class ChunkReader:
                 self.kept[key] = [docs, sharers]
                 if len(self.kept) > self.max_kept:
                     del self.kept[next(iter(self.kept))]
-                self.reads += 1
-                self.chars_read += sum(map(len, docs))
+                self.reads, self.chars_read = self.reads + 1, self.chars_read + sum(map(len, docs))
             entry = self.kept[key]
             entry[1] -= 1
             if entry[1] <= 0:
@@ -296,8 +274,7 @@ class ChunkReader:
 
 
 def iter_documents(source, split, reader=None):
-    """Yield every document of a split in a fixed order, the one the tokenizer trains on.
-    It reads through `reader`, a ChunkReader, or one of its own."""
+    """Yield every document of a split in a fixed order, the tokenizer's, through `reader` or a new ChunkReader."""
     reader = reader or ChunkReader()
     for chunk in list_chunks(source, split):
         yield from reader.read(chunk)
@@ -305,21 +282,17 @@ def iter_documents(source, split, reader=None):
 # -----------------------------------------------------------------------------
 # What a run needs of its data, checked before it starts
 
-
 def check_split(source, split, reader=None):
-    """Raise ValueError naming the cause when a source's split holds no documents.
-    The source may hold no text at all, or too few documents for both splits.
-    It reads through `reader`, as iter_documents does."""
+    """Raise ValueError when a split holds no documents, naming whether the source holds no text or too few."""
     if next(iter_documents(source, split, reader), None) is not None:
         return
     counts = {name: sum(1 for _ in iter_documents(source, name)) for name in ("train", "val")}
     if not any(counts.values()):
         raise ValueError(f"{source} holds no text (empty or blank files): put documents in it, a blank "
                          f"line between two in a .txt file")
-    raise ValueError(f"the {split} split of {source} has no documents: a document goes to "
-                     f"validation by a hash of its text (about 1 in {VAL_EVERY}) and {source} holds only "
-                     f"{sum(counts.values())}; split the text into more documents (a blank line between two "
-                     f"in a .txt file) or pass several files")
+    raise ValueError(f"the {split} split of {source} has no documents: a document goes to validation by a hash of its "
+                     f"text (about 1 in {VAL_EVERY}) and {source} holds only {sum(counts.values())}; split the text "
+                     f"into more documents (a blank line between two in a .txt file) or pass several files")
 
 
 def train_shards_needed(tokens):
@@ -329,24 +302,19 @@ def train_shards_needed(tokens):
 
 def check_horizon(source, tokens):
     """Refuse a FineWeb-Edu run whose tokens need more training shards than are on disk, and return those shards.
-    The need is the download's rule, so after `download --tokens=N` a run of N tokens passes.
-    It does not promise that a run reads no shard twice, because SHARD_TOKENS is an estimate.
-    Other sources repeat as often as the run needs, so nothing is checked and None is returned.
-    The loader announces each epoch it begins, on every source."""
+    The need is the download's rule, so after `download --tokens=N` a run of N tokens passes (SHARD_TOKENS is
+    an estimate). Other sources repeat as often as the run needs, so they return None."""
     if source != "fineweb-edu":
         return None
-    download = f"--tokens={math.ceil(tokens)}"
-    shards = fineweb_train_shards(download)
+    shards = fineweb_train_shards(download := f"--tokens={math.ceil(tokens)}")
     if len(shards) < (needed := train_shards_needed(tokens)):
-        raise ValueError(f"a run of {size(tokens, '')} tokens reads about {needed} FineWeb-Edu training shards "
-                         f"(about {SHARD_TOKENS / 1e6:.1f}M tokens each), and {len(shards)} are on disk; run "
-                         f"`python -m nanoparcae.dataset download {download}` first, or give a smaller "
-                         f"--max_tokens")
+        raise ValueError(f"a run of {size(tokens, '')} tokens reads about {needed} FineWeb-Edu training shards (about "
+                         f"{SHARD_TOKENS / 1e6:.1f}M tokens each), and {len(shards)} are on disk; run `python -m "
+                         f"nanoparcae.dataset download {download}` first, or give a smaller --max_tokens")
     return shards
 
 # -----------------------------------------------------------------------------
 # Command line
-
 
 def shards_for(num_shards=None, depth=None, tokens=None):
     """List the shards a download fetches, the validation shard always among them.
@@ -358,8 +326,9 @@ def shards_for(num_shards=None, depth=None, tokens=None):
     num_train = (num_shards or 8) - 1 if tokens is None else train_shards_needed(tokens)
     if tokens is not None:
         reads = tokens / (FINEWEB_VAL_SHARD * SHARD_TOKENS)
+        all_read = f", all there are, read {reads:.2f} times" if reads > 1 else ""
         print(f"{tokens / 1e9:.1f}B tokens at about {SHARD_TOKENS / 1e6:.1f}M a shard (50M less the ~35% that packing "
-              f"crops): {num_train} training shards" + (f", all there are, read {reads:.2f} times" if reads > 1 else ""))
+              f"crops): {num_train} training shards{all_read}")
     return list(range(num_train)) + [FINEWEB_VAL_SHARD]
 
 

@@ -1,10 +1,8 @@
 """
 nanoparcae/download.py: files fetched over HTTP, and the paper's horizons that size a FineWeb-Edu download.
-It has three jobs.
-
-- One streamed, resumable, retried download serves the shards, the eval bundle and the authors' release.
-- FineWeb-Edu's shards are fetched, each checked as parquet before it takes its final name.
-- CORE's eval bundle is extracted only where it belongs, and found on every rank.
+One streamed, resumable, retried download serves the shards, the eval bundle and the authors' release.
+Each shard is checked as parquet before it takes its final name; CORE's eval bundle is extracted only where
+it belongs, and found on every rank.
 
     download_file(url, path)                      # path appears only once every byte is there
     download_shards(["shard_00000.parquet"], folder)
@@ -32,15 +30,10 @@ PAPER_TOKENS = {6: 11.2e9, 12: 29.6e9, 18: 61.6e9, 24: 104e9}  # METHOD.md §1: 
 
 
 def download_file(url, path, max_attempts=5, retry_delay=1.0, timeout=60):
-    """Stream url into <path>.part, and rename it to path once complete.
-    So a broken download never has the final name.
-
-    - A .part left by an earlier try resumes with a Range header.
-      A 206 appends. A 200 ignored Range, so it starts over. A 416 says it holds every byte.
-    - Connection errors and 5xx retry with exponential backoff; 4xx are final.
-    - Raises FileNotFoundError for a 404, OSError for any other failure.
-      Each message is one line naming the url; callers add the fix.
-    """
+    """Stream url into <path>.part, renamed to path once complete, so a broken download never has the final name.
+    A .part left by an earlier try resumes with a Range header (206 appends, 200 starts over, 416 means complete).
+    Connection errors and 5xx retry with exponential backoff; 4xx are final.
+    A 404 raises FileNotFoundError, any other failure OSError, each one line naming the url for callers to add to."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     part = path.with_name(path.name + ".part")
@@ -64,8 +57,7 @@ def download_file(url, path, max_attempts=5, retry_delay=1.0, timeout=60):
                 response.raise_for_status()
                 resumable = status == 206 or response.headers.get("Accept-Ranges") == "bytes"
                 with open(part, "ab" if status == 206 else "wb") as f:
-                    for block in response.iter_content(chunk_size=1 << 20):
-                        f.write(block)
+                    f.writelines(response.iter_content(chunk_size=1 << 20))
             break
         except requests.RequestException as e:
             reason = str(e).split(" for url:")[0] if isinstance(e, requests.HTTPError) else type(e).__name__
@@ -82,7 +74,6 @@ def download_file(url, path, max_attempts=5, retry_delay=1.0, timeout=60):
 # -----------------------------------------------------------------------------
 # FineWeb-Edu's shards. Each is fetched, checked as parquet, then given its final name.
 
-
 def download_shard(path, base_url=FINEWEB_URL, max_attempts=5, retry_delay=1.0):
     """Fetch one shard to `path`; return whether it was fetched now (False when it was there).
     A 404 raises FileNotFoundError, a failed fetch EnvironmentFailure, a file that is no shard ValueError."""
@@ -98,27 +89,24 @@ def download_shard(path, base_url=FINEWEB_URL, max_attempts=5, retry_delay=1.0):
         raise EnvironmentFailure(f"{e}; check the network or {BASE_URL}") from None
     try:
         columns = pq.read_metadata(unchecked).schema.names
+        bad = None if "text" in columns else f"has no 'text' column (columns: {columns}); deleted it, check {BASE_URL}"
     except Exception as e:
+        bad = f"is not a valid parquet file ({e}); deleted it, check {BASE_URL} and download again"
+    if bad:
         unchecked.unlink()
-        raise ValueError(f"{url} is not a valid parquet file ({e}); deleted it, check {BASE_URL} and download "
-                         f"again") from None
-    if "text" not in columns:
-        unchecked.unlink()
-        raise ValueError(f"{url} has no 'text' column (columns: {columns}); deleted it, check {BASE_URL}")
+        raise ValueError(f"{url} {bad}")
     unchecked.rename(path)
     return True
 
 
 def download_shards(names, folder, base_url=FINEWEB_URL, num_workers=4, max_attempts=5, retry_delay=1.0):
-    """Fetch the shards named into `folder` and return their paths.
-    A line per shard says how many are done and, from those fetched, the time left."""
+    """Fetch the shards named into `folder` and return their paths, printing a line per shard with the time left."""
     print(f"Downloading {len(names)} shards from {base_url} to {folder} with {num_workers} workers")
     paths, start, fetched = [Path(folder) / name for name in names], time.time(), 0
     with ThreadPoolExecutor(num_workers) as pool:
         shards = {pool.submit(download_shard, path, base_url, max_attempts, retry_delay): path for path in paths}
         for done, shard in enumerate(as_completed(shards), 1):
-            new = shard.result()
-            fetched += new
+            fetched += (new := shard.result())
             left = (time.time() - start) / fetched * (len(names) - done) if fetched else 0
             print(f"{'Downloaded' if new else 'Skipping'} {shards[shard].name}{'' if new else ' (already there)'} "
                   f"[{done}/{len(names)}, about {left / 60:.0f} min left]", flush=True)
@@ -127,10 +115,8 @@ def download_shards(names, folder, base_url=FINEWEB_URL, num_workers=4, max_atte
 # -----------------------------------------------------------------------------
 # CORE's eval bundle, downloaded once and extracted only where it belongs
 
-
 def extract_zip_safely(zip_path, target):
-    """Extract every member under target, once none would land outside it ("../x", "/etc/x").
-    An archive with such a member is refused whole, before anything is written."""
+    """Extract every member under target, refusing the whole archive first if one would land outside ("../x")."""
     target = Path(target).resolve()
     with zipfile.ZipFile(zip_path) as archive:
         for name in archive.namelist():
@@ -141,16 +127,14 @@ def extract_zip_safely(zip_path, target):
 
 
 def eval_bundle_dir(base_dir=None):
-    """Return base_dir/eval_bundle if a bundle is extracted there, else None.
-    base_dir defaults to get_base_dir()."""
+    """Return base_dir (default get_base_dir())/eval_bundle if a bundle is extracted there, else None."""
     bundle_dir = (Path(base_dir) if base_dir is not None else get_base_dir()) / "eval_bundle"
     return bundle_dir if (bundle_dir / "eval_meta_data.csv").is_file() else None
 
 
 def download_eval_bundle(url=EVAL_BUNDLE_URL, base_dir=None):
-    """Return base_dir/eval_bundle, downloaded and extracted on first use.
-    base_dir defaults to get_base_dir(). A 404 raises FileNotFoundError, another failed fetch
-    EnvironmentFailure, and an archive that is no bundle ValueError."""
+    """Return base_dir/eval_bundle, downloaded and extracted on first use. A 404 raises FileNotFoundError,
+    another failed fetch EnvironmentFailure, and an archive that is no bundle ValueError."""
     base_dir = Path(base_dir) if base_dir is not None else get_base_dir()
     base_dir.mkdir(parents=True, exist_ok=True)
     bundle_dir = base_dir / "eval_bundle"
@@ -161,12 +145,11 @@ def download_eval_bundle(url=EVAL_BUNDLE_URL, base_dir=None):
         print(f"Downloading the eval bundle from {url} ...")
         try:
             download_file(url, zip_path)
-        except FileNotFoundError as err:  # a 404 is the url's fault
-            raise FileNotFoundError(f"{err}; check --bundle_url, or download it by hand and unzip it in "
-                                    f"{base_dir}") from None
-        except OSError as err:  # any other failure is the network's
-            raise EnvironmentFailure(f"{err}; check the network, or download it by hand and unzip it in "
-                                     f"{base_dir}") from None
+        except OSError as err:  # a 404 is the url's fault, any other failure the network's
+            url_fault = isinstance(err, FileNotFoundError)
+            raise (FileNotFoundError if url_fault else EnvironmentFailure)(
+                f"{err}; check {'--bundle_url' if url_fault else 'the network'}, or download it by hand and unzip "
+                f"it in {base_dir}") from None
     scratch = base_dir / f"eval_bundle.{os.getpid()}.tmp"
     try:
         extract_zip_safely(zip_path, scratch)
@@ -187,13 +170,8 @@ def download_eval_bundle(url=EVAL_BUNDLE_URL, base_dir=None):
 def shared_eval_bundle(url=EVAL_BUNDLE_URL):
     """Return (the bundle's folder, None) on every rank, or (None, why) on every rank if any lacks it.
     A rank without the tasks would never join CORE's per-task all_reduce, and the others would wait for it.
-
-    - Rank 0 fetches it into its base folder first.
-    - Then each other node's local rank 0 fetches into its own.
-      On a shared filesystem it finds the bundle there, so nothing is fetched twice.
-    - The other ranks wait for each fetch in wait_for_rank0.
-    - Then the ranks agree through ranks.gather.
-    """
+    Rank 0 fetches first, then each other node's local rank 0 (which finds it on a shared filesystem),
+    the other ranks waiting for each fetch. Then the ranks agree through ranks.gather."""
     rank, why = rank_and_world()[0], None
     for fetching in (rank == 0, local_rank() == 0 and rank != 0):
         if fetching:
