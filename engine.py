@@ -4,9 +4,6 @@ engine.py: decoding, the model of METHOD.md §1 run one position at a time, for 
     for ids, steps in generate(model, tokens, 64, T="auto", top_k=50):   # token after token
         ...
     loss, steps_per_token = teacher_forced(model, ids, prompt_len, T=8)  # loss on known text
-
-It reads top to bottom: the KV cache, one token from the logits, one new position, then the
-plain decoding loop. Drafting (beyond the paper) is the last section, one branch of generate.
 """
 
 import math
@@ -211,10 +208,9 @@ def fill_skipped_steps(cache, steps, T_max):
     if cache.loop_steps is None or cache.loop_steps < T_max:
         raise ValueError(f"an early exit fills the steps it skipped in the cache's stacks, so "
                          f"build the cache as KVCache(max_len, loop_steps={T_max})")
-    p = cache.pos - 1
     for r, ran in enumerate(steps):
         for stack in cache.stacks.values():  # (loop_steps, 2, B, H, max_len, D)
-            stack[ran:T_max, :, r, :, p] = stack[ran - 1, :, r, :, p]
+            stack[ran:T_max, :, r, :, cache.pos - 1] = stack[ran - 1, :, r, :, cache.pos - 1]
 
 # -----------------------------------------------------------------------------
 # Decoding: the prompt but its last token prefilled, then one position at a time
@@ -332,7 +328,6 @@ def teacher_forced(model, ids, prompt_len, T=None, seed=0, **decoding):
 
 # -----------------------------------------------------------------------------
 # Drafting (beyond the paper): the looped model drafts for itself, several positions a pass.
-# Plain decoding above never enters this section; generate does where it is given a Draft.
 
 class Draft(NamedTuple):
     """Up to `length` positions a pass drafted at `depth` loop steps (paced picks how many)."""
@@ -401,12 +396,12 @@ def paced(pace, most, accepted, seconds):
 
 
 def drafted(decoder, max_new_tokens, draft, sampling, counts=None, pace=Pace()):
-    """generate's tokens at depth T, up to `draft.length` positions per pass (docs/sampling.md).
-    A position's first t loop steps do not depend on T, so a draft at depth t is the first t
-    steps of the target. Sampled, only the acceptance paces k, so a seed's text never depends on
-    time. A batch keeps the run every row keeps, and a row's further tokens, verified already,
-    wait in `ahead` for the next pass. counts gets "passes", "drafted", "agreed" (drafts a row
-    accepted before its first rejection) and "plain" tokens."""
+    """generate's tokens at depth T, up to `draft.length` positions per pass (docs/sampling.md). A
+    position's first t loop steps do not depend on T, so a draft at depth t is the first t steps of
+    the target. Sampled, only the acceptance paces k, so a seed's text never depends on time. A
+    batch keeps the run every row keeps, and a row's further tokens, verified already, wait in
+    `ahead` for the next pass. counts gets "passes", "drafted", "agreed" (drafts a row accepted
+    before its first rejection) and "plain" tokens."""
     B = decoder.tokens.size(0)
     steps, made, ahead = torch.full((B,), decoder.T), 0, [[] for _ in range(B)]
     counts, timed = {} if counts is None else counts, greedy(sampling.temperature)
@@ -441,8 +436,7 @@ def drafted(decoder, max_new_tokens, draft, sampling, counts=None, pace=Pace()):
             decoder.length = start + ids.size(1)  # and the cache the positions before the last
             decoder.cache.pos = decoder.length - 1
             guided = int(known.sum())  # positions whose tokens were verified already
-            tallies = {"passes": 1, "drafted": B * k - guided,
-                       "agreed": int(agreed.sum()) - guided}
+            tallies = {"passes": 1, "drafted": B * k - guided, "agreed": int(agreed.sum()) - guided}
         seconds = time.perf_counter() - began if timed else math.nan  # nan, so no speed-up rule
         pace = paced(pace._replace(length=k), draft.length, accepted, seconds)
         made += ids.size(1)

@@ -8,7 +8,6 @@ It is one torch.optim.Optimizer with two kinds of parameter groups.
   It runs Nesterov momentum, Polar Express in bf16, NorMuon and cautious weight decay.
 
 A library, not a script:
-
     optimizer = build_optimizer(model, adamw_lr=learning_rate_for_depth(6))
     for group in optimizer.param_groups:                  # before each optimizer.step()
         group['lr'] = group['initial_lr'] * lr_multiplier(step, total_steps)
@@ -90,25 +89,22 @@ def adamw_update(params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, 
 def muon_update(P, g, momentum_buffer, second_momentum_buffer, momentum, lr, wd, beta2,
                 ns_steps: int) -> None:
     """Muon on a stack P (n, rows, cols) and its gradients g, both changed in place."""
-    # Nesterov momentum
     momentum_buffer.lerp_(g, 1 - momentum)
     g = g.lerp_(momentum_buffer, momentum)
     # fp32 from here, as nanochat; the authors stay in bf16, which differs only by rounding
     U = polar_express(g, ns_steps).float()
     U = normuon(U, second_momentum_buffer, beta2)
-    # Cautious weight decay (METHOD.md §2) decays only where update * param >= 0, the update
-    # being U as in the authors' code. Only entries the update already moves towards zero
-    # decay, so the decay never fights the optimiser.
+    # Cautious weight decay (METHOD.md §2), as the authors', decays only where U * P >= 0, the
+    # entries the update already moves towards zero, so the decay never fights the optimiser.
     mask = (U * P) >= 0
     P.sub_(lr * U + (lr * wd) * P * mask)
 
 
-# Compiled, each group's update is one graph of few fused kernels, not dozens of small ones.
-# The hyperparameters go in as 0-d CPU tensors, graph inputs, as nanochat does, so a schedule
-# that changes lr, momentum or wd every step never recompiles. They are float64, as Python's
-# floats are, so they reach the kernels as the plain update's do. A group's shapes are fixed,
-# hence dynamic=False. Without fullgraph, an update past dynamo's recompile limit runs eagerly
-# with its warning instead of failing.
+# Compiled, each group's update is one graph of few fused kernels, not dozens of small ones. The
+# hyperparameters go in as 0-d CPU float64 tensors, graph inputs as in nanochat, so a schedule that
+# changes lr, momentum or wd every step never recompiles, and they reach the kernels as the plain
+# update's floats do. A group's shapes are fixed, hence dynamic=False. Without fullgraph, an update
+# past dynamo's recompile limit runs eagerly with its warning instead of failing.
 
 def compiled_update(update, backend: str):
     """update, compiled; called with numbers, it passes them on as 0-d float64 tensors."""
@@ -165,14 +161,11 @@ class MuonAdamW(torch.optim.Optimizer):
         for p in params:
             state = self.state[p]
             if not state:
-                state['step'] = 0
-                state['exp_avg'] = torch.zeros_like(p)
-                state['exp_avg_sq'] = torch.zeros_like(p)
+                state.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
             state['step'] += 1
         if not params:
             return
-        states = [self.state[p] for p in params]
-        (beta1, beta2) = group['betas']
+        states, (beta1, beta2) = [self.state[p] for p in params], group['betas']
         self.adamw_update(params, [p.grad for p in params], [s['exp_avg'] for s in states],
                           [s['exp_avg_sq'] for s in states], steps=[s['step'] for s in states],
                           lr=group['lr'], beta1=beta1, beta2=beta2, eps=group['eps'],
@@ -187,16 +180,13 @@ class MuonAdamW(torch.optim.Optimizer):
         state = self.state[params[0]]
         n, (rows, cols) = len(params), params[0].shape
         if not state:
-            state['momentum_buffer'] = torch.zeros(n, rows, cols, dtype=params[0].dtype,
-                                                   device=params[0].device)
+            state['momentum_buffer'] = params[0].new_zeros(n, rows, cols)
             factored = (n, rows, 1) if rows >= cols else (n, 1, cols)
-            state['second_momentum_buffer'] = torch.zeros(factored, dtype=torch.float32,
-                                                          device=params[0].device)
+            state['second_momentum_buffer'] = params[0].new_zeros(factored, dtype=torch.float32)
         # no gradient counts as a zero gradient, as in the authors' code
         g = torch.stack([p.grad if p.grad is not None else torch.zeros_like(p) for p in params])
         P = torch.stack(params)
-        # the factor makes an update's RMS entry 1/sqrt(fan_in) for every shape (METHOD.md §2),
-        # so tall matrices are not under-stepped
+        # an update's RMS entry is then 1/sqrt(fan_in) for every shape, tall too (METHOD.md §2)
         lr = group['lr'] * math.sqrt(max(1.0, rows / cols))
         self.muon_update(P, g, state['momentum_buffer'], state['second_momentum_buffer'],
                          momentum=group['momentum'], lr=lr, wd=group['weight_decay'],
@@ -205,15 +195,10 @@ class MuonAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        with torch.enable_grad():
+            loss = closure() if closure is not None else None
         for group in self.param_groups:
-            if group['kind'] == 'adamw':
-                self._step_adamw(group)
-            else:
-                self._step_muon(group)
+            (self._step_adamw if group['kind'] == 'adamw' else self._step_muon)(group)
         return loss
 
 
@@ -235,9 +220,8 @@ def is_muon_param(name: str, p: Tensor) -> bool:
 
 def build_optimizer(model: torch.nn.Module, adamw_lr: float, muon_lr: float = 8e-3,
                     weight_decay: float = 0.2, muon: bool = True) -> MuonAdamW:
-    """One AdamW group and one Muon group per matrix shape, in the model's parameter order.
-    So a checkpoint loads back into the same groups, and each lists its 'names'.
-    muon=False puts every parameter in AdamW."""
+    """One AdamW group and one Muon group per matrix shape, in the model's parameter order, so a
+    checkpoint loads back into the same groups; each lists its 'names'. muon=False is AdamW only."""
     adamw, matrices = {'params': [], 'names': []}, {}
     for name, p in model.named_parameters():  # a tied tensor comes once
         if not p.requires_grad:
@@ -253,9 +237,8 @@ def build_optimizer(model: torch.nn.Module, adamw_lr: float, muon_lr: float = 8e
 
 
 def optimizer_state_bytes(model: torch.nn.Module, muon: bool = True) -> int:
-    """Bytes of the optimiser's state for model, which may be on the meta device.
-    Its float32 moments are two per AdamW parameter and one per Muon parameter.
-    NorMuon adds one per row or column."""
+    """Bytes of the optimiser's state for model, which may be on the meta device. Its float32
+    moments are two per AdamW parameter, one per Muon parameter, and NorMuon's per row or column."""
     total = 0
     for group in build_optimizer(model, adamw_lr=1.0, muon=muon).param_groups:
         numel = sum(p.numel() for p in group['params'])
@@ -273,16 +256,13 @@ def optimizer_state_bytes(model: torch.nn.Module, muon: bool = True) -> int:
 def lr_multiplier(step: int, total_steps: int, warmdown_frac: float = 0.5) -> float:
     """No warmup; 1.0, then linear down to 0 over the last warmdown_frac of the steps."""
     warmdown = round(warmdown_frac * total_steps)
-    if step <= total_steps - warmdown:
-        return 1.0
-    return max(0.0, (total_steps - step) / warmdown)
+    return 1.0 if step <= total_steps - warmdown else max(0.0, (total_steps - step) / warmdown)
 
 
 def muon_momentum(step: int, warmup_steps: int = 300, start: float = 0.85,
                   end: float = 0.95) -> float:
     """Muon momentum, 0.85 to 0.95 over the first 300 steps."""
-    frac = min(step / warmup_steps, 1.0)
-    return start + frac * (end - start)
+    return start + min(step / warmup_steps, 1.0) * (end - start)
 
 
 def weight_decay_at(step: int, total_steps: int, wd: float) -> float:

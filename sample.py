@@ -98,8 +98,7 @@ def sample(model, tokenizer, args, label):
     """Samples of --prompt, of stdin when it is a pipe, else of each line typed.
     A prompt it cannot sample raises ValueError."""
     device, c = torch.device(args.device), model.config
-    allowed = tokenizer.known_ids(c.vocab_size)
-    allowed = None if allowed is None else allowed.to(device)
+    allowed = None if (known := tokenizer.known_ids(c.vocab_size)) is None else known.to(device)
     draft = chosen_draft(model, args)
     print(f"{label}: {model.num_params():,} parameters, mu_rec={c.mu_rec}, "
           f"injection={c.injection}; T={args.T or c.mu_rec}"

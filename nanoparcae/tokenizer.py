@@ -54,7 +54,6 @@ SPLIT_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}|
 # -----------------------------------------------------------------------------
 # A saved tokenizer's files, each read in one place
 
-
 def read_part(path, parse):
     """Return parse(the file's bytes) for one of a saved tokenizer's files.
     A permission error raises EnvironmentFailure, a torn or wrong file ValueError, each naming the file."""
@@ -77,8 +76,7 @@ RECREATE = "recreate it with `python -m nanoparcae.tokenizer` and the run's --da
 
 def torn(path, cause):
     """The ValueError for a tokenizer file that is torn or not one save wrote, with the fix."""
-    return ValueError(f"the tokenizer file {path} is torn or not ours ({cause}); remove {path.parent}, then "
-                      f"{RECREATE}")
+    return ValueError(f"the tokenizer file {path} is torn or not ours ({cause}); remove {path.parent}, then {RECREATE}")
 
 
 def parse_ranks(raw):
@@ -92,8 +90,7 @@ def parse_ranks(raw):
 
 def parse_config(raw):
     """tokenizer.json -> (split pattern, {special token: id})."""
-    config = json.loads(raw)
-    pattern, specials = config["pattern"], config["special_tokens"]
+    pattern, specials = (config := json.loads(raw))["pattern"], config["special_tokens"]
     if not isinstance(pattern, str) or not all(isinstance(i, int) for i in specials.values()):
         raise TypeError("a pattern string and special tokens' ids are expected")
     return pattern, specials
@@ -114,8 +111,8 @@ class Tokenizer:
 
     @classmethod
     def from_ranks(cls, mergeable_ranks, pattern, specials=None, bos_token="<|bos|>", name="nanoparcae"):
-        """Build a tokenizer from its merges; `specials` maps each special token to its id.
-        By default the specials are ours, with the ids after the learned tokens."""
+        """Build a tokenizer from its merges; `specials` maps each special token to its id, by default
+        ours with the ids after the learned tokens."""
         if specials is None:
             specials = {token: len(mergeable_ranks) + i for i, token in enumerate(SPECIAL_TOKENS)}
         enc = tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=mergeable_ranks, special_tokens=specials)
@@ -126,11 +123,10 @@ class Tokenizer:
 
     @classmethod
     def train(cls, text_iterator, vocab_size, max_chars=2_000_000_000, doc_cap=10_000):
-        """Train on at most max_chars characters, each document cut to doc_cap.
-        METHOD.md §2 trains on ~2B characters with a 10k cap. vocab_size counts the special tokens."""
+        """Train on at most max_chars characters, each document cut to doc_cap (METHOD.md §2 uses ~2B and
+        10k). vocab_size counts the special tokens."""
         if not vocab_size_ok(vocab_size):
             raise ValueError(f"vocab_size {vocab_size} must be {VOCAB_RANGE}")
-        num_merged = vocab_size - len(SPECIAL_TOKENS)
 
         def capped():
             seen = 0
@@ -142,15 +138,13 @@ class Tokenizer:
                     return
 
         bpe = rustbpe.Tokenizer()
-        bpe.train_from_iterator(capped(), num_merged, pattern=SPLIT_PATTERN)
+        bpe.train_from_iterator(capped(), vocab_size - len(SPECIAL_TOKENS), pattern=SPLIT_PATTERN)
         return cls.from_ranks({bytes(token): rank for token, rank in bpe.get_mergeable_ranks()}, SPLIT_PATTERN)
 
     def save(self, directory):
         """tiktoken's own text format ("base64(token) rank" per line), no pickle."""
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        ranks = self.enc._mergeable_ranks
-        by_rank = sorted(ranks.items(), key=lambda kv: kv[1])
+        (directory := Path(directory)).mkdir(parents=True, exist_ok=True)
+        by_rank = sorted(self.enc._mergeable_ranks.items(), key=lambda kv: kv[1])
         lines = (f"{base64.b64encode(token).decode()} {rank}\n" for token, rank in by_rank)
         (directory / "tokenizer.tiktoken").write_text("".join(lines))
         config = {"pattern": self.enc._pat_str, "special_tokens": self.enc._special_tokens}
@@ -170,9 +164,8 @@ class Tokenizer:
 
     @classmethod
     def saved(cls, directory):
-        """Whether save wrote a tokenizer in `directory`.
-        A folder holding some of the files but not all (an interrupted copy) raises ValueError naming those it lacks.
-        One that cannot be looked into raises EnvironmentFailure."""
+        """Whether save wrote a tokenizer in `directory`. A folder holding some of the files but not all (an interrupted
+        copy) raises ValueError naming those it lacks, and one that cannot be looked into EnvironmentFailure."""
         try:
             there = [(Path(directory) / name).is_file() for name in cls.FILES]
         except PermissionError as err:
@@ -191,8 +184,8 @@ class Tokenizer:
         pattern, specials = read_part(directory / "tokenizer.json", parse_config)
         ids = sorted([*ranks.values(), *specials.values()])
         if ids != list(range(len(ids))):  # a file cut short lacks its last tokens
-            raise torn(directory / "tokenizer.tiktoken", f"its {len(ranks)} tokens and {len(specials)} specials "
-                                                         f"leave ids out")
+            raise torn(directory / "tokenizer.tiktoken", f"its {len(ranks)} tokens and {len(specials)} specials leave "
+                       "ids out")
         tokenizer = cls.from_ranks(ranks, pattern, specials)
         counts = read_part(directory / "token_bytes.txt", lambda raw: [int(n) for n in raw.decode().split()])
         if counts != tokenizer.token_bytes.tolist():
@@ -307,7 +300,6 @@ def checkpoint_tokenizer(ckpt, path, directory=None, remedy="or load a checkpoin
 # -----------------------------------------------------------------------------
 # Command line: train (once) and cache the tokenizer of a data source
 
-
 def main(argv=None):
     parser = command_parser(__doc__)
     flag = parser.add_argument
@@ -319,8 +311,7 @@ def main(argv=None):
     print(f"Base directory: {get_base_dir()}")
     tokenizer = get_tokenizer(args.data, args.vocab_size, args.max_chars, args.doc_cap)
     texts = list(itertools.islice(iter_documents(args.data, "val"), 1000))
-    num_tokens = sum(map(len, tokenizer.encode(texts)))
-    num_bytes = sum(len(text.encode("utf-8")) for text in texts)
+    num_tokens, num_bytes = sum(map(len, tokenizer.encode(texts))), sum(len(text.encode("utf-8")) for text in texts)
     print(f"Validation: {num_bytes / num_tokens:.2f} bytes per token over {len(texts)} documents")
 
 
