@@ -163,9 +163,10 @@ class Tokenizer:
         return digest.hexdigest()[:16]
 
     @classmethod
-    def saved(cls, directory):
+    def saved(cls, directory, recreate=RECREATE):
         """Whether save wrote a tokenizer in `directory`. A folder holding some of the files but not all (an interrupted
-        copy) raises ValueError naming those it lacks, and one that cannot be looked into EnvironmentFailure."""
+        copy) raises ValueError naming those it lacks and how to `recreate` it; one that cannot be looked into
+        raises EnvironmentFailure."""
         try:
             there = [(Path(directory) / name).is_file() for name in cls.FILES]
         except PermissionError as err:
@@ -173,7 +174,7 @@ class Tokenizer:
         if any(there) and not all(there):
             missing = [name for name, here in zip(cls.FILES, there) if not here]
             raise ValueError(f"the tokenizer folder {directory} lacks {' and '.join(missing)}; copy it whole, or "
-                             f"remove it and {RECREATE}")
+                             f"remove it and {recreate}")
         return all(there)
 
     @classmethod
@@ -282,11 +283,12 @@ def checkpoint_tokenizer(ckpt, path, directory=None, remedy="or load a checkpoin
         raise ValueError(f"checkpoint {path} is not a nanoparcae checkpoint (it names no tokenizer_dir); pass one "
                          f"that train.py wrote")
     places = [directory] if directory else list(dict.fromkeys((Path(recorded), tokenizer_dir(key=Path(recorded).name))))
-    if (found := next((place for place in places if Tokenizer.saved(place)), None)) is None:
-        run = ckpt["args"] if isinstance(ckpt.get("args"), dict) else {}
-        flags = " ".join(f"--{flag}={run.get(flag, '...')}" for flag in ("data", "vocab_size"))
+    run = ckpt["args"] if isinstance(ckpt.get("args"), dict) else {}
+    flags = " ".join(f"--{flag}={run.get(flag, '...')}" for flag in ("data", "vocab_size"))
+    recreate = f"recreate it with `python -m nanoparcae.tokenizer {flags}`"  # the run's own tokenizer
+    if (found := next((place for place in places if Tokenizer.saved(place, recreate)), None)) is None:
         raise FileNotFoundError(f"the tokenizer of checkpoint {path} is not at {' nor at '.join(map(str, places))}; "
-                                f"recreate it with `python -m nanoparcae.tokenizer {flags}`")
+                                f"{recreate}")
     tokenizer = Tokenizer.load(found)  # a torn file is named before the digest differs
     if (trained_with := ckpt.get("tokenizer_digest")) and tokenizer.digest != trained_with:
         raise ValueError(f"the tokenizer at {found} (digest {tokenizer.digest}) is not the one {path} was trained "

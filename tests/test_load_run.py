@@ -13,6 +13,7 @@ import torch
 from model import from_weights
 from nanoparcae.checkpoint import load_run
 from nanoparcae.command import EnvironmentFailure
+from nanoparcae.tokenizer import tokenizer_dir as cache_folder
 from conftest import ROOT, Started, carries, corrupt_a_weight, raises_naming, refused, run_here, train, train_env
 
 
@@ -80,6 +81,12 @@ def test_a_wrong_checkpoint_or_tokenizer_is_one_line(moved, tmp_path, monkeypatc
     torch.save(signed(tokenizer_dir=str(tmp_path / "gone" / "files-0-320")), tmp_path / "no_tokenizer.pt")
     assert message(tmp_path / "no_tokenizer.pt", FileNotFoundError).endswith(
         f"recreate it with `python -m nanoparcae.tokenizer --data={ckpt['args']['data']} --vocab_size=320`")
+    copied = tmp_path / "copied" / "files-0-320"  # a tokenizer folder copied in part names the run's command
+    shutil.copytree(cache_folder(key=Path(ckpt["tokenizer_dir"]).name), copied)
+    (copied / "token_bytes.txt").unlink()
+    torch.save(signed(tokenizer_dir=str(copied)), tmp_path / "copied.pt")
+    assert carries(message(tmp_path / "copied.pt"), str(copied), "token_bytes.txt", "remove", "python -m "
+                   f"nanoparcae.tokenizer --data={ckpt['args']['data']} --vocab_size=320")
     smaller = signed(config={**ckpt["config"], "vocab_size": 300})  # padded to 320 as well: the same weights
     torch.save(smaller, tmp_path / "smaller.pt")
     assert message(tmp_path / "smaller.pt").endswith("has 320 tokens, the model 300: they are not from the same run")
