@@ -1,6 +1,5 @@
 """
-The package holds what the root's files lean on that is not the method, as nanochat keeps its own.
-It imports no file of the root, so it reads from the bottom up.
+What the root's files lean on that is not the method, as nanochat keeps its own; it imports no root file.
 
     command.py      a command's flags and its one way to fail, in one line
     files.py        the base folder, its writes checked first and never torn, and JSON read back
@@ -15,6 +14,4 @@ It imports no file of the root, so it reads from the bottom up.
     divergence.py   the rule that stops a diverged run
     results.py      where an evaluation's results are kept, and which one is read back
     core_tasks.py   CORE's task table, its items read from the bundle and rendered into scored token rows
-
-    python -m nanoparcae.dataset download -n 240    # its one command: the FineWeb-Edu shards
 """

@@ -1,6 +1,5 @@
 """
-nanoparcae/checkpoint.py: a run's checkpoints, saved, found, and read back checked.
-Each is run_dir(run)/ckpt_<step>.pt, a plain dict that torch.load reads with weights_only=True.
+nanoparcae/checkpoint.py: a run's checkpoints, run_dir(run)/ckpt_<step>.pt, saved, found, and read back checked.
 It reads, prunes and removes only the files it names itself, never through a link.
 """
 
@@ -35,8 +34,7 @@ def run_dir(name=""):
 
 
 def checkpoints(folder, suffix=".pt"):
-    """The regular files in a run folder named as STEP and suffix, oldest step first. The rest is the user's.
-    A file in the folder's place, a dangling symlink, or a folder that cannot be read raises ValueError naming it."""
+    """The regular files in a run folder named as STEP and suffix, oldest step first; the rest is the user's."""
     try:
         entries = list(os.scandir(folder))
     except OSError as err:
@@ -55,7 +53,7 @@ def latest(folder):
 
 
 def remove_partial_saves(folder):
-    """Remove the partial files of saves that never finished, because of a full disk or a kill, saying so."""
+    """Remove, saying so, the partial files of saves a full disk or a kill cut short."""
     for partial in checkpoints(folder, ".pt.tmp"):
         print0(f"removed {partial} ({size(partial.stat().st_size)}), a checkpoint write that never finished")
         partial.unlink()
@@ -75,7 +73,7 @@ def find_checkpoint(runs_dir, run=None):
 
 
 def save_checkpoint(path, model, **extra):
-    """Write the model's weights and `extra`, signed (digest_of), under a temporary name, read back, then renamed."""
+    """Write the model's weights and `extra`, signed, under a temporary name, read back, then renamed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {"config": asdict(model.config), "model": model.state_dict(), **extra}
@@ -101,10 +99,9 @@ def saved_bytes(state):
 
 
 def save_and_prune(folder, step, model, loaders, **state):
-    """Write ckpt_<step>.pt on rank 0 with `state`, every virtual rank's loader position and the tokenizer's digest.
-    The RNG state is a function of (seed, step, virtual rank), so nothing else is needed.
-    Weights that are not finite, or that differ across ranks, stop every rank before anything is written.
-    The older checkpoints (13.4 GB each at the 1.3B) go once the new one is written and read back."""
+    """Write ckpt_<step>.pt on rank 0 with `state`, every virtual rank's loader position and the tokenizer's digest
+    (the RNG state is a function of (seed, step, virtual rank)), then remove the older ones (13.4 GB each at the
+    1.3B). Weights that are not finite, or that differ across ranks, stop every rank before anything is written."""
     weights = model.state_dict()
     if bad := next(filter(None, gather(non_finite(weights))), None):  # before drift, as NaN equals no NaN
         raise ValueError(f"at step {step} the run's weights are not finite ({bad}), so it diverged; nothing was "
@@ -155,7 +152,7 @@ def entry_digests(state, keys):
 
 
 def digest_of(state):
-    """The digest save_checkpoint writes, every entry's (entry_digests) and the format's marker."""
+    """The digest save_checkpoint writes: every entry's, and the format's marker."""
     return {"format": DIGEST_FORMAT, "entries": entry_digests(state, [key for key in state if key != "digest"])}
 
 
@@ -200,7 +197,7 @@ def non_finite(weights):
 
 def read_checkpoint(path, device="cpu", mmap=False, unused=()):
     """The one reader of checkpoints, torch.load with weights_only=True, its form, digest and weights checked.
-    mmap maps the tensors from the file, and unused names entries the caller never reads, left unhashed."""
+    `unused` names entries the caller never reads, left unhashed."""
     path = Path(path)
     try:
         ckpt = torch.load(path, map_location="cpu" if mmap else device, weights_only=True, mmap=mmap)
@@ -238,9 +235,8 @@ def read_checkpoint(path, device="cpu", mmap=False, unused=()):
 
 
 def load_run(run=None, ckpt=None):
-    """The newest checkpoint of the run named `run`, the file `ckpt`, or with neither the run saved last.
-    Returns (the checkpoint, its tokenizer, its path). Only the weights are read, mapped from the file, and
-    model.from_weights(ckpt["config"], ckpt["model"]) builds the model."""
+    """The newest checkpoint of the run named `run`, the file `ckpt`, or with neither the run saved last -> (the
+    checkpoint, its tokenizer, its path). Only the weights are read, mapped from the file."""
     path = Path(ckpt) if ckpt is not None else find_checkpoint(run_dir(), run and run_dir(run).name)
     ckpt = read_checkpoint(path, mmap=True, unused=(unused := ("optimizer", "loader")))
     return {key: value for key, value in ckpt.items() if key not in unused}, checkpoint_tokenizer(ckpt, path), path

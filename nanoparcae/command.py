@@ -1,6 +1,5 @@
 """
-A command's flags, and its one way to fail, in one line.
-Library code raises; run_command ends a command's main() with one line and a status.
+A command's flags, and its one way to fail: library code raises, and run_command ends main() in one line.
 """
 
 import argparse
@@ -13,9 +12,8 @@ import time
 import torch.distributed as dist
 
 # -----------------------------------------------------------------------------
-# Errors. Library code raises, and run_command ends a command's main() in one line.
-# Status 2 says the user gave something wrong (ValueError, FileNotFoundError).
-# Status 1 says the machine lacks something (EnvironmentFailure). A command may return 3 (diverged).
+# Status 2 says the user gave something wrong (ValueError, FileNotFoundError), 1 that the machine lacks something
+# (EnvironmentFailure). A command may return 3 (diverged).
 
 class EnvironmentFailure(Exception):
     """The machine failed the command, not its input, with a full disk, a read-only folder or replicas apart."""
@@ -30,6 +28,11 @@ class CommandParser(argparse.ArgumentParser):
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """--help keeps the docstring's layout and shows every default."""
+
+
+def local_rank():
+    """This process's rank on its node, torchrun's LOCAL_RANK; 0 in a plain run."""
+    return int(os.environ.get("LOCAL_RANK", 0))
 
 
 def command_parser(description):
@@ -61,7 +64,7 @@ def run_command(main, argv=None):
         if status is None:
             raise
         sys.stdout.flush()
-        if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        if local_rank() == 0:
             print(f"error: {err}", file=sys.stderr, flush=True)
         else:  # torchrun stops every worker once one exits: local rank 0 first says why
             time.sleep(2)
@@ -83,8 +86,7 @@ def size(number, unit="B"):
 
 
 def comma_list(text, kind=int):
-    """Read a flag's values separated by commas, each by kind, so "1,2,4" gives [1, 2, 4].
-    Raises ValueError naming the text when it holds no value or one that kind cannot read."""
+    """A flag's values separated by commas, each read by kind ("1,2,4" gives [1, 2, 4]), or ValueError naming the text."""
     try:
         values = [kind(value) for value in str(text).split(",") if value.strip()]
     except ValueError:
@@ -105,12 +107,11 @@ def spans(numbers, separator=", "):
     return separator.join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
-def first_sentence(err, limit=300):
-    """Write an exception as one line, its type and first sentence, never cut inside a word.
-    torch's messages go on for several sentences of advice that does not apply here."""
+def first_sentence(err):
+    """An exception as one line, its type and first sentence (torch's go on with advice that does not apply here)."""
     sentence = " ".join(str(err).split()).split(". ")[0].rstrip(".")
-    if len(sentence) > limit:
-        sentence = sentence[:limit].rsplit(" ", 1)[0] + " ..."
+    if len(sentence) > 300:  # cut at a word
+        sentence = sentence[:300].rsplit(" ", 1)[0] + " ..."
     return f"{type(err).__name__}: {sentence}"
 
 # -----------------------------------------------------------------------------

@@ -12,12 +12,10 @@ VAL_LOSS_MARGIN = 1.0  # nats below a uniform guess ln V that show a run has lea
 
 
 class Divergence:
-    """The divergence rule, checked step by step (patience 0 never stops a run). A run diverged at the first of
-    `patience` bad steps in a row (a non-finite loss or gradients, or ||h_T|| past h_norm_limit where that stops
-    a run), a non-finite val loss, or a val loss back at a uniform guess ln V after one VAL_LOSS_MARGIN below.
-    An unlearned run is not judged by its val loss, as initial weights can score far above ln V. The state-norm
-    limit stops a run in bfloat16 or when given, since past it the input no longer registers in u = Abar h +
-    Bbar e; float32 resolves 2^16 times finer, so there a state past 2^16 x the limit warns once."""
+    """The divergence rule, checked step by step (patience 0 never stops a run). An unlearned run is not judged by
+    its val loss, as initial weights can score far above ln V. The state-norm limit stops a run in bfloat16 or when
+    given, since past it the input no longer registers in u = Abar h + Bbar e; float32 resolves 2^16 times finer,
+    so there a state past 2^16 x the limit warns once."""
 
     def __init__(self, vocab_size, dtype, patience, h_norm_limit=None, lowest_val_loss=math.inf):
         self.vocab_size, self.uniform, self.patience, self.dtype = vocab_size, math.log(vocab_size), patience, dtype
@@ -26,8 +24,7 @@ class Divergence:
         self.bad_steps, self.lowest_val_loss, self.warned = 0, lowest_val_loss, False
 
     def check(self, step, finite, h_norm=None, val_loss=None):
-        """Judge `step` from whether its loss and gradients were finite, its ||h_T|| (None unlooped) and its
-        eval's val loss (None without one) -> None, a verdict with diverged_at, reason and detail, or a warning."""
+        """Judge `step` -> None, a verdict with diverged_at, reason and detail, or a warning."""
         past = h_norm is not None and h_norm > self.h_norm_limit
         reason = "non-finite loss or gradients" if not finite else \
             f"||h_T|| > {self.h_norm_limit:g}" if past and self.h_norm_stops else None

@@ -1,6 +1,5 @@
 """
-The base folder and every write in it, checked first and never torn.
-Runs, tokenizers, data and downloads live under the base folder. JSON is read back in one place.
+The base folder, where runs, tokenizers and data live, and every write in it, checked first and never torn.
 """
 
 import errno
@@ -14,13 +13,12 @@ from pathlib import Path
 from nanoparcae.command import EnvironmentFailure, size
 
 FULL_DISK = (errno.ENOSPC, errno.EDQUOT)  # the errors of a disk or quota without room
-NO_WRITE = (*FULL_DISK, errno.EROFS, errno.EACCES, errno.EPERM)  # a full disk, a read-only mount or mode
+NO_WRITE = (*FULL_DISK, errno.EROFS, errno.EACCES, errno.EPERM)  # or of a read-only mount or mode
 
 
 def get_base_dir():
-    """Return $NANOPARCAE_BASE_DIR (default ~/.cache/nanoparcae), created on first use.
-    A file in its place, or a folder that cannot be made, raises ValueError naming it and the variable.
-    A folder there is not written, since a read-only one serves reads and each write checks its own."""
+    """$NANOPARCAE_BASE_DIR (default ~/.cache/nanoparcae), made on first use. A folder there is not written, since
+    a read-only one serves reads and each write checks its own."""
     setting = os.environ.get("NANOPARCAE_BASE_DIR", str(Path.home() / ".cache" / "nanoparcae"))
     if not setting.strip():  # an empty setting would write into the current folder
         raise ValueError("NANOPARCAE_BASE_DIR is set but empty; set it to a folder, or unset it (~/.cache/nanoparcae)")
@@ -33,9 +31,8 @@ def get_base_dir():
 
 
 def check_writable(folder, what, needs=0, fix=None, refusal=None):
-    """Raise before work whose result `what` goes to `folder` if `needs` bytes could not be written there.
-    A file named as the folder raises ValueError, a read-only or full disk `refusal` (EnvironmentFailure
-    by default). A missing folder is tried at the nearest folder above it, and not made."""
+    """Raise before work whose result `what` goes to `folder` if `needs` bytes could not be written there: ValueError
+    for a file in its place, else `refusal`. A missing folder is tried at the nearest folder above it, not made."""
     folder = Path(folder).absolute()
     there = next(path for path in (folder, *folder.parents) if path.exists())  # where a write is tried
     if not there.is_dir():
@@ -55,9 +52,8 @@ def check_writable(folder, what, needs=0, fix=None, refusal=None):
 
 
 def write_atomically(path, write, partial=None):
-    """Call write(partial), then rename partial to `path`, so an interrupted write never leaves a torn file.
-    partial defaults to `path` plus .tmp, so a figure's writer names its format; it may be a folder.
-    A full disk or read-only folder raises EnvironmentFailure, the partial file removed."""
+    """Call write(partial), a file or folder (default `path` plus .tmp), then rename it to `path`, so an interrupted
+    write never leaves a torn file."""
     partial = Path(partial or path.with_name(path.name + ".tmp"))
     try:
         write(partial)
@@ -74,30 +70,30 @@ def write_atomically(path, write, partial=None):
 
 
 def write_json(path, value):
-    """Write value as indented JSON, atomically.
-    Its temporary name holds the pid and a random part, so two writers of one file never share it."""
+    """Write value as indented JSON, atomically, under a temporary name no other writer shares."""
     path = Path(path)
     write_atomically(path, lambda partial: partial.write_text(json.dumps(value, indent=2) + "\n"),
                      path.with_name(f"{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"))
 
 
-def read_json(path, kind=dict):
-    """Return a JSON file's value, or None when it is absent. Every JSON the project reads comes here.
-    A torn file, or a value not of `kind` (a list where a dict belongs), raises ValueError naming it."""
+def read_json(path):
+    """A JSON file's object, or None when it is absent. Every JSON the project reads comes here."""
     if not (path and Path(path).is_file()):
         return None
     try:
         value = json.loads(Path(path).read_text())
     except (ValueError, OSError) as err:
         raise ValueError(f"{path} is not whole JSON ({err}): delete it, or rerun the command that wrote it") from None
-    if not isinstance(value, kind):
-        raise ValueError(f"{path} holds a JSON {type(value).__name__}, not the {kind.__name__} this "
-                         f"project writes there: delete it, or rerun the command that wrote it")
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} holds a JSON {type(value).__name__}, not the dict this project writes there: "
+                         f"delete it, or rerun the command that wrote it")
     return value
 
 
-def disk_full(folder, needs):
-    """Stop a run whose disk is full with EnvironmentFailure, naming what `needs` room and what is free."""
+def disk_full(folder, needs, err=None):
+    """Stop a run whose disk is full with EnvironmentFailure, naming what `needs` room; another OSError goes on up."""
+    if err and err.errno not in FULL_DISK:
+        raise err
     free = size(shutil.disk_usage(folder).free)
     raise EnvironmentFailure(f"the disk holding {folder} is full: {needs} and {free} is free; the last checkpoint is "
                              f"kept: free space there, then the same command continues from it") from None

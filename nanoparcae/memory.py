@@ -15,8 +15,8 @@ SAVED_PER_TOKEN = {(False, False): (80, 4, 4, 12, 4), (False, True): (56, 4, 4, 
 
 
 def activation_bytes(model, batch_size, bf16=True, compiled=False):
-    """Bytes saved for backward by a training forward of batch_size sequences, each backpropagating through at
-    most config.backprop_depth steps (memory follows the most, not the mean), plus bf16's copy of each matrix."""
+    """Bytes saved for backward by a training forward of batch_size sequences backpropagating through the most
+    steps (memory follows the most, not the mean), plus bf16's copy of each matrix."""
     c = model.config
     d, looped, k = c.d_model, model.injection is not None, c.backprop_depth
     block, ve, loop, head, vocab = SAVED_PER_TOKEN[compiled, bf16]
@@ -38,9 +38,8 @@ def activation_bytes(model, batch_size, bf16=True, compiled=False):
 
 
 def memory_plan(model, device_batch_size, bf16, optimizer_bytes, gpu_gb=(80, 141), compiled=True):
-    """Estimated bytes per GPU of training at device_batch_size sequences, float32 weights, gradients, DDP's
-    buckets, the optimiser's state and the activations. "largest_batch" maps each gb of gpu_gb to the most
-    sequences within 90% of it (0 where none fits), the rest left for transient buffers and the CUDA context."""
+    """Estimated bytes per GPU of training at device_batch_size sequences. "largest_batch" maps each gb of gpu_gb
+    to the most sequences within 90% of it, the rest left for transient buffers and the CUDA context."""
     weights = 4 * model.num_params()
     static = 3 * weights + optimizer_bytes
     per_sequence = activation_bytes(model, 2, bf16, compiled) - activation_bytes(model, 1, bf16, compiled)
@@ -52,13 +51,13 @@ def memory_plan(model, device_batch_size, bf16, optimizer_bytes, gpu_gb=(80, 141
 
 
 def largest_divisor(sequences, at_most):
-    """The largest device batch of at most at_most that divides a process's `sequences`, None when at_most < 1."""
+    """The largest device batch of at most at_most that divides a process's `sequences`, or None."""
     return max((size for size in range(1, min(at_most, sequences) + 1) if sequences % size == 0), default=None)
 
 
 def choose_device_batch(model, args, device, sequences, optimizer_bytes):
     """--device_batch_size, or the largest divisor of a process's `sequences` that fits in 90% of the GPU's free
-    memory (at most 32 on a CPU) -> its size. A size that does not fit raises ValueError."""
+    memory (at most 32 on a CPU)."""
     given, bf16, compiled = args.device_batch_size, args.dtype == "bfloat16", bool(args.compile)
     if device.type == "cuda":  # what is free now, since another process may hold some of the GPU
         free, total = (gb / 1e9 for gb in torch.cuda.mem_get_info(device))
@@ -80,8 +79,7 @@ def choose_device_batch(model, args, device, sequences, optimizer_bytes):
         how = "up to 32 (no GPU; a GPU would get " + ", ".join(
             f"{largest_divisor(sequences, most[gb])} in {gb} GB" for gb in gpus) + ")"
     size = given or fitting
-    if size != (given or 1):
-        plan = memory_plan(model, size, bf16, optimizer_bytes, gpus, compiled)
+    plan = memory_plan(model, size, bf16, optimizer_bytes, gpus, compiled)
     if gpu or args.dry_run:
         print0(f"memory per GPU (GB): weights {plan['weights'] / 1e9:.1f} + grads {plan['grads'] / 1e9:.1f} "
                f"+ DDP buckets {plan['ddp_buckets'] / 1e9:.1f} + optimizer {plan['optimizer'] / 1e9:.1f} + "

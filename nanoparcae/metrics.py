@@ -11,15 +11,14 @@ import torch
 import torch.distributed as dist
 
 from nanoparcae.command import EnvironmentFailure
-from nanoparcae.files import FULL_DISK, disk_full, write_atomically
+from nanoparcae.files import disk_full, write_atomically
 from nanoparcae.ranks import print0, rank_and_world
 
 TEXT_FIELDS = ("warning", "reason", "core_skipped", "stage")  # the fields of a record that hold text
 
 
 def read_record(line, key):
-    """A log's line -> its record, a JSON object holding `key` (an int step) with numbers or null in all but
-    TEXT_FIELDS, or None."""
+    """A log's line -> its record, a JSON object holding `key` with numbers or null in all but TEXT_FIELDS, or None."""
     try:
         record = json.loads(line)
     except ValueError:
@@ -30,9 +29,8 @@ def read_record(line, key):
 
 
 def read_metrics(path, key="step"):
-    """A JSON-lines log, metrics.jsonl or the recipe's stages.jsonl (key "stage") -> its records, in order, none
-    when it is absent. A torn last line (a run killed while writing it) is skipped, and any other line that holds
-    no record is skipped with a warning that counts them."""
+    """A JSON-lines log, metrics.jsonl or the recipe's stages.jsonl (key "stage") -> its records, in order. A torn
+    last line (a run killed while writing it) is skipped, any other line that holds no record counted in a warning."""
     try:
         lines = path.read_bytes().decode("utf-8", errors="replace").split("\n")
     except FileNotFoundError:
@@ -49,8 +47,8 @@ def read_metrics(path, key="step"):
 
 
 class Metrics:
-    """metrics.jsonl in the run folder, one JSON record a line written by rank 0, and the step's log line.
-    A run resumed from `step` keeps the records up to that step, so steps logged past its checkpoint stay once."""
+    """metrics.jsonl in the run folder, written by rank 0, and the step's log line. A run resumed from `step` keeps
+    the records up to that step, so steps logged past its checkpoint stay once."""
 
     def __init__(self, run_dir, step, compiled=False):
         self.file, self.start, self.compiled, self.tokens_per_s = None, step, compiled, None
@@ -64,7 +62,7 @@ class Metrics:
             write_atomically(path, lambda partial: partial.write_text("".join(kept)))
             self.file = open(path, "a")
         except OSError as err:
-            full_disk(err, run_dir)
+            disk_full(run_dir, "metrics.jsonl cannot be written", err)
 
     def counts(self):
         """dynamo's graphs so far and the frames it ran eagerly past a recompile limit when compiled, else {}."""
@@ -75,7 +73,6 @@ class Metrics:
         return {"graphs": counters["stats"]["unique_graphs"], "recompile_limits": hits}
 
     def record(self, entry):
-        """Write one record, with the graph counts so far when compiled."""
         counts = self.counts()
         self.graphs = counts.get("graphs")  # so an eval's graphs are not the next step's
         if self.file:
@@ -83,7 +80,7 @@ class Metrics:
                 self.file.write(json.dumps({**entry, **counts}) + "\n")
                 self.file.flush()
             except OSError as err:
-                full_disk(err, Path(self.file.name).parent)
+                disk_full(Path(self.file.name).parent, "metrics.jsonl cannot be written", err)
 
     def speed(self, step, tokens, seconds):
         """Tokens per second, smoothed over the steps past the first that compile no graph; None until one."""
@@ -95,7 +92,7 @@ class Metrics:
         return self.tokens_per_s
 
     def log_step(self, entry, num_steps, total_batch_size, device):
-        """Record a step and print its log line, without the fields that are None, with a GPU's peak memory."""
+        """Record a step and print its log line, without the fields that are None."""
         if device.type == "cuda":
             entry["peak_memory"] = torch.cuda.max_memory_allocated(device)
         fields = [("loss", "loss {:.4f}"), ("lr_mult", "lrm {:.2f}"), ("tokens_per_s", "{:,.0f} tok/s"), ("mfu",
@@ -107,16 +104,9 @@ class Metrics:
         self.record(entry)
 
 
-def full_disk(err, folder):
-    """A full disk raises EnvironmentFailure, saying so; any other error goes on up."""
-    if err.errno not in FULL_DISK:
-        raise err
-    disk_full(folder, "metrics.jsonl cannot be written")
-
-
 def read_step(grad_norm, loss_sum, stats):
     """The step's skip rule and log values read from the device in one wait -> each a float or None. non_finite
-    (any rank's gradients, so every rank skips alike) and worst_h_norm (any rank's) are reduced at once."""
+    and worst_h_norm are any rank's, so every rank skips alike."""
     h_norm = stats["h_norm"]
     worst = torch.stack([(~torch.isfinite(grad_norm)).float(),
                          torch.zeros((), device=grad_norm.device) if h_norm is None else h_norm.float()])

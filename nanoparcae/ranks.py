@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from nanoparcae.command import spans
+from nanoparcae.command import local_rank, spans
 
 # -----------------------------------------------------------------------------
 # Processes and the device. torchrun sets RANK; NCCL runs on CUDA, gloo on a CPU.
@@ -29,11 +29,6 @@ def parse_device(name):
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device={name}, but this machine has no CUDA GPU; pass --device=cpu")
     return device
-
-
-def local_rank():
-    """Return this process's rank on its node, torchrun's LOCAL_RANK; 0 in a plain run."""
-    return int(os.environ.get("LOCAL_RANK", 0))
 
 
 RANK0_GROUP = None  # init_distributed's gloo group with the long timeout, for lone work
@@ -59,8 +54,8 @@ def init_distributed(device, timeout=timedelta(minutes=10), rank0_timeout=timede
 
 
 def no_buffer_sync():
-    """Return DDP's keyword that skips the buffer sync at each forward, which torch 2.13 renamed.
-    The old one skips the sync at start too, which is safe because every rank computes its RoPE tables."""
+    """DDP's keyword that skips the buffer sync at each forward, which torch 2.13 renamed. The old one skips the
+    sync at start too, safe as every rank computes its RoPE tables."""
     names = inspect.signature(DistributedDataParallel.__init__).parameters
     return {"forward_sync_buffers": False} if "forward_sync_buffers" in names else {"broadcast_buffers": False}
 
@@ -156,18 +151,14 @@ class Agreement:
 INTEGERS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # by bytes per element
 
 
-def weight_sums(state):
-    """Each tensor's bit patterns summed as int64, wrapping, one int per tensor. Integer addition is exact and
-    order-free, so equal tensors sum equal on any device, and any one changed bit changes the sum."""
-    sums = [t.detach().view(INTEGERS[t.element_size()]).sum(dtype=torch.int64) for t in state.values()]
-    return torch.stack(sums).tolist() if sums else []
-
-
 def drift(state):
-    """Every rank's weight_sums compared -> None if every replica equals rank 0's, else what differs."""
+    """Every rank's weights compared -> None if every replica equals rank 0's, else what differs. Each tensor's bit
+    patterns are summed as int64, wrapping: integer addition is exact and order-free, so equal tensors sum equal
+    on any device, and any one changed bit changes the sum."""
     if not dist.is_initialized():
         return None
-    names, sums = list(state), gather(weight_sums(state))
+    sums = [t.detach().view(INTEGERS[t.element_size()]).sum(dtype=torch.int64) for t in state.values()]
+    names, sums = list(state), gather(torch.stack(sums).tolist() if sums else [])
     if not (off := [rank for rank, other in enumerate(sums) if other != sums[0]]):
         return None
     tensors = [name for i, name in enumerate(names) if any(other[i] != sums[0][i] for other in sums)]

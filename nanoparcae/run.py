@@ -27,8 +27,7 @@ def run_folder(args):
 
 
 def open_run(folder, resume, device):
-    """The run in `folder` -> (its newest checkpoint or None, that checkpoint read onto device). It only reads,
-    and refuses a --resume with nothing to resume or a run another process trains."""
+    """The run in `folder` -> (its newest checkpoint or None, that checkpoint read onto device), only read."""
     checkpoint = latest(folder)
     if resume and checkpoint is None:
         raise ValueError(f"there is no checkpoint of run {folder.name} under {folder} to resume; start it "
@@ -39,7 +38,7 @@ def open_run(folder, resume, device):
 
 
 def check_flags(checkpoint, ckpt, flags):
-    """Check this command's run flags against those its checkpoint recorded; a flag that is None takes the run's."""
+    """Refuse run flags other than those the checkpoint recorded; a flag that is None takes the run's."""
     recorded = {RENAMED_FLAGS.get(flag, flag): value for flag, value in ckpt.get("run", {}).items()}
     if differ := [flag for flag, value in flags.items() if value is not None and recorded.get(flag) != value]:
         raise ValueError(f"run {checkpoint.parent.name} ({checkpoint}) was started with other flags: "
@@ -61,8 +60,8 @@ def held(folder, holder):
 
 
 def open_lock(folder, create=False):
-    """The run's lock file opened to read and write, or None where there is none and create is False. Only a
-    regular file is opened, never through a symlink, so a user's file is never written."""
+    """The run's lock file opened to read and write (None where there is none and create is False), never through
+    a symlink or onto anything but a regular file, so a user's file is never written."""
     path = folder / "lock"
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | create * os.O_CREAT, 0o644)
