@@ -25,12 +25,12 @@ RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,99}")  # one folder name, n
 STEP = r"ckpt_([0-9]{6}|[1-9][0-9]{6,})"  # ckpt_{step:06d}, as save_and_prune names a checkpoint
 
 
-def run_dir(name=""):
+def run_dir(name=None):
     """<base dir>/runs/<name>, a run's folder, or the folder of every run. A name no command could find is refused."""
-    if name and not RUN_NAME.fullmatch(name):
+    if name is not None and not RUN_NAME.fullmatch(name):
         raise ValueError(f"--run={name[:120]!r} is not a run name; use up to 100 letters, digits, '.', '_', '+' "
                          f"and '-', starting with a letter or digit")
-    return get_base_dir() / "runs" / name
+    return get_base_dir() / "runs" / (name or "")
 
 
 def checkpoints(folder, suffix=".pt"):
@@ -122,7 +122,6 @@ def save_and_prune(folder, step, model, loaders, **state):
 
 # -----------------------------------------------------------------------------
 # Digests. torch.load checks a checkpoint's zip framing, never its bytes, so an edit would load as another model.
-# Each entry carries a sha256 of its plain values and its tensors' bytes, hashed on threads (docs/performance.md).
 
 DIGEST_FORMAT = 2  # the format this version signs; a checkpoint of another is refused
 
@@ -141,7 +140,7 @@ def plain(value, tensors):
 
 
 def entry_digests(state, keys):
-    """{key: sha256 hex} of the entries of state named in keys, each its key, plain values and tensors' bytes."""
+    """{key: sha256 hex} of the entries of state named in keys, their tensors hashed on threads."""
     tensors = {}
     texts = {key: plain(state[key], tensors) for key in keys}
     with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
@@ -157,7 +156,7 @@ def digest_of(state):
 
 
 def check_digest(ckpt, path, unused=()):
-    """Every entry of ckpt but `unused` against its digest, or ValueError naming the file and the entry."""
+    """Every entry of ckpt but `unused` checked against its digest."""
     digest = ckpt.get("digest")
     if digest is None or (isinstance(digest, dict) and "format" not in digest):  # nothing shows it whole
         raise ValueError(f"checkpoint {path} predates this version of nanoparcae's signed checkpoints; train the "
@@ -179,7 +178,7 @@ def weights_digest(ckpt):
 
 
 def advice(path):
-    """What a refusal of checkpoint path advises. Removal is advised only for a run's own ckpt_<step>.pt."""
+    """What a refusal of checkpoint path advises: removal only for a run's own ckpt_<step>.pt."""
     ours = re.fullmatch(STEP + r"\.pt", Path(path).name) and Path(path).resolve().parents[1] == run_dir().resolve()
     return ("remove it to start the run over (a run keeps its newest checkpoint only), or restore it from a copy"
             if ours else "restore it from a copy, or pass a checkpoint train.py wrote")

@@ -46,9 +46,8 @@ PEER = re.compile(r"\[([^]\s]+)\]:(\d+)")
 
 
 def run_command(main, argv=None):
-    """Run a command's main(argv) and exit with its status, the one it returns or its refusal's.
-    A refusal is one line on stderr, from local rank 0 under torchrun; anything else keeps its traceback.
-    Every rank closes its process group first, so no rank aborts on the way out."""
+    """Run main(argv) and exit with its status; a refusal is one line on stderr from local rank 0, anything else keeps
+    its traceback. Every rank closes its process group first, so no rank aborts on the way out."""
     try:
         status = main(argv) or 0
     except KeyboardInterrupt:
@@ -77,8 +76,7 @@ def run_command(main, argv=None):
 # Numbers and errors in a line of text, and a flag's list of values read from one
 
 def size(number, unit="B"):
-    """Write a number as a person reads it, such as 13.4 GB, 2.2 MB or 0.4 MB.
-    With unit "" it writes a count, such as 104.0 G, 12.3 M or 47,370."""
+    """A number as a person reads it, 13.4 GB, 2.2 MB or 0.4 MB, or with unit "" a count, 104.0 G or 47,370."""
     for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M")):
         if abs(number) >= scale or (unit and prefix == "M"):  # a unit's amount stays in M at least
             return f"{number / scale:.1f} {prefix}{unit}"
@@ -86,7 +84,7 @@ def size(number, unit="B"):
 
 
 def comma_list(text, kind=int):
-    """A flag's values separated by commas, each read by kind ("1,2,4" gives [1, 2, 4]), or ValueError naming the text."""
+    """A flag's values separated by commas, each read by kind ("1,2,4" gives [1, 2, 4]); ValueError names the text."""
     try:
         values = [kind(value) for value in str(text).split(",") if value.strip()]
     except ValueError:

@@ -1,6 +1,5 @@
 """
-nanoparcae/ranks.py: the processes torchrun starts, and what they must agree on.
-A plain `python` run is one process. Ranks compare their start and data in one gather, their weights at each checkpoint.
+nanoparcae/ranks.py: the processes torchrun starts (a plain `python` run is one), and what they must agree on.
 """
 
 import inspect
@@ -19,7 +18,6 @@ from nanoparcae.command import local_rank, spans
 
 
 def parse_device(name):
-    """Turn --device's value into a torch.device, or raise ValueError for one this code cannot use."""
     try:
         device = torch.device(name)
     except RuntimeError:
@@ -91,7 +89,7 @@ def peak_bf16_flops(device):
 
 
 def gather(value, group=None):
-    """Return value from every rank, in rank order; [value] in one process."""
+    """value from every rank, in rank order."""
     if not dist.is_initialized():
         return [value]
     gathered = [None] * dist.get_world_size()

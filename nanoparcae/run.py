@@ -1,6 +1,5 @@
 """
-nanoparcae/run.py: the run a command trains, found by its name, checked against its flags, and held by its lock.
-A refused command leaves the run's folder as it was, since the lock is its first write.
+nanoparcae/run.py: the run a command trains, checked against its flags and held by its lock, its first write.
 """
 
 import errno
@@ -20,10 +19,7 @@ NOTES = {"data": "data: --data's content key, from its files' names, sizes and m
 
 def run_folder(args):
     """The folder of the run a command trains, --run or d<depth>_<injection>, under the base folder."""
-    name = f"d{args.depth}_{args.injection}" if args.run is None else args.run
-    if not name:  # run_dir("") is the folder of every run
-        raise ValueError("--run='' names no run; pass a name, or leave --run out for d<depth>_<injection>")
-    return run_dir(name)
+    return run_dir(f"d{args.depth}_{args.injection}" if args.run is None else args.run)
 
 
 def open_run(folder, resume, device):
@@ -95,8 +91,7 @@ def run_holder(folder):
 
 def claim(folder, checkpoint):
     """Rank 0 takes the run's lock until the process ends -> the lock file on rank 0 (keep it), None elsewhere.
-    The folder must still hold `checkpoint` as its newest, else every rank raises ValueError, as when another
-    process holds the lock. Without locks (Lustre without flock) the run goes on unguarded, warned."""
+    The folder must still hold `checkpoint` as its newest. Without locks (Lustre without flock) the run goes on."""
     lock, refusal, locked = None, None, True
     if rank_and_world()[0] == 0:  # the one rank that writes in the run folder
         folder.mkdir(parents=True, exist_ok=True)
