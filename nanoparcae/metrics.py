@@ -5,7 +5,6 @@ nanoparcae/metrics.py: what a run logs, metrics.jsonl and the step's log line, a
 import json
 import math
 import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -51,7 +50,7 @@ class Metrics:
     the records up to that step, so steps logged past its checkpoint stay once."""
 
     def __init__(self, run_dir, step, compiled=False):
-        self.file, self.start, self.compiled, self.tokens_per_s = None, step, compiled, None
+        self.file, self.folder, self.start, self.compiled, self.tokens_per_s = None, run_dir, step, compiled, None
         self.graphs = self.counts().get("graphs")
         if rank_and_world()[0] != 0:
             return
@@ -80,7 +79,7 @@ class Metrics:
                 self.file.write(json.dumps({**entry, **counts}) + "\n")
                 self.file.flush()
             except OSError as err:
-                disk_full(Path(self.file.name).parent, "metrics.jsonl cannot be written", err)
+                disk_full(self.folder, "metrics.jsonl cannot be written", err)
 
     def speed(self, step, tokens, seconds):
         """Tokens per second, smoothed over the steps past the first that compile no graph; None until one."""
