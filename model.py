@@ -41,9 +41,6 @@ import torch.nn.functional as F
 # -----------------------------------------------------------------------------
 # Configuration
 
-INJECTIONS = ("diagonal", "concat", "add", "none")
-
-
 @dataclass
 class ParcaeConfig:
     vocab_size: int = 32768
@@ -134,7 +131,6 @@ class Attention(nn.Module):
     def __init__(self, config, has_value_embed):
         super().__init__()
         d, self.n_head, self.head_dim = config.d_model, config.n_head, config.head_dim
-        self.eps = None  # q, k norms use the dtype's epsilon, as the authors' F.rms_norm(q)
         self.c_q = nn.Linear(d, d, bias=False)
         self.c_k = nn.Linear(d, d, bias=False)
         self.c_v = nn.Linear(d, d, bias=False)
@@ -151,9 +147,9 @@ class Attention(nn.Module):
         if self.ve_gate is not None:
             gate = 2 * torch.sigmoid(self.ve_gate(x[..., :self.ve_gate_channels]))  # (B, S, H)
             v = v + gate.unsqueeze(-1) * ve.view(B, S, H, D)
-        # RoPE, then a parameter-free RMS norm per head, on q and k together (METHOD.md §1)
+        # RoPE, then a parameter-free RMS norm per head, the dtype's eps, on q and k (METHOD.md §1)
         qk = torch.cat([self.c_q(x).view(B, S, H, D), self.c_k(x).view(B, S, H, D)], dim=2)
-        q, k = rms_norm(apply_rotary(qk, cos, sin), self.eps).transpose(1, 2).split(H, dim=1)
+        q, k = rms_norm(apply_rotary(qk, cos, sin), None).transpose(1, 2).split(H, dim=1)
         v = v.transpose(1, 2)
         if cache is not None:
             k, v = cache.update(slot, k, v)
@@ -215,10 +211,14 @@ def trunc_orthogonal_(weight, std):
     return weight.copy_(q if rows >= cols else q.t()).mul_(std * math.sqrt(max(rows, cols)))
 
 
-class Injection(nn.Module):
-    """The baselines' defaults, whose input term is e itself, with no A_bar to form ahead."""
+class AddInjection(nn.Module):
+    """Addition, u = h + e, so A_bar = I and rho = 1 (marginally stable). It has no parameters.
+    Its input term is e itself, with no A_bar to form ahead: the other injections override these."""
 
     rho_on_host = False  # spectral_radius runs on the weights' device, so logging it is free
+
+    def __init__(self, d):
+        super().__init__()
 
     def reset_parameters(self, std):
         pass
@@ -229,17 +229,18 @@ class Injection(nn.Module):
     def A_bar(self):
         return None
 
+    def forward(self, h, Bbar_e, A_bar=None):
+        return h + Bbar_e
 
-class Discretized(NamedTuple):
-    A_bar: torch.Tensor  # (d,) the state's per-channel decay, every entry in [0, 1)
-    delta: torch.Tensor  # (d,) the step size Delta = softplus(dt_bias)
+    def spectral_radius(self):
+        return 1.0
 
 
-class DiagonalInjection(Injection):
+class DiagonalInjection(AddInjection):
     """Parcae's injection, A_bar = exp(-Delta exp(A_log)), Bbar = Delta B, rho = max(A_bar) < 1."""
 
     def __init__(self, d):
-        super().__init__()
+        super().__init__(d)
         self.A_log = nn.Parameter(torch.zeros(d))
         self.dt_bias = nn.Parameter(torch.zeros(d))
         self.B = nn.Linear(d, d, bias=False)
@@ -253,29 +254,29 @@ class DiagonalInjection(Injection):
         self.B.weight.copy_(torch.eye(self.B.weight.size(0)))
 
     def discretize(self):
-        """The zero-order hold of A = Diag(-exp(A_log)) with step Delta, in float32.
+        """(A_bar, Delta), the zero-order hold of A = Diag(-exp(A_log)) with step Delta, in float32.
         It puts every entry of A_bar in [0, 1)."""
         delta = F.softplus(self.dt_bias)
         # Adding logs avoids 0 * inf. Below a rate of ~3e-8 float32 rounds exp(-rate) to 1,
         # so the 1e-6 floor keeps A_bar < 1. Past a rate of ~104, A_bar underflows to 0.
         rate = torch.exp(self.A_log + torch.log(delta)).clamp(min=1e-6)
-        return Discretized(A_bar=torch.exp(-rate), delta=delta)
+        return torch.exp(-rate), delta
 
     def Bbar_e(self, e):
-        return self.discretize().delta * self.B(e)  # Euler's Bbar = Delta B, float32 like A_bar
+        return self.discretize()[1] * self.B(e)  # Euler's Bbar = Delta B, float32 like A_bar
 
     def A_bar(self):
-        return self.discretize().A_bar
+        return self.discretize()[0]
 
     def forward(self, h, Bbar_e, A_bar=None):
         return (self.A_bar() if A_bar is None else A_bar) * h + Bbar_e
 
     @torch.no_grad()
     def spectral_radius(self):
-        return self.discretize().A_bar.max()
+        return self.A_bar().max()
 
 
-class ConcatInjection(Injection):
+class ConcatInjection(AddInjection):
     """The adapter of RDM and Huginn, u = W [h; e] with W a Linear(2d -> d).
     Its state half is an unconstrained A_bar."""
 
@@ -283,7 +284,7 @@ class ConcatInjection(Injection):
     rho_on_host = True
 
     def __init__(self, d):
-        super().__init__()
+        super().__init__(d)
         self.adapter = nn.Linear(2 * d, d, bias=False)
 
     @torch.no_grad()
@@ -300,20 +301,8 @@ class ConcatInjection(Injection):
         return torch.linalg.eigvals(state_half).abs().max()
 
 
-class AddInjection(Injection):
-    """Addition, u = h + e, so A_bar = I and rho = 1 (marginally stable). It has no parameters."""
-
-    def __init__(self, d):
-        super().__init__()
-
-    def forward(self, h, Bbar_e, A_bar=None):
-        return h + Bbar_e
-
-    def spectral_radius(self):
-        return 1.0
-
-
 INJECTION_CLASSES = {"diagonal": DiagonalInjection, "concat": ConcatInjection, "add": AddInjection}
+INJECTIONS = (*INJECTION_CLASSES, "none")  # "none" is the Transformer
 
 
 # -----------------------------------------------------------------------------
@@ -458,12 +447,11 @@ class Parcae(nn.Module):
         self.coda = nn.ModuleList(blocks[c.n_prelude + c.n_recur:])
         self.norm_f = nn.RMSNorm(d, eps=c.norm_eps)
         injection = INJECTION_CLASSES.get(c.injection)  # None for the fixed-depth Transformer
-        looped = injection is not None
-        self.prelude_norm = nn.RMSNorm(d, eps=c.norm_eps) if looped and c.prelude_norm else None
-        self.injection = injection(d) if looped else None
+        self.prelude_norm = nn.RMSNorm(d, eps=c.norm_eps) if injection and c.prelude_norm else None
+        self.injection = injection(d) if injection else None
         # C_proj reads the loop's output with no norm before it (METHOD.md §1), in every looped
         # variant, so the injection ablations differ from Parcae in the injection alone
-        self.C_proj = nn.Linear(d, d, bias=False) if looped else None
+        self.C_proj = nn.Linear(d, d, bias=False) if injection else None
         self.init_buffers()
         self.init_weights()
 
@@ -484,26 +472,21 @@ class Parcae(nn.Module):
         Each module draws from a generator seeded by init_seed and its name.
         So variants built at one seed share every common module's tensors, and their runs pair."""
         std = math.sqrt(2 / (5 * self.config.d_model))
-        inits = {self.wte: lambda m: trunc_orthogonal_(m.weight, std)}  # module -> its init
-        for block in [*self.prelude, *self.recur, *self.coda]:
-            for lin in (block.attn.c_q, block.attn.c_k, block.attn.c_v, block.mlp.c_fc):
-                inits[lin] = lambda m: trunc_orthogonal_(m.weight, std)
-            for lin in (block.attn.c_proj, block.mlp.c_proj):
-                inits[lin] = lambda m: nn.init.zeros_(m.weight)
-        if self.injection is not None:
-            inits[self.injection] = lambda m: m.reset_parameters(std)
-            inits[self.C_proj] = lambda m: trunc_orthogonal_(m.weight, std)
-        initialised = set()  # modules set by an init of their parent (the injection's B or adapter)
         with torch.random.fork_rng(devices=[]):  # the caller's global RNG stream is left as it was
             for name, module in self.named_modules():
-                init = inits.get(module)
-                if init is None and (module in initialised
-                                     or not hasattr(module, "reset_parameters")
-                                     or next(module.parameters(recurse=False), None) is None):
-                    continue
-                initialised.update(module.modules())
+                leaf = name.rsplit(".", 1)[-1]
+                owns = next(module.parameters(recurse=False), None) is not None
+                if name.startswith("injection.") or not (owns or leaf == "injection"):
+                    continue  # the injection's init sets its B or adapter
                 torch.default_generator.manual_seed(self.init_seed + zlib.crc32(name.encode()))
-                init(module) if init else module.reset_parameters()
+                if leaf in ("wte", "c_q", "c_k", "c_v", "c_fc", "C_proj"):
+                    trunc_orthogonal_(module.weight, std)
+                elif leaf == "c_proj":  # each block's output projections start at zero
+                    nn.init.zeros_(module.weight)
+                elif leaf == "injection":
+                    module.reset_parameters(std)
+                else:  # norms, value embeddings and their gates keep torch's init
+                    module.reset_parameters()
 
     # --- forward, then the parts of the loop it runs, in order (depths, recurrence, loop step).
     # Under bf16 autocast the weights and the residual stream (prelude, h0, h, coda) stay float32.
