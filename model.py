@@ -357,7 +357,6 @@ SAMPLINGS = {
 
 def sample_depths(config, batch_size, generator=None):
     """One training draw of config.sampling -> (n, k), two (B,) long tensors.
-    n holds each sequence's loop steps without gradient, and k its steps with gradient after them.
     Only per_sequence draws per sequence. The others draw once per micro-batch, as the authors'."""
     scheme, mu_bwd = config.sampling, config.mu_bwd
     draws = batch_size if scheme == "per_sequence" else 1
@@ -493,7 +492,6 @@ class Parcae(nn.Module):
     # The matmuls' bf16 outputs are added into it, so rounding does not build up over T steps.
     # Every RMSNorm sees float32 with its float32 weight (the fused kernel).
     # A_bar and Bbar e are float32; RoPE runs in bf16; the logits are float32 for the loss.
-    # Compiled (compile_regions), the loss reads the bf16 logits and never stores float32 ones.
 
     def forward(self, idx, targets=None, T=None, depths=None, h0=None, cache=None, reduction="mean",
                 depth_generator=None, h0_generator=None, diagnostics=None):
@@ -639,8 +637,7 @@ class Parcae(nn.Module):
         return logits.to(torch.promote_types(self.wte.weight.dtype, torch.float32))
 
     def coda_loss(self, h, ves, cos, sin, targets, reduction="mean"):
-        """run_coda, then the cross-entropy with targets (B, S), where -1 is ignored.
-        With reduction="none" the loss is (B, S)."""
+        """The cross-entropy of run_coda with targets (-1 ignored), (B, S) for reduction="none"."""
         logits = self.run_coda(h, ves, cos, sin)
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
                                ignore_index=-1, reduction=reduction)
@@ -649,16 +646,11 @@ class Parcae(nn.Module):
     # --- compilation and the spectral radius
 
     def compile_regions(self, backend="inductor"):
-        """Compile the forward in regions, each a plain method above, and keep the loop in Python.
-        - run_prelude runs the prelude, its norm and Bbar e.
-        - loop_step runs the injection and the recurrent block (the Transformer's recurrent_block).
-        - coda_loss runs the coda, the head and the loss. In one graph the loss reads the head's
-          bf16 logits, so float32 ones are never stored, for the forward or the backward.
-        - run_coda gives the logits alone, for evals.
-
-        The loop step runs on the rows still looping, a prefix of the batch.
-        Its row count is dynamic, so a new depth does not recompile, one row included.
-        Inductor alone may add a one-row graph per gradient variant, once.
+        """Compile run_prelude (with Bbar e), loop_step (the Transformer's recurrent_block),
+        coda_loss and run_coda, each a graph, and keep the loop in Python. In coda_loss's graph the
+        loss reads the head's bf16 logits, so float32 ones are never stored, forward or backward.
+        The loop step runs on the rows still looping, a prefix of the batch. Its row count is
+        dynamic, so a new depth does not recompile, one row included.
         Decoding runs them eagerly (engine.py), since each token's cache position is new."""
         for name, dynamic in (("run_prelude", False), ("coda_loss", False), ("run_coda", False),
                               ("loop_step" if self.injection else "recurrent_block", None)):
@@ -678,8 +670,7 @@ class Parcae(nn.Module):
         Parcae's is max(A_bar), addition's 1, concat's the top |eigenvalue| of its state half."""
         if self.injection is None:
             return None
-        rho = self.injection.spectral_radius()
-        return rho if torch.is_tensor(rho) else torch.full((), rho, device=self.wte.weight.device)
+        return torch.as_tensor(self.injection.spectral_radius(), device=self.wte.weight.device)
 
     # --- accounting
 
@@ -720,10 +711,9 @@ class Parcae(nn.Module):
 
         # a loop step runs the recurrent blocks and concat's adapter (Parcae's B makes Bbar e once)
         per_step = [*self.recur, *([self.injection] if c.injection == "concat" else [])]
+        # the Transformer runs its blocks once, whatever n and k
         step = forward_flops(per_step) if self.injection is not None else 0
         once = forward_flops([self]) - step + 2 * self.wte.weight.numel()
-        if self.injection is None:  # the Transformer runs its blocks once, whatever n and k
-            return (3 if backward else 1) * once
         if n is None:
             n, k = mean_steps(c)
         n, k = (torch.as_tensor(x, dtype=torch.float64, device="cpu").mean().item() for x in (n, k))
