@@ -324,11 +324,6 @@ def evaluation_initial_state(d_model, length, seed, device):
     return initial_state((1, length, d_model), "cpu", generator).to(device)
 
 
-def decoding_initial_state(shape, device, generators):
-    """Decoding's h0 draws row i from generators[i], so a sample does not depend on the others."""
-    return initial_state(shape, device, list(generators))
-
-
 # -----------------------------------------------------------------------------
 # The depths are the loop steps each sequence of a training forward runs (METHOD.md §2), n_i steps
 # without gradient, then k_i with it. Parcae.loop_depths, right after forward, draws them from here.
