@@ -25,8 +25,6 @@ In training config.sampling draws the depths, by default one per sequence (METHO
 
 The caller owns the randomness, through depth_generator= and h0_generator= (or h0=).
 The model keeps no state between forwards.
-model.compile_regions() compiles the prelude, one loop step and the coda with the loss,
-so a new depth does not recompile.
 """
 
 import math
@@ -115,10 +113,6 @@ class ParcaeConfig:
 # -----------------------------------------------------------------------------
 # Building blocks
 
-def rms_norm(x, eps):
-    return F.rms_norm(x, (x.size(-1),), eps=eps)
-
-
 def apply_rotary(x, cos, sin):
     """RoPE on (B, S, H, D), rotating the two halves of each head (nanochat's layout)."""
     half = x.size(-1) // 2
@@ -149,7 +143,7 @@ class Attention(nn.Module):
             v = v + gate.unsqueeze(-1) * ve.view(B, S, H, D)
         # RoPE, then a parameter-free RMS norm per head, the dtype's eps, on q and k (METHOD.md §1)
         qk = torch.cat([self.c_q(x).view(B, S, H, D), self.c_k(x).view(B, S, H, D)], dim=2)
-        q, k = rms_norm(apply_rotary(qk, cos, sin), None).transpose(1, 2).split(H, dim=1)
+        q, k = F.rms_norm(apply_rotary(qk, cos, sin), (D,)).transpose(1, 2).split(H, dim=1)
         v = v.transpose(1, 2)
         if cache is not None:
             k, v = cache.update(slot, k, v)
@@ -533,8 +527,6 @@ class Parcae(nn.Module):
             depths = sample_depths(self.config, batch_size, generator)
         elif depths is None:
             T = self.config.mu_rec if T is None else int(T)
-            if T < 1:
-                raise ValueError(f"recurrence depth T must be >= 1, got {T}")
             depths = split_depths(torch.full((batch_size,), T), self.config.mu_bwd, self.training)
         # recurrence needs a longer sequence to have no fewer steps of either kind.
         # And k_i >= 1 for all or none, so every sequence ends at the loop's last step.
@@ -566,11 +558,9 @@ class Parcae(nn.Module):
         Row 0 runs 7 steps, row 1 its 3 at steps 4-6 and row 2 its 1 at step 6, so all end together.
         """
         order = torch.argsort(n + k, descending=True, stable=True)
-        sorted_already = bool((order == torch.arange(len(order))).all())
-        if not sorted_already:
-            rows = order.to(h.device, non_blocking=True)
-            h, Bbar_e, n, k = h[rows], Bbar_e[rows], n[order], k[order]
-            ves = {i: ve[rows] for i, ve in ves.items()}
+        rows = order.to(h.device, non_blocking=True)
+        h, Bbar_e, n, k = h[rows], Bbar_e[rows], n[order], k[order]
+        ves = {i: ve[rows] for i, ve in ves.items()}
         A_bar = self.injection.A_bar()  # (d,) for Parcae, None for the baselines
         n_max, k_max, grad = int(n[0]), int(k[0]), torch.is_grad_enabled()
         for step in range(n_max + k_max):
@@ -585,10 +575,8 @@ class Parcae(nn.Module):
             with torch.set_grad_enabled(grad and step >= n_max):  # gradient in the last k_i steps
                 h_now = self.loop_step(h_now, Bbar_e_now, A_bar, step, ves_now, cos, sin, cache)
             h_prev, h = h, (h_now if looping == len(h) else torch.cat([h_now, h[looping:]]))
-        if not sorted_already:  # back in the caller's order
-            back = torch.argsort(rows)
-            h, h_prev = h[back], h_prev[back]
-        return h, h_prev
+        back = torch.argsort(rows)  # back in the caller's order
+        return h[back], h_prev[back]
 
     def loop_step(self, h, Bbar_e, A_bar, step, ves, cos, sin, cache=None):
         """One loop step, h -> R(A_bar h + Bbar e), the only place the loop's update is written."""
