@@ -130,16 +130,14 @@ class Attention(nn.Module):
         self.c_v = nn.Linear(d, d, bias=False)
         self.c_proj = nn.Linear(d, d, bias=False)
         # METHOD.md §1 value embeddings: v += 2 * sigmoid(ve_gate(x[..., :32])) * ve
-        self.ve_gate_channels = min(32, d)
-        self.ve_gate = (nn.Linear(self.ve_gate_channels, self.n_head, bias=False) if has_value_embed
-                        else None)
+        self.ve_gate = nn.Linear(min(32, d), self.n_head, bias=False) if has_value_embed else None
 
     def forward(self, x, ve, cos, sin, cache=None, slot=None):
         B, S, _ = x.shape
         H, D = self.n_head, self.head_dim
         v = self.c_v(x).view(B, S, H, D)
         if self.ve_gate is not None:
-            gate = 2 * torch.sigmoid(self.ve_gate(x[..., :self.ve_gate_channels]))  # (B, S, H)
+            gate = 2 * torch.sigmoid(self.ve_gate(x[..., :self.ve_gate.in_features]))  # (B, S, H)
             v = v + gate.unsqueeze(-1) * ve.view(B, S, H, D)
         # RoPE, then a parameter-free RMS norm per head, the dtype's eps, on q and k (METHOD.md §1)
         qk = torch.cat([self.c_q(x).view(B, S, H, D), self.c_k(x).view(B, S, H, D)], dim=2)
@@ -197,8 +195,6 @@ def trunc_orthogonal_(weight, std):
     """The authors' truncated orthogonal init gives each entry std `std`, as an i.i.d. draw would.
     But every singular value equals std * sqrt(max(rows, cols)) instead of spreading out."""
     rows, cols = weight.shape
-    if weight.is_meta:  # a model sized on the meta device has nothing to fill
-        return weight
     a = torch.empty(max(rows, cols), min(rows, cols), device=weight.device, dtype=torch.float32)
     q, r = torch.linalg.qr(nn.init.trunc_normal_(a, a=-2.0, b=2.0))
     q = q * torch.diagonal(r).sign()  # signs fixed by diag(R), so that Q is uniformly distributed
