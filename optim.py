@@ -14,7 +14,6 @@ A library, not a script:
 
 It follows the authors' recpre/optim/muon_adamw.py and scripts/train.py (sandyresearch/parcae).
 They follow nanochat's nanochat/optim.py, itself from modded-nanogpt.
-It runs eagerly; optimizer.compile() runs the same updates compiled.
 """
 
 import math
