@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from model import decoding_initial_state
+from model import initial_state
 from nanoparcae.command import size
 
 # -----------------------------------------------------------------------------
@@ -249,7 +249,7 @@ class Decoder:
         self.threshold = EXIT_THRESHOLDS[exit] if exit_threshold is None else exit_threshold
         # every position's h0 drawn up front, so it does not depend on the tokens sampled
         self.generators = list(generators) * (len(idx) // len(generators))  # one per row
-        self.h0 = decoding_initial_state((len(idx), positions, c.d_model), device, self.generators)
+        self.h0 = initial_state((len(idx), positions, c.d_model), device, self.generators)
         self.tokens = torch.zeros(len(idx), positions, dtype=torch.long, device=device)
         self.tokens[:, :idx.size(1)], self.length = idx, idx.size(1)
         # stacked steps only for T="auto" on the steps cache, whose early exits fill those skipped

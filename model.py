@@ -25,8 +25,6 @@ In training config.sampling draws the depths, by default one per sequence (METHO
 
 The caller owns the randomness, through depth_generator= and h0_generator= (or h0=).
 The model keeps no state between forwards.
-model.compile_regions() compiles the prelude, one loop step and the coda with the loss,
-so a new depth does not recompile.
 """
 
 import math
@@ -40,9 +38,6 @@ import torch.nn.functional as F
 
 # -----------------------------------------------------------------------------
 # Configuration
-
-INJECTIONS = ("diagonal", "concat", "add", "none")
-
 
 @dataclass
 class ParcaeConfig:
@@ -118,10 +113,6 @@ class ParcaeConfig:
 # -----------------------------------------------------------------------------
 # Building blocks
 
-def rms_norm(x, eps):
-    return F.rms_norm(x, (x.size(-1),), eps=eps)
-
-
 def apply_rotary(x, cos, sin):
     """RoPE on (B, S, H, D), rotating the two halves of each head (nanochat's layout)."""
     half = x.size(-1) // 2
@@ -134,26 +125,23 @@ class Attention(nn.Module):
     def __init__(self, config, has_value_embed):
         super().__init__()
         d, self.n_head, self.head_dim = config.d_model, config.n_head, config.head_dim
-        self.eps = None  # q, k norms use the dtype's epsilon, as the authors' F.rms_norm(q)
         self.c_q = nn.Linear(d, d, bias=False)
         self.c_k = nn.Linear(d, d, bias=False)
         self.c_v = nn.Linear(d, d, bias=False)
         self.c_proj = nn.Linear(d, d, bias=False)
         # METHOD.md §1 value embeddings: v += 2 * sigmoid(ve_gate(x[..., :32])) * ve
-        self.ve_gate_channels = min(32, d)
-        self.ve_gate = (nn.Linear(self.ve_gate_channels, self.n_head, bias=False) if has_value_embed
-                        else None)
+        self.ve_gate = nn.Linear(min(32, d), self.n_head, bias=False) if has_value_embed else None
 
     def forward(self, x, ve, cos, sin, cache=None, slot=None):
         B, S, _ = x.shape
         H, D = self.n_head, self.head_dim
         v = self.c_v(x).view(B, S, H, D)
         if self.ve_gate is not None:
-            gate = 2 * torch.sigmoid(self.ve_gate(x[..., :self.ve_gate_channels]))  # (B, S, H)
+            gate = 2 * torch.sigmoid(self.ve_gate(x[..., :self.ve_gate.in_features]))  # (B, S, H)
             v = v + gate.unsqueeze(-1) * ve.view(B, S, H, D)
-        # RoPE, then a parameter-free RMS norm per head, on q and k together (METHOD.md §1)
+        # RoPE, then a parameter-free RMS norm per head, the dtype's eps, on q and k (METHOD.md §1)
         qk = torch.cat([self.c_q(x).view(B, S, H, D), self.c_k(x).view(B, S, H, D)], dim=2)
-        q, k = rms_norm(apply_rotary(qk, cos, sin), self.eps).transpose(1, 2).split(H, dim=1)
+        q, k = F.rms_norm(apply_rotary(qk, cos, sin), (D,)).transpose(1, 2).split(H, dim=1)
         v = v.transpose(1, 2)
         if cache is not None:
             k, v = cache.update(slot, k, v)
@@ -207,18 +195,20 @@ def trunc_orthogonal_(weight, std):
     """The authors' truncated orthogonal init gives each entry std `std`, as an i.i.d. draw would.
     But every singular value equals std * sqrt(max(rows, cols)) instead of spreading out."""
     rows, cols = weight.shape
-    if weight.is_meta:  # a model sized on the meta device has nothing to fill
-        return weight
     a = torch.empty(max(rows, cols), min(rows, cols), device=weight.device, dtype=torch.float32)
     q, r = torch.linalg.qr(nn.init.trunc_normal_(a, a=-2.0, b=2.0))
     q = q * torch.diagonal(r).sign()  # signs fixed by diag(R), so that Q is uniformly distributed
     return weight.copy_(q if rows >= cols else q.t()).mul_(std * math.sqrt(max(rows, cols)))
 
 
-class Injection(nn.Module):
-    """The baselines' defaults, whose input term is e itself, with no A_bar to form ahead."""
+class AddInjection(nn.Module):
+    """Addition, u = h + e, so A_bar = I and rho = 1 (marginally stable). It has no parameters.
+    Its input term is e itself, with no A_bar to form ahead: the other injections override these."""
 
     rho_on_host = False  # spectral_radius runs on the weights' device, so logging it is free
+
+    def __init__(self, d):
+        super().__init__()
 
     def reset_parameters(self, std):
         pass
@@ -229,17 +219,18 @@ class Injection(nn.Module):
     def A_bar(self):
         return None
 
+    def forward(self, h, Bbar_e, A_bar=None):
+        return h + Bbar_e
 
-class Discretized(NamedTuple):
-    A_bar: torch.Tensor  # (d,) the state's per-channel decay, every entry in [0, 1)
-    delta: torch.Tensor  # (d,) the step size Delta = softplus(dt_bias)
+    def spectral_radius(self):
+        return 1.0
 
 
-class DiagonalInjection(Injection):
+class DiagonalInjection(AddInjection):
     """Parcae's injection, A_bar = exp(-Delta exp(A_log)), Bbar = Delta B, rho = max(A_bar) < 1."""
 
     def __init__(self, d):
-        super().__init__()
+        super().__init__(d)
         self.A_log = nn.Parameter(torch.zeros(d))
         self.dt_bias = nn.Parameter(torch.zeros(d))
         self.B = nn.Linear(d, d, bias=False)
@@ -253,29 +244,29 @@ class DiagonalInjection(Injection):
         self.B.weight.copy_(torch.eye(self.B.weight.size(0)))
 
     def discretize(self):
-        """The zero-order hold of A = Diag(-exp(A_log)) with step Delta, in float32.
+        """(A_bar, Delta), the zero-order hold of A = Diag(-exp(A_log)) with step Delta, in float32.
         It puts every entry of A_bar in [0, 1)."""
         delta = F.softplus(self.dt_bias)
         # Adding logs avoids 0 * inf. Below a rate of ~3e-8 float32 rounds exp(-rate) to 1,
         # so the 1e-6 floor keeps A_bar < 1. Past a rate of ~104, A_bar underflows to 0.
         rate = torch.exp(self.A_log + torch.log(delta)).clamp(min=1e-6)
-        return Discretized(A_bar=torch.exp(-rate), delta=delta)
+        return torch.exp(-rate), delta
 
     def Bbar_e(self, e):
-        return self.discretize().delta * self.B(e)  # Euler's Bbar = Delta B, float32 like A_bar
+        return self.discretize()[1] * self.B(e)  # Euler's Bbar = Delta B, float32 like A_bar
 
     def A_bar(self):
-        return self.discretize().A_bar
+        return self.discretize()[0]
 
     def forward(self, h, Bbar_e, A_bar=None):
         return (self.A_bar() if A_bar is None else A_bar) * h + Bbar_e
 
     @torch.no_grad()
     def spectral_radius(self):
-        return self.discretize().A_bar.max()
+        return self.A_bar().max()
 
 
-class ConcatInjection(Injection):
+class ConcatInjection(AddInjection):
     """The adapter of RDM and Huginn, u = W [h; e] with W a Linear(2d -> d).
     Its state half is an unconstrained A_bar."""
 
@@ -283,7 +274,7 @@ class ConcatInjection(Injection):
     rho_on_host = True
 
     def __init__(self, d):
-        super().__init__()
+        super().__init__(d)
         self.adapter = nn.Linear(2 * d, d, bias=False)
 
     @torch.no_grad()
@@ -300,20 +291,8 @@ class ConcatInjection(Injection):
         return torch.linalg.eigvals(state_half).abs().max()
 
 
-class AddInjection(Injection):
-    """Addition, u = h + e, so A_bar = I and rho = 1 (marginally stable). It has no parameters."""
-
-    def __init__(self, d):
-        super().__init__()
-
-    def forward(self, h, Bbar_e, A_bar=None):
-        return h + Bbar_e
-
-    def spectral_radius(self):
-        return 1.0
-
-
 INJECTION_CLASSES = {"diagonal": DiagonalInjection, "concat": ConcatInjection, "add": AddInjection}
+INJECTIONS = (*INJECTION_CLASSES, "none")  # "none" is the Transformer
 
 
 # -----------------------------------------------------------------------------
@@ -333,11 +312,6 @@ def evaluation_initial_state(d_model, length, seed, device):
     """Evaluation's h0 (1, length, d) is one seeded table every row reads, so scores reproduce."""
     generator = torch.Generator().manual_seed(seed)
     return initial_state((1, length, d_model), "cpu", generator).to(device)
-
-
-def decoding_initial_state(shape, device, generators):
-    """Decoding's h0 draws row i from generators[i], so a sample does not depend on the others."""
-    return initial_state(shape, device, list(generators))
 
 
 # -----------------------------------------------------------------------------
@@ -368,7 +342,6 @@ SAMPLINGS = {
 
 def sample_depths(config, batch_size, generator=None):
     """One training draw of config.sampling -> (n, k), two (B,) long tensors.
-    n holds each sequence's loop steps without gradient, and k its steps with gradient after them.
     Only per_sequence draws per sequence. The others draw once per micro-batch, as the authors'."""
     scheme, mu_bwd = config.sampling, config.mu_bwd
     draws = batch_size if scheme == "per_sequence" else 1
@@ -458,12 +431,11 @@ class Parcae(nn.Module):
         self.coda = nn.ModuleList(blocks[c.n_prelude + c.n_recur:])
         self.norm_f = nn.RMSNorm(d, eps=c.norm_eps)
         injection = INJECTION_CLASSES.get(c.injection)  # None for the fixed-depth Transformer
-        looped = injection is not None
-        self.prelude_norm = nn.RMSNorm(d, eps=c.norm_eps) if looped and c.prelude_norm else None
-        self.injection = injection(d) if looped else None
+        self.prelude_norm = nn.RMSNorm(d, eps=c.norm_eps) if injection and c.prelude_norm else None
+        self.injection = injection(d) if injection else None
         # C_proj reads the loop's output with no norm before it (METHOD.md §1), in every looped
         # variant, so the injection ablations differ from Parcae in the injection alone
-        self.C_proj = nn.Linear(d, d, bias=False) if looped else None
+        self.C_proj = nn.Linear(d, d, bias=False) if injection else None
         self.init_buffers()
         self.init_weights()
 
@@ -484,33 +456,27 @@ class Parcae(nn.Module):
         Each module draws from a generator seeded by init_seed and its name.
         So variants built at one seed share every common module's tensors, and their runs pair."""
         std = math.sqrt(2 / (5 * self.config.d_model))
-        inits = {self.wte: lambda m: trunc_orthogonal_(m.weight, std)}  # module -> its init
-        for block in [*self.prelude, *self.recur, *self.coda]:
-            for lin in (block.attn.c_q, block.attn.c_k, block.attn.c_v, block.mlp.c_fc):
-                inits[lin] = lambda m: trunc_orthogonal_(m.weight, std)
-            for lin in (block.attn.c_proj, block.mlp.c_proj):
-                inits[lin] = lambda m: nn.init.zeros_(m.weight)
-        if self.injection is not None:
-            inits[self.injection] = lambda m: m.reset_parameters(std)
-            inits[self.C_proj] = lambda m: trunc_orthogonal_(m.weight, std)
-        initialised = set()  # modules set by an init of their parent (the injection's B or adapter)
         with torch.random.fork_rng(devices=[]):  # the caller's global RNG stream is left as it was
             for name, module in self.named_modules():
-                init = inits.get(module)
-                if init is None and (module in initialised
-                                     or not hasattr(module, "reset_parameters")
-                                     or next(module.parameters(recurse=False), None) is None):
-                    continue
-                initialised.update(module.modules())
+                leaf = name.rsplit(".", 1)[-1]
+                owns = next(module.parameters(recurse=False), None) is not None
+                if name.startswith("injection.") or not (owns or leaf == "injection"):
+                    continue  # the injection's init sets its B or adapter
                 torch.default_generator.manual_seed(self.init_seed + zlib.crc32(name.encode()))
-                init(module) if init else module.reset_parameters()
+                if leaf in ("wte", "c_q", "c_k", "c_v", "c_fc", "C_proj"):
+                    trunc_orthogonal_(module.weight, std)
+                elif leaf == "c_proj":  # each block's output projections start at zero
+                    nn.init.zeros_(module.weight)
+                elif leaf == "injection":
+                    module.reset_parameters(std)
+                else:  # norms, value embeddings and their gates keep torch's init
+                    module.reset_parameters()
 
     # --- forward, then the parts of the loop it runs, in order (depths, recurrence, loop step).
     # Under bf16 autocast the weights and the residual stream (prelude, h0, h, coda) stay float32.
     # The matmuls' bf16 outputs are added into it, so rounding does not build up over T steps.
     # Every RMSNorm sees float32 with its float32 weight (the fused kernel).
     # A_bar and Bbar e are float32; RoPE runs in bf16; the logits are float32 for the loss.
-    # Compiled (compile_regions), the loss reads the bf16 logits and never stores float32 ones.
 
     def forward(self, idx, targets=None, T=None, depths=None, h0=None, cache=None, reduction="mean",
                 depth_generator=None, h0_generator=None, diagnostics=None):
@@ -557,8 +523,6 @@ class Parcae(nn.Module):
             depths = sample_depths(self.config, batch_size, generator)
         elif depths is None:
             T = self.config.mu_rec if T is None else int(T)
-            if T < 1:
-                raise ValueError(f"recurrence depth T must be >= 1, got {T}")
             depths = split_depths(torch.full((batch_size,), T), self.config.mu_bwd, self.training)
         # recurrence needs a longer sequence to have no fewer steps of either kind.
         # And k_i >= 1 for all or none, so every sequence ends at the loop's last step.
@@ -590,11 +554,9 @@ class Parcae(nn.Module):
         Row 0 runs 7 steps, row 1 its 3 at steps 4-6 and row 2 its 1 at step 6, so all end together.
         """
         order = torch.argsort(n + k, descending=True, stable=True)
-        sorted_already = bool((order == torch.arange(len(order))).all())
-        if not sorted_already:
-            rows = order.to(h.device, non_blocking=True)
-            h, Bbar_e, n, k = h[rows], Bbar_e[rows], n[order], k[order]
-            ves = {i: ve[rows] for i, ve in ves.items()}
+        rows = order.to(h.device, non_blocking=True)
+        h, Bbar_e, n, k = h[rows], Bbar_e[rows], n[order], k[order]
+        ves = {i: ve[rows] for i, ve in ves.items()}
         A_bar = self.injection.A_bar()  # (d,) for Parcae, None for the baselines
         n_max, k_max, grad = int(n[0]), int(k[0]), torch.is_grad_enabled()
         for step in range(n_max + k_max):
@@ -609,10 +571,8 @@ class Parcae(nn.Module):
             with torch.set_grad_enabled(grad and step >= n_max):  # gradient in the last k_i steps
                 h_now = self.loop_step(h_now, Bbar_e_now, A_bar, step, ves_now, cos, sin, cache)
             h_prev, h = h, (h_now if looping == len(h) else torch.cat([h_now, h[looping:]]))
-        if not sorted_already:  # back in the caller's order
-            back = torch.argsort(rows)
-            h, h_prev = h[back], h_prev[back]
-        return h, h_prev
+        back = torch.argsort(rows)  # back in the caller's order
+        return h[back], h_prev[back]
 
     def loop_step(self, h, Bbar_e, A_bar, step, ves, cos, sin, cache=None):
         """One loop step, h -> R(A_bar h + Bbar e), the only place the loop's update is written."""
@@ -656,8 +616,7 @@ class Parcae(nn.Module):
         return logits.to(torch.promote_types(self.wte.weight.dtype, torch.float32))
 
     def coda_loss(self, h, ves, cos, sin, targets, reduction="mean"):
-        """run_coda, then the cross-entropy with targets (B, S), where -1 is ignored.
-        With reduction="none" the loss is (B, S)."""
+        """The cross-entropy of run_coda with targets (-1 ignored), (B, S) for reduction="none"."""
         logits = self.run_coda(h, ves, cos, sin)
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
                                ignore_index=-1, reduction=reduction)
@@ -666,16 +625,11 @@ class Parcae(nn.Module):
     # --- compilation and the spectral radius
 
     def compile_regions(self, backend="inductor"):
-        """Compile the forward in regions, each a plain method above, and keep the loop in Python.
-        - run_prelude runs the prelude, its norm and Bbar e.
-        - loop_step runs the injection and the recurrent block (the Transformer's recurrent_block).
-        - coda_loss runs the coda, the head and the loss. In one graph the loss reads the head's
-          bf16 logits, so float32 ones are never stored, for the forward or the backward.
-        - run_coda gives the logits alone, for evals.
-
-        The loop step runs on the rows still looping, a prefix of the batch.
-        Its row count is dynamic, so a new depth does not recompile, one row included.
-        Inductor alone may add a one-row graph per gradient variant, once.
+        """Compile run_prelude (with Bbar e), loop_step (the Transformer's recurrent_block),
+        coda_loss and run_coda, each a graph, and keep the loop in Python. In coda_loss's graph the
+        loss reads the head's bf16 logits, so float32 ones are never stored, forward or backward.
+        The loop step runs on the rows still looping, a prefix of the batch. Its row count is
+        dynamic, so a new depth does not recompile, one row included.
         Decoding runs them eagerly (engine.py), since each token's cache position is new."""
         for name, dynamic in (("run_prelude", False), ("coda_loss", False), ("run_coda", False),
                               ("loop_step" if self.injection else "recurrent_block", None)):
@@ -695,8 +649,7 @@ class Parcae(nn.Module):
         Parcae's is max(A_bar), addition's 1, concat's the top |eigenvalue| of its state half."""
         if self.injection is None:
             return None
-        rho = self.injection.spectral_radius()
-        return rho if torch.is_tensor(rho) else torch.full((), rho, device=self.wte.weight.device)
+        return torch.as_tensor(self.injection.spectral_radius(), device=self.wte.weight.device)
 
     # --- accounting
 
@@ -737,10 +690,9 @@ class Parcae(nn.Module):
 
         # a loop step runs the recurrent blocks and concat's adapter (Parcae's B makes Bbar e once)
         per_step = [*self.recur, *([self.injection] if c.injection == "concat" else [])]
+        # the Transformer runs its blocks once, whatever n and k
         step = forward_flops(per_step) if self.injection is not None else 0
         once = forward_flops([self]) - step + 2 * self.wte.weight.numel()
-        if self.injection is None:  # the Transformer runs its blocks once, whatever n and k
-            return (3 if backward else 1) * once
         if n is None:
             n, k = mean_steps(c)
         n, k = (torch.as_tensor(x, dtype=torch.float64, device="cpu").mean().item() for x in (n, k))

@@ -14,7 +14,6 @@ A library, not a script:
 
 It follows the authors' recpre/optim/muon_adamw.py and scripts/train.py (sandyresearch/parcae).
 They follow nanochat's nanochat/optim.py, itself from modded-nanogpt.
-It runs eagerly; optimizer.compile() runs the same updates compiled.
 """
 
 import math
@@ -38,17 +37,16 @@ POLAR_EXPRESS_COEFFS = (
 )
 
 
-def polar_express(G: Tensor, steps: int = 5) -> Tensor:
+def polar_express(G: Tensor) -> Tensor:
     """Approximately orthogonalise the last two dims of G, in bf16.
     The singular values end in about [0.85, 1.15]; those below ~1e-3 of ||G||_F stay smaller."""
-    assert G.ndim >= 2 and 1 <= steps <= len(POLAR_EXPRESS_COEFFS)
     X = G.bfloat16()
     X = X / (X.norm(dim=(-2, -1), keepdim=True) * 1.02 + 1e-6)
     # wide, so that X X^T is the smaller Gram matrix (the authors write out the tall case instead)
     tall = X.size(-2) > X.size(-1)
     if tall:
         X = X.mT
-    for a, b, c in POLAR_EXPRESS_COEFFS[:steps]:
+    for a, b, c in POLAR_EXPRESS_COEFFS:
         A = X @ X.mT
         X = a * X + (b * A + c * (A @ A)) @ X
     if tall:
@@ -86,13 +84,12 @@ def adamw_update(params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, 
         p.add_(m * (-lr / (1 - beta1 ** t)) / denom)  # addcdiv_, in the same order
 
 
-def muon_update(P, g, momentum_buffer, second_momentum_buffer, momentum, lr, wd, beta2,
-                ns_steps: int) -> None:
+def muon_update(P, g, momentum_buffer, second_momentum_buffer, momentum, lr, wd, beta2) -> None:
     """Muon on a stack P (n, rows, cols) and its gradients g, both changed in place."""
     momentum_buffer.lerp_(g, 1 - momentum)
     g = g.lerp_(momentum_buffer, momentum)
     # fp32 from here, as nanochat; the authors stay in bf16, which differs only by rounding
-    U = polar_express(g, ns_steps).float()
+    U = polar_express(g).float()
     U = normuon(U, second_momentum_buffer, beta2)
     # Cautious weight decay (METHOD.md §2), as the authors', decays only where U * P >= 0, the
     # entries the update already moves towards zero, so the decay never fights the optimiser.
@@ -103,33 +100,27 @@ def muon_update(P, g, momentum_buffer, second_momentum_buffer, momentum, lr, wd,
 # Compiled, each group's update is one graph of few fused kernels, not dozens of small ones. The
 # hyperparameters go in as 0-d CPU float64 tensors, graph inputs as in nanochat, so a schedule that
 # changes lr, momentum or wd every step never recompiles, and they reach the kernels as the plain
-# update's floats do. A group's shapes are fixed, hence dynamic=False. Without fullgraph, an update
-# past dynamo's recompile limit runs eagerly with its warning instead of failing.
+# update's floats do. Without fullgraph, an update past dynamo's recompile limit runs eagerly.
 
 def compiled_update(update, backend: str):
-    """update, compiled; called with numbers, it passes them on as 0-d float64 tensors."""
     compiled = torch.compile(update, dynamic=False, backend=backend)
 
     def scalar(value):
         return torch.tensor(float(value), dtype=torch.float64)
 
-    def run(*tensors, steps=None, ns_steps=None, **hyper):
-        hyper = {k: scalar(v) for k, v in hyper.items()}
-        if steps is not None:
-            hyper['steps'] = [scalar(t) for t in steps]
-        if ns_steps is not None:
-            hyper['ns_steps'] = ns_steps
+    def run(*tensors, **hyper):
+        hyper = {k: [scalar(t) for t in v] if k == 'steps' else scalar(v) for k, v in hyper.items()}
         compiled(*tensors, **hyper)
     return run
 
 
 # -----------------------------------------------------------------------------
 # The optimiser. Every group has params, kind, lr and initial_lr, the lr the schedule scales;
-# AdamW groups add betas, eps, weight_decay; Muon groups momentum, weight_decay, beta2, ns_steps.
+# AdamW groups add betas, eps, weight_decay; Muon groups momentum, weight_decay, beta2.
 # A missing key takes METHOD.md §2's value, below.
 
 ADAMW_DEFAULTS = dict(betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0)
-MUON_DEFAULTS = dict(momentum=0.95, weight_decay=0.2, beta2=0.95, ns_steps=5)
+MUON_DEFAULTS = dict(momentum=0.95, weight_decay=0.2, beta2=0.95)
 
 
 class MuonAdamW(torch.optim.Optimizer):
@@ -190,7 +181,7 @@ class MuonAdamW(torch.optim.Optimizer):
         lr = group['lr'] * math.sqrt(max(1.0, rows / cols))
         self.muon_update(P, g, state['momentum_buffer'], state['second_momentum_buffer'],
                          momentum=group['momentum'], lr=lr, wd=group['weight_decay'],
-                         beta2=group['beta2'], ns_steps=group['ns_steps'])
+                         beta2=group['beta2'])
         torch._foreach_copy_(params, list(P.unbind(0)))
 
     @torch.no_grad()
@@ -208,14 +199,11 @@ class MuonAdamW(torch.optim.Optimizer):
 # and C_proj live outside the blocks, so the prefix alone keeps them on AdamW, as the authors do.
 # The authors match substrings of their own names; this picks the same by place.
 
-MUON_PREFIXES = ('prelude.', 'recur.', 'coda.')
-
-
 def is_muon_param(name: str, p: Tensor) -> bool:
     # names from a compiled or DDP-wrapped model too
     while name.startswith(('_orig_mod.', 'module.')):
         name = name.split('.', 1)[1]
-    return p.ndim == 2 and name.startswith(MUON_PREFIXES) and 'value_embeds' not in name.split('.')
+    return p.ndim == 2 and name.startswith(('prelude.', 'recur.', 'coda.'))
 
 
 def build_optimizer(model: torch.nn.Module, adamw_lr: float, muon_lr: float = 8e-3,
@@ -259,10 +247,9 @@ def lr_multiplier(step: int, total_steps: int, warmdown_frac: float = 0.5) -> fl
     return 1.0 if step <= total_steps - warmdown else max(0.0, (total_steps - step) / warmdown)
 
 
-def muon_momentum(step: int, warmup_steps: int = 300, start: float = 0.85,
-                  end: float = 0.95) -> float:
+def muon_momentum(step: int, warmup_steps: int = 300) -> float:
     """Muon momentum, 0.85 to 0.95 over the first 300 steps."""
-    return start + min(step / warmup_steps, 1.0) * (end - start)
+    return 0.85 + min(step / warmup_steps, 1.0) * (0.95 - 0.85)
 
 
 def weight_decay_at(step: int, total_steps: int, wd: float) -> float:

@@ -26,7 +26,7 @@ from engine import EXIT_THRESHOLDS, EXITS, KV_CACHES, Decoder, forced_logits, ge
 from experiments.plot import pyplot, save_png
 from experiments.scaling_fit import paired_interval
 from experiments.timing import log, median_seconds, print_table
-from model import ParcaeConfig, decoding_initial_state, from_weights
+from model import ParcaeConfig, from_weights, initial_state
 
 PROMPT = 16  # tokens of prompt before the max_new_tokens decoded
 
@@ -55,7 +55,7 @@ def forward_per_token(model, ids, prompt_len, T, seed=0):
     """Row 5b's "concat": teacher-forced like engine.teacher_forced, but the prompt in one model() call into a
     ConcatKVCache, then model() on each position. -> mean loss."""
     generator = torch.Generator(ids.device).manual_seed(seed)
-    h0 = decoding_initial_state((1, ids.size(1), model.config.d_model), ids.device, [generator])
+    h0 = initial_state((1, ids.size(1), model.config.d_model), ids.device, [generator])
     cache, losses = ConcatKVCache(), []
     with torch.no_grad():
         logits = model(ids[:, :prompt_len], T=T, h0=h0[:, :prompt_len], cache=cache)

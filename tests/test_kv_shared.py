@@ -6,7 +6,7 @@ import torch
 
 from engine import Decoder, KVCache, forced_logits, generate
 from experiments import decoding
-from model import decoding_initial_state
+from model import initial_state
 from test_sample import tiny_model
 
 IDS = torch.tensor([[5, 17, 42, 8, 91, 3, 60, 11, 29, 74, 2, 88, 40, 19, 63, 7]])
@@ -33,7 +33,7 @@ class FinalStepKV:
 def h0_of(ids):
     """The h0 Decoder draws for ids (B, S) with one generator seeded 0, row after row."""
     generator = torch.Generator().manual_seed(0)
-    return decoding_initial_state((*ids.shape, 64), "cpu", [generator] * ids.size(0))
+    return initial_state((*ids.shape, 64), "cpu", [generator] * ids.size(0))
 
 
 @torch.no_grad()
