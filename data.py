@@ -2,7 +2,7 @@
 data.py: the training data loader (METHOD.md §2).
 Each rank reads its own share of the documents and tokenizes them ahead in a thread.
 It packs them best-fit into rows that start with BOS. Its state is small and resumes exactly.
-It also yields the held-out batches that evals score.
+It also yields the held-out batches, and scores a model's loss and bits per byte on them.
 nanoparcae/dataset.py reads the text, and nanoparcae/tokenizer.py tokenizes it.
 
     reader = ChunkReader()                       # one per process, shared by its loaders
@@ -13,6 +13,7 @@ nanoparcae/dataset.py reads the text, and nanoparcae/tokenizer.py tokenizes it.
 import bisect
 import collections
 import contextlib
+import functools
 import itertools
 import math
 import queue
@@ -20,7 +21,9 @@ import random
 import threading
 
 import torch
+import torch.distributed as dist
 
+from model import evaluation_initial_state
 from nanoparcae.dataset import ChunkReader, check_split, list_chunks
 
 # -----------------------------------------------------------------------------
@@ -262,3 +265,57 @@ def val_batches(tokenizer, source, batch_size, seq_len, num_tokens, rank=0, worl
     yield from itertools.islice(loader, max(1, num_tokens // (batch_size * seq_len * world_size)))
     loader.close()
 
+
+# -----------------------------------------------------------------------------
+# The validation loss and bits per byte of held-out batches at depth T (METHOD.md §2)
+
+def in_eval_mode(evaluate):
+    """Run evaluate(model, ...) in eval mode, then restore the model's mode."""
+    @functools.wraps(evaluate)
+    def run(model, *args, **kwargs):
+        was_training = model.training
+        try:
+            return evaluate(model.eval(), *args, **kwargs)
+        finally:
+            model.train(was_training)
+    return run
+
+
+def bf16_autocast(device):
+    """Autocast to bf16 on CUDA, as training does. On a CPU it keeps an enclosing autocast on."""
+    enabled = device.type == "cuda" or torch.is_autocast_enabled(device.type)
+    return torch.autocast(device.type, torch.bfloat16, enabled=enabled)
+
+
+@torch.no_grad()
+@in_eval_mode
+def evaluate_bpb(model, tokenizer, batches, T=None, seed=1234, state_norm=False):
+    """Score (x, y) batches over all ranks -> (loss, bpb), and the mean ||h_T|| with state_norm.
+    The loss is the mean nats per target, not y = -1. Bits per byte count the targets' bytes."""
+    device = next(model.parameters()).device
+    token_bytes = tokenizer.token_bytes.to(device)
+    # Sums of nats, targets, nats of byte tokens, bytes, ||h_T|| x positions, positions.
+    sums = torch.zeros(6, dtype=torch.float64, device=device)
+    h0_table = None
+    for x, y in batches:
+        x, y = x.to(device), y.to(device)
+        if h0_table is None or h0_table.size(1) < x.size(1):
+            h0_table = evaluation_initial_state(model.config.d_model, x.size(1), seed, device)
+        stats = {}
+        with bf16_autocast(device):
+            nats = model(x, targets=y, T=T, h0=h0_table[:, :x.size(1)].expand(x.size(0), -1, -1),
+                         reduction="none", diagnostics=stats).double()
+        valid = y >= 0
+        num_bytes = torch.where(valid, token_bytes[y.clamp(min=0)], 0)
+        sums[:4] += torch.stack([nats[valid].sum(), valid.sum().double(), nats[num_bytes > 0].sum(),
+                                 num_bytes.sum().double()])
+        if state_norm and stats["h_norm"] is not None:
+            sums[4:] += torch.stack([stats["h_norm"].double(), sums.new_ones(())]) * x.numel()
+    if dist.is_initialized():
+        dist.all_reduce(sums)
+    nats, targets, byte_nats, num_bytes, h_norm, positions = sums.tolist()
+    if targets == 0 or num_bytes == 0:
+        raise ValueError("no validation tokens to evaluate: pass more of them (eval_core.py "
+                         "--val_tokens, train.py --eval_tokens) or check the data source")
+    loss, bpb = nats / targets, byte_nats / (math.log(2) * num_bytes)
+    return (loss, bpb, h_norm / positions if positions else None) if state_norm else (loss, bpb)

@@ -16,7 +16,6 @@ Of the two validation losses, --eval bpb scores packed BOS-aligned rows, as trai
 --eval ppl scores one document per forward, as the authors do for the paper's val PPL.
 """
 
-import functools
 import itertools
 import math
 import statistics
@@ -35,7 +34,7 @@ from nanoparcae.ranks import init_distributed, parse_device, print0, rank_and_wo
 from nanoparcae.core_tasks import (CORE_LABELS, EXTENDED_TASKS, LM, build_rows, load_task_data,
                                    read_random_baselines, select_tasks)
 from nanoparcae.download import EVAL_BUNDLE_URL, shared_eval_bundle
-from data import val_batches
+from data import bf16_autocast, evaluate_bpb, in_eval_mode, val_batches
 from nanoparcae.dataset import data_key, iter_documents
 from nanoparcae.results import check_results_folder, keep_results, refuse_non_finite, run_data
 from model import evaluation_initial_state, from_weights
@@ -44,24 +43,6 @@ from model import evaluation_initial_state, from_weights
 # Scoring token rows, many per forward (METHOD.md §3).
 # Rows are grouped by length and padded on the right.
 # One seeded h0 serves every row, and each gets its mean cross-entropy over its span.
-
-def in_eval_mode(evaluate):
-    """Run evaluate(model, ...) in eval mode, then restore the model's mode."""
-    @functools.wraps(evaluate)
-    def run(model, *args, **kwargs):
-        was_training = model.training
-        try:
-            return evaluate(model.eval(), *args, **kwargs)
-        finally:
-            model.train(was_training)
-    return run
-
-
-def bf16_autocast(device):
-    """Autocast to bf16 on CUDA, as training does. On a CPU it keeps an enclosing autocast on."""
-    enabled = device.type == "cuda" or torch.is_autocast_enabled(device.type)
-    return torch.autocast(device.type, torch.bfloat16, enabled=enabled)
-
 
 def forward_batches(rows, batch_tokens, one_per_forward):
     """Split rows into forwards -> row indices, one list per forward, longest first.
@@ -180,41 +161,7 @@ def evaluate_core(model, tokenizer, bundle_dir, T=None, max_per_task=-1, tasks="
             "skipped": skipped, "seconds": time.time() - t_start}
 
 # -----------------------------------------------------------------------------
-# Bits per byte and the test-time scaling law L(T) = L_inf + Z exp(-z T)
-
-@torch.no_grad()
-@in_eval_mode
-def evaluate_bpb(model, tokenizer, batches, T=None, seed=1234, state_norm=False):
-    """Score (x, y) batches over all ranks -> (loss, bpb), and the mean ||h_T|| with state_norm.
-    The loss is the mean nats per target, not y = -1. Bits per byte count the targets' bytes."""
-    device = next(model.parameters()).device
-    token_bytes = tokenizer.token_bytes.to(device)
-    # Sums of nats, targets, nats of byte tokens, bytes, ||h_T|| x positions, positions.
-    sums = torch.zeros(6, dtype=torch.float64, device=device)
-    h0_table = None
-    for x, y in batches:
-        x, y = x.to(device), y.to(device)
-        if h0_table is None or h0_table.size(1) < x.size(1):
-            h0_table = evaluation_initial_state(model.config.d_model, x.size(1), seed, device)
-        stats = {}
-        with bf16_autocast(device):
-            nats = model(x, targets=y, T=T, h0=h0_table[:, :x.size(1)].expand(x.size(0), -1, -1),
-                         reduction="none", diagnostics=stats).double()
-        valid = y >= 0
-        num_bytes = torch.where(valid, token_bytes[y.clamp(min=0)], 0)
-        sums[:4] += torch.stack([nats[valid].sum(), valid.sum().double(), nats[num_bytes > 0].sum(),
-                                 num_bytes.sum().double()])
-        if state_norm and stats["h_norm"] is not None:
-            sums[4:] += torch.stack([stats["h_norm"].double(), sums.new_ones(())]) * x.numel()
-    if dist.is_initialized():
-        dist.all_reduce(sums)
-    nats, targets, byte_nats, num_bytes, h_norm, positions = sums.tolist()
-    if targets == 0 or num_bytes == 0:
-        raise ValueError("no validation tokens to evaluate: pass more of them (eval_core.py "
-                         "--val_tokens, train.py --eval_tokens) or check the data source")
-    loss, bpb = nats / targets, byte_nats / (math.log(2) * num_bytes)
-    return (loss, bpb, h_norm / positions if positions else None) if state_norm else (loss, bpb)
-
+# The paper's val PPL, and the test-time scaling law L(T) = L_inf + Z exp(-z T)
 
 @torch.no_grad()
 @in_eval_mode
@@ -292,33 +239,6 @@ def fit_line(Ts, losses, mu_rec):
                f"(searched {Z_RATES[0]:g} to {Z_RATES[1]:g}): the losses follow no such law, "
                f"so L_inf is no limit")
     return {**fit, "loss_at_mu_rec": at_mu, "mu_rec": mu_rec}
-
-# -----------------------------------------------------------------------------
-# The evals of a training run, each printed in a line
-
-def evaluate_during_training(step, model, tokenizer, val_data):
-    """Score validation loss and bpb at T in {1, 2, 4, mu_rec} (METHOD.md §2) -> a record."""
-    depths = [1] if model.config.injection == "none" else sorted({1, 2, 4, model.config.mu_rec})
-    result = {"step": step}
-    for T in depths:
-        result[f"val_loss_T{T}"], result[f"val_bpb_T{T}"] = \
-            evaluate_bpb(model, tokenizer, val_data, T)
-    print0("eval | " + " | ".join(f"T={T}: loss {result[f'val_loss_T{T}']:.4f} bpb "
-                                  f"{result[f'val_bpb_T{T}']:.4f}" for T in depths))
-    return result
-
-
-def core_during_training(step, model, tokenizer, bundle_dir, max_per_task):
-    """Score CORE on each task's first max_per_task items at T = mu_rec (METHOD.md §3) -> a record.
-    It returns None when the bundle holds none of its tasks."""
-    result = evaluate_core(model, tokenizer, bundle_dir, max_per_task=max_per_task, verbose=False)
-    if result["core"] is None:
-        print0(f"CORE skipped: the bundle at {bundle_dir} holds none of its tasks")
-        return None
-    print0(f"T={result['T']}: {aggregate_line(result)}")  # a partial bundle's mean is over the rest
-    return {"step": step, "core": result["core"], "core_T": result["T"],
-            "core_skipped": sorted(result["skipped"])}
-
 
 # -----------------------------------------------------------------------------
 # Command line. Each --eval has one function; nanoparcae/results.py keeps the results.

@@ -24,8 +24,7 @@ from datetime import timedelta
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from data import DataLoader, val_batches
-from eval_core import core_during_training, evaluate_during_training
+from data import DataLoader, evaluate_bpb, val_batches
 from model import INJECTIONS, SAMPLINGS, Parcae, ParcaeConfig, from_weights, mean_steps
 from optim import build_optimizer, learning_rate_for_depth, lr_multiplier, muon_momentum
 from optim import optimizer_state_bytes, weight_decay_at
@@ -34,7 +33,7 @@ from nanoparcae.checkpoint import save_and_prune, saved_bytes, weights_digest
 from nanoparcae.command import command_parser, run_command, spans
 from nanoparcae.dataset import ChunkReader, check_horizon, data_key
 from nanoparcae.divergence import Divergence
-from nanoparcae.download import PAPER_TOKENS, shared_eval_bundle
+from nanoparcae.download import PAPER_TOKENS
 from nanoparcae.files import check_writable
 from nanoparcae.metrics import Metrics, read_step
 from nanoparcae.ranks import init_distributed, no_buffer_sync, parse_device, peak_bf16_flops, print0
@@ -92,9 +91,6 @@ def parse_args(argv=None):
     flag("--compile", type=int, default=1, choices=[0, 1], help="torch.compile the blocks")
     flag("--eval_every", type=int, default=250, help="steps between validation evals")
     flag("--eval_tokens", type=int, default=10 * 524_288, help="validation tokens per eval")
-    flag("--core_every", type=int, default=2000,
-         help="steps between CORE evals, and at the end (-1: never)")
-    flag("--core_max_per_task", type=int, default=500, help="CORE examples per task in training")
     flag("--save_every", type=int, default=1000, help="steps between checkpoints")
     flag("--log_every", type=int, default=1, help="steps between log lines")
     flag("--run", default=None, help="run name (None: d<depth>_<injection>)")
@@ -115,7 +111,7 @@ def parse_args(argv=None):
     flag("--collective_timeout", type=float, default=600,
          help="seconds a collective waits for every rank before the run fails (NCCL's default)")
     flag("--rank0_timeout", type=float, default=3600,
-         help="seconds ranks wait for lone work: rank 0's save, tokenizer, CORE fetch, resume read")
+         help="seconds ranks wait for lone work: rank 0's save, tokenizer, resume read")
     args = parser.parse_args(argv)
     for rule, holds, names in RANGES:  # --vocab_size's type is the tokenizer's own check
         for name in names.split():
@@ -130,14 +126,12 @@ RANGES = [  # each number flag's range, checked after parsing, where None keeps 
     ("a positive number", lambda v: 0 < v < math.inf, "max_tokens target_flops param_data_ratio "
      "adamw_lr muon_lr grad_clip diverge_h_norm collective_timeout rank0_timeout"),
     (f"between 1 and {INT_LIMIT}", lambda v: 1 <= v <= INT_LIMIT, "depth d_model head_dim mu_rec "
-     "mu_bwd seq_len device_batch_size total_batch_size eval_every eval_tokens core_max_per_task "
+     "mu_bwd seq_len device_batch_size total_batch_size eval_every eval_tokens "
      "save_every log_every stop_at rho_every"),
     ("zero or more", lambda v: 0 <= v < math.inf, "weight_decay"),
     (f"between 0 and {INT_LIMIT}", lambda v: 0 <= v <= INT_LIMIT, "diverge_steps"),
     (f"between 0 and {SEED_LIMIT}", lambda v: 0 <= v <= SEED_LIMIT, "seed"),
-    ("between 0 and 1", lambda v: 0 <= v <= 1, "warmdown_frac"),
-    (f"a number of steps up to {INT_LIMIT}, or -1 for never",
-     lambda v: 0 < v <= INT_LIMIT or v == -1, "core_every")]
+    ("between 0 and 1", lambda v: 0 <= v <= 1, "warmdown_frac")]
 
 
 def main(argv=None):
@@ -327,17 +321,13 @@ def main(argv=None):
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
     batches = [iter(loader) for loader in loaders]
     data_epoch = loaders[0].next_doc[0]  # the epoch of the training data the loaders read
-    bundle_dir = None  # CORE's tasks, fetched once before step 1, on every rank or on none
-    if args.core_every > 0:
-        bundle_dir, why = shared_eval_bundle()
-        if bundle_dir is None:
-            print0(f"CORE skipped for this run: {why}")
     peak_flops = peak_bf16_flops(device)
     # each virtual rank draws its own depths (on the CPU) and h0 (where it is used), METHOD.md §2
     depth_generator, h0_generator = torch.Generator(), torch.Generator(device)
     divergence = Divergence(args.vocab_size, args.dtype, args.diverge_steps, args.diverge_h_norm,
                             lowest_val_loss)
-    val_key = f"val_loss_T{c.mu_rec if raw_model.injection else 1}"  # the rule's eval
+    eval_depths = sorted({1, 2, 4, c.mu_rec}) if raw_model.injection else [1]
+    val_key = f"val_loss_T{c.mu_rec if raw_model.injection else 1}"  # the divergence rule's
     host_rho = getattr(raw_model.injection, "rho_on_host", False)  # concat's, each --rho_every
     metrics = Metrics(folder, step, args.compile)
     t_run, save_due, verdict = time.time(), False, None
@@ -395,20 +385,21 @@ def main(argv=None):
             data_epoch = loaders[0].next_doc[0]
             print0(f"step {step}: the loaders began reading epoch {data_epoch + 1} of the data")
 
-        # --- once in a while: evals, in the training's numerics
-        results = []
-        with autocast:
-            if step % args.eval_every == 0 or step == num_steps:
-                results.append(evaluate_during_training(step, raw_model, tokenizer, val_data))
-            if bundle_dir and (step % args.core_every == 0 or step == num_steps):
-                results.append(core_during_training(step, raw_model, tokenizer, bundle_dir,
-                                                    args.core_max_per_task))
-        results = [result for result in results if result]
-        for result in results:  # the graph counts after evals, which compile graphs of their own
-            metrics.record(result)
+        # --- once in a while: the validation loss at T in {1, 2, 4, mu_rec}, as the training computes
+        # (METHOD.md §2). CORE is eval_core.py's, after training, as in the authors' code.
+        val_loss = None
+        if step % args.eval_every == 0 or step == num_steps:
+            result = {"step": step}
+            with autocast:
+                for T in eval_depths:
+                    result[f"val_loss_T{T}"], result[f"val_bpb_T{T}"] = \
+                        evaluate_bpb(raw_model, tokenizer, val_data, T)
+            print0("eval | " + " | ".join(f"T={T}: loss {result[f'val_loss_T{T}']:.4f} bpb "
+                                          f"{result[f'val_bpb_T{T}']:.4f}" for T in eval_depths))
+            metrics.record(result)  # with the graph count after it, as the eval compiles its own
+            val_loss = result[val_key]
 
         # --- every step: the divergence rule (docs/troubleshooting.md)
-        val_loss = next((result[val_key] for result in results if val_key in result), None)
         verdict = divergence.check(step, not logged["non_finite"], logged["worst_h_norm"], val_loss)
         if verdict:
             metrics.record(divergence.announce(verdict, step, folder))

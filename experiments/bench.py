@@ -35,11 +35,11 @@ from nanoparcae.command import comma_list, command_parser, run_command, size, po
 from nanoparcae.files import write_json
 from nanoparcae.ranks import peak_bf16_flops
 from nanoparcae.core_tasks import MC, Task
-from data import DataLoader
+from data import DataLoader, bf16_autocast
 from nanoparcae.dataset import iter_documents
 from experiments.report import cpu_name
 from engine import DRAFT_LENGTH, Draft, auto_draft, generate
-from eval_core import bf16_autocast, evaluate_task
+from eval_core import evaluate_task
 from experiments.decoding import decoding_rows, stdlib_tokens
 from experiments.timing import log, median_seconds, print_table, timed
 from model import (Parcae, ParcaeConfig, evaluation_initial_state, from_weights, initial_state, sample_depths,

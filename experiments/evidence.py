@@ -23,8 +23,8 @@ from nanoparcae.checkpoint import checkpoints, load_run, run_dir
 from nanoparcae.command import command_parser, run_command
 from nanoparcae.files import check_writable, read_json, write_atomically, write_json
 from nanoparcae.divergence import STATE_NORM_LIMIT
-from data import val_batches
-from eval_core import evaluate_bpb, fit_test_time_scaling
+from data import evaluate_bpb, val_batches
+from eval_core import fit_test_time_scaling
 from experiments.plot import draw_evidence, read_run
 from experiments.scaling import run_logged
 from experiments.timing import markdown_table
@@ -44,7 +44,7 @@ VOCAB, STEPS, BATCH = 259, 300, 2048
 UNIFORM_LOSS = math.log(VOCAB)  # a diverged run, or one that ends no better, counts as a uniform guess
 MAIN = ["--depth=3", "--d_model=128", "--head_dim=64", f"--vocab_size={VOCAB}", "--seq_len=128",
         "--device_batch_size=16", f"--total_batch_size={BATCH}", "--data=stdlib", "--compile=0", "--dtype=float32",
-        "--core_every=-1", "--log_every=1", "--rho_every=1", "--save_every=1000000", "--eval_tokens=8192"]
+        "--log_every=1", "--rho_every=1", "--save_every=1000000", "--eval_tokens=8192"]
 # claim 6 needs >= 10 tokens per parameter: a narrower model (217,856 parameters) for 1,064 steps (10.0 per param)
 SMALL = [flag for flag in MAIN if not flag.startswith(("--d_model", "--head_dim"))] + ["--d_model=64", "--head_dim=32"]
 SMALL_STEPS, SMALL_PARAMS = 1064, 217_856
@@ -183,7 +183,7 @@ def largest(steps, key):
 def evaluate(name, mu_rec, with_curve):
     """Write the run's record, evidence.json: its logged curves and divergence.
     If it trained and with_curve, add the val loss and ||h_T|| at every CURVE_T.
-    They come from eval_core.evaluate_bpb, as in train.py's evals: 8,192 tokens, one seeded h0.
+    They come from data.evaluate_bpb, as in train.py's evals: 8,192 tokens, one seeded h0.
     That takes about 30 s a run on one core."""
     directory = run_dir(name)
     logged = read_run(directory)

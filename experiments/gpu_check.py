@@ -97,7 +97,7 @@ def last_error(log, limit=200):
 
 
 def run_records(runs_dir, name):
-    """Every record of run gpu_check_NAME (metrics.jsonl): steps, evals, CORE."""
+    """Every record of run gpu_check_NAME (metrics.jsonl): steps and evals."""
     return read_metrics(runs_dir / f"gpu_check_{name}" / "metrics.jsonl")
 
 
@@ -298,7 +298,7 @@ def recompilation(work, runs_dir, args):
     warm, n = start + WARMUP_STEPS, steps[-1]["step"]
     if warm >= n:
         raise Failed(f"the run resumed at step {start}: no step after its warm-up to compare")
-    evals = [f"{r['graphs']} after {'CORE' if 'core' in r else 'the eval'}" for r in records
+    evals = [f"{r['graphs']} after the eval" for r in records
              if "loss" not in r and "graphs" in r and r["step"] > start]
     # past a recompile limit dynamo runs the frame eagerly and the graph count stops growing: both processes'
     # counters and their logs say so
@@ -306,7 +306,7 @@ def recompilation(work, runs_dir, args):
     warnings = limit_warnings(work, ["ddp", "ddp_resume"])
     said = f"dynamo hit config.{', config.'.join(dict.fromkeys(warnings))}" if warnings else "no warning"
     settled = graphs[n] == graphs[warm] and not hits and not warnings
-    return (f"{torchrun_title(args)} after the resume, through training, the eval and CORE: the graphs torch.compile "
+    return (f"{torchrun_title(args)} after the resume, through training and the eval: the graphs torch.compile "
             "built (dynamo's unique_graphs) and the times it hit a recompile limit (its counters and its warning)",
             f"graphs {graphs[start + 1]} after step {start + 1}, {graphs[warm]} after step {warm}, {graphs[n]} after "
             f"step {n}{''.join(', ' + each for each in evals)}; recompile limit hit {hits} time(s), {said}",
@@ -397,15 +397,18 @@ def world_sizes(work, runs_dir, args):
 
 def evals(work, runs_dir, args):
     stage(work, "ddp_resume")
-    records = run_records(runs_dir, "ddp")
-    val = next((r for r in records if any(key.startswith("val_loss_T") for key in r)), None)
-    core = next((r for r in records if "core" in r), None)
-    if val is None or core is None:
-        raise Failed(f"the run logged {'no eval' if val is None else 'no CORE'}")
+    stage(work, "core")
+    val = next((r for r in run_records(runs_dir, "ddp") if any(key.startswith("val_loss_T") for key in r)), None)
+    if val is None:
+        raise Failed("the run logged no eval")
+    kept = sorted((runs_dir / "gpu_check_ddp").glob("ckpt_*_core_T*.json"))
+    core = ((read_json(kept[-1]) or {}).get("runs") or [{}])[0] if kept else {}
+    if core.get("core") is None:
+        raise Failed("eval_core.py kept no CORE result beside the run's checkpoint")
     losses = ", ".join(f"T={key[10:]} {value:.3f}" for key, value in val.items() if key.startswith("val_loss_T"))
-    return (f"{torchrun_title(args)}: an eval and a CORE subset (a made-up bundle of 3 tasks, 8 items each)",
-            f"step {val['step']}: val loss {losses}; step {core['step']}: CORE {core['core']:.3f} at "
-            f"T={core['core_T']}",
+    return (f"{torchrun_title(args)}: an eval, then eval_core.py's CORE subset of the checkpoint (a made-up bundle of "
+            "3 tasks, 8 items each)",
+            f"step {val['step']}: val loss {losses}; CORE {core['core']:.3f} at T={core['T']}",
             "")
 
 

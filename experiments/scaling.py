@@ -65,7 +65,7 @@ PRESETS = {
                 T=[1, 2, 3, 4, 5, 6, 8, 10, 12, 16],
                 model=dict(d_model=64, head_dim=32, vocab_size=512, seq_len=128), batch=2048,
                 train_args=["--device_batch_size=16", "--eval_every=1000000", "--eval_tokens=32768",
-                            "--core_every=-1", "--save_every=500", "--log_every=100", "--compile=0", "--dtype=float32",
+                            "--save_every=500", "--log_every=100", "--compile=0", "--dtype=float32",
                             "--data=stdlib", "--adamw_lr=3.2e-2", "--muon_lr=3.2e-2"],
                 eval_args=["--val_tokens=32768"]),
 }

@@ -33,7 +33,8 @@ from nanoparcae.command import listed, positive
 from nanoparcae.results import check_results_folder, keep_results
 from nanoparcae.core_tasks import Row, common_length, crop_left
 from engine import generate
-from eval_core import bf16_autocast, score_rows
+from data import bf16_autocast
+from eval_core import score_rows
 from interop.hub import SOURCE_HELP, load_pretrained, local_dir
 from model import evaluation_initial_state, from_weights
 

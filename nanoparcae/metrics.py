@@ -13,7 +13,7 @@ from nanoparcae.command import EnvironmentFailure
 from nanoparcae.files import disk_full, write_atomically
 from nanoparcae.ranks import print0, rank_and_world
 
-TEXT_FIELDS = ("warning", "reason", "core_skipped", "stage")  # the fields of a record that hold text
+TEXT_FIELDS = ("warning", "reason", "stage")  # the fields of a record that hold text
 
 
 def read_record(line, key):

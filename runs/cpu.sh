@@ -15,7 +15,7 @@ stage machine python -m experiments.report --run=$run --machine
 # (run d3_diagonal) that trains on a CPU in float32, eager, with an eval and a checkpoint every 130 steps
 stage train python train.py --depth=3 --d_model=128 --head_dim=64 --mu_rec=4 --vocab_size=4096 --seq_len=256 \
     --data=stdlib --device_batch_size=16 --total_batch_size=8192 --max_tokens=3.2e6 --dtype=float32 --compile=0 \
-    --eval_every=130 --eval_tokens=65536 --save_every=130 --log_every=20 --core_every=-1
+    --eval_every=130 --eval_tokens=65536 --save_every=130 --log_every=20
 # the loss at each depth and the fit of L(T); CORE needs the eval bundle's download (python eval_core.py)
 stage eval_bpb python eval_core.py --run $run --eval bpb --T 1,2,4,8,16,32 --val_tokens 65536 --batch_size 16
 figures() {  # in stage's `if`, where set -e is off: `|| return`

@@ -18,9 +18,9 @@
 #   4. train.py --depth=6 --mu_rec=8 under torchrun on every GPU torch sees (NCCL), bf16 and compiled, 2
 #      micro-batches per step on the stdlib corpus (no download): the workers are killed after step 7 and the same
 #      command resumes from the checkpoint of step 5 to step 20, where it evaluates (one validation batch per
-#      rank at T = 1, 2, 4, 8) and scores a CORE subset from a bundle the check makes up (three tasks, offline):
-#      the same run is trained unbroken to step 20 beside it: the loss falls, no recompilation after warm-up and no
-#      recompile limit hit (through the eval and CORE), tokens/s, each step logged once, the resumed run's losses
+#      rank at T = 1, 2, 4, 8); eval_core.py under torchrun then scores a CORE subset of its checkpoint from a
+#      bundle the check makes up (three tasks, offline); the same run is trained unbroken to step 20 beside it:
+#      the loss falls, no recompilation after warm-up and no recompile limit hit (through the eval), tokens/s, each step logged once, the resumed run's losses
 #      and weights equal to the unbroken run's; then 3 eager steps on every GPU against the same 3 in one process
 #      with as many micro-batches (the same global batch, bf16; float32 on --tiny): their losses equal within a
 #      tolerance (gpu_check.py's TARGETS), which a rank reading another data order breaks (skipped on one GPU);
@@ -41,7 +41,7 @@
 #
 # Everything it writes is under $NANOPARCAE_BASE_DIR/gpu_check (default ~/.cache/nanoparcae/gpu_check): its runs
 # gpu_check_*, replaced each time, the stdlib tokenizer, and the made-up CORE bundle, which there stands where
-# train.py looks for the real one and so never takes its place in your own base folder.
+# eval_core.py looks for the real one and so never takes its place in your own base folder.
 set -uo pipefail  # no -e: a stage that fails becomes its rows' "failed: ..." and the next stage runs
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$(command -v python || command -v python3)}
@@ -99,7 +99,7 @@ resumed_steps=$((steps - kill_at / save_every * save_every))
 world_steps=3
 declare -A LIMIT=([tokenizer]=$TOKENIZER [plan]=$DRY [plan_at]=$DRY [step24]=$((START + COMPILE24_S + STEP24))
     [ddp]=$((START + COMPILE_S + kill_at * STEP))
-    [ddp_resume]=$((START + CACHED_S + resumed_steps * STEP + EVAL + CORE))
+    [ddp_resume]=$((START + CACHED_S + resumed_steps * STEP + EVAL)) [core]=$((START + CORE))
     [unbroken]=$((START + CACHED_S + steps * STEP))
     [world]=$((START + world_steps * STEP)) [world_one]=$((START + world_steps * STEP))
     [fp32]=$((START + precision_steps * STEP)) [bf16]=$((START + precision_steps * STEP)) [bench]=$BENCH_S
@@ -190,7 +190,7 @@ if [ -n "$batch24" ]; then
             --device_batch_size="$batch24" --total_batch_size=$((batch24 * 2048)) --dry_run
         # one step of the tiny model stands in for the 1.3B's: the same launch, a CPU's worth of model
         train step24 1 $micro 1 2 --kill_after=1 --dtype=bfloat16 "${COMPILE[@]}" \
-            --eval_every=100000 --eval_tokens=$((micro * seq)) --core_every=-1 --save_every=100000
+            --eval_every=100000 --eval_tokens=$((micro * seq)) --save_every=100000
     else
         stage plan_at "${LIMIT[plan_at]}" "$PY" train.py --depth=24 --mu_rec=8 --device_batch_size="$batch24" \
             --total_batch_size=$((batch24 * 2048)) --dry_run
@@ -201,31 +201,34 @@ if [ -n "$batch24" ]; then
             --nproc_per_node=1 -- train.py --depth=24 --mu_rec=8 --data=stdlib --device_batch_size="$batch24" \
             --total_batch_size=$((batch24 * 2048)) --max_tokens=$((batch24 * 2048 * 2)) --run=gpu_check_step24 \
             --dtype=bfloat16 --compile=1 --log_every=1 --eval_every=100000 --eval_tokens=$((batch24 * 2048)) \
-            --core_every=-1 --save_every=100000
+            --save_every=100000
     fi
 fi
 # the validation batches: one micro-batch per rank, which the stdlib's validation split holds for 8 ranks (it holds
 # less than 8 x 32 x 2049 tokens, so not at the paper's micro-batch of 32)
 TRAIN_FLAGS=(--dtype=bfloat16 "${COMPILE[@]}" --save_every=$save_every --eval_tokens=$((micro * seq * gpus)))
-DDP_FLAGS=("${TRAIN_FLAGS[@]}" --eval_every=$steps --core_every=$steps --core_max_per_task=8)
+DDP_FLAGS=("${TRAIN_FLAGS[@]}" --eval_every=$steps)
 train ddp "$gpus" $micro 2 $steps --kill_after=$kill_at "${DDP_FLAGS[@]}"
 if [ "$fault" = perturb_resume ]; then
     resumed=$(ls "$base/runs/gpu_check_ddp"/ckpt_*.pt 2>/dev/null | tail -n 1)
     "$PY" -m experiments.gpu_check perturb "$resumed"
 fi
 train ddp_resume "$gpus" $micro 2 $steps "${DDP_FLAGS[@]}"
+# CORE of the resumed run's checkpoint on every GPU, from the made-up bundle: 3 tasks, 8 items each
+stage core "${LIMIT[core]}" "$PY" -m torch.distributed.run --standalone --nproc_per_node="$gpus" --no_python -- \
+    "$PY" eval_core.py --run=gpu_check_ddp --max_per_task=8
 # the same run without the kill; its evals would come after its last update, so it skips them
-train unbroken "$gpus" $micro 2 $steps "${TRAIN_FLAGS[@]}" --eval_every=100000 --core_every=-1
+train unbroken "$gpus" $micro 2 $steps "${TRAIN_FLAGS[@]}" --eval_every=100000
 if [ "$gpus" -gt 1 ]; then  # every GPU, one micro-batch each; then one process, as many micro-batches
     WORLD_FLAGS=(--dtype=$world_dtype --compile=0 --eval_every=100000 --eval_tokens=$((world_micro * seq * gpus))
-                 --core_every=-1 --save_every=100000)
+                 --save_every=100000)
     train world "$gpus" $world_micro 1 $world_steps "${WORLD_FLAGS[@]}"
     train world_one 0 $world_micro "$gpus" $world_steps "${WORLD_FLAGS[@]}"
 fi
 train fp32 0 $precision_micro 1 $precision_steps --dtype=float32 --compile=0 --eval_every=100000 \
-    --eval_tokens=$((precision_micro * seq)) --core_every=-1 --save_every=100000
+    --eval_tokens=$((precision_micro * seq)) --save_every=100000
 train bf16 0 $precision_micro 1 $precision_steps --dtype=bfloat16 --compile=0 --eval_every=100000 \
-    --eval_tokens=$((precision_micro * seq)) --core_every=-1 --save_every=100000
+    --eval_tokens=$((precision_micro * seq)) --save_every=100000
 ckpt=$(ls "$base/runs/gpu_check_ddp"/ckpt_*.pt 2>/dev/null | tail -n 1)
 stage bench "${LIMIT[bench]}" "$PY" -m experiments.bench --rows 3,4,5,7,9 "${BENCH[@]}" ${ckpt:+--ckpt "$ckpt"} \
     --json "$work/bench.json"

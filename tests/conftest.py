@@ -33,7 +33,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--depth=3", "--d_model=64", "--head_dim=32", "--mu_rec=3", "--vocab_size=320", "--seq_len=32",
         "--device_batch_size=4", "--total_batch_size=256", "--max_tokens=2048", "--eval_every=1000",
-        "--eval_tokens=256", "--save_every=1000", "--log_every=1", "--core_every=-1", "--dtype=float32", "--compile=0"]
+        "--eval_tokens=256", "--save_every=1000", "--log_every=1", "--dtype=float32", "--compile=0"]
 
 
 def pytest_configure(config):

@@ -11,7 +11,6 @@ last rank adds 1e-3 to its first weight tensor at that clip, so its replica drif
 never sees). pause_step=N: the process waits there for a SIGUSR1 (one sent earlier waits, blocked, until then).
 pause_lock=1: the process waits so for a SIGUSR1 once its checks are done, before it takes the run's lock.
 rank_order=R: rank R reads each epoch's chunks in reverse order (GPU_CHECK_FAULT=rank_order's fault, at R = 1).
-bundle_port=N: CORE's bundle is fetched from 127.0.0.1:N, each attempt timing out after 0.2 s, 10 ms apart.
 collectives=1: rank 0 prints the calls into torch.distributed (and DDP's set-up, one) made before step 1's clip.
 Steps are counted from this process's first; then train.py runs as `python train.py` would run it.
 """
@@ -28,7 +27,7 @@ import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 faults = dict(nan_step=-1, nan_steps=1, kill_step=-1, drift_step=-1, pause_step=-1, rank_order=-1,
-              bundle_port=-1, pause_lock=-1, collectives=-1)
+              pause_lock=-1, collectives=-1)
 for item in filter(None, sys.argv[1].split(",")):
     name, _, value = item.partition("=")
     if name not in faults or not value.isdigit():
@@ -76,11 +75,6 @@ if faults["collectives"] > 0:
         setattr(dist, name, counted(name, getattr(dist, name)))
     DistributedDataParallel.__init__ = counted("DDP", DistributedDataParallel.__init__)
 sys.path.insert(0, str(ROOT))
-if faults["bundle_port"] >= 0:
-    import nanoparcae.download as download  # noqa: E402
-    download_file = download.download_file
-    download.download_file = lambda url, path: download_file(
-        f"http://127.0.0.1:{faults['bundle_port']}/eval_bundle.zip", path, timeout=0.2, retry_delay=0.01)
 if faults["pause_lock"] >= 0:
     import nanoparcae.run as run_module  # noqa: E402
     claim = run_module.claim

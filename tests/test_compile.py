@@ -23,7 +23,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from conftest import awaited, beforehand, compile_cache
 from engine import generate
 from nanoparcae.core_tasks import Row
-from eval_core import evaluate_bpb, score_rows
+from data import evaluate_bpb
+from eval_core import score_rows
 from model import Parcae, ParcaeConfig, evaluation_initial_state, split_depths
 from optim import build_optimizer
 

@@ -173,7 +173,7 @@ RUN_DEFINING = {
 }
 FREE = {
     "device": "cpu", "dtype": "bfloat16", "compile": "1", "compile_backend": "eager", "eval_every": "5",
-    "eval_tokens": "512", "core_every": "5", "core_max_per_task": "5", "save_every": "5", "log_every": "5",
+    "eval_tokens": "512", "save_every": "5", "log_every": "5",
     "rho_every": "5", "diverge_steps": "2", "diverge_h_norm": "5", "resume": None, "stop_at": "1",
     "collective_timeout": "60", "rank0_timeout": "60",
 }

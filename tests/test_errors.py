@@ -73,7 +73,7 @@ def test_bad_input_ends_in_one_line_naming_the_problem_and_the_fix(args, status,
 
 # train.py's int flags: each past its range (int32's, or the seed's, whose step seeds must fit 64 bits) is refused
 INT_FLAGS = ("depth", "d_model", "head_dim", "mu_rec", "mu_bwd", "seq_len", "device_batch_size", "total_batch_size",
-             "eval_every", "eval_tokens", "core_every", "core_max_per_task", "save_every", "log_every", "stop_at",
+             "eval_every", "eval_tokens", "save_every", "log_every", "stop_at",
              "rho_every", "diverge_steps", "seed")
 
 

@@ -25,7 +25,8 @@ import eval_core  # noqa: E402
 from nanoparcae.core_tasks import (CORE_TASKS, EXTENDED_TASKS, LM, Task, crop_left,  # noqa: E402
                                    render_prompts, scored_spans)
 from nanoparcae.download import download_eval_bundle, extract_zip_safely  # noqa: E402
-from eval_core import centered_accuracy, evaluate_bpb, evaluate_core, evaluate_ppl, fit_test_time_scaling  # noqa: E402
+from data import evaluate_bpb  # noqa: E402
+from eval_core import centered_accuracy, evaluate_core, evaluate_ppl, fit_test_time_scaling  # noqa: E402
 from model import Parcae, ParcaeConfig, evaluation_initial_state  # noqa: E402
 from conftest import carries, raises_naming  # noqa: E402
 

@@ -38,8 +38,8 @@ SAMPLING = {"sizes": "tiny", "figures": {"sampling_overhead": 0.25},  # row 3 ag
             "rows": [["3a", "sampling, 4 sequences per micro-batch", "per-sequence", "overhead +9.0%", "paper: +1.8%"],
                      ["3b", "sampling, 32 sequences per micro-batch", "per-sequence", "overhead +25%", "paper: +1.8%"]]}
 LOSSES = [6.0 - 0.1 * step for step in range(16)]
-EVALS = [{"step": 16, "val_loss_T1": 4.5, "val_loss_T8": 4.25, "graphs": 5, "recompile_limits": 0},
-         {"step": 16, "core": 0.125, "core_T": 8, "graphs": 5, "recompile_limits": 0}]
+EVALS = [{"step": 16, "val_loss_T1": 4.5, "val_loss_T8": 4.25, "graphs": 5, "recompile_limits": 0}]
+CORE = {"runs": [{"T": 8, "core": 0.125}]}  # what eval_core.py keeps beside the checkpoint
 
 
 def table_rows(table):
@@ -78,8 +78,8 @@ def write_checkpoints(runs_dir, step=16):
 def write_passing_check(work, runs_dir):
     """Every stage's output as a passing --tiny check leaves it: killed at step 3, resumed at step 2, to step 16."""
     work.mkdir()
-    for name in ("plan", "plan_at", "step24", "ddp", "ddp_resume", "unbroken", "world", "world_one", "fp32", "bf16",
-                 "bench", "sampling"):
+    for name in ("plan", "plan_at", "step24", "ddp", "ddp_resume", "core", "unbroken", "world", "world_one", "fp32",
+                 "bf16", "bench", "sampling"):
         write_stage(work, name)
     (work / "bench.json").write_text(json.dumps(BENCH))
     (work / "sampling.json").write_text(json.dumps(SAMPLING))
@@ -89,6 +89,7 @@ def write_passing_check(work, runs_dir):
                                   "== ddp: killed the workers at step 3\n")
     (work / "ddp_resume.log").write_text("resumed gpu_check_ddp at step 2, from ckpt_000002.pt\n")
     write_steps(runs_dir, "ddp", LOSSES, extra=EVALS, graphs=4, recompile_limits=0)
+    (runs_dir / "gpu_check_ddp" / "ckpt_000016_core_T8.json").write_text(json.dumps(CORE))
     write_steps(runs_dir, "unbroken", LOSSES, graphs=4, recompile_limits=0)
     write_steps(runs_dir, "step24", [5.9], peak_memory=58e9)
     for name in ("world", "world_one"):
@@ -127,13 +128,12 @@ def test_a_cpu_holds_the_run_to_its_targets_and_only_reports_the_gpus_figures(tm
     assert rows["1"][1].endswith("matmul 50 GFLOP/s")
     assert rows["3a"][1] == "device batch 4: plan 61.0 GB per GPU, a GPU faked to report 80 GB free; peak: no GPU"
     assert rows["4a"][1:] == ("loss 5.800 -> 4.700 (means of steps 1-5 and 12-16)", "falls: met")
-    assert rows["4b"][1:] == ("graphs 4 after step 3, 4 after step 12, 4 after step 16, 5 after the eval, 5 after "
-                              "CORE; recompile limit hit 0 time(s), no warning", "no graph after step 12, no limit "
-                              "hit: met")
+    assert rows["4b"][1:] == ("graphs 4 after step 3, 4 after step 12, 4 after step 16, 5 after the eval; recompile "
+                              "limit hit 0 time(s), no warning", "no graph after step 12, no limit hit: met")
     assert rows["4d"][1:] == ("killed at step 3; resumed at step 2, ended at step 16; steps 1-16 logged once each; "
                               "against the unbroken run: losses equal, weights at step 16 equal",
                               "resumes, each step once, equal: met")
-    assert rows["4e"][1] == "step 16: val loss T=1 4.500, T=8 4.250; step 16: CORE 0.125 at T=8"
+    assert rows["4e"][1] == "step 16: val loss T=1 4.500, T=8 4.250; CORE 0.125 at T=8"
     assert rows["2c"][1].endswith("At the plan's 4: per-sequence; overhead +9.0%"), rows["2c"]
     assert rows["4f"][1:] == ("2 processes 6.0000, 5.9000, 5.8000; one process 6.0000, 5.9000, 5.8000; largest "
                               "relative difference 0.0e+00", "within 0.001 (relative, each step): met")

@@ -1,6 +1,6 @@
 """
 Tests for interop/harness.py, the lm-evaluation-harness model, offline: tasks are harness configs over small jsonl
-files written here. A rolling task's word perplexity is eval_core.evaluate_bpb's nats over the same words; a
+files written here. A rolling task's word perplexity is data.evaluate_bpb's nats over the same words; a
 LAMBADA-style task's accuracy and perplexity are a hand computation's; generate_until is sample.py's greedy text,
 cut at its stop strings. Skipped where lm-eval is not installed (pip install -r requirements-eval.txt; CI has it).
 
@@ -27,7 +27,7 @@ import sample  # noqa: E402
 from nanoparcae.checkpoint import save_checkpoint  # noqa: E402
 from conftest import carries  # noqa: E402
 from nanoparcae.tokenizer import Tokenizer  # noqa: E402
-from eval_core import evaluate_bpb  # noqa: E402
+from data import evaluate_bpb  # noqa: E402
 from model import Parcae, ParcaeConfig, evaluation_initial_state  # noqa: E402
 
 pytestmark = pytest.mark.slow  # every test reads a model trained for 60 steps

@@ -10,7 +10,7 @@ import torch
 import torch._dynamo
 import torch.nn as nn
 
-from eval_core import evaluate_bpb
+from data import evaluate_bpb
 from model import split_depths
 from model import Parcae, ParcaeConfig, initial_state
 from engine import generate

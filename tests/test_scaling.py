@@ -243,7 +243,7 @@ TINY_VALUES = dict(flag[2:].split("=") for flag in TINY)
 TOY = dict(depth=3, flops=[1.2e9, 2.4e9, 4.8e9], mu_rec=[1, 2, 3], seeds=1, T=[1, 2, 3, 4], batch=256,
            model={name: int(TINY_VALUES[name]) for name in ("d_model", "head_dim", "vocab_size", "seq_len")},
            train_args=[flag for flag in TINY if flag.split("=")[0][2:] in (
-               "device_batch_size", "eval_every", "eval_tokens", "log_every", "core_every", "compile", "dtype")]
+               "device_batch_size", "eval_every", "eval_tokens", "log_every", "compile", "dtype")]
            + ["--save_every=1"],  # the sweep's own: the model, batch and horizon come from each point
            eval_args=[f"--val_tokens={TINY_VALUES['eval_tokens']}", "--batch_size=4"], name="toy")
 

@@ -22,7 +22,7 @@ from conftest import ROOT, awaited, beforehand, carries, environment, serving, w
 STEPS = 30  # within a pass of the one training shard
 TRAIN_FLAGS = ["--d_model=64", "--head_dim=32", "--vocab_size=320", "--seq_len=32", "--device_batch_size=2",
                "--total_batch_size=256", f"--max_tokens={STEPS * 256}", "--eval_every=1000", "--eval_tokens=512",
-               "--save_every=5", "--log_every=1", "--core_every=-1", "--dtype=float32", "--compile=0"]
+               "--save_every=5", "--log_every=1", "--dtype=float32", "--compile=0"]
 EVAL_FLAGS = ["--val_tokens=1024", "--batch_size=4", "--max_docs=8", "--max_per_task=4"]
 KILL_AFTER = 7  # a step logged after the checkpoint of step 5
 

@@ -14,7 +14,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -556,11 +555,11 @@ def run_train(monkeypatch, capsys, *flags):
 BAD_VALUES = {  # flag -> values train.py refuses before any work, each in one line naming the flag
     **{flag: ["0", "-1"] for flag in ("depth", "d_model", "head_dim", "mu_rec", "mu_bwd", "vocab_size", "seq_len",
                                      "device_batch_size", "total_batch_size", "eval_every", "eval_tokens",
-                                     "core_max_per_task", "save_every", "log_every", "rho_every", "stop_at")},
+                                     "save_every", "log_every", "rho_every", "stop_at")},
     **{flag: ["0", "-1", "nan", "inf"] for flag in ("max_tokens", "param_data_ratio", "target_flops", "adamw_lr",
                                                    "muon_lr", "grad_clip", "diverge_h_norm")},
     "weight_decay": ["-0.1", "nan"], "diverge_steps": ["-1"], "seed": ["-1"], "warmdown_frac": ["-0.5", "1.5"],
-    "core_every": ["0", "-2"], "device": ["gpu"] + ([] if torch.cuda.is_available() else ["cuda"]),
+    "device": ["gpu"] + ([] if torch.cuda.is_available() else ["cuda"]),
     "injection": ["loop"], "data": ["/nonexistent/corpus/*.txt"],
 }
 
@@ -742,44 +741,3 @@ def test_help_lists_every_default_and_only_what_a_user_sets(monkeypatch, capsys)
     words = " ".join(out.split())  # argparse wraps the help text
     for default in ("(default: 6)", "(default: 32768)", "(default: fineweb-edu)", "(default: bfloat16)"):
         assert default in words, default
-
-
-@pytest.fixture
-def never_answers():
-    """A TCP port on 127.0.0.1 that accepts connections and never replies -> (its port, the connections taken)."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    taken = []
-
-    def accept():
-        while True:
-            try:
-                taken.append(listener.accept()[0])  # held open, unanswered
-            except OSError:
-                return
-
-    threading.Thread(target=accept, daemon=True).start()
-    yield listener.getsockname()[1], taken
-    listener.close()
-    for connection in taken:
-        connection.close()
-
-
-@pytest.mark.slow
-def test_core_bundle_is_fetched_once_before_step_1_and_a_bundle_on_disk_needs_no_network(corpus, tmp_path,
-                                                                                          never_answers):
-    """CORE at steps 4 and 8 with its bundle's host never answering: one fetch (5 attempts of 0.2 s), then one
-    line skipping CORE for the run that names the bundle's URL and where to unzip it; the run trains to its end.
-    With a bundle on disk, the run scores from it and fetches nothing."""
-    port, taken = never_answers
-    base = tmp_path / "base"
-    result = train(corpus, "--run=never", "--core_every=4", fault=f"bundle_port={port}", base=base)
-    assert len(taken) == 5, result.stdout[-3000:]  # one fetch's attempts, not one fetch per CORE eval
-    skipped = [line for line in result.stdout.splitlines() if "CORE" in line]
-    assert len(skipped) == 1 and carries(skipped[0], f"http://127.0.0.1:{port}/eval_bundle.zip", str(base)), skipped
-    assert "done: 8 steps" in result.stdout
-    (base / "eval_bundle").mkdir()
-    (base / "eval_bundle" / "eval_meta_data.csv").write_text("Eval Task,Random baseline\n")
-    result = train(corpus, "--run=on_disk", "--core_every=4", fault=f"bundle_port={port}", base=base)
-    assert len(taken) == 5 and "Downloading" not in result.stdout
-    scored = [line for line in result.stdout.splitlines() if "CORE" in line]
-    assert len(scored) == 2 and all(carries(line, str(base / "eval_bundle")) for line in scored), scored
