@@ -385,7 +385,7 @@ def main(argv=None):
             data_epoch = loaders[0].next_doc[0]
             print0(f"step {step}: the loaders began reading epoch {data_epoch + 1} of the data")
 
-        # --- once in a while: the validation loss at T in {1, 2, 4, mu_rec}, as the training computes
+        # --- once in a while: the val loss at T in {1, 2, 4, mu_rec}, in the training's numerics
         # (METHOD.md §2). CORE is eval_core.py's, after training, as in the authors' code.
         val_loss = None
         if step % args.eval_every == 0 or step == num_steps:
