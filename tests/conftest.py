@@ -8,7 +8,9 @@ starts, on a thread of their own, whose results a test awaits."""
 import contextlib
 import functools
 import http.server
+import io
 import multiprocessing.forkserver
+import multiprocessing.reduction
 import os
 import random
 import re
@@ -20,6 +22,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -115,14 +118,17 @@ FORKS = multiprocessing.get_context("forkserver")
 FORKS.set_forkserver_preload(PRELOADED)
 
 
-def _run_as_main(args, env, cwd, out_path, err_path):
-    """In the forked process: what `python *args` does, with env, in cwd, its output to these files."""
+def _run_as_main(args, env, cwd, out_path, err_path, server=None):
+    """In the forked process: what `python *args` does, with env, in cwd, its output to these files (or to these
+    inherited descriptors, `Inherited`). server: the fork server's address, from which torchrun's workers fork."""
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
     for fd, path in ((1, out_path), (2, err_path)):
-        os.dup2(os.open(path, os.O_WRONLY), fd)
+        os.dup2(path.fd if isinstance(path, Inherited) else os.open(path, os.O_WRONLY), fd)
     module = args[0] == "-m"
+    if module and args[1] == "torch.distributed.run" and server is not None:
+        _fork_workers(server)
     sys.argv = [args[1], *args[2:]] if module else list(args)
     sys.path[:] = [cwd if module else os.path.dirname(os.path.abspath(args[0]))] + \
         [path for path in sys.path if path and Path(path).resolve() not in (ROOT, ROOT / "tests")]
@@ -136,19 +142,99 @@ def _run_as_main(args, env, cwd, out_path, err_path):
         sys.exit(1)
 
 
+# What torchrun sets in its workers' environment: read as a worker joins its group, not as torch imports.
+TORCHRUN_VARIABLES = ("TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+
+
+def changes_torch(env, base_env):
+    """Whether env, against base_env, changes how torch imports or picks its kernels (threads, TORCH_* switches,
+    ATEN_CPU_CAPABILITY, MKL_*), beyond torchrun's variables."""
+    return any(env.get(key) != base_env.get(key) for key in {*env, *base_env}
+               if (key == "OMP_NUM_THREADS" or key.startswith(("TORCH", "PYTORCH", "ATEN_", "MKL_")))
+               and not key.startswith(TORCHRUN_VARIABLES))
+
+
+class Inherited:
+    """An open descriptor handed to a fork of the server: pickled as multiprocessing hands one to a child."""
+
+    def __init__(self, fd):
+        self.fd = fd
+
+    def __reduce__(self):
+        return _inherited, (multiprocessing.reduction.DupFd(self.fd),)
+
+
+def _inherited(dup):
+    return Inherited(dup.detach())
+
+
+class _ForkedWorker:
+    """torchrun's worker `python -u *args`, forked from the server as Started's commands are: what torchrun reads of
+    its Popen (pid, poll, wait, returncode)."""
+
+    def __init__(self, args, env, stdout, stderr):
+        self.args, self.returncode = args, None
+        outputs = [Inherited(file.fileno() if file else fd) for fd, file in ((1, stdout), (2, stderr))]
+        self.process = FORKS.Process(target=_run_worker, args=(args, env, os.getcwd(), *outputs))
+        # The fork imports this file to find _run_worker, and nothing of the launcher's __main__ (torchrun's).
+        main, path = sys.modules["__main__"], list(sys.path)
+        sys.modules["__main__"], sys.path[:0] = types.ModuleType("__main__"), [str(ROOT / "tests")]
+        try:
+            self.process.start()
+        finally:
+            sys.modules["__main__"], sys.path[:] = main, path
+        self.pid = self.process.pid
+
+    def poll(self):
+        self.returncode = self.process.exitcode
+        return self.returncode
+
+    def wait(self, timeout=None):
+        self.process.join(timeout)
+        if self.poll() is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+
+def _run_worker(args, env, cwd, out, err):
+    """A worker as torchrun starts one: a session of its own (torchrun signals its process group), and output
+    unbuffered (`python -u`), so that what a killed worker printed is in the files."""
+    os.setsid()
+    for fd in (1, 2):
+        os.dup2((out, err)[fd - 1].fd, fd)
+    sys.stdout, sys.stderr = (io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), stream.encoding, stream.errors,
+                                               write_through=True) for fd, stream in ((1, sys.stdout), (2, sys.stderr)))
+    _run_as_main(args, env, cwd, Inherited(1), Inherited(2))
+
+
+def _fork_workers(server):
+    """In a launcher forked from the server: torchrun's `python -u ...` workers are forks of the server too, unless
+    their environment changes how torch imports (changes_torch)."""
+    from multiprocessing import forkserver
+    from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler import SubprocessHandler
+    forkserver._forkserver._forkserver_address = server
+    forkserver._forkserver.ensure_running = lambda: None  # the suite's server, whose alive pipe this process holds
+    popen = SubprocessHandler._popen
+
+    def fork_or_popen(handler, args, env):
+        if tuple(args[:2]) != (sys.executable, "-u") or changes_torch(env, os.environ):  # os.environ: a fork's, as the server's
+            return popen(handler, args, env)
+        return _ForkedWorker(list(args[2:]), env, handler._stdout, handler._stderr)
+
+    SubprocessHandler._popen = fork_or_popen
+
+
 def fresh_interpreter(env):
-    """Whether env changes how torch imports or picks its kernels (threads, TORCH_* switches, ATEN_CPU_CAPABILITY,
-    MKL_*): then the fork server's import won't do."""
-    server_env = start_fork_server()
-    return any(env.get(key) != server_env.get(key) for key in {*env, *server_env}
-               if key == "OMP_NUM_THREADS" or key.startswith(("TORCH", "PYTORCH", "ATEN_", "MKL_")))
+    """Whether env changes how torch imports (changes_torch): then the fork server's import won't do."""
+    return changes_torch(env, start_fork_server())
 
 
 class Started:
     """`python *args` (a script and its flags, or -m and a module) started in cwd as a process of its own, read as
     a subprocess.Popen is: pid, poll(), send_signal(), kill(), communicate() -> (stdout, stderr), returncode. One
     thread (OMP_NUM_THREADS=1) unless env says otherwise: the suite runs its commands side by side. The process is
-    a fork of one that imported PRELOADED with one thread, or a fresh interpreter where env needs one."""
+    a fork of one that imported PRELOADED with one thread, or a fresh interpreter where env needs one; so are the
+    workers of a torchrun command forked so (_fork_workers)."""
 
     def __init__(self, args, env=None, cwd=ROOT):
         # a slow fixture's thread may start its runs while a later test runs
@@ -163,7 +249,9 @@ class Started:
             with self.out.open("w") as out, self.err.open("w") as err:
                 self.process = subprocess.Popen([sys.executable, *args], stdout=out, stderr=err, env=env, cwd=cwd)
         else:
-            self.process = FORKS.Process(target=_run_as_main, args=(args, env, str(cwd), str(self.out), str(self.err)))
+            server = multiprocessing.forkserver._forkserver._forkserver_address
+            self.process = FORKS.Process(target=_run_as_main,
+                                         args=(args, env, str(cwd), str(self.out), str(self.err), server))
             self.process.start()
         self.pid = self.process.pid
 

@@ -299,7 +299,8 @@ def test_two_nodes_give_the_losses_and_weights_of_one_process(corpus, one):
 @pytest.mark.slow
 def test_a_killed_rank_is_restarted_and_the_run_ends_with_the_weights_of_an_unbroken_run(corpus, chunked, two):
     # the last rank SIGKILLs itself after step 6; torchrun restarts both workers, which resume from the
-    # step-4 checkpoint and recompute steps 5 and 6 exactly
+    # step-4 checkpoint and recompute steps 5 and 6 exactly. Its TORCH_ variable makes its launcher and workers fresh
+    # interpreters: the weights of `two`, whose workers are forks (conftest._fork_workers), are theirs bit for bit.
     launch = dict(nproc=2, torchrun=("--standalone", "--max_restarts=1"))
     with ThreadPoolExecutor(1) as pool:  # two jobs that share nothing, side by side
         sharing = pool.submit(train, corpus, "--run=shared_store", **launch, fault="kill_step=1", expect_ok=False)
