@@ -263,7 +263,8 @@ def main(argv=None):
         if tokenizer is None:
             raise FileNotFoundError(f"no tokenizer at {tokenizer_dir(args.data, args.vocab_size)}")
         if ckpt:  # a resumed run's tokenizer is the one its checkpoint was trained with
-            checkpoint_tokenizer(ckpt, checkpoint, tokenizer, "or pass --run=NAME to start another run")
+            checkpoint_tokenizer(ckpt, checkpoint, tokenizer,
+                                 "or pass --run=NAME to start another run")
         reader = ChunkReader()  # one read of each chunk for the loaders of this process
         loaders = [DataLoader(tokenizer, args.data, "train", device_batch_size, args.seq_len,
                               rank=rank * grad_accum + micro, world_size=world * grad_accum,

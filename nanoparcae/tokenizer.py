@@ -186,7 +186,7 @@ class Tokenizer:
         return self.enc.decode(ids)
 
     def known_ids(self, vocab_size):
-        """(vocab_size,) bool mask of the ids this tokenizer can decode (a model never samples the others), None for all."""
+        """(vocab_size,) bool mask of the ids this tokenizer can decode, the only ones sampled; None for all."""
         ids = [i for i in (*self.enc._mergeable_ranks.values(), *self.enc._special_tokens.values()) if i < vocab_size]
         known = torch.zeros(vocab_size, dtype=torch.bool)
         known[ids] = True
@@ -200,17 +200,12 @@ class Tokenizer:
 # -----------------------------------------------------------------------------
 # The tokenizer of a data source, trained on its train split on first use, then cached
 
-KEY_FILE = "key.txt"  # the tokenizer_key a cached tokenizer was trained as, beside the files it digests
-
-
-def tokenizer_key(source, vocab_size):
-    """Name a source's tokenizer cache folder by its tokenizer and corpus, whatever the base folder."""
-    return f"{data_key(source)}-{vocab_size}"
+KEY_FILE = "key.txt"  # the folder name a cached tokenizer was trained as, beside the files it digests
 
 
 def tokenizer_dir(source=None, vocab_size=None, key=None):
-    """A tokenizer's cache folder in this base folder: of source at vocab_size, or by its key."""
-    return get_base_dir() / "tokenizers" / (key or tokenizer_key(source, vocab_size))
+    """A tokenizer's cache folder in this base folder, named by its corpus and size (its key) whatever the base."""
+    return get_base_dir() / "tokenizers" / (key or f"{data_key(source)}-{vocab_size}")
 
 
 def get_tokenizer(source, vocab_size, max_chars=2_000_000_000, doc_cap=10_000, train=True):
@@ -253,7 +248,7 @@ def get_tokenizer(source, vocab_size, max_chars=2_000_000_000, doc_cap=10_000, t
 
 def checkpoint_tokenizer(ckpt, path, tokenizer=None, remedy="or load a checkpoint trained with this one"):
     """The tokenizer checkpoint `path` (read as ckpt) trained with, checked by its files' digest and its size: the
-    loaded `tokenizer`, else the one in the folder ckpt recorded or the same-named one here (a base folder that moved)."""
+    loaded `tokenizer`, else the one in the folder ckpt recorded or the same-named one here (the base folder moved)."""
     if tokenizer is None:
         if not isinstance(recorded := ckpt.get("tokenizer_dir"), str):
             raise ValueError(f"checkpoint {path} is not a nanoparcae checkpoint (it names no tokenizer_dir); pass one "
@@ -270,8 +265,8 @@ def checkpoint_tokenizer(ckpt, path, tokenizer=None, remedy="or load a checkpoin
         raise ValueError(f"the tokenizer at {tokenizer.directory} (digest {tokenizer.digest}) is not the one {path} "
                          f"was trained with (digest {trained_with}); put that tokenizer back, {remedy}")
     if type(vocab := ckpt["config"].get("vocab_size")) is int and tokenizer.vocab_size > vocab:
-        raise ValueError(f"the tokenizer at {tokenizer.directory} has {tokenizer.vocab_size} tokens, the model {vocab}: "
-                         f"they are not from the same run")
+        raise ValueError(f"the tokenizer at {tokenizer.directory} has {tokenizer.vocab_size} tokens, the model "
+                         f"{vocab}: they are not from the same run")
     return tokenizer
 
 
