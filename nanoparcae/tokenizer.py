@@ -85,26 +85,19 @@ def parse_config(raw):  # tokenizer.json
 # The tokenizer, trained with rustbpe, run with tiktoken
 
 class Tokenizer:
-    """A tiktoken.Encoding plus each token's byte length, which bits per byte needs.
+    """A tiktoken.Encoding built from its merges, plus each token's byte length, which bits per byte needs.
     A tokenizer loaded from a folder carries its files' digest, which names it across ranks and checkpoints."""
 
-    def __init__(self, enc, token_bytes, bos_token="<|bos|>"):
-        self.enc = enc
-        self.directory = self.digest = None  # the folder load read, and files_digest of it
-        self.token_bytes = token_bytes  # int32 (vocab_size,), the UTF-8 bytes each id decodes to, 0 for specials
-        self.bos_id = enc.encode_single_token(bos_token)  # an imported tokenizer may name it its own way
-        self.vocab_size = enc.n_vocab
-
-    @classmethod
-    def from_ranks(cls, mergeable_ranks, pattern, specials=None, bos_token="<|bos|>", name="nanoparcae"):
-        """Build a tokenizer from its merges; `specials` defaults to ours, with the ids after the learned tokens."""
-        if specials is None:
+    def __init__(self, mergeable_ranks, pattern, specials=None, bos_token="<|bos|>", name="nanoparcae"):
+        if specials is None:  # ours, with the ids after the learned tokens
             specials = {token: len(mergeable_ranks) + i for i, token in enumerate(SPECIAL_TOKENS)}
-        enc = tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=mergeable_ranks, special_tokens=specials)
-        token_bytes = torch.zeros(enc.n_vocab, dtype=torch.int32)
+        self.enc = tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=mergeable_ranks, special_tokens=specials)
+        self.directory = self.digest = None  # the folder load read, and files_digest of it
+        self.token_bytes = torch.zeros(self.enc.n_vocab, dtype=torch.int32)  # UTF-8 bytes of each id, 0 for specials
         for token, rank in mergeable_ranks.items():
-            token_bytes[rank] = len(token)
-        return cls(enc, token_bytes, bos_token)
+            self.token_bytes[rank] = len(token)
+        self.bos_id = self.enc.encode_single_token(bos_token)  # an imported tokenizer may name it its own way
+        self.vocab_size = self.enc.n_vocab
 
     @classmethod
     def train(cls, text_iterator, vocab_size, max_chars=2_000_000_000, doc_cap=10_000):
@@ -124,7 +117,7 @@ class Tokenizer:
 
         bpe = rustbpe.Tokenizer()
         bpe.train_from_iterator(capped(), vocab_size - len(SPECIAL_TOKENS), pattern=SPLIT_PATTERN)
-        return cls.from_ranks({bytes(token): rank for token, rank in bpe.get_mergeable_ranks()}, SPLIT_PATTERN)
+        return cls({bytes(token): rank for token, rank in bpe.get_mergeable_ranks()}, SPLIT_PATTERN)
 
     def save(self, directory):
         """tiktoken's own text format ("base64(token) rank" per line), no pickle."""
@@ -168,7 +161,7 @@ class Tokenizer:
         if ids != list(range(len(ids))):  # a file cut short lacks its last tokens
             raise torn(directory / "tokenizer.tiktoken", f"its {len(ranks)} tokens and {len(specials)} specials leave "
                        "ids out")
-        tokenizer = cls.from_ranks(ranks, pattern, specials)
+        tokenizer = cls(ranks, pattern, specials)
         counts = read_part(directory / "token_bytes.txt", lambda raw: [int(n) for n in raw.decode().split()])
         if counts != tokenizer.token_bytes.tolist():
             raise torn(directory / "token_bytes.txt", f"its {len(counts)} counts are not its {len(ids)} tokens' bytes")
