@@ -46,10 +46,8 @@ def download_file(url, path, max_attempts=5, retry_delay=1.0, timeout=60):
                         break
                     part.unlink()
                     raise requests.HTTPError(f"HTTP 416: the partial file is no prefix of the {total} bytes served")
-                if status == 404:
-                    raise FileNotFoundError(f"{url} answered HTTP 404 (no such file)")
-                if 400 <= status < 500:  # permanent, so retrying will not help
-                    raise OSError(f"{url} answered HTTP {status}")
+                if 400 <= status < 500:  # permanent, so retrying will not help; a 404 is the url's fault
+                    raise (FileNotFoundError if status == 404 else OSError)(f"{url} answered HTTP {status}")
                 response.raise_for_status()
                 resumable = status == 206 or response.headers.get("Accept-Ranges") == "bytes"
                 with open(part, "ab" if status == 206 else "wb") as f:
