@@ -44,13 +44,12 @@ class DocumentStream:
         self.world_size, self.reader, self.sharers = world_size, reader or ChunkReader(), sharers
         self._order = (None, None)
 
-    def order(self, epoch):
-        cached_epoch, order = self._order  # cached, since it is asked for once per chunk
-        if cached_epoch != epoch:
+    def order(self, epoch):  # cached, since it is asked for once per chunk
+        if self._order[0] != epoch:
             order = list(range(len(self.chunks)))
             random.Random(f"{self.seed}:{epoch}").shuffle(order)
             self._order = (epoch, order)
-        return order
+        return self._order[1]
 
     def share(self, epoch, position, shared=True):
         chunk = self.chunks[self.order(epoch)[position]]

@@ -248,16 +248,15 @@ def main(argv=None):
                            needs=saved_bytes({"model": meta_model.state_dict()}) + optimizer_bytes)
 
         # --- the tokenizer (global rank 0 trains it on first use) and the loaders
-        if rank == 0:
-            get_tokenizer(args.data, args.vocab_size)
+        tokenizer = get_tokenizer(args.data, args.vocab_size) if rank == 0 else None
         agreement.wait_for_rank0()
-        tokenizer = get_tokenizer(args.data, args.vocab_size, train=False)  # None: not on this node
+        tokenizer = tokenizer or get_tokenizer(args.data, args.vocab_size, train=False)  # None: not here
         agreement.share(tokenizer=f"tokenizer {tokenizer.digest}" if tokenizer else "no tokenizer",
                         shards=shards and f"training shards {spans(shards)}")
         if tokenizer is None:
             raise FileNotFoundError(f"no tokenizer at {tokenizer_dir(args.data, args.vocab_size)}")
         if ckpt:  # a resumed run's tokenizer is the one its checkpoint was trained with
-            checkpoint_tokenizer(ckpt, checkpoint, tokenizer_dir(args.data, args.vocab_size),
+            checkpoint_tokenizer(ckpt, checkpoint, tokenizer,
                                  "or pass --run=NAME to start another run")
         reader = ChunkReader()  # one read of each chunk for the loaders of this process
         loaders = [DataLoader(tokenizer, args.data, "train", device_batch_size, args.seq_len,

@@ -412,7 +412,7 @@ def tokenizer_from_json(path, bos_token=None):
     bos = bos_token or next((name for name in BOS_NAMES if name in specials), None)
     if bos not in specials:
         raise ValueError(f"{path} has no BOS among its special tokens {sorted(specials)[:8]}; looked for {BOS_NAMES}")
-    return Tokenizer.from_ranks(ranks, pattern, specials, bos, name=Path(path).parent.name or "authors")
+    return Tokenizer(ranks, pattern, specials, bos, name=Path(path).parent.name or "authors")
 
 
 # -----------------------------------------------------------------------------

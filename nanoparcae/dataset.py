@@ -1,8 +1,6 @@
 """
-nanoparcae/dataset.py: every data source's text, read in one place before the loader (METHOD.md §2).
-It lists a source's files in chunks and reads their documents, naming a file it cannot read with the fix.
-A ChunkReader shares each chunk among a process's loaders. It checks that a split holds documents,
-and that FineWeb-Edu's shards on disk cover a run. Its command line downloads those shards.
+nanoparcae/dataset.py: every data source's documents, read in one place before the loader (METHOD.md §2),
+and the check that FineWeb-Edu's shards on disk cover a run. Its command line downloads those shards.
 
     python -m nanoparcae.dataset download -n 8                  # FineWeb-Edu: 7 train shards + the validation shard
     python -m nanoparcae.dataset download --depth=12            # the shards the paper's 370M run reads
@@ -117,21 +115,19 @@ def shard_name(index):
     return f"shard_{index:05d}.parquet"
 
 
-def fineweb_train_shards(download=None):
-    """List the FineWeb-Edu training shards on disk; no validation or training shard raises FileNotFoundError
-    naming the download, with `download`'s flags ("--tokens=1e9") or, for None, -n."""
+def fineweb_train_shards(download="-n N"):
+    """List the FineWeb-Edu training shards on disk; without the validation shard or a training one, name the
+    download with `download`'s flags."""
     folder = fineweb_dir()
     found = [i for i in range(FINEWEB_VAL_SHARD + 1) if (folder / shard_name(i)).is_file()]
     train = [i for i in found if i != FINEWEB_VAL_SHARD]
     missing = [what for what, there in ((f"the validation shard {shard_name(FINEWEB_VAL_SHARD)}",
                                          FINEWEB_VAL_SHARD in found), ("any training shard", train)) if not there]
-    if not missing:
-        return train
-    fetch = ("run `python -m nanoparcae.dataset download -n N`, which fetches shards 0..N-2 and the validation "
-             "shard" if download is None else
-             f"`python -m nanoparcae.dataset download {download}` fetches what this run reads; without a GPU, "
-             f"`bash runs/cpu.sh` trains a small model on this Python's standard library, no download needed")
-    raise FileNotFoundError(f"{folder} lacks {' and '.join(missing)} ({len(found)} shards there): {fetch}")
+    if missing:
+        raise FileNotFoundError(f"{folder} lacks {' and '.join(missing)} ({len(found)} shards there): run `python -m "
+                                f"nanoparcae.dataset download {download}` first; without a GPU, `bash runs/cpu.sh` "
+                                f"trains a small model on this Python's standard library, no download needed")
+    return train
 
 
 def list_chunks(source, split):
@@ -154,8 +150,7 @@ def list_chunks(source, split):
 
 @contextlib.contextmanager
 def reading(path, where=""):
-    """Name the data file `path` (and `where` in it, a row group) in what a failed read raises, with the fix.
-    A permission error is the machine's (EnvironmentFailure), and a file that is not whole data is the user's."""
+    """Name the data file `path` (and `where` in it, a row group) in what a failed read raises, with the fix."""
     try:
         yield
     except PermissionError as err:
@@ -169,7 +164,6 @@ def reading(path, where=""):
 
 
 def parquet_metadata(path):
-    """Return a parquet file's footer, checked to hold a 'text' column of strings."""
     with reading(path):
         metadata = pq.read_metadata(path)
         schema = metadata.schema.to_arrow_schema()
@@ -182,7 +176,6 @@ def parquet_metadata(path):
 
 
 def parquet_texts(path, row_group):
-    """Return the texts of one row group of a parquet file; a corrupt or null row is named."""
     where = f" (row group {row_group})"
     with reading(path, where):
         column = pq.ParquetFile(path).read_row_group(row_group, columns=["text"]).column("text")
@@ -192,8 +185,8 @@ def parquet_texts(path, row_group):
 
 
 def read_text_file(path, reported=None):
-    """Return a text file's documents, leaving out bytes that are not UTF-8 and naming the file once in `reported`.
-    A NUL byte (UTF-16, or binary) raises ValueError. With reported None it checks none (stdlib's odd encodings)."""
+    """Return a text file's documents without its bytes that are not UTF-8, each file named once in `reported`.
+    With reported None it checks nothing (stdlib's files in other encodings)."""
     with reading(path), open(path, "rb") as f:
         raw = f.read()
     if reported is not None and (nul := raw.find(b"\0")) >= 0:
@@ -217,7 +210,6 @@ def read_text_file(path, reported=None):
 
 
 def jsonl_text(path, number, line):
-    """Return the 'text' string of line `number` of a .jsonl file; anything else raises ValueError naming it."""
     try:
         text = json.loads(line)["text"]
     except (ValueError, KeyError, TypeError) as e:
@@ -228,36 +220,32 @@ def jsonl_text(path, number, line):
     return text
 
 
-def read_chunk(chunk, reported):
-    """Return the chunk's documents of its split, each by its hash; `reported` is read_text_file's.
-    A .py file's blocks share names and imports, so the whole file goes to one split by its hash."""
-    if chunk.row_group >= 0:
-        units = [[doc] for doc in parquet_texts(chunk.paths[0], chunk.row_group)]
-    else:
-        units = []
-        for path in chunk.paths:
-            docs = read_text_file(path, None if chunk.quiet else reported)
-            units += [docs] if path.endswith(".py") else [[doc] for doc in docs]
-    kept = [unit for unit in units if chunk.keep is None or is_val_document("".join(unit)) == (chunk.keep == "val")]
-    return [doc for unit in kept for doc in unit if doc and not doc.isspace()]
-
-
 class ChunkReader:
     """Reads chunks for the loaders that share it (one per micro-batch), each chunk once for all of them.
     A chunk is kept until all its `sharers` loaders have taken it. At most max_kept chunks are kept,
     the oldest going first, because loaders drift apart and a resumed loader never takes a chunk it is past."""
+    max_kept = 64
 
-    def __init__(self, max_kept=64):
+    def __init__(self):
         self.kept, self.lock = {}, threading.Lock()  # (chunk, epoch) -> [documents, loaders still to take it]
-        self.max_kept = max_kept
         self.reads = self.chars_read = 0  # chunks read from disk and their characters
         self.reported = set()  # the files already named for bytes that are not UTF-8
 
-    def read(self, chunk):  # now, keeping none
-        return read_chunk(chunk, self.reported)
+    def read(self, chunk):
+        """Return the chunk's documents of its split by their hash, keeping none; a .py file's blocks share names,
+        so they go together."""
+        if chunk.row_group >= 0:
+            units = [[doc] for doc in parquet_texts(chunk.paths[0], chunk.row_group)]
+        else:
+            units = []
+            for path in chunk.paths:
+                docs = read_text_file(path, None if chunk.quiet else self.reported)
+                units += [docs] if path.endswith(".py") else [[doc] for doc in docs]
+        keep = [unit for unit in units if chunk.keep is None or is_val_document("".join(unit)) == (chunk.keep == "val")]
+        return [doc for unit in keep for doc in unit if doc and not doc.isspace()]
 
     def documents(self, chunk, epoch, sharers):
-        """Return the chunk's documents (copy before changing them), shared by `sharers` loaders taking it once."""
+        """Return the chunk's documents (copy before changing them) for one of the `sharers` loaders."""
         with self.lock:  # the loaders' prefetch threads ask at once; the first one reads
             key = (chunk, epoch)
             if key not in self.kept:
@@ -274,7 +262,7 @@ class ChunkReader:
 
 
 def iter_documents(source, split, reader=None):
-    """Yield every document of a split in a fixed order, the tokenizer's, through `reader` or a new ChunkReader."""
+    """Yield every document of a split in a fixed order, the tokenizer's."""
     reader = reader or ChunkReader()
     for chunk in list_chunks(source, split):
         yield from reader.read(chunk)
@@ -283,27 +271,24 @@ def iter_documents(source, split, reader=None):
 # What a run needs of its data, checked before it starts
 
 def check_split(source, split, reader=None):
-    """Raise ValueError when a split holds no documents, naming whether the source holds no text or too few."""
+    """Refuse a split without documents, naming whether the source holds no text or too few documents."""
     if next(iter_documents(source, split, reader), None) is not None:
         return
-    counts = {name: sum(1 for _ in iter_documents(source, name)) for name in ("train", "val")}
-    if not any(counts.values()):
+    if not (count := sum(1 for name in ("train", "val") for _ in iter_documents(source, name))):
         raise ValueError(f"{source} holds no text (empty or blank files): put documents in it, a blank "
                          f"line between two in a .txt file")
     raise ValueError(f"the {split} split of {source} has no documents: a document goes to validation by a hash of its "
-                     f"text (about 1 in {VAL_EVERY}) and {source} holds only {sum(counts.values())}; split the text "
+                     f"text (about 1 in {VAL_EVERY}) and {source} holds only {count}; split the text "
                      f"into more documents (a blank line between two in a .txt file) or pass several files")
 
 
-def train_shards_needed(tokens):
-    """Count the training shards a run of `tokens` reads at SHARD_TOKENS a shard, capped at the 1,822 there are."""
+def train_shards_needed(tokens):  # at most all 1,822
     return min(math.ceil(tokens / SHARD_TOKENS), FINEWEB_VAL_SHARD)
 
 
 def check_horizon(source, tokens):
-    """Refuse a FineWeb-Edu run whose tokens need more training shards than are on disk, and return those shards.
-    The need is the download's rule, so after `download --tokens=N` a run of N tokens passes (SHARD_TOKENS is
-    an estimate). Other sources repeat as often as the run needs, so they return None."""
+    """Refuse a FineWeb-Edu run that needs more training shards than are on disk, by the download's own estimate,
+    and return those shards. Other sources repeat as often as the run needs, so they return None."""
     if source != "fineweb-edu":
         return None
     shards = fineweb_train_shards(download := f"--tokens={math.ceil(tokens)}")
@@ -317,19 +302,17 @@ def check_horizon(source, tokens):
 # Command line
 
 def shards_for(num_shards=None, depth=None, tokens=None):
-    """List the shards a download fetches, the validation shard always among them.
-    It fetches num_shards in all, or as many as `tokens` need, or as many as the paper's horizon at `depth` needs."""
-    tokens = None if num_shards else tokens or PAPER_TOKENS.get(depth)
-    if tokens is None and depth is not None:
+    """List the shards a download fetches, the validation shard among them: num_shards (default 8) in all, or as
+    many as `tokens` need, or as many as the paper's horizon at `depth` needs."""
+    if num_shards or depth is None and tokens is None:
+        return [*range((num_shards or 8) - 1), FINEWEB_VAL_SHARD]
+    if (tokens := tokens or PAPER_TOKENS.get(depth)) is None:
         raise ValueError(f"--depth={depth} has no paper horizon (depths {', '.join(map(str, PAPER_TOKENS))}); "
                          f"pass --tokens or -n")
-    num_train = (num_shards or 8) - 1 if tokens is None else train_shards_needed(tokens)
-    if tokens is not None:
-        reads = tokens / (FINEWEB_VAL_SHARD * SHARD_TOKENS)
-        all_read = f", all there are, read {reads:.2f} times" if reads > 1 else ""
-        print(f"{tokens / 1e9:.1f}B tokens at about {SHARD_TOKENS / 1e6:.1f}M a shard (50M less the ~35% that packing "
-              f"crops): {num_train} training shards{all_read}")
-    return list(range(num_train)) + [FINEWEB_VAL_SHARD]
+    num_train, reads = train_shards_needed(tokens), tokens / (FINEWEB_VAL_SHARD * SHARD_TOKENS)
+    print(f"{tokens / 1e9:.1f}B tokens at about {SHARD_TOKENS / 1e6:.1f}M a shard (50M less the ~35% that packing "
+          f"crops): {num_train} training shards" + (f", all there are, read {reads:.2f} times" if reads > 1 else ""))
+    return [*range(num_train), FINEWEB_VAL_SHARD]
 
 
 def main(argv=None):

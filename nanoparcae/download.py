@@ -1,11 +1,8 @@
 """
-nanoparcae/download.py: files fetched over HTTP, and the paper's horizons that size a FineWeb-Edu download.
-One streamed, resumable, retried download serves the shards, the eval bundle and the authors' release.
-Each shard is checked as parquet before it takes its final name; CORE's eval bundle is extracted only where
-it belongs, and found on every rank.
+nanoparcae/download.py: files fetched over HTTP (FineWeb-Edu's shards, CORE's eval bundle, the authors' release),
+each streamed, resumed and retried, and the paper's horizons that size a FineWeb-Edu download.
 
     download_file(url, path)                      # path appears only once every byte is there
-    download_shards(["shard_00000.parquet"], folder)
     bundle_dir, why = shared_eval_bundle()        # the bundle on every rank, or why no rank has it
 """
 
@@ -31,9 +28,8 @@ PAPER_TOKENS = {6: 11.2e9, 12: 29.6e9, 18: 61.6e9, 24: 104e9}  # METHOD.md §1: 
 
 def download_file(url, path, max_attempts=5, retry_delay=1.0, timeout=60):
     """Stream url into <path>.part, renamed to path once complete, so a broken download never has the final name.
-    A .part left by an earlier try resumes with a Range header (206 appends, 200 starts over, 416 means complete).
-    Connection errors and 5xx retry with exponential backoff; 4xx are final.
-    A 404 raises FileNotFoundError, any other failure OSError, each one line naming the url for callers to add to."""
+    A .part left by an earlier try resumes (206 appends, 200 starts over, 416 means complete). Connection errors
+    and 5xx retry with exponential backoff. A 404 raises FileNotFoundError, any other failure OSError."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     part = path.with_name(path.name + ".part")
@@ -50,10 +46,8 @@ def download_file(url, path, max_attempts=5, retry_delay=1.0, timeout=60):
                         break
                     part.unlink()
                     raise requests.HTTPError(f"HTTP 416: the partial file is no prefix of the {total} bytes served")
-                if status == 404:
-                    raise FileNotFoundError(f"{url} answered HTTP 404 (no such file)")
-                if 400 <= status < 500:  # permanent, so retrying will not help
-                    raise OSError(f"{url} answered HTTP {status}")
+                if 400 <= status < 500:  # permanent, so retrying will not help; a 404 is the url's fault
+                    raise (FileNotFoundError if status == 404 else OSError)(f"{url} answered HTTP {status}")
                 response.raise_for_status()
                 resumable = status == 206 or response.headers.get("Accept-Ranges") == "bytes"
                 with open(part, "ab" if status == 206 else "wb") as f:
@@ -71,22 +65,26 @@ def download_file(url, path, max_attempts=5, retry_delay=1.0, timeout=60):
     os.replace(part, path)
     return path
 
+
+def fetch(url, path, flag, fix="", **retries):
+    """download_file, whose 404 is the url's (FileNotFoundError) and any other failure the network's."""
+    try:
+        download_file(url, path, **retries)
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"{err}; check {flag}{fix}") from None
+    except OSError as err:  # retried already
+        raise EnvironmentFailure(f"{err}; check the network or {flag}{fix}") from None
+
 # -----------------------------------------------------------------------------
 # FineWeb-Edu's shards. Each is fetched, checked as parquet, then given its final name.
 
-def download_shard(path, base_url=FINEWEB_URL, max_attempts=5, retry_delay=1.0):
-    """Fetch one shard to `path`; return whether it was fetched now (False when it was there).
-    A 404 raises FileNotFoundError, a failed fetch EnvironmentFailure, a file that is no shard ValueError."""
+def download_shard(path, base_url=FINEWEB_URL, **retries):
+    """Fetch one shard to `path`; return whether it was fetched now (False when it was there)."""
     if path.exists():  # only complete, checked shards ever get the final name
         return False
     url = f"{base_url.rstrip('/')}/{path.name}"
     unchecked = path.with_name(path.name + ".tmp")  # the parquet check comes before the final name
-    try:
-        download_file(url, unchecked, max_attempts, retry_delay)
-    except FileNotFoundError as e:
-        raise FileNotFoundError(f"{e}: check {BASE_URL}, which serves shards 0 to 1822") from None
-    except OSError as e:  # retried already, so the network failed
-        raise EnvironmentFailure(f"{e}; check the network or {BASE_URL}") from None
+    fetch(url, unchecked, BASE_URL, ", which serves shards 0 to 1822", **retries)
     try:
         columns = pq.read_metadata(unchecked).schema.names
         bad = None if "text" in columns else f"has no 'text' column (columns: {columns}); deleted it, check {BASE_URL}"
@@ -99,12 +97,12 @@ def download_shard(path, base_url=FINEWEB_URL, max_attempts=5, retry_delay=1.0):
     return True
 
 
-def download_shards(names, folder, base_url=FINEWEB_URL, num_workers=4, max_attempts=5, retry_delay=1.0):
+def download_shards(names, folder, base_url=FINEWEB_URL, num_workers=4, **retries):
     """Fetch the shards named into `folder` and return their paths, printing a line per shard with the time left."""
     print(f"Downloading {len(names)} shards from {base_url} to {folder} with {num_workers} workers")
     paths, start, fetched = [Path(folder) / name for name in names], time.time(), 0
     with ThreadPoolExecutor(num_workers) as pool:
-        shards = {pool.submit(download_shard, path, base_url, max_attempts, retry_delay): path for path in paths}
+        shards = {pool.submit(download_shard, path, base_url, **retries): path for path in paths}
         for done, shard in enumerate(as_completed(shards), 1):
             fetched += (new := shard.result())
             left = (time.time() - start) / fetched * (len(names) - done) if fetched else 0
@@ -126,30 +124,21 @@ def extract_zip_safely(zip_path, target):
         archive.extractall(target)
 
 
-def eval_bundle_dir(base_dir=None):
-    """Return base_dir (default get_base_dir())/eval_bundle if a bundle is extracted there, else None."""
-    bundle_dir = (Path(base_dir) if base_dir is not None else get_base_dir()) / "eval_bundle"
+def eval_bundle_dir():
+    """Return the base folder's eval_bundle if a bundle is extracted there, else None."""
+    bundle_dir = get_base_dir() / "eval_bundle"
     return bundle_dir if (bundle_dir / "eval_meta_data.csv").is_file() else None
 
 
-def download_eval_bundle(url=EVAL_BUNDLE_URL, base_dir=None):
-    """Return base_dir/eval_bundle, downloaded and extracted on first use. A 404 raises FileNotFoundError,
-    another failed fetch EnvironmentFailure, and an archive that is no bundle ValueError."""
-    base_dir = Path(base_dir) if base_dir is not None else get_base_dir()
-    base_dir.mkdir(parents=True, exist_ok=True)
-    bundle_dir = base_dir / "eval_bundle"
-    if eval_bundle_dir(base_dir):
+def download_eval_bundle(url=EVAL_BUNDLE_URL):
+    """Return the base folder's eval_bundle, downloaded and extracted on first use."""
+    if bundle_dir := eval_bundle_dir():
         return bundle_dir
-    zip_path = base_dir / "eval_bundle.zip"
+    (base_dir := get_base_dir()).mkdir(parents=True, exist_ok=True)
+    bundle_dir, zip_path = base_dir / "eval_bundle", base_dir / "eval_bundle.zip"
     if not zip_path.is_file():
         print(f"Downloading the eval bundle from {url} ...")
-        try:
-            download_file(url, zip_path)
-        except OSError as err:  # a 404 is the url's fault, any other failure the network's
-            url_fault = isinstance(err, FileNotFoundError)
-            raise (FileNotFoundError if url_fault else EnvironmentFailure)(
-                f"{err}; check {'--bundle_url' if url_fault else 'the network'}, or download it by hand and unzip "
-                f"it in {base_dir}") from None
+        fetch(url, zip_path, "--bundle_url", f", or download it by hand and unzip it in {base_dir}")
     scratch = base_dir / f"eval_bundle.{os.getpid()}.tmp"
     try:
         extract_zip_safely(zip_path, scratch)
@@ -168,10 +157,9 @@ def download_eval_bundle(url=EVAL_BUNDLE_URL, base_dir=None):
 
 
 def shared_eval_bundle(url=EVAL_BUNDLE_URL):
-    """Return (the bundle's folder, None) on every rank, or (None, why) on every rank if any lacks it.
-    A rank without the tasks would never join CORE's per-task all_reduce, and the others would wait for it.
-    Rank 0 fetches first, then each other node's local rank 0 (which finds it on a shared filesystem),
-    the other ranks waiting for each fetch. Then the ranks agree through ranks.gather."""
+    """Return (the bundle's folder, None) on every rank, or (None, why) on every rank if any lacks it, since a
+    rank without the tasks would never join CORE's per-task all_reduce. Rank 0 fetches first, then each other
+    node's local rank 0 (which finds it on a shared filesystem)."""
     rank, why = rank_and_world()[0], None
     for fetching in (rank == 0, local_rank() == 0 and rank != 0):
         if fetching:

@@ -1,15 +1,9 @@
 """
-nanoparcae/tokenizer.py: the tokenizer, a byte-level BPE (METHOD.md §2), and its cache.
-It uses the GPT-4 split pattern and the specials <|bos|>, <|eos|>, <|pad|>. It has three jobs.
+nanoparcae/tokenizer.py: the tokenizer, a byte-level BPE (METHOD.md §2) that rustbpe trains and tiktoken runs.
+get_tokenizer trains one per data source on first use, and caches it under the base folder.
 
-- rustbpe trains it and tiktoken runs it.
-- Its saved files are written, then read back checked.
-- get_tokenizer trains one per data source on first use, and caches it under the base folder.
-
-    tokenizer = Tokenizer.train(texts, vocab_size=4096)     # any iterator of strings
-    ids = tokenizer.encode("def f(x):", prepend_bos=True)
-    tokenizer.save(directory); tokenizer = Tokenizer.load(directory)
     tokenizer = get_tokenizer("stdlib", 4096)               # trained once, then loaded from its cache
+    ids = tokenizer.encode("def f(x):", prepend_bos=True)
 
     python -m nanoparcae.tokenizer --data=fineweb-edu       # the 32,768-token BPE on ~2B characters, cached
 """
@@ -55,8 +49,7 @@ SPLIT_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}|
 # A saved tokenizer's files, each read in one place
 
 def read_part(path, parse):
-    """Return parse(the file's bytes) for one of a saved tokenizer's files.
-    A permission error raises EnvironmentFailure, a torn or wrong file ValueError, each naming the file."""
+    """Return parse(the file's bytes) for one of a saved tokenizer's files, a failure naming the file."""
     try:
         return parse(path.read_bytes())
     except PermissionError as err:
@@ -66,7 +59,6 @@ def read_part(path, parse):
 
 
 def unreadable(path, err):
-    """The EnvironmentFailure for a tokenizer file or folder that permissions keep from this user."""
     return EnvironmentFailure(f"the tokenizer at {path} cannot be read ({err.strerror}): make {path.parent} "
                               f"readable, then run the same command again")
 
@@ -75,21 +67,15 @@ RECREATE = "recreate it with `python -m nanoparcae.tokenizer` and the run's --da
 
 
 def torn(path, cause):
-    """The ValueError for a tokenizer file that is torn or not one save wrote, with the fix."""
     return ValueError(f"the tokenizer file {path} is torn or not ours ({cause}); remove {path.parent}, then {RECREATE}")
 
 
-def parse_ranks(raw):
-    """tokenizer.tiktoken's lines, "base64(token) rank" -> {token: rank}."""
-    ranks = {}
-    for line in raw.decode().splitlines():
-        token, rank = line.split()
-        ranks[base64.b64decode(token, validate=True)] = int(rank)
-    return ranks
+def parse_ranks(raw):  # tokenizer.tiktoken's lines, "base64(token) rank"
+    lines = map(str.split, raw.decode().splitlines())
+    return {base64.b64decode(token, validate=True): int(rank) for token, rank in lines}
 
 
-def parse_config(raw):
-    """tokenizer.json -> (split pattern, {special token: id})."""
+def parse_config(raw):  # tokenizer.json
     pattern, specials = (config := json.loads(raw))["pattern"], config["special_tokens"]
     if not isinstance(pattern, str) or not all(isinstance(i, int) for i in specials.values()):
         raise TypeError("a pattern string and special tokens' ids are expected")
@@ -99,27 +85,19 @@ def parse_config(raw):
 # The tokenizer, trained with rustbpe, run with tiktoken
 
 class Tokenizer:
-    """A tiktoken.Encoding plus each token's byte length, which bits per byte needs.
+    """A tiktoken.Encoding built from its merges, plus each token's byte length, which bits per byte needs.
     A tokenizer loaded from a folder carries its files' digest, which names it across ranks and checkpoints."""
 
-    def __init__(self, enc, token_bytes, bos_token="<|bos|>", digest=None):
-        self.enc = enc
-        self.digest = digest  # files_digest of the folder it was loaded from; None if not loaded
-        self.token_bytes = token_bytes  # int32 (vocab_size,), the UTF-8 bytes each id decodes to, 0 for specials
-        self.bos_id = enc.encode_single_token(bos_token)  # an imported tokenizer may name it its own way
-        self.vocab_size = enc.n_vocab
-
-    @classmethod
-    def from_ranks(cls, mergeable_ranks, pattern, specials=None, bos_token="<|bos|>", name="nanoparcae"):
-        """Build a tokenizer from its merges; `specials` maps each special token to its id, by default
-        ours with the ids after the learned tokens."""
-        if specials is None:
+    def __init__(self, mergeable_ranks, pattern, specials=None, bos_token="<|bos|>", name="nanoparcae"):
+        if specials is None:  # ours, with the ids after the learned tokens
             specials = {token: len(mergeable_ranks) + i for i, token in enumerate(SPECIAL_TOKENS)}
-        enc = tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=mergeable_ranks, special_tokens=specials)
-        token_bytes = torch.zeros(enc.n_vocab, dtype=torch.int32)
+        self.enc = tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=mergeable_ranks, special_tokens=specials)
+        self.directory = self.digest = None  # the folder load read, and files_digest of it
+        self.token_bytes = torch.zeros(self.enc.n_vocab, dtype=torch.int32)  # UTF-8 bytes of each id, 0 for specials
         for token, rank in mergeable_ranks.items():
-            token_bytes[rank] = len(token)
-        return cls(enc, token_bytes, bos_token)
+            self.token_bytes[rank] = len(token)
+        self.bos_id = self.enc.encode_single_token(bos_token)  # an imported tokenizer may name it its own way
+        self.vocab_size = self.enc.n_vocab
 
     @classmethod
     def train(cls, text_iterator, vocab_size, max_chars=2_000_000_000, doc_cap=10_000):
@@ -139,7 +117,7 @@ class Tokenizer:
 
         bpe = rustbpe.Tokenizer()
         bpe.train_from_iterator(capped(), vocab_size - len(SPECIAL_TOKENS), pattern=SPLIT_PATTERN)
-        return cls.from_ranks({bytes(token): rank for token, rank in bpe.get_mergeable_ranks()}, SPLIT_PATTERN)
+        return cls({bytes(token): rank for token, rank in bpe.get_mergeable_ranks()}, SPLIT_PATTERN)
 
     def save(self, directory):
         """tiktoken's own text format ("base64(token) rank" per line), no pickle."""
@@ -155,8 +133,7 @@ class Tokenizer:
 
     @classmethod
     def files_digest(cls, directory):
-        """Hash the saved files' bytes with sha256, to 16 hex digits.
-        Checkpoints record it, and ranks compare it, since any changed byte is another tokenizer."""
+        """Hash the saved files' bytes, since any changed byte is another tokenizer (checkpoints record it)."""
         digest = hashlib.sha256()
         for name in cls.FILES:
             digest.update(name.encode() + b"\0" + read_part(Path(directory) / name, bytes))
@@ -164,9 +141,7 @@ class Tokenizer:
 
     @classmethod
     def saved(cls, directory, recreate=RECREATE):
-        """Whether save wrote a tokenizer in `directory`. A folder holding some of the files but not all (an interrupted
-        copy) raises ValueError naming those it lacks and how to `recreate` it; one that cannot be looked into
-        raises EnvironmentFailure."""
+        """Whether save wrote a tokenizer in `directory`; an interrupted copy raises ValueError naming what it lacks."""
         try:
             there = [(Path(directory) / name).is_file() for name in cls.FILES]
         except PermissionError as err:
@@ -179,7 +154,6 @@ class Tokenizer:
 
     @classmethod
     def load(cls, directory):
-        """The tokenizer save wrote there; a torn or unreadable file raises one line naming it."""
         directory = Path(directory)
         ranks = read_part(directory / "tokenizer.tiktoken", parse_ranks)
         pattern, specials = read_part(directory / "tokenizer.json", parse_config)
@@ -187,16 +161,15 @@ class Tokenizer:
         if ids != list(range(len(ids))):  # a file cut short lacks its last tokens
             raise torn(directory / "tokenizer.tiktoken", f"its {len(ranks)} tokens and {len(specials)} specials leave "
                        "ids out")
-        tokenizer = cls.from_ranks(ranks, pattern, specials)
+        tokenizer = cls(ranks, pattern, specials)
         counts = read_part(directory / "token_bytes.txt", lambda raw: [int(n) for n in raw.decode().split()])
         if counts != tokenizer.token_bytes.tolist():
             raise torn(directory / "token_bytes.txt", f"its {len(counts)} counts are not its {len(ids)} tokens' bytes")
-        tokenizer.digest = cls.files_digest(directory)
+        tokenizer.directory, tokenizer.digest = directory, cls.files_digest(directory)
         return tokenizer
 
     def encode(self, text, prepend_bos=False, num_threads=8):
-        """A string gives a list of ids; a list of strings, a list of lists (on num_threads threads).
-        Text never yields special tokens, so "<|bos|>" in a document is ordinary characters."""
+        """A string gives a list of ids, a list of strings a list of lists; text never yields a special token."""
         prefix = [self.bos_id] if prepend_bos else []
         if isinstance(text, str):
             return prefix + self.enc.encode_ordinary(text)
@@ -206,8 +179,7 @@ class Tokenizer:
         return self.enc.decode(ids)
 
     def known_ids(self, vocab_size):
-        """(vocab_size,) bool mask of the ids this tokenizer can decode, or None if it has them all.
-        A model with more ids must never sample the others. Warns, naming both sizes."""
+        """(vocab_size,) bool mask of the ids this tokenizer can decode, the only ones sampled; None for all."""
         ids = [i for i in (*self.enc._mergeable_ranks.values(), *self.enc._special_tokens.values()) if i < vocab_size]
         known = torch.zeros(vocab_size, dtype=torch.bool)
         known[ids] = True
@@ -221,17 +193,12 @@ class Tokenizer:
 # -----------------------------------------------------------------------------
 # The tokenizer of a data source, trained on its train split on first use, then cached
 
-KEY_FILE = "key.txt"  # the tokenizer_key a cached tokenizer was trained as, beside the files it digests
-
-
-def tokenizer_key(source, vocab_size):
-    """Name a source's tokenizer cache folder by its tokenizer and corpus, whatever the base folder."""
-    return f"{data_key(source)}-{vocab_size}"
+KEY_FILE = "key.txt"  # the folder name a cached tokenizer was trained as, beside the files it digests
 
 
 def tokenizer_dir(source=None, vocab_size=None, key=None):
-    """A tokenizer's cache folder in this base folder: of source at vocab_size, or by its key."""
-    return get_base_dir() / "tokenizers" / (key or tokenizer_key(source, vocab_size))
+    """A tokenizer's cache folder in this base folder, named by its corpus and size (its key) whatever the base."""
+    return get_base_dir() / "tokenizers" / (key or f"{data_key(source)}-{vocab_size}")
 
 
 def get_tokenizer(source, vocab_size, max_chars=2_000_000_000, doc_cap=10_000, train=True):
@@ -241,7 +208,27 @@ def get_tokenizer(source, vocab_size, max_chars=2_000_000_000, doc_cap=10_000, t
     if not Tokenizer.saved(directory):
         if not train:
             return None
-        train_and_save(source, vocab_size, directory, max_chars, doc_cap)
+        reader = ChunkReader()  # one reader names a file with bytes that are not UTF-8 once
+        check_split(source, "train", reader)  # a missing or empty source fails here, before the announcement
+        # its files hold a line of under 64 bytes per token
+        check_writable(directory.parent, f"the {vocab_size}-token tokenizer", needs=3 * 64 * vocab_size,
+                       fix="make it writable, free space on its disk, or set NANOPARCAE_BASE_DIR to another folder")
+        print(f"Training a {vocab_size}-token tokenizer on {source} (train split, <= {max_chars:,} chars) ...")
+        t0 = time.time()
+        trained = Tokenizer.train(iter_documents(source, "train", reader), vocab_size, max_chars, doc_cap)
+
+        def save(partial):
+            trained.save(partial)
+            (partial / KEY_FILE).write_text(directory.name + "\n")
+
+        # A private name per process keeps half a tokenizer from a crash or a concurrent process
+        try:
+            write_atomically(directory, save, directory.with_name(f"{directory.name}.{os.getpid()}.tmp"))
+        except OSError as err:
+            if not Tokenizer.saved(directory):  # else another process finished first, and its copy is kept
+                raise ValueError(f"{directory} is in the way of the trained tokenizer ({err.strerror}); move it "
+                                 f"aside, then run the same command again") from None
+        print(f"Trained in {time.time() - t0:.1f}s, saved to {directory}")
     tokenizer = Tokenizer.load(directory)
     recorded = directory / KEY_FILE  # older saves lack it, so they must hold as many tokens as asked
     trained_as = read_part(recorded, lambda raw: raw.decode().strip()) if recorded.is_file() else None
@@ -252,50 +239,27 @@ def get_tokenizer(source, vocab_size, max_chars=2_000_000_000, doc_cap=10_000, t
     return tokenizer
 
 
-def train_and_save(source, vocab_size, directory, max_chars, doc_cap):
-    reader = ChunkReader()  # one reader names a file with bytes that are not UTF-8 once
-    check_split(source, "train", reader)  # a missing or empty source fails here, before the announcement
-    # its files hold a line of under 64 bytes per token
-    check_writable(directory.parent, f"the {vocab_size}-token tokenizer", needs=3 * 64 * vocab_size,
-                   fix="make it writable, free space on its disk, or set NANOPARCAE_BASE_DIR to another folder")
-    print(f"Training a {vocab_size}-token tokenizer on {source} (train split, <= {max_chars:,} chars) ...")
-    t0 = time.time()
-    tokenizer = Tokenizer.train(iter_documents(source, "train", reader), vocab_size, max_chars, doc_cap)
-
-    def save(partial):
-        tokenizer.save(partial)
-        (partial / KEY_FILE).write_text(directory.name + "\n")
-
-    # A private name per process keeps half a tokenizer from a crash or a concurrent process
-    try:
-        write_atomically(directory, save, directory.with_name(f"{directory.name}.{os.getpid()}.tmp"))
-    except OSError as err:
-        if not Tokenizer.saved(directory):  # else another process finished first, and its copy is kept
-            raise ValueError(f"{directory} is in the way of the trained tokenizer ({err.strerror}); move it aside, "
-                             f"then run the same command again") from None
-    print(f"Trained in {time.time() - t0:.1f}s, saved to {directory}")
-
-
-def checkpoint_tokenizer(ckpt, path, directory=None, remedy="or load a checkpoint trained with this one"):
-    """The tokenizer checkpoint `path` (read as ckpt) trained with, from directory, else from the folder it recorded
-    or the same-named one here (a base folder that moved), checked by its files' digest and its size."""
-    if directory is None and not isinstance(recorded := ckpt.get("tokenizer_dir"), str):
-        raise ValueError(f"checkpoint {path} is not a nanoparcae checkpoint (it names no tokenizer_dir); pass one "
-                         f"that train.py wrote")
-    places = [directory] if directory else list(dict.fromkeys((Path(recorded), tokenizer_dir(key=Path(recorded).name))))
-    run = ckpt["args"] if isinstance(ckpt.get("args"), dict) else {}
-    flags = " ".join(f"--{flag}={run.get(flag, '...')}" for flag in ("data", "vocab_size"))
-    recreate = f"recreate it with `python -m nanoparcae.tokenizer {flags}`"  # the run's own tokenizer
-    if (found := next((place for place in places if Tokenizer.saved(place, recreate)), None)) is None:
-        raise FileNotFoundError(f"the tokenizer of checkpoint {path} is not at {' nor at '.join(map(str, places))}; "
-                                f"{recreate}")
-    tokenizer = Tokenizer.load(found)  # a torn file is named before the digest differs
+def checkpoint_tokenizer(ckpt, path, tokenizer=None, remedy="or load a checkpoint trained with this one"):
+    """The tokenizer checkpoint `path` (read as ckpt) trained with, checked by its files' digest and its size: the
+    loaded `tokenizer`, else the one in the folder ckpt recorded or the same-named one here (the base folder moved)."""
+    if tokenizer is None:
+        if not isinstance(recorded := ckpt.get("tokenizer_dir"), str):
+            raise ValueError(f"checkpoint {path} is not a nanoparcae checkpoint (it names no tokenizer_dir); pass one "
+                             f"that train.py wrote")
+        places = list(dict.fromkeys((Path(recorded), tokenizer_dir(key=Path(recorded).name))))
+        run = ckpt["args"] if isinstance(ckpt.get("args"), dict) else {}
+        flags = " ".join(f"--{flag}={run.get(flag, '...')}" for flag in ("data", "vocab_size"))
+        recreate = f"recreate it with `python -m nanoparcae.tokenizer {flags}`"  # the run's own tokenizer
+        if (found := next((place for place in places if Tokenizer.saved(place, recreate)), None)) is None:
+            raise FileNotFoundError(f"the tokenizer of checkpoint {path} is not at "
+                                    f"{' nor at '.join(map(str, places))}; {recreate}")
+        tokenizer = Tokenizer.load(found)  # a torn file is named before the digest differs
     if (trained_with := ckpt.get("tokenizer_digest")) and tokenizer.digest != trained_with:
-        raise ValueError(f"the tokenizer at {found} (digest {tokenizer.digest}) is not the one {path} was trained "
-                         f"with (digest {trained_with}); put that tokenizer back, {remedy}")
+        raise ValueError(f"the tokenizer at {tokenizer.directory} (digest {tokenizer.digest}) is not the one {path} "
+                         f"was trained with (digest {trained_with}); put that tokenizer back, {remedy}")
     if type(vocab := ckpt["config"].get("vocab_size")) is int and tokenizer.vocab_size > vocab:
-        raise ValueError(f"the tokenizer at {found} has {tokenizer.vocab_size} tokens, the model {vocab}: they are "
-                         f"not from the same run")
+        raise ValueError(f"the tokenizer at {tokenizer.directory} has {tokenizer.vocab_size} tokens, the model "
+                         f"{vocab}: they are not from the same run")
     return tokenizer
 
 

@@ -34,7 +34,7 @@ from nanoparcae import dataset
 from nanoparcae import tokenizer as tokenizers
 from nanoparcae.command import EnvironmentFailure, spans
 from nanoparcae.download import download_file, download_shards
-from nanoparcae.tokenizer import SPECIAL_TOKENS, Tokenizer, get_tokenizer, tokenizer_dir, tokenizer_key
+from nanoparcae.tokenizer import SPECIAL_TOKENS, Tokenizer, get_tokenizer, tokenizer_dir
 
 REPO = Path(__file__).resolve().parent.parent
 WORDS = ["the", "loop", "stable", "model", "données", "naïve", "日本", "語", "🎉", "def", "return", "x = 1;",
@@ -231,16 +231,16 @@ def test_the_standard_library_is_read_without_warnings_and_a_users_file_with_one
 def test_the_tokenizer_key_names_the_content_not_the_place(tmp_path, monkeypatch):
     """The key of a tokenizer and its corpus: the same under a moved base folder and, for stdlib, under another
     installation of the same Python version; another file content is another key."""
-    key = tokenizer_key("stdlib", 512)
+    key = f"stdlib-py{sys.version_info.major}{sys.version_info.minor}-512"
     assert tokenizer_dir("stdlib", 512) == tmp_path / "base" / "tokenizers" / key
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("one\n\ntwo")
-    mine = tokenizer_key(str(corpus), 512)
+    mine = tokenizer_dir(str(corpus), 512).name
     monkeypatch.setenv("NANOPARCAE_BASE_DIR", str(tmp_path / "moved"))
     monkeypatch.setattr(sysconfig, "get_paths", lambda: {"stdlib": str(tmp_path / "reinstalled" / "lib")})
     assert tokenizer_dir("stdlib", 512).name == key and tokenizer_dir(str(corpus), 512).name == mine
     corpus.write_text("one\n\ntwo\n\nthree")
-    assert tokenizer_key(str(corpus), 512) != mine
+    assert tokenizer_dir(str(corpus), 512).name != mine
 
 
 @pytest.mark.parametrize("copied", ["a 300-token one", "a 300-token one saved by hand", "another corpus's"])

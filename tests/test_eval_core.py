@@ -26,6 +26,7 @@ from nanoparcae.core_tasks import (CORE_TASKS, EXTENDED_TASKS, LM, Task, crop_le
                                    render_prompts, scored_spans)
 from nanoparcae.download import download_eval_bundle, extract_zip_safely  # noqa: E402
 from data import evaluate_bpb  # noqa: E402
+from nanoparcae.files import get_base_dir  # noqa: E402
 from eval_core import centered_accuracy, evaluate_core, evaluate_ppl, fit_test_time_scaling  # noqa: E402
 from model import Parcae, ParcaeConfig, evaluation_initial_state  # noqa: E402
 from conftest import carries, raises_naming  # noqa: E402
@@ -132,19 +133,18 @@ def bundle_zip_bytes(extra_members=()):
 
 
 @pytest.fixture
-def bundle(tmp_path, server):
+def bundle(server):
     (server.root / "eval_bundle.zip").write_bytes(bundle_zip_bytes())
-    return download_eval_bundle(f"{server.url}/eval_bundle.zip", base_dir=tmp_path / "base")
+    return download_eval_bundle(f"{server.url}/eval_bundle.zip")
 
 # -----------------------------------------------------------------------------
 # The bundle
 
 
-def test_download_and_extract(tmp_path, server):
+def test_download_and_extract(server):
     (server.root / "eval_bundle.zip").write_bytes(bundle_zip_bytes())
-    base = tmp_path / "base"
-    base.mkdir()
-    bundle_dir = download_eval_bundle(f"{server.url}/eval_bundle.zip", base_dir=base)
+    base = get_base_dir()
+    bundle_dir = download_eval_bundle(f"{server.url}/eval_bundle.zip")
     assert bundle_dir == base / "eval_bundle"
     assert (bundle_dir / "core.yaml").is_file()
     lines = (bundle_dir / "eval_data" / "language_understanding" / "winograd_wsc.jsonl").read_text().splitlines()
@@ -152,16 +152,15 @@ def test_download_and_extract(tmp_path, server):
     assert core_tasks.read_random_baselines(bundle_dir) == {k: float(v) for k, v in BASELINES.items()}
     assert sorted(p.name for p in base.iterdir()) == ["eval_bundle"]  # no zip, no temporary left behind
     assert len(server.requests) == 1
-    download_eval_bundle(f"{server.url}/eval_bundle.zip", base_dir=base)  # cached: no second download
+    download_eval_bundle(f"{server.url}/eval_bundle.zip")  # cached: no second download
     assert len(server.requests) == 1
 
 
 def test_member_escaping_the_folder_is_refused(tmp_path, server):
     (server.root / "eval_bundle.zip").write_bytes(bundle_zip_bytes(extra_members=[("../x", "pwned")]))
-    base = tmp_path / "base"
-    base.mkdir()
+    base = get_base_dir()
     with raises_naming(ValueError, "'../x'"):
-        download_eval_bundle(f"{server.url}/eval_bundle.zip", base_dir=base)
+        download_eval_bundle(f"{server.url}/eval_bundle.zip")
     assert not (tmp_path / "x").exists()
     assert list(base.iterdir()) == []  # nothing extracted, the bad zip deleted
     for name in ["/tmp/abs_member_x", "eval_bundle/../../y"]:
