@@ -201,14 +201,10 @@ def trunc_orthogonal_(weight, std):
     return weight.copy_(q if rows >= cols else q.t()).mul_(std * math.sqrt(max(rows, cols)))
 
 
-class AddInjection(nn.Module):
-    """Addition, u = h + e, so A_bar = I and rho = 1 (marginally stable). It has no parameters.
-    Its input term is e itself, with no A_bar to form ahead: the other injections override these."""
+class Injection(nn.Module):
+    """The baselines' defaults, whose input term is e itself, with no A_bar to form ahead."""
 
     rho_on_host = False  # spectral_radius runs on the weights' device, so logging it is free
-
-    def __init__(self, d):
-        super().__init__()
 
     def reset_parameters(self, std):
         pass
@@ -219,18 +215,17 @@ class AddInjection(nn.Module):
     def A_bar(self):
         return None
 
-    def forward(self, h, Bbar_e, A_bar=None):
-        return h + Bbar_e
 
-    def spectral_radius(self):
-        return 1.0
+class Discretized(NamedTuple):
+    A_bar: torch.Tensor  # (d,) the state's per-channel decay, every entry in [0, 1)
+    delta: torch.Tensor  # (d,) the step size Delta = softplus(dt_bias)
 
 
-class DiagonalInjection(AddInjection):
+class DiagonalInjection(Injection):
     """Parcae's injection, A_bar = exp(-Delta exp(A_log)), Bbar = Delta B, rho = max(A_bar) < 1."""
 
     def __init__(self, d):
-        super().__init__(d)
+        super().__init__()
         self.A_log = nn.Parameter(torch.zeros(d))
         self.dt_bias = nn.Parameter(torch.zeros(d))
         self.B = nn.Linear(d, d, bias=False)
@@ -244,29 +239,29 @@ class DiagonalInjection(AddInjection):
         self.B.weight.copy_(torch.eye(self.B.weight.size(0)))
 
     def discretize(self):
-        """(A_bar, Delta), the zero-order hold of A = Diag(-exp(A_log)) with step Delta, in float32.
+        """The zero-order hold of A = Diag(-exp(A_log)) with step Delta, in float32.
         It puts every entry of A_bar in [0, 1)."""
         delta = F.softplus(self.dt_bias)
         # Adding logs avoids 0 * inf. Below a rate of ~3e-8 float32 rounds exp(-rate) to 1,
         # so the 1e-6 floor keeps A_bar < 1. Past a rate of ~104, A_bar underflows to 0.
         rate = torch.exp(self.A_log + torch.log(delta)).clamp(min=1e-6)
-        return torch.exp(-rate), delta
+        return Discretized(A_bar=torch.exp(-rate), delta=delta)
 
     def Bbar_e(self, e):
-        return self.discretize()[1] * self.B(e)  # Euler's Bbar = Delta B, float32 like A_bar
+        return self.discretize().delta * self.B(e)  # Euler's Bbar = Delta B, float32 like A_bar
 
     def A_bar(self):
-        return self.discretize()[0]
+        return self.discretize().A_bar
 
     def forward(self, h, Bbar_e, A_bar=None):
         return (self.A_bar() if A_bar is None else A_bar) * h + Bbar_e
 
     @torch.no_grad()
     def spectral_radius(self):
-        return self.A_bar().max()
+        return self.discretize().A_bar.max()
 
 
-class ConcatInjection(AddInjection):
+class ConcatInjection(Injection):
     """The adapter of RDM and Huginn, u = W [h; e] with W a Linear(2d -> d).
     Its state half is an unconstrained A_bar."""
 
@@ -274,7 +269,7 @@ class ConcatInjection(AddInjection):
     rho_on_host = True
 
     def __init__(self, d):
-        super().__init__(d)
+        super().__init__()
         self.adapter = nn.Linear(2 * d, d, bias=False)
 
     @torch.no_grad()
@@ -289,6 +284,19 @@ class ConcatInjection(AddInjection):
     def spectral_radius(self):
         state_half = self.adapter.weight[:, :self.adapter.out_features].float()
         return torch.linalg.eigvals(state_half).abs().max()
+
+
+class AddInjection(Injection):
+    """Addition, u = h + e, so A_bar = I and rho = 1 (marginally stable). It has no parameters."""
+
+    def __init__(self, d):
+        super().__init__()
+
+    def forward(self, h, Bbar_e, A_bar=None):
+        return h + Bbar_e
+
+    def spectral_radius(self):
+        return 1.0
 
 
 INJECTION_CLASSES = {"diagonal": DiagonalInjection, "concat": ConcatInjection, "add": AddInjection}
