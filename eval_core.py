@@ -122,7 +122,7 @@ def evaluate_task(model, tokenizer, task, data, T, seed, h0_table, batch_tokens=
 
 @in_eval_mode
 def evaluate_core(model, tokenizer, bundle_dir, T=None, max_per_task=-1, tasks="core", seed=1234,
-                  batch_tokens=None, one_per_forward=False, verbose=True):
+                  batch_tokens=None, one_per_forward=False):
     """Score CORE or Core-Extended at recurrence T, mu_rec by default -> a dict of results.
     It holds per-task accuracies, their means ("core", "core_extended") and the tasks skipped.
     The tasks are "core", "extended", labels separated by commas, or a list of Task."""
@@ -139,8 +139,7 @@ def evaluate_core(model, tokenizer, bundle_dir, T=None, max_per_task=-1, tasks="
         elif task.label not in baselines:
             skipped[task.label] = "no random baseline in eval_meta_data.csv"
         if task.label in skipped:
-            if verbose:
-                print0(f"{task.label:<34} skipped: {skipped[task.label]}")
+            print0(f"{task.label:<34} skipped: {skipped[task.label]}")
             continue
         t0 = time.time()
         data = load_task_data(bundle_dir, task, max_per_task)
@@ -148,10 +147,9 @@ def evaluate_core(model, tokenizer, bundle_dir, T=None, max_per_task=-1, tasks="
         accuracy[task.label] = evaluate_task(model, tokenizer, task, data, T, seed, h0_table,
                                              batch_tokens, one_per_forward)
         centered[task.label] = centered_accuracy(accuracy[task.label], baselines[task.label])
-        if verbose:
-            print0(f"{task.label:<34} {task.shots:>2}-shot {task.kind:<17} {len(data):>6} items  "
-                   f"accuracy {accuracy[task.label]:.4f}  centered {centered[task.label]:+.4f}  "
-                   f"{time.time() - t0:6.1f}s")
+        print0(f"{task.label:<34} {task.shots:>2}-shot {task.kind:<17} {len(data):>6} items  "
+               f"accuracy {accuracy[task.label]:.4f}  centered {centered[task.label]:+.4f}  "
+               f"{time.time() - t0:6.1f}s")
     core = [c for label, c in centered.items() if label in CORE_LABELS]
     extended_ran = any(label not in CORE_LABELS for label in centered)
     return {"T": T if T is not None else model.config.mu_rec, "seed": seed,

@@ -37,7 +37,7 @@ from nanoparcae.download import PAPER_TOKENS
 from nanoparcae.files import check_writable
 from nanoparcae.metrics import Metrics, read_step
 from nanoparcae.ranks import init_distributed, no_buffer_sync, parse_device, peak_bf16_flops, print0
-from nanoparcae.tokenizer import checkpoint_tokenizer, get_tokenizer, tokenizer_dir, vocab_size_flag
+from nanoparcae.tokenizer import check_tokenizer, get_tokenizer, tokenizer_dir, vocab_size_flag
 
 # A run is these flags' values. Its checkpoints record them, and continuing it with another value
 # of one is refused. Every other flag may change when a run continues.
@@ -256,8 +256,7 @@ def main(argv=None):
         if tokenizer is None:
             raise FileNotFoundError(f"no tokenizer at {tokenizer_dir(args.data, args.vocab_size)}")
         if ckpt:  # a resumed run's tokenizer is the one its checkpoint was trained with
-            checkpoint_tokenizer(ckpt, checkpoint, tokenizer,
-                                 "or pass --run=NAME to start another run")
+            check_tokenizer(ckpt, checkpoint, tokenizer, "or pass --run=NAME to start another run")
         reader = ChunkReader()  # one read of each chunk for the loaders of this process
         loaders = [DataLoader(tokenizer, args.data, "train", device_batch_size, args.seq_len,
                               rank=rank * grad_accum + micro, world_size=world * grad_accum,

@@ -239,21 +239,25 @@ def get_tokenizer(source, vocab_size, max_chars=2_000_000_000, doc_cap=10_000, t
     return tokenizer
 
 
-def checkpoint_tokenizer(ckpt, path, tokenizer=None, remedy="or load a checkpoint trained with this one"):
-    """The tokenizer checkpoint `path` (read as ckpt) trained with, checked by its files' digest and its size: the
-    loaded `tokenizer`, else the one in the folder ckpt recorded or the same-named one here (the base folder moved)."""
-    if tokenizer is None:
-        if not isinstance(recorded := ckpt.get("tokenizer_dir"), str):
-            raise ValueError(f"checkpoint {path} is not a nanoparcae checkpoint (it names no tokenizer_dir); pass one "
-                             f"that train.py wrote")
-        places = list(dict.fromkeys((Path(recorded), tokenizer_dir(key=Path(recorded).name))))
-        run = ckpt["args"] if isinstance(ckpt.get("args"), dict) else {}
-        flags = " ".join(f"--{flag}={run.get(flag, '...')}" for flag in ("data", "vocab_size"))
-        recreate = f"recreate it with `python -m nanoparcae.tokenizer {flags}`"  # the run's own tokenizer
-        if (found := next((place for place in places if Tokenizer.saved(place, recreate)), None)) is None:
-            raise FileNotFoundError(f"the tokenizer of checkpoint {path} is not at "
-                                    f"{' nor at '.join(map(str, places))}; {recreate}")
-        tokenizer = Tokenizer.load(found)  # a torn file is named before the digest differs
+def checkpoint_tokenizer(ckpt, path):
+    """The tokenizer checkpoint `path` (read as ckpt) trained with, from the folder it recorded or the same-named one
+    here (the base folder moved), checked against the checkpoint (check_tokenizer)."""
+    if not isinstance(recorded := ckpt.get("tokenizer_dir"), str):
+        raise ValueError(f"checkpoint {path} is not a nanoparcae checkpoint (it names no tokenizer_dir); pass one "
+                         f"that train.py wrote")
+    places = list(dict.fromkeys((Path(recorded), tokenizer_dir(key=Path(recorded).name))))
+    run = ckpt["args"] if isinstance(ckpt.get("args"), dict) else {}
+    flags = " ".join(f"--{flag}={run.get(flag, '...')}" for flag in ("data", "vocab_size"))
+    recreate = f"recreate it with `python -m nanoparcae.tokenizer {flags}`"  # the run's own tokenizer
+    if (found := next((place for place in places if Tokenizer.saved(place, recreate)), None)) is None:
+        raise FileNotFoundError(f"the tokenizer of checkpoint {path} is not at "
+                                f"{' nor at '.join(map(str, places))}; {recreate}")
+    # a torn file is named before the digest differs
+    return check_tokenizer(ckpt, path, Tokenizer.load(found), "or load a checkpoint trained with this one")
+
+
+def check_tokenizer(ckpt, path, tokenizer, remedy):
+    """Refuse a loaded tokenizer other than the one checkpoint `path` trained with: its digest, or its size."""
     if (trained_with := ckpt.get("tokenizer_digest")) and tokenizer.digest != trained_with:
         raise ValueError(f"the tokenizer at {tokenizer.directory} (digest {tokenizer.digest}) is not the one {path} "
                          f"was trained with (digest {trained_with}); put that tokenizer back, {remedy}")

@@ -193,7 +193,7 @@ def test_centered_accuracy():
 
 def test_scores_match_hand_computed_accuracy(bundle):
     model = BigramModel()
-    result = evaluate_core(model, ByteTokenizer(), bundle, verbose=False)
+    result = evaluate_core(model, ByteTokenizer(), bundle)
     assert result["accuracy"] == pytest.approx(EXPECTED_ACCURACY)
     expected_centered = {k: centered_accuracy(EXPECTED_ACCURACY[k], BASELINES[k]) for k in FIXTURE}
     assert result["centered"] == pytest.approx(expected_centered)
@@ -202,11 +202,11 @@ def test_scores_match_hand_computed_accuracy(bundle):
     assert len(result["skipped"]) == 22 - len(FIXTURE) and "hellaswag" in result["skipped"]  # absent: named, skipped
     assert result["T"] == 3  # mu_rec when T is None
     # extended: the 24 extra tasks are all absent, so Core-Extended averages what ran
-    result = evaluate_core(model, ByteTokenizer(), bundle, tasks="extended", verbose=False)
+    result = evaluate_core(model, ByteTokenizer(), bundle, tasks="extended")
     assert len(result["skipped"]) == 46 - len(FIXTURE)
     with torch.no_grad():  # a loss that is NaN scores no item: the accuracy is NaN, never a guess
         model.table.fill_(math.nan)
-    assert all(map(math.isnan, evaluate_core(model, ByteTokenizer(), bundle, verbose=False)["accuracy"].values()))
+    assert all(map(math.isnan, evaluate_core(model, ByteTokenizer(), bundle)["accuracy"].values()))
 
 
 def test_language_modelling_prompt_strip():
@@ -240,7 +240,7 @@ def test_left_cropping_keeps_the_continuation(bundle):
     assert (start, end) == (1, 8)
     # end to end: 30 tokens of context are far shorter than the prompts, the accuracies do not change
     model = BigramModel(seq_len=30)
-    result = evaluate_core(model, ByteTokenizer(), bundle, tasks="jeopardy,lambada_openai,copa,winograd", verbose=False)
+    result = evaluate_core(model, ByteTokenizer(), bundle, tasks="jeopardy,lambada_openai,copa,winograd")
     assert max(model.widths) == 30
     assert result["accuracy"] == pytest.approx({k: EXPECTED_ACCURACY[k] for k in result["accuracy"]})
 
@@ -258,9 +258,9 @@ def tiny_parcae(vocab_size=257):
 
 def test_batched_equals_one_item_per_forward(bundle):
     model = BigramModel()
-    batched = evaluate_core(model, ByteTokenizer(), bundle, verbose=False)
+    batched = evaluate_core(model, ByteTokenizer(), bundle)
     n_batched, model.widths = len(model.widths), []
-    single = evaluate_core(model, ByteTokenizer(), bundle, one_per_forward=True, verbose=False)
+    single = evaluate_core(model, ByteTokenizer(), bundle, one_per_forward=True)
     assert single["accuracy"] == batched["accuracy"]
     assert n_batched < len(model.widths)
     # a real looped model: the same per-sequence losses batched or one item per forward, and a repeatable score
@@ -272,8 +272,8 @@ def test_batched_equals_one_item_per_forward(bundle):
     batched = eval_core.score_rows(model, rows, 2, h0, batch_tokens=512)
     single = eval_core.score_rows(model, rows, 2, h0, one_per_forward=True)
     assert batched[0] == pytest.approx(single[0], abs=1e-5) and batched[1] == single[1]
-    first = evaluate_core(model, tokenizer, bundle, T=2, verbose=False)
-    assert evaluate_core(model, tokenizer, bundle, T=2, verbose=False)["accuracy"] == first["accuracy"]
+    first = evaluate_core(model, tokenizer, bundle, T=2)
+    assert evaluate_core(model, tokenizer, bundle, T=2)["accuracy"] == first["accuracy"]
 
 
 def free_port():
@@ -287,7 +287,7 @@ def two_rank_worker(rank, port, bundle_dir, out_dir):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     torch.manual_seed(0)
     model = tiny_parcae()
-    core = evaluate_core(model, ByteTokenizer(), bundle_dir, T=2, verbose=False)
+    core = evaluate_core(model, ByteTokenizer(), bundle_dir, T=2)
     batches = val_batches_for_test()
     loss, bpb = evaluate_bpb(model, ByteTokenizer(), batches[rank::2], T=2)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"core": core["accuracy"], "loss": loss, "bpb": bpb}))
@@ -308,7 +308,7 @@ def val_batches_for_test():
 @pytest.mark.slow
 def test_one_rank_equals_two_ranks(bundle, tmp_path):
     model = tiny_parcae()
-    core = evaluate_core(model, ByteTokenizer(), bundle, T=2, verbose=False)
+    core = evaluate_core(model, ByteTokenizer(), bundle, T=2)
     loss, bpb = evaluate_bpb(model, ByteTokenizer(), val_batches_for_test(), T=2)
     mp.start_processes(two_rank_worker, args=(free_port(), str(bundle), str(tmp_path)), nprocs=2,
                        start_method="forkserver")  # forked from the server conftest started
