@@ -98,8 +98,9 @@ def train_command(corpus, *flags, nproc=1, torchrun=None, fault=None):
     return launcher + script + [f"--data={corpus / 'corpus.txt'}", *TINY, *flags]
 
 
-# The environment the session began with: a background thread's commands see it, not what a running test has set.
-SESSION_ENV = dict(os.environ)
+# The environment as the first test starts: a background thread's commands see it, not what a running test has set.
+# It is taken after collection, whose imports set variables too (inductor's cache folder), as the fork server's is.
+SESSION_ENV = {}
 
 
 def environment():
@@ -326,6 +327,7 @@ def fork_server(request, tmp_path_factory):
     """The fork server imports torch while the first tests run, where a slow test will need it. Then the jobs of the
     selected tests start, two at a time on two threads, each given a folder of its own: they run while the tests
     before theirs do."""
+    SESSION_ENV.update((key, value) for key, value in os.environ.items() if key != "PYTEST_CURRENT_TEST")
     warming = "NANOPARCAE_TESTS_WARMING" in os.environ  # compile_cache's: a server only if a test starts a process
     if not warming and any(item.get_closest_marker("slow") for item in request.session.items):
         start_fork_server()
