@@ -40,7 +40,7 @@ TINY = ["--depth=3", "--d_model=64", "--head_dim=32", "--mu_rec=3", "--vocab_siz
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: starts a process, runs torchrun or trains more than a few steps")
+    config.addinivalue_line("markers", "slow: starts a process, runs torchrun, compiles, trains more than a few steps or fits a law")
     config.addinivalue_line("markers", "beforehand(job): job(folder) starts as the session starts (awaited)")
 
 

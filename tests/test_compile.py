@@ -79,6 +79,7 @@ def assert_compiled_equals_eager(eager, compiled, autocast, rtol, atol):
         torch.testing.assert_close(got, want, rtol=rtol, atol=max(atol, 8e-3 * 2 ** -5))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("injection", ["diagonal", "none"])
 def test_compiled_regions_equal_eager(injection):
     """dynamo's graphs and autograd's compiled backward (aot_eager), in float32: loss, gradients, one step."""
@@ -104,6 +105,7 @@ def counting_backend(calls):
     return backend
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("injection", ["diagonal", "none"])
 def test_a_step_calls_its_regions_and_new_depths_never_recompile_after_warm_up(injection):
     """Per sequence, the loop step runs on the rows still looping: a dynamic row count, one row included.
@@ -134,6 +136,7 @@ def test_a_step_calls_its_regions_and_new_depths_never_recompile_after_warm_up(i
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
+@pytest.mark.slow
 def test_evals_and_decoding_run_on_a_compiled_model():
     """evaluate_bpb compiles graphs of its own and training after it none; decoding runs eagerly, the same tokens."""
     eager, compiled = small_pair(backend="eager")

@@ -334,8 +334,8 @@ def train_fake_parcae(compile_backend=None, steps=5):
     return model, opt, graphs
 
 
-@pytest.mark.parametrize("backend", ["eager",
-                                     pytest.param("inductor", marks=[pytest.mark.slow, beforehand(compile_cache)])])
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=beforehand(compile_cache))])
 def test_compiled_updates_equal_the_plain_ones(backend, monkeypatch):
     plain_model, plain, _ = train_fake_parcae()
     compiled_model, compiled, graphs = train_fake_parcae(backend)

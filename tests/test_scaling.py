@@ -57,6 +57,7 @@ def synthetic_unified(rng, mus=(2, 3, 4, 6, 8), Ds=(1e8, 3e8, 1e9, 3e9), Ts=(1, 
     return mu, D, T, clean * (1 + 1e-3 * rng.standard_normal(clean.size))
 
 
+@pytest.mark.slow  # fits the law from 18 starts
 def test_unified_law_recovers_its_parameters_and_predicts_held_out_models():
     mu, D, T, L = synthetic_unified(np.random.default_rng(1))
     train, held = D < 3e9, D == 3e9  # the largest data budget is held out, as fit_unified_law does with C
@@ -303,6 +304,7 @@ def fake_runs(sweep):
             json.dumps({"step": p["steps"], "T": sweep["T"], "loss": curve}))
 
 
+@pytest.mark.slow  # fits the law from 18 starts
 def test_fit_notes_missing_and_diverged_runs_measures_the_seed_spread_and_draws_the_figures(tmp_path, monkeypatch,
                                                                                            capsys):
     in_base(tmp_path, monkeypatch)
