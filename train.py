@@ -250,7 +250,8 @@ def main(argv=None):
         # --- the tokenizer (global rank 0 trains it on first use) and the loaders
         tokenizer = get_tokenizer(args.data, args.vocab_size) if rank == 0 else None
         agreement.wait_for_rank0()
-        tokenizer = tokenizer or get_tokenizer(args.data, args.vocab_size, train=False)  # None: not here
+        # The other ranks load what rank 0 trained; None when there is none
+        tokenizer = tokenizer or get_tokenizer(args.data, args.vocab_size, train=False)
         agreement.share(tokenizer=f"tokenizer {tokenizer.digest}" if tokenizer else "no tokenizer",
                         shards=shards and f"training shards {spans(shards)}")
         if tokenizer is None:

@@ -40,7 +40,8 @@ TINY = ["--depth=3", "--d_model=64", "--head_dim=32", "--mu_rec=3", "--vocab_siz
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: starts a process, runs torchrun, compiles, trains more than a few steps or fits a law")
+    config.addinivalue_line(
+        "markers", "slow: starts a process, runs torchrun, compiles, trains more than a few steps or fits a law")
     config.addinivalue_line("markers", "beforehand(job): job(folder) starts as the session starts (awaited)")
 
 
@@ -170,7 +171,7 @@ def _inherited(dup):
 
 
 class _ForkedWorker:
-    """torchrun's worker `python -u *args`, forked from the server as Started's commands are: what torchrun reads of
+    """torchrun's worker `python [-u] *args`, forked from the server as Started's commands are: what torchrun reads of
     its Popen (pid, poll, wait, returncode)."""
 
     def __init__(self, args, env, stdout, stderr):
@@ -209,7 +210,7 @@ def _run_worker(args, env, cwd, out, err):
 
 
 def _fork_workers(server):
-    """In a launcher forked from the server: torchrun's `python -u ...` workers are forks of the server too, unless
+    """In a launcher forked from the server: torchrun's `python [-u] ...` workers are forks of the server too, unless
     their environment changes how torch imports (changes_torch)."""
     from multiprocessing import forkserver
     from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler import SubprocessHandler
@@ -218,9 +219,9 @@ def _fork_workers(server):
     popen = SubprocessHandler._popen
 
     def fork_or_popen(handler, args, env):
-        if tuple(args[:2]) != (sys.executable, "-u") or changes_torch(env, os.environ):  # os.environ: a fork's, as the server's
+        if args[0] != sys.executable or changes_torch(env, os.environ):  # os.environ: a fork's, as the server's
             return popen(handler, args, env)
-        return _ForkedWorker(list(args[2:]), env, handler._stdout, handler._stderr)
+        return _ForkedWorker(list(args[2:] if args[1] == "-u" else args[1:]), env, handler._stdout, handler._stderr)
 
     SubprocessHandler._popen = fork_or_popen
 

@@ -784,6 +784,7 @@ def test_an_allocation_a_process_limit_refuses_is_one_line_naming_it(tmp_path, m
         result = run_here(args, monkeypatch, capsys)
         assert result.returncode == status and len(result.stderr.strip().splitlines()) == 1, result.stderr
         assert carries(result.stderr, "Cannot allocate memory", "limit"), result.stderr
-        assert not any(word in result.stderr for word in ("delete", "truncated", "loadable", "not a nanoparcae")), result.stderr
+        words = ("delete", "truncated", "loadable", "not a nanoparcae")
+        assert not any(word in result.stderr for word in words), result.stderr
     monkeypatch.setattr(torch, "load", load)
     assert hub.load_pretrained(str(folder))[0] is not None and checkpoint.is_dir()

@@ -307,7 +307,8 @@ def test_non_finite_weights_are_refused_in_one_line_whatever_the_digest(tmp_path
         model.C_proj.weight[0, 0] = float("inf")
     with raises_naming(EnvironmentFailure, "wte.weight", "C_proj.weight"):
         save_checkpoint(path, model, step=8, tokenizer_dir=str(tokenizer_dir))
-    assert torch.load(path, weights_only=True)["step"] == 7 and sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+    assert torch.load(path, weights_only=True)["step"] == 7
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
 
     def signed_with_these_weights(ckpt):
         ckpt["model"] = {name: tensor.clone() for name, tensor in model.state_dict().items()}
@@ -455,7 +456,8 @@ def test_a_run_is_found_by_its_exact_name_never_as_a_pattern_or_a_file(tmp_path,
     assert load_run("x1")[2] == path
     tiny_checkpoint(run_dir("x.pt") / "ckpt_000007.pt", tokenizer_dir)
     monkeypatch.chdir(ROOT)
-    assert run_here(["sample.py", "--run=x.pt", "--prompt=a", "--max_new_tokens=2"], monkeypatch, capsys).returncode == 0
+    command = ["sample.py", "--run=x.pt", "--prompt=a", "--max_new_tokens=2"]
+    assert run_here(command, monkeypatch, capsys).returncode == 0
     message = refused(run_here(["eval_core.py", "--run=model.py", "--eval=bpb"], monkeypatch, capsys))
     assert carries(message, str(run_dir("model.py"))) and "not a nanoparcae checkpoint" not in message, message
 
