@@ -33,6 +33,9 @@ import pytest
 # One thread for torch and numpy in this process too, set before either is imported: the suite runs its commands and
 # jobs beside its tests, and threads waiting for a core another process holds spin.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Inductor's C++ kernels unvectorised: they stand in for a GPU's kernels (lowering, fusion, dynamic shapes, bf16),
+# not for the CPU's vector units, and build in two thirds of the time.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--depth=3", "--d_model=64", "--head_dim=32", "--mu_rec=3", "--vocab_size=320", "--seq_len=32",
         "--device_batch_size=4", "--total_batch_size=256", "--max_tokens=2048", "--eval_every=1000",
