@@ -39,11 +39,15 @@ def run_train(monkeypatch, capsys, *flags):
 
 @pytest.fixture
 def gpu_80gb(monkeypatch):
-    """torch.cuda as train.py sees it on one 80 GB GPU."""
+    """torch.cuda as train.py sees it on one 80 GB GPU. The matmul precision train.py sets for a GPU (TF32) is set
+    back after the test: it is part of the key of every graph inductor caches."""
+    precision = torch.backends.cuda.matmul.fp32_precision
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Faked GPU 80GB")
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (79e9, 80e9))
+    yield
+    torch.backends.cuda.matmul.fp32_precision = precision
 
 
 def paper_1p3b():
