@@ -48,6 +48,7 @@ PEER = re.compile(r"\[([^]\s]+)\]:(\d+)")
 def run_command(main, argv=None):
     """Run main(argv) and exit with its status; a refusal is one line on stderr from local rank 0, anything else keeps
     its traceback. Every rank closes its process group first, so no rank aborts on the way out."""
+    status = None
     try:
         status = main(argv) or 0
     except KeyboardInterrupt:
@@ -69,6 +70,8 @@ def run_command(main, argv=None):
             time.sleep(2)
     finally:
         if dist.is_initialized():
+            if status == 0:  # ranks that ended well meet first: none closes a pair its peer still reads
+                dist.barrier()
             dist.destroy_process_group()
     sys.exit(status)
 
