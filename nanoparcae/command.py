@@ -70,7 +70,7 @@ def run_command(main, argv=None):
             time.sleep(2)
     finally:
         if dist.is_initialized():
-            if status == 0:  # ranks that ended well meet first: none closes a pair its peer still reads
+            if status == 0:  # ranks that ended well meet first, so none closes a pair its peer reads
                 dist.barrier()
             dist.destroy_process_group()
     sys.exit(status)
