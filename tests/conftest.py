@@ -34,7 +34,7 @@ import pytest
 # jobs beside its tests, and threads waiting for a core another process holds spin.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Inductor's C++ kernels unvectorised: they stand in for a GPU's kernels (lowering, fusion, dynamic shapes, bf16),
-# not for the CPU's vector units, and build in two thirds of the time.
+# not for the CPU's vector units, and build in three quarters of the time.
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--depth=3", "--d_model=64", "--head_dim=32", "--mu_rec=3", "--vocab_size=320", "--seq_len=32",
