@@ -45,7 +45,9 @@ def init_distributed(device, timeout=timedelta(minutes=10), rank0_timeout=timede
     if device.type == "cuda":
         device = torch.device("cuda", local_rank())
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
+    # NCCL's group is bound to this rank's GPU, so its collectives never guess a device
+    cuda = device.type == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout, device_id=device if cuda else None)
     # A gloo group beside NCCL's waits on the CPU, where NCCL's watchdog sees no pending op to time out
     RANK0_GROUP = dist.new_group(backend="gloo", timeout=rank0_timeout)
     return device

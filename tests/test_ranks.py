@@ -286,3 +286,21 @@ def test_a_rank_whose_peer_died_stops_in_one_line_naming_it_and_the_command_that
     stderr = (tmp_path / "stderr").read_text()
     assert (tmp_path / "status").read_text() == "1" and len(stderr.strip().splitlines()) == 1, stderr[-3000:]
     assert carries(stderr, "127.0.0.1", "gone", "same command", "resumes"), stderr
+
+
+def test_a_gpu_rank_binds_its_nccl_group_to_its_own_gpu(monkeypatch):
+    """Under torchrun on GPUs, LOCAL_RANK picks the device and NCCL's group is bound to it; on a CPU gloo is not."""
+    from nanoparcae import ranks
+    calls = []
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kwargs: calls.append((backend, kwargs)))
+    monkeypatch.setattr(dist, "new_group", lambda **kwargs: None)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", device)))
+    monkeypatch.setattr(ranks, "RANK0_GROUP", None)
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert ranks.init_distributed(torch.device("cuda")) == torch.device("cuda", 1)
+    assert calls[0] == ("set_device", torch.device("cuda", 1))
+    assert calls[1][0] == "nccl" and calls[1][1]["device_id"] == torch.device("cuda", 1)
+    calls.clear()
+    assert ranks.init_distributed(torch.device("cpu")) == torch.device("cpu")
+    assert calls[0][0] == "gloo" and calls[0][1]["device_id"] is None
