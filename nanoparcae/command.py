@@ -3,6 +3,7 @@ A command's flags, and its one way to fail: library code raises, and run_command
 """
 
 import argparse
+import contextlib
 import math
 import os
 import re
@@ -71,7 +72,8 @@ def run_command(main, argv=None):
     finally:
         if dist.is_initialized():
             if status == 0:  # ranks that ended well meet first, so none closes a pair its peer reads
-                dist.barrier()
+                with contextlib.suppress(RuntimeError):  # a peer that failed says why itself
+                    dist.barrier()
             dist.destroy_process_group()
     sys.exit(status)
 

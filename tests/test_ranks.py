@@ -304,3 +304,31 @@ def test_a_gpu_rank_binds_its_nccl_group_to_its_own_gpu(monkeypatch):
     calls.clear()
     assert ranks.init_distributed(torch.device("cpu")) == torch.device("cpu")
     assert calls[0][0] == "gloo" and calls[0][1]["device_id"] is None
+
+
+def refuses_or_ends_well(rank, port, root):
+    """Rank 0 refuses after rank 1 has ended well and waits at run_command's closing barrier: each rank's stderr
+    and status go to root."""
+    torch.set_num_threads(1)
+    os.environ["LOCAL_RANK"] = str(rank)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    os.dup2(os.open(Path(root, f"stderr{rank}"), os.O_WRONLY | os.O_CREAT), 2)
+
+    def main(argv):
+        if rank == 0:
+            time.sleep(0.5)  # rank 1 is at the barrier by now
+            raise ValueError("--depth=0 is refused")
+        return 0
+    try:
+        command.run_command(main)
+    except SystemExit as stop:
+        Path(root, f"status{rank}").write_text(str(stop.code))
+
+
+@pytest.mark.slow
+def test_a_rank_that_ended_well_leaves_its_peers_refusal_the_one_line(tmp_path):
+    mp.start_processes(refuses_or_ends_well, args=(free_port(), str(tmp_path)), nprocs=2, start_method="forkserver")
+    assert [(tmp_path / f"status{rank}").read_text() for rank in range(2)] == ["2", "0"]
+    assert (tmp_path / "stderr0").read_text() == "error: --depth=0 is refused\n"
+    assert (tmp_path / "stderr1").read_text() == ""  # no traceback from the barrier its peer left
